@@ -1,0 +1,88 @@
+//! Subcommands and what they share: logging, progress bars, charts.
+
+mod chart;
+mod nvme;
+mod swap;
+
+use std::io::IsTerminal;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// strata: train models far larger than GPU memory by tiering tensors across
+/// device memory, pinned host RAM and NVMe.
+#[derive(Parser, Debug)]
+#[command(name = "strata", version, about, max_term_width = 100)]
+pub struct Cli {
+    /// Log level: error, warn, info, debug or trace (also STRATA_LOG).
+    #[arg(long, global = true, env = "STRATA_LOG", default_value = "info")]
+    pub log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Measure the hardware paths strata depends on.
+    #[command(subcommand)]
+    Bench(Bench),
+}
+
+#[derive(Subcommand, Debug)]
+enum Bench {
+    /// Sweep request size x queue depth x engine on a drive with O_DIRECT and
+    /// recommend a [storage] config.
+    Nvme(nvme::NvmeArgs),
+    /// A tensor through the swap store (checksums included) against the raw
+    /// engine, alternating rounds.
+    Swap(swap::SwapArgs),
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Bench(Bench::Nvme(args)) => nvme::run(args),
+        Command::Bench(Bench::Swap(args)) => swap::run(args),
+    }
+}
+
+/// Logs go to stderr through tracing, at the asked level.
+pub fn init_logging(level: &str) {
+    let filter: tracing_subscriber::filter::LevelFilter = level.parse().unwrap_or_else(|_| {
+        eprintln!("warning: unknown log level {level:?}; using info (choose error, warn, info, debug or trace)");
+        tracing_subscriber::filter::LevelFilter::INFO
+    });
+    tracing_subscriber::fmt()
+        .with_max_level(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal or the
+/// output is JSON.
+pub fn progress_bar(total: u64, json: bool, template: &str) -> ProgressBar {
+    if json || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(template)
+            .expect("valid progress template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// The median of some measurements.
+pub fn median(values: &mut [f64]) -> f64 {
+    assert!(!values.is_empty(), "median of nothing");
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}

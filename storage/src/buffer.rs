@@ -1,0 +1,245 @@
+//! Aligned host buffers for direct I/O, optionally page-locked.
+//!
+//! The runtime may hand in memory that something else allocated and pinned
+//! (CUDA host allocations) through [`AlignedBuf::from_raw_parts`]; storage
+//! treats both the same way.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::{Result, StorageError};
+use crate::size::ByteSize;
+
+/// Alignment that satisfies direct I/O on every device we know (and pages).
+pub const PAGE_BYTES: usize = 4096;
+
+/// How a buffer's memory is returned when it is dropped.
+enum Release {
+    Global(Layout),
+    Foreign(Box<dyn FnOnce(NonNull<u8>, usize) + Send + Sync>),
+}
+
+/// An owned, zero-initialised host buffer whose address and length are
+/// multiples of its alignment.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    align: usize,
+    locked: bool,
+    release: Option<Release>,
+}
+
+// SAFETY: AlignedBuf owns its memory exclusively (like Vec<u8>); access goes
+// through &self / &mut self.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references only give out &[u8].
+unsafe impl Sync for AlignedBuf {}
+
+static MEMLOCK_WARNED: AtomicBool = AtomicBool::new(false);
+
+impl AlignedBuf {
+    /// Allocates `len_bytes` (rounded up to `align`) of zeroed memory aligned to
+    /// `align` (a power of two, at least 512).
+    pub fn new(len_bytes: usize, align: usize) -> Result<Self> {
+        assert!(
+            align.is_power_of_two() && align >= 512,
+            "alignment {align} must be a power of two >= 512"
+        );
+        let len = len_bytes.max(1).div_ceil(align) * align;
+        let layout = Layout::from_size_align(len, align).map_err(|_| StorageError::HostAlloc {
+            len_bytes: len,
+            align_bytes: align,
+        })?;
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(StorageError::HostAlloc {
+            len_bytes: len,
+            align_bytes: align,
+        })?;
+        Ok(Self {
+            ptr,
+            len,
+            align,
+            locked: false,
+            release: Some(Release::Global(layout)),
+        })
+    }
+
+    /// Like [`AlignedBuf::new`], then page-locks the memory with mlock. If the
+    /// memlock limit refuses, logs one warning for the process naming the limit
+    /// and the fix, and returns the buffer unlocked.
+    pub fn new_locked(len_bytes: usize, align: usize) -> Result<Self> {
+        let mut buf = Self::new(len_bytes, align)?;
+        buf.try_lock();
+        Ok(buf)
+    }
+
+    /// Adopts memory allocated (and possibly pinned) elsewhere, such as a
+    /// CUDA host allocation.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, aligned to
+    /// `align`, exclusively owned by the returned buffer, and stay valid until
+    /// `release(ptr, len)` is called, which happens exactly once, on drop.
+    pub unsafe fn from_raw_parts(
+        ptr: NonNull<u8>,
+        len: usize,
+        align: usize,
+        page_locked: bool,
+        release: impl FnOnce(NonNull<u8>, usize) + Send + Sync + 'static,
+    ) -> Self {
+        assert!(align.is_power_of_two(), "alignment must be a power of two");
+        assert_eq!(
+            ptr.as_ptr() as usize % align,
+            0,
+            "pointer is not aligned to {align}"
+        );
+        assert_eq!(len % align, 0, "length {len} is not a multiple of {align}");
+        Self {
+            ptr,
+            len,
+            align,
+            locked: page_locked,
+            release: Some(Release::Foreign(Box::new(release))),
+        }
+    }
+
+    fn try_lock(&mut self) {
+        // SAFETY: the range is our own live allocation.
+        let rc = unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) };
+        if rc == 0 {
+            self.locked = true;
+            return;
+        }
+        let err = std::io::Error::last_os_error();
+        if !MEMLOCK_WARNED.swap(true, Ordering::Relaxed) {
+            let limit = match crate::sys::memlock_limit_bytes() {
+                Some(bytes) => ByteSize(bytes).to_string(),
+                None => "unlimited".to_string(),
+            };
+            tracing::warn!(
+                "could not page-lock {} of host memory ({err}); RLIMIT_MEMLOCK is {limit}. \
+                 Raise it with `ulimit -l unlimited` (or a memlock line in /etc/security/limits.conf, \
+                 or LimitMEMLOCK= for a systemd service). Continuing with unlocked memory: \
+                 correct, but pages may be swapped out and transfers slower.",
+                ByteSize(self.len as u64)
+            );
+        }
+    }
+
+    /// Length in bytes (a multiple of [`AlignedBuf::align`]).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: buffers hold at least one alignment unit.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Alignment of the address and the length.
+    pub fn align(&self) -> usize {
+        self.align
+    }
+
+    /// Whether the pages are locked in RAM.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// Start address.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Start address, writable.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised bytes (zeroed at allocation
+        // or guaranteed by from_raw_parts' contract) for the life of self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .field("align", &self.align)
+            .field("locked", &self.locked)
+            .finish()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        match self.release.take() {
+            Some(Release::Global(layout)) => {
+                if self.locked {
+                    // SAFETY: the range is our own allocation, locked by us.
+                    unsafe { libc::munlock(self.ptr.as_ptr().cast(), self.len) };
+                }
+                // SAFETY: allocated with this exact layout in `new`.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+            }
+            Some(Release::Foreign(release)) => release(self.ptr, self.len),
+            None => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_and_rounded() {
+        let buf = AlignedBuf::new(5000, 4096).unwrap();
+        assert_eq!(buf.len(), 8192);
+        assert_eq!(buf.as_ptr() as usize % 4096, 0);
+        assert!(buf.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn locked_or_warned_never_fails() {
+        // Bigger than a default 8 MiB memlock limit: must still succeed.
+        let mut buf = AlignedBuf::new_locked(64 << 20, 4096).unwrap();
+        buf[0] = 7;
+        assert_eq!(buf[0], 7);
+    }
+
+    #[test]
+    fn foreign_memory_is_released_once() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicUsize;
+        let layout = Layout::from_size_align(8192, 4096).unwrap();
+        // SAFETY: non-zero layout.
+        let raw = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).unwrap();
+        let released = Arc::new(AtomicUsize::new(0));
+        let counter = released.clone();
+        let release = move |ptr: NonNull<u8>, _len: usize| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: allocated above with `layout`, released once.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) }
+        };
+        // SAFETY: we own `raw` (8192 bytes, 4096-aligned) and free it in release.
+        let buf = unsafe { AlignedBuf::from_raw_parts(raw, 8192, 4096, true, release) };
+        assert!(buf.is_locked());
+        drop(buf);
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+    }
+}

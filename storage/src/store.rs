@@ -1,0 +1,726 @@
+//! [`SwapStore`]: preallocated swap files in one or more directories, an
+//! extent allocator over them, striping, and a checksum per chunk kept in
+//! memory apart from the data.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::alloc::ExtentAllocator;
+use crate::buffer::AlignedBuf;
+use crate::config::StorageConfig;
+use crate::engine::{EngineKind, FaultRates};
+use crate::error::{Op, Result, StorageError};
+use crate::file::{IoFile, check_dir_writable};
+use crate::queue::Request;
+use crate::service::{
+    Batch, EngineFactory, IoService, Piece, PieceSink, ServiceConfig, Ticket, Verify,
+};
+use crate::size::{ByteSize, round_up};
+
+/// Name of the directory a store owns inside each swap directory.
+pub const OWNED_DIR: &str = "strata-swap";
+
+/// The checksum of one chunk (xxh3, 64 bits).
+pub fn checksum(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
+}
+
+static STORE_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// One swap file: locked while the store lives, deleted when it drops.
+struct SwapFile {
+    io: IoFile,
+}
+
+impl Drop for SwapFile {
+    fn drop(&mut self) {
+        if let Err(err) = std::fs::remove_file(&self.io.path) {
+            tracing::warn!(
+                "could not delete swap file {}: {err}",
+                self.io.path.display()
+            );
+        }
+        if let Some(dir) = self.io.path.parent() {
+            // Succeeds only once the last store using the directory is gone.
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Contents {
+    /// Never written, or the last write failed.
+    Empty,
+    /// The last write succeeded; checksums are current.
+    Valid,
+}
+
+struct ExtentMeta {
+    offset: u64,
+    len_bytes: u64,
+    checksums: Vec<u64>,
+    contents: Contents,
+    /// The transfer in flight and how many batches of it.
+    busy: Option<(Op, u32)>,
+    /// The handle was dropped while busy: free when the last batch ends.
+    dropped: bool,
+}
+
+/// Striping geometry: logical offset -> (file, file offset).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    files: u64,
+    stripe_bytes: u64,
+    block_bytes: u64,
+}
+
+impl Layout {
+    fn locate(&self, logical: u64) -> (u32, u64) {
+        let stripe = logical / self.stripe_bytes;
+        let file = (stripe % self.files) as u32;
+        let file_offset = (stripe / self.files) * self.stripe_bytes + logical % self.stripe_bytes;
+        (file, file_offset)
+    }
+
+    /// Calls `f(index, offset_in_extent, file, file_offset, len)` for each
+    /// chunk of the extent; chunks never cross a block or stripe boundary.
+    fn for_each_chunk(&self, offset: u64, len: u64, mut f: impl FnMut(usize, u64, u32, u64, u32)) {
+        let (mut at, end, mut index) = (offset, offset + len, 0);
+        while at < end {
+            let next = ((at / self.block_bytes) + 1) * self.block_bytes;
+            let chunk_end = next.min(end);
+            let (file, file_offset) = self.locate(at);
+            f(
+                index,
+                at - offset,
+                file,
+                file_offset,
+                (chunk_end - at) as u32,
+            );
+            index += 1;
+            at = chunk_end;
+        }
+    }
+
+    fn chunks(&self, offset: u64, len: u64) -> usize {
+        let mut count = 0;
+        self.for_each_chunk(offset, len, |_, _, _, _, _| count += 1);
+        count
+    }
+}
+
+struct Inner {
+    // Field order is drop order: the rings finish in-flight I/O and stop
+    // before the files they use are closed and deleted.
+    service: IoService,
+    files: Vec<SwapFile>,
+    layout: Layout,
+    align_bytes: u64,
+    extents_max: usize,
+    allocator: Mutex<ExtentAllocator>,
+    extents: Mutex<HashMap<u64, ExtentMeta>>,
+    next_id: AtomicU64,
+}
+
+/// A checksummed, striped swap space on one or more drives.
+///
+/// ```no_run
+/// use strata_storage::{AlignedBuf, StorageConfig, SwapStore};
+/// let store = SwapStore::open(&StorageConfig::default())?;
+/// let extent = store.allocate(1 << 20)?;
+/// let mut buf = AlignedBuf::new(1 << 20, store.align_bytes() as usize)?;
+/// buf.fill(7);
+/// store.write(&extent, &buf)?;
+/// store.read(&extent, &mut buf)?;
+/// # Ok::<(), strata_storage::StorageError>(())
+/// ```
+#[derive(Clone)]
+pub struct SwapStore {
+    inner: Arc<Inner>,
+}
+
+/// A region of the swap store. Freed when dropped (after any transfer in
+/// flight finishes); cannot be cloned, so it cannot be freed twice.
+pub struct Extent {
+    id: u64,
+    len_bytes: u64,
+    inner: Arc<Inner>,
+}
+
+impl Extent {
+    /// Stable id, used in error messages.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Length in bytes (a multiple of the store's alignment).
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+}
+
+impl std::fmt::Debug for Extent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Extent")
+            .field("id", &self.id)
+            .field("len_bytes", &self.len_bytes)
+            .finish()
+    }
+}
+
+impl Drop for Extent {
+    fn drop(&mut self) {
+        self.inner.release(self.id);
+    }
+}
+
+impl SwapStore {
+    /// Creates the swap files, preallocated, and starts the rings.
+    pub fn open(config: &StorageConfig) -> Result<Self> {
+        Self::open_with(config, None)
+    }
+
+    /// Like [`SwapStore::open`] with each ring's engine wrapped in a seeded
+    /// [`crate::FaultEngine`], for tests and simulations.
+    pub fn open_faulty(config: &StorageConfig, rates: FaultRates, seed: u64) -> Result<Self> {
+        let wrap: EngineFactory = Arc::new(move |ring, engine| {
+            Box::new(crate::FaultEngine::new(
+                engine,
+                rates,
+                seed.wrapping_add(ring as u64),
+            ))
+        });
+        Self::open_with(config, Some(wrap))
+    }
+
+    fn open_with(config: &StorageConfig, wrap: Option<EngineFactory>) -> Result<Self> {
+        config.validate()?;
+        let engine = config.engine.resolve()?;
+        let dirs = config.dirs.len() as u64;
+        let file_bytes = round_up(config.capacity.0.div_ceil(dirs), config.stripe_size.0);
+        let seq = STORE_SEQ.fetch_add(1, Ordering::Relaxed);
+        let mut files = Vec::with_capacity(config.dirs.len());
+        for (index, dir) in config.dirs.iter().enumerate() {
+            let owned = prepare_dir(dir)?;
+            let path = owned.join(format!("swap-{}-{seq}-{index}.bin", std::process::id()));
+            files.push(create_swap_file(&path, dir, file_bytes)?);
+        }
+        let align_bytes = files.iter().map(|f| f.io.align_bytes).max().unwrap_or(4096);
+        for (what, value) in [
+            ("block_size", config.block_size.0),
+            ("stripe_size", config.stripe_size.0),
+        ] {
+            if value % align_bytes != 0 {
+                return Err(StorageError::Misaligned {
+                    what,
+                    value,
+                    align_bytes,
+                });
+            }
+        }
+        let fds: Vec<i32> = files.iter().map(|f| f.io.fd()).collect();
+        let paths: Vec<PathBuf> = files.iter().map(|f| f.io.path.clone()).collect();
+        let service_config = ServiceConfig {
+            engine,
+            rings: config.rings,
+            queue_depth: config.queue_depth,
+            retries_max: config.retries_max,
+        };
+        let service = IoService::start(&service_config, &fds, &paths, wrap)?;
+        tracing::info!(
+            "swap store: {} in {} file(s), engine {engine}, {} ring(s) x depth {}, block {}, stripe {}, alignment {align_bytes}",
+            ByteSize(file_bytes * dirs),
+            files.len(),
+            config.rings,
+            config.queue_depth,
+            config.block_size,
+            config.stripe_size,
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                service,
+                files,
+                layout: Layout {
+                    files: dirs,
+                    stripe_bytes: config.stripe_size.0,
+                    block_bytes: config.block_size.0,
+                },
+                align_bytes,
+                extents_max: config.extents_max,
+                allocator: Mutex::new(ExtentAllocator::new(file_bytes * dirs, align_bytes)),
+                extents: Mutex::new(HashMap::new()),
+                next_id: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// Direct-I/O alignment every buffer address and extent length respects.
+    pub fn align_bytes(&self) -> u64 {
+        self.inner.align_bytes
+    }
+
+    /// Capacity over all files.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.inner
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .capacity_bytes()
+    }
+
+    /// Bytes not allocated to any extent.
+    pub fn free_bytes(&self) -> u64 {
+        self.inner
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .free_bytes()
+    }
+
+    /// The engine the rings run.
+    pub fn engine(&self) -> EngineKind {
+        self.inner.service.kind()
+    }
+
+    /// Whether every swap file uses direct I/O (false: buffered fallback).
+    pub fn is_direct(&self) -> bool {
+        self.inner.files.iter().all(|f| f.io.direct)
+    }
+
+    /// Paths of the swap files.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.inner.files.iter().map(|f| f.io.path.clone()).collect()
+    }
+
+    /// Reserves an extent of at least `len_bytes` (rounded up to the alignment).
+    pub fn allocate(&self, len_bytes: u64) -> Result<Extent> {
+        let inner = &self.inner;
+        let mut extents = inner.extents.lock().expect("extents lock");
+        if extents.len() >= inner.extents_max {
+            return Err(StorageError::Config {
+                key: "extents_max",
+                value: inner.extents_max.to_string(),
+                fix: "every extent is in use: free some or raise extents_max".into(),
+            });
+        }
+        let (offset, len) = inner
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .allocate(len_bytes)?;
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let chunks = inner.layout.chunks(offset, len);
+        extents.insert(
+            id,
+            ExtentMeta {
+                offset,
+                len_bytes: len,
+                checksums: vec![0; chunks],
+                contents: Contents::Empty,
+                busy: None,
+                dropped: false,
+            },
+        );
+        Ok(Extent {
+            id,
+            len_bytes: len,
+            inner: inner.clone(),
+        })
+    }
+
+    /// Writes the first `extent.len_bytes()` of `data` to the extent and
+    /// records its checksums. Blocks until done; call from plain threads.
+    pub fn write(&self, extent: &Extent, data: &AlignedBuf) -> Result<()> {
+        let ptr = data.as_ptr().cast_mut();
+        // SAFETY: `transfer` waits for every piece before returning, even on
+        // unwind (its guard), so `data` outlives the I/O; writes only read it.
+        unsafe { self.transfer(extent, Op::Write, ptr, data.len(), ()) }.1
+    }
+
+    /// Reads the extent into `buf`, verifying every chunk's checksum. Blocks
+    /// until done; call from plain threads.
+    pub fn read(&self, extent: &Extent, buf: &mut AlignedBuf) -> Result<()> {
+        let ptr = buf.as_mut_ptr();
+        // SAFETY: as in `write`; `&mut` gives the reads exclusive access.
+        unsafe { self.transfer(extent, Op::Read, ptr, buf.len(), ()) }.1
+    }
+
+    /// Starts writing `buf` to the extent and returns at once; the ticket
+    /// hands the buffer back with the result.
+    pub fn write_start(&self, extent: &Extent, buf: AlignedBuf) -> Ticket<AlignedBuf> {
+        self.start(extent, Op::Write, buf)
+    }
+
+    /// Starts reading the extent into `buf` and returns at once.
+    pub fn read_start(&self, extent: &Extent, buf: AlignedBuf) -> Ticket<AlignedBuf> {
+        self.start(extent, Op::Read, buf)
+    }
+
+    /// Async write: waits for queue room and completion without blocking a thread.
+    pub async fn write_async(&self, extent: &Extent, buf: AlignedBuf) -> (AlignedBuf, Result<()>) {
+        self.run_async(extent, Op::Write, buf).await
+    }
+
+    /// Async read, verifying checksums.
+    pub async fn read_async(&self, extent: &Extent, buf: AlignedBuf) -> (AlignedBuf, Result<()>) {
+        self.run_async(extent, Op::Read, buf).await
+    }
+
+    fn start(&self, extent: &Extent, op: Op, mut buf: AlignedBuf) -> Ticket<AlignedBuf> {
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+        let prepared = self.prepare(extent, op, ptr, len, buf);
+        let (batch, ticket, pieces) = match prepared {
+            Ok(prepared) => prepared,
+            Err((buf, err)) => return failed_ticket(buf, err),
+        };
+        let mut guard = SendGuard {
+            batch,
+            sent: 0,
+            total: pieces.len(),
+            wait: false,
+        };
+        for (index, piece) in pieces.into_iter().enumerate() {
+            self.stamp(extent.id, op, index, &piece);
+            self.inner.service.send_blocking(piece);
+            guard.sent += 1;
+        }
+        ticket
+    }
+
+    async fn run_async(
+        &self,
+        extent: &Extent,
+        op: Op,
+        mut buf: AlignedBuf,
+    ) -> (AlignedBuf, Result<()>) {
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+        let (batch, ticket, pieces) = match self.prepare(extent, op, ptr, len, buf) {
+            Ok(prepared) => prepared,
+            Err((buf, err)) => return (buf, Err(err)),
+        };
+        // If this future is dropped mid-way, the guard fails the unsent pieces
+        // so the batch still finishes; the buffer lives in the batch meanwhile.
+        let mut guard = SendGuard {
+            batch,
+            sent: 0,
+            total: pieces.len(),
+            wait: false,
+        };
+        for (index, piece) in pieces.into_iter().enumerate() {
+            self.stamp(extent.id, op, index, &piece);
+            self.inner.service.send_async(piece).await;
+            guard.sent += 1;
+        }
+        drop(guard);
+        ticket.await
+    }
+
+    /// # Safety
+    /// `ptr..ptr+len` must be valid (writable for reads) until this returns;
+    /// it returns only after every submitted piece has completed.
+    unsafe fn transfer<T: Send + 'static>(
+        &self,
+        extent: &Extent,
+        op: Op,
+        ptr: *mut u8,
+        len: usize,
+        payload: T,
+    ) -> (T, Result<()>) {
+        let (batch, ticket, pieces) = match self.prepare(extent, op, ptr, len, payload) {
+            Ok(prepared) => prepared,
+            Err((payload, err)) => return (payload, Err(err)),
+        };
+        let mut guard = SendGuard {
+            batch,
+            sent: 0,
+            total: pieces.len(),
+            wait: true,
+        };
+        for (index, piece) in pieces.into_iter().enumerate() {
+            self.stamp(extent.id, op, index, &piece);
+            self.inner.service.send_blocking(piece);
+            guard.sent += 1;
+        }
+        drop(guard);
+        ticket.wait()
+    }
+
+    /// Records the checksum of a write piece, just before it is sent, so that
+    /// hashing chunk i+1 overlaps the transfer of chunk i.
+    fn stamp(&self, id: u64, op: Op, index: usize, piece: &Piece) {
+        if op != Op::Write {
+            return;
+        }
+        // SAFETY: the piece's memory is valid (the caller's obligation) and a
+        // write only reads it; nothing writes it while the transfer is busy.
+        let data =
+            unsafe { std::slice::from_raw_parts(piece.request.ptr, piece.request.len as usize) };
+        let sum = checksum(data);
+        let mut extents = self.inner.extents.lock().expect("extents lock");
+        extents
+            .get_mut(&id)
+            .expect("busy extent has metadata")
+            .checksums[index] = sum;
+    }
+
+    /// Checks the extent's state, marks it busy and
+    /// builds the pieces. Pieces point into `ptr`, which must be kept valid by
+    /// the caller (directly or through `payload`).
+    #[allow(clippy::type_complexity)]
+    fn prepare<T: Send + 'static>(
+        &self,
+        extent: &Extent,
+        op: Op,
+        ptr: *mut u8,
+        buffer_bytes: usize,
+        payload: T,
+    ) -> std::result::Result<(Arc<Batch<T>>, Ticket<T>, Vec<Piece>), (T, StorageError)> {
+        assert!(
+            Arc::ptr_eq(&extent.inner, &self.inner),
+            "extent belongs to another store"
+        );
+        if (buffer_bytes as u64) < extent.len_bytes {
+            let err = StorageError::BufferTooSmall {
+                extent: extent.id,
+                extent_bytes: extent.len_bytes,
+                buffer_bytes: buffer_bytes as u64,
+            };
+            return Err((payload, err));
+        }
+        if !(ptr as u64).is_multiple_of(self.inner.align_bytes) {
+            let err = StorageError::Misaligned {
+                what: "buffer address",
+                value: ptr as u64,
+                align_bytes: self.inner.align_bytes,
+            };
+            return Err((payload, err));
+        }
+        let mut extents = self.inner.extents.lock().expect("extents lock");
+        let meta = extents
+            .get_mut(&extent.id)
+            .expect("live extent has metadata");
+        if let Err(err) = begin(meta, extent.id, op) {
+            return Err((payload, err));
+        }
+        let layout = self.inner.layout;
+        let weak = Arc::downgrade(&self.inner);
+        let id = extent.id;
+        let hook = Box::new(move |succeeded: bool| finish_transfer(&weak, id, op, succeeded));
+        let chunks = meta.checksums.len();
+        let (batch, ticket) = IoService::batch(chunks, payload, Some(hook));
+        let sink: Arc<dyn PieceSink> = batch.clone();
+        let mut pieces = Vec::with_capacity(chunks);
+        layout.for_each_chunk(
+            meta.offset,
+            meta.len_bytes,
+            |index, at, file, file_offset, len| {
+                // SAFETY: `at + len <= extent length <= buffer length`, checked above.
+                let chunk_ptr = unsafe { ptr.add(at as usize) };
+                let verify = match op {
+                    // Write checksums are stamped just before each piece is sent.
+                    Op::Write => None,
+                    Op::Read => Some(Verify {
+                        extent: id,
+                        offset: at,
+                        expected: meta.checksums[index],
+                    }),
+                };
+                let request = Request {
+                    op,
+                    file,
+                    offset: file_offset,
+                    ptr: chunk_ptr,
+                    len,
+                    tag: 0,
+                };
+                pieces.push(Piece {
+                    request,
+                    verify,
+                    sink: sink.clone(),
+                });
+            },
+        );
+        Ok((batch, ticket, pieces))
+    }
+}
+
+fn failed_ticket(buf: AlignedBuf, err: StorageError) -> Ticket<AlignedBuf> {
+    let (batch, ticket) = IoService::batch(1, buf, None);
+    batch.piece_done(Err(err));
+    ticket
+}
+
+/// Marks an extent busy for `op`, or says why it cannot be.
+fn begin(meta: &mut ExtentMeta, id: u64, op: Op) -> Result<()> {
+    match (op, meta.busy) {
+        (_, Some((busy_with, _))) if busy_with != op || op == Op::Write => {
+            return Err(StorageError::ExtentBusy {
+                extent: id,
+                busy_with,
+                requested: op,
+            });
+        }
+        (Op::Read, _) if meta.contents != Contents::Valid => {
+            return Err(StorageError::ExtentNotWritten { extent: id });
+        }
+        _ => {}
+    }
+    meta.busy = Some(match meta.busy {
+        Some((busy_op, count)) => (busy_op, count + 1),
+        None => (op, 1),
+    });
+    if op == Op::Write {
+        // Until this write succeeds the old checksums no longer describe the data.
+        meta.contents = Contents::Empty;
+    }
+    Ok(())
+}
+
+/// Runs when a transfer's last piece finishes.
+fn finish_transfer(inner: &Weak<Inner>, id: u64, op: Op, succeeded: bool) {
+    let Some(inner) = inner.upgrade() else { return };
+    let mut extents = inner.extents.lock().expect("extents lock");
+    let meta = extents.get_mut(&id).expect("busy extent has metadata");
+    if op == Op::Write && succeeded {
+        meta.contents = Contents::Valid;
+    }
+    meta.busy = match meta.busy {
+        Some((busy_op, count)) if count > 1 => Some((busy_op, count - 1)),
+        _ => None,
+    };
+    if meta.busy.is_none() && meta.dropped {
+        let meta = extents.remove(&id).expect("present");
+        inner
+            .allocator
+            .lock()
+            .expect("allocator lock")
+            .free(meta.offset, meta.len_bytes);
+    }
+}
+
+impl Inner {
+    fn release(&self, id: u64) {
+        let mut extents = self.extents.lock().expect("extents lock");
+        let meta = extents.get_mut(&id).expect("live extent has metadata");
+        if meta.busy.is_some() {
+            meta.dropped = true;
+            return;
+        }
+        let meta = extents.remove(&id).expect("present");
+        self.allocator
+            .lock()
+            .expect("allocator lock")
+            .free(meta.offset, meta.len_bytes);
+    }
+}
+
+/// Makes sure a batch finishes even if submission stops part-way (a panic,
+/// or an async caller dropping the future): unsent pieces are failed, and
+/// with `wait` the guard blocks until the sent ones complete.
+struct SendGuard<T: Send> {
+    batch: Arc<Batch<T>>,
+    sent: usize,
+    total: usize,
+    wait: bool,
+}
+
+impl<T: Send> Drop for SendGuard<T> {
+    fn drop(&mut self) {
+        for _ in self.sent..self.total {
+            self.batch.piece_done(Err(StorageError::ServiceStopped));
+        }
+        if self.wait {
+            self.batch.wait_finished();
+        }
+    }
+}
+
+/// Creates `<dir>/strata-swap` (mode 0700) and removes swap files that a
+/// crashed run left there (their lock is free).
+fn prepare_dir(dir: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    check_dir_writable(dir)?;
+    let owned = dir.join(OWNED_DIR);
+    match std::fs::DirBuilder::new().mode(0o700).create(&owned) {
+        Ok(()) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(err) => {
+            return Err(StorageError::NotWritable {
+                path: owned,
+                cause: err,
+            });
+        }
+    }
+    let entries = std::fs::read_dir(&owned).map_err(|err| StorageError::NotWritable {
+        path: owned.clone(),
+        cause: err,
+    })?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with("swap-") && name.ends_with(".bin")) {
+            continue;
+        }
+        let Ok(file) = std::fs::OpenOptions::new().read(true).open(&path) else {
+            continue;
+        };
+        if crate::sys::try_lock_exclusive(&file).unwrap_or(false) {
+            let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
+            std::fs::remove_file(&path).map_err(|err| StorageError::NotWritable {
+                path: path.clone(),
+                cause: err,
+            })?;
+            tracing::info!(
+                "removed stale swap file {} ({}) left by a run that did not exit cleanly",
+                path.display(),
+                ByteSize(bytes)
+            );
+        }
+    }
+    Ok(owned)
+}
+
+fn create_swap_file(path: &Path, dir: &Path, file_bytes: u64) -> Result<SwapFile> {
+    let available = crate::sys::available_bytes(dir).map_err(|cause| StorageError::Os {
+        what: "statvfs",
+        path: dir.to_path_buf(),
+        cause,
+    })?;
+    if available < file_bytes {
+        return Err(StorageError::NoSpace {
+            path: dir.to_path_buf(),
+            needed_bytes: file_bytes,
+            available_bytes: available,
+        });
+    }
+    let io = IoFile::open(path, true)?;
+    let file = SwapFile { io };
+    if !crate::sys::try_lock_exclusive(&file.io.file).map_err(|cause| StorageError::Os {
+        what: "flock",
+        path: path.to_path_buf(),
+        cause,
+    })? {
+        panic!(
+            "a fresh swap file {} is locked by someone else",
+            path.display()
+        );
+    }
+    crate::sys::fallocate(&file.io.file, file_bytes).map_err(|cause| {
+        match cause.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => StorageError::NoSpace {
+                path: dir.to_path_buf(),
+                needed_bytes: file_bytes,
+                available_bytes: crate::sys::available_bytes(dir).unwrap_or(0),
+            },
+            _ => StorageError::Os {
+                what: "fallocate",
+                path: path.to_path_buf(),
+                cause,
+            },
+        }
+    })?;
+    Ok(file)
+}

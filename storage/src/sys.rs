@@ -1,0 +1,179 @@
+//! Thin, checked wrappers over the few Linux calls strata-storage needs.
+//! All FFI outside the aligned buffer and the io_uring engine lives here.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// Direct-I/O alignment as reported by the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DioAlign {
+    /// Required alignment of buffer addresses.
+    pub memory_bytes: u32,
+    /// Required alignment of file offsets and lengths.
+    pub offset_bytes: u32,
+}
+
+/// Asks statx(STATX_DIOALIGN) for the direct-I/O alignment of an open file.
+/// `Ok(None)` when the kernel or filesystem does not report it; `Ok(Some)` with
+/// zeros when the file does not support direct I/O at all.
+pub fn statx_dio_align(file: &File) -> io::Result<Option<DioAlign>> {
+    // SAFETY: statx is plain old data; all-zero is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let empty = c"";
+    // SAFETY: the fd is open for the lifetime of `file`, the path is a valid
+    // NUL-terminated string, and `stx` is a valid, writable statx buffer.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
+    if rc != 0 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(libc::ENOSYS) | Some(libc::EINVAL) => Ok(None),
+            _ => Err(err),
+        };
+    }
+    if stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return Ok(None);
+    }
+    Ok(Some(DioAlign {
+        memory_bytes: stx.stx_dio_mem_align,
+        offset_bytes: stx.stx_dio_offset_align,
+    }))
+}
+
+/// The logical block size of the block device holding `file`, from /sys.
+pub fn logical_block_size(file: &File) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = file.metadata().ok()?.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let base = format!("/sys/dev/block/{major}:{minor}");
+    // A partition has no queue/ of its own; its parent disk does.
+    for candidate in [
+        format!("{base}/queue/logical_block_size"),
+        format!("{base}/../queue/logical_block_size"),
+    ] {
+        if let Ok(text) = std::fs::read_to_string(&candidate)
+            && let Ok(size) = text.trim().parse::<u32>()
+            && size > 0
+        {
+            return Some(size);
+        }
+    }
+    None
+}
+
+/// Bytes an unprivileged user may still allocate on the filesystem of `path`.
+pub fn available_bytes(path: &Path) -> io::Result<u64> {
+    let stat = statvfs(path)?;
+    Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
+fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
+    let c_path = c_path(path)?;
+    // SAFETY: statvfs is plain old data; all-zero is a valid value.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c_path` is NUL-terminated and `stat` is a valid out-pointer.
+    let rc = unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(stat)
+}
+
+/// Filesystems that live in RAM, where "drive speed" would be memory speed.
+pub fn is_memory_filesystem(path: &Path) -> io::Result<bool> {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    let c_path = c_path(path)?;
+    // SAFETY: statfs is plain old data; all-zero is a valid value.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c_path` is NUL-terminated and `stat` is a valid out-pointer.
+    let rc = unsafe { libc::statfs(c_path.as_ptr(), &mut stat) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let magic = stat.f_type as i64;
+    Ok(magic == TMPFS_MAGIC || magic == RAMFS_MAGIC)
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+/// Reserves `len` bytes of disk for `file` (no sparse holes, ENOSPC now rather than mid-run).
+pub fn fallocate(file: &File, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall on an fd owned by `file`.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes an exclusive advisory lock without blocking; `Ok(false)` if another
+/// open file description holds it.
+pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    // SAFETY: plain syscall on an fd owned by `file`.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(err)
+    }
+}
+
+/// RLIMIT_MEMLOCK soft limit in bytes (`None` = unlimited).
+pub fn memlock_limit_bytes() -> Option<u64> {
+    // SAFETY: rlimit is plain old data; all-zero is a valid value.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: valid resource id and out-pointer.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+    if rc != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    Some(limit.rlim_cur)
+}
+
+/// One pread or pwrite: bytes moved, or the negated errno (the io_uring CQE convention).
+///
+/// # Safety
+/// `ptr..ptr+len` must be valid for reads (for a write) or writes (for a read)
+/// and not accessed by anything else until this returns.
+pub unsafe fn pread_or_pwrite(
+    fd: i32,
+    is_read: bool,
+    ptr: *mut u8,
+    len: usize,
+    offset: u64,
+) -> i32 {
+    // SAFETY: forwarded from this function's contract.
+    let rc = unsafe {
+        if is_read {
+            libc::pread(fd, ptr.cast(), len, offset as libc::off_t)
+        } else {
+            libc::pwrite(fd, ptr.cast(), len, offset as libc::off_t)
+        }
+    };
+    if rc < 0 {
+        -io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    } else {
+        rc as i32
+    }
+}
