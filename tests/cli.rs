@@ -16,7 +16,11 @@ fn tempdir() -> tempfile::TempDir {
 }
 
 fn stdout_json(output: &Output) -> serde_json::Value {
-    assert!(output.status.success(), "strata failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "strata failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     serde_json::from_slice(&output.stdout).expect("stdout is one JSON object")
 }
 
@@ -25,12 +29,29 @@ fn bench_nvme_json_contract_tiny() {
     let dir = tempdir();
     let d = dir.path().to_str().unwrap();
     let output = strata(&[
-        "bench", "nvme", "--dir", d, "--size", "8MiB", "--block-size", "1MiB", "--queue-depth", "4",
-        "--rw", "both", "--engine", "all", "--json",
+        "bench",
+        "nvme",
+        "--dir",
+        d,
+        "--size",
+        "8MiB",
+        "--block-size",
+        "1MiB",
+        "--queue-depth",
+        "4",
+        "--rw",
+        "both",
+        "--engine",
+        "all",
+        "--json",
     ]);
     let report = stdout_json(&output);
     let results = report["results"].as_array().unwrap();
-    let engines = if strata_storage::probe_uring().is_ok() { 2 } else { 1 };
+    let engines = if strata_storage::probe_uring().is_ok() {
+        2
+    } else {
+        1
+    };
     assert_eq!(results.len(), 2 * engines);
     for row in results {
         assert!(["read", "write"].contains(&row["rw"].as_str().unwrap()));
@@ -42,7 +63,10 @@ fn bench_nvme_json_contract_tiny() {
     }
     assert!(report["best"]["read_bw_bytes"].as_f64().unwrap() > 0.0);
     assert!(report["best"]["write_bw_bytes"].as_f64().unwrap() > 0.0);
-    assert!(!dir.path().join("strata-bench.dat").exists(), "test file left behind");
+    assert!(
+        !dir.path().join("strata-bench.dat").exists(),
+        "test file left behind"
+    );
 }
 
 #[test]
@@ -51,14 +75,36 @@ fn bench_nvme_table_recommendation_and_chart_tiny() {
     let d = dir.path().to_str().unwrap();
     let chart = dir.path().join("sweep.svg");
     let output = strata(&[
-        "bench", "nvme", "--dir", d, "--size", "4MiB", "--block-size", "128KiB,1MiB", "--queue-depth", "1,4",
-        "--engine", "threads", "--plot", chart.to_str().unwrap(),
+        "bench",
+        "nvme",
+        "--dir",
+        d,
+        "--size",
+        "4MiB",
+        "--block-size",
+        "128KiB,1MiB",
+        "--queue-depth",
+        "1,4",
+        "--engine",
+        "threads",
+        "--plot",
+        chart.to_str().unwrap(),
     ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let text = String::from_utf8(output.stdout).unwrap();
-    assert!(text.contains("[storage]") && text.contains("engine = \"threads\""), "{text}");
+    assert!(
+        text.contains("[storage]") && text.contains("engine = \"threads\""),
+        "{text}"
+    );
     let svg = std::fs::read_to_string(&chart).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("GB/s"), "not a chart");
+    assert!(
+        svg.starts_with("<svg") && svg.contains("GB/s"),
+        "not a chart"
+    );
 }
 
 #[test]
@@ -67,10 +113,40 @@ fn bench_nvme_bad_input_gets_one_line_naming_the_fix() {
     let d = dir.path().to_str().unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["--dir", "/no/such/strata/dir"], "does not exist"),
-        (vec!["--dir", d, "--size", "1000000", "--block-size", "4096"], "multiple"),
-        (vec!["--dir", d, "--size", "1MiB", "--block-size", "1MiB", "--queue-depth", "0"], "out of range"),
-        (vec!["--dir", d, "--size", "1000TiB", "--block-size", "1MiB"], "free"),
-        (vec!["--dir", d, "--size", "4MiB", "--block-size", "1MiB", "--plot", "x.png"], ".svg"),
+        (
+            vec!["--dir", d, "--size", "1000000", "--block-size", "4096"],
+            "multiple",
+        ),
+        (
+            vec![
+                "--dir",
+                d,
+                "--size",
+                "1MiB",
+                "--block-size",
+                "1MiB",
+                "--queue-depth",
+                "0",
+            ],
+            "out of range",
+        ),
+        (
+            vec!["--dir", d, "--size", "1000TiB", "--block-size", "1MiB"],
+            "free",
+        ),
+        (
+            vec![
+                "--dir",
+                d,
+                "--size",
+                "4MiB",
+                "--block-size",
+                "1MiB",
+                "--plot",
+                "x.png",
+            ],
+            ".svg",
+        ),
     ];
     for (args, expected) in cases {
         let mut full = vec!["bench", "nvme"];
@@ -79,10 +155,23 @@ fn bench_nvme_bad_input_gets_one_line_naming_the_fix() {
         assert!(!output.status.success(), "{args:?} succeeded");
         let stderr = String::from_utf8_lossy(&output.stderr);
         let last = stderr.trim_end().lines().last().unwrap_or_default();
-        assert!(last.starts_with("error: ") && last.contains(expected), "{args:?}: {stderr}");
+        assert!(
+            last.starts_with("error: ") && last.contains(expected),
+            "{args:?}: {stderr}"
+        );
     }
-    if strata_storage::sys::is_memory_filesystem(std::path::Path::new("/dev/shm")).unwrap_or(false) {
-        let output = strata(&["bench", "nvme", "--dir", "/dev/shm", "--size", "1MiB", "--block-size", "1MiB"]);
+    if strata_storage::sys::is_memory_filesystem(std::path::Path::new("/dev/shm")).unwrap_or(false)
+    {
+        let output = strata(&[
+            "bench",
+            "nvme",
+            "--dir",
+            "/dev/shm",
+            "--size",
+            "1MiB",
+            "--block-size",
+            "1MiB",
+        ]);
         assert!(String::from_utf8_lossy(&output.stderr).contains("memory speed"));
     } else {
         println!("skipped: tmpfs refusal (/dev/shm is not tmpfs here)");
@@ -93,11 +182,27 @@ fn bench_nvme_bad_input_gets_one_line_naming_the_fix() {
 fn bench_swap_tiny() {
     let dir = tempdir();
     let output = strata(&[
-        "bench", "swap", "--dir", dir.path().to_str().unwrap(), "--size", "8MiB", "--block-size", "1MiB",
-        "--queue-depth", "4", "--rounds", "1", "--json",
+        "bench",
+        "swap",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--size",
+        "8MiB",
+        "--block-size",
+        "1MiB",
+        "--queue-depth",
+        "4",
+        "--rounds",
+        "1",
+        "--json",
     ]);
     let report = stdout_json(&output);
-    for key in ["write_ratio", "read_ratio", "raw_read_bw_bytes", "store_read_bw_bytes"] {
+    for key in [
+        "write_ratio",
+        "read_ratio",
+        "raw_read_bw_bytes",
+        "store_read_bw_bytes",
+    ] {
         assert!(report[key].as_f64().unwrap() > 0.0, "{key}: {report}");
     }
 }
@@ -110,7 +215,10 @@ fn fio_comparison_script_tiny() {
     }
     let dir = tempdir();
     let output = Command::new("bash")
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/nvme_vs_fio.sh"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/nvme_vs_fio.sh"
+        ))
         .arg(dir.path())
         .env("STRATA", env!("CARGO_BIN_EXE_strata"))
         .env("SIZE", (8u64 << 20).to_string())
@@ -118,6 +226,67 @@ fn fio_comparison_script_tiny() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{text}{}", String::from_utf8_lossy(&output.stderr));
-    assert_eq!(text.lines().filter(|l| l.starts_with("1048576") || l.starts_with("131072")).count(), 4, "{text}");
+    assert!(
+        output.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("1048576") || l.starts_with("131072"))
+            .count(),
+        4,
+        "{text}"
+    );
+}
+
+#[test]
+fn low_memlock_limit_warns_once_and_still_measures() {
+    // Root ignores RLIMIT_MEMLOCK through CAP_IPC_LOCK, so drop it first.
+    let probe = Command::new("setpriv")
+        .args([
+            "--bounding-set",
+            "-ipc_lock",
+            "--",
+            "prlimit",
+            "--memlock=65536:65536",
+            "true",
+        ])
+        .output();
+    if !probe.map(|o| o.status.success()).unwrap_or(false) {
+        println!("skipped: low-memlock run (setpriv/prlimit cannot drop CAP_IPC_LOCK here)");
+        return;
+    }
+    let dir = tempdir();
+    let output = Command::new("setpriv")
+        .args([
+            "--bounding-set",
+            "-ipc_lock",
+            "--",
+            "prlimit",
+            "--memlock=65536:65536",
+            env!("CARGO_BIN_EXE_strata"),
+        ])
+        .args([
+            "bench",
+            "nvme",
+            "--dir",
+            dir.path().to_str().unwrap(),
+            "--size",
+            "8MiB",
+            "--block-size",
+            "1MiB",
+        ])
+        .args(["--queue-depth", "4", "--rw", "both", "--json"])
+        .env("STRATA_LOG", "info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let report = stdout_json(&output);
+    assert_eq!(report["results"].as_array().unwrap().len() % 2, 0);
+    assert_eq!(stderr.matches("could not page-lock").count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("RLIMIT_MEMLOCK is 64KiB") && stderr.contains("ulimit -l"),
+        "{stderr}"
+    );
 }

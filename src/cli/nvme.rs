@@ -27,15 +27,16 @@ enum EngineChoice {
     All,
 }
 
-/// Options of `strata bench nvme`. Every list option sweeps its values.
+/// Options of `strata bench nvme`. Every option that takes a list sweeps it.
 #[derive(Args, Debug)]
 pub struct NvmeArgs {
-    /// Directory on the drive to measure (default: ./strata-nvme-bench, created and removed).
-    #[arg(long)]
-    dir: Option<PathBuf>,
-    /// Size of the test file; every point moves all of it.
-    #[arg(long, default_value = "1GiB")]
-    size: ByteSize,
+    /// Directories on the drives to measure, one test file each (default:
+    /// ./strata-nvme-bench, created and removed).
+    #[arg(long, value_delimiter = ',')]
+    dir: Vec<PathBuf>,
+    /// Sizes of the test file; every point moves all of it.
+    #[arg(long, value_delimiter = ',', default_value = "1GiB")]
+    size: Vec<ByteSize>,
     /// Request sizes.
     #[arg(long, value_delimiter = ',', default_value = "128KiB,1MiB,8MiB")]
     block_size: Vec<ByteSize>,
@@ -57,7 +58,7 @@ pub struct NvmeArgs {
     /// Draw the sweep (GB/s against queue depth) as an SVG chart.
     #[arg(long)]
     plot: Option<PathBuf>,
-    /// Keep the laid-out test file for the next run.
+    /// Keep the laid-out test files for the next run.
     #[arg(long)]
     keep: bool,
 }
@@ -70,6 +71,8 @@ struct Latency {
 
 #[derive(Serialize)]
 struct ResultRow {
+    dir: PathBuf,
+    size: u64,
     rw: Op,
     engine: EngineKind,
     block_size: u64,
@@ -92,10 +95,15 @@ struct Best {
 
 #[derive(Serialize)]
 struct Report {
-    dir: PathBuf,
-    size: u64,
     results: Vec<ResultRow>,
     best: Best,
+}
+
+/// One point, with the drive and file size it was measured on.
+struct Measured {
+    dir: PathBuf,
+    size: u64,
+    point: PointResult,
 }
 
 fn specs(args: &NvmeArgs) -> anyhow::Result<Vec<PointSpec>> {
@@ -175,71 +183,83 @@ fn dedup<T: PartialEq + Copy>(items: &mut Vec<T>) {
 /// Runs the sweep and prints the table (or JSON) and the recommendation.
 pub fn run(args: NvmeArgs) -> anyhow::Result<()> {
     let specs = specs(&args)?;
-    if args.size.0 == 0 {
-        bail!("--size must be positive (e.g. 1GiB)");
-    }
-    for block in &args.block_size {
-        if block.0 == 0 || !args.size.0.is_multiple_of(block.0) {
-            bail!(
-                "--size {} is not a multiple of --block-size {block}: use a size that is",
-                args.size
-            );
+    for size in &args.size {
+        if size.0 == 0 {
+            bail!("--size must be positive (e.g. 1GiB)");
+        }
+        for block in &args.block_size {
+            if block.0 == 0 || size.0 % block.0 != 0 {
+                bail!(
+                    "--size {size} is not a multiple of --block-size {block}: use a size that is"
+                );
+            }
         }
     }
-    let (dir, created) = match &args.dir {
-        Some(dir) => (dir.clone(), false),
-        None => {
-            let dir = PathBuf::from(DEFAULT_DIR);
-            let created = !dir.exists();
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            (dir, created)
-        }
+    let (dirs, created) = if args.dir.is_empty() {
+        let dir = PathBuf::from(DEFAULT_DIR);
+        let created = !dir.exists();
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        (vec![dir], created)
+    } else {
+        (args.dir.clone(), false)
     };
+    let per_dir: u64 = args
+        .size
+        .iter()
+        .map(|s| s.0 * (specs.len() as u64 + 1))
+        .sum();
     let bar = super::progress_bar(
-        args.size.0 * (specs.len() as u64 + 1),
+        per_dir * dirs.len() as u64,
         args.json,
-        "{msg:28} [{bar:32}] {bytes}/{total_bytes} {binary_bytes_per_sec}",
+        "{msg:36} [{bar:32}] {bytes}/{total_bytes} {binary_bytes_per_sec}",
     );
-    bar.set_message("laying out the test file");
-    let file = TestFile::prepare(&dir, args.size.0)?;
-    bar.inc(args.size.0);
-    let mut results = Vec::with_capacity(specs.len());
-    for spec in &specs {
-        bar.set_message(format!(
-            "{} {} {} qd{}",
-            spec.op,
-            spec.engine,
-            ByteSize(spec.block_bytes),
-            spec.queue_depth
-        ));
-        let result = file.run(*spec, &mut |bytes| bar.inc(bytes))?;
-        tracing::debug!(?result, "point measured");
-        results.push(result);
+    let mut measured = Vec::with_capacity(specs.len() * dirs.len() * args.size.len());
+    for dir in &dirs {
+        for size in &args.size {
+            bar.set_message(format!("laying out {size} in {}", dir.display()));
+            let file = TestFile::prepare(dir, size.0)?;
+            bar.inc(size.0);
+            for spec in &specs {
+                let label = format!(
+                    "{} {} {} qd{}",
+                    spec.op,
+                    spec.engine,
+                    ByteSize(spec.block_bytes),
+                    spec.queue_depth
+                );
+                bar.set_message(label);
+                let point = file.run(*spec, &mut |bytes| bar.inc(bytes))?;
+                tracing::debug!(?point, "point measured");
+                measured.push(Measured {
+                    dir: dir.clone(),
+                    size: size.0,
+                    point,
+                });
+            }
+            if args.keep {
+                tracing::info!("kept the test file {}", file.path().display());
+            } else {
+                file.remove()?;
+            }
+        }
     }
     bar.finish_and_clear();
-    if args.keep {
-        tracing::info!("kept the test file {}", file.path().display());
-    } else {
-        file.remove()?;
-        if created {
-            let _ = std::fs::remove_dir(&dir);
-        }
+    if created && !args.keep {
+        let _ = std::fs::remove_dir(&dirs[0]);
     }
-    let best = best(&results).context("the sweep measured nothing")?;
+    let best = best(&measured).context("the sweep measured nothing")?;
     if let Some(path) = &args.plot {
-        plot(path, &dir, &results)?;
+        plot(path, &measured)?;
     }
     let report = Report {
-        dir: dir.clone(),
-        size: args.size.0,
-        results: results.iter().map(row).collect(),
+        results: measured.iter().map(row).collect(),
         best: best.clone(),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_table(&report);
-        print_recommendation(&dir, &best, results.len());
+        print_table(&report, dirs.len() > 1 || args.size.len() > 1);
+        print_recommendation(&dirs, &best, measured.len());
         if let Some(path) = &args.plot {
             println!("chart: {}", path.display());
         }
@@ -247,8 +267,11 @@ pub fn run(args: NvmeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn row(result: &PointResult) -> ResultRow {
+fn row(measured: &Measured) -> ResultRow {
+    let result = &measured.point;
     ResultRow {
+        dir: measured.dir.clone(),
+        size: measured.size,
         rw: result.spec.op,
         engine: result.spec.engine,
         block_size: result.spec.block_bytes,
@@ -264,25 +287,31 @@ fn row(result: &PointResult) -> ResultRow {
 }
 
 type ConfigKey = (EngineKind, u64, usize, usize);
+type ReadWrite = (Option<f64>, Option<f64>);
 
-/// The configuration with the best harmonic mean of read and write bandwidth;
-/// among those within 3% of it, the one pinning the least buffer memory.
-fn best(results: &[PointResult]) -> Option<Best> {
-    let mut configs: BTreeMap<ConfigKey, (Option<f64>, Option<f64>)> = BTreeMap::new();
-    for r in results {
-        let key = (
-            r.spec.engine,
-            r.spec.block_bytes,
-            r.spec.queue_depth,
-            r.spec.rings,
-        );
-        let entry = configs.entry(key).or_default();
-        match r.spec.op {
-            Op::Read => entry.0 = Some(r.bw_bytes),
-            Op::Write => entry.1 = Some(r.bw_bytes),
+fn lower(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The configuration with the best harmonic mean of read and write bandwidth
+/// on its slowest drive and size (a stripe runs at its slowest member's
+/// speed); among those within 3% of it, the one pinning the least buffer memory.
+fn best(measured: &[Measured]) -> Option<Best> {
+    let mut configs: BTreeMap<ConfigKey, ReadWrite> = BTreeMap::new();
+    for m in measured {
+        let spec = m.point.spec;
+        let entry = configs
+            .entry((spec.engine, spec.block_bytes, spec.queue_depth, spec.rings))
+            .or_default();
+        match spec.op {
+            Op::Read => entry.0 = lower(entry.0, Some(m.point.bw_bytes)),
+            Op::Write => entry.1 = lower(entry.1, Some(m.point.bw_bytes)),
         }
     }
-    let score = |(read, write): &(Option<f64>, Option<f64>)| match (read, write) {
+    let score = |(read, write): &ReadWrite| match (read, write) {
         (Some(r), Some(w)) => 2.0 / (1.0 / r + 1.0 / w),
         (Some(x), None) | (None, Some(x)) => *x,
         (None, None) => 0.0,
@@ -307,12 +336,22 @@ fn gbps(bytes_per_s: f64) -> String {
     format!("{:.2}", bytes_per_s / 1e9)
 }
 
-fn print_table(report: &Report) {
+fn print_table(report: &Report, show_file: bool) {
+    if show_file {
+        print!("{:<24} {:>7} ", "dir", "size");
+    }
     println!(
         "{:<6} {:<8} {:>7} {:>5} {:>5} {:>8} {:>9} {:>10} {:>10}",
         "rw", "engine", "block", "qd", "rings", "GB/s", "IOPS", "p50 us", "p99 us"
     );
     for row in &report.results {
+        if show_file {
+            print!(
+                "{:<24} {:>7} ",
+                row.dir.display().to_string(),
+                ByteSize(row.size).to_string()
+            );
+        }
         println!(
             "{:<6} {:<8} {:>7} {:>5} {:>5} {:>8} {:>9.0} {:>10.1} {:>10.1}",
             row.rw.to_string(),
@@ -328,43 +367,50 @@ fn print_table(report: &Report) {
     }
 }
 
-fn print_recommendation(dir: &std::path::Path, best: &Best, points: usize) {
+fn print_recommendation(dirs: &[PathBuf], best: &Best, points: usize) {
     let show =
         |bw: Option<f64>| bw.map_or("not measured".to_string(), |b| format!("{} GB/s", gbps(b)));
     println!();
     println!(
-        "Best of {points} points (within 3% of the fastest, least buffer memory): read {}, write {}.",
+        "Best of {points} points (within 3% of the fastest on the slowest drive, least buffer memory): read {}, write {}.",
         show(best.read_bw_bytes),
         show(best.write_bw_bytes)
     );
     println!("Paste into your strata config:");
     println!();
     println!("[storage]");
-    println!("dirs = [{:?}]", dir.display().to_string());
+    let dirs: Vec<String> = dirs
+        .iter()
+        .map(|d| format!("{:?}", d.display().to_string()))
+        .collect();
+    println!("dirs = [{}]", dirs.join(", "));
     println!("engine = \"{}\"", best.engine);
     println!("block_size = \"{}\"", ByteSize(best.block_size));
     println!("queue_depth = {}", best.queue_depth);
     println!("rings = {}", best.rings);
 }
 
-fn plot(
-    path: &std::path::Path,
-    dir: &std::path::Path,
-    results: &[PointResult],
-) -> anyhow::Result<()> {
+fn plot(path: &std::path::Path, measured: &[Measured]) -> anyhow::Result<()> {
+    let several = measured
+        .iter()
+        .any(|m| m.dir != measured[0].dir || m.size != measured[0].size);
     let mut lines: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    for r in results {
-        let name = format!(
+    for m in measured {
+        let spec = m.point.spec;
+        let mut name = format!(
             "{} {} {} x{}",
-            r.spec.op,
-            r.spec.engine,
-            ByteSize(r.spec.block_bytes),
-            r.spec.rings
+            spec.op,
+            spec.engine,
+            ByteSize(spec.block_bytes),
+            spec.rings
         );
+        if several {
+            name = format!("{name} {} {}", m.dir.display(), ByteSize(m.size));
+        }
         lines
             .entry(name)
             .or_default()
-            .push((r.spec.queue_depth as f64, r.bw_bytes / 1e9));
+            .push((spec.queue_depth as f64, m.point.bw_bytes / 1e9));
     }
     let series: Vec<Series> = lines
         .into_iter()
@@ -373,7 +419,14 @@ fn plot(
             Series { name, points }
         })
         .collect();
-    let title = format!("strata bench nvme: {}", dir.display());
+    let dirs: std::collections::BTreeSet<String> = measured
+        .iter()
+        .map(|m| m.dir.display().to_string())
+        .collect();
+    let title = format!(
+        "strata bench nvme: {}",
+        dirs.into_iter().collect::<Vec<_>>().join(", ")
+    );
     line_chart(
         path,
         &title,

@@ -241,9 +241,9 @@ impl TestFile {
         // Every ring reaches the barrier, even one whose setup failed.
         let setup = self.ring_setup(spec);
         barrier.wait();
-        // Buffers come first in the tuple, so they drop after the queue (and
+        // The pool comes first in the tuple, so it drops after the queue (and
         // after its drain).
-        let (_buffers, regions, mut queue) = setup?;
+        let (_pool, slots, mut queue) = setup?;
         let requests = len.div_ceil(spec.block_bytes);
         let mut latencies = Vec::with_capacity(requests as usize);
         let mut free: Vec<usize> = (0..spec.queue_depth).collect();
@@ -259,7 +259,7 @@ impl TestFile {
                     op: spec.op,
                     file: 0,
                     offset: base + offset,
-                    ptr: regions[slot].0,
+                    ptr: slots[slot],
                     len: bytes,
                     tag: slot as u64,
                 };
@@ -291,25 +291,23 @@ impl TestFile {
     }
 }
 
-type RingSetup = (Vec<AlignedBuf>, Vec<(*mut u8, usize)>, IoQueue);
+type RingSetup = (AlignedBuf, Vec<*mut u8>, IoQueue);
 
 impl TestFile {
     /// Buffers (locked, registered) and a queue for one bench ring.
     fn ring_setup(&self, spec: PointSpec) -> Result<RingSetup> {
         let block = spec.block_bytes as usize;
-        let mut buffers: Vec<AlignedBuf> = (0..spec.queue_depth)
-            .map(|i| {
-                let mut buf =
-                    AlignedBuf::new_locked(block, self.io.align_bytes.max(4096) as usize)?;
-                buf.iter_mut()
-                    .enumerate()
-                    .for_each(|(j, b)| *b = (j as u8) ^ (i as u8) ^ 0x5a);
-                Ok(buf)
-            })
-            .collect::<Result<_>>()?;
-        let regions: Vec<(*mut u8, usize)> = buffers
-            .iter_mut()
-            .map(|b| (b.as_mut_ptr(), b.len()))
+        // One contiguous, locked, registered region carved into a buffer per
+        // slot, as a pinned pool would be.
+        let mut pool = AlignedBuf::new_locked(
+            block * spec.queue_depth,
+            self.io.align_bytes.max(4096) as usize,
+        )?;
+        fill_random(&mut pool, spec.queue_depth as u64);
+        let base = pool.as_mut_ptr();
+        // SAFETY: slot i's buffer lies inside the pool (i < queue_depth).
+        let slots: Vec<*mut u8> = (0..spec.queue_depth)
+            .map(|i| unsafe { base.add(i * block) })
             .collect();
         let engine =
             engine::build(spec.engine, &[self.io.fd()], spec.queue_depth).map_err(|cause| {
@@ -324,10 +322,10 @@ impl TestFile {
             vec![self.io.path.clone()],
             crate::queue::RETRIES_MAX_DEFAULT,
         );
-        // SAFETY: the caller keeps the buffers alive longer than the queue
-        // (they come first in the returned tuple, so they drop last).
-        unsafe { queue.register_buffers(&regions) };
-        Ok((buffers, regions, queue))
+        // SAFETY: the caller keeps the pool alive longer than the queue (it
+        // comes first in the returned tuple, so it drops last).
+        unsafe { queue.register_buffers(&[(base, pool.len())]) };
+        Ok((pool, slots, queue))
     }
 }
 
@@ -336,6 +334,17 @@ struct RingOutcome {
     latencies_ns: Vec<u64>,
     started: Instant,
     ended: Instant,
+}
+
+/// Fills a buffer with seeded pseudo-random bytes. Patterned data would let a
+/// compressing or deduplicating layer under the drive (a VM host, a SAN)
+/// report speeds that real tensors never see; fio scrambles its buffers for
+/// the same reason.
+fn fill_random(buf: &mut [u8], seed: u64) {
+    let mut rng = crate::engine::SplitMix64(seed);
+    for chunk in buf.chunks_mut(8) {
+        chunk.copy_from_slice(&rng.next_u64().to_le_bytes()[..chunk.len()]);
+    }
 }
 
 fn layout_marker(path: &Path) -> PathBuf {
@@ -364,7 +373,8 @@ pub struct SwapRound {
 }
 
 /// Writes and reads one `size_bytes` tensor through the swap store and the
-/// same amount through the raw engine in `dir`, alternating, `rounds` times.
+/// same amount through the raw engine in `dir`, `rounds` times, alternating
+/// which goes first.
 pub fn swap_vs_raw(
     config: &StorageConfig,
     size_bytes: u64,
@@ -380,10 +390,7 @@ pub fn swap_vs_raw(
     })?;
     let extent = store.allocate(size_bytes)?;
     let mut tensor = AlignedBuf::new_locked(size_bytes as usize, store.align_bytes() as usize)?;
-    tensor
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, b)| *b = (i as u8).wrapping_mul(13));
+    fill_random(&mut tensor, 0x5717_a7a5);
     let spec = |op| PointSpec {
         op,
         engine,
@@ -392,15 +399,35 @@ pub fn swap_vs_raw(
         rings: config.rings,
     };
     let mut rounds_out = Vec::with_capacity(rounds);
+    let store_write = |tensor: &AlignedBuf| -> Result<f64> {
+        let started = Instant::now();
+        store.write(&extent, tensor)?;
+        Ok(size_bytes as f64 / started.elapsed().as_secs_f64())
+    };
+    let store_read = |tensor: &mut AlignedBuf| -> Result<f64> {
+        let started = Instant::now();
+        store.read(&extent, tensor)?;
+        Ok(size_bytes as f64 / started.elapsed().as_secs_f64())
+    };
     for round in 0..rounds {
-        let raw_write = raw.run(spec(Op::Write), &mut |_| {})?.bw_bytes;
-        let started = Instant::now();
-        store.write(&extent, &tensor)?;
-        let store_write = size_bytes as f64 / started.elapsed().as_secs_f64();
-        let raw_read = raw.run(spec(Op::Read), &mut |_| {})?.bw_bytes;
-        let started = Instant::now();
-        store.read(&extent, &mut tensor)?;
-        let store_read = size_bytes as f64 / started.elapsed().as_secs_f64();
+        // Alternate which side goes first: drives and host caches favour
+        // whatever was written last.
+        let (raw_write, store_write, raw_read, store_read) = if round % 2 == 0 {
+            let raw_write = raw.run(spec(Op::Write), &mut |_| {})?.bw_bytes;
+            let store_write = store_write(&tensor)?;
+            let raw_read = raw.run(spec(Op::Read), &mut |_| {})?.bw_bytes;
+            (raw_write, store_write, raw_read, store_read(&mut tensor)?)
+        } else {
+            let store_write = store_write(&tensor)?;
+            let raw_write = raw.run(spec(Op::Write), &mut |_| {})?.bw_bytes;
+            let store_read = store_read(&mut tensor)?;
+            (
+                raw_write,
+                store_write,
+                raw.run(spec(Op::Read), &mut |_| {})?.bw_bytes,
+                store_read,
+            )
+        };
         rounds_out.push(SwapRound {
             raw_write_bw_bytes: raw_write,
             raw_read_bw_bytes: raw_read,

@@ -322,15 +322,67 @@ impl Drop for IoService {
 }
 
 /// A ring thread: take pieces while there is room, submit, reap, report.
+/// Reaped slots are refilled and resubmitted before the reaped reads are
+/// verified, so the drive stays busy while the thread hashes.
 fn ring_loop(mut queue: IoQueue, mut receiver: mpsc::Receiver<Piece>) {
     let depth = queue.depth_max();
-    let mut pieces: Vec<Option<Piece>> = (0..depth).map(|_| None).collect();
-    let mut free: Vec<usize> = (0..depth).rev().collect();
+    let mut ring = RingSlots {
+        pieces: (0..depth).map(|_| None).collect(),
+        free: (0..depth).rev().collect(),
+        open: true,
+    };
     let mut done: Vec<Completion> = Vec::with_capacity(depth);
-    let mut open = true;
+    let mut finished: Vec<(Piece, Result<()>)> = Vec::with_capacity(depth);
     loop {
-        while open && !free.is_empty() {
-            let next = if queue.in_flight() == 0 {
+        ring.fill(&mut queue, &mut receiver, true);
+        if queue.in_flight() == 0 {
+            if ring.open {
+                continue;
+            }
+            return;
+        }
+        queue.submit_and_wait(1, &mut done);
+        loop {
+            for completion in done.drain(..) {
+                let slot = completion.tag as usize;
+                let piece = ring.pieces[slot]
+                    .take()
+                    .expect("completion for an empty slot");
+                ring.free.push(slot);
+                finished.push((piece, completion.result));
+            }
+            if ring.fill(&mut queue, &mut receiver, false) == 0 {
+                break;
+            }
+            queue.submit_and_wait(0, &mut done);
+        }
+        for (piece, result) in finished.drain(..) {
+            let result = result.and_then(|()| verify(&piece));
+            piece.sink.piece_done(result);
+        }
+    }
+}
+
+/// A ring's slots: the piece in each, and which are free.
+struct RingSlots {
+    pieces: Vec<Option<Piece>>,
+    free: Vec<usize>,
+    open: bool,
+}
+
+impl RingSlots {
+    /// Pushes queued pieces into free slots. With `may_block`, waits for a
+    /// piece when the ring is idle; never otherwise (finished pieces may still
+    /// be waiting to be reported). Returns how many were pushed.
+    fn fill(
+        &mut self,
+        queue: &mut IoQueue,
+        receiver: &mut mpsc::Receiver<Piece>,
+        may_block: bool,
+    ) -> usize {
+        let mut pushed = 0;
+        while self.open && !self.free.is_empty() {
+            let next = if may_block && queue.in_flight() == 0 {
                 receiver.blocking_recv()
             } else {
                 match receiver.try_recv() {
@@ -340,31 +392,19 @@ fn ring_loop(mut queue: IoQueue, mut receiver: mpsc::Receiver<Piece>) {
                 }
             };
             let Some(piece) = next else {
-                open = false;
+                self.open = false;
                 break;
             };
-            let slot = free.pop().expect("room checked");
+            let slot = self.free.pop().expect("room checked");
             let mut request = piece.request;
             request.tag = slot as u64;
             // SAFETY: the piece's builder guarantees its memory until the
             // batch finishes, which is after this completion.
             unsafe { queue.push(request) };
-            pieces[slot] = Some(piece);
+            self.pieces[slot] = Some(piece);
+            pushed += 1;
         }
-        if queue.in_flight() == 0 {
-            if open {
-                continue;
-            }
-            return;
-        }
-        queue.submit_and_wait(1, &mut done);
-        for completion in done.drain(..) {
-            let slot = completion.tag as usize;
-            let piece = pieces[slot].take().expect("completion for an empty slot");
-            free.push(slot);
-            let result = completion.result.and_then(|()| verify(&piece));
-            piece.sink.piece_done(result);
-        }
+        pushed
     }
 }
 

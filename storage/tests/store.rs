@@ -159,13 +159,33 @@ fn misuse_gets_errors_that_name_the_problem() {
         store.read(&extent, &mut small),
         Err(StorageError::BufferTooSmall { .. })
     ));
-    // A write in flight blocks a second write of the same extent.
-    let ticket = store.write_start(&extent, filled(1 << 20, 1));
-    if !ticket.is_done() {
-        let err = store.write(&extent, &filled(1 << 20, 2)).unwrap_err();
-        assert!(matches!(err, StorageError::ExtentBusy { .. }), "{err}");
+    // A write in flight blocks a second write of the same extent. Whether the
+    // first is still in flight is a race, so try until it is seen busy.
+    let second = filled(1 << 20, 2);
+    let mut seen_busy = false;
+    for attempt in 0..50 {
+        let ticket = store.write_start(&extent, filled(1 << 20, attempt));
+        match store.write(&extent, &second) {
+            Err(StorageError::ExtentBusy {
+                busy_with,
+                requested,
+                ..
+            }) => {
+                assert_eq!(
+                    (busy_with, requested),
+                    (strata_storage::Op::Write, strata_storage::Op::Write)
+                );
+                seen_busy = true;
+            }
+            Ok(()) => {}
+            Err(other) => panic!("unexpected {other}"),
+        }
+        ticket.wait().1.unwrap();
+        if seen_busy {
+            break;
+        }
     }
-    ticket.wait().1.unwrap();
+    assert!(seen_busy, "a write in flight never blocked a second write");
     match store.allocate(2 << 20) {
         Err(StorageError::OutOfSpace {
             needed_bytes,

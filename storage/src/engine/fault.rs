@@ -94,13 +94,13 @@ impl<E: RawEngine> FaultEngine<E> {
         if moved > 4096 && self.roll(self.rates.short) {
             self.counts.short += 1;
             let blocks = moved / 4096;
-            let kept = 1 + (self.rng.next() % u64::from(blocks - 1).max(1)) as u32;
+            let kept = 1 + (self.rng.next_u64() % u64::from(blocks - 1).max(1)) as u32;
             return (kept.min(blocks - 1).max(1) * 4096) as i32;
         }
         if req.op == Op::Read && moved > 0 && self.roll(self.rates.flip) {
             self.counts.flip += 1;
-            let byte = (self.rng.next() % u64::from(moved)) as usize;
-            let bit = self.rng.next() % 8;
+            let byte = (self.rng.next_u64() % u64::from(moved)) as usize;
+            let bit = self.rng.next_u64() % 8;
             // SAFETY: the read into ptr..ptr+moved has completed and the buffer
             // is still ours until this completion is returned (push's contract).
             unsafe { *req.ptr.add(byte) ^= 1 << bit };
@@ -150,7 +150,7 @@ pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
     /// Next 64 random bits.
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -160,6 +160,6 @@ impl SplitMix64 {
 
     /// Uniform in [0, 1).
     pub fn next_f64(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }

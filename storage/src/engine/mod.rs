@@ -6,7 +6,7 @@ mod fault;
 mod threads;
 mod uring;
 
-pub use fault::{FaultCounts, FaultEngine, FaultRates};
+pub use fault::{FaultCounts, FaultEngine, FaultRates, SplitMix64};
 pub use threads::ThreadEngine;
 pub use uring::UringEngine;
 

@@ -139,6 +139,11 @@ impl RawEngine for UringEngine {
                 true
             }
             Err(err) => {
+                static LOGGED: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    return false;
+                }
                 tracing::info!(
                     "io_uring: registering {} buffers failed ({err}; registered buffers count against RLIMIT_MEMLOCK); using plain reads and writes",
                     regions.len()
