@@ -140,6 +140,20 @@ impl TestFile {
         Ok(file)
     }
 
+    /// Opens an existing file that already holds `size_bytes` (a swap file),
+    /// without laying it out or ever deleting it.
+    pub fn over(path: &Path, size_bytes: u64) -> Result<Self> {
+        let io = IoFile::open(path, false)?;
+        if !io.direct {
+            return Err(StorageError::Config {
+                key: "dir",
+                value: path.display().to_string(),
+                fix: "its filesystem refuses O_DIRECT, so reads would come from the page cache: pass a directory on a filesystem that supports direct I/O".into(),
+            });
+        }
+        Ok(Self { io, size_bytes })
+    }
+
     /// Path of the test file.
     pub fn path(&self) -> &Path {
         &self.io.path
@@ -162,8 +176,39 @@ impl TestFile {
         })
     }
 
-    /// Measures one point over the whole file; `progress` gets bytes as they move.
+    /// Measures one point over the whole file, each ring cycling through its
+    /// own pool of `queue_depth` buffers (as fio does); `progress` gets bytes
+    /// as they move.
     pub fn run(&self, spec: PointSpec, progress: &mut dyn FnMut(u64)) -> Result<PointResult> {
+        self.run_with(spec, None, progress)
+    }
+
+    /// Measures one point moving the whole file to or from `memory` (file
+    /// offset i <-> memory offset i): the raw engine doing exactly what a
+    /// tensor transfer does, with no pool in between.
+    pub fn run_over(
+        &self,
+        spec: PointSpec,
+        memory: &mut AlignedBuf,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<PointResult> {
+        assert!(
+            memory.len() as u64 >= self.size_bytes,
+            "memory smaller than the file"
+        );
+        self.run_with(
+            spec,
+            Some(SendPtr(memory.as_mut_ptr(), memory.len())),
+            progress,
+        )
+    }
+
+    fn run_with(
+        &self,
+        spec: PointSpec,
+        memory: Option<SendPtr>,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<PointResult> {
         if !spec.block_bytes.is_multiple_of(self.io.align_bytes) {
             return Err(StorageError::Misaligned {
                 what: "block size",
@@ -192,7 +237,7 @@ impl TestFile {
                 .map(|ring| {
                     let (sender, barrier) = (sender.clone(), &barrier);
                     let range = (ring as u64 * slice_bytes, slice_bytes);
-                    scope.spawn(move || self.run_ring(spec, range, barrier, &sender))
+                    scope.spawn(move || self.run_ring(spec, range, memory, barrier, &sender))
                 })
                 .collect();
             drop(sender);
@@ -235,11 +280,12 @@ impl TestFile {
         &self,
         spec: PointSpec,
         (base, len): (u64, u64),
+        memory: Option<SendPtr>,
         barrier: &std::sync::Barrier,
         progress: &std::sync::mpsc::Sender<u64>,
     ) -> Result<RingOutcome> {
         // Every ring reaches the barrier, even one whose setup failed.
-        let setup = self.ring_setup(spec);
+        let setup = self.ring_setup(spec, memory);
         barrier.wait();
         // The pool comes first in the tuple, so it drops after the queue (and
         // after its drain).
@@ -255,11 +301,16 @@ impl TestFile {
                 let slot = free.pop().expect("a free buffer per free slot");
                 let offset = next * spec.block_bytes;
                 let bytes = spec.block_bytes.min(len - offset) as u32;
+                let ptr = match memory {
+                    // SAFETY: base + offset + bytes <= file size <= memory length.
+                    Some(SendPtr(start, _)) => unsafe { start.add((base + offset) as usize) },
+                    None => slots[slot],
+                };
                 let request = Request {
                     op: spec.op,
                     file: 0,
                     offset: base + offset,
-                    ptr: slots[slot],
+                    ptr,
                     len: bytes,
                     tag: slot as u64,
                 };
@@ -291,24 +342,20 @@ impl TestFile {
     }
 }
 
-type RingSetup = (AlignedBuf, Vec<*mut u8>, IoQueue);
+type RingSetup = (Option<AlignedBuf>, Vec<*mut u8>, IoQueue);
+
+/// Memory shared by the ring threads of one `run_over`: start and length.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8, usize);
+
+// SAFETY: each ring touches only its own disjoint slice of the memory, and
+// `run_over` holds the only `&mut` to it until every ring has finished.
+unsafe impl Send for SendPtr {}
 
 impl TestFile {
     /// Buffers (locked, registered) and a queue for one bench ring.
-    fn ring_setup(&self, spec: PointSpec) -> Result<RingSetup> {
+    fn ring_setup(&self, spec: PointSpec, memory: Option<SendPtr>) -> Result<RingSetup> {
         let block = spec.block_bytes as usize;
-        // One contiguous, locked, registered region carved into a buffer per
-        // slot, as a pinned pool would be.
-        let mut pool = AlignedBuf::new_locked(
-            block * spec.queue_depth,
-            self.io.align_bytes.max(4096) as usize,
-        )?;
-        fill_random(&mut pool, spec.queue_depth as u64);
-        let base = pool.as_mut_ptr();
-        // SAFETY: slot i's buffer lies inside the pool (i < queue_depth).
-        let slots: Vec<*mut u8> = (0..spec.queue_depth)
-            .map(|i| unsafe { base.add(i * block) })
-            .collect();
         let engine =
             engine::build(spec.engine, &[self.io.fd()], spec.queue_depth).map_err(|cause| {
                 StorageError::Os {
@@ -322,10 +369,28 @@ impl TestFile {
             vec![self.io.path.clone()],
             crate::queue::RETRIES_MAX_DEFAULT,
         );
+        if let Some(SendPtr(start, len)) = memory {
+            // SAFETY: `run_over` borrows the memory mutably until every ring
+            // thread (and so every queue, drained on drop) has finished.
+            unsafe { queue.register_buffers(&[(start, len)]) };
+            return Ok((None, Vec::new(), queue));
+        }
+        // One contiguous, locked, registered region carved into a buffer per
+        // slot, as a pinned pool would be.
+        let mut pool = AlignedBuf::new_locked(
+            block * spec.queue_depth,
+            self.io.align_bytes.max(4096) as usize,
+        )?;
+        fill_random(&mut pool, spec.queue_depth as u64);
+        let base = pool.as_mut_ptr();
+        // SAFETY: slot i's buffer lies inside the pool (i < queue_depth).
+        let slots: Vec<*mut u8> = (0..spec.queue_depth)
+            .map(|i| unsafe { base.add(i * block) })
+            .collect();
         // SAFETY: the caller keeps the pool alive longer than the queue (it
         // comes first in the returned tuple, so it drops last).
         unsafe { queue.register_buffers(&[(base, pool.len())]) };
-        Ok((pool, slots, queue))
+        Ok((Some(pool), slots, queue))
     }
 }
 
@@ -372,24 +437,51 @@ pub struct SwapRound {
     pub store_read_bw_bytes: f64,
 }
 
-/// Writes and reads one `size_bytes` tensor through the swap store and the
-/// same amount through the raw engine in `dir`, `rounds` times, alternating
-/// which goes first.
+/// Writes and reads one `size_bytes` tensor through the swap store, and the
+/// same tensor memory to the same blocks of the same swap file through the
+/// raw engine, `rounds` times.
+/// Each read follows its own side's write; which side goes first alternates,
+/// so drive and host caches treat both alike.
 pub fn swap_vs_raw(
     config: &StorageConfig,
     size_bytes: u64,
     rounds: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<SwapRound>> {
-    let dir = config.dirs.first().cloned().unwrap_or_default();
-    let raw = TestFile::prepare(&dir, size_bytes)?;
+    if config.dirs.len() != 1 {
+        return Err(StorageError::Config {
+            key: "dirs",
+            value: config.dirs.len().to_string(),
+            fix: "the swap bench measures one directory".into(),
+        });
+    }
+    let dir = &config.dirs[0];
+    crate::file::check_dir_writable(dir)?;
+    if crate::sys::is_memory_filesystem(dir).map_err(|cause| StorageError::Os {
+        what: "statfs",
+        path: dir.clone(),
+        cause,
+    })? {
+        return Err(StorageError::Config {
+            key: "dir",
+            value: dir.display().to_string(),
+            fix: "it is on tmpfs/ramfs (RAM), so the result would be memory speed: pass a directory on the drive to measure".into(),
+        });
+    }
     let engine = config.engine.resolve()?;
     let store = SwapStore::open(&StorageConfig {
         capacity: ByteSize(size_bytes),
         ..config.clone()
     })?;
     let extent = store.allocate(size_bytes)?;
-    let mut tensor = AlignedBuf::new_locked(size_bytes as usize, store.align_bytes() as usize)?;
+    assert_eq!(
+        store.logical_offset(&extent),
+        0,
+        "the first extent of a fresh store starts at 0"
+    );
+    let raw = TestFile::over(&store.paths()[0], size_bytes)?;
+    let mut tensor =
+        AlignedBuf::new_locked(size_bytes as usize, store.align_bytes().max(4096) as usize)?;
     fill_random(&mut tensor, 0x5717_a7a5);
     let spec = |op| PointSpec {
         op,
@@ -398,35 +490,29 @@ pub fn swap_vs_raw(
         queue_depth: config.queue_depth,
         rings: config.rings,
     };
-    let mut rounds_out = Vec::with_capacity(rounds);
-    let store_write = |tensor: &AlignedBuf| -> Result<f64> {
+    let raw_round = |tensor: &mut AlignedBuf| -> Result<(f64, f64)> {
+        let write = raw.run_over(spec(Op::Write), tensor, &mut |_| {})?.bw_bytes;
+        Ok((
+            write,
+            raw.run_over(spec(Op::Read), tensor, &mut |_| {})?.bw_bytes,
+        ))
+    };
+    let store_round = |tensor: &mut AlignedBuf| -> Result<(f64, f64)> {
         let started = Instant::now();
         store.write(&extent, tensor)?;
-        Ok(size_bytes as f64 / started.elapsed().as_secs_f64())
-    };
-    let store_read = |tensor: &mut AlignedBuf| -> Result<f64> {
+        let write = size_bytes as f64 / started.elapsed().as_secs_f64();
         let started = Instant::now();
         store.read(&extent, tensor)?;
-        Ok(size_bytes as f64 / started.elapsed().as_secs_f64())
+        Ok((write, size_bytes as f64 / started.elapsed().as_secs_f64()))
     };
+    let mut rounds_out = Vec::with_capacity(rounds);
     for round in 0..rounds {
-        // Alternate which side goes first: drives and host caches favour
-        // whatever was written last.
-        let (raw_write, store_write, raw_read, store_read) = if round % 2 == 0 {
-            let raw_write = raw.run(spec(Op::Write), &mut |_| {})?.bw_bytes;
-            let store_write = store_write(&tensor)?;
-            let raw_read = raw.run(spec(Op::Read), &mut |_| {})?.bw_bytes;
-            (raw_write, store_write, raw_read, store_read(&mut tensor)?)
+        let ((raw_write, raw_read), (store_write, store_read)) = if round % 2 == 0 {
+            let raw = raw_round(&mut tensor)?;
+            (raw, store_round(&mut tensor)?)
         } else {
-            let store_write = store_write(&tensor)?;
-            let raw_write = raw.run(spec(Op::Write), &mut |_| {})?.bw_bytes;
-            let store_read = store_read(&mut tensor)?;
-            (
-                raw_write,
-                store_write,
-                raw.run(spec(Op::Read), &mut |_| {})?.bw_bytes,
-                store_read,
-            )
+            let store = store_round(&mut tensor)?;
+            (raw_round(&mut tensor)?, store)
         };
         rounds_out.push(SwapRound {
             raw_write_bw_bytes: raw_write,
@@ -436,6 +522,6 @@ pub fn swap_vs_raw(
         });
         progress(round + 1);
     }
-    raw.remove()?;
+    drop(raw);
     Ok(rounds_out)
 }

@@ -294,6 +294,12 @@ impl SwapStore {
         self.inner.files.iter().map(|f| f.io.path.clone()).collect()
     }
 
+    /// Where an extent starts in the store's striped address space (for
+    /// benches that drive the raw engine over the same blocks).
+    pub(crate) fn logical_offset(&self, extent: &Extent) -> u64 {
+        self.inner.extents.lock().expect("extents lock")[&extent.id].offset
+    }
+
     /// Reserves an extent of at least `len_bytes` (rounded up to the alignment).
     pub fn allocate(&self, len_bytes: u64) -> Result<Extent> {
         let inner = &self.inner;
