@@ -381,18 +381,31 @@ impl SwapStore {
             Ok(prepared) => prepared,
             Err((buf, err)) => return failed_ticket(buf, err),
         };
+        self.send_all_blocking(extent.id, op, batch, pieces, false);
+        ticket
+    }
+
+    /// Stamps and sends every piece, blocking on backpressure; with `wait`,
+    /// returns only once all of them have completed (also when unwinding).
+    fn send_all_blocking<T: Send>(
+        &self,
+        id: u64,
+        op: Op,
+        batch: Arc<Batch<T>>,
+        pieces: Vec<Piece>,
+        wait: bool,
+    ) {
         let mut guard = SendGuard {
             batch,
             sent: 0,
             total: pieces.len(),
-            wait: false,
+            wait,
         };
         for (index, piece) in pieces.into_iter().enumerate() {
-            self.stamp(extent.id, op, index, &piece);
+            self.stamp(id, op, index, &piece);
             self.inner.service.send_blocking(piece);
             guard.sent += 1;
         }
-        ticket
     }
 
     async fn run_async(
@@ -438,18 +451,7 @@ impl SwapStore {
             Ok(prepared) => prepared,
             Err((payload, err)) => return (payload, Err(err)),
         };
-        let mut guard = SendGuard {
-            batch,
-            sent: 0,
-            total: pieces.len(),
-            wait: true,
-        };
-        for (index, piece) in pieces.into_iter().enumerate() {
-            self.stamp(extent.id, op, index, &piece);
-            self.inner.service.send_blocking(piece);
-            guard.sent += 1;
-        }
-        drop(guard);
+        self.send_all_blocking(extent.id, op, batch, pieces, true);
         ticket.wait()
     }
 
