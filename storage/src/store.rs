@@ -461,10 +461,10 @@ impl SwapStore {
         if op != Op::Write {
             return;
         }
+        let (ptr, len) = (piece.request.ptr, piece.request.len as usize);
         // SAFETY: the piece's memory is valid (the caller's obligation) and a
         // write only reads it; nothing writes it while the transfer is busy.
-        let data =
-            unsafe { std::slice::from_raw_parts(piece.request.ptr, piece.request.len as usize) };
+        let data = unsafe { std::slice::from_raw_parts(ptr, len) };
         let sum = checksum(data);
         let mut extents = self.inner.extents.lock().expect("extents lock");
         extents
