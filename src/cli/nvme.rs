@@ -21,7 +21,7 @@ enum RwChoice {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum EngineChoice {
+enum EngineSelect {
     Uring,
     Threads,
     All,
@@ -48,7 +48,7 @@ pub struct NvmeArgs {
     rw: Vec<RwChoice>,
     /// Engine: uring, threads or all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
-    engine: Vec<EngineChoice>,
+    engine: Vec<EngineSelect>,
     /// Rings (submitting threads), each over its own slice of the file.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     rings: Vec<usize>,
@@ -111,16 +111,16 @@ fn specs(args: &NvmeArgs) -> anyhow::Result<Vec<PointSpec>> {
     let mut engines = Vec::new();
     for choice in &args.engine {
         match (choice, &uring) {
-            (EngineChoice::Uring, Err(reason)) => bail!(
+            (EngineSelect::Uring, Err(reason)) => bail!(
                 "--engine uring: io_uring is unavailable here ({reason}); use --engine threads"
             ),
-            (EngineChoice::All, Err(reason)) => {
+            (EngineSelect::All, Err(reason)) => {
                 tracing::warn!("skipping the uring engine: {reason}");
                 engines.push(EngineKind::Threads);
             }
-            (EngineChoice::All, Ok(())) => engines.extend([EngineKind::Uring, EngineKind::Threads]),
-            (EngineChoice::Uring, Ok(())) => engines.push(EngineKind::Uring),
-            (EngineChoice::Threads, _) => engines.push(EngineKind::Threads),
+            (EngineSelect::All, Ok(())) => engines.extend([EngineKind::Uring, EngineKind::Threads]),
+            (EngineSelect::Uring, Ok(())) => engines.push(EngineKind::Uring),
+            (EngineSelect::Threads, _) => engines.push(EngineKind::Threads),
         }
     }
     let mut ops = Vec::new();

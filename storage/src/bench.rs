@@ -58,19 +58,7 @@ impl TestFile {
     /// Creates or reuses `dir/strata-bench.dat` of `size_bytes`. Refuses a
     /// filesystem in RAM or without O_DIRECT: it would report memory speed.
     pub fn prepare(dir: &Path, size_bytes: u64) -> Result<Self> {
-        crate::file::check_dir_writable(dir)?;
-        let ram = crate::sys::is_memory_filesystem(dir).map_err(|cause| StorageError::Os {
-            what: "statfs",
-            path: dir.to_path_buf(),
-            cause,
-        })?;
-        if ram {
-            return Err(StorageError::Config {
-                key: "dir",
-                value: dir.display().to_string(),
-                fix: "it is on tmpfs/ramfs (RAM), so the result would be memory speed: pass a directory on the drive to measure".into(),
-            });
-        }
+        refuse_memory_filesystem(dir)?;
         let path = dir.join("strata-bench.dat");
         let existing = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         let available = crate::sys::available_bytes(dir).map_err(|cause| StorageError::Os {
@@ -85,22 +73,13 @@ impl TestFile {
                 available_bytes: available,
             });
         }
-        let io = IoFile::open(&path, true)?;
-        if !io.direct {
-            return Err(StorageError::Config {
-                key: "dir",
-                value: dir.display().to_string(),
-                fix: "its filesystem refuses O_DIRECT, so reads would come from the page cache: pass a directory on a filesystem that supports direct I/O".into(),
+        let io = require_direct(IoFile::open(&path, true)?)?;
+        if !size_bytes.is_multiple_of(io.align_bytes) {
+            return Err(StorageError::Misaligned {
+                what: "size",
+                value: size_bytes,
+                align_bytes: io.align_bytes,
             });
-        }
-        for (what, value) in [("size", size_bytes)] {
-            if value % io.align_bytes != 0 {
-                return Err(StorageError::Misaligned {
-                    what,
-                    value,
-                    align_bytes: io.align_bytes,
-                });
-            }
         }
         let file = Self { io, size_bytes };
         if existing != size_bytes || !layout_marker(&path).exists() {
@@ -115,20 +94,17 @@ impl TestFile {
                 path: path.clone(),
                 cause,
             })?;
+            let engine = if engine::probe_uring().is_ok() {
+                EngineKind::Uring
+            } else {
+                EngineKind::Threads
+            };
             let layout = PointSpec {
                 op: Op::Write,
-                engine: EngineKind::Threads,
+                engine,
                 block_bytes: 1 << 20,
                 queue_depth: 16,
                 rings: 1,
-            };
-            let layout = PointSpec {
-                engine: if engine::probe_uring().is_ok() {
-                    EngineKind::Uring
-                } else {
-                    layout.engine
-                },
-                ..layout
             };
             file.run(layout, &mut |_| {})?;
             std::fs::write(layout_marker(&path), b"").map_err(|cause| StorageError::Os {
@@ -143,14 +119,7 @@ impl TestFile {
     /// Opens an existing file that already holds `size_bytes` (a swap file),
     /// without laying it out or ever deleting it.
     pub fn over(path: &Path, size_bytes: u64) -> Result<Self> {
-        let io = IoFile::open(path, false)?;
-        if !io.direct {
-            return Err(StorageError::Config {
-                key: "dir",
-                value: path.display().to_string(),
-                fix: "its filesystem refuses O_DIRECT, so reads would come from the page cache: pass a directory on a filesystem that supports direct I/O".into(),
-            });
-        }
+        let io = require_direct(IoFile::open(path, false)?)?;
         Ok(Self { io, size_bytes })
     }
 
@@ -401,6 +370,37 @@ struct RingOutcome {
     ended: Instant,
 }
 
+/// Checks that `dir` exists, is writable and is not in RAM, where "drive
+/// speed" would be memory speed.
+fn refuse_memory_filesystem(dir: &Path) -> Result<()> {
+    crate::file::check_dir_writable(dir)?;
+    let ram = crate::sys::is_memory_filesystem(dir).map_err(|cause| StorageError::Os {
+        what: "statfs",
+        path: dir.to_path_buf(),
+        cause,
+    })?;
+    if ram {
+        return Err(StorageError::Config {
+            key: "dir",
+            value: dir.display().to_string(),
+            fix: "it is on tmpfs/ramfs (RAM), so the result would be memory speed: pass a directory on the drive to measure".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a file without O_DIRECT: its reads would come from the page cache.
+fn require_direct(io: IoFile) -> Result<IoFile> {
+    if io.direct {
+        return Ok(io);
+    }
+    Err(StorageError::Config {
+        key: "dir",
+        value: io.path.display().to_string(),
+        fix: "its filesystem refuses O_DIRECT, so reads would come from the page cache: pass a directory on a filesystem that supports direct I/O".into(),
+    })
+}
+
 /// Fills a buffer with seeded pseudo-random bytes. Patterned data would let a
 /// compressing or deduplicating layer under the drive (a VM host, a SAN)
 /// report speeds that real tensors never see; fio scrambles its buffers for
@@ -456,18 +456,7 @@ pub fn swap_vs_raw(
         });
     }
     let dir = &config.dirs[0];
-    crate::file::check_dir_writable(dir)?;
-    if crate::sys::is_memory_filesystem(dir).map_err(|cause| StorageError::Os {
-        what: "statfs",
-        path: dir.clone(),
-        cause,
-    })? {
-        return Err(StorageError::Config {
-            key: "dir",
-            value: dir.display().to_string(),
-            fix: "it is on tmpfs/ramfs (RAM), so the result would be memory speed: pass a directory on the drive to measure".into(),
-        });
-    }
+    refuse_memory_filesystem(dir)?;
     let engine = config.engine.resolve()?;
     let store = SwapStore::open(&StorageConfig {
         capacity: ByteSize(size_bytes),

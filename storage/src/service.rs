@@ -206,6 +206,7 @@ impl IoService {
         );
         let mut senders = Vec::with_capacity(config.rings);
         let mut workers = Vec::with_capacity(config.rings);
+        let first_path = paths.first().cloned().unwrap_or_default();
         for ring in 0..config.rings {
             let (sender, receiver) = mpsc::channel::<Piece>(config.queue_depth * 2);
             let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
@@ -234,7 +235,7 @@ impl IoService {
                 })
                 .map_err(|err| StorageError::Os {
                     what: "spawning an I/O thread for",
-                    path: PathBuf::new(),
+                    path: first_path.clone(),
                     cause: err,
                 })?;
             ready_rx

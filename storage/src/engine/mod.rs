@@ -36,17 +36,6 @@ impl std::fmt::Display for EngineKind {
     }
 }
 
-impl std::str::FromStr for EngineKind {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "uring" | "io_uring" => Ok(EngineKind::Uring),
-            "threads" => Ok(EngineKind::Threads),
-            other => Err(format!("unknown engine {other:?}: use uring or threads")),
-        }
-    }
-}
-
 /// One transfer handed to an engine. `len` fits a u32 because the kernel caps
 /// a single read/write below 2 GiB.
 #[derive(Clone, Copy, Debug)]
