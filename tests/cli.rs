@@ -290,3 +290,192 @@ fn low_memlock_limit_warns_once_and_still_measures() {
         "{stderr}"
     );
 }
+
+#[test]
+fn bench_adam_json_contract_tiny() {
+    let output = strata(&[
+        "bench",
+        "adam",
+        "--params",
+        "4096,70000",
+        "--threads",
+        "1,all",
+        "--rounds",
+        "2",
+        "--round-ms",
+        "0",
+        "--json",
+    ]);
+    let report = stdout_json(&output);
+    let results = report["results"].as_array().unwrap();
+    for kernel in [
+        "adamw_fp32",
+        "offload_step_bf16",
+        "roofline_4r3w",
+        "lion_fp32",
+        "grad_norm_bf16",
+    ] {
+        let rows: Vec<_> = results.iter().filter(|r| r["kernel"] == kernel).collect();
+        assert!(rows.len() >= 2, "{kernel}: {report}");
+        for row in rows {
+            assert!(
+                [4096, 70000].contains(&row["params"].as_u64().unwrap()),
+                "{row}"
+            );
+            assert!(row["threads"].as_u64().unwrap() >= 1);
+            let params_per_s = row["params_per_s"].as_f64().unwrap();
+            assert!(
+                params_per_s > 0.0 && row["bytes_per_s"].as_f64().unwrap() > params_per_s,
+                "{row}"
+            );
+            assert!(row["roofline_fraction"].as_f64().unwrap() > 0.0, "{row}");
+        }
+    }
+}
+
+#[test]
+fn bench_adam_table_every_isa_and_chart_tiny() {
+    let dir = tempdir();
+    let chart = dir.path().join("adam.svg");
+    let output = strata(&[
+        "bench",
+        "adam",
+        "--params",
+        "1K,3000",
+        "--threads",
+        "2",
+        "--isa",
+        "all",
+        "--kernels",
+        "adamw_fp32,offload_step_fp16,roofline_4r3w",
+        "--rounds",
+        "1",
+        "--round-ms",
+        "0",
+        "--plot",
+        chart.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        text.contains("of roofline")
+            && text.contains("portable")
+            && text.contains("offload_step_fp16"),
+        "{text}"
+    );
+    assert!(std::fs::read_to_string(&chart).unwrap().contains("<svg"));
+}
+
+#[test]
+fn bench_adam_bad_input_gets_one_line_naming_the_fix() {
+    for (args, expected) in [
+        (vec!["--params", "lots"], "--params"),
+        (vec!["--params", "16G"], "lower --params"),
+        (vec!["--kernels", "adam"], "adamw_fp32"),
+        (vec!["--isa", "sse9"], "avx512bf16"),
+        (vec!["--threads", "0"], "--threads"),
+        (vec!["--rounds", "0"], "--rounds"),
+        (
+            vec![
+                "--params",
+                "1K",
+                "--round-ms",
+                "0",
+                "--rounds",
+                "1",
+                "--plot",
+                "x.png",
+            ],
+            ".svg",
+        ),
+    ] {
+        let mut full = vec!["bench", "adam"];
+        full.extend(&args);
+        let output = strata(&full);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    // A bad STRATA_ISA is named and ignored, not fatal.
+    let output = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "bench",
+            "adam",
+            "--params",
+            "1K",
+            "--rounds",
+            "1",
+            "--round-ms",
+            "0",
+            "--kernels",
+            "adamw_fp32",
+        ])
+        .env("STRATA_ISA", "sse9")
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("STRATA_ISA ignored"));
+}
+
+#[test]
+fn deepspeed_comparison_script_tiny() {
+    // The comparison needs torch and deepspeed, which CI does not install
+    // (gigabytes); point STRATA_COMPARE_PYTHON at an interpreter that has
+    // them to run it here.
+    let python = std::env::var("STRATA_COMPARE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python)
+        .args(["-c", "import torch, deepspeed"])
+        .output();
+    if !probe.is_ok_and(|p| p.status.success()) {
+        println!("skipped: benches/adam_vs_deepspeed.py ({python} lacks torch or deepspeed)");
+        return;
+    }
+    let mut path = std::path::PathBuf::from(&python);
+    path.pop();
+    let search_path = format!(
+        "{}:{}",
+        path.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let output = Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/adam_vs_deepspeed.py"
+        ))
+        .args([
+            "--strata",
+            env!("CARGO_BIN_EXE_strata"),
+            "--params",
+            "65536",
+            "--rounds",
+            "1",
+            "--reps",
+            "1",
+            "--json",
+        ])
+        .env("PATH", search_path)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8_lossy(&output.stdout);
+    let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    for key in [
+        "adamw_vs_roofline",
+        "adamw_vs_ds_cpu_adam",
+        "adamw_vs_torch_fused",
+        "offload_vs_ds_offload",
+    ] {
+        assert!(
+            report["ratios"][key].as_f64().unwrap() > 0.0,
+            "{key}: {report}"
+        );
+    }
+}

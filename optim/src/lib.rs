@@ -1,7 +1,67 @@
-//! strata-optim holds the numeric kernels of CPU-side training: Adam, AdamW,
-//! Adagrad and Lion over fp32 master weights, the fused bf16 offload step,
-//! gradient norms and accumulation. Kernels are free functions over slices
-//! with a scalar reference for every SIMD path; nothing here allocates inside
-//! a step or knows where the slices came from.
+//! strata-optim holds the numeric kernels of CPU-side training for
+//! ZeRO-Offload: Adam, AdamW, Adagrad and Lion over fp32 master weights, the
+//! fused offload step (bf16/fp16 gradients in, unscale and clip, AdamW, the
+//! bf16/fp16 compute copy out, in one pass over memory), the global gradient
+//! norm fused with overflow detection, accumulation and conversions.
 //!
-//! Its kernels arrive with the optimizer issue.
+//! Kernels are free functions over slices ([`adam_step`], [`grad_norm`],
+//! ...) that run on the calling thread with an instruction set ([`Isa`])
+//! chosen once at start; [`Pool`] runs the same kernels over one pinned
+//! thread per core. Nothing here allocates inside a step or knows where the
+//! slices came from.
+//!
+//! ```
+//! use strata_optim::{AdamConfig, Isa, LowPrecisionMut, Moments, Values, adam_step, grad_norm};
+//! use half::bf16;
+//!
+//! let n = 1000;
+//! let (mut params, mut m, mut v) = (vec![0.5f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+//! let grads = vec![bf16::from_f32(0.25); n];
+//! let mut compute_copy = vec![bf16::ZERO; n];
+//!
+//! let isa = Isa::chosen();
+//! let norm = grad_norm(isa, Values::Bf16(&grads));
+//! assert!(norm.is_finite());
+//! let coefficients = AdamConfig::adamw(1e-3).coefficients(1, 1.0)?;
+//! adam_step(
+//!     isa,
+//!     &coefficients,
+//!     &mut params,
+//!     Values::Bf16(&grads),
+//!     Moments::F32 { m: &mut m, v: &mut v },
+//!     Some(LowPrecisionMut::Bf16(&mut compute_copy)),
+//! );
+//! assert!(params[0] < 0.5);
+//! assert_eq!(compute_copy[0], bf16::from_f32(params[0]));
+//! # Ok::<(), strata_optim::OptimError>(())
+//! ```
+
+mod adagrad;
+mod adam;
+pub mod bench;
+mod error;
+mod grads;
+mod isa;
+mod lion;
+mod pool;
+pub mod reference;
+mod scaler;
+mod simd;
+mod single_state;
+pub mod topology;
+mod values;
+
+pub use adagrad::{AdagradCoefficients, AdagradConfig, adagrad_step};
+pub use adam::{AdamCoefficients, AdamConfig, adam_step};
+pub use error::OptimError;
+pub use grads::{
+    GradNorm, StepDecision, accumulate, clip_coefficient, decide_step, grad_norm, narrow,
+    roofline_4r3w, widen,
+};
+pub use half::{bf16, f16};
+pub use isa::Isa;
+pub use lion::{LionCoefficients, LionConfig, lion_step};
+pub use pool::{Pool, PoolConfig, SPLIT_ALIGN_ELEMS, THREADS_MAX};
+pub use scaler::{LossScaler, LossScalerConfig};
+pub use simd::Element;
+pub use values::{LowPrecisionMut, Moments, Split, Values};

@@ -1,5 +1,6 @@
 //! Subcommands and what they share: logging, progress bars, charts.
 
+mod adam;
 mod chart;
 mod nvme;
 mod swap;
@@ -36,6 +37,9 @@ enum Bench {
     /// A tensor through the swap store (checksums included) against the raw
     /// engine, alternating rounds.
     Swap(swap::SwapArgs),
+    /// CPU optimizer kernels (AdamW, the fused bf16 offload step, Adagrad,
+    /// Lion, norms) in params/s and bytes/s next to the memory roofline.
+    Adam(adam::AdamArgs),
 }
 
 /// Runs the parsed command.
@@ -43,6 +47,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Bench(Bench::Nvme(args)) => nvme::run(args),
         Command::Bench(Bench::Swap(args)) => swap::run(args),
+        Command::Bench(Bench::Adam(args)) => adam::run(args),
     }
 }
 

@@ -1,0 +1,475 @@
+//! Adam and AdamW over fp32 master weights, with PyTorch's update rule:
+//!
+//! ```text
+//! g  = grad * grad_scale            (unscale x clip; negated to maximize)
+//! g += weight_decay * p             (Adam: L2 in the gradient)
+//! p *= 1 - lr * weight_decay        (AdamW: decoupled decay)
+//! m  = m + (1 - beta1) * (g - m)    (PyTorch's lerp)
+//! v  = beta2 * v + (1 - beta2) * g^2
+//! p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//! ```
+//!
+//! The same pass can take bf16/fp16 gradients and write the bf16/fp16
+//! compute copy of the updated parameters: that is the fused offload step.
+
+use half::{bf16, f16};
+
+use crate::simd::{self, Element, Kernel, Simd};
+use crate::values::{LowPrecisionMut, Moments, Split, Values, padded};
+use crate::{Isa, OptimError};
+
+/// Adam/AdamW hyperparameters, PyTorch's names and defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate (set it per step for schedules).
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Added to the denominator for stability.
+    pub eps: f64,
+    /// Weight decay: decoupled (AdamW) or L2 (Adam), see below.
+    pub weight_decay: f64,
+    /// `true`: AdamW's `p *= 1 - lr * wd`; `false`: Adam's `g += wd * p`.
+    pub decoupled_weight_decay: bool,
+    /// Ascend the gradient instead of descending it.
+    pub maximize: bool,
+}
+
+impl AdamConfig {
+    /// `torch.optim.AdamW` defaults (weight decay 0.01) at this lr.
+    pub fn adamw(lr: f64) -> AdamConfig {
+        AdamConfig {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            decoupled_weight_decay: true,
+            maximize: false,
+        }
+    }
+
+    /// `torch.optim.Adam` defaults (no weight decay) at this lr.
+    pub fn adam(lr: f64) -> AdamConfig {
+        AdamConfig {
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+            ..AdamConfig::adamw(lr)
+        }
+    }
+
+    /// Checks every hyperparameter's range (PyTorch's checks).
+    pub fn validate(&self) -> Result<(), OptimError> {
+        check("lr", self.lr, self.lr >= 0.0, "finite and >= 0")?;
+        check(
+            "beta1",
+            self.beta1,
+            (0.0..1.0).contains(&self.beta1),
+            "in [0, 1)",
+        )?;
+        check(
+            "beta2",
+            self.beta2,
+            (0.0..1.0).contains(&self.beta2),
+            "in [0, 1)",
+        )?;
+        check("eps", self.eps, self.eps >= 0.0, "finite and >= 0")?;
+        check(
+            "weight_decay",
+            self.weight_decay,
+            self.weight_decay >= 0.0,
+            "finite and >= 0",
+        )
+    }
+
+    /// The per-step constants the kernel uses, for step `step` (from 1)
+    /// with gradients multiplied by `grad_scale` (1 / loss scale times the
+    /// clip coefficient).
+    pub fn coefficients(&self, step: u64, grad_scale: f32) -> Result<AdamCoefficients, OptimError> {
+        self.validate()?;
+        check_step(step, grad_scale)?;
+        // Bias corrections in f64, as PyTorch computes them in Python floats.
+        let exponent = i32::try_from(step).unwrap_or(i32::MAX);
+        let bias_correction1 = 1.0 - self.beta1.powi(exponent);
+        let bias_correction2 = 1.0 - self.beta2.powi(exponent);
+        let (l2, decay) = match self.decoupled_weight_decay {
+            true => (0.0, 1.0 - self.lr * self.weight_decay),
+            false => (self.weight_decay, 1.0),
+        };
+        Ok(AdamCoefficients {
+            grad_scale: if self.maximize {
+                -grad_scale
+            } else {
+                grad_scale
+            },
+            l2: l2 as f32,
+            decay: decay as f32,
+            beta2: self.beta2 as f32,
+            one_minus_beta1: (1.0 - self.beta1) as f32,
+            one_minus_beta2: (1.0 - self.beta2) as f32,
+            inv_sqrt_bias_correction2: (1.0 / bias_correction2.sqrt()) as f32,
+            eps: self.eps as f32,
+            neg_step_size: (-self.lr / bias_correction1) as f32,
+        })
+    }
+}
+
+pub(crate) fn check(
+    name: &'static str,
+    value: f64,
+    ok: bool,
+    expected: &'static str,
+) -> Result<(), OptimError> {
+    if ok && value.is_finite() {
+        Ok(())
+    } else {
+        Err(OptimError::InvalidHyperparameter {
+            name,
+            value,
+            expected,
+        })
+    }
+}
+
+pub(crate) fn check_step(step: u64, grad_scale: f32) -> Result<(), OptimError> {
+    if step == 0 {
+        return Err(OptimError::StepZero);
+    }
+    if !(grad_scale.is_finite() && grad_scale > 0.0) {
+        return Err(OptimError::InvalidGradScale { grad_scale });
+    }
+    Ok(())
+}
+
+/// One step's constants, derived by [`AdamConfig::coefficients`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamCoefficients {
+    grad_scale: f32,
+    l2: f32,
+    decay: f32,
+    beta2: f32,
+    one_minus_beta1: f32,
+    one_minus_beta2: f32,
+    inv_sqrt_bias_correction2: f32,
+    eps: f32,
+    neg_step_size: f32,
+}
+
+/// One Adam/AdamW step over `params` on the calling thread: `grads` in any
+/// format, moments in fp32 or bf16, and optionally the updated parameters
+/// also written to `out` as bf16/fp16 (round to nearest even) in the same
+/// pass. Use [`crate::Pool::adam_step`] to spread large tensors over cores.
+///
+/// # Panics
+/// If the slices differ in length or `isa` is not available.
+pub fn adam_step(
+    isa: Isa,
+    coefficients: &AdamCoefficients,
+    params: &mut [f32],
+    grads: Values<'_>,
+    moments: Moments<'_>,
+    out: Option<LowPrecisionMut<'_>>,
+) {
+    let len = params.len();
+    assert_eq!(grads.len(), len, "gradients and params differ in length");
+    moments.assert_len(len);
+    if let Some(out) = &out {
+        assert_eq!(out.len(), len, "output copy and params differ in length");
+    }
+    let call = Call {
+        isa,
+        coefficients,
+        params,
+        out,
+    };
+    match grads {
+        Values::F32(g) => call.with_grads(g, moments),
+        Values::Bf16(g) => call.with_grads(g, moments),
+        Values::F16(g) => call.with_grads(g, moments),
+    }
+}
+
+struct Call<'a, 'c> {
+    isa: Isa,
+    coefficients: &'c AdamCoefficients,
+    params: &'a mut [f32],
+    out: Option<LowPrecisionMut<'a>>,
+}
+
+impl<'a> Call<'a, '_> {
+    fn with_grads<G: Element>(self, grads: &'a [G], moments: Moments<'a>) {
+        match moments {
+            Moments::F32 { m, v } => self.with_moments(grads, m, v),
+            Moments::Bf16 { m, v } => self.with_moments(grads, m, v),
+        }
+    }
+
+    fn with_moments<G: Element, M: Element>(self, grads: &'a [G], m: &'a mut [M], v: &'a mut [M]) {
+        let (isa, coefficients, params) = (self.isa, self.coefficients, self.params);
+        match self.out {
+            None => simd::dispatch(
+                isa,
+                AdamKernel::<G, M, bf16> {
+                    coefficients,
+                    params,
+                    grads,
+                    m,
+                    v,
+                    out: None,
+                },
+            ),
+            Some(LowPrecisionMut::Bf16(out)) => simd::dispatch(
+                isa,
+                AdamKernel {
+                    coefficients,
+                    params,
+                    grads,
+                    m,
+                    v,
+                    out: Some(out),
+                },
+            ),
+            Some(LowPrecisionMut::F16(out)) => simd::dispatch(
+                isa,
+                AdamKernel::<G, M, f16> {
+                    coefficients,
+                    params,
+                    grads,
+                    m,
+                    v,
+                    out: Some(out),
+                },
+            ),
+        }
+    }
+}
+
+struct AdamKernel<'a, G, M, O> {
+    coefficients: &'a AdamCoefficients,
+    params: &'a mut [f32],
+    grads: &'a [G],
+    m: &'a mut [M],
+    v: &'a mut [M],
+    out: Option<&'a mut [O]>,
+}
+
+/// The coefficients broadcast to vectors once per call.
+struct Splat<S: Simd> {
+    grad_scale: S::V,
+    l2: S::V,
+    decay: S::V,
+    beta2: S::V,
+    one_minus_beta1: S::V,
+    one_minus_beta2: S::V,
+    inv_sqrt_bias_correction2: S::V,
+    eps: S::V,
+    neg_step_size: S::V,
+}
+
+impl<S: Simd> Splat<S> {
+    #[inline(always)]
+    fn new(s: S, c: &AdamCoefficients) -> Splat<S> {
+        Splat {
+            grad_scale: s.splat(c.grad_scale),
+            l2: s.splat(c.l2),
+            decay: s.splat(c.decay),
+            beta2: s.splat(c.beta2),
+            one_minus_beta1: s.splat(c.one_minus_beta1),
+            one_minus_beta2: s.splat(c.one_minus_beta2),
+            inv_sqrt_bias_correction2: s.splat(c.inv_sqrt_bias_correction2),
+            eps: s.splat(c.eps),
+            neg_step_size: s.splat(c.neg_step_size),
+        }
+    }
+
+    /// One vector of the update; returns the new parameters.
+    #[inline(always)]
+    fn update<G: Element, M: Element>(
+        &self,
+        s: S,
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [M],
+        v: &mut [M],
+    ) -> S::V {
+        let p0 = s.load(p);
+        let g = s.mul_add(self.l2, p0, s.mul(G::load(s, g), self.grad_scale));
+        let m0 = M::load(s, m);
+        let m1 = s.mul_add(self.one_minus_beta1, s.sub(g, m0), m0);
+        let v1 = s.mul_add(
+            s.mul(g, g),
+            self.one_minus_beta2,
+            s.mul(M::load(s, v), self.beta2),
+        );
+        M::store(s, m, m1);
+        M::store(s, v, v1);
+        let denominator = s.mul_add(s.sqrt(v1), self.inv_sqrt_bias_correction2, self.eps);
+        let p1 = s.mul_add(
+            self.neg_step_size,
+            s.div(m1, denominator),
+            s.mul(p0, self.decay),
+        );
+        s.store(p, p1);
+        p1
+    }
+}
+
+/// The five streams of one call, cut together with [`Split`].
+type Streams<'a, G, M, O> = (
+    &'a mut [f32],
+    &'a [G],
+    &'a mut [M],
+    &'a mut [M],
+    Option<&'a mut [O]>,
+);
+
+impl<S: Simd> Splat<S> {
+    /// Fewer than `LANES` elements (a head or tail) through the same vector
+    /// code, by way of zero-padded stack copies.
+    #[inline(always)]
+    fn padded<G: Element, M: Element, O: Element>(
+        &self,
+        s: S,
+        (p, g, m, v, out): Streams<'_, G, M, O>,
+    ) {
+        let rest = p.len();
+        if rest == 0 {
+            return;
+        }
+        let (mut p1, g1, mut m1, mut v1) = (padded(p), padded(g), padded(m), padded(v));
+        let new = self.update(s, &mut p1, &g1, &mut m1, &mut v1);
+        p.copy_from_slice(&p1[..rest]);
+        m.copy_from_slice(&m1[..rest]);
+        v.copy_from_slice(&v1[..rest]);
+        if let Some(out) = out {
+            let mut o = [O::default(); simd::LANES_MAX];
+            O::store(s, &mut o, new);
+            out.copy_from_slice(&o[..rest]);
+        }
+    }
+}
+
+impl<G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, G, M, O> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Simd>(self, s: S) {
+        let k = Splat::new(s, self.coefficients);
+        let n = S::LANES;
+        let len = self.params.len();
+        // Large outputs go out with non-temporal stores, which need the
+        // output aligned: a short head runs through the padded path.
+        let stream = len >= simd::STREAM_ELEMS_MIN && self.out.is_some();
+        let head = match &self.out {
+            Some(out) if stream => simd::stream_head::<S, O>(out),
+            _ => 0,
+        };
+        let streams = (self.params, self.grads, self.m, self.v, self.out);
+        let (head_part, rest) = streams.split_at(head);
+        let (body, tail) = rest.split_at(simd::body_len::<S>(len - head));
+        k.padded(s, head_part);
+        let (p, g, m, v, out) = body;
+        let vectors = p
+            .chunks_exact_mut(n)
+            .zip(g.chunks_exact(n))
+            .zip(m.chunks_exact_mut(n))
+            .zip(v.chunks_exact_mut(n));
+        match out {
+            Some(out) if stream => {
+                for ((((p, g), m), v), o) in vectors.zip(out.chunks_exact_mut(n)) {
+                    O::stream(s, o, k.update(s, p, g, m, v));
+                }
+                s.fence();
+            }
+            Some(out) => {
+                for ((((p, g), m), v), o) in vectors.zip(out.chunks_exact_mut(n)) {
+                    O::store(s, o, k.update(s, p, g, m, v));
+                }
+            }
+            None => {
+                for (((p, g), m), v) in vectors {
+                    k.update(s, p, g, m, v);
+                }
+            }
+        }
+        k.padded(s, tail);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_hyperparameters_are_named() {
+        let error = AdamConfig {
+            beta2: 1.0,
+            ..AdamConfig::adamw(1e-3)
+        }
+        .validate()
+        .unwrap_err();
+        assert!(error.to_string().contains("beta2 = 1"), "{error}");
+        let error = AdamConfig {
+            lr: f64::NAN,
+            ..AdamConfig::adamw(1e-3)
+        }
+        .validate()
+        .unwrap_err();
+        assert!(error.to_string().contains("lr"), "{error}");
+        assert!(matches!(
+            AdamConfig::adam(1e-3).coefficients(0, 1.0),
+            Err(OptimError::StepZero)
+        ));
+        let error = AdamConfig::adam(1e-3)
+            .coefficients(1, f32::INFINITY)
+            .unwrap_err();
+        assert!(
+            matches!(error, OptimError::InvalidGradScale { .. }),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn tails_and_bodies_agree_elementwise() {
+        // The same element must get the same bits whether it sits in a
+        // whole vector or in the padded tail.
+        let isa = Isa::chosen();
+        let c = AdamConfig::adamw(1e-2).coefficients(3, 0.5).unwrap();
+        let make = |n: usize| {
+            let p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            (p, g, vec![0.01f32; n], vec![0.02f32; n])
+        };
+        let (mut p_long, g_long, mut m_long, mut v_long) = make(35);
+        adam_step(
+            isa,
+            &c,
+            &mut p_long,
+            Values::F32(&g_long),
+            Moments::F32 {
+                m: &mut m_long,
+                v: &mut v_long,
+            },
+            None,
+        );
+        for n in 1..35 {
+            let (mut p, g, mut m, mut v) = make(n);
+            adam_step(
+                isa,
+                &c,
+                &mut p,
+                Values::F32(&g),
+                Moments::F32 {
+                    m: &mut m,
+                    v: &mut v,
+                },
+                None,
+            );
+            assert_eq!(p, p_long[..n], "n = {n}");
+            assert_eq!(m, m_long[..n]);
+            assert_eq!(v, v_long[..n]);
+        }
+    }
+}

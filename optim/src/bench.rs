@@ -1,0 +1,452 @@
+//! The kernels `strata bench adam` and the criterion bench measure, on
+//! buffers allocated once per size, and the interleaved timing loop they
+//! share. Each kernel has a byte count per parameter (what it must read and
+//! write), so params/s turns into bytes/s and can be set against
+//! `roofline_4r3w`, which streams Adam's 4-read/3-write fp32 pattern with
+//! no arithmetic to speak of.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use crate::{
+    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, Values,
+};
+
+/// A benchmarked kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BenchKernel {
+    /// AdamW, fp32 gradients and moments (what DeepSpeed's CPUAdam and
+    /// PyTorch's fused AdamW do).
+    AdamwFp32,
+    /// The fused offload step: bf16 gradients x (unscale x clip), AdamW on
+    /// fp32 master weights and moments, bf16 params out.
+    OffloadStepBf16,
+    /// The same with fp16 gradients and fp16 params out.
+    OffloadStepFp16,
+    /// The offload step with bf16 moments as well.
+    OffloadStepBf16Moments,
+    /// Adam with L2 weight decay, fp32.
+    AdamL2Fp32,
+    /// Adagrad, fp32.
+    AdagradFp32,
+    /// Lion, fp32.
+    LionFp32,
+    /// The global-norm + overflow pass over bf16 gradients.
+    GradNormBf16,
+    /// `acc += bf16 gradients` into fp32.
+    AccumulateBf16,
+    /// Adam's memory traffic with trivial arithmetic: the memory limit.
+    Roofline4r3w,
+}
+
+impl BenchKernel {
+    /// Every kernel, in table order.
+    pub const ALL: [BenchKernel; 10] = [
+        BenchKernel::AdamwFp32,
+        BenchKernel::OffloadStepBf16,
+        BenchKernel::OffloadStepFp16,
+        BenchKernel::OffloadStepBf16Moments,
+        BenchKernel::AdamL2Fp32,
+        BenchKernel::AdagradFp32,
+        BenchKernel::LionFp32,
+        BenchKernel::GradNormBf16,
+        BenchKernel::AccumulateBf16,
+        BenchKernel::Roofline4r3w,
+    ];
+
+    /// The name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchKernel::AdamwFp32 => "adamw_fp32",
+            BenchKernel::OffloadStepBf16 => "offload_step_bf16",
+            BenchKernel::OffloadStepFp16 => "offload_step_fp16",
+            BenchKernel::OffloadStepBf16Moments => "offload_step_bf16_moments",
+            BenchKernel::AdamL2Fp32 => "adam_l2_fp32",
+            BenchKernel::AdagradFp32 => "adagrad_fp32",
+            BenchKernel::LionFp32 => "lion_fp32",
+            BenchKernel::GradNormBf16 => "grad_norm_bf16",
+            BenchKernel::AccumulateBf16 => "accumulate_bf16",
+            BenchKernel::Roofline4r3w => "roofline_4r3w",
+        }
+    }
+
+    /// Bytes each parameter must move: reads plus writes, counted once.
+    pub fn bytes_per_param(self) -> u64 {
+        match self {
+            // p, g, m, v read (16); p, m, v written (12).
+            BenchKernel::AdamwFp32 | BenchKernel::AdamL2Fp32 | BenchKernel::Roofline4r3w => 28,
+            // p, m, v read (12) + 2-byte grad; p, m, v written + 2-byte out.
+            BenchKernel::OffloadStepBf16 | BenchKernel::OffloadStepFp16 => 28,
+            // p (4) + g, m, v (2 each) read; p (4) + m, v, out (2 each) written.
+            BenchKernel::OffloadStepBf16Moments => 20,
+            // p, g, state read; p, state written.
+            BenchKernel::AdagradFp32 | BenchKernel::LionFp32 => 20,
+            BenchKernel::GradNormBf16 => 2,
+            BenchKernel::AccumulateBf16 => 10,
+        }
+    }
+}
+
+impl fmt::Display for BenchKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BenchKernel {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<BenchKernel, String> {
+        BenchKernel::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = BenchKernel::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown kernel {name:?}; choose from {}", names.join(", "))
+            })
+    }
+}
+
+/// A buffer whose first element sits on a page boundary, as the runtime's
+/// pinned host buffers do (a plain `Vec` starts 16 bytes past one, which
+/// splits every 64-byte vector across two cache lines).
+#[derive(Default)]
+struct PageAligned<T> {
+    storage: Vec<T>,
+    start: usize,
+}
+
+impl<T: Copy + Default> PageAligned<T> {
+    const PAGE_BYTES: usize = 4096;
+
+    fn from_fn(n: usize, f: impl Fn(usize) -> T) -> PageAligned<T> {
+        let size = std::mem::size_of::<T>();
+        let mut storage = Vec::with_capacity(n + Self::PAGE_BYTES / size);
+        let address = storage.as_ptr() as usize;
+        let start = (address.next_multiple_of(Self::PAGE_BYTES) - address) / size;
+        storage.resize(start, T::default());
+        storage.extend((0..n).map(f));
+        PageAligned { storage, start }
+    }
+
+    fn len(&self) -> usize {
+        self.storage.len() - self.start
+    }
+
+    fn get(&self) -> &[T] {
+        &self.storage[self.start..]
+    }
+
+    fn get_mut(&mut self) -> &mut [T] {
+        &mut self.storage[self.start..]
+    }
+}
+
+/// Every buffer the kernels touch, for one size; allocated on first use.
+#[derive(Default)]
+pub struct BenchBuffers {
+    params: usize,
+    p: PageAligned<f32>,
+    g: PageAligned<f32>,
+    m: PageAligned<f32>,
+    v: PageAligned<f32>,
+    /// Adagrad's sum of squares (never negative, so not shared).
+    sum: PageAligned<f32>,
+    g_bf16: PageAligned<bf16>,
+    g_f16: PageAligned<f16>,
+    m_bf16: PageAligned<bf16>,
+    v_bf16: PageAligned<bf16>,
+    out_bf16: PageAligned<bf16>,
+    out_f16: PageAligned<f16>,
+    step: u64,
+}
+
+/// A deterministic value in [-1, 1) times `scale` for element `i` (no RNG
+/// needed).
+fn value(i: usize, salt: u32, scale: f32) -> f32 {
+    let h = (i as u32 ^ salt)
+        .wrapping_mul(2_654_435_761)
+        .rotate_left(13);
+    ((h % 20_000) as f32 / 10_000.0 - 1.0) * scale
+}
+
+fn ensure<T: Copy + Default>(buffer: &mut PageAligned<T>, n: usize, f: impl Fn(usize) -> T) {
+    if buffer.len() != n {
+        *buffer = PageAligned::from_fn(n, f);
+    }
+}
+
+impl BenchBuffers {
+    /// Buffers for `params` parameters (nothing allocated yet).
+    pub fn new(params: usize) -> BenchBuffers {
+        BenchBuffers {
+            params,
+            ..BenchBuffers::default()
+        }
+    }
+
+    /// Parameters per step.
+    pub fn params(&self) -> usize {
+        self.params
+    }
+
+    /// Allocates and fills what `kernel` needs, so its first timed run
+    /// does not pay for page faults.
+    pub fn prepare(&mut self, kernel: BenchKernel) {
+        use BenchKernel::*;
+        let n = self.params;
+        ensure(&mut self.p, n, |i| value(i, 1, 1.0));
+        if matches!(
+            kernel,
+            AdamwFp32 | AdamL2Fp32 | Roofline4r3w | AdagradFp32 | LionFp32 | AccumulateBf16
+        ) {
+            ensure(&mut self.g, n, |i| value(i, 2, 1e-2));
+        }
+        if matches!(
+            kernel,
+            AdamwFp32 | AdamL2Fp32 | Roofline4r3w | LionFp32 | OffloadStepBf16 | OffloadStepFp16
+        ) {
+            ensure(&mut self.m, n, |i| value(i, 3, 1e-3).abs());
+        }
+        if matches!(
+            kernel,
+            AdamwFp32 | AdamL2Fp32 | Roofline4r3w | OffloadStepBf16 | OffloadStepFp16
+        ) {
+            ensure(&mut self.v, n, |i| value(i, 4, 1e-6).abs());
+        }
+        if kernel == AdagradFp32 {
+            ensure(&mut self.sum, n, |i| value(i, 6, 1e-3).abs());
+        }
+        if matches!(
+            kernel,
+            OffloadStepBf16 | OffloadStepBf16Moments | GradNormBf16 | AccumulateBf16
+        ) {
+            ensure(&mut self.g_bf16, n, |i| bf16::from_f32(value(i, 5, 1e2)));
+        }
+        if matches!(kernel, OffloadStepBf16 | OffloadStepBf16Moments) {
+            ensure(&mut self.out_bf16, n, |_| bf16::ZERO);
+        }
+        if kernel == OffloadStepFp16 {
+            ensure(&mut self.g_f16, n, |i| f16::from_f32(value(i, 5, 1e2)));
+            ensure(&mut self.out_f16, n, |_| f16::ZERO);
+        }
+        if kernel == OffloadStepBf16Moments {
+            ensure(&mut self.m_bf16, n, |i| bf16::from_f32(value(i, 3, 1e-3)));
+            ensure(&mut self.v_bf16, n, |i| {
+                bf16::from_f32(value(i, 4, 1e-6).abs())
+            });
+        }
+    }
+
+    /// One step of `kernel` over every parameter on `pool`. Offload steps
+    /// unscale by 1/1024 as a loss-scaled run would.
+    pub fn run(&mut self, kernel: BenchKernel, pool: &Pool) -> Result<(), OptimError> {
+        self.prepare(kernel);
+        self.step += 1;
+        let step = self.step;
+        let adamw = AdamConfig::adamw(1e-4);
+        match kernel {
+            BenchKernel::AdamwFp32 | BenchKernel::AdamL2Fp32 => {
+                let config = if kernel == BenchKernel::AdamwFp32 {
+                    adamw
+                } else {
+                    AdamConfig {
+                        weight_decay: 0.01,
+                        ..AdamConfig::adam(1e-4)
+                    }
+                };
+                let c = config.coefficients(step, 1.0)?;
+                pool.adam_step(
+                    &c,
+                    self.p.get_mut(),
+                    Values::F32(self.g.get()),
+                    Moments::F32 {
+                        m: self.m.get_mut(),
+                        v: self.v.get_mut(),
+                    },
+                    None,
+                );
+            }
+            BenchKernel::OffloadStepBf16 => {
+                let c = adamw.coefficients(step, 1.0 / 1024.0)?;
+                let out = Some(LowPrecisionMut::Bf16(self.out_bf16.get_mut()));
+                pool.adam_step(
+                    &c,
+                    self.p.get_mut(),
+                    Values::Bf16(self.g_bf16.get()),
+                    Moments::F32 {
+                        m: self.m.get_mut(),
+                        v: self.v.get_mut(),
+                    },
+                    out,
+                );
+            }
+            BenchKernel::OffloadStepFp16 => {
+                let c = adamw.coefficients(step, 1.0 / 1024.0)?;
+                let out = Some(LowPrecisionMut::F16(self.out_f16.get_mut()));
+                pool.adam_step(
+                    &c,
+                    self.p.get_mut(),
+                    Values::F16(self.g_f16.get()),
+                    Moments::F32 {
+                        m: self.m.get_mut(),
+                        v: self.v.get_mut(),
+                    },
+                    out,
+                );
+            }
+            BenchKernel::OffloadStepBf16Moments => {
+                let c = adamw.coefficients(step, 1.0 / 1024.0)?;
+                let moments = Moments::Bf16 {
+                    m: self.m_bf16.get_mut(),
+                    v: self.v_bf16.get_mut(),
+                };
+                let out = Some(LowPrecisionMut::Bf16(self.out_bf16.get_mut()));
+                pool.adam_step(
+                    &c,
+                    self.p.get_mut(),
+                    Values::Bf16(self.g_bf16.get()),
+                    moments,
+                    out,
+                );
+            }
+            BenchKernel::AdagradFp32 => {
+                let c = AdagradConfig::new(1e-4).coefficients(step, 1.0)?;
+                pool.adagrad_step(
+                    &c,
+                    self.p.get_mut(),
+                    Values::F32(self.g.get()),
+                    self.sum.get_mut(),
+                    None,
+                );
+            }
+            BenchKernel::LionFp32 => {
+                let c = LionConfig::new(1e-5).coefficients(step, 1.0)?;
+                pool.lion_step(
+                    &c,
+                    self.p.get_mut(),
+                    Values::F32(self.g.get()),
+                    self.m.get_mut(),
+                    None,
+                );
+            }
+            BenchKernel::GradNormBf16 => {
+                let norm = pool.grad_norm(&[Values::Bf16(self.g_bf16.get())]);
+                std::hint::black_box(norm);
+            }
+            BenchKernel::AccumulateBf16 => {
+                pool.accumulate(self.g.get_mut(), Values::Bf16(self.g_bf16.get()));
+            }
+            BenchKernel::Roofline4r3w => {
+                pool.roofline_4r3w(
+                    self.p.get_mut(),
+                    self.g.get(),
+                    self.m.get_mut(),
+                    self.v.get_mut(),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One kernel's timings at one size and thread count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BenchSample {
+    /// The kernel.
+    pub kernel: BenchKernel,
+    /// Seconds per step, one entry per round (each the mean of its reps).
+    pub seconds: Vec<f64>,
+}
+
+/// Times `kernels` on `buffers`, interleaved: every round runs each kernel
+/// (in an order rotated per round) for at least `round_min` of wall time.
+/// Returns one sample per kernel with one entry per round.
+pub fn measure(
+    pool: &Pool,
+    buffers: &mut BenchBuffers,
+    kernels: &[BenchKernel],
+    rounds: usize,
+    round_min: Duration,
+    mut progress: impl FnMut(),
+) -> Result<Vec<BenchSample>, OptimError> {
+    // Warm up (allocation, page faults, caches) and size the repetitions.
+    let mut reps = Vec::with_capacity(kernels.len());
+    for &kernel in kernels {
+        buffers.run(kernel, pool)?;
+        let start = Instant::now();
+        buffers.run(kernel, pool)?;
+        let once = start.elapsed().max(Duration::from_nanos(1));
+        reps.push(
+            (round_min.as_secs_f64() / once.as_secs_f64())
+                .ceil()
+                .clamp(1.0, 1e6) as u32,
+        );
+    }
+    let mut samples: Vec<BenchSample> = kernels
+        .iter()
+        .map(|&kernel| BenchSample {
+            kernel,
+            seconds: Vec::with_capacity(rounds),
+        })
+        .collect();
+    for round in 0..rounds {
+        for offset in 0..kernels.len() {
+            let k = (round + offset) % kernels.len();
+            let start = Instant::now();
+            for _ in 0..reps[k] {
+                buffers.run(kernels[k], pool)?;
+            }
+            samples[k]
+                .seconds
+                .push(start.elapsed().as_secs_f64() / f64::from(reps[k]));
+            progress();
+        }
+    }
+    Ok(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PoolConfig;
+
+    #[test]
+    fn every_kernel_runs_in_tiny_mode_and_names_round_trip() {
+        let pool = Pool::new(PoolConfig {
+            threads: Some(2),
+            parallel_elems_min: 0,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        let mut buffers = BenchBuffers::new(1000);
+        let samples = measure(
+            &pool,
+            &mut buffers,
+            &BenchKernel::ALL,
+            2,
+            Duration::ZERO,
+            || {},
+        )
+        .unwrap();
+        assert_eq!(samples.len(), BenchKernel::ALL.len());
+        for sample in &samples {
+            assert_eq!(sample.seconds.len(), 2);
+            assert!(sample.seconds.iter().all(|&s| s > 0.0));
+            assert_eq!(
+                sample.kernel.name().parse::<BenchKernel>().unwrap(),
+                sample.kernel
+            );
+        }
+        assert!(buffers.p.get().iter().all(|x| x.is_finite()));
+        assert!(
+            "adam"
+                .parse::<BenchKernel>()
+                .unwrap_err()
+                .contains("adamw_fp32")
+        );
+    }
+}

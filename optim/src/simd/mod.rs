@@ -1,0 +1,199 @@
+//! One vector interface, several instruction sets. Kernels are written once
+//! against [`Simd`] and instantiated per back end; [`dispatch`] is the single
+//! point where the instruction set chosen at start is turned into code.
+//!
+//! The back ends are zero-sized tokens: an AVX-512 token exists only inside
+//! a function compiled with AVX-512 enabled and entered after the CPU was
+//! checked, which is what makes their safe methods sound.
+
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use half::{bf16, f16};
+
+use crate::Isa;
+
+pub(crate) use portable::Portable;
+
+/// The widest vector any back end uses, in f32 lanes; stack buffers for
+/// tails are this long.
+pub(crate) const LANES_MAX: usize = 16;
+
+/// Vector operations over f32 lanes, the element conversions the kernels
+/// need, and an f64 accumulator for norms.
+///
+/// Loads and stores take slices at least [`Simd::LANES`] long and touch the
+/// first `LANES` elements (they panic on shorter slices).
+pub trait Simd: Copy + Send + Sync {
+    /// f32 lanes per vector.
+    const LANES: usize;
+    /// A vector of `LANES` f32.
+    type V: Copy;
+    /// A sum of squares kept in f64 lanes.
+    type Acc: Copy;
+
+    fn splat(self, x: f32) -> Self::V;
+    fn load(self, src: &[f32]) -> Self::V;
+    fn store(self, dst: &mut [f32], v: Self::V);
+    /// bf16 to f32: a bit shift (exact; signaling NaNs stay signaling).
+    fn load_bf16(self, src: &[bf16]) -> Self::V;
+    /// f32 to bf16, round to nearest even, NaN kept NaN (quiet bit set).
+    fn store_bf16(self, dst: &mut [bf16], v: Self::V);
+    /// fp16 to f32 (exact).
+    fn load_f16(self, src: &[f16]) -> Self::V;
+    /// f32 to fp16, round to nearest even, subnormals kept.
+    fn store_f16(self, dst: &mut [f16], v: Self::V);
+    /// `store_bf16` with a non-temporal store (no read for ownership, no
+    /// cache pollution). `dst` must start on a `2 * LANES`-byte boundary
+    /// (panics otherwise); call [`Simd::fence`] before the data is handed on.
+    fn stream_bf16(self, dst: &mut [bf16], v: Self::V);
+    /// `store_f16` with a non-temporal store; as [`Simd::stream_bf16`].
+    fn stream_f16(self, dst: &mut [f16], v: Self::V);
+    /// Orders earlier non-temporal stores before later stores.
+    fn fence(self);
+
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
+    fn sqrt(self, a: Self::V) -> Self::V;
+    /// `a * b + c`, fused where the back end has FMA.
+    fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// 1 for positive, -1 for negative, the input itself for zeros and NaN.
+    fn sign(self, a: Self::V) -> Self::V;
+
+    fn acc_zero(self) -> Self::Acc;
+    /// `acc + v * v`, each lane widened to f64 first so no square overflows.
+    fn acc_add_square(self, acc: Self::Acc, v: Self::V) -> Self::Acc;
+    fn acc_sum(self, acc: Self::Acc) -> f64;
+}
+
+/// An element type kernels read and write: f32, bf16 or fp16. Sealed: the
+/// vector loads and stores live on [`Lanes`], which only this crate
+/// implements.
+pub trait Element: Lanes + Copy + Default + Send + Sync + 'static {
+    /// The name used in benchmarks and errors.
+    const NAME: &'static str;
+    /// One element to f32 (exact).
+    fn to_f32(self) -> f32;
+    /// One f32 to this type, round to nearest even.
+    fn from_f32(x: f32) -> Self;
+}
+
+/// Vector loads and stores of an [`Element`] (crate-private: the module is
+/// not exported).
+pub trait Lanes: Sized {
+    /// Widens `LANES` elements to f32 lanes.
+    fn load<S: Simd>(s: S, src: &[Self]) -> S::V;
+    /// Narrows f32 lanes into `LANES` elements (round to nearest even).
+    fn store<S: Simd>(s: S, dst: &mut [Self], v: S::V);
+    /// [`Lanes::store`] bypassing the caches where the back end can; `dst`
+    /// aligned as [`Simd::stream_bf16`] requires.
+    fn stream<S: Simd>(s: S, dst: &mut [Self], v: S::V);
+}
+
+macro_rules! element {
+    ($t:ty, $name:literal, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr) => {
+        impl Element for $t {
+            const NAME: &'static str = $name;
+            fn to_f32(self) -> f32 {
+                $to(self)
+            }
+            fn from_f32(x: f32) -> Self {
+                $from(x)
+            }
+        }
+        impl Lanes for $t {
+            #[inline(always)]
+            fn load<S: Simd>(s: S, src: &[Self]) -> S::V {
+                s.$load(src)
+            }
+            #[inline(always)]
+            fn store<S: Simd>(s: S, dst: &mut [Self], v: S::V) {
+                s.$store(dst, v)
+            }
+            #[inline(always)]
+            fn stream<S: Simd>(s: S, dst: &mut [Self], v: S::V) {
+                s.$stream(dst, v)
+            }
+        }
+    };
+}
+
+element!(f32, "f32", load, store, store, |x| x, |x| x);
+element!(
+    bf16,
+    "bf16",
+    load_bf16,
+    store_bf16,
+    stream_bf16,
+    portable::widen_bf16,
+    bf16::from_f32
+);
+element!(
+    f16,
+    "f16",
+    load_f16,
+    store_f16,
+    stream_f16,
+    f16::to_f32,
+    f16::from_f32
+);
+
+/// A kernel body, generic over the back end. `run` is inlined into the
+/// per-instruction-set entry that [`dispatch`] calls, so it is compiled once
+/// per back end with that back end's features enabled.
+pub trait Kernel {
+    type Output;
+    fn run<S: Simd>(self, s: S) -> Self::Output;
+}
+
+/// Runs `kernel` on the back end for `isa`.
+///
+/// # Panics
+/// If `isa` is not available on this CPU: asking for it is a caller bug,
+/// since [`Isa::detect`] and [`Isa::available`] say what is.
+#[inline]
+pub(crate) fn dispatch<K: Kernel>(isa: Isa, kernel: K) -> K::Output {
+    assert!(
+        isa.is_available(),
+        "instruction set {isa} is not available on this CPU"
+    );
+    match isa {
+        Isa::Portable => kernel.run(Portable),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => x86::run_avx2(kernel),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => x86::run_avx512(kernel),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 => x86::run_avx512_bf16(kernel),
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("is_available is false for x86 back ends elsewhere"),
+    }
+}
+
+/// Outputs at least this long (per call, so per pool thread) are written
+/// with non-temporal stores: with the ~28 bytes per element of state a step
+/// streams, that much no longer fits in a last-level cache, and the output
+/// is read next by a copy to the device, so reading its lines in first (for
+/// ownership) would only cost bandwidth.
+pub(crate) const STREAM_ELEMS_MIN: usize = 1 << 21;
+
+/// Elements before `dst` reaches the alignment [`Simd::stream_bf16`]
+/// needs (the head a kernel runs through its padded path).
+#[inline(always)]
+pub(crate) fn stream_head<S: Simd, T>(dst: &[T]) -> usize {
+    let align = S::LANES * std::mem::size_of::<T>();
+    let misaligned = dst.as_ptr() as usize % align;
+    match misaligned {
+        0 => 0,
+        m => ((align - m) / std::mem::size_of::<T>()).min(dst.len()),
+    }
+}
+
+/// Splits `len` into the part whole vectors cover and the tail.
+#[inline(always)]
+pub(crate) fn body_len<S: Simd>(len: usize) -> usize {
+    len / S::LANES * S::LANES
+}

@@ -1,0 +1,133 @@
+//! The portable back end: eight f32 lanes as an array, each operation a
+//! fixed-length loop the compiler vectorizes for the target's baseline
+//! (SSE2 on x86-64, NEON on aarch64). No FMA: `mul_add` rounds twice, since
+//! a fused multiply-add without hardware support is a slow libm call.
+//! Conversions go through `half`, the reference the SIMD paths are tested
+//! against.
+
+use half::{bf16, f16};
+
+use super::Simd;
+
+const LANES: usize = 8;
+
+/// The portable back end (always available).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Portable;
+
+/// bf16 to f32 as a bit shift, the way hardware and PyTorch widen: every
+/// pattern kept, signaling NaNs included (`half` would quiet them).
+#[inline(always)]
+pub(crate) fn widen_bf16(x: bf16) -> f32 {
+    f32::from_bits(u32::from(x.to_bits()) << 16)
+}
+
+#[inline(always)]
+fn map(a: [f32; LANES], f: impl Fn(f32) -> f32) -> [f32; LANES] {
+    std::array::from_fn(|i| f(a[i]))
+}
+
+#[inline(always)]
+fn zip(a: [f32; LANES], b: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> [f32; LANES] {
+    std::array::from_fn(|i| f(a[i], b[i]))
+}
+
+impl Simd for Portable {
+    const LANES: usize = LANES;
+    type V = [f32; LANES];
+    type Acc = [f64; LANES];
+
+    #[inline(always)]
+    fn splat(self, x: f32) -> Self::V {
+        [x; LANES]
+    }
+    #[inline(always)]
+    fn load(self, src: &[f32]) -> Self::V {
+        std::array::from_fn(|i| src[i])
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32], v: Self::V) {
+        dst[..LANES].copy_from_slice(&v);
+    }
+    #[inline(always)]
+    fn load_bf16(self, src: &[bf16]) -> Self::V {
+        std::array::from_fn(|i| widen_bf16(src[i]))
+    }
+    #[inline(always)]
+    fn store_bf16(self, dst: &mut [bf16], v: Self::V) {
+        for (d, x) in dst[..LANES].iter_mut().zip(v) {
+            *d = bf16::from_f32(x);
+        }
+    }
+    #[inline(always)]
+    fn load_f16(self, src: &[f16]) -> Self::V {
+        std::array::from_fn(|i| src[i].to_f32())
+    }
+    #[inline(always)]
+    fn store_f16(self, dst: &mut [f16], v: Self::V) {
+        for (d, x) in dst[..LANES].iter_mut().zip(v) {
+            *d = f16::from_f32(x);
+        }
+    }
+    #[inline(always)]
+    fn stream_bf16(self, dst: &mut [bf16], v: Self::V) {
+        self.store_bf16(dst, v)
+    }
+    #[inline(always)]
+    fn stream_f16(self, dst: &mut [f16], v: Self::V) {
+        self.store_f16(dst, v)
+    }
+    #[inline(always)]
+    fn fence(self) {}
+    #[inline(always)]
+    fn add(self, a: Self::V, b: Self::V) -> Self::V {
+        zip(a, b, |x, y| x + y)
+    }
+    #[inline(always)]
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V {
+        zip(a, b, |x, y| x - y)
+    }
+    #[inline(always)]
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V {
+        zip(a, b, |x, y| x * y)
+    }
+    #[inline(always)]
+    fn div(self, a: Self::V, b: Self::V) -> Self::V {
+        zip(a, b, |x, y| x / y)
+    }
+    #[inline(always)]
+    fn sqrt(self, a: Self::V) -> Self::V {
+        map(a, f32::sqrt)
+    }
+    #[inline(always)]
+    fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    fn sign(self, a: Self::V) -> Self::V {
+        map(a, |x| {
+            if x > 0.0 {
+                1.0
+            } else if x < 0.0 {
+                -1.0
+            } else {
+                x
+            }
+        })
+    }
+    #[inline(always)]
+    fn acc_zero(self) -> Self::Acc {
+        [0.0; LANES]
+    }
+    #[inline(always)]
+    fn acc_add_square(self, acc: Self::Acc, v: Self::V) -> Self::Acc {
+        std::array::from_fn(|i| {
+            let x = f64::from(v[i]);
+            acc[i] + x * x
+        })
+    }
+    #[inline(always)]
+    fn acc_sum(self, acc: Self::Acc) -> f64 {
+        acc.iter().sum()
+    }
+}

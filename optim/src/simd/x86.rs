@@ -1,0 +1,441 @@
+//! x86-64 back ends: AVX2 + FMA + F16C (8 lanes) and AVX-512F (16 lanes),
+//! the latter optionally with AVX512-BF16's `vcvtneps2bf16` for narrowing.
+//!
+//! Every intrinsic here needs its CPU feature. The tokens [`Avx2`] and
+//! [`Avx512`] are created only inside the `run_*` entries below, which are
+//! compiled with those features and entered only after `dispatch` checked
+//! the CPU has them; the token methods are `#[inline(always)]`, so they are
+//! compiled into those entries. That is the argument every `SAFETY` comment
+//! in this file refers to as "the token".
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::{Kernel, Simd};
+
+/// `vcvtps2ph` rounding for F16C (3-bit immediate): to nearest even.
+const F16C_NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT;
+/// `vcvtps2ph` rounding for AVX-512: to nearest even, no exceptions.
+const AVX512_NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+/// AVX2 + FMA + F16C.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2 {
+    _only_in_entries: (),
+}
+
+/// AVX-512F; with `BF16`, also AVX512-BW/VL and AVX512-BF16's conversion
+/// instruction (every CPU with AVX512-BF16 has BW and VL).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512<const BF16: bool> {
+    _only_in_entries: (),
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn entry_avx2<K: Kernel>(kernel: K) -> K::Output {
+    kernel.run(Avx2 {
+        _only_in_entries: (),
+    })
+}
+
+#[target_feature(enable = "avx512f")]
+fn entry_avx512<K: Kernel>(kernel: K) -> K::Output {
+    kernel.run(Avx512::<false> {
+        _only_in_entries: (),
+    })
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn entry_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
+    kernel.run(Avx512::<true> {
+        _only_in_entries: (),
+    })
+}
+
+/// Runs `kernel` with AVX2. The caller (`dispatch`) checked the CPU.
+pub(crate) fn run_avx2<K: Kernel>(kernel: K) -> K::Output {
+    assert!(crate::Isa::Avx2.is_available());
+    // SAFETY: the assertion above checked avx2, fma and f16c at run time.
+    unsafe { entry_avx2(kernel) }
+}
+
+/// Runs `kernel` with AVX-512F.
+pub(crate) fn run_avx512<K: Kernel>(kernel: K) -> K::Output {
+    assert!(crate::Isa::Avx512.is_available());
+    // SAFETY: the assertion above checked avx512f at run time.
+    unsafe { entry_avx512(kernel) }
+}
+
+/// Runs `kernel` with AVX-512F and AVX512-BF16.
+pub(crate) fn run_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
+    assert!(crate::Isa::Avx512Bf16.is_available());
+    // SAFETY: the assertion above checked avx512f, avx512bw, avx512vl and
+    // avx512bf16 at run time.
+    unsafe { entry_avx512_bf16(kernel) }
+}
+
+/// f32 bits to bf16 bits in 32-bit lanes, round to nearest even, NaN made
+/// quiet: `(bits + 0x7fff + lsb) >> 16`, the same rule `half` applies.
+macro_rules! bf16_round_bits {
+    ($bits:expr, $set1:ident, $and:ident, $add:ident, $srli:ident, $or:ident) => {{
+        let bits = $bits;
+        let lsb = $and($srli::<16>(bits), $set1(1));
+        let rounded = $srli::<16>($add($add(bits, $set1(0x7fff)), lsb));
+        let quiet = $or($srli::<16>(bits), $set1(0x40));
+        (rounded, quiet, $and(bits, $set1(0x7fff_ffff)))
+    }};
+}
+
+impl Avx2 {
+    /// f32 lanes to 8 bf16 words (round to nearest even, NaN quieted).
+    #[inline(always)]
+    fn bf16_words(self, v: __m256) -> __m128i {
+        // SAFETY: the token.
+        unsafe {
+            let (rounded, quiet, magnitude) = bf16_round_bits!(
+                _mm256_castps_si256(v),
+                _mm256_set1_epi32,
+                _mm256_and_si256,
+                _mm256_add_epi32,
+                _mm256_srli_epi32,
+                _mm256_or_si256
+            );
+            let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f80_0000));
+            let words = _mm256_blendv_epi8(rounded, quiet, nan);
+            // Lanes hold values <= 0xffff, so the saturating pack is exact;
+            // it packs within 128-bit halves, the permute joins them.
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(words, words));
+            _mm256_castsi256_si128(packed)
+        }
+    }
+}
+
+impl Simd for Avx2 {
+    const LANES: usize = 8;
+    type V = __m256;
+    type Acc = (__m256d, __m256d);
+
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn load(self, src: &[f32]) -> __m256 {
+        assert!(src.len() >= 8);
+        // SAFETY: the token; 8 f32 are in bounds (asserted), loadu has no
+        // alignment requirement.
+        unsafe { _mm256_loadu_ps(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32], v: __m256) {
+        assert!(dst.len() >= 8);
+        // SAFETY: the token; 8 f32 are in bounds (asserted).
+        unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), v) }
+    }
+    #[inline(always)]
+    fn load_bf16(self, src: &[bf16]) -> __m256 {
+        assert!(src.len() >= 8);
+        // SAFETY: the token; 8 bf16 (16 bytes) are in bounds (asserted).
+        unsafe {
+            let halves = _mm_loadu_si128(src.as_ptr().cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+        }
+    }
+    #[inline(always)]
+    fn store_bf16(self, dst: &mut [bf16], v: __m256) {
+        assert!(dst.len() >= 8);
+        // SAFETY: the token; 8 bf16 (16 bytes) are in bounds (asserted).
+        unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
+    }
+    #[inline(always)]
+    fn stream_bf16(self, dst: &mut [bf16], v: __m256) {
+        assert!(dst.len() >= 8 && (dst.as_ptr() as usize).is_multiple_of(16));
+        // SAFETY: the token; 16 bytes in bounds and 16-byte aligned
+        // (asserted), as movntdq requires.
+        unsafe { _mm_stream_si128(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
+    }
+    #[inline(always)]
+    fn load_f16(self, src: &[f16]) -> __m256 {
+        assert!(src.len() >= 8);
+        // SAFETY: the token; 8 f16 (16 bytes) are in bounds (asserted).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())) }
+    }
+    #[inline(always)]
+    fn store_f16(self, dst: &mut [f16], v: __m256) {
+        assert!(dst.len() >= 8);
+        // SAFETY: the token; 8 f16 (16 bytes) are in bounds (asserted).
+        unsafe {
+            _mm_storeu_si128(
+                dst.as_mut_ptr().cast(),
+                _mm256_cvtps_ph::<F16C_NEAREST_EVEN>(v),
+            )
+        }
+    }
+    #[inline(always)]
+    fn stream_f16(self, dst: &mut [f16], v: __m256) {
+        assert!(dst.len() >= 8 && (dst.as_ptr() as usize).is_multiple_of(16));
+        // SAFETY: the token; 16 bytes in bounds and 16-byte aligned
+        // (asserted), as movntdq requires.
+        unsafe {
+            _mm_stream_si128(
+                dst.as_mut_ptr().cast(),
+                _mm256_cvtps_ph::<F16C_NEAREST_EVEN>(v),
+            )
+        }
+    }
+    #[inline(always)]
+    fn fence(self) {
+        // SAFETY: sfence has no preconditions (SSE, part of the token).
+        unsafe { _mm_sfence() }
+    }
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sqrt(self, a: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_sqrt_ps(a) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        // SAFETY: the token (fma is part of it).
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn sign(self, a: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe {
+            let zero = _mm256_setzero_ps();
+            let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(a, zero);
+            let negative = _mm256_cmp_ps::<_CMP_LT_OQ>(a, zero);
+            let r = _mm256_blendv_ps(a, _mm256_set1_ps(1.0), positive);
+            _mm256_blendv_ps(r, _mm256_set1_ps(-1.0), negative)
+        }
+    }
+    #[inline(always)]
+    fn acc_zero(self) -> Self::Acc {
+        // SAFETY: the token.
+        unsafe { (_mm256_setzero_pd(), _mm256_setzero_pd()) }
+    }
+    #[inline(always)]
+    fn acc_add_square(self, acc: Self::Acc, v: __m256) -> Self::Acc {
+        // SAFETY: the token.
+        unsafe {
+            let low = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            let high = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+            (
+                _mm256_fmadd_pd(low, low, acc.0),
+                _mm256_fmadd_pd(high, high, acc.1),
+            )
+        }
+    }
+    #[inline(always)]
+    fn acc_sum(self, acc: Self::Acc) -> f64 {
+        let mut lanes = [0.0f64; 4];
+        // SAFETY: the token; `lanes` holds the 4 f64 storeu writes.
+        unsafe { _mm256_storeu_pd(lanes.as_mut_ptr(), _mm256_add_pd(acc.0, acc.1)) };
+        lanes.iter().sum()
+    }
+}
+
+impl<const BF16: bool> Avx512<BF16> {
+    /// f32 lanes to 16 bf16 words (round to nearest even, NaN quieted).
+    #[inline(always)]
+    fn bf16_words(self, v: __m512) -> __m256i {
+        // SAFETY: the token (with BF16 it includes avx512bw/vl/bf16);
+        // __m256bh and __m256i are both 32 plain bytes.
+        unsafe {
+            let bits = _mm512_castps_si512(v);
+            let integer_rule = || {
+                let (rounded, quiet, magnitude) = bf16_round_bits!(
+                    bits,
+                    _mm512_set1_epi32,
+                    _mm512_and_si512,
+                    _mm512_add_epi32,
+                    _mm512_srli_epi32,
+                    _mm512_or_si512
+                );
+                let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+                _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
+            };
+            if !BF16 {
+                return integer_rule();
+            }
+            // vcvtneps2bf16 rounds and quiets NaN like the integer rule but
+            // treats subnormal inputs as zero; those lanes (exponent zero,
+            // mantissa not) are rare, so they take a branch.
+            let converted: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            let exponent_zero = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f80_0000));
+            let mantissa_set = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007f_ffff));
+            let subnormal = exponent_zero & mantissa_set;
+            if subnormal == 0 {
+                converted
+            } else {
+                _mm256_mask_blend_epi16(subnormal, converted, integer_rule())
+            }
+        }
+    }
+}
+
+impl<const BF16: bool> Simd for Avx512<BF16> {
+    const LANES: usize = 16;
+    type V = __m512;
+    type Acc = (__m512d, __m512d);
+
+    #[inline(always)]
+    fn splat(self, x: f32) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    fn load(self, src: &[f32]) -> __m512 {
+        assert!(src.len() >= 16);
+        // SAFETY: the token; 16 f32 are in bounds (asserted).
+        unsafe { _mm512_loadu_ps(src.as_ptr()) }
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32], v: __m512) {
+        assert!(dst.len() >= 16);
+        // SAFETY: the token; 16 f32 are in bounds (asserted).
+        unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) }
+    }
+    #[inline(always)]
+    fn load_bf16(self, src: &[bf16]) -> __m512 {
+        assert!(src.len() >= 16);
+        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        unsafe {
+            let halves = _mm256_loadu_si256(src.as_ptr().cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        }
+    }
+    #[inline(always)]
+    fn store_bf16(self, dst: &mut [bf16], v: __m512) {
+        assert!(dst.len() >= 16);
+        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
+    }
+    #[inline(always)]
+    fn stream_bf16(self, dst: &mut [bf16], v: __m512) {
+        assert!(dst.len() >= 16 && (dst.as_ptr() as usize).is_multiple_of(32));
+        // SAFETY: the token; 32 bytes in bounds and 32-byte aligned
+        // (asserted), as vmovntdq ymm requires.
+        unsafe { _mm256_stream_si256(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
+    }
+    #[inline(always)]
+    fn load_f16(self, src: &[f16]) -> __m512 {
+        assert!(src.len() >= 16);
+        // SAFETY: the token; 16 f16 (32 bytes) are in bounds (asserted).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().cast())) }
+    }
+    #[inline(always)]
+    fn store_f16(self, dst: &mut [f16], v: __m512) {
+        assert!(dst.len() >= 16);
+        // SAFETY: the token; 16 f16 (32 bytes) are in bounds (asserted).
+        unsafe {
+            _mm256_storeu_si256(
+                dst.as_mut_ptr().cast(),
+                _mm512_cvtps_ph::<AVX512_NEAREST_EVEN>(v),
+            )
+        }
+    }
+    #[inline(always)]
+    fn stream_f16(self, dst: &mut [f16], v: __m512) {
+        assert!(dst.len() >= 16 && (dst.as_ptr() as usize).is_multiple_of(32));
+        // SAFETY: the token; 32 bytes in bounds and 32-byte aligned
+        // (asserted), as vmovntdq ymm requires.
+        unsafe {
+            _mm256_stream_si256(
+                dst.as_mut_ptr().cast(),
+                _mm512_cvtps_ph::<AVX512_NEAREST_EVEN>(v),
+            )
+        }
+    }
+    #[inline(always)]
+    fn fence(self) {
+        // SAFETY: sfence has no preconditions (SSE, part of the token).
+        unsafe { _mm_sfence() }
+    }
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sqrt(self, a: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_sqrt_ps(a) }
+    }
+    #[inline(always)]
+    fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn sign(self, a: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe {
+            let zero = _mm512_setzero_ps();
+            let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, zero);
+            let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, zero);
+            let r = _mm512_mask_blend_ps(positive, a, _mm512_set1_ps(1.0));
+            _mm512_mask_blend_ps(negative, r, _mm512_set1_ps(-1.0))
+        }
+    }
+    #[inline(always)]
+    fn acc_zero(self) -> Self::Acc {
+        // SAFETY: the token.
+        unsafe { (_mm512_setzero_pd(), _mm512_setzero_pd()) }
+    }
+    #[inline(always)]
+    fn acc_add_square(self, acc: Self::Acc, v: __m512) -> Self::Acc {
+        // SAFETY: the token.
+        unsafe {
+            let low = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+            let high_bits = _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v));
+            let high = _mm512_cvtps_pd(_mm256_castpd_ps(high_bits));
+            (
+                _mm512_fmadd_pd(low, low, acc.0),
+                _mm512_fmadd_pd(high, high, acc.1),
+            )
+        }
+    }
+    #[inline(always)]
+    fn acc_sum(self, acc: Self::Acc) -> f64 {
+        // SAFETY: the token.
+        unsafe { _mm512_reduce_add_pd(_mm512_add_pd(acc.0, acc.1)) }
+    }
+}

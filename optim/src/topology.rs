@@ -1,0 +1,188 @@
+//! Which CPUs the optimizer pool may use and how they group into physical
+//! cores, so the pool gets one thread per core (memory-bound kernels gain
+//! nothing from SMT siblings) and each thread stays on its core. From hwloc
+//! with the `hwloc` feature, else from /sys/devices/system/cpu; both start
+//! from the process's affinity mask, so taskset and cgroup cpusets are
+//! respected.
+
+use std::collections::BTreeMap;
+use std::io;
+
+/// CPUs this process may run on, grouped by physical core.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuTopology {
+    /// The CPUs (OS indices) of each physical core, cores in order.
+    pub cores: Vec<Vec<usize>>,
+    /// Where this came from: "hwloc", "sysfs" or "affinity" (no core
+    /// information; every CPU counted as a core).
+    pub source: &'static str,
+}
+
+impl CpuTopology {
+    /// Reads the topology of the CPUs this process may use.
+    pub fn detect() -> CpuTopology {
+        let allowed = allowed_cpus();
+        #[cfg(feature = "hwloc")]
+        if let Some(topology) = from_hwloc(&allowed) {
+            return topology;
+        }
+        from_sysfs(&allowed).unwrap_or_else(|| CpuTopology {
+            cores: allowed.iter().map(|&cpu| vec![cpu]).collect(),
+            source: "affinity",
+        })
+    }
+
+    /// Physical cores available.
+    pub fn core_count(&self) -> usize {
+        self.cores.len()
+    }
+
+    /// The CPU for the `index`th pool thread: the first CPU of each core in
+    /// turn, then the cores' SMT siblings, then around again.
+    pub fn cpu_for_thread(&self, index: usize) -> usize {
+        let order: Vec<usize> = (0..self.cores.iter().map(Vec::len).max().unwrap_or(1))
+            .flat_map(|sibling| {
+                self.cores
+                    .iter()
+                    .filter_map(move |core| core.get(sibling).copied())
+            })
+            .collect();
+        order[index % order.len()]
+    }
+}
+
+/// The CPUs in this process's affinity mask (all online CPUs if it cannot
+/// be read).
+pub fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: cpu_set_t is plain bits; all-zero is a valid empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a live cpu_set_t and the size passed is its size.
+        let rc =
+            unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+        if rc == 0 {
+            // SAFETY: CPU_ISSET reads the initialized set within its size
+            // (CPU_SETSIZE bits).
+            let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+                .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+                .collect();
+            if !cpus.is_empty() {
+                return cpus;
+            }
+        }
+    }
+    (0..std::thread::available_parallelism().map_or(1, usize::from)).collect()
+}
+
+/// Pins the calling thread to one CPU.
+pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("CPU {cpu} is beyond CPU_SETSIZE"),
+            ));
+        }
+        // SAFETY: all-zero is a valid empty cpu_set_t.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `cpu` < CPU_SETSIZE (checked above), so the bit is inside
+        // the set.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+        // SAFETY: `set` is a live cpu_set_t and the size passed is its size;
+        // pid 0 is the calling thread.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = cpu;
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "thread pinning is implemented for Linux only",
+        ))
+    }
+}
+
+/// Asks the kernel to back `memory` with transparent huge pages.
+pub fn advise_huge_pages<T>(memory: &mut [T]) {
+    let start = memory.as_mut_ptr() as usize;
+    let end = start + std::mem::size_of_val(memory);
+    let page = 4096;
+    let (start, end) = (start.div_ceil(page) * page, end / page * page);
+    if end > start {
+        // SAFETY: the range lies inside `memory`, which we borrow mutably.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
+/// Groups the allowed CPUs by (package, core) from
+/// /sys/devices/system/cpu/cpuN/topology.
+fn from_sysfs(allowed: &[usize]) -> Option<CpuTopology> {
+    let read = |cpu: usize, file: &str| -> Option<i64> {
+        let path = format!("/sys/devices/system/cpu/cpu{cpu}/topology/{file}");
+        std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    };
+    let mut cores: BTreeMap<(i64, i64), Vec<usize>> = BTreeMap::new();
+    for &cpu in allowed {
+        let key = (read(cpu, "physical_package_id")?, read(cpu, "core_id")?);
+        cores.entry(key).or_default().push(cpu);
+    }
+    (!cores.is_empty()).then(|| CpuTopology {
+        cores: cores.into_values().collect(),
+        source: "sysfs",
+    })
+}
+
+#[cfg(feature = "hwloc")]
+fn from_hwloc(allowed: &[usize]) -> Option<CpuTopology> {
+    use hwlocality::Topology;
+    use hwlocality::object::types::ObjectType;
+
+    let topology = Topology::new().ok()?;
+    let mut cores = Vec::new();
+    for core in topology.objects_with_type(ObjectType::Core) {
+        let cpuset = core.cpuset()?;
+        let cpus: Vec<usize> = cpuset
+            .iter_set()
+            .map(usize::from)
+            .filter(|cpu| allowed.contains(cpu))
+            .collect();
+        if !cpus.is_empty() {
+            cores.push(cpus);
+        }
+    }
+    (!cores.is_empty()).then_some(CpuTopology {
+        cores,
+        source: "hwloc",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_fill_cores_before_siblings() {
+        let topology = CpuTopology {
+            cores: vec![vec![0, 4], vec![1, 5], vec![2]],
+            source: "test",
+        };
+        let cpus: Vec<usize> = (0..7).map(|i| topology.cpu_for_thread(i)).collect();
+        assert_eq!(cpus, [0, 1, 2, 4, 5, 0, 1]);
+    }
+
+    #[test]
+    fn detection_covers_the_allowed_cpus() {
+        let topology = CpuTopology::detect();
+        let mut seen: Vec<usize> = topology.cores.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        assert_eq!(seen, allowed_cpus(), "{topology:?}");
+        assert!(topology.core_count() >= 1);
+    }
+}
