@@ -359,13 +359,17 @@ impl<G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, G, M, O> {
         let k = Splat::new(s, self.coefficients);
         let n = S::LANES;
         let len = self.params.len();
-        // Large outputs go out with non-temporal stores, which need the
-        // output aligned: a short head runs through the padded path.
-        let stream = len >= simd::STREAM_ELEMS_MIN && self.out.is_some();
-        let head = match &self.out {
-            Some(out) if stream => simd::stream_head::<S, O>(out),
-            _ => 0,
-        };
+        // A short head runs through the padded path so the body's
+        // parameters are aligned (one vector per cache line). Large outputs
+        // go out with non-temporal stores, which need the output aligned
+        // too: when one head cannot align both, the output is stored
+        // normally.
+        let head = simd::align_head::<S, f32>(self.params);
+        let stream = len >= simd::STREAM_ELEMS_MIN
+            && self
+                .out
+                .as_ref()
+                .is_some_and(|out| simd::align_head::<S, O>(out) == head);
         let streams = (self.params, self.grads, self.m, self.v, self.out);
         let (head_part, rest) = streams.split_at(head);
         let (body, tail) = rest.split_at(simd::body_len::<S>(len - head));

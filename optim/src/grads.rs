@@ -5,7 +5,7 @@
 
 use crate::Isa;
 use crate::simd::{self, Element, Kernel, Simd};
-use crate::values::{LowPrecisionMut, Values, padded};
+use crate::values::{LowPrecisionMut, Split, Values, padded};
 
 /// A sum of squared gradients, accumulated over shards (and, in
 /// data-parallel training, all-reduced across ranks by summing
@@ -244,27 +244,28 @@ impl Kernel for Roofline<'_> {
     fn run<S: Simd>(self, s: S) {
         let n = S::LANES;
         let k = s.splat(1e-6);
-        let body = simd::body_len::<S>(self.a.len());
-        let streams = self.a[..body]
+        // Aligned like the optimizer kernels' bodies, so it is their peer.
+        let head = simd::align_head::<S, f32>(self.a);
+        let (head_part, rest) = (self.a, self.b, self.c, self.d).split_at(head);
+        let body = simd::body_len::<S>(rest.0.len());
+        let ((a, b, c, d), tail_part) = rest.split_at(body);
+        let streams = a
             .chunks_exact_mut(n)
-            .zip(self.b[..body].chunks_exact(n))
-            .zip(self.c[..body].chunks_exact_mut(n))
-            .zip(self.d[..body].chunks_exact_mut(n));
+            .zip(b.chunks_exact(n))
+            .zip(c.chunks_exact_mut(n))
+            .zip(d.chunks_exact_mut(n));
         for (((a, b), c), d) in streams {
             let b = s.load(b);
             s.store(a, s.mul_add(b, k, s.load(a)));
             s.store(c, s.mul_add(b, k, s.load(c)));
             s.store(d, s.mul_add(b, k, s.load(d)));
         }
-        let tails = self.a[body..]
-            .iter_mut()
-            .zip(&self.b[body..])
-            .zip(&mut self.c[body..])
-            .zip(&mut self.d[body..]);
-        for (((a, b), c), d) in tails {
-            *a += b * 1e-6;
-            *c += b * 1e-6;
-            *d += b * 1e-6;
+        for (a, b, c, d) in [head_part, tail_part] {
+            for (((a, b), c), d) in a.iter_mut().zip(b).zip(c.iter_mut()).zip(d.iter_mut()) {
+                *a += b * 1e-6;
+                *c += b * 1e-6;
+                *d += b * 1e-6;
+            }
         }
     }
 }

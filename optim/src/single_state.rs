@@ -133,12 +133,14 @@ impl<R: Rule, G: Element, O: Element> Kernel for StateKernel<'_, R, G, O> {
         let k = self.rule.splat(s);
         let n = S::LANES;
         let len = self.params.len();
-        // As in Adam: large outputs are streamed past the caches.
-        let stream = len >= simd::STREAM_ELEMS_MIN && self.out.is_some();
-        let head = match &self.out {
-            Some(out) if stream => simd::stream_head::<S, O>(out),
-            _ => 0,
-        };
+        // As in Adam: an aligned body; large outputs streamed past the
+        // caches when the same head aligns them.
+        let head = simd::align_head::<S, f32>(self.params);
+        let stream = len >= simd::STREAM_ELEMS_MIN
+            && self
+                .out
+                .as_ref()
+                .is_some_and(|out| simd::align_head::<S, O>(out) == head);
         let (head_part, rest) = (self.params, self.grads, self.state, self.out).split_at(head);
         let (body, tail) = rest.split_at(simd::body_len::<S>(len - head));
         padded_update::<R, S, G, O>(&k, s, head_part);

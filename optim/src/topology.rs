@@ -184,5 +184,8 @@ mod tests {
         seen.sort_unstable();
         assert_eq!(seen, allowed_cpus(), "{topology:?}");
         assert!(topology.core_count() >= 1);
+        if cfg!(feature = "hwloc") {
+            assert_eq!(topology.source, "hwloc", "hwloc was built in but not used");
+        }
     }
 }

@@ -465,11 +465,41 @@ fn accumulation_is_exact_for_every_format() {
     }
 }
 
+/// Adam over `p` in 1000-element pieces: outputs that short never stream.
+fn adam_in_pieces(
+    isa: Isa,
+    c: &strata_optim::AdamCoefficients,
+    p: &mut [f32],
+    grads: &[bf16],
+) -> (Vec<f32>, Vec<f32>, Vec<bf16>) {
+    let n = p.len();
+    let (mut m, mut v, mut out) = (vec![0.0f32; n], vec![0.0f32; n], vec![bf16::ZERO; n]);
+    for piece in (0..n).step_by(1000) {
+        let r = piece..(piece + 1000).min(n);
+        let moments = Moments::F32 {
+            m: &mut m[r.clone()],
+            v: &mut v[r.clone()],
+        };
+        let out = Some(LowPrecisionMut::Bf16(&mut out[r.clone()]));
+        adam_step(
+            isa,
+            c,
+            &mut p[r.clone()],
+            Values::Bf16(&grads[r.clone()]),
+            moments,
+            out,
+        );
+    }
+    (m, v, out)
+}
+
 #[test]
 fn streamed_outputs_match_cached_ones_at_any_alignment() {
-    // Outputs this long are written with non-temporal stores after an
-    // unaligned head; in 1000-element pieces they take the cached path.
-    // Both must give the same bits.
+    // Outputs this long are written with non-temporal stores when one head
+    // aligns both the parameters and the output; every parameter offset
+    // against a few output offsets makes that happen on every instruction
+    // set (and not happen, too). Both must give the bits of the cached
+    // path.
     let n = 2_200_000;
     let grads: Vec<bf16> = Rng(11)
         .values(n, 3.0)
@@ -480,64 +510,65 @@ fn streamed_outputs_match_cached_ones_at_any_alignment() {
     let c = AdamConfig::adamw(1e-3).coefficients(4, 0.25).unwrap();
     let lion = LionConfig::new(1e-4).coefficients(1, 1.0).unwrap();
     for isa in Isa::available() {
-        for offset in [0, 1, 3, 8] {
-            let (mut p1, mut m1, mut v1) = (start.clone(), vec![0.0f32; n], vec![0.0f32; n]);
-            let mut out1 = vec![bf16::ZERO; n + 16];
-            let moments = Moments::F32 {
-                m: &mut m1,
-                v: &mut v1,
-            };
-            let out = Some(LowPrecisionMut::Bf16(&mut out1[offset..offset + n]));
-            adam_step(isa, &c, &mut p1, Values::Bf16(&grads), moments, out);
-            let (mut p2, mut m2, mut v2) = (start.clone(), vec![0.0f32; n], vec![0.0f32; n]);
-            let mut out2 = vec![bf16::ZERO; n];
-            for piece in (0..n).step_by(1000) {
-                let r = piece..(piece + 1000).min(n);
+        let mut p2 = start.clone();
+        let (m2, v2, out2) = adam_in_pieces(isa, &c, &mut p2, &grads);
+        for out_offset in [0, 3, 8] {
+            for p_offset in 0..16 {
+                let mut storage = vec![0.0f32; n + 16];
+                storage[p_offset..p_offset + n].copy_from_slice(&start);
+                let (mut m1, mut v1) = (vec![0.0f32; n], vec![0.0f32; n]);
+                let mut out1 = vec![bf16::ZERO; n + 16];
                 let moments = Moments::F32 {
-                    m: &mut m2[r.clone()],
-                    v: &mut v2[r.clone()],
+                    m: &mut m1,
+                    v: &mut v1,
                 };
-                let out = Some(LowPrecisionMut::Bf16(&mut out2[r.clone()]));
+                let out = Some(LowPrecisionMut::Bf16(&mut out1[out_offset..out_offset + n]));
                 adam_step(
                     isa,
                     &c,
-                    &mut p2[r.clone()],
-                    Values::Bf16(&grads[r.clone()]),
+                    &mut storage[p_offset..p_offset + n],
+                    Values::Bf16(&grads),
                     moments,
                     out,
                 );
-            }
-            assert!(
-                p1 == p2 && m1 == m2 && v1 == v2,
-                "{isa} offset {offset}: states differ"
-            );
-            assert!(
-                out1[offset..offset + n] == out2[..],
-                "{isa} offset {offset}: outputs differ"
-            );
-
-            let (mut q1, mut q2) = (start.clone(), start.clone());
-            let (mut s1, mut s2) = (vec![0.0f32; n], vec![0.0f32; n]);
-            let mut half1 = vec![f16::ZERO; n + 16];
-            let mut half2 = vec![f16::ZERO; n];
-            let out = Some(LowPrecisionMut::F16(&mut half1[offset..offset + n]));
-            lion_step(isa, &lion, &mut q1, Values::Bf16(&grads), &mut s1, out);
-            for piece in (0..n).step_by(1000) {
-                let r = piece..(piece + 1000).min(n);
-                let out = Some(LowPrecisionMut::F16(&mut half2[r.clone()]));
-                lion_step(
-                    isa,
-                    &lion,
-                    &mut q2[r.clone()],
-                    Values::Bf16(&grads[r.clone()]),
-                    &mut s2[r.clone()],
-                    out,
+                let same_states = storage[p_offset..p_offset + n] == p2[..] && m1 == m2 && v1 == v2;
+                assert!(
+                    same_states,
+                    "{isa} params at +{p_offset}, output at +{out_offset}: states differ"
+                );
+                assert!(
+                    out1[out_offset..out_offset + n] == out2[..],
+                    "{isa} +{p_offset}/+{out_offset}: outputs differ"
                 );
             }
-            assert!(
-                q1 == q2 && s1 == s2 && half1[offset..offset + n] == half2[..],
-                "{isa} offset {offset}: lion differs"
+        }
+        let (mut q1, mut q2) = (start.clone(), start.clone());
+        let (mut s1, mut s2) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let mut half1 = vec![f16::ZERO; n];
+        let mut half2 = vec![f16::ZERO; n];
+        lion_step(
+            isa,
+            &lion,
+            &mut q1,
+            Values::Bf16(&grads),
+            &mut s1,
+            Some(LowPrecisionMut::F16(&mut half1)),
+        );
+        for piece in (0..n).step_by(1000) {
+            let r = piece..(piece + 1000).min(n);
+            let out = Some(LowPrecisionMut::F16(&mut half2[r.clone()]));
+            lion_step(
+                isa,
+                &lion,
+                &mut q2[r.clone()],
+                Values::Bf16(&grads[r.clone()]),
+                &mut s2[r.clone()],
+                out,
             );
         }
+        assert!(
+            q1 == q2 && s1 == s2 && half1 == half2,
+            "{isa}: lion differs"
+        );
     }
 }

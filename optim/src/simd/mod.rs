@@ -180,10 +180,12 @@ pub(crate) fn dispatch<K: Kernel>(isa: Isa, kernel: K) -> K::Output {
 /// ownership) would only cost bandwidth.
 pub(crate) const STREAM_ELEMS_MIN: usize = 1 << 21;
 
-/// Elements before `dst` reaches the alignment [`Simd::stream_bf16`]
-/// needs (the head a kernel runs through its padded path).
+/// Elements before `dst` starts on a whole-vector boundary (`LANES`
+/// elements of `T`): the head a kernel runs through its padded path so that
+/// the body's loads and stores do not straddle cache lines, and so that
+/// [`Simd::stream_bf16`]'s alignment holds.
 #[inline(always)]
-pub(crate) fn stream_head<S: Simd, T>(dst: &[T]) -> usize {
+pub(crate) fn align_head<S: Simd, T>(dst: &[T]) -> usize {
     let align = S::LANES * std::mem::size_of::<T>();
     let misaligned = dst.as_ptr() as usize % align;
     match misaligned {
