@@ -58,14 +58,17 @@ pub fn allowed_cpus() -> Vec<usize> {
     {
         // SAFETY: cpu_set_t is plain bits; all-zero is a valid empty set.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a live cpu_set_t and the size passed is its size.
-        let rc =
-            unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is a live cpu_set_t and `size` is its size.
+        let rc = unsafe { libc::sched_getaffinity(0, size, &mut set) };
         if rc == 0 {
-            // SAFETY: CPU_ISSET reads the initialized set within its size
-            // (CPU_SETSIZE bits).
+            let is_set = |cpu: usize| {
+                // SAFETY: CPU_ISSET reads the initialized set; `cpu` is below
+                // CPU_SETSIZE, the set's size in bits.
+                unsafe { libc::CPU_ISSET(cpu, &set) }
+            };
             let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-                .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+                .filter(|&cpu| is_set(cpu))
                 .collect();
             if !cpus.is_empty() {
                 return cpus;
@@ -90,10 +93,10 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
         // SAFETY: `cpu` < CPU_SETSIZE (checked above), so the bit is inside
         // the set.
         unsafe { libc::CPU_SET(cpu, &mut set) };
-        // SAFETY: `set` is a live cpu_set_t and the size passed is its size;
-        // pid 0 is the calling thread.
-        let rc =
-            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: `set` is a live cpu_set_t and `size` is its size; pid 0 is
+        // the calling thread.
+        let rc = unsafe { libc::sched_setaffinity(0, size, &set) };
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
