@@ -110,6 +110,64 @@ impl FromStr for BenchKernel {
     }
 }
 
+/// The buffers of [`BenchBuffers`], named so that what each kernel touches
+/// is written down once (`buffers`) and both allocation and the memory
+/// estimate follow from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Buffer {
+    P,
+    G,
+    M,
+    V,
+    Sum,
+    GBf16,
+    GF16,
+    MBf16,
+    VBf16,
+    OutBf16,
+    OutF16,
+}
+
+impl Buffer {
+    fn bytes_per_param(self) -> u64 {
+        match self {
+            Buffer::P | Buffer::G | Buffer::M | Buffer::V | Buffer::Sum => 4,
+            _ => 2,
+        }
+    }
+}
+
+/// What `kernel` reads and writes (Lion's momentum shares `M`; Adagrad's
+/// sum of squares must stay non-negative, so it has its own).
+fn buffers(kernel: BenchKernel) -> &'static [Buffer] {
+    use Buffer::*;
+    match kernel {
+        BenchKernel::AdamwFp32 | BenchKernel::AdamL2Fp32 | BenchKernel::Roofline4r3w => {
+            &[P, G, M, V]
+        }
+        BenchKernel::OffloadStepBf16 => &[P, GBf16, M, V, OutBf16],
+        BenchKernel::OffloadStepFp16 => &[P, GF16, M, V, OutF16],
+        BenchKernel::OffloadStepBf16Moments => &[P, GBf16, MBf16, VBf16, OutBf16],
+        BenchKernel::AdagradFp32 => &[P, G, Sum],
+        BenchKernel::LionFp32 => &[P, G, M],
+        BenchKernel::GradNormBf16 => &[GBf16],
+        BenchKernel::AccumulateBf16 => &[G, GBf16],
+    }
+}
+
+/// Bytes of buffers `kernels` need together at `params` parameters.
+pub fn buffer_bytes(params: usize, kernels: &[BenchKernel]) -> u64 {
+    let mut used: Vec<Buffer> = kernels
+        .iter()
+        .flat_map(|&k| buffers(k).iter().copied())
+        .collect();
+    used.sort_by_key(|&b| b as u8);
+    used.dedup();
+    used.iter()
+        .map(|b| b.bytes_per_param() * params as u64)
+        .sum()
+}
+
 /// A buffer whose first element sits on a page boundary, as the runtime's
 /// pinned host buffers do (a plain `Vec` starts 16 bytes past one, which
 /// splits every 64-byte vector across two cache lines).
@@ -188,56 +246,26 @@ impl BenchBuffers {
         }
     }
 
-    /// Parameters per step.
-    pub fn params(&self) -> usize {
-        self.params
-    }
-
     /// Allocates and fills what `kernel` needs, so its first timed run
     /// does not pay for page faults.
     pub fn prepare(&mut self, kernel: BenchKernel) {
-        use BenchKernel::*;
         let n = self.params;
-        ensure(&mut self.p, n, |i| value(i, 1, 1.0));
-        if matches!(
-            kernel,
-            AdamwFp32 | AdamL2Fp32 | Roofline4r3w | AdagradFp32 | LionFp32 | AccumulateBf16
-        ) {
-            ensure(&mut self.g, n, |i| value(i, 2, 1e-2));
-        }
-        if matches!(
-            kernel,
-            AdamwFp32 | AdamL2Fp32 | Roofline4r3w | LionFp32 | OffloadStepBf16 | OffloadStepFp16
-        ) {
-            ensure(&mut self.m, n, |i| value(i, 3, 1e-3).abs());
-        }
-        if matches!(
-            kernel,
-            AdamwFp32 | AdamL2Fp32 | Roofline4r3w | OffloadStepBf16 | OffloadStepFp16
-        ) {
-            ensure(&mut self.v, n, |i| value(i, 4, 1e-6).abs());
-        }
-        if kernel == AdagradFp32 {
-            ensure(&mut self.sum, n, |i| value(i, 6, 1e-3).abs());
-        }
-        if matches!(
-            kernel,
-            OffloadStepBf16 | OffloadStepBf16Moments | GradNormBf16 | AccumulateBf16
-        ) {
-            ensure(&mut self.g_bf16, n, |i| bf16::from_f32(value(i, 5, 1e2)));
-        }
-        if matches!(kernel, OffloadStepBf16 | OffloadStepBf16Moments) {
-            ensure(&mut self.out_bf16, n, |_| bf16::ZERO);
-        }
-        if kernel == OffloadStepFp16 {
-            ensure(&mut self.g_f16, n, |i| f16::from_f32(value(i, 5, 1e2)));
-            ensure(&mut self.out_f16, n, |_| f16::ZERO);
-        }
-        if kernel == OffloadStepBf16Moments {
-            ensure(&mut self.m_bf16, n, |i| bf16::from_f32(value(i, 3, 1e-3)));
-            ensure(&mut self.v_bf16, n, |i| {
-                bf16::from_f32(value(i, 4, 1e-6).abs())
-            });
+        for &buffer in buffers(kernel) {
+            match buffer {
+                Buffer::P => ensure(&mut self.p, n, |i| value(i, 1, 1.0)),
+                Buffer::G => ensure(&mut self.g, n, |i| value(i, 2, 1e-2)),
+                Buffer::M => ensure(&mut self.m, n, |i| value(i, 3, 1e-3).abs()),
+                Buffer::V => ensure(&mut self.v, n, |i| value(i, 4, 1e-6).abs()),
+                Buffer::Sum => ensure(&mut self.sum, n, |i| value(i, 6, 1e-3).abs()),
+                Buffer::GBf16 => ensure(&mut self.g_bf16, n, |i| bf16::from_f32(value(i, 5, 1e2))),
+                Buffer::GF16 => ensure(&mut self.g_f16, n, |i| f16::from_f32(value(i, 5, 1e2))),
+                Buffer::MBf16 => ensure(&mut self.m_bf16, n, |i| bf16::from_f32(value(i, 3, 1e-3))),
+                Buffer::VBf16 => ensure(&mut self.v_bf16, n, |i| {
+                    bf16::from_f32(value(i, 4, 1e-6).abs())
+                }),
+                Buffer::OutBf16 => ensure(&mut self.out_bf16, n, |_| bf16::ZERO),
+                Buffer::OutF16 => ensure(&mut self.out_f16, n, |_| f16::ZERO),
+            }
         }
     }
 

@@ -112,18 +112,6 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     }
 }
 
-/// Asks the kernel to back `memory` with transparent huge pages.
-pub fn advise_huge_pages<T>(memory: &mut [T]) {
-    let start = memory.as_mut_ptr() as usize;
-    let end = start + std::mem::size_of_val(memory);
-    let page = 4096;
-    let (start, end) = (start.div_ceil(page) * page, end / page * page);
-    if end > start {
-        // SAFETY: the range lies inside `memory`, which we borrow mutably.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-    }
-}
-
 /// Groups the allowed CPUs by (package, core) from
 /// /sys/devices/system/cpu/cpuN/topology.
 fn from_sysfs(allowed: &[usize]) -> Option<CpuTopology> {

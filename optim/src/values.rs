@@ -61,14 +61,6 @@ impl Values<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Bytes per element.
-    pub fn element_bytes(&self) -> usize {
-        match self {
-            Values::F32(_) => 4,
-            Values::Bf16(_) | Values::F16(_) => 2,
-        }
-    }
 }
 
 impl LowPrecisionMut<'_> {

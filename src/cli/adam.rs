@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use serde::Serialize;
-use strata::optim::bench::{BenchBuffers, BenchKernel, measure};
+use strata::optim::bench::{BenchBuffers, BenchKernel, buffer_bytes, measure};
 use strata::optim::{Isa, Pool, PoolConfig};
 
 use super::chart::{Series, line_chart};
@@ -44,7 +44,7 @@ pub struct AdamArgs {
     plot: Option<PathBuf>,
 }
 
-#[derive(Serialize, Clone, Debug)]
+#[derive(Serialize, Debug)]
 struct ResultRow {
     kernel: &'static str,
     isa: &'static str,
@@ -59,8 +59,8 @@ struct ResultRow {
 }
 
 #[derive(Serialize)]
-struct Report {
-    results: Vec<ResultRow>,
+struct Report<'a> {
+    results: &'a [ResultRow],
 }
 
 /// Parses "67108864", "64M", "1G".
@@ -106,22 +106,6 @@ fn parse_isas(names: &[String]) -> anyhow::Result<Vec<Isa>> {
     isas.sort();
     isas.dedup();
     Ok(isas)
-}
-
-/// Bytes of buffers the selected kernels need at `params` (an upper bound).
-fn buffer_bytes(params: usize, kernels: &[BenchKernel]) -> u64 {
-    let fp32_streams = 4 + u64::from(kernels.contains(&BenchKernel::AdagradFp32));
-    let half_streams = kernels
-        .iter()
-        .map(|k| match k {
-            BenchKernel::OffloadStepBf16Moments => 4,
-            BenchKernel::OffloadStepFp16 | BenchKernel::OffloadStepBf16 => 2,
-            BenchKernel::GradNormBf16 | BenchKernel::AccumulateBf16 => 1,
-            _ => 0,
-        })
-        .sum::<u64>()
-        .min(6);
-    params as u64 * (4 * fp32_streams + 2 * half_streams)
 }
 
 fn available_memory_bytes() -> Option<u64> {
@@ -188,12 +172,7 @@ pub fn run(args: AdamArgs) -> anyhow::Result<()> {
     }
     bar.finish_and_clear();
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string(&Report {
-                results: results.clone()
-            })?
-        );
+        println!("{}", serde_json::to_string(&Report { results: &results })?);
     } else {
         print_table(&results);
     }

@@ -73,8 +73,6 @@ pub trait Simd: Copy + Send + Sync {
 /// vector loads and stores live on [`Lanes`], which only this crate
 /// implements.
 pub trait Element: Lanes + Copy + Default + Send + Sync + 'static {
-    /// The name used in benchmarks and errors.
-    const NAME: &'static str;
     /// One element to f32 (exact).
     fn to_f32(self) -> f32;
     /// One f32 to this type, round to nearest even.
@@ -94,9 +92,8 @@ pub trait Lanes: Sized {
 }
 
 macro_rules! element {
-    ($t:ty, $name:literal, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr) => {
+    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr) => {
         impl Element for $t {
-            const NAME: &'static str = $name;
             fn to_f32(self) -> f32 {
                 $to(self)
             }
@@ -121,10 +118,9 @@ macro_rules! element {
     };
 }
 
-element!(f32, "f32", load, store, store, |x| x, |x| x);
+element!(f32, load, store, store, |x| x, |x| x);
 element!(
     bf16,
-    "bf16",
     load_bf16,
     store_bf16,
     stream_bf16,
@@ -133,7 +129,6 @@ element!(
 );
 element!(
     f16,
-    "f16",
     load_f16,
     store_f16,
     stream_f16,
