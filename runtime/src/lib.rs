@@ -1,13 +1,51 @@
 //! strata-runtime owns tensors, tiers and devices: the tensor-residency
 //! manager that moves parameters, gradients, optimizer states and
 //! activations between device memory, pinned host RAM and NVMe (through
-//! [`strata_storage`]), carries out the plans of `strata-scheduler`, runs the
-//! optimizer kernels of `strata-optim`, and hosts the training engine. It is
-//! the only crate that touches CUDA.
+//! [`strata_storage`]), and carries out the plans of `strata-scheduler`. It
+//! is the only crate that touches CUDA.
 //!
-//! Its types arrive with the runtime issue; the crate exists now so that the
-//! dependency direction (runtime -> storage, optim, scheduler) is fixed from
-//! the first commit.
+//! The main types:
+//! - [`Runtime`]: the registry of tensors and their copies per [`Tier`], the
+//!   movers that carry out [`Runtime::move_to`] (returning a [`Completion`]),
+//!   automatic spill when a budget is hit, and the accounting ([`Stats`]) and
+//!   Chrome trace.
+//! - [`Guard`]: a use of a tensor's copy; a copy in use is never evicted.
+//! - [`Device`]: [`CpuDevice`] (a budgeted host arena, everywhere) or
+//!   [`CudaDevice`] (cudarc, loaded at run time).
+//!
+//! ```no_run
+//! use strata_runtime::{Access, Dtype, Runtime, RuntimeConfig, TensorKind, TensorMeta, Tier};
+//! let runtime = Runtime::new(&RuntimeConfig::default())?;
+//! let meta = TensorMeta::new("block3.mlp.weight", TensorKind::Param, Dtype::F32, &[1024, 4096]);
+//! let id = runtime.register(meta, Tier::Host)?;
+//! let done = runtime.move_to(id, Tier::Device)?;   // returns at once
+//! done.wait()?;
+//! let guard = runtime.acquire(id, Tier::Device, Access::Read)?;
+//! # drop(guard);
+//! # Ok::<(), strata_runtime::RuntimeError>(())
+//! ```
+
+pub mod bench;
+mod config;
+pub mod device;
+mod error;
+mod guard;
+mod host_pool;
+mod residency;
+mod stats;
+mod tier;
+
+pub use config::{
+    CLASSES_MAX, ClassConfig, DeviceChoice, DeviceConfig, HOST_BUFFER_ALIGN_BYTES, HostConfig,
+    LimitsConfig, MOVERS_MAX, RuntimeConfig,
+};
+pub use device::{CpuDevice, CudaDevice, Device, DeviceKind};
+pub use error::{Result, RuntimeError};
+pub use guard::{Access, Guard};
+pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
+pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime, mem_available_bytes};
+pub use stats::{EventKind, LinkStats, Stats, TierStats, Trace, TraceEvent};
+pub use tier::{Dtype, Link, Owner, TensorId, TensorKind, TensorMeta, Tier};
 
 pub use strata_optim as optim;
 pub use strata_scheduler as scheduler;

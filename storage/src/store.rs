@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 use crate::alloc::ExtentAllocator;
 use crate::buffer::AlignedBuf;
 use crate::config::StorageConfig;
-use crate::engine::{EngineKind, FaultRates};
+use crate::engine::{EngineKind, FaultCounts, FaultRates};
 use crate::error::{Op, Result, StorageError};
 use crate::file::{IoFile, check_dir_writable};
 use crate::queue::Request;
@@ -122,7 +122,11 @@ struct Inner {
     allocator: Mutex<ExtentAllocator>,
     extents: Mutex<HashMap<u64, ExtentMeta>>,
     next_id: AtomicU64,
+    faults: Option<FaultCounters>,
 }
+
+/// Each faulty ring's counts, registered as the rings start.
+type FaultCounters = Arc<Mutex<Vec<Arc<Mutex<FaultCounts>>>>>;
 
 /// A checksummed, striped swap space on one or more drives.
 ///
@@ -179,23 +183,50 @@ impl Drop for Extent {
 impl SwapStore {
     /// Creates the swap files, preallocated, and starts the rings.
     pub fn open(config: &StorageConfig) -> Result<Self> {
-        Self::open_with(config, None)
+        Self::open_with(config, None, None)
     }
 
     /// Like [`SwapStore::open`] with each ring's engine wrapped in a seeded
     /// [`crate::FaultEngine`], for tests and simulations.
+    /// [`SwapStore::fault_counts`] says how many faults were injected.
     pub fn open_faulty(config: &StorageConfig, rates: FaultRates, seed: u64) -> Result<Self> {
+        let counts = FaultCounters::default();
+        let handles = counts.clone();
         let wrap: EngineFactory = Arc::new(move |ring, engine| {
-            Box::new(crate::FaultEngine::new(
-                engine,
-                rates,
-                seed.wrapping_add(ring as u64),
-            ))
+            let engine = crate::FaultEngine::new(engine, rates, seed.wrapping_add(ring as u64));
+            handles
+                .lock()
+                .expect("fault counters lock")
+                .push(engine.counts_handle());
+            Box::new(engine)
         });
-        Self::open_with(config, Some(wrap))
+        Self::open_with(config, Some(wrap), Some(counts))
     }
 
-    fn open_with(config: &StorageConfig, wrap: Option<EngineFactory>) -> Result<Self> {
+    /// Faults injected so far over every ring, for a store opened with
+    /// [`SwapStore::open_faulty`] (None otherwise). A ring's counts are
+    /// updated before the completions they affect are delivered, so after a
+    /// ticket finishes they include every fault of its transfer.
+    pub fn fault_counts(&self) -> Option<FaultCounts> {
+        let counters = self.inner.faults.as_ref()?;
+        let counters = counters.lock().expect("fault counters lock");
+        Some(counters.iter().fold(FaultCounts::default(), |sum, ring| {
+            let ring = *ring.lock().expect("fault counts lock");
+            FaultCounts {
+                eio: sum.eio + ring.eio,
+                enospc: sum.enospc + ring.enospc,
+                eagain: sum.eagain + ring.eagain,
+                short: sum.short + ring.short,
+                flip: sum.flip + ring.flip,
+            }
+        }))
+    }
+
+    fn open_with(
+        config: &StorageConfig,
+        wrap: Option<EngineFactory>,
+        faults: Option<FaultCounters>,
+    ) -> Result<Self> {
         config.validate()?;
         let engine = config.engine.resolve()?;
         let dirs = config.dirs.len() as u64;
@@ -252,6 +283,7 @@ impl SwapStore {
                 allocator: Mutex::new(ExtentAllocator::new(file_bytes * dirs, align_bytes)),
                 extents: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(0),
+                faults,
             }),
         })
     }
@@ -376,10 +408,61 @@ impl SwapStore {
 
     fn start(&self, extent: &Extent, op: Op, mut buf: AlignedBuf) -> Ticket<AlignedBuf> {
         let (ptr, len) = (buf.as_mut_ptr(), buf.len());
-        let prepared = self.prepare(extent, op, ptr, len, buf);
-        let (batch, ticket, pieces) = match prepared {
+        // SAFETY: the pointer is into `buf`, which the batch owns (as its
+        // payload) until every piece has completed.
+        unsafe { self.start_raw(extent, op, ptr, len, buf) }
+    }
+
+    /// Starts writing `len_bytes` at `ptr` (memory owned by the caller, such
+    /// as one buffer of a pool carved from a larger region) to the extent and
+    /// returns at once; `payload` comes back with the result.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len_bytes` must stay valid, and must not be written, until
+    /// the ticket reports the transfer finished (`wait` returns, `is_done` is
+    /// true or the future resolves). Dropping the ticket does not end that
+    /// obligation: the transfer still runs.
+    pub unsafe fn write_start_raw<T: Send + 'static>(
+        &self,
+        extent: &Extent,
+        ptr: *const u8,
+        len_bytes: usize,
+        payload: T,
+    ) -> Ticket<T> {
+        // SAFETY: forwarded from our caller; a write only reads the memory.
+        unsafe { self.start_raw(extent, Op::Write, ptr.cast_mut(), len_bytes, payload) }
+    }
+
+    /// Starts reading the extent into `ptr..ptr + len_bytes`, verifying every
+    /// chunk's checksum, and returns at once.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len_bytes` must stay valid, and must be neither read nor
+    /// written by anyone else, until the ticket reports the transfer finished.
+    pub unsafe fn read_start_raw<T: Send + 'static>(
+        &self,
+        extent: &Extent,
+        ptr: *mut u8,
+        len_bytes: usize,
+        payload: T,
+    ) -> Ticket<T> {
+        // SAFETY: forwarded from our caller.
+        unsafe { self.start_raw(extent, Op::Read, ptr, len_bytes, payload) }
+    }
+
+    /// # Safety
+    /// As [`SwapStore::read_start_raw`] (for writes: valid and unwritten).
+    unsafe fn start_raw<T: Send + 'static>(
+        &self,
+        extent: &Extent,
+        op: Op,
+        ptr: *mut u8,
+        len: usize,
+        payload: T,
+    ) -> Ticket<T> {
+        let (batch, ticket, pieces) = match self.prepare(extent, op, ptr, len, payload) {
             Ok(prepared) => prepared,
-            Err((buf, err)) => return failed_ticket(buf, err),
+            Err((payload, err)) => return failed_ticket(payload, err),
         };
         self.send_all_blocking(extent.id, op, batch, pieces, false);
         ticket
@@ -554,8 +637,8 @@ impl SwapStore {
     }
 }
 
-fn failed_ticket(buf: AlignedBuf, err: StorageError) -> Ticket<AlignedBuf> {
-    let (batch, ticket) = IoService::batch(1, buf, None);
+fn failed_ticket<T: Send + 'static>(payload: T, err: StorageError) -> Ticket<T> {
+    let (batch, ticket) = IoService::batch(1, payload, None);
     batch.piece_done(Err(err));
     ticket
 }

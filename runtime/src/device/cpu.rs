@@ -1,0 +1,199 @@
+//! The CPU device: a budgeted host arena that stands in for device memory,
+//! with one copy thread per direction standing in for the DMA engines, so
+//! copies run beside compute exactly as they would on a GPU.
+
+use std::sync::Arc;
+use std::sync::mpsc::{SyncSender, sync_channel};
+use std::thread::JoinHandle;
+
+use strata_storage::{AlignedBuf, PAGE_BYTES};
+
+use super::{CopyPiece, CopyTicket, CpuDone, Device, DeviceKind, Direction, Done};
+use crate::error::{Result, RuntimeError};
+
+/// Copy jobs queued per direction before `copy` blocks.
+const JOBS_QUEUED_MAX: usize = 256;
+
+struct Job {
+    direction: Direction,
+    pieces: Vec<CopyPiece>,
+    done: Arc<CpuDone>,
+}
+
+/// The arena's base address, shared with the copy threads.
+#[derive(Clone, Copy)]
+struct Base(*mut u8);
+
+// SAFETY: the arena outlives the copy threads (they are joined in Drop before
+// the arena is freed), and each copy touches only ranges its submitter owns.
+unsafe impl Send for Base {}
+
+/// A host arena of `budget` bytes and two copy engines.
+pub struct CpuDevice {
+    // Field order is drop order: engines stop before the arena is freed.
+    engines: Engines,
+    arena: AlignedBuf,
+}
+
+struct Engines {
+    senders: Vec<SyncSender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Engines {
+    fn drop(&mut self) {
+        self.senders.clear();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl CpuDevice {
+    /// Reserves the arena (touching every page, so no copy pays a page
+    /// fault) and starts the copy threads.
+    pub fn new(budget_bytes: u64) -> Result<Self> {
+        let mut arena = AlignedBuf::new(budget_bytes as usize, PAGE_BYTES)?;
+        for page in arena.chunks_mut(PAGE_BYTES) {
+            page[0] = 0;
+        }
+        let base = Base(arena.as_mut_ptr());
+        let mut senders = Vec::with_capacity(2);
+        let mut threads = Vec::with_capacity(2);
+        for name in ["strata-h2d", "strata-d2h"] {
+            let (sender, receiver) = sync_channel::<Job>(JOBS_QUEUED_MAX);
+            let thread = std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || {
+                    let base = base;
+                    for job in receiver {
+                        run_job(base.0, &job);
+                        job.done.0.finish();
+                    }
+                })
+                .map_err(|err| RuntimeError::Config {
+                    key: "device",
+                    value: "cpu".into(),
+                    fix: format!("could not start a copy thread: {err}"),
+                })?;
+            senders.push(sender);
+            threads.push(thread);
+        }
+        Ok(Self {
+            engines: Engines { senders, threads },
+            arena,
+        })
+    }
+}
+
+fn run_job(base: *mut u8, job: &Job) {
+    run_pieces(base, job.direction, &job.pieces);
+}
+
+fn run_pieces(base: *mut u8, direction: Direction, pieces: &[CopyPiece]) {
+    for piece in pieces {
+        // SAFETY: `Device::copy`'s contract: the host range is valid and the
+        // arena range lies inside the arena, neither touched by anyone else
+        // until the job's ticket is waited on.
+        unsafe {
+            let device = base.add(piece.device_offset as usize);
+            match direction {
+                Direction::ToDevice => {
+                    std::ptr::copy_nonoverlapping(piece.host, device, piece.len_bytes)
+                }
+                Direction::ToHost => {
+                    std::ptr::copy_nonoverlapping(device, piece.host, piece.len_bytes)
+                }
+            }
+        }
+    }
+}
+
+impl CpuDevice {
+    fn check_range(&self, device_offset: u64, len_bytes: usize) {
+        assert!(
+            device_offset + len_bytes as u64 <= self.arena.len() as u64,
+            "copy of {len_bytes} bytes at arena offset {device_offset} leaves the {}-byte arena",
+            self.arena.len()
+        );
+    }
+}
+
+impl Device for CpuDevice {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+
+    fn describe(&self) -> String {
+        format!("cpu device ({} bytes of host memory)", self.arena.len())
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.arena.len() as u64
+    }
+
+    fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf> {
+        Ok(AlignedBuf::new_locked(len_bytes, PAGE_BYTES)?)
+    }
+
+    unsafe fn copy(&self, direction: Direction, pieces: &[CopyPiece]) -> Result<CopyTicket> {
+        for piece in pieces {
+            self.check_range(piece.device_offset, piece.len_bytes);
+        }
+        let done = Arc::new(CpuDone(Done::default()));
+        let engine = match direction {
+            Direction::ToDevice => 0,
+            Direction::ToHost => 1,
+        };
+        let job = Job {
+            direction,
+            pieces: pieces.to_vec(),
+            done: done.clone(),
+        };
+        self.engines.senders[engine]
+            .send(job)
+            .expect("copy thread runs as long as the device");
+        Ok(CopyTicket::Cpu(done))
+    }
+
+    fn wait(&self, ticket: CopyTicket) -> Result<()> {
+        match ticket {
+            CopyTicket::Cpu(done) => {
+                done.0.wait();
+                Ok(())
+            }
+            CopyTicket::Cuda(_) => unreachable!("a CUDA ticket on the CPU device"),
+        }
+    }
+
+    fn host_address(&self, device_offset: u64) -> Option<*mut u8> {
+        assert!(device_offset <= self.arena.len() as u64);
+        Some(
+            self.arena
+                .as_ptr()
+                .wrapping_add(device_offset as usize)
+                .cast_mut(),
+        )
+    }
+
+    fn device_address(&self, device_offset: u64) -> u64 {
+        self.arena.as_ptr() as u64 + device_offset
+    }
+
+    unsafe fn raw_copy(
+        &self,
+        direction: Direction,
+        host: *mut u8,
+        device_offset: u64,
+        len_bytes: usize,
+    ) -> Result<()> {
+        self.check_range(device_offset, len_bytes);
+        let piece = CopyPiece {
+            host,
+            device_offset,
+            len_bytes,
+        };
+        run_pieces(self.arena.as_ptr().cast_mut(), direction, &[piece]);
+        Ok(())
+    }
+}

@@ -1,0 +1,161 @@
+//! Devices behind one interface: [`CpuDevice`] (a budgeted host arena that
+//! stands in for device memory, so everything runs without a GPU) and
+//! [`CudaDevice`] (cudarc, loaded at run time).
+//!
+//! A device owns one arena of `budget` bytes, reserved at start; the
+//! registry sub-allocates it. Copies between pinned host buffers and the
+//! arena are queued on copy engines (threads on the CPU device, copy streams
+//! on CUDA), one per direction, and never on the compute stream.
+
+mod cpu;
+mod cuda;
+
+pub use cpu::CpuDevice;
+pub use cuda::CudaDevice;
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use strata_storage::AlignedBuf;
+
+use crate::config::{DeviceChoice, DeviceConfig};
+use crate::error::{Result, RuntimeError};
+
+/// Which kind of device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// The CPU device.
+    Cpu,
+    /// A CUDA GPU.
+    Cuda,
+}
+
+/// Direction of a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Pinned host buffer to the device arena.
+    ToDevice,
+    /// Device arena to pinned host buffer.
+    ToHost,
+}
+
+/// One contiguous copy between a host buffer and the arena.
+#[derive(Clone, Copy, Debug)]
+pub struct CopyPiece {
+    /// Host address (a pinned pool buffer).
+    pub host: *mut u8,
+    /// Offset in the device arena.
+    pub device_offset: u64,
+    /// Bytes.
+    pub len_bytes: usize,
+}
+
+// SAFETY: a CopyPiece is an address range handed to a copy engine; whoever
+// submits it guarantees the memory stays valid until the copy is waited on
+// (`Device::copy`'s contract).
+unsafe impl Send for CopyPiece {}
+
+/// Completion flag of a CPU-device copy job.
+#[derive(Default)]
+pub(crate) struct Done {
+    finished: Mutex<bool>,
+    ready: Condvar,
+}
+
+impl Done {
+    pub(crate) fn finish(&self) {
+        *self.finished.lock().expect("done lock") = true;
+        self.ready.notify_all();
+    }
+
+    pub(crate) fn wait(&self) {
+        let mut finished = self.finished.lock().expect("done lock");
+        while !*finished {
+            finished = self.ready.wait(finished).expect("done lock");
+        }
+    }
+}
+
+/// A batch of copies in flight; wait on it with [`Device::wait`].
+#[must_use = "a copy must be waited on before its memory is reused"]
+pub enum CopyTicket {
+    /// A CPU-device job.
+    Cpu(Arc<CpuDone>),
+    /// An event recorded on a CUDA copy stream after the copies.
+    Cuda(cuda::CudaTicket),
+}
+
+/// Opaque completion of a CPU-device copy job.
+pub struct CpuDone(pub(crate) Done);
+
+/// What the registry needs from a device.
+pub trait Device: Send + Sync {
+    /// CPU or CUDA.
+    fn kind(&self) -> DeviceKind;
+
+    /// One line for logs and reports ("cpu arena" or the GPU's name).
+    fn describe(&self) -> String;
+
+    /// Bytes of the arena (the device budget).
+    fn capacity_bytes(&self) -> u64;
+
+    /// Allocates page-locked host memory for the pinned pool: through CUDA
+    /// when a GPU is present (so copies are true DMA), mlock otherwise.
+    fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf>;
+
+    /// Queues copies on the copy engine of `direction` and returns at once.
+    ///
+    /// # Safety
+    /// Every piece's host range must be valid (and, for `ToHost`, not
+    /// accessed by anyone else) until the ticket has been waited on; device
+    /// ranges must lie in the arena and not be written by anyone else until
+    /// then.
+    unsafe fn copy(&self, direction: Direction, pieces: &[CopyPiece]) -> Result<CopyTicket>;
+
+    /// Blocks until a batch of copies has finished.
+    fn wait(&self, ticket: CopyTicket) -> Result<()>;
+
+    /// A host address for an arena offset when the arena is host memory (the
+    /// CPU device); None on a GPU.
+    fn host_address(&self, device_offset: u64) -> Option<*mut u8>;
+
+    /// The device address of an arena offset (a CUdeviceptr on CUDA).
+    fn device_address(&self, device_offset: u64) -> u64;
+
+    /// The raw path the runtime is measured against: one synchronous copy of
+    /// `len_bytes` in the calling thread (memcpy), or one cudaMemcpyAsync
+    /// from pinned memory followed by a stream synchronize.
+    ///
+    /// # Safety
+    /// As [`Device::copy`], for the duration of the call.
+    unsafe fn raw_copy(
+        &self,
+        direction: Direction,
+        host: *mut u8,
+        device_offset: u64,
+        len_bytes: usize,
+    ) -> Result<()>;
+}
+
+/// Opens the device the config asks for. `Auto` takes CUDA when it can be
+/// used and says why not (at info level) when it falls back to the CPU.
+pub fn open(config: &DeviceConfig) -> Result<Box<dyn Device>> {
+    match config.kind {
+        DeviceChoice::Cpu => Ok(Box::new(CpuDevice::new(config.budget.0)?)),
+        DeviceChoice::Cuda => Ok(Box::new(CudaDevice::new(config.ordinal, config.budget.0)?)),
+        DeviceChoice::Auto => match CudaDevice::new(config.ordinal, config.budget.0) {
+            Ok(device) => Ok(Box::new(device)),
+            Err(RuntimeError::CudaUnavailable { reason }) => {
+                tracing::info!("device: cpu, because {reason}");
+                Ok(Box::new(CpuDevice::new(config.budget.0)?))
+            }
+            Err(err) => Err(err),
+        },
+    }
+}
+
+/// Whether a CUDA device can be used here, and why not. Tests that need a
+/// GPU print the reason and skip.
+pub fn cuda_available() -> std::result::Result<(), String> {
+    cuda::probe()
+}

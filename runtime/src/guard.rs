@@ -1,0 +1,295 @@
+//! Use guards: while one is held, its tensor's copy cannot be evicted, and
+//! the guard gives access to the bytes (host buffers, or the CPU device's
+//! arena) or the device address.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::error::{Result, RuntimeError};
+use crate::host_pool::{Chunk, Slot};
+use crate::residency::{Place, Shared, in_use_error, not_resident};
+use crate::stats::CALLER_LANE;
+use crate::tier::{TensorId, Tier};
+
+/// Read (shared) or write (exclusive) use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Any number of readers; no writer.
+    Read,
+    /// One writer, no reader; other copies are released when it ends.
+    Write,
+}
+
+/// Where a guarded copy's bytes are.
+pub(crate) enum View {
+    Host {
+        slots: Arc<[Slot]>,
+        chunks: Arc<[Chunk]>,
+    },
+    Device {
+        offset: u64,
+    },
+    Nvme,
+}
+
+impl View {
+    pub(crate) fn of(entry: &crate::residency::Entry, tier: Tier) -> View {
+        let (place, chunks) = entry.place(tier);
+        match place {
+            Place::Host(slots) => View::Host {
+                slots: slots.clone(),
+                chunks: chunks.clone(),
+            },
+            Place::Device { offset, .. } => View::Device { offset: *offset },
+            Place::Nvme(_) => View::Nvme,
+        }
+    }
+
+    /// (address, bytes) of each contiguous piece, in tensor order; None when
+    /// the bytes are not addressable from the host (a GPU, NVMe).
+    fn pieces(&self, shared: &Shared, len_bytes: u64, out: &mut dyn FnMut(*mut u8, usize)) -> bool {
+        match self {
+            View::Host { slots, chunks } => {
+                for (slot, chunk) in slots.iter().zip(chunks.iter()) {
+                    out(shared.pool.ptr(*slot), chunk.len_bytes as usize);
+                }
+                true
+            }
+            View::Device { offset } => match shared.device.host_address(*offset) {
+                Some(ptr) => {
+                    out(ptr, len_bytes as usize);
+                    true
+                }
+                None => false,
+            },
+            View::Nvme => false,
+        }
+    }
+
+    pub(crate) fn fill_zero(&self, shared: &Shared, len_bytes: u64) -> Result<()> {
+        let addressable = self.pieces(shared, len_bytes, &mut |ptr, len| {
+            // SAFETY: the range is this copy's memory, which its owner (a
+            // registration in progress, marked moving) holds exclusively.
+            unsafe { std::ptr::write_bytes(ptr, 0, len) }
+        });
+        if addressable {
+            return Ok(());
+        }
+        match self {
+            View::Device { offset } => zero_device(shared, *offset, len_bytes),
+            _ => unreachable!("only device and host copies are registered"),
+        }
+    }
+}
+
+/// Zeroes device memory by copying from a zeroed pinned buffer (the pool's
+/// memory is zero only at start, so a scratch buffer is used).
+fn zero_device(shared: &Shared, offset: u64, len_bytes: u64) -> Result<()> {
+    let step = (16u64 << 20).min(len_bytes) as usize;
+    let mut zeros = shared.device.alloc_host(step)?;
+    zeros.fill(0);
+    let mut done = 0;
+    while done < len_bytes {
+        let len = step.min((len_bytes - done) as usize);
+        // SAFETY: `zeros` lives until the synchronous copy returns, and the
+        // device range is this new copy's, held exclusively.
+        unsafe {
+            shared.device.raw_copy(
+                crate::device::Direction::ToDevice,
+                zeros.as_mut_ptr(),
+                offset + done,
+                len,
+            )?
+        };
+        done += len as u64;
+    }
+    Ok(())
+}
+
+/// A held use of one tensor's copy in one tier. Dropping it ends the use.
+pub struct Guard {
+    shared: Arc<Shared>,
+    tensor: TensorId,
+    tier: Tier,
+    access: Access,
+    len_bytes: u64,
+    view: View,
+}
+
+impl Guard {
+    pub(crate) fn acquire(
+        shared: &Arc<Shared>,
+        id: TensorId,
+        tier: Tier,
+        access: Access,
+    ) -> Result<Guard> {
+        let mut waited_since = None;
+        let mut state = shared.lock();
+        loop {
+            let entry = state.entry(id)?;
+            if entry.is_moving() {
+                waited_since.get_or_insert_with(Instant::now);
+                state = shared.changed.wait(state).expect("runtime state lock");
+                continue;
+            }
+            if !entry.valid_in(tier) {
+                return Err(not_resident(id, entry, tier));
+            }
+            let busy = match access {
+                Access::Read => entry.has_writer(),
+                Access::Write => entry.has_writer() || entry.reader_count() > 0,
+            };
+            if busy {
+                return Err(in_use_error(id, entry));
+            }
+            let view = View::of(entry, tier);
+            let len_bytes = entry.len_bytes();
+            let bytes = len_bytes;
+            let now = state.tick();
+            state.entry_mut(id)?.begin_use(tier, access, now);
+            drop(state);
+            if let Some(started) = waited_since {
+                shared.record_wait(id, bytes, started, CALLER_LANE);
+            }
+            return Ok(Guard {
+                shared: shared.clone(),
+                tensor: id,
+                tier,
+                access,
+                len_bytes,
+                view,
+            });
+        }
+    }
+
+    /// The tensor.
+    pub fn tensor(&self) -> TensorId {
+        self.tensor
+    }
+
+    /// The tier of the guarded copy.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// Bytes of the tensor.
+    pub fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    /// The device address of a device-tier copy (a CUdeviceptr on CUDA).
+    pub fn device_address(&self) -> Option<u64> {
+        match self.view {
+            View::Device { offset } => Some(self.shared.device.device_address(offset)),
+            _ => None,
+        }
+    }
+
+    /// Calls `f(offset_in_tensor, bytes)` for each contiguous piece of the
+    /// copy, in order. Errors for copies not addressable from the host.
+    pub fn for_each_chunk(&self, f: &mut dyn FnMut(u64, &[u8])) -> Result<()> {
+        let mut offset = 0;
+        let addressable = self
+            .view
+            .pieces(&self.shared, self.len_bytes, &mut |ptr, len| {
+                // SAFETY: the guard keeps the copy alive and, as a reader or the
+                // writer, excludes writers other than itself.
+                let bytes = unsafe { std::slice::from_raw_parts(ptr, len) };
+                f(offset, bytes);
+                offset += len as u64;
+            });
+        self.addressable(addressable)
+    }
+
+    /// Like [`Guard::for_each_chunk`], writable; needs [`Access::Write`].
+    pub fn for_each_chunk_mut(&mut self, f: &mut dyn FnMut(u64, &mut [u8])) -> Result<()> {
+        assert_eq!(self.access, Access::Write, "writing needs a write guard");
+        let mut offset = 0;
+        let addressable = self
+            .view
+            .pieces(&self.shared, self.len_bytes, &mut |ptr, len| {
+                // SAFETY: a write guard is the tensor's only user, and the copy
+                // stays alive while it is held.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                f(offset, bytes);
+                offset += len as u64;
+            });
+        self.addressable(addressable)
+    }
+
+    /// Copies the tensor's bytes into `out` (exactly its size).
+    pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
+        self.check_size(out.len())?;
+        self.for_each_chunk(&mut |offset, bytes| {
+            out[offset as usize..offset as usize + bytes.len()].copy_from_slice(bytes)
+        })
+    }
+
+    /// Overwrites the tensor with `data` (exactly its size).
+    pub fn write_from(&mut self, data: &[u8]) -> Result<()> {
+        self.check_size(data.len())?;
+        self.for_each_chunk_mut(&mut |offset, bytes| {
+            let len = bytes.len();
+            bytes.copy_from_slice(&data[offset as usize..offset as usize + len])
+        })
+    }
+
+    /// xxh3 of the tensor's bytes (for tests and integrity checks).
+    pub fn checksum(&self) -> Result<u64> {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        self.for_each_chunk(&mut |_, bytes| hasher.update(bytes))?;
+        Ok(hasher.digest())
+    }
+
+    fn check_size(&self, given: usize) -> Result<()> {
+        if given as u64 == self.len_bytes {
+            return Ok(());
+        }
+        let state = self.shared.lock();
+        Err(RuntimeError::SizeMismatch {
+            tensor: self.tensor,
+            name: state
+                .entry(self.tensor)
+                .map(|e| e.name().to_string())
+                .unwrap_or_default(),
+            tensor_bytes: self.len_bytes,
+            given_bytes: given as u64,
+        })
+    }
+
+    fn addressable(&self, addressable: bool) -> Result<()> {
+        if addressable {
+            return Ok(());
+        }
+        Err(RuntimeError::Config {
+            key: "tier",
+            value: self.tier.to_string(),
+            fix: "this copy is not addressable from the host (GPU memory); use device_address() or move it to host".into(),
+        })
+    }
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("tensor", &self.tensor)
+            .field("tier", &self.tier)
+            .field("access", &self.access)
+            .field("len_bytes", &self.len_bytes)
+            .finish()
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        if let Ok(entry) = state.entry_mut(self.tensor) {
+            entry.end_use(self.tier, self.access);
+            if self.access == Access::Write {
+                state.release_others(self.tensor, self.tier);
+            }
+        }
+        drop(state);
+        self.shared.changed.notify_all();
+    }
+}

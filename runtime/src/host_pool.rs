@@ -1,0 +1,279 @@
+//! The pinned host pool: size classes of fixed-size buffers, each class cut
+//! from one contiguous region allocated once at start (the drive merges
+//! requests over contiguous memory into larger ones; see strata-storage).
+//!
+//! A tensor's host copy is a list of [`Slot`]s whose sizes follow one
+//! canonical plan for its length ([`HostPool::plan`]): as many of the largest
+//! buffers as fit, then the next size down, and a last partial buffer of the
+//! smallest class. The same plan gives the chunks of its NVMe copy, so any
+//! host copy lines up with any NVMe copy of the same tensor.
+
+use strata_storage::AlignedBuf;
+
+use crate::config::ClassConfig;
+use crate::error::Result;
+
+/// One buffer of the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Slot {
+    /// Size class (index, smallest first).
+    pub class: u8,
+    /// Buffer within the class.
+    pub index: u32,
+}
+
+/// One chunk of a tensor's canonical plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// Size class of the buffer that holds it.
+    pub class: u8,
+    /// Offset of the chunk in the tensor.
+    pub offset: u64,
+    /// Bytes of the tensor in it (the buffer may be larger: last chunk).
+    pub len_bytes: u64,
+}
+
+struct Region {
+    buffer_bytes: u64,
+    buffers: u32,
+    memory: AlignedBuf,
+}
+
+/// The pool's memory. Immutable after start, so buffer addresses can be
+/// computed without a lock; which buffers are free is [`FreeLists`]' job.
+pub struct HostPool {
+    regions: Vec<Region>,
+}
+
+impl HostPool {
+    /// Allocates every class's region with `allocate(bytes)` (page-locked
+    /// memory: CUDA host memory on a GPU machine, mlock otherwise).
+    pub fn new(
+        classes: &[ClassConfig],
+        allocate: &mut dyn FnMut(usize) -> Result<AlignedBuf>,
+    ) -> Result<Self> {
+        assert!(
+            classes
+                .windows(2)
+                .all(|w| w[0].buffer_size.0 < w[1].buffer_size.0),
+            "size classes sorted, smallest first, distinct"
+        );
+        assert!(classes.len() <= u8::MAX as usize, "class index fits u8");
+        let mut regions = Vec::with_capacity(classes.len());
+        for class in classes {
+            let buffers = class.bytes.0 / class.buffer_size.0;
+            assert!(buffers > 0 && buffers <= u64::from(u32::MAX));
+            let memory = allocate((buffers * class.buffer_size.0) as usize)?;
+            regions.push(Region {
+                buffer_bytes: class.buffer_size.0,
+                buffers: buffers as u32,
+                memory,
+            });
+        }
+        Ok(Self { regions })
+    }
+
+    /// Number of size classes.
+    pub fn classes(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// Buffer size of a class.
+    pub fn buffer_bytes(&self, class: u8) -> u64 {
+        self.regions[class as usize].buffer_bytes
+    }
+
+    /// Buffers in a class.
+    pub fn buffers(&self, class: u8) -> u32 {
+        self.regions[class as usize].buffers
+    }
+
+    /// Bytes of the whole pool.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.regions
+            .iter()
+            .map(|r| r.buffer_bytes * u64::from(r.buffers))
+            .sum()
+    }
+
+    /// Whether every region is page-locked.
+    pub fn is_locked(&self) -> bool {
+        self.regions.iter().all(|r| r.memory.is_locked())
+    }
+
+    /// The canonical chunks of a tensor of `len_bytes`, largest buffers first.
+    pub fn plan(&self, len_bytes: u64, out: &mut Vec<Chunk>) {
+        out.clear();
+        let mut offset = 0;
+        for class in (0..self.regions.len()).rev() {
+            let size = self.regions[class].buffer_bytes;
+            while len_bytes - offset >= size {
+                out.push(Chunk {
+                    class: class as u8,
+                    offset,
+                    len_bytes: size,
+                });
+                offset += size;
+            }
+        }
+        if offset < len_bytes {
+            out.push(Chunk {
+                class: 0,
+                offset,
+                len_bytes: len_bytes - offset,
+            });
+        }
+    }
+
+    /// Start of a buffer. Valid for [`HostPool::buffer_bytes`] bytes for the
+    /// pool's life; who may touch it is decided by whoever holds the slot.
+    pub fn ptr(&self, slot: Slot) -> *mut u8 {
+        let region = &self.regions[slot.class as usize];
+        assert!(slot.index < region.buffers, "slot {slot:?} out of range");
+        let offset = slot.index as usize * region.buffer_bytes as usize;
+        // The region is only ever accessed through raw pointers after start.
+        region.memory.as_ptr().wrapping_add(offset).cast_mut()
+    }
+}
+
+/// Which buffers of each class are free. Lives under the registry's lock.
+pub struct FreeLists {
+    free: Vec<Vec<u32>>,
+    buffer_bytes: Vec<u64>,
+}
+
+/// Why a plan could not be served: the first class that ran short.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shortfall {
+    /// The class.
+    pub class: u8,
+    /// Buffers of it the plan needs.
+    pub needed: u32,
+    /// Buffers of it free.
+    pub free: u32,
+}
+
+impl FreeLists {
+    /// Every buffer of `pool` free.
+    pub fn new(pool: &HostPool) -> Self {
+        Self {
+            free: pool
+                .regions
+                .iter()
+                .map(|r| (0..r.buffers).rev().collect())
+                .collect(),
+            buffer_bytes: pool.regions.iter().map(|r| r.buffer_bytes).collect(),
+        }
+    }
+
+    /// Free buffers in a class.
+    pub fn free_buffers(&self, class: u8) -> u32 {
+        self.free[class as usize].len() as u32
+    }
+
+    /// Free bytes over all classes.
+    pub fn free_bytes(&self) -> u64 {
+        self.free
+            .iter()
+            .zip(&self.buffer_bytes)
+            .map(|(free, bytes)| free.len() as u64 * bytes)
+            .sum()
+    }
+
+    /// Takes one buffer per chunk, all or nothing.
+    pub fn take(&mut self, chunks: &[Chunk], out: &mut Vec<Slot>) -> Result<(), Shortfall> {
+        for class in 0..self.free.len() as u8 {
+            let needed = chunks.iter().filter(|c| c.class == class).count() as u32;
+            let free = self.free_buffers(class);
+            if needed > free {
+                return Err(Shortfall {
+                    class,
+                    needed,
+                    free,
+                });
+            }
+        }
+        out.clear();
+        out.extend(chunks.iter().map(|chunk| {
+            Slot {
+                class: chunk.class,
+                index: self.free[chunk.class as usize]
+                    .pop()
+                    .expect("counted above"),
+            }
+        }));
+        Ok(())
+    }
+
+    /// Returns buffers.
+    pub fn give_back(&mut self, slots: &[Slot]) {
+        for slot in slots {
+            let free = &mut self.free[slot.class as usize];
+            debug_assert!(!free.contains(&slot.index), "double free of {slot:?}");
+            free.push(slot.index);
+        }
+    }
+
+    /// Bytes that a set of slots occupies.
+    pub fn bytes_of(&self, slots: &[Slot]) -> u64 {
+        slots
+            .iter()
+            .map(|s| self.buffer_bytes[s.class as usize])
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_storage::ByteSize;
+
+    fn pool() -> HostPool {
+        let classes = [
+            ClassConfig {
+                buffer_size: ByteSize(4096),
+                bytes: ByteSize(4 * 4096),
+            },
+            ClassConfig {
+                buffer_size: ByteSize(65536),
+                bytes: ByteSize(2 * 65536),
+            },
+        ];
+        HostPool::new(&classes, &mut |bytes| Ok(AlignedBuf::new(bytes, 4096)?)).unwrap()
+    }
+
+    #[test]
+    fn plan_covers_the_tensor_with_little_waste() {
+        let pool = pool();
+        let mut chunks = Vec::new();
+        pool.plan(65536 + 3 * 4096 + 100, &mut chunks);
+        let classes: Vec<u8> = chunks.iter().map(|c| c.class).collect();
+        assert_eq!(classes, vec![1, 0, 0, 0, 0]);
+        assert_eq!(chunks.last().unwrap().len_bytes, 100);
+        let end = chunks.last().map(|c| c.offset + c.len_bytes).unwrap();
+        assert_eq!(end, 65536 + 3 * 4096 + 100);
+    }
+
+    #[test]
+    fn take_is_all_or_nothing() {
+        let pool = pool();
+        let mut lists = FreeLists::new(&pool);
+        let (mut chunks, mut slots) = (Vec::new(), Vec::new());
+        pool.plan(3 * 65536, &mut chunks);
+        let short = lists.take(&chunks, &mut slots).unwrap_err();
+        assert_eq!(
+            short,
+            Shortfall {
+                class: 1,
+                needed: 3,
+                free: 2
+            }
+        );
+        assert_eq!(lists.free_bytes(), pool.capacity_bytes());
+        pool.plan(65536 + 4096, &mut chunks);
+        lists.take(&chunks, &mut slots).unwrap();
+        assert_eq!(lists.bytes_of(&slots), 65536 + 4096);
+        lists.give_back(&slots);
+        assert_eq!(lists.free_bytes(), pool.capacity_bytes());
+    }
+}

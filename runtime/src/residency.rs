@@ -1,0 +1,1155 @@
+//! [`Runtime`]: the tensor registry and the residency manager. It executes
+//! the moves it is told to make (deciding them is the scheduler's job) and
+//! spills to the next tier on its own only when a budget is hit.
+//!
+//! Every copy of a tensor lives in one tier's memory: a range of the device
+//! arena, a list of pinned host buffers following the tensor's canonical
+//! chunk plan, or one NVMe extent per chunk. A tensor may hold valid copies in
+//! several tiers at once: moving up keeps the lower copies (so dropping the
+//! upper one later costs nothing), moving down releases the upper ones, and
+//! writing through a guard releases every other copy.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use strata_storage::{Extent, ExtentAllocator, SwapStore, round_up};
+
+use crate::config::RuntimeConfig;
+use crate::device::{self, CopyPiece, Device, Direction};
+use crate::error::{Result, RuntimeError};
+use crate::guard::{Access, Guard, View};
+use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
+use crate::stats::{CALLER_LANE, EventKind, Stats, Trace, TraceEvent};
+use crate::tier::{Link, TensorId, TensorMeta, Tier};
+
+/// Alignment of device allocations (covers every vector load and cudaMalloc's
+/// guarantee).
+pub const DEVICE_ALIGN_BYTES: u64 = 256;
+
+/// Where one copy of a tensor lives.
+pub(crate) enum Place {
+    Device { offset: u64, bytes: u64 },
+    Host(Arc<[Slot]>),
+    Nvme(Arc<[Extent]>),
+}
+
+pub(crate) struct Copy {
+    place: Place,
+    /// False while a move is filling it.
+    valid: bool,
+}
+
+pub(crate) struct Entry {
+    meta: TensorMeta,
+    len_bytes: u64,
+    chunks: Arc<[Chunk]>,
+    copies: [Option<Copy>; 3],
+    /// Target of the move in flight.
+    moving: Option<Tier>,
+    readers: [u32; 3],
+    writer: bool,
+    last_use: u64,
+    next_use: u64,
+}
+
+impl Entry {
+    pub(crate) fn place(&self, tier: Tier) -> (&Place, &Arc<[Chunk]>) {
+        let copy = self.copies[tier.index()].as_ref().expect("copy present");
+        (&copy.place, &self.chunks)
+    }
+
+    pub(crate) fn is_moving(&self) -> bool {
+        self.moving.is_some()
+    }
+
+    pub(crate) fn valid_in(&self, tier: Tier) -> bool {
+        self.valid(tier)
+    }
+
+    pub(crate) fn has_writer(&self) -> bool {
+        self.writer
+    }
+
+    pub(crate) fn reader_count(&self) -> u32 {
+        self.readers.iter().sum()
+    }
+
+    pub(crate) fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.meta.name
+    }
+
+    pub(crate) fn begin_use(&mut self, tier: Tier, access: Access, now: u64) {
+        self.last_use = now;
+        match access {
+            Access::Read => self.readers[tier.index()] += 1,
+            Access::Write => self.writer = true,
+        }
+    }
+
+    pub(crate) fn end_use(&mut self, tier: Tier, access: Access) {
+        match access {
+            Access::Read => self.readers[tier.index()] -= 1,
+            Access::Write => self.writer = false,
+        }
+    }
+
+    fn valid(&self, tier: Tier) -> bool {
+        matches!(&self.copies[tier.index()], Some(copy) if copy.valid)
+    }
+
+    fn in_use(&self) -> bool {
+        self.writer || self.readers.iter().any(|&r| r > 0)
+    }
+
+    fn resident(&self) -> String {
+        let tiers: Vec<&str> = Tier::ALL
+            .iter()
+            .filter(|&&t| self.valid(t))
+            .map(|t| t.name())
+            .collect();
+        if tiers.is_empty() {
+            "no tier".into()
+        } else {
+            tiers.join(", ")
+        }
+    }
+}
+
+pub(crate) struct State {
+    tensors: HashMap<TensorId, Entry>,
+    next_id: u64,
+    tensors_max: usize,
+    free_lists: FreeLists,
+    device_space: ExtentAllocator,
+    stats: Stats,
+    /// Moves in progress that will release a copy in each tier when done.
+    releasing: [u32; 3],
+    clock: u64,
+}
+
+/// What the movers, guards and completions share.
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) changed: Condvar,
+    pub(crate) pool: HostPool,
+    pub(crate) device: Box<dyn Device>,
+    store: Option<SwapStore>,
+    trace: Mutex<Trace>,
+    started: Instant,
+}
+
+struct Job {
+    tensor: TensorId,
+    target: Tier,
+    done: Arc<MoveDone>,
+}
+
+#[derive(Default)]
+struct MoveDone {
+    outcome: Mutex<Option<Result<()>>>,
+    ready: Condvar,
+}
+
+/// The completion of a move: `wait()` for it. Dropping it does not cancel
+/// the move; a failure nobody waits for is logged.
+#[must_use = "a move's completion says whether it succeeded"]
+pub struct Completion {
+    done: Arc<MoveDone>,
+    shared: Arc<Shared>,
+    tensor: TensorId,
+    bytes: u64,
+}
+
+impl Completion {
+    /// Blocks until the move has finished; the time blocked counts as wait
+    /// time in the accounting and the trace.
+    pub fn wait(self) -> Result<()> {
+        let started = Instant::now();
+        let mut outcome = self.done.outcome.lock().expect("move lock");
+        let mut waited = false;
+        while outcome.is_none() {
+            waited = true;
+            outcome = self.done.ready.wait(outcome).expect("move lock");
+        }
+        let result = outcome.take().expect("checked");
+        drop(outcome);
+        if waited {
+            self.shared
+                .record_wait(self.tensor, self.bytes, started, CALLER_LANE);
+        }
+        result
+    }
+
+    /// Whether the move has finished.
+    pub fn is_done(&self) -> bool {
+        self.done.outcome.lock().expect("move lock").is_some()
+    }
+
+    fn ready(shared: &Arc<Shared>, tensor: TensorId, result: Result<()>) -> Self {
+        let done = Arc::new(MoveDone::default());
+        *done.outcome.lock().expect("move lock") = Some(result);
+        Self {
+            done,
+            shared: shared.clone(),
+            tensor,
+            bytes: 0,
+        }
+    }
+}
+
+/// The residency manager: a registry of tensors, their copies in each tier,
+/// and the threads that move them.
+///
+/// ```no_run
+/// use strata_runtime::{Runtime, RuntimeConfig, TensorMeta, TensorKind, Dtype, Tier, Access};
+/// let runtime = Runtime::new(&RuntimeConfig::default())?;
+/// let meta = TensorMeta::new("layer0.weight", TensorKind::Param, Dtype::Bf16, &[4096, 4096]);
+/// let id = runtime.register(meta, Tier::Host)?;
+/// runtime.move_to(id, Tier::Device)?.wait()?;     // prefetch: the host copy stays
+/// let guard = runtime.acquire(id, Tier::Device, Access::Read)?; // cannot be evicted now
+/// drop(guard);
+/// runtime.move_to(id, Tier::Nvme)?.wait()?;       // evict: device and host copies released
+/// # Ok::<(), strata_runtime::RuntimeError>(())
+/// ```
+pub struct Runtime {
+    shared: Arc<Shared>,
+    jobs: Option<SyncSender<Job>>,
+    movers: Vec<JoinHandle<()>>,
+}
+
+impl Runtime {
+    /// Opens the device, allocates the pinned pool, opens the NVMe store and
+    /// starts the movers.
+    pub fn new(config: &RuntimeConfig) -> Result<Self> {
+        config.validate()?;
+        let device = device::open(&config.device)?;
+        let store = match &config.nvme {
+            Some(nvme) => Some(SwapStore::open(nvme)?),
+            None => None,
+        };
+        Self::with_parts(config, device, store)
+    }
+
+    /// Like [`Runtime::new`] with a device and store built by the caller
+    /// (a store with fault injection, in tests and simulations).
+    pub fn with_parts(
+        config: &RuntimeConfig,
+        device: Box<dyn Device>,
+        store: Option<SwapStore>,
+    ) -> Result<Self> {
+        config.validate()?;
+        let classes = config.host.resolved_classes();
+        check_host_memory(config, device.kind())?;
+        if let Some(store) = &store {
+            let align = store.align_bytes();
+            if let Some(class) = classes.iter().find(|c| c.buffer_size.0 % align != 0) {
+                return Err(RuntimeError::Config {
+                    key: "host.classes.buffer_size",
+                    value: class.buffer_size.to_string(),
+                    fix: format!("use a multiple of the NVMe direct-I/O alignment ({align} bytes)"),
+                });
+            }
+        }
+        let pool = HostPool::new(&classes, &mut |bytes| device.alloc_host(bytes))?;
+        if config.host.require_locked && !pool.is_locked() {
+            return Err(RuntimeError::MemlockLimit {
+                needed_bytes: pool.capacity_bytes(),
+                limit_bytes: memlock_limit_bytes(),
+            });
+        }
+        let mut stats = Stats::default();
+        stats.tiers[Tier::Device.index()].budget_bytes = device.capacity_bytes();
+        stats.tiers[Tier::Host.index()].budget_bytes = pool.capacity_bytes();
+        stats.tiers[Tier::Nvme.index()].budget_bytes =
+            store.as_ref().map_or(0, |s| s.capacity_bytes());
+        let state = State {
+            tensors: HashMap::with_capacity(config.runtime.tensors_max.min(1 << 16)),
+            next_id: 0,
+            tensors_max: config.runtime.tensors_max,
+            free_lists: FreeLists::new(&pool),
+            device_space: ExtentAllocator::new(device.capacity_bytes(), DEVICE_ALIGN_BYTES),
+            stats,
+            releasing: [0; 3],
+            clock: 0,
+        };
+        tracing::info!(
+            "runtime: {}; pinned pool {} bytes in {} class(es) ({}); nvme {}",
+            device.describe(),
+            pool.capacity_bytes(),
+            pool.classes(),
+            if pool.is_locked() {
+                "page-locked"
+            } else {
+                "NOT page-locked"
+            },
+            store.as_ref().map_or("none".to_string(), |s| format!(
+                "{} bytes",
+                s.capacity_bytes()
+            )),
+        );
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            pool,
+            device,
+            store,
+            trace: Mutex::new(Trace::new(config.runtime.trace_events_max)),
+            started: Instant::now(),
+        });
+        let (jobs, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
+        let receiver = Arc::new(Mutex::new(receiver));
+        let mut movers = Vec::with_capacity(config.runtime.movers);
+        for lane in 0..config.runtime.movers {
+            let (shared, receiver) = (shared.clone(), receiver.clone());
+            let mover = std::thread::Builder::new()
+                .name(format!("strata-mover-{lane}"))
+                .spawn(move || mover_loop(&shared, &receiver, lane as u32))
+                .map_err(|err| RuntimeError::Config {
+                    key: "runtime.movers",
+                    value: config.runtime.movers.to_string(),
+                    fix: format!("could not start a mover thread ({err}): use fewer"),
+                })?;
+            movers.push(mover);
+        }
+        Ok(Self {
+            shared,
+            jobs: Some(jobs),
+            movers,
+        })
+    }
+
+    /// The device at the top tier.
+    pub fn device(&self) -> &dyn Device {
+        self.shared.device.as_ref()
+    }
+
+    /// The NVMe store, if configured.
+    pub fn store(&self) -> Option<&SwapStore> {
+        self.shared.store.as_ref()
+    }
+
+    /// Registers a tensor with a zeroed copy in `tier` (device or host),
+    /// spilling other tensors if the tier is full.
+    pub fn register(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
+        let len_bytes = meta.len_bytes();
+        if len_bytes == 0 {
+            return Err(RuntimeError::Config {
+                key: "shape",
+                value: format!("{:?}", meta.shape),
+                fix: format!("tensor {} has no elements; give it at least one", meta.name),
+            });
+        }
+        if tier == Tier::Nvme {
+            return Err(RuntimeError::Config {
+                key: "tier",
+                value: "nvme".into(),
+                fix: "register tensors on the device or host, then move them to nvme".into(),
+            });
+        }
+        let mut chunks = Vec::new();
+        self.shared.pool.plan(len_bytes, &mut chunks);
+        let id = {
+            let mut state = self.shared.lock();
+            if state.tensors.len() >= state.tensors_max {
+                return Err(RuntimeError::Limit {
+                    what: "runtime.tensors_max",
+                    max: state.tensors_max as u64,
+                });
+            }
+            let id = TensorId(state.next_id);
+            state.next_id += 1;
+            let entry = Entry {
+                meta,
+                len_bytes,
+                chunks: chunks.into(),
+                copies: [None, None, None],
+                moving: Some(tier),
+                readers: [0; 3],
+                writer: false,
+                last_use: 0,
+                next_use: u64::MAX,
+            };
+            state.tensors.insert(id, entry);
+            id
+        };
+        let placed = self
+            .shared
+            .allocate(id, tier, CALLER_LANE)
+            .and_then(|()| self.shared.zero(id, tier));
+        let mut state = self.shared.lock();
+        match placed {
+            Ok(()) => {
+                let entry = state.entry_mut(id)?;
+                entry.copies[tier.index()]
+                    .as_mut()
+                    .expect("allocated")
+                    .valid = true;
+                entry.moving = None;
+                drop(state);
+                self.shared.changed.notify_all();
+                Ok(id)
+            }
+            Err(err) => {
+                let entry = state.tensors.remove(&id).expect("registered above");
+                state.release_all(entry);
+                drop(state);
+                self.shared.changed.notify_all();
+                Err(err)
+            }
+        }
+    }
+
+    /// Frees a tensor and every copy of it.
+    pub fn free(&self, id: TensorId) -> Result<()> {
+        let mut state = self.shared.lock();
+        let entry = state.entry(id)?;
+        if let Some(target) = entry.moving {
+            return Err(moving_error(id, entry, target));
+        }
+        if entry.in_use() {
+            return Err(in_use_error(id, entry));
+        }
+        let entry = state.tensors.remove(&id).expect("checked");
+        state.release_all(entry);
+        drop(state);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    /// Starts making `target` the tensor's top copy and returns at once.
+    /// Moving up (toward the device) keeps the lower copies; moving down
+    /// releases the copies above `target` once the data is safe there. A move
+    /// through two tiers stages in pinned host buffers.
+    pub fn move_to(&self, id: TensorId, target: Tier) -> Result<Completion> {
+        let bytes = {
+            let mut state = self.shared.lock();
+            let entry = state.entry(id)?;
+            if let Some(moving_to) = entry.moving {
+                return Err(moving_error(id, entry, moving_to));
+            }
+            if entry.writer
+                || Tier::ALL[..target.index()]
+                    .iter()
+                    .any(|t| entry.readers[t.index()] > 0)
+            {
+                return Err(in_use_error(id, entry));
+            }
+            if target == Tier::Nvme && self.shared.store.is_none() {
+                return Err(RuntimeError::NoSpillTier {
+                    tier: Tier::Host,
+                    needed_bytes: entry.len_bytes,
+                    available_bytes: 0,
+                });
+            }
+            if entry.valid(target) {
+                state.release_above(id, target);
+                drop(state);
+                self.shared.changed.notify_all();
+                return Ok(Completion::ready(&self.shared, id, Ok(())));
+            }
+            let len_bytes = entry.len_bytes;
+            state.entry_mut(id)?.moving = Some(target);
+            len_bytes
+        };
+        let done = Arc::new(MoveDone::default());
+        let job = Job {
+            tensor: id,
+            target,
+            done: done.clone(),
+        };
+        let sent = self
+            .jobs
+            .as_ref()
+            .expect("jobs open while the runtime lives")
+            .send(job);
+        if sent.is_err() {
+            self.shared.finish_move(id);
+            return Err(RuntimeError::Stopped);
+        }
+        Ok(Completion {
+            done,
+            shared: self.shared.clone(),
+            tensor: id,
+            bytes,
+        })
+    }
+
+    /// Drops the copy in `tier` when another tier holds a valid one (free:
+    /// nothing is written).
+    pub fn release(&self, id: TensorId, tier: Tier) -> Result<()> {
+        let mut state = self.shared.lock();
+        let entry = state.entry(id)?;
+        if let Some(target) = entry.moving {
+            return Err(moving_error(id, entry, target));
+        }
+        if !entry.valid(tier) {
+            return Err(not_resident(id, entry, tier));
+        }
+        if entry.readers[tier.index()] > 0 || entry.writer {
+            return Err(in_use_error(id, entry));
+        }
+        if !Tier::ALL.iter().any(|&t| t != tier && entry.valid(t)) {
+            return Err(RuntimeError::Config {
+                key: "release",
+                value: format!("{} in {tier}", entry.meta.name),
+                fix: "that is the tensor's only copy: move it to another tier instead".into(),
+            });
+        }
+        state.drop_copy(id, tier);
+        drop(state);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    /// Takes a guard on the tensor's copy in `tier`, waiting for a move in
+    /// flight to land first. While any guard is held the copy cannot be
+    /// evicted; a write guard is exclusive and, when dropped, releases every
+    /// other (now stale) copy.
+    pub fn acquire(&self, id: TensorId, tier: Tier, access: Access) -> Result<Guard> {
+        Guard::acquire(&self.shared, id, tier, access)
+    }
+
+    /// Tells the spill policy when the tensor is next needed (a position in
+    /// the step; larger is later). Spills evict the tensor needed last
+    /// (Belady), then the least recently used.
+    pub fn set_next_use(&self, id: TensorId, position: u64) -> Result<()> {
+        self.shared.lock().entry_mut(id)?.next_use = position;
+        Ok(())
+    }
+
+    /// Tiers holding a valid copy, fastest first.
+    pub fn residency(&self, id: TensorId) -> Result<Vec<Tier>> {
+        let state = self.shared.lock();
+        let entry = state.entry(id)?;
+        Ok(Tier::ALL.into_iter().filter(|&t| entry.valid(t)).collect())
+    }
+
+    /// The tensor's description.
+    pub fn meta(&self, id: TensorId) -> Result<TensorMeta> {
+        Ok(self.shared.lock().entry(id)?.meta.clone())
+    }
+
+    /// A snapshot of the accounting.
+    pub fn stats(&self) -> Stats {
+        let state = self.shared.lock();
+        let mut stats = state.stats.clone();
+        stats.tensors = state.tensors.len();
+        stats
+    }
+
+    /// Free bytes per tier now (device: the arena allocator's view; host:
+    /// free buffers; nvme: the store's free bytes).
+    pub fn free_bytes(&self, tier: Tier) -> u64 {
+        let state = self.shared.lock();
+        match tier {
+            Tier::Device => state.device_space.free_bytes(),
+            Tier::Host => state.free_lists.free_bytes(),
+            Tier::Nvme => self.shared.store.as_ref().map_or(0, |s| s.free_bytes()),
+        }
+    }
+
+    /// Writes the Chrome/Perfetto trace of every transfer, spill and wait so
+    /// far.
+    pub fn write_trace(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        let names: HashMap<TensorId, String> = self
+            .shared
+            .lock()
+            .tensors
+            .iter()
+            .map(|(id, entry)| (*id, entry.meta.name.clone()))
+            .collect();
+        let trace = self.shared.trace.lock().expect("trace lock");
+        trace.write_chrome(out, &|id| names.get(&id).cloned())
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // Movers finish the queued moves, then stop.
+        self.jobs = None;
+        for mover in self.movers.drain(..) {
+            let _ = mover.join();
+        }
+    }
+}
+
+fn mover_loop(shared: &Arc<Shared>, receiver: &Mutex<Receiver<Job>>, lane: u32) {
+    loop {
+        let job = receiver.lock().expect("job queue lock").recv();
+        let Ok(job) = job else { return };
+        let result = shared.execute_move(job.tensor, job.target, lane);
+        shared.finish_move(job.tensor);
+        if let Err(err) = &result {
+            tracing::debug!("move of {} to {} failed: {err}", job.tensor, job.target);
+        }
+        *job.done.outcome.lock().expect("move lock") = Some(result);
+        job.done.ready.notify_all();
+    }
+}
+
+fn moving_error(id: TensorId, entry: &Entry, target: Tier) -> RuntimeError {
+    RuntimeError::Moving {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        target_tier: target,
+    }
+}
+
+pub(crate) fn in_use_error(id: TensorId, entry: &Entry) -> RuntimeError {
+    RuntimeError::InUse {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        readers: entry.readers.iter().sum(),
+        writer: entry.writer,
+    }
+}
+
+pub(crate) fn not_resident(id: TensorId, entry: &Entry, tier: Tier) -> RuntimeError {
+    RuntimeError::NotResident {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        tier,
+        resident: entry.resident(),
+    }
+}
+
+fn memlock_limit_bytes() -> u64 {
+    strata_storage::sys::memlock_limit_bytes().unwrap_or(u64::MAX)
+}
+
+/// Refuses a pool (plus a CPU device's arena) larger than MemAvailable,
+/// before touching any of it.
+fn check_host_memory(config: &RuntimeConfig, kind: device::DeviceKind) -> Result<()> {
+    let Some(available_bytes) = mem_available_bytes() else {
+        return Ok(());
+    };
+    let budget_bytes = config.host.pool_bytes();
+    let arena_bytes = match kind {
+        device::DeviceKind::Cpu => config.device.budget.0,
+        device::DeviceKind::Cuda => 0,
+    };
+    if budget_bytes + arena_bytes > available_bytes {
+        return Err(RuntimeError::HostMemory {
+            budget_bytes,
+            arena_bytes,
+            available_bytes,
+        });
+    }
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, in bytes.
+pub fn mem_available_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+impl State {
+    pub(crate) fn entry(&self, id: TensorId) -> Result<&Entry> {
+        self.tensors
+            .get(&id)
+            .ok_or(RuntimeError::UnknownTensor { tensor: id })
+    }
+
+    pub(crate) fn entry_mut(&mut self, id: TensorId) -> Result<&mut Entry> {
+        self.tensors
+            .get_mut(&id)
+            .ok_or(RuntimeError::UnknownTensor { tensor: id })
+    }
+
+    pub(crate) fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn account(&mut self, tier: Tier, added_bytes: u64, removed_bytes: u64) {
+        let stats = &mut self.stats.tiers[tier.index()];
+        stats.used_bytes = stats.used_bytes + added_bytes - removed_bytes;
+        stats.peak_bytes = stats.peak_bytes.max(stats.used_bytes);
+        assert!(
+            stats.used_bytes <= stats.budget_bytes,
+            "{tier} holds {} bytes, over its budget of {}",
+            stats.used_bytes,
+            stats.budget_bytes
+        );
+    }
+
+    /// Frees a copy's memory and updates the accounting.
+    fn release_place(&mut self, tier: Tier, place: Place) {
+        let bytes = match place {
+            Place::Device { offset, bytes } => {
+                self.device_space.free(offset, bytes);
+                bytes
+            }
+            Place::Host(slots) => {
+                self.free_lists.give_back(&slots);
+                self.free_lists.bytes_of(&slots)
+            }
+            // Extents free themselves once no transfer holds them.
+            Place::Nvme(extents) => extents.iter().map(|e| e.len_bytes()).sum(),
+        };
+        self.account(tier, 0, bytes);
+    }
+
+    pub(crate) fn drop_copy(&mut self, id: TensorId, tier: Tier) {
+        let entry = self.tensors.get_mut(&id).expect("live tensor");
+        if let Some(copy) = entry.copies[tier.index()].take() {
+            self.release_place(tier, copy.place);
+        }
+    }
+
+    fn release_above(&mut self, id: TensorId, target: Tier) {
+        for tier in &Tier::ALL[..target.index()] {
+            self.drop_copy(id, *tier);
+        }
+    }
+
+    pub(crate) fn release_others(&mut self, id: TensorId, kept: Tier) {
+        for tier in Tier::ALL {
+            if tier != kept {
+                self.drop_copy(id, tier);
+            }
+        }
+    }
+
+    fn release_all(&mut self, mut entry: Entry) {
+        for tier in Tier::ALL {
+            if let Some(copy) = entry.copies[tier.index()].take() {
+                self.release_place(tier, copy.place);
+            }
+        }
+    }
+
+    /// The copy to spill from `tier` to make room for `requester`: the one
+    /// needed last, then the one that can be dropped for free, then the least
+    /// recently used. Tensors in use or moving are never chosen.
+    fn pick_victim(
+        &self,
+        tier: Tier,
+        requester: TensorId,
+        shortfall: Option<Shortfall>,
+        can_write_down: bool,
+    ) -> Option<(TensorId, bool)> {
+        self.tensors
+            .iter()
+            .filter(|(id, entry)| {
+                **id != requester && entry.moving.is_none() && !entry.in_use() && entry.valid(tier)
+            })
+            .filter(
+                |(_, entry)| match (shortfall, &entry.copies[tier.index()]) {
+                    (
+                        Some(short),
+                        Some(Copy {
+                            place: Place::Host(slots),
+                            ..
+                        }),
+                    ) => slots.iter().any(|s| s.class == short.class),
+                    _ => true,
+                },
+            )
+            .map(|(id, entry)| {
+                let free = Tier::ALL.iter().any(|&t| t != tier && entry.valid(t));
+                (*id, entry, free)
+            })
+            .filter(|(_, _, free)| *free || can_write_down)
+            .max_by_key(|(id, entry, free)| (entry.next_use, *free, u64::MAX - entry.last_use, *id))
+            .map(|(id, _, free)| (id, free))
+    }
+
+    /// Bytes in `tier` that cannot be spilled now.
+    fn unevictable_bytes(&self, tier: Tier) -> u64 {
+        self.tensors
+            .values()
+            .filter(|e| e.copies[tier.index()].is_some() && (e.moving.is_some() || e.in_use()))
+            .map(|e| e.len_bytes)
+            .sum()
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("runtime state lock")
+    }
+
+    pub(crate) fn record_wait(&self, tensor: TensorId, bytes: u64, started: Instant, lane: u32) {
+        let duration_ns = started.elapsed().as_nanos() as u64;
+        {
+            let mut state = self.lock();
+            state.stats.wait_ns += duration_ns;
+            state.stats.waits += 1;
+        }
+        let start_ns = (started - self.started).as_nanos() as u64;
+        self.trace.lock().expect("trace lock").push(TraceEvent {
+            kind: EventKind::Wait,
+            tensor,
+            bytes,
+            start_ns,
+            duration_ns,
+            lane,
+        });
+    }
+
+    fn finish_move(&self, id: TensorId) {
+        if let Some(entry) = self.lock().tensors.get_mut(&id) {
+            entry.moving = None;
+        }
+        self.changed.notify_all();
+    }
+
+    /// Carries out a move whose `moving` mark is set: hop by hop toward
+    /// `target`, then releases the copies above it. On failure every copy
+    /// that was valid before still is.
+    fn execute_move(&self, id: TensorId, target: Tier, lane: u32) -> Result<()> {
+        let releasing: Vec<Tier> = {
+            let mut state = self.lock();
+            let entry = state.entry(id)?;
+            let tiers: Vec<Tier> = Tier::ALL[..target.index()]
+                .iter()
+                .copied()
+                .filter(|&t| entry.copies[t.index()].is_some())
+                .collect();
+            for tier in &tiers {
+                state.releasing[tier.index()] += 1;
+            }
+            tiers
+        };
+        let result = self.execute_hops(id, target, lane);
+        let mut state = self.lock();
+        for tier in &releasing {
+            state.releasing[tier.index()] -= 1;
+        }
+        if result.is_ok() {
+            state.release_above(id, target);
+        }
+        drop(state);
+        self.changed.notify_all();
+        result.map_err(|err| {
+            let state = self.lock();
+            let name = state
+                .tensors
+                .get(&id)
+                .map_or_else(String::new, |e| e.meta.name.clone());
+            let source_tier = state
+                .tensors
+                .get(&id)
+                .and_then(|e| Tier::ALL.into_iter().find(|&t| e.valid(t)))
+                .unwrap_or(target);
+            RuntimeError::Move {
+                tensor: id,
+                name,
+                source_tier,
+                target_tier: target,
+                cause: Box::new(err),
+            }
+        })
+    }
+
+    fn execute_hops(&self, id: TensorId, target: Tier, lane: u32) -> Result<()> {
+        loop {
+            let (source, next) = {
+                let state = self.lock();
+                let entry = state.entry(id)?;
+                if entry.valid(target) {
+                    return Ok(());
+                }
+                // The nearest valid copy above the target, else below it.
+                let above = Tier::ALL[..target.index()]
+                    .iter()
+                    .rev()
+                    .find(|&&t| entry.valid(t));
+                let below = Tier::ALL[target.index() + 1..]
+                    .iter()
+                    .find(|&&t| entry.valid(t));
+                let source = *above.or(below).expect("a tensor always has a valid copy");
+                let next = if source < target {
+                    source.below()
+                } else {
+                    source.above()
+                };
+                (source, next.expect("a neighbour toward the target"))
+            };
+            if self.lock().entry(id)?.copies[next.index()].is_none() {
+                self.allocate(id, next, lane)?;
+            }
+            if let Err(err) = self.transfer(id, source, next, lane) {
+                let mut state = self.lock();
+                state.drop_copy(id, next);
+                return Err(err);
+            }
+            let mut state = self.lock();
+            state.entry_mut(id)?.copies[next.index()]
+                .as_mut()
+                .expect("filled above")
+                .valid = true;
+        }
+    }
+
+    /// Places a not-yet-valid copy of `id` in `tier`, spilling other tensors
+    /// (writing them down a tier when no other tier holds their data) until
+    /// it fits, waiting for moves that will free room, and failing with the
+    /// numbers when nothing can.
+    fn allocate(&self, id: TensorId, tier: Tier, lane: u32) -> Result<()> {
+        loop {
+            let mut state = self.lock();
+            let shortfall = match self.try_place(&mut state, id, tier) {
+                Ok(()) => return Ok(()),
+                Err(shortfall) => shortfall,
+            };
+            let can_write_down = match tier {
+                Tier::Device => true,
+                Tier::Host => self.store.is_some(),
+                Tier::Nvme => false,
+            };
+            if let Some((victim, free)) = state.pick_victim(tier, id, shortfall, can_write_down) {
+                if free {
+                    state.drop_copy(victim, tier);
+                    state.stats.spills_dropped += 1;
+                    continue;
+                }
+                let below = tier.below().expect("write-downs only from device and host");
+                state.entry_mut(victim)?.moving = Some(below);
+                let bytes = state.entry(victim)?.len_bytes;
+                drop(state);
+                let started = Instant::now();
+                let result = self.execute_move(victim, below, lane);
+                self.finish_move(victim);
+                result?;
+                self.lock().stats.spills_written += 1;
+                self.trace.lock().expect("trace lock").push(TraceEvent {
+                    kind: EventKind::Spill(tier),
+                    tensor: victim,
+                    bytes,
+                    start_ns: (started - self.started).as_nanos() as u64,
+                    duration_ns: started.elapsed().as_nanos() as u64,
+                    lane,
+                });
+                continue;
+            }
+            if state.releasing[tier.index()] > 0 {
+                drop(self.changed.wait(state).expect("runtime state lock"));
+                continue;
+            }
+            return Err(self.out_of_budget(&state, id, tier, shortfall));
+        }
+    }
+
+    fn out_of_budget(
+        &self,
+        state: &State,
+        id: TensorId,
+        tier: Tier,
+        shortfall: Option<Shortfall>,
+    ) -> RuntimeError {
+        let needed_bytes = state.tensors[&id].len_bytes;
+        let stats = &state.stats.tiers[tier.index()];
+        let (available_bytes, largest_free_bytes) = match tier {
+            Tier::Device => (
+                state.device_space.free_bytes(),
+                state.device_space.largest_free_bytes(),
+            ),
+            Tier::Host => {
+                let largest =
+                    shortfall.map_or(0, |s| u64::from(s.free) * self.pool.buffer_bytes(s.class));
+                (state.free_lists.free_bytes(), largest)
+            }
+            Tier::Nvme => {
+                let free = self.store.as_ref().map_or(0, |s| s.free_bytes());
+                (free, free)
+            }
+        };
+        if tier == Tier::Host && self.store.is_none() {
+            return RuntimeError::NoSpillTier {
+                tier,
+                needed_bytes,
+                available_bytes,
+            };
+        }
+        RuntimeError::OutOfBudget {
+            tier,
+            needed_bytes,
+            available_bytes,
+            largest_free_bytes,
+            budget_bytes: stats.budget_bytes,
+            unevictable_bytes: state.unevictable_bytes(tier),
+        }
+    }
+
+    /// One attempt to place the copy. Err carries the host class that ran
+    /// short (None for device and NVMe).
+    fn try_place(
+        &self,
+        state: &mut State,
+        id: TensorId,
+        tier: Tier,
+    ) -> Result<(), Option<Shortfall>> {
+        let entry = state.tensors.get(&id).expect("live tensor");
+        let (len_bytes, chunks) = (entry.len_bytes, entry.chunks.clone());
+        let (place, bytes) = match tier {
+            Tier::Device => {
+                let (offset, bytes) = state
+                    .device_space
+                    .allocate(round_up(len_bytes, DEVICE_ALIGN_BYTES))
+                    .map_err(|_| None)?;
+                (Place::Device { offset, bytes }, bytes)
+            }
+            Tier::Host => {
+                let mut slots = Vec::with_capacity(chunks.len());
+                state.free_lists.take(&chunks, &mut slots).map_err(Some)?;
+                let bytes = state.free_lists.bytes_of(&slots);
+                (Place::Host(slots.into()), bytes)
+            }
+            Tier::Nvme => {
+                let store = self.store.as_ref().ok_or(None)?;
+                let align = store.align_bytes();
+                let mut extents = Vec::with_capacity(chunks.len());
+                for chunk in chunks.iter() {
+                    extents.push(
+                        store
+                            .allocate(round_up(chunk.len_bytes, align))
+                            .map_err(|_| None)?,
+                    );
+                }
+                let bytes = extents.iter().map(|e| e.len_bytes()).sum();
+                (Place::Nvme(extents.into()), bytes)
+            }
+        };
+        state.account(tier, bytes, 0);
+        let entry = state.tensors.get_mut(&id).expect("live tensor");
+        entry.copies[tier.index()] = Some(Copy {
+            place,
+            valid: false,
+        });
+        Ok(())
+    }
+
+    /// Fills a freshly registered copy with zeros.
+    fn zero(&self, id: TensorId, tier: Tier) -> Result<()> {
+        let (view, len_bytes) = {
+            let state = self.lock();
+            let entry = state.entry(id)?;
+            (View::of(entry, tier), entry.len_bytes)
+        };
+        view.fill_zero(self, len_bytes)
+    }
+
+    /// Copies the data from the valid copy in `source` to the allocated,
+    /// not yet valid copy in `target` (neighbouring tiers).
+    fn transfer(&self, id: TensorId, source: Tier, target: Tier, lane: u32) -> Result<()> {
+        let link = Link::between(source, target);
+        let (chunks, len_bytes, host, other) = {
+            let state = self.lock();
+            let entry = state.entry(id)?;
+            let host = match &entry.copies[Tier::Host.index()] {
+                Some(Copy {
+                    place: Place::Host(slots),
+                    ..
+                }) => slots.clone(),
+                _ => unreachable!("every hop has the host on one side"),
+            };
+            let other = if source == Tier::Host { target } else { source };
+            let other = match &entry.copies[other.index()] {
+                Some(Copy {
+                    place: Place::Device { offset, .. },
+                    ..
+                }) => Other::Device(*offset),
+                Some(Copy {
+                    place: Place::Nvme(extents),
+                    ..
+                }) => Other::Nvme(extents.clone()),
+                _ => unreachable!("the far side of a hop is device or nvme"),
+            };
+            (entry.chunks.clone(), entry.len_bytes, host, other)
+        };
+        let started = Instant::now();
+        match other {
+            Other::Device(offset) => self.copy_device(link, &chunks, &host, offset)?,
+            Other::Nvme(extents) => self.copy_nvme(link, &host, &extents)?,
+        }
+        let duration_ns = started.elapsed().as_nanos() as u64;
+        {
+            let mut state = self.lock();
+            let stats = &mut state.stats.links[link.index()];
+            stats.bytes += len_bytes;
+            stats.transfers += 1;
+            stats.busy_ns += duration_ns;
+        }
+        self.trace.lock().expect("trace lock").push(TraceEvent {
+            kind: EventKind::Transfer(link),
+            tensor: id,
+            bytes: len_bytes,
+            start_ns: (started - self.started).as_nanos() as u64,
+            duration_ns,
+            lane,
+        });
+        Ok(())
+    }
+
+    fn copy_device(&self, link: Link, chunks: &[Chunk], host: &[Slot], offset: u64) -> Result<()> {
+        let direction = match link {
+            Link::HostToDevice => Direction::ToDevice,
+            Link::DeviceToHost => Direction::ToHost,
+            _ => unreachable!("device hops only"),
+        };
+        let pieces: Vec<CopyPiece> = chunks
+            .iter()
+            .zip(host)
+            .map(|(chunk, slot)| CopyPiece {
+                host: self.pool.ptr(*slot),
+                device_offset: offset + chunk.offset,
+                len_bytes: chunk.len_bytes as usize,
+            })
+            .collect();
+        // SAFETY: the host buffers and the device range belong to this
+        // tensor's copies; the tensor is marked moving, so no guard, spill or
+        // free touches them, and the copy is waited on before the mark clears.
+        let ticket = unsafe { self.device.copy(direction, &pieces)? };
+        self.device.wait(ticket)
+    }
+
+    fn copy_nvme(&self, link: Link, host: &[Slot], extents: &Arc<[Extent]>) -> Result<()> {
+        let store = self
+            .store
+            .as_ref()
+            .expect("nvme copies exist only with a store");
+        let mut tickets = Vec::with_capacity(extents.len());
+        for (slot, extent) in host.iter().zip(extents.iter()) {
+            let ptr = self.pool.ptr(*slot);
+            let len = self.pool.buffer_bytes(slot.class) as usize;
+            // SAFETY: the buffer belongs to this tensor's host copy, which no
+            // one else touches while the tensor is marked moving; every ticket
+            // is waited on below before the mark clears.
+            let ticket = unsafe {
+                match link {
+                    Link::HostToNvme => store.write_start_raw(extent, ptr, len, ()),
+                    Link::NvmeToHost => store.read_start_raw(extent, ptr, len, ()),
+                    _ => unreachable!("nvme hops only"),
+                }
+            };
+            tickets.push(ticket);
+        }
+        let mut first_error = None;
+        for ticket in tickets {
+            if let ((), Err(err)) = ticket.wait() {
+                first_error.get_or_insert(err);
+            }
+        }
+        match first_error {
+            Some(err) => Err(err.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+enum Other {
+    Device(u64),
+    Nvme(Arc<[Extent]>),
+}

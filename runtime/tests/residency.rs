@@ -1,0 +1,296 @@
+//! The residency manager on the CPU device, through every path: device only,
+//! device + host, through NVMe, and at the smallest budgets that can work.
+
+use strata_runtime::{
+    Access, ClassConfig, DeviceChoice, DeviceConfig, Dtype, HostConfig, Runtime, RuntimeConfig,
+    RuntimeError, TensorId, TensorKind, TensorMeta, Tier,
+};
+use strata_storage::{ByteSize, StorageConfig};
+
+fn config(dir: &std::path::Path, device_bytes: u64, host_bytes: u64) -> RuntimeConfig {
+    RuntimeConfig {
+        device: DeviceConfig {
+            kind: DeviceChoice::Cpu,
+            budget: ByteSize(device_bytes),
+            ..Default::default()
+        },
+        host: HostConfig {
+            classes: vec![
+                ClassConfig {
+                    buffer_size: ByteSize(4096),
+                    bytes: ByteSize(host_bytes / 4),
+                },
+                ClassConfig {
+                    buffer_size: ByteSize(65536),
+                    bytes: ByteSize(host_bytes / 4 * 3),
+                },
+            ],
+            ..Default::default()
+        },
+        nvme: Some(StorageConfig {
+            dirs: vec![dir.to_path_buf()],
+            capacity: ByteSize(16 << 20),
+            block_size: ByteSize(64 << 10),
+            stripe_size: ByteSize(64 << 10),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn meta(name: &str, bytes: u64) -> TensorMeta {
+    TensorMeta::new(name, TensorKind::Param, Dtype::F32, &[bytes / 4])
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u64).wrapping_mul(seed | 1).wrapping_add(seed >> 3) as u8)
+        .collect()
+}
+
+fn fill(runtime: &Runtime, id: TensorId, tier: Tier, data: &[u8]) {
+    let mut guard = runtime.acquire(id, tier, Access::Write).unwrap();
+    guard.write_from(data).unwrap();
+}
+
+fn read(runtime: &Runtime, id: TensorId, tier: Tier) -> Vec<u8> {
+    let guard = runtime.acquire(id, tier, Access::Read).unwrap();
+    let mut out = vec![0; guard.len_bytes() as usize];
+    guard.read_into(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn round_trip_through_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let bytes = 3 * 65536 + 3 * 4096 + 100 * 4;
+    let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
+    assert!(
+        read(&runtime, id, Tier::Host).iter().all(|&b| b == 0),
+        "registered zeroed"
+    );
+    let data = pattern(7, bytes as usize);
+    fill(&runtime, id, Tier::Host, &data);
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Nvme]);
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    assert_eq!(
+        runtime.residency(id).unwrap(),
+        Tier::ALL.to_vec(),
+        "moving up keeps lower copies"
+    );
+    assert_eq!(read(&runtime, id, Tier::Device), data);
+    runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Host, Tier::Nvme]);
+    assert_eq!(read(&runtime, id, Tier::Host), data);
+    let stats = runtime.stats();
+    assert_eq!(stats.link(strata_runtime::Link::HostToNvme).bytes, bytes);
+    assert_eq!(stats.link(strata_runtime::Link::HostToDevice).bytes, bytes);
+    runtime.free(id).unwrap();
+    let stats = runtime.stats();
+    for tier in Tier::ALL {
+        assert_eq!(stats.tier(tier).used_bytes, 0, "{tier} leaks");
+    }
+    assert_eq!(
+        runtime.free_bytes(Tier::Host),
+        stats.tier(Tier::Host).budget_bytes
+    );
+}
+
+#[test]
+fn writes_release_stale_copies() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let id = runtime.register(meta("w", 65536), Tier::Host).unwrap();
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    fill(&runtime, id, Tier::Device, &pattern(3, 65536));
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Device]);
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    assert_eq!(read_back(&runtime, id), pattern(3, 65536));
+}
+
+fn read_back(runtime: &Runtime, id: TensorId) -> Vec<u8> {
+    runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
+    read(runtime, id, Tier::Host)
+}
+
+#[test]
+fn device_budget_spills_least_needed_and_never_the_one_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    // Device holds two 256 KiB tensors.
+    let runtime = Runtime::new(&config(dir.path(), 512 << 10, 2 << 20)).unwrap();
+    let ids: Vec<TensorId> = (0..3)
+        .map(|i| {
+            runtime
+                .register(meta(&format!("t{i}"), 256 << 10), Tier::Host)
+                .unwrap()
+        })
+        .collect();
+    for (i, id) in ids.iter().enumerate() {
+        fill(&runtime, *id, Tier::Host, &pattern(i as u64 + 1, 256 << 10));
+    }
+    runtime
+        .move_to(ids[0], Tier::Device)
+        .unwrap()
+        .wait()
+        .unwrap();
+    runtime
+        .move_to(ids[1], Tier::Device)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let in_use = runtime.acquire(ids[0], Tier::Device, Access::Read).unwrap();
+    runtime.set_next_use(ids[1], 100).unwrap();
+    runtime
+        .move_to(ids[2], Tier::Device)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(
+        runtime.residency(ids[0]).unwrap().contains(&Tier::Device),
+        "in use: kept"
+    );
+    assert!(
+        !runtime.residency(ids[1]).unwrap().contains(&Tier::Device),
+        "spilled"
+    );
+    drop(in_use);
+    // All three held by guards: nothing can be freed for a fourth.
+    let _guards: Vec<_> = [ids[0], ids[2]]
+        .iter()
+        .map(|id| runtime.acquire(*id, Tier::Device, Access::Read).unwrap())
+        .collect();
+    let err = runtime
+        .move_to(ids[1], Tier::Device)
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    let RuntimeError::Move { cause, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        matches!(**cause, RuntimeError::OutOfBudget { tier: Tier::Device, needed_bytes, unevictable_bytes, .. }
+            if needed_bytes == 256 << 10 && unevictable_bytes == 512 << 10),
+        "{err}"
+    );
+    assert!(err.to_string().contains("raise the device budget"), "{err}");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(
+            read(&runtime, *id, Tier::Host),
+            pattern(i as u64 + 1, 256 << 10)
+        );
+    }
+}
+
+#[test]
+fn host_budget_spills_to_nvme_and_back() {
+    let dir = tempfile::tempdir().unwrap();
+    // Host holds 6 x 64 KiB buffers in the large class: 8 tensors of 64 KiB must spill.
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 512 << 10)).unwrap();
+    let ids: Vec<TensorId> = (0..8)
+        .map(|i| {
+            let id = runtime
+                .register(meta(&format!("t{i}"), 65536), Tier::Host)
+                .unwrap();
+            fill(&runtime, id, Tier::Host, &pattern(i as u64 + 11, 65536));
+            id
+        })
+        .collect();
+    let stats = runtime.stats();
+    assert!(stats.spills_written >= 2, "{stats:?}");
+    assert!(stats.tier(Tier::Host).peak_bytes <= stats.tier(Tier::Host).budget_bytes);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(read_back(&runtime, *id), pattern(i as u64 + 11, 65536));
+    }
+}
+
+#[test]
+fn no_nvme_tier_gives_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config(dir.path(), 1 << 20, 256 << 10);
+    config.nvme = None;
+    let runtime = Runtime::new(&config).unwrap();
+    let _a = runtime.register(meta("a", 192 << 10), Tier::Host).unwrap();
+    let err = runtime
+        .register(meta("b", 192 << 10), Tier::Host)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RuntimeError::NoSpillTier {
+                tier: Tier::Host,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[nvme]"), "{err}");
+}
+
+#[test]
+fn misuse_is_refused_with_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let id = runtime
+        .register(meta("layer0.w", 4096), Tier::Host)
+        .unwrap();
+    let err = runtime.acquire(id, Tier::Device, Access::Read).unwrap_err();
+    assert!(
+        err.to_string().contains("layer0.w") && err.to_string().contains("move it there first"),
+        "{err}"
+    );
+    let guard = runtime.acquire(id, Tier::Host, Access::Read).unwrap();
+    assert!(matches!(
+        runtime.acquire(id, Tier::Host, Access::Write),
+        Err(RuntimeError::InUse { .. })
+    ));
+    assert!(matches!(
+        runtime.move_to(id, Tier::Nvme),
+        Err(RuntimeError::InUse { .. })
+    ));
+    assert!(matches!(runtime.free(id), Err(RuntimeError::InUse { .. })));
+    drop(guard);
+    let mut guard = runtime.acquire(id, Tier::Host, Access::Write).unwrap();
+    let err = guard.write_from(&[0; 5]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RuntimeError::SizeMismatch {
+                tensor_bytes: 4096,
+                given_bytes: 5,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    drop(guard);
+    runtime.free(id).unwrap();
+    assert!(matches!(
+        runtime.free(id),
+        Err(RuntimeError::UnknownTensor { .. })
+    ));
+}
+
+#[test]
+fn trace_records_transfers_and_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let id = runtime.register(meta("traced", 65536), Tier::Host).unwrap();
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    let mut out = Vec::new();
+    runtime.write_trace(&mut out).unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let names: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    for link in ["host->nvme", "nvme->host", "host->device"] {
+        assert!(names.contains(&link), "{names:?}");
+    }
+    assert!(trace.to_string().contains("traced"));
+}
