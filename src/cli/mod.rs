@@ -4,6 +4,7 @@ mod adam;
 mod chart;
 mod nvme;
 mod swap;
+mod tiers;
 
 use std::io::IsTerminal;
 
@@ -40,6 +41,9 @@ enum Bench {
     /// CPU optimizer kernels (AdamW, the fused bf16 offload step, Adagrad,
     /// Lion, norms) in params/s and bytes/s next to the memory roofline.
     Adam(adam::AdamArgs),
+    /// Every path through the runtime (host<->nvme, host<->device, both
+    /// directions) next to the raw path in the same run.
+    Tiers(tiers::TiersArgs),
 }
 
 /// Runs the parsed command.
@@ -48,6 +52,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(Bench::Nvme(args)) => nvme::run(args),
         Command::Bench(Bench::Swap(args)) => swap::run(args),
         Command::Bench(Bench::Adam(args)) => adam::run(args),
+        Command::Bench(Bench::Tiers(args)) => tiers::run(args),
     }
 }
 

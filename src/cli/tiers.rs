@@ -1,0 +1,137 @@
+//! `strata bench tiers`: every path through the runtime next to the raw path.
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use clap::Args;
+use serde::Serialize;
+use strata_runtime::bench::{TiersRound, TiersSpec, tiers_vs_raw};
+use strata_runtime::{DeviceChoice, DeviceConfig, Link};
+use strata_storage::{ByteSize, EngineChoice, StorageConfig};
+
+/// Options of `strata bench tiers`.
+#[derive(Args, Debug)]
+pub struct TiersArgs {
+    /// Directory on the drive for the NVMe tier (must exist).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Tensor size moved on every path.
+    #[arg(long, default_value = "1GiB")]
+    size: ByteSize,
+    /// auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    device: DeviceChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    ordinal: usize,
+    /// NVMe request size.
+    #[arg(long, default_value = "1MiB")]
+    block_size: ByteSize,
+    /// NVMe requests in flight.
+    #[arg(long, default_value_t = 32)]
+    queue_depth: usize,
+    /// auto, uring or threads.
+    #[arg(long, default_value = "auto")]
+    engine: EngineChoice,
+    /// Rounds (runtime and raw alternate which goes first); medians reported.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Row {
+    path: &'static str,
+    bytes_per_s: f64,
+    raw_bytes_per_s: f64,
+    ratio: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device: String,
+    size: u64,
+    rounds: usize,
+    results: Vec<Row>,
+}
+
+/// Runs the comparison and prints medians and ratios.
+pub fn run(args: TiersArgs) -> anyhow::Result<()> {
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let spec = TiersSpec {
+        nvme: StorageConfig {
+            dirs: vec![args.dir.clone()],
+            block_size: args.block_size,
+            stripe_size: args.block_size,
+            queue_depth: args.queue_depth,
+            engine: args.engine,
+            ..Default::default()
+        },
+        device: DeviceConfig {
+            kind: args.device,
+            ordinal: args.ordinal,
+            ..Default::default()
+        },
+        size_bytes: args.size.0,
+        rounds: args.rounds,
+    };
+    spec.nvme.validate()?;
+    let bar = super::progress_bar(
+        args.rounds as u64,
+        args.json,
+        "{msg} [{bar:32}] round {pos}/{len}",
+    );
+    bar.set_message("runtime vs raw, every link");
+    let (device, rounds) = tiers_vs_raw(&spec, &mut |done| bar.set_position(done as u64))?;
+    bar.finish_and_clear();
+    let column = |f: &dyn Fn(&TiersRound) -> f64| {
+        super::median(&mut rounds.iter().map(f).collect::<Vec<_>>())
+    };
+    let results: Vec<Row> = Link::ALL
+        .iter()
+        .map(|link| {
+            let i = link.index();
+            Row {
+                path: link.name(),
+                bytes_per_s: column(&|r| r.runtime_bytes_per_s[i]).round(),
+                raw_bytes_per_s: column(&|r| r.raw_bytes_per_s[i]).round(),
+                ratio: column(&|r| r.runtime_bytes_per_s[i] / r.raw_bytes_per_s[i]),
+            }
+        })
+        .collect();
+    let report = Report {
+        device,
+        size: args.size.0,
+        rounds: args.rounds,
+        results,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{} tensor on {}, {} rounds alternating, medians:",
+        args.size, report.device, args.rounds
+    );
+    println!(
+        "{:<14} {:>14} {:>10} {:>8}",
+        "path", "runtime GB/s", "raw GB/s", "ratio"
+    );
+    for row in &report.results {
+        println!(
+            "{:<14} {:>14.2} {:>10.2} {:>8.3}",
+            row.path,
+            row.bytes_per_s / 1e9,
+            row.raw_bytes_per_s / 1e9,
+            row.ratio
+        );
+    }
+    println!(
+        "raw: host<->nvme is the storage engine over the same swap blocks; host<->device is one memcpy (cpu) or one cudaMemcpyAsync from pinned memory (cuda)"
+    );
+    Ok(())
+}
