@@ -241,6 +241,79 @@ fn fio_comparison_script_tiny() {
 }
 
 #[test]
+fn bench_tiers_json_contract_tiny() {
+    let dir = tempdir();
+    let output = strata(&[
+        "bench",
+        "tiers",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--size",
+        "20MiB",
+        "--device",
+        "cpu",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    let report = stdout_json(&output);
+    let paths: Vec<&str> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            for key in ["bytes_per_s", "raw_bytes_per_s", "ratio"] {
+                assert!(row[key].as_f64().unwrap() > 0.0, "{key}: {row}");
+            }
+            row["path"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(
+        paths,
+        ["host->nvme", "nvme->host", "host->device", "device->host"]
+    );
+    let table = strata(&[
+        "bench",
+        "tiers",
+        "--dir",
+        dir.path().to_str().unwrap(),
+        "--size",
+        "20MiB",
+        "--device",
+        "cpu",
+        "--rounds",
+        "1",
+    ]);
+    assert!(table.status.success());
+    assert!(String::from_utf8_lossy(&table.stdout).contains("device->host"));
+}
+
+#[test]
+fn bench_tiers_bad_input_names_the_fix() {
+    let dir = tempdir();
+    let d = dir.path().to_str().unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--dir", "/nonexistent/strata", "--size", "8MiB"],
+            "does not exist",
+        ),
+        (&["--dir", d, "--size", "64TiB"], "lower host.budget"),
+        (
+            &["--dir", d, "--size", "8MiB", "--device", "tpu"],
+            "use auto, cpu or cuda",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut full = vec!["bench", "tiers"];
+        full.extend_from_slice(args);
+        let output = strata(&full);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn low_memlock_limit_warns_once_and_still_measures() {
     // Root ignores RLIMIT_MEMLOCK through CAP_IPC_LOCK, so drop it first.
     let probe = Command::new("setpriv")

@@ -196,33 +196,3 @@ fn fill_random(bytes: &mut [u8], seed: &mut u64) {
     }
     *seed = rng.0;
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::DeviceChoice;
-
-    #[test]
-    fn tiny_bench_runs_every_path() {
-        let dir = tempfile::tempdir().unwrap();
-        let spec = TiersSpec {
-            nvme: StorageConfig {
-                dirs: vec![dir.path().to_path_buf()],
-                ..Default::default()
-            },
-            device: DeviceConfig {
-                kind: DeviceChoice::Cpu,
-                ..Default::default()
-            },
-            size_bytes: 20 << 20,
-            rounds: 2,
-        };
-        let (_, rounds) = tiers_vs_raw(&spec, &mut |_| {}).unwrap();
-        assert_eq!(rounds.len(), 2);
-        for round in rounds {
-            for link in 0..4 {
-                assert!(round.runtime_bytes_per_s[link] > 0.0 && round.raw_bytes_per_s[link] > 0.0);
-            }
-        }
-    }
-}

@@ -229,6 +229,13 @@ impl Runtime {
     /// starts the movers.
     pub fn new(config: &RuntimeConfig) -> Result<Self> {
         config.validate()?;
+        let arena_on_host = match config.device.kind {
+            crate::config::DeviceChoice::Cpu => true,
+            crate::config::DeviceChoice::Cuda => false,
+            crate::config::DeviceChoice::Auto => device::cuda_available().is_err(),
+        };
+        // Before the device's arena is touched.
+        check_host_memory(config, arena_on_host)?;
         let device = device::open(&config.device)?;
         let store = match &config.nvme {
             Some(nvme) => Some(SwapStore::open(nvme)?),
@@ -246,7 +253,7 @@ impl Runtime {
     ) -> Result<Self> {
         config.validate()?;
         let classes = config.host.resolved_classes();
-        check_host_memory(config, device.kind())?;
+        check_host_memory(config, device.kind() == device::DeviceKind::Cpu)?;
         if let Some(store) = &store {
             let align = store.align_bytes();
             if let Some(class) = classes.iter().find(|c| c.buffer_size.0 % align != 0) {
@@ -626,14 +633,15 @@ fn memlock_limit_bytes() -> u64 {
 
 /// Refuses a pool (plus a CPU device's arena) larger than MemAvailable,
 /// before touching any of it.
-fn check_host_memory(config: &RuntimeConfig, kind: device::DeviceKind) -> Result<()> {
+fn check_host_memory(config: &RuntimeConfig, arena_on_host: bool) -> Result<()> {
     let Some(available_bytes) = mem_available_bytes() else {
         return Ok(());
     };
     let budget_bytes = config.host.pool_bytes();
-    let arena_bytes = match kind {
-        device::DeviceKind::Cpu => config.device.budget.0,
-        device::DeviceKind::Cuda => 0,
+    let arena_bytes = if arena_on_host {
+        config.device.budget.0
+    } else {
+        0
     };
     if budget_bytes + arena_bytes > available_bytes {
         return Err(RuntimeError::HostMemory {

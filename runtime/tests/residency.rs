@@ -62,7 +62,7 @@ fn read(runtime: &Runtime, id: TensorId, tier: Tier) -> Vec<u8> {
 
 #[test]
 fn round_trip_through_every_tier() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
     let bytes = 3 * 65536 + 3 * 4096 + 100 * 4;
     let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
@@ -100,7 +100,7 @@ fn round_trip_through_every_tier() {
 
 #[test]
 fn writes_release_stale_copies() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
     let id = runtime.register(meta("w", 65536), Tier::Host).unwrap();
     runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
@@ -117,7 +117,7 @@ fn read_back(runtime: &Runtime, id: TensorId) -> Vec<u8> {
 
 #[test]
 fn device_budget_spills_least_needed_and_never_the_one_in_use() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // Device holds two 256 KiB tensors.
     let runtime = Runtime::new(&config(dir.path(), 512 << 10, 2 << 20)).unwrap();
     let ids: Vec<TensorId> = (0..3)
@@ -185,7 +185,7 @@ fn device_budget_spills_least_needed_and_never_the_one_in_use() {
 
 #[test]
 fn host_budget_spills_to_nvme_and_back() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // Host holds 6 x 64 KiB buffers in the large class: 8 tensors of 64 KiB must spill.
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 512 << 10)).unwrap();
     let ids: Vec<TensorId> = (0..8)
@@ -207,7 +207,7 @@ fn host_budget_spills_to_nvme_and_back() {
 
 #[test]
 fn no_nvme_tier_gives_a_clear_error() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let mut config = config(dir.path(), 1 << 20, 256 << 10);
     config.nvme = None;
     let runtime = Runtime::new(&config).unwrap();
@@ -230,7 +230,7 @@ fn no_nvme_tier_gives_a_clear_error() {
 
 #[test]
 fn misuse_is_refused_with_names() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
     let id = runtime
         .register(meta("layer0.w", 4096), Tier::Host)
@@ -274,7 +274,7 @@ fn misuse_is_refused_with_names() {
 
 #[test]
 fn trace_records_transfers_and_waits() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
     let id = runtime.register(meta("traced", 65536), Tier::Host).unwrap();
     runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
