@@ -227,7 +227,9 @@ impl RuntimeConfig {
             ));
         }
         for class in &classes {
-            if class.buffer_size.0 == 0 || class.buffer_size.0 % HOST_BUFFER_ALIGN_BYTES != 0 {
+            if class.buffer_size.0 == 0
+                || !class.buffer_size.0.is_multiple_of(HOST_BUFFER_ALIGN_BYTES)
+            {
                 return Err(bad(
                     "host.classes.buffer_size",
                     class.buffer_size,
@@ -281,6 +283,26 @@ mod tests {
         assert_eq!(classes.len(), 3);
         assert_eq!(classes[0].buffer_size.0, 64 << 10);
         assert_eq!(host.pool_bytes(), 1 << 30);
+    }
+
+    #[test]
+    fn readme_config_parses() {
+        let text = r#"
+[device]
+kind = "cuda"
+budget = "70GiB"
+[host]
+classes = [{ buffer_size = "16MiB", bytes = "200GiB" }, { buffer_size = "1MiB", bytes = "48GiB" }]
+[nvme]
+dirs = ["/mnt/nvme0"]
+capacity = "2TiB"
+[runtime]
+movers = 4
+"#;
+        let config: RuntimeConfig = toml::from_str(text).unwrap();
+        assert_eq!(config.device.kind, DeviceChoice::Cuda);
+        assert_eq!(config.host.pool_bytes(), 248 << 30);
+        assert_eq!(config.nvme.unwrap().capacity.0, 2 << 40);
     }
 
     #[test]

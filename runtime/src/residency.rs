@@ -256,7 +256,10 @@ impl Runtime {
         check_host_memory(config, device.kind() == device::DeviceKind::Cpu)?;
         if let Some(store) = &store {
             let align = store.align_bytes();
-            if let Some(class) = classes.iter().find(|c| c.buffer_size.0 % align != 0) {
+            if let Some(class) = classes
+                .iter()
+                .find(|c| !c.buffer_size.0.is_multiple_of(align))
+            {
                 return Err(RuntimeError::Config {
                     key: "host.classes.buffer_size",
                     value: class.buffer_size.to_string(),

@@ -184,7 +184,7 @@ impl Device for CudaDevice {
                 tracing::warn!("freeing pinned host memory failed: {err:?}");
             }
         };
-        if ptr.as_ptr() as usize % PAGE_BYTES != 0 {
+        if !(ptr.as_ptr() as usize).is_multiple_of(PAGE_BYTES) {
             release(ptr, len);
             return Err(RuntimeError::Cuda {
                 op: "cuMemHostAlloc",
