@@ -913,7 +913,8 @@ impl Shared {
             let mut state = self.lock();
             let shortfall = match self.try_place(&mut state, id, tier) {
                 Ok(()) => return Ok(()),
-                Err(shortfall) => shortfall,
+                Err(Unplaced::Full(shortfall)) => shortfall,
+                Err(Unplaced::Failed(err)) => return Err(err),
             };
             let can_write_down = match tier {
                 Tier::Device => true,
@@ -994,14 +995,8 @@ impl Shared {
         }
     }
 
-    /// One attempt to place the copy. Err carries the host class that ran
-    /// short (None for device and NVMe).
-    fn try_place(
-        &self,
-        state: &mut State,
-        id: TensorId,
-        tier: Tier,
-    ) -> Result<(), Option<Shortfall>> {
+    /// One attempt to place the copy.
+    fn try_place(&self, state: &mut State, id: TensorId, tier: Tier) -> Result<(), Unplaced> {
         let entry = state.tensors.get(&id).expect("live tensor");
         let (len_bytes, chunks) = (entry.len_bytes, entry.chunks.clone());
         let (place, bytes) = match tier {
@@ -1009,25 +1004,31 @@ impl Shared {
                 let (offset, bytes) = state
                     .device_space
                     .allocate(round_up(len_bytes, DEVICE_ALIGN_BYTES))
-                    .map_err(|_| None)?;
+                    .map_err(|_| Unplaced::Full(None))?;
                 (Place::Device { offset, bytes }, bytes)
             }
             Tier::Host => {
                 let mut slots = Vec::with_capacity(chunks.len());
-                state.free_lists.take(&chunks, &mut slots).map_err(Some)?;
+                state
+                    .free_lists
+                    .take(&chunks, &mut slots)
+                    .map_err(|short| Unplaced::Full(Some(short)))?;
                 let bytes = state.free_lists.bytes_of(&slots);
                 (Place::Host(slots.into()), bytes)
             }
             Tier::Nvme => {
-                let store = self.store.as_ref().ok_or(None)?;
+                let store = self.store.as_ref().ok_or(Unplaced::Full(None))?;
                 let align = store.align_bytes();
                 let mut extents = Vec::with_capacity(chunks.len());
                 for chunk in chunks.iter() {
-                    extents.push(
-                        store
-                            .allocate(round_up(chunk.len_bytes, align))
-                            .map_err(|_| None)?,
-                    );
+                    // Out of space is a full tier (spill, or say so with the
+                    // numbers); anything else (extents_max) is its own error.
+                    extents.push(store.allocate(round_up(chunk.len_bytes, align)).map_err(
+                        |err| match err {
+                            strata_storage::StorageError::OutOfSpace { .. } => Unplaced::Full(None),
+                            other => Unplaced::Failed(other.into()),
+                        },
+                    )?);
                 }
                 let bytes = extents.iter().map(|e| e.len_bytes()).sum();
                 (Place::Nvme(extents.into()), bytes)
@@ -1158,6 +1159,14 @@ impl Shared {
             None => Ok(()),
         }
     }
+}
+
+/// Why a copy could not be placed.
+enum Unplaced {
+    /// The tier is full (for the host: the class that ran short).
+    Full(Option<Shortfall>),
+    /// Something other than room went wrong.
+    Failed(RuntimeError),
 }
 
 enum Other {

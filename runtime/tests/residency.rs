@@ -294,3 +294,24 @@ fn trace_records_transfers_and_waits() {
     }
     assert!(trace.to_string().contains("traced"));
 }
+
+/// Regression: a store refusal other than "out of space" (here extents_max)
+/// was reported as a full NVMe tier; it now surfaces as itself.
+#[test]
+fn store_limits_surface_as_themselves() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut config = config(dir.path(), 1 << 20, 1 << 20);
+    config.nvme.as_mut().unwrap().extents_max = 1;
+    let runtime = Runtime::new(&config).unwrap();
+    // Two chunks: one 64 KiB buffer and one 4 KiB buffer, so two extents.
+    let id = runtime
+        .register(meta("two_chunks", 65536 + 4096), Tier::Host)
+        .unwrap();
+    let err = runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap_err();
+    assert!(err.to_string().contains("extents_max"), "{err}");
+    assert_eq!(
+        runtime.residency(id).unwrap(),
+        vec![Tier::Host],
+        "source kept"
+    );
+}
