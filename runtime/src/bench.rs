@@ -151,9 +151,9 @@ pub fn tiers_vs_raw(
                 (Link::DeviceToHost, Direction::ToHost),
             ] {
                 let started = Instant::now();
-                // SAFETY: the raw buffer lives through the synchronous copy, and
-                // the runtime holds no device copy between rounds, so the
-                // arena range is the bench's alone.
+                // Between rounds the runtime holds no device copy, so the arena
+                // range is the bench's alone.
+                // SAFETY: the raw buffer outlives this synchronous copy.
                 unsafe {
                     runtime.device().raw_copy(
                         direction,

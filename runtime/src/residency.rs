@@ -1120,9 +1120,9 @@ impl Shared {
                 len_bytes: chunk.len_bytes as usize,
             })
             .collect();
-        // SAFETY: the host buffers and the device range belong to this
-        // tensor's copies; the tensor is marked moving, so no guard, spill or
-        // free touches them, and the copy is waited on before the mark clears.
+        // The tensor is marked moving, so no guard, spill or free touches its
+        // copies; the copy is waited on before the mark clears.
+        // SAFETY: the host buffers and device range are this tensor's copies.
         let ticket = unsafe { self.device.copy(direction, &pieces)? };
         self.device.wait(ticket)
     }
@@ -1136,9 +1136,9 @@ impl Shared {
         for (slot, extent) in host.iter().zip(extents.iter()) {
             let ptr = self.pool.ptr(*slot);
             let len = self.pool.buffer_bytes(slot.class) as usize;
-            // SAFETY: the buffer belongs to this tensor's host copy, which no
-            // one else touches while the tensor is marked moving; every ticket
-            // is waited on below before the mark clears.
+            // No one else touches the host copy while the tensor is marked
+            // moving, and every ticket is waited on below before the mark clears.
+            // SAFETY: the buffer belongs to this tensor's host copy.
             let ticket = unsafe {
                 match link {
                     Link::HostToNvme => store.write_start_raw(extent, ptr, len, ()),

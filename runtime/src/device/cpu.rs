@@ -92,9 +92,9 @@ fn run_job(base: *mut u8, job: &Job) {
 
 fn run_pieces(base: *mut u8, direction: Direction, pieces: &[CopyPiece]) {
     for piece in pieces {
-        // SAFETY: `Device::copy`'s contract: the host range is valid and the
-        // arena range lies inside the arena, neither touched by anyone else
+        // `Device::copy`'s contract: neither range is touched by anyone else
         // until the job's ticket is waited on.
+        // SAFETY: the host range is valid and the arena range is in the arena.
         unsafe {
             let device = base.add(piece.device_offset as usize);
             match direction {
