@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use strata_storage::bench::{PointSpec, TestFile};
+use strata_storage::bench::{PointSpec, TestFile, fill_random};
 use strata_storage::{ByteSize, Op, PAGE_BYTES, StorageConfig, round_up};
 
 use crate::config::{ClassConfig, DeviceConfig, HostConfig, RuntimeConfig};
@@ -104,12 +104,10 @@ pub fn tiers_vs_raw(
     let id = runtime.register(meta, Tier::Host)?;
     {
         let mut guard = runtime.acquire(id, Tier::Host, Access::Write)?;
-        let mut seed = 0x5717_a7a5_u64;
-        guard.for_each_chunk_mut(&mut |_, bytes| fill_random(bytes, &mut seed))?;
+        guard.for_each_chunk_mut(&mut |offset, bytes| fill_random(bytes, 0x5717_a7a5 ^ offset))?;
     }
     let mut raw_buffer = runtime.device().alloc_host(spec.size_bytes as usize)?;
-    let mut seed = 0x1234_5678_u64;
-    fill_random(&mut raw_buffer, &mut seed);
+    fill_random(&mut raw_buffer, 0x1234_5678);
     let raw_file = TestFile::over(&store.paths()[0], spec.size_bytes)?;
     let engine = spec.nvme.engine.resolve()?;
     let point = |op| PointSpec {
@@ -185,14 +183,4 @@ pub fn tiers_vs_raw(
 
 fn rate(bytes: u64, started: Instant) -> f64 {
     bytes as f64 / started.elapsed().as_secs_f64()
-}
-
-/// Random bytes (SplitMix64), so no compressing layer flatters a drive.
-fn fill_random(bytes: &mut [u8], seed: &mut u64) {
-    let mut rng = strata_storage::engine::SplitMix64(*seed);
-    for word in bytes.chunks_mut(8) {
-        let value = rng.next_u64().to_le_bytes();
-        word.copy_from_slice(&value[..word.len()]);
-    }
-    *seed = rng.0;
 }

@@ -66,44 +66,23 @@ impl View {
         }
     }
 
+    /// Fills a freshly registered copy with zeros: host buffers here, the
+    /// device's memory by the device itself.
     pub(crate) fn fill_zero(&self, shared: &Shared, len_bytes: u64) -> Result<()> {
-        let addressable = self.pieces(shared, len_bytes, &mut |ptr, len| {
-            // SAFETY: the range is this copy's memory, which its owner (a
-            // registration in progress, marked moving) holds exclusively.
-            unsafe { std::ptr::write_bytes(ptr, 0, len) }
-        });
-        if addressable {
-            return Ok(());
-        }
         match self {
-            View::Device { offset } => zero_device(shared, *offset, len_bytes),
-            _ => unreachable!("only device and host copies are registered"),
+            View::Host { slots, chunks } => {
+                for (slot, chunk) in slots.iter().zip(chunks.iter()) {
+                    // SAFETY: the buffer is the copy being registered (marked moving).
+                    unsafe {
+                        std::ptr::write_bytes(shared.pool.ptr(*slot), 0, chunk.len_bytes as usize)
+                    }
+                }
+                Ok(())
+            }
+            View::Device { offset } => shared.device.zero(*offset, len_bytes),
+            View::Nvme => unreachable!("only device and host copies are registered"),
         }
     }
-}
-
-/// Zeroes device memory by copying from a zeroed pinned buffer (the pool's
-/// memory is zero only at start, so a scratch buffer is used).
-fn zero_device(shared: &Shared, offset: u64, len_bytes: u64) -> Result<()> {
-    let step = (16u64 << 20).min(len_bytes) as usize;
-    let mut zeros = shared.device.alloc_host(step)?;
-    zeros.fill(0);
-    let mut done = 0;
-    while done < len_bytes {
-        let len = step.min((len_bytes - done) as usize);
-        // SAFETY: `zeros` lives until the synchronous copy returns, and the
-        // device range is this new copy's, held exclusively.
-        unsafe {
-            shared.device.raw_copy(
-                crate::device::Direction::ToDevice,
-                zeros.as_mut_ptr(),
-                offset + done,
-                len,
-            )?
-        };
-        done += len as u64;
-    }
-    Ok(())
 }
 
 /// A held use of one tensor's copy in one tier. Dropping it ends the use.
@@ -132,7 +111,7 @@ impl Guard {
                 state = shared.changed.wait(state).expect("runtime state lock");
                 continue;
             }
-            if !entry.valid_in(tier) {
+            if !entry.valid(tier) {
                 return Err(not_resident(id, entry, tier));
             }
             let busy = match access {
@@ -144,12 +123,11 @@ impl Guard {
             }
             let view = View::of(entry, tier);
             let len_bytes = entry.len_bytes();
-            let bytes = len_bytes;
             let now = state.tick();
             state.entry_mut(id)?.begin_use(tier, access, now);
             drop(state);
             if let Some(started) = waited_since {
-                shared.record_wait(id, bytes, started, CALLER_LANE);
+                shared.record_wait(id, len_bytes, started, CALLER_LANE);
             }
             return Ok(Guard {
                 shared: shared.clone(),

@@ -43,7 +43,7 @@ pub use device::{CpuDevice, CudaDevice, Device, DeviceKind};
 pub use error::{Result, RuntimeError};
 pub use guard::{Access, Guard};
 pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
-pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime, mem_available_bytes};
+pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
 pub use stats::{EventKind, LinkStats, Stats, TierStats, Trace, TraceEvent};
 pub use tier::{Dtype, Link, Owner, TensorId, TensorKind, TensorMeta, Tier};
 

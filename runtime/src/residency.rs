@@ -65,10 +65,6 @@ impl Entry {
         self.moving.is_some()
     }
 
-    pub(crate) fn valid_in(&self, tier: Tier) -> bool {
-        self.valid(tier)
-    }
-
     pub(crate) fn has_writer(&self) -> bool {
         self.writer
     }
@@ -100,7 +96,7 @@ impl Entry {
         }
     }
 
-    fn valid(&self, tier: Tier) -> bool {
+    pub(crate) fn valid(&self, tier: Tier) -> bool {
         matches!(&self.copies[tier.index()], Some(copy) if copy.valid)
     }
 
@@ -241,7 +237,7 @@ impl Runtime {
             Some(nvme) => Some(SwapStore::open(nvme)?),
             None => None,
         };
-        Self::with_parts(config, device, store)
+        Self::assemble(config, device, store)
     }
 
     /// Like [`Runtime::new`] with a device and store built by the caller
@@ -252,8 +248,18 @@ impl Runtime {
         store: Option<SwapStore>,
     ) -> Result<Self> {
         config.validate()?;
+        // The caller's device already holds its arena: count the pool only.
+        check_host_memory(config, false)?;
+        Self::assemble(config, device, store)
+    }
+
+    /// Allocates the pool and starts the movers, on a validated config.
+    fn assemble(
+        config: &RuntimeConfig,
+        device: Box<dyn Device>,
+        store: Option<SwapStore>,
+    ) -> Result<Self> {
         let classes = config.host.resolved_classes();
-        check_host_memory(config, device.kind() == device::DeviceKind::Cpu)?;
         if let Some(store) = &store {
             let align = store.align_bytes();
             if let Some(class) = classes
@@ -637,7 +643,7 @@ fn memlock_limit_bytes() -> u64 {
 /// Refuses a pool (plus a CPU device's arena) larger than MemAvailable,
 /// before touching any of it.
 fn check_host_memory(config: &RuntimeConfig, arena_on_host: bool) -> Result<()> {
-    let Some(available_bytes) = mem_available_bytes() else {
+    let Some(available_bytes) = strata_storage::sys::mem_available_bytes() else {
         return Ok(());
     };
     let budget_bytes = config.host.pool_bytes();
@@ -654,14 +660,6 @@ fn check_host_memory(config: &RuntimeConfig, arena_on_host: bool) -> Result<()> 
         });
     }
     Ok(())
-}
-
-/// MemAvailable from /proc/meminfo, in bytes.
-pub fn mem_available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 impl State {
@@ -1123,7 +1121,7 @@ impl Shared {
         // The tensor is marked moving, so no guard, spill or free touches its
         // copies; the copy is waited on before the mark clears.
         // SAFETY: the host buffers and device range are this tensor's copies.
-        let ticket = unsafe { self.device.copy(direction, &pieces)? };
+        let ticket = unsafe { self.device.copy(direction, pieces)? };
         self.device.wait(ticket)
     }
 

@@ -108,13 +108,6 @@ fn parse_isas(names: &[String]) -> anyhow::Result<Vec<Isa>> {
     Ok(isas)
 }
 
-fn available_memory_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// Runs the sweep.
 pub fn run(args: AdamArgs) -> anyhow::Result<()> {
     let mut sizes = args
@@ -137,7 +130,10 @@ pub fn run(args: AdamArgs) -> anyhow::Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    if let (Some(&largest), Some(available)) = (sizes.iter().max(), available_memory_bytes()) {
+    if let (Some(&largest), Some(available)) = (
+        sizes.iter().max(),
+        strata_storage::sys::mem_available_bytes(),
+    ) {
         let needed = buffer_bytes(largest, &kernels);
         if needed > available {
             bail!(

@@ -56,6 +56,39 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// The drive options `bench swap` and `bench tiers` share.
+#[derive(clap::Args, Debug)]
+pub struct DriveArgs {
+    /// Directory on the drive (must exist).
+    #[arg(long)]
+    dir: std::path::PathBuf,
+    /// Request size (and checksum chunk).
+    #[arg(long, default_value = "1MiB")]
+    block_size: strata_storage::ByteSize,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 32)]
+    queue_depth: usize,
+    /// auto, uring or threads.
+    #[arg(long, default_value = "auto")]
+    engine: strata_storage::EngineChoice,
+}
+
+impl DriveArgs {
+    /// One directory, striped in request-size units, validated.
+    pub fn storage_config(&self) -> anyhow::Result<strata_storage::StorageConfig> {
+        let config = strata_storage::StorageConfig {
+            dirs: vec![self.dir.clone()],
+            block_size: self.block_size,
+            stripe_size: self.block_size,
+            queue_depth: self.queue_depth,
+            engine: self.engine,
+            ..Default::default()
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
 /// Logs go to stderr through tracing, at the asked level.
 pub fn init_logging(level: &str) {
     let filter: tracing_subscriber::filter::LevelFilter = level.parse().unwrap_or_else(|_| {

@@ -1,31 +1,19 @@
 //! `strata bench swap`: a tensor through the swap store against the raw engine.
 
-use std::path::PathBuf;
-
 use anyhow::bail;
 use clap::Args;
 use serde::Serialize;
+use strata_storage::ByteSize;
 use strata_storage::bench::{SwapRound, swap_vs_raw};
-use strata_storage::{ByteSize, EngineChoice, StorageConfig};
 
 /// Options of `strata bench swap`.
 #[derive(Args, Debug)]
 pub struct SwapArgs {
-    /// Directory on the drive (must exist).
-    #[arg(long)]
-    dir: PathBuf,
+    #[command(flatten)]
+    drive: super::DriveArgs,
     /// Tensor size.
     #[arg(long, default_value = "1GiB")]
     size: ByteSize,
-    /// Request size (and checksum chunk).
-    #[arg(long, default_value = "1MiB")]
-    block_size: ByteSize,
-    /// Requests in flight.
-    #[arg(long, default_value_t = 32)]
-    queue_depth: usize,
-    /// auto, uring or threads.
-    #[arg(long, default_value = "auto")]
-    engine: EngineChoice,
     /// Alternating rounds (raw, then store), medians reported.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
@@ -51,15 +39,7 @@ pub fn run(args: SwapArgs) -> anyhow::Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let config = StorageConfig {
-        dirs: vec![args.dir.clone()],
-        block_size: args.block_size,
-        stripe_size: args.block_size,
-        queue_depth: args.queue_depth,
-        engine: args.engine,
-        ..Default::default()
-    };
-    config.validate()?;
+    let config = args.drive.storage_config()?;
     let bar = super::progress_bar(
         args.rounds as u64,
         args.json,

@@ -1,20 +1,17 @@
 //! `strata bench tiers`: every path through the runtime next to the raw path.
 
-use std::path::PathBuf;
-
 use anyhow::bail;
 use clap::Args;
 use serde::Serialize;
 use strata_runtime::bench::{TiersRound, TiersSpec, tiers_vs_raw};
 use strata_runtime::{DeviceChoice, DeviceConfig, Link};
-use strata_storage::{ByteSize, EngineChoice, StorageConfig};
+use strata_storage::ByteSize;
 
 /// Options of `strata bench tiers`.
 #[derive(Args, Debug)]
 pub struct TiersArgs {
-    /// Directory on the drive for the NVMe tier (must exist).
-    #[arg(long)]
-    dir: PathBuf,
+    #[command(flatten)]
+    drive: super::DriveArgs,
     /// Tensor size moved on every path.
     #[arg(long, default_value = "1GiB")]
     size: ByteSize,
@@ -24,15 +21,6 @@ pub struct TiersArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     ordinal: usize,
-    /// NVMe request size.
-    #[arg(long, default_value = "1MiB")]
-    block_size: ByteSize,
-    /// NVMe requests in flight.
-    #[arg(long, default_value_t = 32)]
-    queue_depth: usize,
-    /// auto, uring or threads.
-    #[arg(long, default_value = "auto")]
-    engine: EngineChoice,
     /// Rounds (runtime and raw alternate which goes first); medians reported.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
@@ -63,14 +51,7 @@ pub fn run(args: TiersArgs) -> anyhow::Result<()> {
         bail!("--rounds must be at least 1");
     }
     let spec = TiersSpec {
-        nvme: StorageConfig {
-            dirs: vec![args.dir.clone()],
-            block_size: args.block_size,
-            stripe_size: args.block_size,
-            queue_depth: args.queue_depth,
-            engine: args.engine,
-            ..Default::default()
-        },
+        nvme: args.drive.storage_config()?,
         device: DeviceConfig {
             kind: args.device,
             ordinal: args.ordinal,
@@ -79,7 +60,6 @@ pub fn run(args: TiersArgs) -> anyhow::Result<()> {
         size_bytes: args.size.0,
         rounds: args.rounds,
     };
-    spec.nvme.validate()?;
     let bar = super::progress_bar(
         args.rounds as u64,
         args.json,

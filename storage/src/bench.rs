@@ -405,7 +405,7 @@ fn require_direct(io: IoFile) -> Result<IoFile> {
 /// compressing or deduplicating layer under the drive (a VM host, a SAN)
 /// report speeds that real tensors never see; fio scrambles its buffers for
 /// the same reason.
-fn fill_random(buf: &mut [u8], seed: u64) {
+pub fn fill_random(buf: &mut [u8], seed: u64) {
     let mut rng = crate::engine::SplitMix64(seed);
     for chunk in buf.chunks_mut(8) {
         chunk.copy_from_slice(&rng.next_u64().to_le_bytes()[..chunk.len()]);

@@ -149,6 +149,14 @@ pub fn memlock_limit_bytes() -> Option<u64> {
     Some(limit.rlim_cur)
 }
 
+/// MemAvailable from /proc/meminfo, in bytes (`None` where it cannot be read).
+pub fn mem_available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// One pread or pwrite: bytes moved, or the negated errno (the io_uring CQE convention).
 ///
 /// # Safety

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use strata_storage::{AlignedBuf, PAGE_BYTES};
 
-use super::{CopyPiece, CopyTicket, CpuDone, Device, DeviceKind, Direction, Done};
+use super::{CopyPiece, CopyTicket, CpuDone, Device, DeviceKind, Direction};
 use crate::error::{Result, RuntimeError};
 
 /// Copy jobs queued per direction before `copy` blocks.
@@ -68,7 +68,7 @@ impl CpuDevice {
                     let base = base;
                     for job in receiver {
                         run_job(base.0, &job);
-                        job.done.0.finish();
+                        job.done.finish();
                     }
                 })
                 .map_err(|err| RuntimeError::Config {
@@ -136,18 +136,18 @@ impl Device for CpuDevice {
         Ok(AlignedBuf::new_locked(len_bytes, PAGE_BYTES)?)
     }
 
-    unsafe fn copy(&self, direction: Direction, pieces: &[CopyPiece]) -> Result<CopyTicket> {
-        for piece in pieces {
+    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<CopyTicket> {
+        for piece in &pieces {
             self.check_range(piece.device_offset, piece.len_bytes);
         }
-        let done = Arc::new(CpuDone(Done::default()));
+        let done = Arc::new(CpuDone::default());
         let engine = match direction {
             Direction::ToDevice => 0,
             Direction::ToHost => 1,
         };
         let job = Job {
             direction,
-            pieces: pieces.to_vec(),
+            pieces,
             done: done.clone(),
         };
         self.engines.senders[engine]
@@ -159,11 +159,23 @@ impl Device for CpuDevice {
     fn wait(&self, ticket: CopyTicket) -> Result<()> {
         match ticket {
             CopyTicket::Cpu(done) => {
-                done.0.wait();
+                done.wait();
                 Ok(())
             }
             CopyTicket::Cuda(_) => unreachable!("a CUDA ticket on the CPU device"),
         }
+    }
+
+    fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {
+        self.check_range(device_offset, len_bytes as usize);
+        let start = self
+            .arena
+            .as_ptr()
+            .wrapping_add(device_offset as usize)
+            .cast_mut();
+        // SAFETY: the range is in the arena, owned by the copy being registered.
+        unsafe { std::ptr::write_bytes(start, 0, len_bytes as usize) };
+        Ok(())
     }
 
     fn host_address(&self, device_offset: u64) -> Option<*mut u8> {

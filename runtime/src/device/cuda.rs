@@ -198,7 +198,7 @@ impl Device for CudaDevice {
         Ok(unsafe { AlignedBuf::from_raw_parts(ptr, len, PAGE_BYTES, true, release) })
     }
 
-    unsafe fn copy(&self, direction: Direction, pieces: &[CopyPiece]) -> Result<CopyTicket> {
+    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<CopyTicket> {
         let stream = match direction {
             Direction::ToDevice => &self.to_device,
             Direction::ToHost => &self.to_host,
@@ -206,7 +206,7 @@ impl Device for CudaDevice {
         self.context
             .bind_to_thread()
             .map_err(cuda_error("cuCtxSetCurrent"))?;
-        for piece in pieces {
+        for piece in &pieces {
             // SAFETY: forwarded from our caller.
             unsafe { self.enqueue(stream, direction, piece)? };
         }
@@ -224,6 +224,16 @@ impl Device for CudaDevice {
                 .map_err(cuda_error("cuEventSynchronize")),
             CopyTicket::Cpu(_) => unreachable!("a CPU ticket on a CUDA device"),
         }
+    }
+
+    fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {
+        self.check_range(device_offset, len_bytes as usize);
+        self.context
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent"))?;
+        // SAFETY: the range is in the arena, owned by the copy being registered.
+        unsafe { result::memset_d8_sync(self.base + device_offset, 0, len_bytes as usize) }
+            .map_err(cuda_error("cuMemsetD8"))
     }
 
     fn host_address(&self, _device_offset: u64) -> Option<*mut u8> {

@@ -55,14 +55,14 @@ pub struct CopyPiece {
 // (`Device::copy`'s contract).
 unsafe impl Send for CopyPiece {}
 
-/// Completion flag of a CPU-device copy job.
+/// Completion of a CPU-device copy job.
 #[derive(Default)]
-pub(crate) struct Done {
+pub struct CpuDone {
     finished: Mutex<bool>,
     ready: Condvar,
 }
 
-impl Done {
+impl CpuDone {
     pub(crate) fn finish(&self) {
         *self.finished.lock().expect("done lock") = true;
         self.ready.notify_all();
@@ -85,9 +85,6 @@ pub enum CopyTicket {
     Cuda(cuda::CudaTicket),
 }
 
-/// Opaque completion of a CPU-device copy job.
-pub struct CpuDone(pub(crate) Done);
-
 /// What the registry needs from a device.
 pub trait Device: Send + Sync {
     /// CPU or CUDA.
@@ -104,13 +101,18 @@ pub trait Device: Send + Sync {
     fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf>;
 
     /// Queues copies on the copy engine of `direction` and returns at once.
+    /// Takes the list by value: the CPU device hands it to its copy thread.
     ///
     /// # Safety
     /// Every piece's host range must be valid (and, for `ToHost`, not
     /// accessed by anyone else) until the ticket has been waited on; device
     /// ranges must lie in the arena and not be written by anyone else until
     /// then.
-    unsafe fn copy(&self, direction: Direction, pieces: &[CopyPiece]) -> Result<CopyTicket>;
+    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<CopyTicket>;
+
+    /// Fills `len_bytes` of the arena at `device_offset` with zeros, before
+    /// returning (a new tensor registered on the device).
+    fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()>;
 
     /// Blocks until a batch of copies has finished.
     fn wait(&self, ticket: CopyTicket) -> Result<()>;
