@@ -552,3 +552,136 @@ fn deepspeed_comparison_script_tiny() {
         );
     }
 }
+
+#[test]
+fn plan_json_contract_on_the_issue_example() {
+    let output = strata(&[
+        "plan",
+        "--preset",
+        "dgx2",
+        "--nodes",
+        "1",
+        "--params",
+        "1T",
+        "--offload-param",
+        "nvme",
+        "--offload-optimizer",
+        "nvme",
+        "--policy",
+        "strata",
+        "--json",
+    ]);
+    let json = stdout_json(&output);
+    assert_eq!(json["fits"], true, "{json}");
+    for key in [
+        "device_bytes_per_gpu",
+        "host_bytes_per_node",
+        "nvme_bytes_per_node",
+        "step_time_s",
+        "tflops_per_gpu",
+    ] {
+        assert!(
+            json[key].as_f64().is_some_and(|v| v > 0.0),
+            "{key}: {}",
+            json[key]
+        );
+    }
+    assert!(json["device_bytes_per_gpu"].as_f64().unwrap() <= 32e9);
+    assert_eq!(json["bottleneck"], "nvme");
+    let baseline = stdout_json(&strata(&[
+        "plan",
+        "--preset",
+        "dgx2",
+        "--params",
+        "1T",
+        "--offload-param",
+        "nvme",
+        "--offload-optimizer",
+        "nvme",
+        "--policy",
+        "deepspeed",
+        "--json",
+    ]));
+    assert!(baseline["step_time_s"].as_f64().unwrap() >= json["step_time_s"].as_f64().unwrap());
+}
+
+#[test]
+fn plan_table_and_chart() {
+    let dir = tempdir();
+    let chart = dir.path().join("plan.svg");
+    let output = strata(&[
+        "plan",
+        "--preset",
+        "dgx-a100",
+        "--params",
+        "13B",
+        "--compare",
+        "--plot",
+        chart.to_str().unwrap(),
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8_lossy(&output.stdout);
+    for needle in [
+        "fits:    yes",
+        "bottleneck:",
+        "model states",
+        "DeepSpeed's estimate_zero3",
+        "faster",
+    ] {
+        assert!(text.contains(needle), "no {needle:?} in\n{text}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        svg.contains("memory per tier") && svg.contains("busy share"),
+        "chart lacks its panels"
+    );
+}
+
+#[test]
+fn plan_bad_options_are_named() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["plan", "--params", "1T", "--layers", "10"],
+            "--params picks the shape",
+        ),
+        (
+            &["plan", "--layers", "10"],
+            "all of --layers, --hidden and --heads",
+        ),
+        (&["plan"], "--params (e.g. 1T)"),
+        (
+            &["plan", "--params", "1T", "--preset", "dgx3"],
+            "unknown preset",
+        ),
+        (
+            &[
+                "plan",
+                "--params",
+                "13B",
+                "--offload-param",
+                "nvme",
+                "--zero-stage",
+                "2",
+            ],
+            "--zero-stage 3",
+        ),
+        (
+            &["plan", "--params", "13B", "--offload-param", "disk"],
+            "invalid value 'disk'",
+        ),
+    ];
+    for (args, needle) in cases {
+        let output = strata(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success() && stderr.contains(needle),
+            "{args:?}: {stderr}"
+        );
+    }
+    let unknown = strata(&["plan", "--params", "1T", "--offload-paramz", "nvme"]);
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("--offload-param"));
+}

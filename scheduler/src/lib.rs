@@ -1,6 +1,38 @@
-//! strata-scheduler plans and simulates: from a training step's access trace,
-//! tier capacities and link bandwidths it computes when to prefetch and what
-//! to evict, and a discrete-event simulator predicts step time and memory per
-//! tier. It is pure and deterministic: no I/O, no clock, no threads.
+//! strata-scheduler plans and simulates. From a training step's access
+//! [`Trace`], tier capacities and link speeds, [`plan`] computes when to
+//! issue each transfer and what to evict to where (a [`Plan`]);
+//! [`simulate`] runs a plan against a hardware model and predicts step
+//! time, busy time per link and memory per tier; [`cluster`] builds traces
+//! for GPT-like models on whole clusters and compares strata's policy with
+//! a DeepSpeed-like baseline. It is pure and deterministic: no I/O, no
+//! clock, no threads.
 //!
-//! Its types arrive with the scheduler issue.
+//! ```
+//! use strata_scheduler::{cluster, Hardware, Model, Parallelism, Policies, Tier};
+//! let hardware = Hardware::preset("dgx-a100")?;
+//! let model = Model::for_params(13e9)?;
+//! let parallelism = Parallelism::zero3_offload(&hardware, Tier::Host, Tier::Host);
+//! let estimate = cluster::estimate(&model, &parallelism, &hardware, Policies::Strata)?;
+//! assert!(estimate.fits);
+//! println!("{:.2?} s per step, bottleneck {}", estimate.step_time_s, estimate.bottleneck);
+//! # Ok::<(), strata_scheduler::SchedulerError>(())
+//! ```
+
+pub mod cluster;
+mod error;
+mod model;
+mod plan;
+mod sim;
+mod step;
+mod trace;
+
+pub use cluster::{Estimate, Policies};
+pub use error::SchedulerError;
+pub use model::{Hardware, Model, Parallelism, deepspeed_zero3_estimate};
+pub use plan::{
+    Action, ActionKind, ClassRule, Eviction, Lane, Link, Links, Plan, PlanConfig, Policy, plan,
+    verify,
+};
+pub use sim::{SimConfig, SimReport, TimelinePoint, simulate};
+pub use step::{PlanCache, StepTracker};
+pub use trace::{Access, Mode, Op, Processor, TensorClass, TensorSpec, Tier, Trace, TraceRecorder};

@@ -90,3 +90,116 @@ pub fn line_chart(
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+/// `strata plan --plot`: memory per tier over the step (as a share of each
+/// tier's capacity) above the busy share of each resource.
+pub fn plan_chart(path: &Path, estimate: &strata_scheduler::Estimate) -> anyhow::Result<()> {
+    if path.extension().and_then(|e| e.to_str()) != Some("svg") {
+        bail!(
+            "charts are written as SVG: give --plot a file name ending in .svg (got {})",
+            path.display()
+        );
+    }
+    if estimate.timeline.is_empty() {
+        bail!(
+            "the run does not fit, so there is no step to draw: {}",
+            estimate.reason.as_deref().unwrap_or("no plan")
+        );
+    }
+    let root = SVGBackend::new(path, (960, 800)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (top, bottom) = root.split_vertically(480);
+    let end_s = estimate.timeline.last().map_or(1.0, |p| p.time_s).max(1e-9);
+    let mut chart = ChartBuilder::on(&top)
+        .caption(
+            format!("memory per tier over one step ({} policy)", estimate.policy),
+            ("sans-serif", 22),
+        )
+        .margin(16)
+        .x_label_area_size(44)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0.0..end_s, 0.0..105.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("time (s)")
+        .y_desc("% of capacity")
+        .draw()?;
+    let names = ["device per GPU", "host per node", "NVMe per node"];
+    for (tier, name) in names.iter().enumerate() {
+        let capacity = estimate.capacity_bytes[tier].max(1) as f64;
+        let peak = estimate
+            .timeline
+            .iter()
+            .map(|p| p.bytes[tier])
+            .max()
+            .unwrap_or(0);
+        let color = Palette99::pick(tier).to_rgba();
+        let points: Vec<(f64, f64)> = estimate
+            .timeline
+            .iter()
+            .map(|p| (p.time_s, 100.0 * p.bytes[tier] as f64 / capacity))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))?
+            .label(format!(
+                "{name} (peak {:.1} of {:.1} GB)",
+                peak as f64 / 1e9,
+                capacity / 1e9
+            ))
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()?;
+    let rows = estimate.resources.len().max(1) as f64;
+    let mut bars = ChartBuilder::on(&bottom)
+        .caption(
+            format!(
+                "busy share of the {:.2} s step (bottleneck: {})",
+                estimate.step_time_s.unwrap_or(0.0),
+                estimate.bottleneck
+            ),
+            ("sans-serif", 20),
+        )
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(120)
+        .build_cartesian_2d(0.0..100.0, 0.0..rows)?;
+    let labels: Vec<String> = estimate.resources.iter().map(|r| r.name.clone()).collect();
+    bars.configure_mesh()
+        .disable_y_mesh()
+        .y_labels(labels.len() * 2 + 1)
+        .y_label_formatter(&|y| {
+            let index = (y - 0.5).round();
+            if (y - 0.5 - index).abs() < 1e-6 && index >= 0.0 {
+                labels.get(index as usize).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .x_desc("% of step time busy")
+        .draw()?;
+    bars.draw_series(estimate.resources.iter().enumerate().map(|(index, r)| {
+        let y = index as f64;
+        let color = if r.name == estimate.bottleneck {
+            RED.mix(0.8)
+        } else {
+            BLUE.mix(0.6)
+        };
+        Rectangle::new(
+            [
+                (0.0, y + 0.15),
+                ((100.0 * r.utilisation).min(100.0), y + 0.85),
+            ],
+            color.filled(),
+        )
+    }))?;
+    root.present()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -3,6 +3,7 @@
 mod adam;
 mod chart;
 mod nvme;
+mod plan;
 mod swap;
 mod tiers;
 
@@ -28,6 +29,9 @@ enum Command {
     /// Measure the hardware paths strata depends on.
     #[command(subcommand)]
     Bench(Bench),
+    /// Will a run fit, how is its memory spread over the tiers, how fast
+    /// will it step and what limits it (planned and simulated).
+    Plan(Box<plan::PlanArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -53,6 +57,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(Bench::Swap(args)) => swap::run(args),
         Command::Bench(Bench::Adam(args)) => adam::run(args),
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
+        Command::Plan(args) => plan::run(*args),
     }
 }
 

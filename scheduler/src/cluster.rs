@@ -1,0 +1,863 @@
+//! Whole clusters: builds one GPU's step trace for a GPT-like model under
+//! a parallelism plan, plans it with strata's policy or the DeepSpeed-like
+//! baseline, simulates it, and reports memory per tier, step time,
+//! TFLOP/s and the bottleneck.
+//!
+//! GPUs are symmetric, so one GPU is simulated; what a node shares (NVMe
+//! drives, host RAM, CPU cores, the network) is divided among its GPUs.
+
+use serde::Serialize;
+
+use crate::error::SchedulerError;
+use crate::model::{Hardware, Model, Parallelism, deepspeed_zero3_estimate};
+use crate::plan::{ActionKind, Lane, Link, Links, Plan, PlanConfig, Policy, plan};
+use crate::sim::{SimConfig, SimReport, TimelinePoint, simulate};
+use crate::trace::{Access, Mode, Op, Processor, TensorClass, TensorSpec, Tier, Trace};
+
+/// Device memory kept for the CUDA context and allocator slack.
+pub const DEVICE_RESERVE_BYTES: u64 = 1 << 30;
+/// Host memory per node kept for the OS and the framework.
+pub const HOST_RESERVE_BYTES: u64 = 64 << 30;
+/// Latency of one collective or one transfer.
+const COLLECTIVE_LATENCY_NS: u64 = 20_000;
+const PCIE_LATENCY_NS: u64 = 10_000;
+const NVME_LATENCY_NS: u64 = 100_000;
+/// The largest tiling factor tried for layers too big for the device.
+const TILES_MAX: u32 = 64;
+/// strata's lookahead: far enough that optimizer-state reads start during
+/// backward; memory, not this, is what bounds it in practice.
+const LOOKAHEAD_OPS_MAX: u32 = 4096;
+/// Timeline points kept.
+const TIMELINE_POINTS_MAX: usize = 400;
+
+/// Which policy plans the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policies {
+    /// strata: Belady, one lookahead queue over both hops, optimizer
+    /// overlapped with backward when clipping allows, activations
+    /// prefetched within a horizon.
+    Strata,
+    /// DeepSpeed-like (see [`Policy::deepspeed`]); `pipelined` is
+    /// `pipeline_read`/`pipeline_write`.
+    DeepSpeed {
+        /// Optimizer swaps pipelined.
+        pipelined: bool,
+    },
+}
+
+impl Policies {
+    fn name(self) -> &'static str {
+        match self {
+            Policies::Strata => "strata",
+            Policies::DeepSpeed { .. } => "deepspeed",
+        }
+    }
+}
+
+/// One part of memory on one tier.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryPart {
+    /// What it is.
+    pub name: String,
+    /// Where.
+    pub tier: Tier,
+    /// Bytes per GPU (per node for host and NVMe: see `per_node_bytes`).
+    pub per_gpu_bytes: u64,
+    /// Bytes per node.
+    pub per_node_bytes: u64,
+}
+
+/// Utilisation of one resource over the step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ResourceUse {
+    /// Name (`gpu-compute`, `pcie-h2d`, `nvme`, ...).
+    pub name: String,
+    /// Seconds busy per step.
+    pub busy_s: f64,
+    /// busy / step time.
+    pub utilisation: f64,
+    /// Bytes moved per GPU per step (0 for compute).
+    pub bytes: u64,
+}
+
+/// How activations are kept.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ActivationPlan {
+    /// Checkpointing on: one saved input per block, recomputed in backward.
+    pub checkpoint: bool,
+    /// Bytes saved per block per micro-batch.
+    pub bytes_per_layer: u64,
+    /// Blocks whose saved activations the plan moves off the device.
+    pub offloaded_layers: u32,
+    /// Blocks of activations fetched ahead of backward (SageMaker's
+    /// `activation_loading_horizon`).
+    pub horizon_layers: u32,
+}
+
+/// What `strata plan` reports.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Estimate {
+    /// Whether the run fits every tier.
+    pub fits: bool,
+    /// Why not, when it does not.
+    pub reason: Option<String>,
+    /// The policy.
+    pub policy: &'static str,
+    /// Parameters.
+    pub params: u64,
+    /// Peak device memory per GPU.
+    pub device_bytes_per_gpu: u64,
+    /// Peak pinned host memory per node.
+    pub host_bytes_per_node: u64,
+    /// NVMe used per node.
+    pub nvme_bytes_per_node: u64,
+    /// Steady-state step time (an optimizer step over all micro-batches).
+    pub step_time_s: Option<f64>,
+    /// The first step's time (strata: no trace yet; DeepSpeed: no
+    /// prefetch before step 3).
+    pub first_step_time_s: Option<f64>,
+    /// Model TFLOP/s per GPU (recompute not counted).
+    pub tflops_per_gpu: Option<f64>,
+    /// The busiest resource.
+    pub bottleneck: String,
+    /// Each part of memory, per tier.
+    pub memory: Vec<MemoryPart>,
+    /// Busy time per resource.
+    pub resources: Vec<ResourceUse>,
+    /// Activations.
+    pub activations: ActivationPlan,
+    /// Linear layers split this many ways to fit (memory-centric tiling).
+    pub tiles: u32,
+    /// DeepSpeed's formula for the same run: (GPU bytes, CPU bytes per
+    /// node), buffer factor 1; `None` without ZeRO-3 offload.
+    pub deepspeed_formula_bytes: Option<(u64, u64)>,
+    /// Memory per tier over the step: device per GPU, host and NVMe per
+    /// node.
+    pub timeline: Vec<TimelinePoint>,
+    /// Capacities compared against: device per GPU, host and NVMe per node.
+    pub capacity_bytes: [u64; 3],
+}
+
+/// Per-GPU shares of one model under one parallelism plan.
+struct Shares {
+    tensor: u64,
+    param_shard: u64,
+    grad_shard: u64,
+    optimizer_shard: u64,
+    layers: u32,
+    tiles: u32,
+}
+
+impl Shares {
+    fn new(model: &Model, parallelism: &Parallelism, tiles: u32) -> Shares {
+        let data = u64::from(parallelism.data);
+        let stage = parallelism.zero_stage;
+        Shares {
+            tensor: u64::from(parallelism.tensor),
+            param_shard: if stage >= 3 { data } else { 1 },
+            grad_shard: if stage >= 2 { data } else { 1 },
+            optimizer_shard: if stage >= 1 { data } else { 1 },
+            layers: model.layers / parallelism.pipeline,
+            tiles,
+        }
+    }
+}
+
+/// Working buffers on the device: (gathered 16-bit parameters and
+/// gradients of the largest layer, the next layer's gather, one block's
+/// activations).
+fn working_bytes(model: &Model, parallelism: &Parallelism, tiles: u32) -> (u64, u64, u64) {
+    let largest = model.largest_layer_params() / u64::from(parallelism.tensor) / u64::from(tiles);
+    let gathered = if parallelism.zero_stage >= 3 {
+        4 * largest
+    } else {
+        0
+    };
+    let ahead = if parallelism.zero_stage >= 3 {
+        2 * largest
+    } else {
+        0
+    };
+    let activations = model.block_activation_bytes() / u64::from(parallelism.tensor);
+    (gathered, ahead, activations)
+}
+
+/// The links one GPU sees.
+fn links(hardware: &Hardware) -> Links {
+    let share = f64::from(hardware.gpus_per_node);
+    let drives = f64::from(hardware.nvme_drives.max(1));
+    let pcie = Link {
+        bytes_per_s: hardware.pcie_bytes_per_s,
+        latency_ns: PCIE_LATENCY_NS,
+    };
+    Links {
+        host_to_device: pcie,
+        device_to_host: pcie,
+        nvme_read: Link {
+            bytes_per_s: hardware.nvme_read_bytes_per_s * drives / share,
+            latency_ns: NVME_LATENCY_NS,
+        },
+        nvme_write: Link {
+            bytes_per_s: hardware.nvme_write_bytes_per_s * drives / share,
+            latency_ns: NVME_LATENCY_NS,
+        },
+        nvme_duplex: false,
+    }
+}
+
+/// The data-parallel collective bandwidth per GPU: NVLink within a node,
+/// the node's network share across nodes.
+fn collective_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64 {
+    if hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor {
+        hardware.nvlink_bytes_per_s.min(
+            hardware.network_bytes_per_s
+                / f64::from(hardware.gpus_per_node / parallelism.tensor.max(1)),
+        )
+    } else {
+        hardware.nvlink_bytes_per_s
+    }
+}
+
+/// Builds one GPU's trace of one optimizer step.
+fn build_trace(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    shares: &Shares,
+    policy: Policies,
+) -> Trace {
+    let mut trace = Trace::default();
+    let data = f64::from(parallelism.data);
+    let collective = collective_bytes_per_s(hardware, parallelism);
+    let ring = |bytes: u64, factor: f64| -> u64 {
+        if parallelism.data <= 1 {
+            0
+        } else {
+            COLLECTIVE_LATENCY_NS
+                + (factor * bytes as f64 * (data - 1.0) / data / collective * 1e9) as u64
+        }
+    };
+    let flops_ns =
+        |flops: f64| (flops / (hardware.gpu_flops * hardware.gpu_efficiency) * 1e9) as u64;
+    let optimizer_on_gpu = parallelism.offload_optimizer == Tier::Device;
+    let optimizer_ns = |params: u64| -> u64 {
+        if optimizer_on_gpu {
+            (36.0 * params as f64 / hardware.gpu_memory_bytes_per_s * 1e9) as u64
+        } else {
+            (params as f64 * f64::from(hardware.gpus_per_node)
+                / hardware.cpu_optimizer_params_per_s
+                * 1e9) as u64
+        }
+    };
+    // Parameters of one unit (a linear layer's tile, or the embedding) on
+    // this GPU before ZeRO sharding.
+    struct Unit {
+        name: String,
+        params: u64,
+        forward_flops: f64,
+        param: u32,
+        optimizer: u32,
+        grad: u32,
+    }
+    let add =
+        |trace: &mut Trace, name: String, bytes: u64, class: TensorClass, home: Option<Tier>| {
+            trace.tensors.push(TensorSpec {
+                name,
+                bytes: bytes.max(1),
+                class,
+                home,
+            });
+            trace.tensors.len() as u32 - 1
+        };
+    let unit = |trace: &mut Trace, name: String, params: u64, forward_flops: f64| Unit {
+        param: add(
+            trace,
+            format!("{name}.param16"),
+            2 * params / shares.param_shard,
+            TensorClass::Param,
+            Some(parallelism.offload_param),
+        ),
+        optimizer: add(
+            trace,
+            format!("{name}.fp32"),
+            16 * params / shares.optimizer_shard,
+            TensorClass::OptimizerState,
+            Some(parallelism.offload_optimizer),
+        ),
+        grad: add(
+            trace,
+            format!("{name}.grad16"),
+            2 * params / shares.grad_shard,
+            TensorClass::Grad,
+            None,
+        ),
+        name,
+        params,
+        forward_flops,
+    };
+    let tp = shares.tensor;
+    let tokens = model.tokens() as f64;
+    let embedding = unit(
+        &mut trace,
+        "embed".into(),
+        model.embedding_params() / tp,
+        2.0 * tokens * (model.vocab * model.hidden) as f64 / tp as f64,
+    );
+    let mut layers: Vec<Vec<Unit>> = Vec::new();
+    for l in 0..shares.layers {
+        let mut units = Vec::new();
+        for (j, (name, params)) in model.block_params().into_iter().enumerate() {
+            let mut flops = 2.0 * tokens * params as f64;
+            if j == 1 {
+                flops += 4.0 * tokens * model.seq as f64 * model.hidden as f64;
+            }
+            let params = params + if j == 0 { model.block_norm_params() } else { 0 };
+            for t in 0..shares.tiles {
+                let tile = if shares.tiles > 1 {
+                    format!(".t{t}")
+                } else {
+                    String::new()
+                };
+                units.push(unit(
+                    &mut trace,
+                    format!("l{l}.{name}{tile}"),
+                    params / tp / u64::from(shares.tiles),
+                    flops / (tp * u64::from(shares.tiles)) as f64,
+                ));
+            }
+        }
+        layers.push(units);
+    }
+    let saved_bytes = if parallelism.checkpoint_activations {
+        model.checkpoint_bytes()
+    } else {
+        model.block_activation_bytes() / tp
+    };
+    let micro_batches = parallelism.grad_accumulation;
+    let overlap_optimizer = policy == Policies::Strata && !parallelism.grad_clip;
+    let optimizer_processor = if optimizer_on_gpu {
+        Processor::Gpu
+    } else {
+        Processor::Cpu
+    };
+    let optimizer_op = |u: &Unit| Op {
+        name: format!("adam.{}", u.name),
+        processor: optimizer_processor,
+        accesses: vec![
+            Access {
+                tensor: u.optimizer,
+                mode: Mode::Update,
+            },
+            Access {
+                tensor: u.grad,
+                mode: Mode::Read,
+            },
+            Access {
+                tensor: u.param,
+                mode: Mode::Write,
+            },
+        ],
+        compute_ns: optimizer_ns(u.params / shares.optimizer_shard),
+        gather_ns: 0,
+        reduce_ns: 0,
+        barrier: false,
+    };
+    let gather = |u: &Unit| {
+        if shares.param_shard > 1 {
+            ring(2 * u.params, 1.0)
+        } else {
+            0
+        }
+    };
+    let reduce = |u: &Unit| ring(2 * u.params, if shares.grad_shard > 1 { 1.0 } else { 2.0 });
+    let grad_mode = |m: u32| if m == 0 { Mode::Write } else { Mode::Update };
+    let gpu =
+        |name: String, accesses: Vec<Access>, compute_ns: u64, gather_ns: u64, reduce_ns: u64| Op {
+            name,
+            processor: Processor::Gpu,
+            accesses,
+            compute_ns,
+            gather_ns,
+            reduce_ns,
+            barrier: false,
+        };
+    for m in 0..micro_batches {
+        let saved: Vec<u32> = (0..shares.layers)
+            .map(|l| {
+                add(
+                    &mut trace,
+                    format!("m{m}.l{l}.saved"),
+                    saved_bytes,
+                    TensorClass::Activation,
+                    None,
+                )
+            })
+            .collect();
+        let read = |tensor: u32| Access {
+            tensor,
+            mode: Mode::Read,
+        };
+        trace.ops.push(gpu(
+            format!("m{m}.fwd.embed"),
+            vec![read(embedding.param)],
+            1_000,
+            gather(&embedding),
+            0,
+        ));
+        for (l, units) in layers.iter().enumerate() {
+            for (i, u) in units.iter().enumerate() {
+                let mut accesses = vec![read(u.param)];
+                if i + 1 == units.len() {
+                    accesses.push(Access {
+                        tensor: saved[l],
+                        mode: Mode::Write,
+                    });
+                }
+                trace.ops.push(gpu(
+                    format!("m{m}.fwd.{}", u.name),
+                    accesses,
+                    flops_ns(u.forward_flops),
+                    gather(u),
+                    0,
+                ));
+            }
+        }
+        let head = vec![
+            read(embedding.param),
+            Access {
+                tensor: embedding.grad,
+                mode: grad_mode(m),
+            },
+        ];
+        trace.ops.push(gpu(
+            format!("m{m}.head"),
+            head,
+            flops_ns(3.0 * embedding.forward_flops),
+            gather(&embedding),
+            0,
+        ));
+        let last = m + 1 == micro_batches;
+        for (l, units) in layers.iter().enumerate().rev() {
+            let recompute: f64 = if parallelism.checkpoint_activations {
+                units.iter().map(|u| u.forward_flops).sum()
+            } else {
+                0.0
+            };
+            for (i, u) in units.iter().enumerate().rev() {
+                let mut accesses = vec![
+                    read(u.param),
+                    Access {
+                        tensor: u.grad,
+                        mode: grad_mode(m),
+                    },
+                ];
+                let mut flops = 2.0 * u.forward_flops;
+                if i + 1 == units.len() {
+                    accesses.push(read(saved[l]));
+                    flops += recompute;
+                }
+                trace.ops.push(gpu(
+                    format!("m{m}.bwd.{}", u.name),
+                    accesses,
+                    flops_ns(flops),
+                    gather(u),
+                    reduce(u),
+                ));
+                if last && overlap_optimizer {
+                    trace.ops.push(optimizer_op(u));
+                }
+            }
+        }
+        let embed_grad = vec![Access {
+            tensor: embedding.grad,
+            mode: Mode::Update,
+        }];
+        trace.ops.push(gpu(
+            format!("m{m}.bwd.embed"),
+            embed_grad,
+            1_000,
+            0,
+            reduce(&embedding),
+        ));
+    }
+    if parallelism.grad_clip {
+        let mut norm = gpu("grad-norm".into(), Vec::new(), 10_000, 0, 0);
+        norm.barrier = true;
+        trace.ops.push(norm);
+    }
+    if !overlap_optimizer {
+        for units in layers.iter().rev() {
+            for u in units.iter().rev() {
+                trace.ops.push(optimizer_op(u));
+            }
+        }
+    }
+    trace.ops.push(optimizer_op(&embedding));
+    trace
+}
+
+/// Plans and simulates one run.
+pub fn estimate(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    policy: Policies,
+) -> Result<Estimate, SchedulerError> {
+    model.validate()?;
+    hardware.validate()?;
+    parallelism.validate(model, hardware)?;
+    let gpus = u64::from(hardware.gpus_per_node);
+    let host_per_gpu = hardware
+        .host_memory_bytes
+        .saturating_sub(HOST_RESERVE_BYTES)
+        / gpus;
+    let nvme_per_gpu = hardware.nvme_bytes_per_node() / gpus;
+    // Memory-centric tiling: split linear layers until the working
+    // buffers leave most of the device to the plan.
+    let mut tiles = 1;
+    let device_room = |tiles: u32| {
+        let (gathered, ahead, activations) = working_bytes(model, parallelism, tiles);
+        hardware
+            .gpu_memory_bytes
+            .saturating_sub(DEVICE_RESERVE_BYTES + gathered + ahead + activations)
+    };
+    let gather_bytes = |tiles: u32| {
+        let (gathered, ahead, _) = working_bytes(model, parallelism, tiles);
+        gathered + ahead
+    };
+    while gather_bytes(tiles) > hardware.gpu_memory_bytes / 4 && tiles < TILES_MAX {
+        tiles *= 2;
+    }
+    let shares = Shares::new(model, parallelism, tiles);
+    let trace = build_trace(model, parallelism, hardware, &shares, policy);
+    let capacity = [device_room(tiles), host_per_gpu, nvme_per_gpu];
+    let links = links(hardware);
+    let horizon_layers = activation_horizon(model, parallelism, hardware, &trace, &links);
+    let ops_per_layer = 4 * tiles;
+    let (steady, first) = match policy {
+        Policies::Strata => (
+            Policy::strata(LOOKAHEAD_OPS_MAX, horizon_layers * ops_per_layer),
+            Policy::strata(0, 0),
+        ),
+        Policies::DeepSpeed { pipelined } => (
+            Policy::deepspeed(3, pipelined),
+            Policy::deepspeed(1, pipelined),
+        ),
+    };
+    let sim_config = SimConfig {
+        capacity_bytes: capacity,
+        links,
+        gathers_ahead_max: 2,
+        timeline_points_max: TIMELINE_POINTS_MAX,
+    };
+    let run = |policy: Policy| -> Result<(Plan, SimReport), SchedulerError> {
+        let config = PlanConfig {
+            capacity_bytes: capacity,
+            links,
+            policy,
+        };
+        let made = plan(&trace, &config)?;
+        let report = simulate(&trace, &made, &sim_config)?;
+        Ok((made, report))
+    };
+    let mut estimate = Estimate {
+        fits: false,
+        reason: None,
+        policy: policy.name(),
+        params: model.params(),
+        device_bytes_per_gpu: 0,
+        host_bytes_per_node: 0,
+        nvme_bytes_per_node: 0,
+        step_time_s: None,
+        first_step_time_s: None,
+        tflops_per_gpu: None,
+        bottleneck: "none (does not fit)".into(),
+        memory: memory_parts(model, parallelism, hardware, &trace, tiles, None),
+        resources: Vec::new(),
+        activations: ActivationPlan {
+            checkpoint: parallelism.checkpoint_activations,
+            bytes_per_layer: trace
+                .tensors
+                .iter()
+                .find(|t| t.class == TensorClass::Activation)
+                .map_or(0, |t| t.bytes),
+            offloaded_layers: 0,
+            horizon_layers,
+        },
+        tiles,
+        deepspeed_formula_bytes: (parallelism.zero_stage == 3
+            && parallelism.offload_optimizer != Tier::Device)
+            .then(|| {
+                deepspeed_zero3_estimate(
+                    model.params(),
+                    model.largest_layer_params(),
+                    hardware.gpus_per_node,
+                    hardware.nodes,
+                    true,
+                    parallelism.offload_param != Tier::Device,
+                )
+            }),
+        timeline: Vec::new(),
+        capacity_bytes: [
+            hardware.gpu_memory_bytes,
+            hardware.host_memory_bytes,
+            hardware.nvme_bytes_per_node(),
+        ],
+    };
+    estimate.device_bytes_per_gpu = estimate
+        .memory
+        .iter()
+        .filter(|p| p.tier == Tier::Device)
+        .map(|p| p.per_gpu_bytes)
+        .sum();
+    estimate.host_bytes_per_node = estimate
+        .memory
+        .iter()
+        .filter(|p| p.tier == Tier::Host)
+        .map(|p| p.per_node_bytes)
+        .sum();
+    estimate.nvme_bytes_per_node = estimate
+        .memory
+        .iter()
+        .filter(|p| p.tier == Tier::Nvme)
+        .map(|p| p.per_node_bytes)
+        .sum();
+    if capacity[0] == 0 {
+        estimate.reason = Some(format!(
+            "one layer's working buffers and activations do not fit in {:.1} GB of device memory even tiled {tiles} ways; raise --tensor-parallel or lower --micro-batch/--seq",
+            hardware.gpu_memory_bytes as f64 / 1e9
+        ));
+        return Ok(estimate);
+    }
+    let (made, report) = match run(steady) {
+        Ok(done) => done,
+        Err(
+            error @ (SchedulerError::DoesNotFit { .. } | SchedulerError::InitialPlacement { .. }),
+        ) => {
+            estimate.reason = Some(error.to_string());
+            return Ok(estimate);
+        }
+        Err(error) => return Err(error),
+    };
+    let first_step = run(first).map(|(_, r)| r.step_time_s).ok();
+    estimate.memory = memory_parts(model, parallelism, hardware, &trace, tiles, Some(&made));
+    // Parts peak at different times; the totals are the plan's true peaks.
+    let (gathered, ahead, working) = working_bytes(model, parallelism, tiles);
+    estimate.device_bytes_per_gpu =
+        DEVICE_RESERVE_BYTES + gathered + ahead + working + made.peak_bytes[Tier::Device.index()];
+    estimate.host_bytes_per_node = made.peak_bytes[Tier::Host.index()] * gpus;
+    estimate.nvme_bytes_per_node = made.peak_bytes[Tier::Nvme.index()] * gpus;
+    let bubble = f64::from(parallelism.pipeline - 1) * report.gpu_busy_s
+        / f64::from(parallelism.grad_accumulation);
+    let step_time_s = report.step_time_s + bubble;
+    let flops = model.model_flops_per_micro_batch() * f64::from(parallelism.grad_accumulation)
+        / f64::from(parallelism.tensor * parallelism.pipeline);
+    estimate.fits = true;
+    estimate.step_time_s = Some(step_time_s);
+    estimate.first_step_time_s = first_step.map(|t| t + bubble);
+    estimate.tflops_per_gpu = Some(flops / step_time_s / 1e12);
+    estimate.resources = resources(&report, step_time_s, hardware, parallelism);
+    estimate.bottleneck = estimate
+        .resources
+        .iter()
+        .max_by(|a, b| a.busy_s.total_cmp(&b.busy_s))
+        .map_or_else(|| "none".into(), |r| r.name.clone());
+    estimate.activations.offloaded_layers = made
+        .actions
+        .iter()
+        .filter(|a| {
+            matches!(
+                a.kind,
+                ActionKind::Evict {
+                    from: Tier::Device,
+                    ..
+                }
+            ) && trace.tensors[a.tensor as usize].class == TensorClass::Activation
+        })
+        .count() as u32;
+    estimate.timeline = report
+        .timeline
+        .iter()
+        .map(|p| TimelinePoint {
+            time_s: p.time_s,
+            bytes: [
+                p.bytes[0] + estimate.device_bytes_per_gpu - made.peak_bytes[0],
+                p.bytes[1] * gpus,
+                p.bytes[2] * gpus,
+            ],
+        })
+        .collect();
+    Ok(estimate)
+}
+
+/// Activation blocks to fetch ahead so that a saved input arrives before
+/// backward reaches its block: its PCIe time over one block's backward
+/// time, plus one, between 1 and 8.
+fn activation_horizon(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    trace: &Trace,
+    links: &Links,
+) -> u32 {
+    let saved = trace
+        .tensors
+        .iter()
+        .find(|t| t.class == TensorClass::Activation)
+        .map_or(0, |t| t.bytes);
+    let layers = f64::from(model.layers / parallelism.pipeline);
+    let backward_ns: f64 = trace
+        .ops
+        .iter()
+        .filter(|o| o.name.contains(".bwd.l"))
+        .map(|o| o.compute_ns as f64)
+        .sum::<f64>()
+        / layers
+        / f64::from(parallelism.grad_accumulation);
+    let fetch_ns = links.host_to_device.time_ns(saved);
+    let _ = hardware;
+    ((fetch_ns / backward_ns.max(1.0)).ceil() as u32 + 1).clamp(1, 8)
+}
+
+fn resources(
+    report: &SimReport,
+    step_time_s: f64,
+    hardware: &Hardware,
+    parallelism: &Parallelism,
+) -> Vec<ResourceUse> {
+    let collective =
+        if hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor {
+            "network"
+        } else {
+            "nvlink"
+        };
+    let nvme_bytes =
+        report.lane_bytes[Lane::NvmeRead as usize] + report.lane_bytes[Lane::NvmeWrite as usize];
+    let nvme_busy =
+        report.lane_busy_s[Lane::NvmeRead as usize] + report.lane_busy_s[Lane::NvmeWrite as usize];
+    let list = [
+        ("gpu-compute", report.gpu_busy_s, 0),
+        ("cpu-optimizer", report.cpu_busy_s, 0),
+        (
+            "pcie-h2d",
+            report.lane_busy_s[Lane::HostToDevice as usize],
+            report.lane_bytes[Lane::HostToDevice as usize],
+        ),
+        (
+            "pcie-d2h",
+            report.lane_busy_s[Lane::DeviceToHost as usize],
+            report.lane_bytes[Lane::DeviceToHost as usize],
+        ),
+        ("nvme", nvme_busy, nvme_bytes),
+        (collective, report.collective_busy_s, 0),
+    ];
+    list.into_iter()
+        .map(|(name, busy_s, bytes)| ResourceUse {
+            name: name.into(),
+            busy_s,
+            utilisation: busy_s / step_time_s.max(1e-12),
+            bytes,
+        })
+        .collect()
+}
+
+/// Memory per part and tier. Model states come from the trace's homes;
+/// working buffers from the model; the plan adds the peak of what it keeps
+/// besides (prefetched and cached copies, saved activations, staging).
+/// Parts peak at different times, so they may add up to more than the
+/// tier's peak.
+fn memory_parts(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    trace: &Trace,
+    tiles: u32,
+    made: Option<&Plan>,
+) -> Vec<MemoryPart> {
+    let gpus = u64::from(hardware.gpus_per_node);
+    let part = |name: &str, tier: Tier, per_gpu_bytes: u64| MemoryPart {
+        name: name.into(),
+        tier,
+        per_gpu_bytes,
+        per_node_bytes: per_gpu_bytes * gpus,
+    };
+    let home_bytes = |class: TensorClass| -> u64 {
+        trace
+            .tensors
+            .iter()
+            .filter(|t| t.class == class && t.home.is_some())
+            .map(|t| t.bytes)
+            .sum()
+    };
+    let (gathered, ahead, activations) = working_bytes(model, parallelism, tiles);
+    let mut parts = vec![
+        part(
+            "framework reserve (CUDA context, allocator slack)",
+            Tier::Device,
+            DEVICE_RESERVE_BYTES,
+        ),
+        part(
+            "16-bit parameters and gradients of the largest layer, gathered (DeepSpeed's 4 x largest layer)",
+            Tier::Device,
+            gathered,
+        ),
+        part(
+            "next layer's gathered parameters (prefetch)",
+            Tier::Device,
+            ahead,
+        ),
+        part(
+            "one block's activations (recompute working set)",
+            Tier::Device,
+            activations,
+        ),
+        part(
+            "16-bit parameters (model states)",
+            parallelism.offload_param,
+            home_bytes(TensorClass::Param),
+        ),
+        part(
+            "fp32 master weights, moments and gradients (model states)",
+            parallelism.offload_optimizer,
+            home_bytes(TensorClass::OptimizerState),
+        ),
+    ];
+    let Some(made) = made else { return parts };
+    let peak = |class: TensorClass, tier: Tier| made.peak_class_bytes[class as usize][tier.index()];
+    let home_on = |class: TensorClass, tier: Tier| {
+        trace
+            .tensors
+            .iter()
+            .filter(|t| t.class == class && t.home == Some(tier))
+            .map(|t| t.bytes)
+            .sum::<u64>()
+    };
+    for tier in [Tier::Device, Tier::Host] {
+        let moved = |class| peak(class, tier).saturating_sub(home_on(class, tier));
+        parts.push(part(
+            &format!("saved activations on {tier}"),
+            tier,
+            peak(TensorClass::Activation, tier),
+        ));
+        parts.push(part(
+            &format!("16-bit gradient shards on {tier}"),
+            tier,
+            peak(TensorClass::Grad, tier),
+        ));
+        let copies = moved(TensorClass::Param) + moved(TensorClass::OptimizerState);
+        let name = if tier == Tier::Device {
+            "parameter and optimizer shards fetched to the device"
+        } else {
+            "pinned buffers: fetched and staged copies"
+        };
+        parts.push(part(name, tier, copies));
+    }
+    parts.push(part(
+        "of which in NVMe transfers at once (staging)",
+        Tier::Host,
+        made.staging_bytes_max,
+    ));
+    parts.retain(|p| p.per_gpu_bytes > 0 || p.name.contains("model states"));
+    parts
+}

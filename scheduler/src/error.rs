@@ -1,0 +1,73 @@
+//! The one error type of strata-scheduler.
+
+use crate::trace::Tier;
+
+/// Everything that can go wrong while planning or simulating.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SchedulerError {
+    /// One op's tensors cannot be on its tier at once, whatever is evicted.
+    #[error(
+        "op {op} ({op_name}) needs {needed_bytes} bytes on {tier} but only {available_bytes} of \
+         {capacity_bytes} can be made free (the rest is used by this op); give {tier} more \
+         memory, split the op's tensors, or offload them"
+    )]
+    DoesNotFit {
+        /// Index of the op in the trace.
+        op: usize,
+        /// Its name.
+        op_name: String,
+        /// The tier that is too small.
+        tier: Tier,
+        /// Bytes the op needs there at once.
+        needed_bytes: u64,
+        /// Bytes that could be freed or were free.
+        available_bytes: u64,
+        /// The tier's capacity.
+        capacity_bytes: u64,
+    },
+    /// A tier cannot hold what is placed on it before the step starts.
+    #[error(
+        "the step starts with {placed_bytes} bytes on {tier}, more than its {capacity_bytes}; \
+         place fewer tensors there"
+    )]
+    InitialPlacement {
+        /// The tier.
+        tier: Tier,
+        /// Bytes placed there at the start.
+        placed_bytes: u64,
+        /// Its capacity.
+        capacity_bytes: u64,
+    },
+    /// The trace is malformed.
+    #[error("invalid trace: {0}")]
+    InvalidTrace(String),
+    /// A limit (`*_max`) was reached.
+    #[error("{what} limit reached: {limit} (raise {what})")]
+    Limit {
+        /// The limit's name.
+        what: &'static str,
+        /// Its value.
+        limit: u64,
+    },
+    /// A model, parallelism or hardware description is inconsistent.
+    #[error("invalid {what}: {reason}")]
+    Config {
+        /// What was being described (model, hardware, parallelism).
+        what: &'static str,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// The simulator could make no progress: the plan leaves an op without
+    /// its tensors. Planner plans never do this; a hand-made plan can.
+    #[error("simulation stuck at {time_s:.6} s before op {op} ({op_name}): {reason}")]
+    Stuck {
+        /// Index of the first op that never ran.
+        op: usize,
+        /// Its name.
+        op_name: String,
+        /// Simulated time when progress stopped.
+        time_s: f64,
+        /// Why it cannot run.
+        reason: String,
+    },
+}

@@ -1,0 +1,495 @@
+//! Model, parallelism and hardware descriptions, and DeepSpeed's published
+//! memory formula for comparison.
+
+use serde::Serialize;
+
+use crate::error::SchedulerError;
+use crate::trace::Tier;
+
+/// A GPT-like decoder: `layers` blocks of attention and a 4x MLP.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Model {
+    /// Transformer blocks.
+    pub layers: u32,
+    /// Hidden size.
+    pub hidden: u64,
+    /// Attention heads.
+    pub heads: u32,
+    /// Sequence length.
+    pub seq: u64,
+    /// Sequences per micro-batch per GPU.
+    pub micro_batch: u64,
+    /// Vocabulary (tied input and output embedding).
+    pub vocab: u64,
+}
+
+/// Standard shapes by size: (parameters, layers, hidden, heads), from the
+/// GPT-3 family, Megatron-Turing and the ZeRO-Infinity paper's 1T model.
+const SHAPES: [(f64, u32, u64, u32); 13] = [
+    (125e6, 12, 768, 12),
+    (350e6, 24, 1024, 16),
+    (1.3e9, 24, 2048, 16),
+    (2.7e9, 32, 2560, 32),
+    (6.7e9, 32, 4096, 32),
+    (13e9, 40, 5120, 40),
+    (30e9, 48, 7168, 56),
+    (66e9, 64, 9216, 72),
+    (175e9, 96, 12288, 96),
+    (530e9, 105, 20480, 128),
+    (1e12, 128, 25600, 160),
+    (10e12, 195, 65536, 512),
+    (20e12, 390, 65536, 512),
+];
+
+impl Model {
+    /// A standard GPT shape for about `params` parameters (2048 tokens, a
+    /// micro-batch of 1, GPT-2's 50257-token vocabulary): the table's
+    /// shape within 15%, else layers and hidden grown at the 1T model's
+    /// aspect (hidden = 200 x layers) to match.
+    pub fn for_params(params: f64) -> Result<Model, SchedulerError> {
+        if !(params.is_finite() && params >= 50e6) {
+            return Err(SchedulerError::Config {
+                what: "model",
+                reason: format!("--params {params:e} is not a size strata can shape (50M or more)"),
+            });
+        }
+        let shape = SHAPES
+            .iter()
+            .find(|s| (s.0 / params - 1.0).abs() <= 0.15)
+            .copied();
+        let (layers, hidden, heads) = match shape {
+            Some((_, layers, hidden, heads)) => (layers, hidden, heads),
+            None => {
+                let layers = (params / (12.0 * 200.0 * 200.0)).cbrt().round().max(2.0) as u32;
+                let hidden_exact = (params / (12.0 * f64::from(layers))).sqrt();
+                let hidden = ((hidden_exact / 128.0).round() as u64).max(1) * 128;
+                (layers, hidden, (hidden / 128) as u32)
+            }
+        };
+        Ok(Model {
+            layers,
+            hidden,
+            heads,
+            seq: 2048,
+            micro_batch: 1,
+            vocab: 50257,
+        })
+    }
+
+    /// Checks the shape.
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        let bad = |reason: String| {
+            Err(SchedulerError::Config {
+                what: "model",
+                reason,
+            })
+        };
+        if self.layers == 0
+            || self.hidden == 0
+            || self.heads == 0
+            || self.seq == 0
+            || self.micro_batch == 0
+            || self.vocab == 0
+        {
+            return bad("--layers, --hidden, --heads, --seq, --micro-batch and the vocabulary must all be positive".into());
+        }
+        if !self.hidden.is_multiple_of(u64::from(self.heads)) {
+            return bad(format!(
+                "--hidden {} is not a multiple of --heads {}",
+                self.hidden, self.heads
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameters of one block's linear layers, by sub-module: qkv, the
+    /// attention projection, and the MLP's two layers (weights and biases).
+    pub fn block_params(&self) -> [(&'static str, u64); 4] {
+        let h = self.hidden;
+        [
+            ("qkv", 3 * h * h + 3 * h),
+            ("proj", h * h + h),
+            ("fc1", 4 * h * h + 4 * h),
+            ("fc2", 4 * h * h + h),
+        ]
+    }
+
+    /// Layer norms of one block (kept with the block, too small to move).
+    pub fn block_norm_params(&self) -> u64 {
+        4 * self.hidden
+    }
+
+    /// The (tied) embedding: tokens and positions.
+    pub fn embedding_params(&self) -> u64 {
+        (self.vocab + self.seq) * self.hidden
+    }
+
+    /// All parameters.
+    pub fn params(&self) -> u64 {
+        let block: u64 =
+            self.block_params().iter().map(|p| p.1).sum::<u64>() + self.block_norm_params();
+        u64::from(self.layers) * block + self.embedding_params() + 2 * self.hidden
+    }
+
+    /// The largest single module (what ZeRO-3 gathers at once).
+    pub fn largest_layer_params(&self) -> u64 {
+        self.block_params()
+            .iter()
+            .map(|p| p.1)
+            .max()
+            .unwrap_or(0)
+            .max(self.vocab * self.hidden)
+    }
+
+    /// Tokens per micro-batch per GPU.
+    pub fn tokens(&self) -> u64 {
+        self.seq * self.micro_batch
+    }
+
+    /// Forward FLOPs of one block per micro-batch: matrix products plus
+    /// attention scores and their use of values.
+    pub fn block_forward_flops(&self) -> f64 {
+        let linear: u64 = self.block_params().iter().map(|p| p.1).sum();
+        let tokens = self.tokens() as f64;
+        2.0 * tokens * linear as f64 + 4.0 * tokens * self.seq as f64 * self.hidden as f64
+    }
+
+    /// Model FLOPs of one micro-batch (forward and backward, no recompute):
+    /// what TFLOP/s figures count.
+    pub fn model_flops_per_micro_batch(&self) -> f64 {
+        let head = 2.0 * self.tokens() as f64 * (self.vocab * self.hidden) as f64;
+        3.0 * (f64::from(self.layers) * self.block_forward_flops() + head)
+    }
+
+    /// Bytes of one block's saved input (the checkpoint).
+    pub fn checkpoint_bytes(&self) -> u64 {
+        2 * self.tokens() * self.hidden
+    }
+
+    /// Bytes of one block's activations kept for backward without
+    /// checkpointing (Korthikanti et al.: 34sbh + 5as^2b, 16-bit).
+    pub fn block_activation_bytes(&self) -> u64 {
+        34 * self.tokens() * self.hidden
+            + 5 * u64::from(self.heads) * self.seq * self.seq * self.micro_batch
+    }
+}
+
+/// How the model is split and where its states live.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Parallelism {
+    /// Data-parallel degree (ZeRO shards over it).
+    pub data: u32,
+    /// Tensor-parallel degree.
+    pub tensor: u32,
+    /// Pipeline-parallel degree.
+    pub pipeline: u32,
+    /// ZeRO stage: 0 replicates everything, 1 shards optimizer states, 2
+    /// also gradients, 3 also parameters.
+    pub zero_stage: u8,
+    /// Where the 16-bit parameters live between uses.
+    pub offload_param: Tier,
+    /// Where fp32 master weights, moments and fp32 gradients live (and so
+    /// where the optimizer runs: GPU for device, CPU otherwise).
+    pub offload_optimizer: Tier,
+    /// Micro-batches per optimizer step.
+    pub grad_accumulation: u32,
+    /// Gradient clipping by global norm: the optimizer waits for the whole
+    /// backward pass.
+    pub grad_clip: bool,
+    /// Activation checkpointing (one saved input per block, recompute).
+    pub checkpoint_activations: bool,
+}
+
+impl Parallelism {
+    /// ZeRO-3 over every GPU with the given offload targets, checkpointing
+    /// on, clipping on, one micro-batch per step.
+    pub fn zero3_offload(
+        hardware: &Hardware,
+        offload_param: Tier,
+        offload_optimizer: Tier,
+    ) -> Parallelism {
+        Parallelism {
+            data: hardware.nodes * hardware.gpus_per_node,
+            tensor: 1,
+            pipeline: 1,
+            zero_stage: 3,
+            offload_param,
+            offload_optimizer,
+            grad_accumulation: 1,
+            grad_clip: true,
+            checkpoint_activations: true,
+        }
+    }
+
+    /// Checks the degrees against the model and hardware, and the offload
+    /// targets against the ZeRO stage; errors name the options.
+    pub fn validate(&self, model: &Model, hardware: &Hardware) -> Result<(), SchedulerError> {
+        let bad = |reason: String| {
+            Err(SchedulerError::Config {
+                what: "parallelism",
+                reason,
+            })
+        };
+        let gpus = hardware.nodes * hardware.gpus_per_node;
+        if self.data == 0 || self.tensor == 0 || self.pipeline == 0 || self.grad_accumulation == 0 {
+            return bad("--data-parallel, --tensor-parallel, --pipeline-parallel and --grad-accumulation must be positive".into());
+        }
+        if self.data * self.tensor * self.pipeline != gpus {
+            return bad(format!(
+                "data {} x tensor {} x pipeline {} = {} GPUs, but {} nodes x {} GPUs = {gpus}; make the product match",
+                self.data,
+                self.tensor,
+                self.pipeline,
+                self.data * self.tensor * self.pipeline,
+                hardware.nodes,
+                hardware.gpus_per_node
+            ));
+        }
+        if self.zero_stage > 3 {
+            return bad(format!(
+                "--zero-stage {} (choose 0, 1, 2 or 3)",
+                self.zero_stage
+            ));
+        }
+        if self.offload_param != Tier::Device && self.zero_stage != 3 {
+            return bad(format!(
+                "--offload-param {} needs --zero-stage 3 (only stage 3 partitions parameters)",
+                self.offload_param
+            ));
+        }
+        if self.pipeline > 1 && self.zero_stage > 1 {
+            return bad(format!(
+                "--pipeline-parallel {} needs --zero-stage 0 or 1 (stages 2 and 3 shard what pipeline stages keep)",
+                self.pipeline
+            ));
+        }
+        if !u64::from(model.heads).is_multiple_of(u64::from(self.tensor)) {
+            return bad(format!(
+                "--tensor-parallel {} does not divide --heads {}",
+                self.tensor, model.heads
+            ));
+        }
+        if !model.layers.is_multiple_of(self.pipeline) {
+            return bad(format!(
+                "--pipeline-parallel {} does not divide --layers {}",
+                self.pipeline, model.layers
+            ));
+        }
+        if self.tensor > hardware.gpus_per_node {
+            return bad(format!(
+                "--tensor-parallel {} spans nodes ({} GPUs per node); keep it within a node",
+                self.tensor, hardware.gpus_per_node
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A cluster: nodes of identical GPUs, host RAM, NVMe drives and CPUs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Hardware {
+    /// Preset name or "custom".
+    pub name: String,
+    /// Nodes.
+    pub nodes: u32,
+    /// GPUs per node.
+    pub gpus_per_node: u32,
+    /// Peak dense 16-bit FLOP/s per GPU.
+    pub gpu_flops: f64,
+    /// Fraction of peak large matrix products reach.
+    pub gpu_efficiency: f64,
+    /// HBM per GPU.
+    pub gpu_memory_bytes: u64,
+    /// HBM bandwidth per GPU (optimizer on the GPU).
+    pub gpu_memory_bytes_per_s: f64,
+    /// Host RAM per node.
+    pub host_memory_bytes: u64,
+    /// PCIe bandwidth per GPU, each direction.
+    pub pcie_bytes_per_s: f64,
+    /// NVLink bandwidth per GPU, each direction.
+    pub nvlink_bytes_per_s: f64,
+    /// Network bandwidth per node, each direction.
+    pub network_bytes_per_s: f64,
+    /// NVMe drives per node.
+    pub nvme_drives: u32,
+    /// Read bandwidth per drive.
+    pub nvme_read_bytes_per_s: f64,
+    /// Write bandwidth per drive.
+    pub nvme_write_bytes_per_s: f64,
+    /// Capacity per drive.
+    pub nvme_bytes: u64,
+    /// CPU optimizer (Adam) throughput per node.
+    pub cpu_optimizer_params_per_s: f64,
+}
+
+const GB: f64 = 1e9;
+
+impl Hardware {
+    /// Names of the presets.
+    pub const PRESETS: [&'static str; 3] = ["dgx2", "dgx-a100", "dgx-h100"];
+
+    /// A preset machine, one node: `dgx2` (16x V100 32 GB, 1.5 TB RAM,
+    /// 8x 3.84 TB NVMe), `dgx-a100` (8x A100 80 GB, 2 TB, 4x 3.84 TB),
+    /// `dgx-h100` (8x H100 80 GB, 2 TB, 8x 3.84 TB).
+    pub fn preset(name: &str) -> Result<Hardware, SchedulerError> {
+        let (gpus, flops, hbm, hbm_bw, host, pcie, nvlink, net, drives, read, write, adam) =
+            match name {
+                "dgx2" => (
+                    16, 125e12, 32e9, 900e9, 1.5e12, 12e9, 150e9, 100e9, 8, 3.1e9, 2.0e9, 5e9,
+                ),
+                "dgx-a100" => (
+                    8, 312e12, 80e9, 2.0e12, 2.0e12, 25e9, 300e9, 200e9, 4, 6.8e9, 4.0e9, 8e9,
+                ),
+                "dgx-h100" => (
+                    8, 989e12, 80e9, 3.35e12, 2.0e12, 50e9, 450e9, 400e9, 8, 6.8e9, 4.0e9, 12e9,
+                ),
+                _ => {
+                    return Err(SchedulerError::Config {
+                        what: "hardware",
+                        reason: format!(
+                            "unknown preset {name:?} (choose {})",
+                            Hardware::PRESETS.join(", ")
+                        ),
+                    });
+                }
+            };
+        Ok(Hardware {
+            name: name.into(),
+            nodes: 1,
+            gpus_per_node: gpus,
+            gpu_flops: flops,
+            gpu_efficiency: 0.55,
+            gpu_memory_bytes: hbm as u64,
+            gpu_memory_bytes_per_s: hbm_bw,
+            host_memory_bytes: host as u64,
+            pcie_bytes_per_s: pcie,
+            nvlink_bytes_per_s: nvlink,
+            network_bytes_per_s: net,
+            nvme_drives: drives,
+            nvme_read_bytes_per_s: read,
+            nvme_write_bytes_per_s: write,
+            nvme_bytes: (3.84 * 1e12) as u64,
+            cpu_optimizer_params_per_s: adam,
+        })
+    }
+
+    /// Checks that every number is positive.
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        let speeds = [
+            ("--gpu-tflops", self.gpu_flops),
+            ("--gpu-efficiency", self.gpu_efficiency),
+            ("--pcie-gbps", self.pcie_bytes_per_s),
+            ("--nvlink-gbps", self.nvlink_bytes_per_s),
+            ("--network-gbps", self.network_bytes_per_s),
+            ("--nvme-read-gbps", self.nvme_read_bytes_per_s),
+            ("--nvme-write-gbps", self.nvme_write_bytes_per_s),
+            ("--cpu-adam-params-per-s", self.cpu_optimizer_params_per_s),
+            ("HBM bandwidth", self.gpu_memory_bytes_per_s),
+        ];
+        for (name, value) in speeds {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(SchedulerError::Config {
+                    what: "hardware",
+                    reason: format!("{name} must be positive (got {value})"),
+                });
+            }
+        }
+        if self.gpu_efficiency > 1.0 {
+            return Err(SchedulerError::Config {
+                what: "hardware",
+                reason: format!("--gpu-efficiency {} is over 1", self.gpu_efficiency),
+            });
+        }
+        if self.nodes == 0
+            || self.gpus_per_node == 0
+            || self.gpu_memory_bytes == 0
+            || self.host_memory_bytes == 0
+        {
+            return Err(SchedulerError::Config {
+                what: "hardware",
+                reason: "--nodes, --gpus-per-node, --gpu-memory and --host-memory must be positive"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// NVMe capacity per node.
+    pub fn nvme_bytes_per_node(&self) -> u64 {
+        self.nvme_bytes * u64::from(self.nvme_drives)
+    }
+
+    /// A short description.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} x {}: {} GPUs of {:.0} GB at {:.0} TFLOP/s, {:.2} TB RAM, {} NVMe at {:.1}/{:.1} GB/s",
+            self.nodes,
+            self.name,
+            self.gpus_per_node,
+            self.gpu_memory_bytes as f64 / GB,
+            self.gpu_flops / 1e12,
+            self.host_memory_bytes as f64 / 1e12,
+            self.nvme_drives,
+            self.nvme_read_bytes_per_s * f64::from(self.nvme_drives) / GB,
+            self.nvme_write_bytes_per_s * f64::from(self.nvme_drives) / GB
+        )
+    }
+}
+
+/// DeepSpeed's `estimate_zero3_model_states_mem_needs` with
+/// `zero_init=True` and its buffer factor 1: (bytes per GPU, bytes of CPU
+/// RAM per node). With everything offloaded the GPU holds 4 bytes per
+/// parameter of the largest layer (its 16-bit parameters and gradients)
+/// and each node 18 bytes per parameter it shares (16-bit parameters, fp32
+/// master weights, moments and gradients); with only the optimizer
+/// offloaded, the 16-bit parameters stay on the GPUs.
+pub fn deepspeed_zero3_estimate(
+    params: u64,
+    largest_layer_params: u64,
+    gpus_per_node: u32,
+    nodes: u32,
+    offload_optimizer: bool,
+    offload_params: bool,
+) -> (u64, u64) {
+    let gpus = u64::from(gpus_per_node * nodes);
+    let largest = 4 * largest_layer_params;
+    let per_node = |bytes_per_param: u64| params * bytes_per_param / u64::from(nodes);
+    match (offload_optimizer, offload_params) {
+        (true, true) => (largest, per_node(18)),
+        (true, false) => (largest + 2 * params / gpus, per_node(16)),
+        _ => (largest + 18 * params / gpus, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standard_sizes_come_out_near_their_names() {
+        for (params, ..) in SHAPES {
+            let model = Model::for_params(params).unwrap();
+            let ratio = model.params() as f64 / params;
+            assert!(
+                (0.85..1.15).contains(&ratio),
+                "{params:e}: {} params",
+                model.params()
+            );
+        }
+        let odd = Model::for_params(4e12).unwrap();
+        let ratio = odd.params() as f64 / 4e12;
+        assert!((0.9..1.1).contains(&ratio), "{ratio}");
+        odd.validate().unwrap();
+    }
+
+    #[test]
+    fn deepspeed_formula_matches_its_documented_example() {
+        // DeepSpeed's docs: 2851M params, 32M largest layer, 1 node x 8
+        // GPUs, params and optimizer on CPU: 71.7 GB (GiB) per CPU with the
+        // 1.5 factor, 0.12 per GPU.
+        let (gpu, cpu) = deepspeed_zero3_estimate(2_851_000_000, 32_000_000, 8, 1, true, true);
+        let gib = 1024f64.powi(3);
+        assert_eq!(format!("{:.2}", gpu as f64 / gib), "0.12");
+        assert_eq!(format!("{:.1}", cpu as f64 * 1.5 / gib), "71.7");
+    }
+}

@@ -1,0 +1,197 @@
+//! Plans across steps: record the first step's trace, plan it, follow the
+//! plan from step 2, notice when a step changes and re-plan, keeping one
+//! plan per trace signature.
+
+use crate::error::SchedulerError;
+use crate::plan::{Action, Plan, PlanConfig, plan};
+use crate::trace::{Op, TensorSpec, Trace, TraceRecorder, op_fingerprint};
+
+/// Plans by trace signature, at most `plans_max`, least recently used
+/// dropped first.
+#[derive(Debug)]
+pub struct PlanCache {
+    entries: Vec<(Trace, Plan, u64)>,
+    plans_max: usize,
+    tick: u64,
+    /// Plans computed.
+    pub plans_made: u64,
+}
+
+impl PlanCache {
+    /// An empty cache of at most `plans_max` plans.
+    pub fn new(plans_max: usize) -> Self {
+        assert!(plans_max > 0, "a plan cache needs room for one plan");
+        PlanCache {
+            entries: Vec::with_capacity(plans_max),
+            plans_max,
+            tick: 0,
+            plans_made: 0,
+        }
+    }
+
+    /// The index of the plan for `trace`, planning it if it is new.
+    pub fn get_or_plan(
+        &mut self,
+        trace: &Trace,
+        config: &PlanConfig,
+    ) -> Result<usize, SchedulerError> {
+        self.tick += 1;
+        let signature = trace.signature();
+        if let Some(index) = self
+            .entries
+            .iter()
+            .position(|(_, p, _)| p.signature == signature)
+        {
+            self.entries[index].2 = self.tick;
+            return Ok(index);
+        }
+        let made = plan(trace, config)?;
+        self.plans_made += 1;
+        if self.entries.len() == self.plans_max {
+            let oldest = (0..self.entries.len())
+                .min_by_key(|&i| self.entries[i].2)
+                .expect("cache is full");
+            self.entries.swap_remove(oldest);
+        }
+        self.entries.push((trace.clone(), made, self.tick));
+        Ok(self.entries.len() - 1)
+    }
+
+    /// A cached entry whose trace starts with these op fingerprints.
+    pub fn with_prefix(&self, prefix: &[u64]) -> Option<usize> {
+        self.entries.iter().position(|(trace, _, _)| {
+            trace.ops.len() >= prefix.len()
+                && trace
+                    .ops
+                    .iter()
+                    .zip(prefix)
+                    .all(|(op, &f)| op_fingerprint(op) == f)
+        })
+    }
+
+    /// Plan `index`.
+    pub fn plan(&self, index: usize) -> &Plan {
+        &self.entries[index].1
+    }
+
+    /// The trace plan `index` was made for.
+    pub fn trace(&self, index: usize) -> &Trace {
+        &self.entries[index].0
+    }
+
+    /// Plans held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no plan is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Drives planning over a run. The runtime registers tensors, calls
+/// [`StepTracker::begin_step`], then [`StepTracker::op`] as each op
+/// starts (issuing the actions returned), then [`StepTracker::end_step`].
+/// Step 1 runs on demand while its trace is recorded; later steps follow
+/// the plan for their trace; a step that departs from its plan (another
+/// sequence length, another op order) switches to a cached plan with the
+/// same beginning if there is one, else finishes on demand and is planned
+/// at its end.
+#[derive(Debug)]
+pub struct StepTracker {
+    config: PlanConfig,
+    recorder: TraceRecorder,
+    cache: PlanCache,
+    current: Option<usize>,
+    following: bool,
+    fingerprints: Vec<u64>,
+}
+
+/// What the tracker says for one op.
+#[derive(Debug, PartialEq)]
+pub enum Follow<'a> {
+    /// Issue these actions now (the boundary after this op's start).
+    Plan(&'a [Action]),
+    /// No plan covers this step: fetch on use.
+    Demand,
+}
+
+impl StepTracker {
+    /// A tracker planning with `config`, recording up to `tensors_max`
+    /// tensors and `ops_max` ops per step, keeping `plans_max` plans.
+    pub fn new(config: PlanConfig, tensors_max: usize, ops_max: usize, plans_max: usize) -> Self {
+        StepTracker {
+            config,
+            recorder: TraceRecorder::new(tensors_max, ops_max),
+            cache: PlanCache::new(plans_max),
+            current: None,
+            following: false,
+            fingerprints: Vec::with_capacity(ops_max),
+        }
+    }
+
+    /// Registers a tensor; its index names it in ops.
+    pub fn tensor(&mut self, spec: TensorSpec) -> Result<u32, SchedulerError> {
+        self.recorder.tensor(spec)
+    }
+
+    /// Starts a step: the actions to issue before its first op.
+    pub fn begin_step(&mut self) -> Follow<'_> {
+        self.fingerprints.clear();
+        self.following = self.current.is_some();
+        match self.current {
+            Some(index) => Follow::Plan(self.cache.plan(index).actions_at(0)),
+            None => Follow::Demand,
+        }
+    }
+
+    /// Op `op` starts now.
+    pub fn op(&mut self, op: Op) -> Result<Follow<'_>, SchedulerError> {
+        let k = self.fingerprints.len();
+        self.fingerprints.push(op_fingerprint(&op));
+        self.recorder.op(op)?;
+        if self.following {
+            let current = self.current.expect("following a plan");
+            let trace = self.cache.trace(current);
+            let same = trace
+                .ops
+                .get(k)
+                .is_some_and(|o| op_fingerprint(o) == self.fingerprints[k]);
+            if !same {
+                // A plan made for the actions before op k of another trace
+                // left memory as that trace expects, so switching is safe
+                // only when the whole prefix matches.
+                match self.cache.with_prefix(&self.fingerprints) {
+                    Some(other) => self.current = Some(other),
+                    None => self.following = false,
+                }
+            }
+        }
+        Ok(match (self.following, self.current) {
+            (true, Some(index)) => Follow::Plan(self.cache.plan(index).actions_at(k + 1)),
+            _ => Follow::Demand,
+        })
+    }
+
+    /// Ends a step; plans its trace if no plan matched it exactly. Returns
+    /// whether it planned.
+    pub fn end_step(&mut self) -> Result<bool, SchedulerError> {
+        let trace = self.recorder.finish()?;
+        let exact = self.following
+            && self
+                .current
+                .is_some_and(|i| self.cache.plan(i).signature == trace.signature());
+        if exact {
+            return Ok(false);
+        }
+        let made_before = self.cache.plans_made;
+        self.current = Some(self.cache.get_or_plan(&trace, &self.config)?);
+        Ok(self.cache.plans_made > made_before)
+    }
+
+    /// The plans held.
+    pub fn cache(&self) -> &PlanCache {
+        &self.cache
+    }
+}

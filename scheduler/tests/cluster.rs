@@ -1,0 +1,157 @@
+//! Cluster estimates against DeepSpeed's published formula, the
+//! ZeRO-Infinity / ZeRO-Offload headline configurations, and the
+//! DeepSpeed-like baseline where NVMe bandwidth is tight.
+
+use strata_scheduler::{
+    Estimate, Hardware, Model, Parallelism, Policies, Tier, cluster, deepspeed_zero3_estimate,
+};
+
+fn run(
+    preset: &str,
+    gpus_per_node: Option<u32>,
+    params: f64,
+    micro_batch: u64,
+    offload: (Tier, Tier),
+    accumulation: u32,
+    policy: Policies,
+) -> Estimate {
+    let mut hardware = Hardware::preset(preset).unwrap();
+    if let Some(gpus) = gpus_per_node {
+        hardware.gpus_per_node = gpus;
+    }
+    let mut model = Model::for_params(params).unwrap();
+    model.micro_batch = micro_batch;
+    let mut parallelism = Parallelism::zero3_offload(&hardware, offload.0, offload.1);
+    parallelism.grad_accumulation = accumulation;
+    cluster::estimate(&model, &parallelism, &hardware, policy).unwrap()
+}
+
+#[test]
+fn strata_is_at_least_1_3x_the_baseline_where_nvme_is_tight() {
+    // 66B on a DGX A100 (4 drives for 8 GPUs), everything on NVMe, 8
+    // micro-batches per step: DeepSpeed re-reads every parameter from NVMe
+    // for each forward and backward; strata keeps them in pinned memory
+    // and overlaps the rest.
+    let nvme = (Tier::Nvme, Tier::Nvme);
+    let strata = run("dgx-a100", None, 66e9, 1, nvme, 8, Policies::Strata);
+    for pipelined in [false, true] {
+        let baseline = run(
+            "dgx-a100",
+            None,
+            66e9,
+            1,
+            nvme,
+            8,
+            Policies::DeepSpeed { pipelined },
+        );
+        let speedup = baseline.step_time_s.unwrap() / strata.step_time_s.unwrap();
+        assert!(
+            speedup >= 1.3,
+            "strata {:?} s, deepspeed {:?} s: {speedup:.2}x",
+            strata.step_time_s,
+            baseline.step_time_s
+        );
+    }
+    assert_eq!(strata.bottleneck, "nvme");
+}
+
+#[test]
+fn zero3_cpu_offload_model_states_match_deepspeeds_formula() {
+    let hardware = Hardware::preset("dgx-a100").unwrap();
+    let model = Model::for_params(13e9).unwrap();
+    let estimate = run(
+        "dgx-a100",
+        None,
+        13e9,
+        1,
+        (Tier::Host, Tier::Host),
+        1,
+        Policies::Strata,
+    );
+    assert!(estimate.fits, "{:?}", estimate.reason);
+    assert_eq!(estimate.tiles, 1);
+    let (gpu, cpu) = deepspeed_zero3_estimate(
+        model.params(),
+        model.largest_layer_params(),
+        hardware.gpus_per_node,
+        1,
+        true,
+        true,
+    );
+    assert_eq!(estimate.deepspeed_formula_bytes, Some((gpu, cpu)));
+    let states: u64 = estimate
+        .memory
+        .iter()
+        .filter(|p| p.tier == Tier::Host && p.name.contains("model states"))
+        .map(|p| p.per_node_bytes)
+        .sum();
+    let ratio = states as f64 / cpu as f64;
+    assert!(
+        (0.999..1.001).contains(&ratio),
+        "strata {states} B of model states per node, DeepSpeed {cpu} B: {ratio}"
+    );
+    let gathered = estimate
+        .memory
+        .iter()
+        .find(|p| p.name.contains("4 x largest layer"))
+        .unwrap();
+    assert_eq!(gathered.per_gpu_bytes, gpu, "4 x largest layer on the GPU");
+    // What strata models beyond the formula is listed separately.
+    for part in ["activations", "gradient", "framework reserve"] {
+        assert!(
+            estimate.memory.iter().any(|p| p.name.contains(part)),
+            "no {part} part"
+        );
+    }
+}
+
+#[test]
+fn zero_infinity_headline_configurations() {
+    let nvme = (Tier::Nvme, Tier::Nvme);
+    let cpu = (Tier::Host, Tier::Host);
+    // 1T on one DGX-2 fits only with model states on NVMe (18 TB of them).
+    let trillion = run("dgx2", None, 1e12, 4, nvme, 4, Policies::Strata);
+    assert!(trillion.fits, "{:?}", trillion.reason);
+    let tflops = trillion.tflops_per_gpu.unwrap();
+    assert!(
+        (25.0..62.5).contains(&tflops),
+        "1T on a DGX-2: {tflops} TFLOP/s per GPU"
+    );
+    let on_cpu = run("dgx2", None, 1e12, 1, cpu, 1, Policies::Strata);
+    assert!(
+        !on_cpu.fits && on_cpu.reason.as_deref().unwrap().contains("host"),
+        "{:?}",
+        on_cpu.reason
+    );
+    // ZeRO-3 Offload: 40B on one 32 GB V100 with 1.5 TB of RAM.
+    let forty = run("dgx2", Some(1), 40e9, 4, cpu, 1, Policies::Strata);
+    assert!(forty.fits, "{:?}", forty.reason);
+    assert!(
+        forty.tflops_per_gpu.unwrap() > 30.0,
+        "{:?}",
+        forty.tflops_per_gpu
+    );
+}
+
+#[test]
+fn estimates_are_deterministic() {
+    let a = run(
+        "dgx-h100",
+        None,
+        30e9,
+        2,
+        (Tier::Host, Tier::Nvme),
+        2,
+        Policies::Strata,
+    );
+    let b = run(
+        "dgx-h100",
+        None,
+        30e9,
+        2,
+        (Tier::Host, Tier::Nvme),
+        2,
+        Policies::Strata,
+    );
+    assert_eq!(a, b);
+}

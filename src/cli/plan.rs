@@ -1,0 +1,462 @@
+//! `strata plan`: will a run fit, where does its memory go, how fast will
+//! it step, and what limits it; strata's policy or the DeepSpeed-like
+//! baseline, simulated on a machine preset with every number overridable.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+use strata_scheduler::cluster::{self, Estimate};
+use strata_scheduler::{Hardware, Model, Parallelism, Policies, Tier};
+
+/// Where a model state lives.
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum Offload {
+    /// GPU memory (no offload; "none" also works).
+    #[value(alias = "none")]
+    Device,
+    /// Pinned host RAM ("host" also works).
+    #[value(alias = "host")]
+    Cpu,
+    /// NVMe.
+    Nvme,
+}
+
+impl Offload {
+    fn tier(self) -> Tier {
+        match self {
+            Offload::Device => Tier::Device,
+            Offload::Cpu => Tier::Host,
+            Offload::Nvme => Tier::Nvme,
+        }
+    }
+}
+
+/// Which policy plans the step.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq)]
+pub enum PolicyChoice {
+    /// strata's planner.
+    Strata,
+    /// DeepSpeed ZeRO-3 / ZeRO-Infinity as it behaves.
+    Deepspeed,
+}
+
+/// Options of `strata plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Machine preset: dgx2, dgx-a100 or dgx-h100.
+    #[arg(long, default_value = "dgx2")]
+    preset: String,
+    /// Nodes.
+    #[arg(long, default_value_t = 1)]
+    nodes: u32,
+    /// Model size (1T, 175B, 13B, 350M or 1.3e9): picks a standard GPT
+    /// shape. Give it or --layers/--hidden/--heads.
+    #[arg(long, value_parser = parse_count)]
+    params: Option<f64>,
+    /// Transformer blocks (exact shape, with --hidden and --heads).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Hidden size.
+    #[arg(long)]
+    hidden: Option<u64>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<u32>,
+    /// Sequence length.
+    #[arg(long, default_value_t = 2048)]
+    seq: u64,
+    /// Sequences per micro-batch per GPU.
+    #[arg(long, default_value_t = 1)]
+    micro_batch: u64,
+    /// Vocabulary size.
+    #[arg(long, default_value_t = 50257)]
+    vocab: u64,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    grad_accumulation: u32,
+    /// ZeRO stage (0-3).
+    #[arg(long, default_value_t = 3)]
+    zero_stage: u8,
+    /// Tensor-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: u32,
+    /// Pipeline-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pipeline_parallel: u32,
+    /// Where 16-bit parameters live: device, cpu or nvme.
+    #[arg(long, value_enum, default_value = "cpu")]
+    offload_param: Offload,
+    /// Where the optimizer states live (and so where Adam runs).
+    #[arg(long, value_enum, default_value = "cpu")]
+    offload_optimizer: Offload,
+    /// No gradient clipping (lets strata overlap the optimizer with
+    /// backward).
+    #[arg(long)]
+    no_grad_clip: bool,
+    /// No activation checkpointing.
+    #[arg(long)]
+    no_checkpoint: bool,
+    /// Planning policy.
+    #[arg(long, value_enum, default_value = "strata")]
+    policy: PolicyChoice,
+    /// The baseline with pipeline_read/pipeline_write on.
+    #[arg(long)]
+    deepspeed_pipelined: bool,
+    /// Also run the other policy and print the speedup.
+    #[arg(long)]
+    compare: bool,
+    /// GPUs per node.
+    #[arg(long)]
+    gpus_per_node: Option<u32>,
+    /// HBM per GPU, GB.
+    #[arg(long)]
+    gpu_memory_gb: Option<f64>,
+    /// Peak dense 16-bit TFLOP/s per GPU.
+    #[arg(long)]
+    gpu_tflops: Option<f64>,
+    /// Fraction of peak large matrix products reach (0-1).
+    #[arg(long)]
+    gpu_efficiency: Option<f64>,
+    /// Host RAM per node, GB.
+    #[arg(long)]
+    host_memory_gb: Option<f64>,
+    /// PCIe GB/s per GPU, each direction.
+    #[arg(long)]
+    pcie_gbps: Option<f64>,
+    /// NVLink GB/s per GPU, each direction.
+    #[arg(long)]
+    nvlink_gbps: Option<f64>,
+    /// Network GB/s per node, each direction.
+    #[arg(long)]
+    network_gbps: Option<f64>,
+    /// NVMe drives per node.
+    #[arg(long)]
+    nvme_drives: Option<u32>,
+    /// Read GB/s per drive.
+    #[arg(long)]
+    nvme_read_gbps: Option<f64>,
+    /// Write GB/s per drive.
+    #[arg(long)]
+    nvme_write_gbps: Option<f64>,
+    /// Capacity per drive, TB.
+    #[arg(long)]
+    nvme_capacity_tb: Option<f64>,
+    /// CPU Adam throughput per node, parameters/s.
+    #[arg(long, value_parser = parse_count)]
+    cpu_adam_params_per_s: Option<f64>,
+    /// Draw the memory timeline and resource use as an SVG chart.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// "1T", "175B", "350M", "13e9" -> a count.
+fn parse_count(text: &str) -> Result<f64, String> {
+    let text = text.trim();
+    let (number, scale) = match text.char_indices().last() {
+        Some((at, 'T' | 't')) => (&text[..at], 1e12),
+        Some((at, 'B' | 'b' | 'G' | 'g')) => (&text[..at], 1e9),
+        Some((at, 'M' | 'm')) => (&text[..at], 1e6),
+        Some((at, 'K' | 'k')) => (&text[..at], 1e3),
+        _ => (text, 1.0),
+    };
+    match number.parse::<f64>() {
+        Ok(value) if value.is_finite() && value > 0.0 => Ok(value * scale),
+        _ => Err(format!(
+            "{text:?} is not a count: write e.g. 1T, 175B, 350M or 1.3e9"
+        )),
+    }
+}
+
+impl PlanArgs {
+    fn hardware(&self) -> anyhow::Result<Hardware> {
+        let mut hardware = Hardware::preset(&self.preset)?;
+        hardware.nodes = self.nodes;
+        let gb = |v: f64| v * 1e9;
+        if let Some(v) = self.gpus_per_node {
+            hardware.gpus_per_node = v;
+        }
+        if let Some(v) = self.gpu_memory_gb {
+            hardware.gpu_memory_bytes = gb(v) as u64;
+        }
+        if let Some(v) = self.gpu_tflops {
+            hardware.gpu_flops = v * 1e12;
+        }
+        if let Some(v) = self.gpu_efficiency {
+            hardware.gpu_efficiency = v;
+        }
+        if let Some(v) = self.host_memory_gb {
+            hardware.host_memory_bytes = gb(v) as u64;
+        }
+        let speeds = [
+            (self.pcie_gbps, &mut hardware.pcie_bytes_per_s),
+            (self.nvlink_gbps, &mut hardware.nvlink_bytes_per_s),
+            (self.network_gbps, &mut hardware.network_bytes_per_s),
+            (self.nvme_read_gbps, &mut hardware.nvme_read_bytes_per_s),
+            (self.nvme_write_gbps, &mut hardware.nvme_write_bytes_per_s),
+        ];
+        for (value, field) in speeds {
+            if let Some(v) = value {
+                *field = gb(v);
+            }
+        }
+        if let Some(v) = self.nvme_drives {
+            hardware.nvme_drives = v;
+        }
+        if let Some(v) = self.nvme_capacity_tb {
+            hardware.nvme_bytes = (v * 1e12) as u64;
+        }
+        if let Some(v) = self.cpu_adam_params_per_s {
+            hardware.cpu_optimizer_params_per_s = v;
+        }
+        let uses_nvme = matches!(self.offload_param, Offload::Nvme)
+            || matches!(self.offload_optimizer, Offload::Nvme);
+        if uses_nvme && hardware.nvme_drives == 0 {
+            bail!(
+                "--offload-param/--offload-optimizer nvme with --nvme-drives 0: give the node drives or offload to cpu"
+            );
+        }
+        Ok(hardware)
+    }
+
+    fn model(&self) -> anyhow::Result<Model> {
+        let exact = [
+            self.layers.is_some(),
+            self.hidden.is_some(),
+            self.heads.is_some(),
+        ];
+        let mut model = match (self.params, exact) {
+            (Some(_), e) if e.iter().any(|&x| x) => {
+                bail!(
+                    "--params picks the shape; give either --params or --layers, --hidden and --heads, not both"
+                )
+            }
+            (Some(params), _) => Model::for_params(params)?,
+            (None, [true, true, true]) => Model {
+                layers: self.layers.unwrap_or_default(),
+                hidden: self.hidden.unwrap_or_default(),
+                heads: self.heads.unwrap_or_default(),
+                seq: 0,
+                micro_batch: 0,
+                vocab: 0,
+            },
+            (None, [false, false, false]) => {
+                bail!("say which model: --params (e.g. 1T) or --layers, --hidden and --heads")
+            }
+            (None, _) => bail!("an exact shape needs all of --layers, --hidden and --heads"),
+        };
+        model.seq = self.seq;
+        model.micro_batch = self.micro_batch;
+        model.vocab = self.vocab;
+        model.validate()?;
+        Ok(model)
+    }
+
+    fn parallelism(&self, hardware: &Hardware) -> anyhow::Result<Parallelism> {
+        let gpus = hardware.nodes * hardware.gpus_per_node;
+        let split = self.tensor_parallel * self.pipeline_parallel;
+        if split == 0 || !gpus.is_multiple_of(split) {
+            bail!(
+                "--tensor-parallel {} x --pipeline-parallel {} does not divide the {gpus} GPUs ({} nodes x {})",
+                self.tensor_parallel,
+                self.pipeline_parallel,
+                hardware.nodes,
+                hardware.gpus_per_node
+            );
+        }
+        Ok(Parallelism {
+            data: gpus / split,
+            tensor: self.tensor_parallel,
+            pipeline: self.pipeline_parallel,
+            zero_stage: self.zero_stage,
+            offload_param: self.offload_param.tier(),
+            offload_optimizer: self.offload_optimizer.tier(),
+            grad_accumulation: self.grad_accumulation,
+            grad_clip: !self.no_grad_clip,
+            checkpoint_activations: !self.no_checkpoint,
+        })
+    }
+
+    fn policy(&self, choice: PolicyChoice) -> Policies {
+        match choice {
+            PolicyChoice::Strata => Policies::Strata,
+            PolicyChoice::Deepspeed => Policies::DeepSpeed {
+                pipelined: self.deepspeed_pipelined,
+            },
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct Output<'a> {
+    #[serde(flatten)]
+    estimate: &'a Estimate,
+    hardware: &'a Hardware,
+    model: &'a Model,
+    parallelism: &'a Parallelism,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline: Option<&'a Estimate>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speedup: Option<f64>,
+}
+
+/// Plans, simulates and prints.
+pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    if args.deepspeed_pipelined && args.policy == PolicyChoice::Strata && !args.compare {
+        bail!("--deepspeed-pipelined applies to --policy deepspeed (or --compare)");
+    }
+    let hardware = args.hardware()?;
+    let model = args.model()?;
+    let parallelism = args.parallelism(&hardware)?;
+    let estimate = cluster::estimate(&model, &parallelism, &hardware, args.policy(args.policy))?;
+    let other = match args.policy {
+        PolicyChoice::Strata => PolicyChoice::Deepspeed,
+        PolicyChoice::Deepspeed => PolicyChoice::Strata,
+    };
+    let baseline = if args.compare {
+        Some(cluster::estimate(
+            &model,
+            &parallelism,
+            &hardware,
+            args.policy(other),
+        )?)
+    } else {
+        None
+    };
+    let speedup = baseline
+        .as_ref()
+        .and_then(|b| Some(b.step_time_s? / estimate.step_time_s?));
+    if let Some(path) = &args.plot {
+        super::chart::plan_chart(path, &estimate)
+            .with_context(|| format!("drawing {}", path.display()))?;
+    }
+    if args.json {
+        let output = Output {
+            estimate: &estimate,
+            hardware: &hardware,
+            model: &model,
+            parallelism: &parallelism,
+            baseline: baseline.as_ref(),
+            speedup,
+        };
+        println!("{}", serde_json::to_string(&output)?);
+        return Ok(());
+    }
+    print_human(&estimate, &hardware, &model, &parallelism);
+    if let (Some(baseline), Some(speedup)) = (&baseline, speedup) {
+        println!(
+            "\n{}: {:.2} s per step ({:.1} TFLOP/s per GPU, bottleneck {}); {} is {speedup:.2}x faster",
+            baseline.policy,
+            baseline.step_time_s.unwrap_or(f64::NAN),
+            baseline.tflops_per_gpu.unwrap_or(f64::NAN),
+            baseline.bottleneck,
+            estimate.policy
+        );
+    }
+    if let Some(path) = &args.plot {
+        println!("chart: {}", path.display());
+    }
+    Ok(())
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.1} GB", bytes as f64 / 1e9)
+}
+
+fn print_human(estimate: &Estimate, hardware: &Hardware, model: &Model, parallelism: &Parallelism) {
+    println!("machine: {}", hardware.describe());
+    println!(
+        "model:   {:.3e} params ({} layers, hidden {}, {} heads, seq {}, micro-batch {}), ZeRO-{}, dp {} x tp {} x pp {}, grad accumulation {}",
+        estimate.params as f64,
+        model.layers,
+        model.hidden,
+        model.heads,
+        model.seq,
+        model.micro_batch,
+        parallelism.zero_stage,
+        parallelism.data,
+        parallelism.tensor,
+        parallelism.pipeline,
+        parallelism.grad_accumulation
+    );
+    println!(
+        "policy:  {}; parameters on {}, optimizer on {}",
+        estimate.policy, parallelism.offload_param, parallelism.offload_optimizer
+    );
+    match &estimate.reason {
+        None => println!("fits:    yes"),
+        Some(reason) => println!("fits:    NO - {reason}"),
+    }
+    println!(
+        "\nmemory (tier totals are peaks; each part's own peak is listed, and parts peak at different times)"
+    );
+    println!("    {:<70} {:>10} {:>12}", "", "per GPU", "per node");
+    for tier in Tier::ALL {
+        let capacity = estimate.capacity_bytes[tier.index()];
+        let used = match tier {
+            Tier::Device => estimate.device_bytes_per_gpu,
+            Tier::Host => estimate.host_bytes_per_node,
+            Tier::Nvme => estimate.nvme_bytes_per_node,
+        };
+        println!(
+            "  {tier}: {} of {} {}",
+            gb(used),
+            gb(capacity),
+            if tier == Tier::Device {
+                "per GPU"
+            } else {
+                "per node"
+            }
+        );
+        for part in estimate.memory.iter().filter(|p| p.tier == tier) {
+            println!(
+                "    {:<70} {:>10} {:>12}",
+                part.name,
+                gb(part.per_gpu_bytes),
+                gb(part.per_node_bytes)
+            );
+        }
+    }
+    if let Some((gpu, cpu)) = estimate.deepspeed_formula_bytes {
+        println!(
+            "  DeepSpeed's estimate_zero3_model_states_mem_needs (factor 1): {} per GPU, {} CPU per node (x1.5 = {})",
+            gb(gpu),
+            gb(cpu),
+            gb(cpu * 3 / 2)
+        );
+    }
+    let a = &estimate.activations;
+    println!(
+        "\nactivations: checkpointing {}, {} per block per micro-batch, {} blocks moved off the device, prefetched {} blocks ahead; linear layers tiled {}x",
+        if a.checkpoint { "on" } else { "off" },
+        gb(a.bytes_per_layer),
+        a.offloaded_layers,
+        a.horizon_layers,
+        estimate.tiles
+    );
+    let (Some(step), Some(tflops)) = (estimate.step_time_s, estimate.tflops_per_gpu) else {
+        return;
+    };
+    println!(
+        "\nstep:    {step:.2} s ({tflops:.1} TFLOP/s per GPU); first step {:.2} s",
+        estimate.first_step_time_s.unwrap_or(f64::NAN)
+    );
+    println!("bottleneck: {}", estimate.bottleneck);
+    for r in &estimate.resources {
+        println!(
+            "  {:<14} busy {:>9.2} s  {:>5.1}%  {}",
+            r.name,
+            r.busy_s,
+            100.0 * r.utilisation,
+            if r.bytes > 0 {
+                gb(r.bytes)
+            } else {
+                String::new()
+            }
+        );
+    }
+}
