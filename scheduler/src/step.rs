@@ -195,3 +195,92 @@ impl StepTracker {
         &self.cache
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Link, Links, Policy};
+    use crate::trace::{Access, Mode, Processor, TensorClass, Tier};
+
+    fn config() -> PlanConfig {
+        let link = Link {
+            bytes_per_s: 1e9,
+            latency_ns: 10,
+        };
+        let links = Links {
+            host_to_device: link,
+            device_to_host: link,
+            nvme_read: link,
+            nvme_write: link,
+            nvme_duplex: false,
+        };
+        PlanConfig {
+            capacity_bytes: [100, 1000, 10_000],
+            links,
+            policy: Policy::strata(8, 8),
+        }
+    }
+
+    fn op(name: &str, tensor: u32) -> Op {
+        Op {
+            name: name.into(),
+            processor: Processor::Gpu,
+            accesses: vec![Access {
+                tensor,
+                mode: Mode::Read,
+            }],
+            compute_ns: 100,
+            gather_ns: 0,
+            reduce_ns: 0,
+            barrier: false,
+        }
+    }
+
+    fn run_step(tracker: &mut StepTracker, ops: &[Op]) -> (bool, bool) {
+        let mut followed = matches!(tracker.begin_step(), Follow::Plan(_));
+        for o in ops {
+            followed &= matches!(tracker.op(o.clone()).unwrap(), Follow::Plan(_));
+        }
+        (followed, tracker.end_step().unwrap())
+    }
+
+    #[test]
+    fn step_one_on_demand_then_planned_and_a_changed_step_replans_once() {
+        let mut tracker = StepTracker::new(config(), 4, 16, 4);
+        for (name, bytes) in [("a", 60), ("b", 60)] {
+            tracker
+                .tensor(TensorSpec {
+                    name: name.into(),
+                    bytes,
+                    class: TensorClass::Param,
+                    home: Some(Tier::Host),
+                })
+                .unwrap();
+        }
+        let forward = [op("f0", 0), op("f1", 1)];
+        let reversed = [op("f1", 1), op("f0", 0)];
+        assert_eq!(
+            run_step(&mut tracker, &forward),
+            (false, true),
+            "step 1: demand, then planned"
+        );
+        assert_eq!(
+            run_step(&mut tracker, &forward),
+            (true, false),
+            "step 2 follows the plan"
+        );
+        assert_eq!(
+            run_step(&mut tracker, &reversed),
+            (false, true),
+            "another op order departs and is planned"
+        );
+        assert_eq!(
+            run_step(&mut tracker, &forward),
+            (true, false),
+            "the first order's plan is still cached"
+        );
+        assert_eq!(run_step(&mut tracker, &reversed), (true, false));
+        assert_eq!(tracker.cache().len(), 2);
+        assert_eq!(tracker.cache().plans_made, 2);
+    }
+}
