@@ -243,19 +243,11 @@ fn fio_comparison_script_tiny() {
 #[test]
 fn bench_tiers_json_contract_tiny() {
     let dir = tempdir();
-    let output = strata(&[
-        "bench",
-        "tiers",
-        "--dir",
-        dir.path().to_str().unwrap(),
-        "--size",
-        "20MiB",
-        "--device",
-        "cpu",
-        "--rounds",
-        "1",
-        "--json",
-    ]);
+    let dir_arg = dir.path().to_str().unwrap();
+    let args = [
+        "bench", "tiers", "--dir", dir_arg, "--size", "20MiB", "--device", "cpu", "--rounds", "1",
+    ];
+    let output = strata(&[&args[..], &["--json"]].concat());
     let report = stdout_json(&output);
     let paths: Vec<&str> = report["results"]
         .as_array()
@@ -272,18 +264,7 @@ fn bench_tiers_json_contract_tiny() {
         paths,
         ["host->nvme", "nvme->host", "host->device", "device->host"]
     );
-    let table = strata(&[
-        "bench",
-        "tiers",
-        "--dir",
-        dir.path().to_str().unwrap(),
-        "--size",
-        "20MiB",
-        "--device",
-        "cpu",
-        "--rounds",
-        "1",
-    ]);
+    let table = strata(&args);
     assert!(table.status.success());
     assert!(String::from_utf8_lossy(&table.stdout).contains("device->host"));
 }

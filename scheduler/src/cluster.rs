@@ -164,23 +164,49 @@ impl Shares {
     }
 }
 
-/// Working buffers on the device: (gathered 16-bit parameters and
-/// gradients of the largest layer, the next layer's gather, one block's
-/// activations).
-fn working_bytes(model: &Model, parallelism: &Parallelism, tiles: u32) -> (u64, u64, u64) {
-    let largest = model.largest_layer_params() / u64::from(parallelism.tensor) / u64::from(tiles);
-    let gathered = if parallelism.zero_stage >= 3 {
-        4 * largest
-    } else {
-        0
-    };
-    let ahead = if parallelism.zero_stage >= 3 {
-        2 * largest
-    } else {
-        0
-    };
-    let activations = model.block_activation_bytes() / u64::from(parallelism.tensor);
-    (gathered, ahead, activations)
+/// Device memory outside the plan: the framework reserve and the working
+/// buffers of the op running now.
+struct Working {
+    /// 16-bit parameters and gradients of the largest layer, gathered
+    /// (DeepSpeed's 4 x largest layer).
+    gathered: u64,
+    /// The next layer's gathered parameters.
+    ahead: u64,
+    /// One block's activations (the recompute working set).
+    activations: u64,
+}
+
+impl Working {
+    fn new(model: &Model, parallelism: &Parallelism, tiles: u32) -> Working {
+        let largest =
+            model.largest_layer_params() / u64::from(parallelism.tensor) / u64::from(tiles);
+        let sharded = parallelism.zero_stage >= 3;
+        Working {
+            gathered: if sharded { 4 * largest } else { 0 },
+            ahead: if sharded { 2 * largest } else { 0 },
+            activations: model.block_activation_bytes() / u64::from(parallelism.tensor),
+        }
+    }
+
+    /// All of it, the framework reserve included.
+    fn device_bytes(&self) -> u64 {
+        DEVICE_RESERVE_BYTES + self.gathered + self.ahead + self.activations
+    }
+}
+
+/// Whether the data-parallel group spans nodes, so that collectives go
+/// over the network rather than NVLink.
+fn spans_nodes(hardware: &Hardware, parallelism: &Parallelism) -> bool {
+    hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor
+}
+
+/// Bytes of the saved activations of one block and micro-batch.
+fn saved_activation_bytes(trace: &Trace) -> u64 {
+    trace
+        .tensors
+        .iter()
+        .find(|t| t.class == TensorClass::Activation)
+        .map_or(0, |t| t.bytes)
 }
 
 /// The links one GPU sees.
@@ -209,7 +235,7 @@ fn links(hardware: &Hardware) -> Links {
 /// The data-parallel collective bandwidth per GPU: NVLink within a node,
 /// the node's network share across nodes.
 fn collective_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64 {
-    if hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor {
+    if spans_nodes(hardware, parallelism) {
         hardware.nvlink_bytes_per_s.min(
             hardware.network_bytes_per_s
                 / f64::from(hardware.gpus_per_node / parallelism.tensor.max(1)),
@@ -341,10 +367,8 @@ fn build_trace(
     } else {
         Processor::Cpu
     };
-    let optimizer_op = |u: &Unit| Op {
-        name: format!("adam.{}", u.name),
-        processor: optimizer_processor,
-        accesses: vec![
+    let optimizer_op = |u: &Unit| {
+        let accesses = vec![
             Access {
                 tensor: u.optimizer,
                 mode: Mode::Update,
@@ -357,11 +381,14 @@ fn build_trace(
                 tensor: u.param,
                 mode: Mode::Write,
             },
-        ],
-        compute_ns: optimizer_ns(u.params / shares.optimizer_shard),
-        gather_ns: 0,
-        reduce_ns: 0,
-        barrier: false,
+        ];
+        let compute_ns = optimizer_ns(u.params / shares.optimizer_shard);
+        Op::new(
+            format!("adam.{}", u.name),
+            optimizer_processor,
+            accesses,
+            compute_ns,
+        )
     };
     let gather = |u: &Unit| {
         if shares.param_shard > 1 {
@@ -374,13 +401,9 @@ fn build_trace(
     let grad_mode = |m: u32| if m == 0 { Mode::Write } else { Mode::Update };
     let gpu =
         |name: String, accesses: Vec<Access>, compute_ns: u64, gather_ns: u64, reduce_ns: u64| Op {
-            name,
-            processor: Processor::Gpu,
-            accesses,
-            compute_ns,
             gather_ns,
             reduce_ns,
-            barrier: false,
+            ..Op::new(name, Processor::Gpu, accesses, compute_ns)
         };
     for m in 0..micro_batches {
         let saved: Vec<u32> = (0..shares.layers)
@@ -516,22 +539,17 @@ pub fn estimate(
     // Memory-centric tiling: split linear layers until the working
     // buffers leave most of the device to the plan.
     let mut tiles = 1;
-    let device_room = |tiles: u32| {
-        let (gathered, ahead, activations) = working_bytes(model, parallelism, tiles);
-        hardware
-            .gpu_memory_bytes
-            .saturating_sub(DEVICE_RESERVE_BYTES + gathered + ahead + activations)
-    };
-    let gather_bytes = |tiles: u32| {
-        let (gathered, ahead, _) = working_bytes(model, parallelism, tiles);
-        gathered + ahead
-    };
-    while gather_bytes(tiles) > hardware.gpu_memory_bytes / 4 && tiles < TILES_MAX {
+    let mut working = Working::new(model, parallelism, tiles);
+    while working.gathered + working.ahead > hardware.gpu_memory_bytes / 4 && tiles < TILES_MAX {
         tiles *= 2;
+        working = Working::new(model, parallelism, tiles);
     }
     let shares = Shares::new(model, parallelism, tiles);
     let trace = build_trace(model, parallelism, hardware, &shares, policy);
-    let capacity = [device_room(tiles), host_per_gpu, nvme_per_gpu];
+    let device_room = hardware
+        .gpu_memory_bytes
+        .saturating_sub(working.device_bytes());
+    let capacity = [device_room, host_per_gpu, nvme_per_gpu];
     let links = links(hardware);
     let horizon_layers = activation_horizon(model, parallelism, hardware, &trace, &links);
     let ops_per_layer = 4 * tiles;
@@ -573,15 +591,11 @@ pub fn estimate(
         first_step_time_s: None,
         tflops_per_gpu: None,
         bottleneck: "none (does not fit)".into(),
-        memory: memory_parts(model, parallelism, hardware, &trace, tiles, None),
+        memory: memory_parts(parallelism, hardware, &trace, &working, None),
         resources: Vec::new(),
         activations: ActivationPlan {
             checkpoint: parallelism.checkpoint_activations,
-            bytes_per_layer: trace
-                .tensors
-                .iter()
-                .find(|t| t.class == TensorClass::Activation)
-                .map_or(0, |t| t.bytes),
+            bytes_per_layer: saved_activation_bytes(&trace),
             offloaded_layers: 0,
             horizon_layers,
         },
@@ -605,25 +619,19 @@ pub fn estimate(
             hardware.nvme_bytes_per_node(),
         ],
     };
-    estimate.device_bytes_per_gpu = estimate
-        .memory
-        .iter()
-        .filter(|p| p.tier == Tier::Device)
-        .map(|p| p.per_gpu_bytes)
-        .sum();
-    estimate.host_bytes_per_node = estimate
-        .memory
-        .iter()
-        .filter(|p| p.tier == Tier::Host)
-        .map(|p| p.per_node_bytes)
-        .sum();
-    estimate.nvme_bytes_per_node = estimate
-        .memory
-        .iter()
-        .filter(|p| p.tier == Tier::Nvme)
-        .map(|p| p.per_node_bytes)
-        .sum();
-    if capacity[0] == 0 {
+    // Without a plan, the totals are what is placed before the step.
+    let placed = |tier: Tier| -> u64 {
+        estimate
+            .memory
+            .iter()
+            .filter(|p| p.tier == tier)
+            .map(|p| p.per_node_bytes)
+            .sum()
+    };
+    estimate.device_bytes_per_gpu = placed(Tier::Device) / gpus;
+    estimate.host_bytes_per_node = placed(Tier::Host);
+    estimate.nvme_bytes_per_node = placed(Tier::Nvme);
+    if device_room == 0 {
         estimate.reason = Some(format!(
             "one layer's working buffers and activations do not fit in {:.1} GB of device memory even tiled {tiles} ways; raise --tensor-parallel or lower --micro-batch/--seq",
             hardware.gpu_memory_bytes as f64 / 1e9
@@ -641,11 +649,9 @@ pub fn estimate(
         Err(error) => return Err(error),
     };
     let first_step = run(first).map(|(_, r)| r.step_time_s).ok();
-    estimate.memory = memory_parts(model, parallelism, hardware, &trace, tiles, Some(&made));
+    estimate.memory = memory_parts(parallelism, hardware, &trace, &working, Some(&made));
     // Parts peak at different times; the totals are the plan's true peaks.
-    let (gathered, ahead, working) = working_bytes(model, parallelism, tiles);
-    estimate.device_bytes_per_gpu =
-        DEVICE_RESERVE_BYTES + gathered + ahead + working + made.peak_bytes[Tier::Device.index()];
+    estimate.device_bytes_per_gpu = working.device_bytes() + made.peak_bytes[Tier::Device.index()];
     estimate.host_bytes_per_node = made.peak_bytes[Tier::Host.index()] * gpus;
     estimate.nvme_bytes_per_node = made.peak_bytes[Tier::Nvme.index()] * gpus;
     let bubble = f64::from(parallelism.pipeline - 1) * report.gpu_busy_s
@@ -682,7 +688,7 @@ pub fn estimate(
         .map(|p| TimelinePoint {
             time_s: p.time_s,
             bytes: [
-                p.bytes[0] + estimate.device_bytes_per_gpu - made.peak_bytes[0],
+                p.bytes[0] + working.device_bytes(),
                 p.bytes[1] * gpus,
                 p.bytes[2] * gpus,
             ],
@@ -693,7 +699,7 @@ pub fn estimate(
 
 /// Activation blocks to fetch ahead so that a saved input arrives before
 /// backward reaches its block: its PCIe time over one block's backward
-/// time, plus one, between 1 and 8.
+/// time (twice the forward, plus the recompute), plus one, between 1 and 8.
 fn activation_horizon(
     model: &Model,
     parallelism: &Parallelism,
@@ -701,22 +707,15 @@ fn activation_horizon(
     trace: &Trace,
     links: &Links,
 ) -> u32 {
-    let saved = trace
-        .tensors
-        .iter()
-        .find(|t| t.class == TensorClass::Activation)
-        .map_or(0, |t| t.bytes);
-    let layers = f64::from(model.layers / parallelism.pipeline);
-    let backward_ns: f64 = trace
-        .ops
-        .iter()
-        .filter(|o| o.name.contains(".bwd.l"))
-        .map(|o| o.compute_ns as f64)
-        .sum::<f64>()
-        / layers
-        / f64::from(parallelism.grad_accumulation);
-    let fetch_ns = links.host_to_device.time_ns(saved);
-    let _ = hardware;
+    let recompute = if parallelism.checkpoint_activations {
+        1.0
+    } else {
+        0.0
+    };
+    let backward_flops =
+        (2.0 + recompute) * model.block_forward_flops() / f64::from(parallelism.tensor);
+    let backward_ns = backward_flops / (hardware.gpu_flops * hardware.gpu_efficiency) * 1e9;
+    let fetch_ns = links.host_to_device.time_ns(saved_activation_bytes(trace));
     ((fetch_ns / backward_ns.max(1.0)).ceil() as u32 + 1).clamp(1, 8)
 }
 
@@ -726,12 +725,11 @@ fn resources(
     hardware: &Hardware,
     parallelism: &Parallelism,
 ) -> Vec<ResourceUse> {
-    let collective =
-        if hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor {
-            "network"
-        } else {
-            "nvlink"
-        };
+    let collective = if spans_nodes(hardware, parallelism) {
+        "network"
+    } else {
+        "nvlink"
+    };
     let nvme_bytes =
         report.lane_bytes[Lane::NvmeRead as usize] + report.lane_bytes[Lane::NvmeWrite as usize];
     let nvme_busy =
@@ -768,11 +766,10 @@ fn resources(
 /// Parts peak at different times, so they may add up to more than the
 /// tier's peak.
 fn memory_parts(
-    model: &Model,
     parallelism: &Parallelism,
     hardware: &Hardware,
     trace: &Trace,
-    tiles: u32,
+    working: &Working,
     made: Option<&Plan>,
 ) -> Vec<MemoryPart> {
     let gpus = u64::from(hardware.gpus_per_node);
@@ -782,15 +779,14 @@ fn memory_parts(
         per_gpu_bytes,
         per_node_bytes: per_gpu_bytes * gpus,
     };
-    let home_bytes = |class: TensorClass| -> u64 {
+    let home_on = |class: TensorClass, tier: Tier| -> u64 {
         trace
             .tensors
             .iter()
-            .filter(|t| t.class == class && t.home.is_some())
+            .filter(|t| t.class == class && t.home == Some(tier))
             .map(|t| t.bytes)
             .sum()
     };
-    let (gathered, ahead, activations) = working_bytes(model, parallelism, tiles);
     let mut parts = vec![
         part(
             "framework reserve (CUDA context, allocator slack)",
@@ -800,39 +796,31 @@ fn memory_parts(
         part(
             "16-bit parameters and gradients of the largest layer, gathered (DeepSpeed's 4 x largest layer)",
             Tier::Device,
-            gathered,
+            working.gathered,
         ),
         part(
             "next layer's gathered parameters (prefetch)",
             Tier::Device,
-            ahead,
+            working.ahead,
         ),
         part(
             "one block's activations (recompute working set)",
             Tier::Device,
-            activations,
+            working.activations,
         ),
         part(
             "16-bit parameters (model states)",
             parallelism.offload_param,
-            home_bytes(TensorClass::Param),
+            home_on(TensorClass::Param, parallelism.offload_param),
         ),
         part(
             "fp32 master weights, moments and gradients (model states)",
             parallelism.offload_optimizer,
-            home_bytes(TensorClass::OptimizerState),
+            home_on(TensorClass::OptimizerState, parallelism.offload_optimizer),
         ),
     ];
     let Some(made) = made else { return parts };
     let peak = |class: TensorClass, tier: Tier| made.peak_class_bytes[class as usize][tier.index()];
-    let home_on = |class: TensorClass, tier: Tier| {
-        trace
-            .tensors
-            .iter()
-            .filter(|t| t.class == class && t.home == Some(tier))
-            .map(|t| t.bytes)
-            .sum::<u64>()
-    };
     for tier in [Tier::Device, Tier::Host] {
         let moved = |class| peak(class, tier).saturating_sub(home_on(class, tier));
         parts.push(part(

@@ -34,5 +34,5 @@ pub use plan::{
     verify,
 };
 pub use sim::{SimConfig, SimReport, TimelinePoint, simulate};
-pub use step::{PlanCache, StepTracker};
+pub use step::{Follow, PlanCache, StepTracker};
 pub use trace::{Access, Mode, Op, Processor, TensorClass, TensorSpec, Tier, Trace, TraceRecorder};

@@ -257,6 +257,13 @@ impl Parallelism {
                 self.offload_param
             ));
         }
+        let on_nvme = [self.offload_param, self.offload_optimizer].contains(&Tier::Nvme);
+        if on_nvme && hardware.nvme_drives == 0 {
+            return bad(
+                "--offload-param/--offload-optimizer nvme with --nvme-drives 0: give the node drives or offload to cpu"
+                    .into(),
+            );
+        }
         if self.pipeline > 1 && self.zero_stage > 1 {
             return bad(format!(
                 "--pipeline-parallel {} needs --zero-stage 0 or 1 (stages 2 and 3 shard what pipeline stages keep)",

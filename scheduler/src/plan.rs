@@ -476,9 +476,10 @@ impl<'a> Planner<'a> {
             ActionKind::Fetch { from, to } | ActionKind::Evict { from, to } => {
                 let lane = Lane::between(from, to);
                 let bytes = self.bytes(tensor);
-                barrier = matches!(kind, ActionKind::Evict { .. })
-                    && self.config.policy.rule(class).synchronous_writeback
-                    || self.barrier_fetch(class, lane);
+                // Synchronous swapping: a write-back, or a read from NVMe,
+                // waits for every transfer before it.
+                barrier = self.config.policy.rule(class).synchronous_writeback
+                    && (matches!(kind, ActionKind::Evict { .. }) || lane == Lane::NvmeRead);
                 self.schedule_transfer(lane, tensor, bytes, barrier);
                 if let ActionKind::Evict { .. } = kind {
                     self.remove_copy(tensor, from);
@@ -495,11 +496,6 @@ impl<'a> Planner<'a> {
             for_op,
             barrier,
         });
-    }
-
-    /// Under synchronous swapping a read waits for the writes before it.
-    fn barrier_fetch(&self, class: TensorClass, lane: Lane) -> bool {
-        lane == Lane::NvmeRead && self.config.policy.rule(class).synchronous_writeback
     }
 
     fn schedule_transfer(&mut self, lane: Lane, tensor: u32, bytes: u64, barrier: bool) {

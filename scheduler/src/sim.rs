@@ -54,7 +54,8 @@ pub struct SimReport {
     pub lane_busy_s: [f64; 4],
     /// Bytes per lane.
     pub lane_bytes: [u64; 4],
-    /// Time ops waited for data after their processor was free.
+    /// Time the GPU sat idle between ops, waiting for data, collectives or
+    /// the CPU.
     pub stall_s: f64,
     /// The most bytes on each tier at once.
     pub peak_bytes: [u64; 3],
@@ -75,7 +76,7 @@ pub fn simulate(
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Copy {
+enum CopyState {
     Absent,
     Filling,
     Valid,
@@ -86,7 +87,7 @@ struct Sim<'a> {
     plan: &'a Plan,
     config: &'a SimConfig,
     now_ns: f64,
-    copies: Vec<[Copy; 3]>,
+    copies: Vec<[CopyState; 3]>,
     readers: Vec<[u32; 3]>,
     release_pending: Vec<[bool; 3]>,
     used: [u64; 3],
@@ -128,11 +129,11 @@ struct Sim<'a> {
 impl<'a> Sim<'a> {
     fn new(trace: &'a Trace, plan: &'a Plan, config: &'a SimConfig) -> Self {
         let count = trace.tensors.len();
-        let mut copies = vec![[Copy::Absent; 3]; count];
+        let mut copies = vec![[CopyState::Absent; 3]; count];
         let mut used = [0u64; 3];
         for (t, spec) in trace.tensors.iter().enumerate() {
             if let Some(home) = spec.home {
-                copies[t][home.index()] = Copy::Valid;
+                copies[t][home.index()] = CopyState::Valid;
                 used[home.index()] += spec.bytes;
             }
         }
@@ -226,7 +227,7 @@ impl<'a> Sim<'a> {
                 let missing: Vec<&str> = o
                     .accesses
                     .iter()
-                    .filter(|a| self.copies[a.tensor as usize][tier.index()] != Copy::Valid)
+                    .filter(|a| self.copies[a.tensor as usize][tier.index()] != CopyState::Valid)
                     .map(|a| self.trace.tensors[a.tensor as usize].name.as_str())
                     .collect();
                 format!("waiting for {missing:?} on {tier}, which the plan never brings")
@@ -325,14 +326,14 @@ impl<'a> Sim<'a> {
                 && match action.kind {
                     ActionKind::Drop { tier } => {
                         self.finished(self.wait_op[a])
-                            && self.copies[t][tier.index()] == Copy::Valid
+                            && self.copies[t][tier.index()] == CopyState::Valid
                             && self.readers[t][tier.index()] == 0
                     }
                     ActionKind::Alloc { tier } => {
                         // A stale copy still being read is released when its
                         // reader finishes; the new one waits for that.
                         self.finished(self.wait_op[a])
-                            && self.copies[t][tier.index()] == Copy::Absent
+                            && self.copies[t][tier.index()] == CopyState::Absent
                             && self.room(a, tier, self.trace.tensors[t].bytes)
                     }
                     _ => unreachable!("transfers are queued on lanes"),
@@ -345,7 +346,7 @@ impl<'a> Sim<'a> {
                 ActionKind::Drop { tier } => self.release(t, tier),
                 ActionKind::Alloc { tier } => {
                     self.grants[tier.index()].pop_front();
-                    self.reserve(t, tier, Copy::Valid)
+                    self.reserve(t, tier, CopyState::Valid)
                 }
                 _ => unreachable!(),
             }
@@ -356,9 +357,9 @@ impl<'a> Sim<'a> {
         progress
     }
 
-    fn reserve(&mut self, t: usize, tier: Tier, state: Copy) {
+    fn reserve(&mut self, t: usize, tier: Tier, state: CopyState) {
         assert!(
-            self.copies[t][tier.index()] == Copy::Absent,
+            self.copies[t][tier.index()] == CopyState::Absent,
             "a second copy of {} on {tier}",
             self.trace.tensors[t].name
         );
@@ -379,14 +380,14 @@ impl<'a> Sim<'a> {
             return;
         }
         match self.copies[t][tier.index()] {
-            Copy::Absent => return,
-            Copy::Filling => panic!(
+            CopyState::Absent => return,
+            CopyState::Filling => panic!(
                 "{} on {tier} released while being filled",
                 self.trace.tensors[t].name
             ),
-            Copy::Valid => {}
+            CopyState::Valid => {}
         }
-        self.copies[t][tier.index()] = Copy::Absent;
+        self.copies[t][tier.index()] = CopyState::Absent;
         self.used[tier.index()] -= self.trace.tensors[t].bytes;
         self.sample();
     }
@@ -453,8 +454,8 @@ impl<'a> Sim<'a> {
         };
         let bytes = self.trace.tensors[t].bytes;
         let ready = self.is_next(a)
-            && self.copies[t][from.index()] == Copy::Valid
-            && self.copies[t][to.index()] == Copy::Absent
+            && self.copies[t][from.index()] == CopyState::Valid
+            && self.copies[t][to.index()] == CopyState::Absent
             && self.finished(self.wait_op[a])
             && self.room(a, to, bytes)
             && (!action.barrier || self.oldest_incomplete == a);
@@ -463,7 +464,7 @@ impl<'a> Sim<'a> {
         }
         self.queues[queue].pop_front();
         self.grants[to.index()].pop_front();
-        self.reserve(t, to, Copy::Filling);
+        self.reserve(t, to, CopyState::Filling);
         self.readers[t][from.index()] += 1;
         let lane = Lane::between(from, to);
         let duration = lane.link(&self.config.links).time_ns(bytes);
@@ -511,7 +512,7 @@ impl<'a> Sim<'a> {
         let tier = op.processor.tier();
         op.accesses.iter().all(|a| {
             self.settled(a.tensor as usize, k, tier)
-                && self.copies[a.tensor as usize][tier.index()] == Copy::Valid
+                && self.copies[a.tensor as usize][tier.index()] == CopyState::Valid
         })
     }
 
@@ -587,7 +588,7 @@ impl<'a> Sim<'a> {
             ActionKind::Fetch { from, to } | ActionKind::Evict { from, to } => (from, to),
             _ => unreachable!(),
         };
-        self.copies[t][to.index()] = Copy::Valid;
+        self.copies[t][to.index()] = CopyState::Valid;
         self.unread(t, from);
         if let ActionKind::Evict { .. } = action.kind {
             self.release(t, from);

@@ -222,18 +222,11 @@ mod tests {
     }
 
     fn op(name: &str, tensor: u32) -> Op {
-        Op {
-            name: name.into(),
-            processor: Processor::Gpu,
-            accesses: vec![Access {
-                tensor,
-                mode: Mode::Read,
-            }],
-            compute_ns: 100,
-            gather_ns: 0,
-            reduce_ns: 0,
-            barrier: false,
-        }
+        let read = Access {
+            tensor,
+            mode: Mode::Read,
+        };
+        Op::new(name, Processor::Gpu, vec![read], 100)
     }
 
     fn run_step(tracker: &mut StepTracker, ops: &[Op]) -> (bool, bool) {

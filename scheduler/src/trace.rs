@@ -145,6 +145,26 @@ pub struct Op {
     pub barrier: bool,
 }
 
+impl Op {
+    /// An op with no collective work and no barrier.
+    pub fn new(
+        name: impl Into<String>,
+        processor: Processor,
+        accesses: Vec<Access>,
+        compute_ns: u64,
+    ) -> Op {
+        Op {
+            name: name.into(),
+            processor,
+            accesses,
+            compute_ns,
+            gather_ns: 0,
+            reduce_ns: 0,
+            barrier: false,
+        }
+    }
+}
+
 /// A step: tensors and ops in program order.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct Trace {
@@ -329,6 +349,14 @@ impl TraceRecorder {
 mod tests {
     use super::*;
 
+    fn access(tensor: u32, mode: Mode) -> Access {
+        Access { tensor, mode }
+    }
+
+    fn read(tensor: u32) -> Access {
+        access(tensor, Mode::Read)
+    }
+
     fn tiny() -> Trace {
         Trace {
             tensors: vec![
@@ -346,42 +374,13 @@ mod tests {
                 },
             ],
             ops: vec![
-                Op {
-                    name: "fwd".into(),
-                    processor: Processor::Gpu,
-                    accesses: vec![
-                        Access {
-                            tensor: 0,
-                            mode: Mode::Read,
-                        },
-                        Access {
-                            tensor: 1,
-                            mode: Mode::Write,
-                        },
-                    ],
-                    compute_ns: 10,
-                    gather_ns: 0,
-                    reduce_ns: 0,
-                    barrier: false,
-                },
-                Op {
-                    name: "bwd".into(),
-                    processor: Processor::Gpu,
-                    accesses: vec![
-                        Access {
-                            tensor: 0,
-                            mode: Mode::Read,
-                        },
-                        Access {
-                            tensor: 1,
-                            mode: Mode::Read,
-                        },
-                    ],
-                    compute_ns: 20,
-                    gather_ns: 0,
-                    reduce_ns: 0,
-                    barrier: false,
-                },
+                Op::new(
+                    "fwd",
+                    Processor::Gpu,
+                    vec![read(0), access(1, Mode::Write)],
+                    10,
+                ),
+                Op::new("bwd", Processor::Gpu, vec![read(0), read(1)], 20),
             ],
         }
     }
@@ -423,18 +422,7 @@ mod tests {
                 home: Some(Tier::Host),
             })
             .unwrap();
-        let op = Op {
-            name: "f".into(),
-            processor: Processor::Gpu,
-            accesses: vec![Access {
-                tensor: w,
-                mode: Mode::Read,
-            }],
-            compute_ns: 1,
-            gather_ns: 0,
-            reduce_ns: 0,
-            barrier: false,
-        };
+        let op = Op::new("f", Processor::Gpu, vec![read(w)], 1);
         recorder.op(op.clone()).unwrap();
         assert!(matches!(
             recorder.op(op.clone()),

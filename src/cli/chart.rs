@@ -13,6 +13,34 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
 }
 
+/// Charts are SVG files; say so before drawing anything.
+fn require_svg(path: &Path) -> anyhow::Result<()> {
+    if path.extension().and_then(|e| e.to_str()) != Some("svg") {
+        bail!(
+            "charts are written as SVG: give --plot a file name ending in .svg (got {})",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The series legend, bottom right.
+fn draw_legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>) -> anyhow::Result<()> {
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::LowerRight)
+        .draw()?;
+    Ok(())
+}
+
 /// Draws `series` as lines on a log2 x axis (when `log2_x`) into an SVG file.
 pub fn line_chart(
     path: &Path,
@@ -22,12 +50,7 @@ pub fn line_chart(
     series: &[Series],
     log2_x: bool,
 ) -> anyhow::Result<()> {
-    if path.extension().and_then(|e| e.to_str()) != Some("svg") {
-        bail!(
-            "charts are written as SVG: give --plot a file name ending in .svg (got {})",
-            path.display()
-        );
-    }
+    require_svg(path)?;
     let all = series.iter().flat_map(|s| s.points.iter());
     let (x_min, x_max) = all.clone().fold((f64::MAX, f64::MIN), |(lo, hi), &(x, _)| {
         (lo.min(x), hi.max(x))
@@ -80,12 +103,7 @@ pub fn line_chart(
                 .map(|p| Circle::new(p, 3, color.filled())),
         )?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()?;
+    draw_legend(&mut chart)?;
     root.present()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
@@ -94,12 +112,7 @@ pub fn line_chart(
 /// `strata plan --plot`: memory per tier over the step (as a share of each
 /// tier's capacity) above the busy share of each resource.
 pub fn plan_chart(path: &Path, estimate: &strata_scheduler::Estimate) -> anyhow::Result<()> {
-    if path.extension().and_then(|e| e.to_str()) != Some("svg") {
-        bail!(
-            "charts are written as SVG: give --plot a file name ending in .svg (got {})",
-            path.display()
-        );
-    }
+    require_svg(path)?;
     if estimate.timeline.is_empty() {
         bail!(
             "the run does not fit, so there is no step to draw: {}",
@@ -150,12 +163,7 @@ pub fn plan_chart(path: &Path, estimate: &strata_scheduler::Estimate) -> anyhow:
                 PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
             });
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()?;
+    draw_legend(&mut chart)?;
     let rows = estimate.resources.len().max(1) as f64;
     let mut bars = ChartBuilder::on(&bottom)
         .caption(

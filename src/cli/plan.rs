@@ -213,13 +213,6 @@ impl PlanArgs {
         if let Some(v) = self.cpu_adam_params_per_s {
             hardware.cpu_optimizer_params_per_s = v;
         }
-        let uses_nvme = matches!(self.offload_param, Offload::Nvme)
-            || matches!(self.offload_optimizer, Offload::Nvme);
-        if uses_nvme && hardware.nvme_drives == 0 {
-            bail!(
-                "--offload-param/--offload-optimizer nvme with --nvme-drives 0: give the node drives or offload to cpu"
-            );
-        }
         Ok(hardware)
     }
 
