@@ -232,14 +232,17 @@ fn links(hardware: &Hardware) -> Links {
     }
 }
 
-/// The data-parallel collective bandwidth per GPU: NVLink within a node,
-/// the node's network share across nodes.
+/// The data-parallel collective bandwidth per GPU (a ring's bus
+/// bandwidth): NVLink within a node; across nodes, the node's network,
+/// shared by the `tensor` data-parallel groups that run at once. A ring
+/// that crosses nodes carries one stream per channel through each node's
+/// NICs, whatever the GPUs per node, so its bus bandwidth is the node's
+/// aggregate (as nccl-tests report it), not a per-GPU share.
 fn collective_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64 {
     if spans_nodes(hardware, parallelism) {
-        hardware.nvlink_bytes_per_s.min(
-            hardware.network_bytes_per_s
-                / f64::from(hardware.gpus_per_node / parallelism.tensor.max(1)),
-        )
+        hardware
+            .nvlink_bytes_per_s
+            .min(hardware.network_bytes_per_s / f64::from(parallelism.tensor.max(1)))
     } else {
         hardware.nvlink_bytes_per_s
     }
@@ -556,7 +559,7 @@ pub fn estimate(
     let (steady, first) = match policy {
         Policies::Strata => (
             Policy::strata(LOOKAHEAD_OPS_MAX, horizon_layers * ops_per_layer),
-            Policy::strata(0, 0),
+            Policy::recording(),
         ),
         Policies::DeepSpeed { pipelined } => (
             Policy::deepspeed(3, pipelined),

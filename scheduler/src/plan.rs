@@ -192,6 +192,13 @@ pub struct Policy {
     /// Transfers queued or running per lane, at most (prefetches; demand
     /// fetches are never held back).
     pub transfers_in_flight_max: u32,
+    /// Start the moves a copy has to make anyway as soon as its use on a
+    /// tier is done, so that they overlap compute instead of holding room
+    /// (or the next step) up: write the only copy down when its next use
+    /// is on a lower tier (a gradient for the CPU optimizer), and send a
+    /// tensor home when the step is done with it (parameters the CPU
+    /// optimizer updated, while backward goes on).
+    pub move_early: bool,
 }
 
 impl Policy {
@@ -216,6 +223,38 @@ impl Policy {
             stop_at_nvme: false,
             prefetch_bytes_max: u64::MAX,
             transfers_in_flight_max: 16,
+            move_early: true,
+        }
+    }
+
+    /// What strata does in a step it has no trace for (step 1, while it is
+    /// recorded, or after a step departs from its plan): it cannot know
+    /// next uses, so it fetches on demand, releases parameter copies and
+    /// writes gradients and optimizer states down right after their use,
+    /// and evicts the least recently used copy when it needs room.
+    pub fn recording() -> Policy {
+        let rule = ClassRule {
+            prefetch_ops_max: 0,
+            evict_after_use: false,
+            synchronous_writeback: false,
+            keep_host_copy: true,
+        };
+        let mut rules = [rule; 5];
+        for class in [
+            TensorClass::Param,
+            TensorClass::Grad,
+            TensorClass::OptimizerState,
+        ] {
+            rules[class as usize].evict_after_use = true;
+        }
+        Policy {
+            name: "strata-recording",
+            eviction: Eviction::Lru,
+            rules,
+            stop_at_nvme: false,
+            prefetch_bytes_max: 0,
+            transfers_in_flight_max: 16,
+            move_early: false,
         }
     }
 
@@ -255,6 +294,7 @@ impl Policy {
             stop_at_nvme: true,
             prefetch_bytes_max: 100_000_000,
             transfers_in_flight_max: 2,
+            move_early: false,
         }
     }
 
@@ -330,6 +370,20 @@ pub fn plan(trace: &Trace, config: &PlanConfig) -> Result<Plan, SchedulerError> 
 }
 
 const NO_OP: u32 = u32::MAX;
+
+/// What evicting a copy costs, cheapest first.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum EvictionCost {
+    /// Nothing: another copy exists or the next use overwrites it, and it
+    /// is not needed on this tier again before that.
+    Free,
+    /// A write to the tier below that has to happen anyway: the next use
+    /// is on a lower tier (a gradient for the CPU optimizer), or its home
+    /// is.
+    WriteAnyway,
+    /// A fetch back later (and a write now when it is the only copy).
+    Refetch,
+}
 
 struct Planner<'a> {
     trace: &'a Trace,
@@ -559,13 +613,14 @@ impl<'a> Planner<'a> {
             return false;
         }
         match self.config.policy.eviction {
-            // Belady, but copies that cost nothing to drop, or that must
-            // go down anyway (next used from a lower tier, or back home
-            // below at the end), go first: evicting them is no extra work.
+            // Belady among copies that will have to come back; before
+            // them, copies that are not needed on this tier again (free to
+            // drop, then those written down anyway).
             Eviction::Belady => candidates.sort_by_key(|&(next, t)| {
                 (
-                    !self.free_to_evict(t, tier, next),
+                    self.eviction_cost(t, tier, next),
                     std::cmp::Reverse(next),
+                    self.copies[t as usize] == tier.bit(),
                     t,
                 )
             }),
@@ -582,17 +637,29 @@ impl<'a> Planner<'a> {
         self.free_bytes(tier) >= bytes
     }
 
-    /// Whether evicting `t` from `tier` adds no transfer to the step: another
-    /// copy exists, or its next use (op `next`) or its home is below.
-    fn free_to_evict(&self, t: u32, tier: Tier, next: u64) -> bool {
-        if self.copies[t as usize] != tier.bit() || self.overwritten_next(t, next) {
-            return true;
+    /// What evicting `t`'s copy on `tier` costs, given its next use `next`.
+    fn eviction_cost(&self, t: u32, tier: Tier, next: u64) -> EvictionCost {
+        if self.overwritten_next(t, next) {
+            return EvictionCost::Free;
         }
         let below = |other: Tier| other.index() > tier.index();
-        match self.trace.ops.get(next as usize) {
-            Some(op) => below(op.processor.tier()),
-            None => self.trace.tensors[t as usize].home.is_some_and(below),
+        let needed_here = match self.trace.ops.get(next as usize) {
+            Some(op) => !below(op.processor.tier()),
+            None => !self.trace.tensors[t as usize].home.is_some_and(below),
+        };
+        match (needed_here, self.copies[t as usize] != tier.bit()) {
+            (true, _) => EvictionCost::Refetch,
+            (false, true) => EvictionCost::Free,
+            (false, false) => EvictionCost::WriteAnyway,
         }
+    }
+
+    /// Whether `t`'s copy on `tier` has to be written to a lower tier before
+    /// its next use after op `done`: that use runs on a lower tier, or,
+    /// past the step's end, its home is lower; and does not overwrite it.
+    fn must_go_down(&self, t: u32, tier: Tier, done: usize) -> bool {
+        self.copies[t as usize] == tier.bit()
+            && self.eviction_cost(t, tier, self.next_use(t, done + 1)) == EvictionCost::WriteAnyway
     }
 
     /// Whether op `next` (the next use of `t`) overwrites it whole: its
@@ -692,6 +759,18 @@ impl<'a> Planner<'a> {
                 && spec.home.is_none_or(|h| h.index() > tier.index())
             {
                 self.evict(t, tier, k, None);
+            } else if config.policy.move_early && !next_used_now {
+                let home = spec.home.filter(|&h| !self.has(t, h));
+                if self.must_go_down(t, tier, done) {
+                    self.evict(t, tier, k, None);
+                } else if let Some(home) =
+                    home.filter(|_| self.uses[t as usize].last() == Some(&(done as u32)))
+                {
+                    // Done for the step: home now, evicting only what is
+                    // needed after its first use in the next step.
+                    let next = self.next_use(t, k);
+                    self.fetch(t, home, k, NO_OP as usize, Some(next));
+                }
             }
             let staging = tier == Tier::Device
                 && spec.home == Some(Tier::Nvme)
@@ -783,9 +862,29 @@ impl<'a> Planner<'a> {
         let mut blocked = [false; 3];
         let mut ahead_bytes: u64 = self.ahead.iter().map(|&(_, b)| b).sum();
         let last = trace.ops.len().min(k + 1 + horizon);
+        // Room that ops up to the one being fetched for will allocate for
+        // their outputs: a prefetch leaves it free, so that no op waits
+        // for a write-back to make room that a later op's prefetch took.
+        let mut reserve_bytes = [0u64; 3];
         for j in k + 1..last {
             let op = &trace.ops[j];
             let target = op.processor.tier();
+            for access in &op.accesses {
+                let t = access.tensor;
+                if access.mode != Mode::Write || self.has(t, target) {
+                    continue;
+                }
+                reserve_bytes[target.index()] += self.bytes(t);
+                // Make that room now, while earlier ops run, so that a
+                // dirty victim's write-back overlaps them.
+                let rule = policy.rule(trace.tensors[t as usize].class);
+                if !blocked[target.index()]
+                    && (j - k) as u32 <= rule.prefetch_ops_max
+                    && !self.make_room(target, reserve_bytes[target.index()], k, Some(j as u64))
+                {
+                    blocked[target.index()] = true;
+                }
+            }
             for &access in &op.accesses {
                 let t = access.tensor;
                 let spec = &trace.tensors[t as usize];
@@ -812,7 +911,12 @@ impl<'a> Planner<'a> {
                     let lane = Lane::between(from, to);
                     if blocked[to.index()]
                         || self.in_flight(lane) >= policy.transfers_in_flight_max
-                        || !self.make_room(to, spec.bytes, k, Some(j as u64))
+                        || !self.make_room(
+                            to,
+                            spec.bytes + reserve_bytes[to.index()],
+                            k,
+                            Some(j as u64),
+                        )
                     {
                         blocked[to.index()] = true;
                         break;

@@ -309,10 +309,29 @@ impl<'a> Sim<'a> {
         progress
     }
 
-    /// Whether action `a` may take `bytes` on `tier` now.
+    /// Whether action `a` may take `bytes` on `tier` now. Room is granted
+    /// in plan order, so that a later boundary never takes what the plan
+    /// counted on for an earlier one; a later action may go first when the
+    /// room of every earlier one still waiting stays free.
     fn room(&self, a: usize, tier: Tier, bytes: u64) -> bool {
-        self.grants[tier.index()].front() == Some(&a)
-            && self.used[tier.index()] + bytes <= self.config.capacity_bytes[tier.index()]
+        let mut ahead_bytes = 0;
+        for &b in &self.grants[tier.index()] {
+            if b == a {
+                return self.used[tier.index()] + ahead_bytes + bytes
+                    <= self.config.capacity_bytes[tier.index()];
+            }
+            ahead_bytes += self.trace.tensors[self.plan.actions[b].tensor as usize].bytes;
+        }
+        unreachable!("action {a} waits for room on {tier} without a grant")
+    }
+
+    fn grant(&mut self, a: usize, tier: Tier) {
+        let grants = &mut self.grants[tier.index()];
+        let position = grants
+            .iter()
+            .position(|&b| b == a)
+            .expect("a granted action was waiting");
+        grants.remove(position);
     }
 
     fn start_local(&mut self) -> bool {
@@ -324,10 +343,15 @@ impl<'a> Sim<'a> {
             let t = action.tensor as usize;
             let ready = self.is_next(a)
                 && match action.kind {
+                    // The copy may be gone already: an op on another
+                    // tier that wrote the tensor meanwhile released it.
                     ActionKind::Drop { tier } => {
                         self.finished(self.wait_op[a])
-                            && self.copies[t][tier.index()] == CopyState::Valid
-                            && self.readers[t][tier.index()] == 0
+                            && match self.copies[t][tier.index()] {
+                                CopyState::Absent => true,
+                                CopyState::Filling => false,
+                                CopyState::Valid => self.readers[t][tier.index()] == 0,
+                            }
                     }
                     ActionKind::Alloc { tier } => {
                         // A stale copy still being read is released when its
@@ -345,7 +369,7 @@ impl<'a> Sim<'a> {
             match action.kind {
                 ActionKind::Drop { tier } => self.release(t, tier),
                 ActionKind::Alloc { tier } => {
-                    self.grants[tier.index()].pop_front();
+                    self.grant(a, tier);
                     self.reserve(t, tier, CopyState::Valid)
                 }
                 _ => unreachable!(),
@@ -463,7 +487,7 @@ impl<'a> Sim<'a> {
             return false;
         }
         self.queues[queue].pop_front();
-        self.grants[to.index()].pop_front();
+        self.grant(a, to);
         self.reserve(t, to, CopyState::Filling);
         self.readers[t][from.index()] += 1;
         let lane = Lane::between(from, to);

@@ -155,3 +155,104 @@ fn estimates_are_deterministic() {
     );
     assert_eq!(a, b);
 }
+
+/// One point of the never-slower grid.
+struct Case {
+    preset: &'static str,
+    gpus_per_node: Option<u32>,
+    params: f64,
+    offload: (Tier, Tier),
+    micro_batch: u64,
+    accumulation: u32,
+    grad_clip: bool,
+}
+
+#[test]
+fn strata_is_never_slower_than_the_baseline() {
+    // Every preset (and one V100 alone, as in ZeRO-Offload), three sizes,
+    // parameters and optimizer states in five placements, one and four
+    // sequences per micro-batch, one and four micro-batches per step, with
+    // and without clipping: against the baseline with and without
+    // pipelined optimizer swaps.
+    let machines = [
+        ("dgx2", Some(1)),
+        ("dgx2", None),
+        ("dgx-a100", None),
+        ("dgx-h100", None),
+    ];
+    let offloads = [
+        (Tier::Device, Tier::Host),
+        (Tier::Host, Tier::Host),
+        (Tier::Host, Tier::Nvme),
+        (Tier::Device, Tier::Nvme),
+        (Tier::Nvme, Tier::Nvme),
+    ];
+    let mut cases = Vec::new();
+    for (preset, gpus_per_node) in machines {
+        for params in [1.3e9, 13e9, 40e9] {
+            for offload in offloads {
+                for micro_batch in [1, 4] {
+                    for accumulation in [1, 4] {
+                        for grad_clip in [true, false] {
+                            cases.push(Case {
+                                preset,
+                                gpus_per_node,
+                                params,
+                                offload,
+                                micro_batch,
+                                accumulation,
+                                grad_clip,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let compared = std::sync::atomic::AtomicUsize::new(0);
+    let check = |case: &Case| {
+        let mut hardware = Hardware::preset(case.preset).unwrap();
+        if let Some(gpus) = case.gpus_per_node {
+            hardware.gpus_per_node = gpus;
+        }
+        let mut model = Model::for_params(case.params).unwrap();
+        model.micro_batch = case.micro_batch;
+        let mut parallelism = Parallelism::zero3_offload(&hardware, case.offload.0, case.offload.1);
+        parallelism.grad_accumulation = case.accumulation;
+        parallelism.grad_clip = case.grad_clip;
+        let estimate = |policy| cluster::estimate(&model, &parallelism, &hardware, policy).unwrap();
+        let strata = estimate(Policies::Strata);
+        let name = format!(
+            "{} x{:?} {:e} {:?} mb{} ga{} clip {}",
+            case.preset,
+            case.gpus_per_node,
+            case.params,
+            case.offload,
+            case.micro_batch,
+            case.accumulation,
+            case.grad_clip
+        );
+        for pipelined in [false, true] {
+            let baseline = estimate(Policies::DeepSpeed { pipelined });
+            assert_eq!(strata.fits, baseline.fits, "{name}");
+            let (Some(ours), Some(theirs)) = (strata.step_time_s, baseline.step_time_s) else {
+                continue;
+            };
+            assert!(
+                ours <= theirs * (1.0 + 1e-9),
+                "{name}, pipelined {pipelined}: strata {ours:.3} s, deepspeed {theirs:.3} s"
+            );
+            compared.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        for worker in 0..workers {
+            let (cases, check) = (&cases, &check);
+            scope.spawn(move || cases.iter().skip(worker).step_by(workers).for_each(check));
+        }
+    });
+    // Most of the grid fits, so the comparison is not vacuous.
+    let compared = compared.into_inner();
+    assert!(compared >= cases.len(), "only {compared} comparisons");
+}

@@ -97,6 +97,7 @@ fn policies() -> impl Strategy<Value = Policy> {
     prop_oneof![
         (0u32..12, 0u32..6).prop_map(|(lookahead, horizon)| Policy::strata(lookahead, horizon)),
         (1u32..5, any::<bool>()).prop_map(|(step, pipelined)| Policy::deepspeed(step, pipelined)),
+        Just(Policy::recording()),
     ]
 }
 
