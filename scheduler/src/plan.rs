@@ -9,7 +9,8 @@
 //! after the tensor it fetches (Belady's condition), so it never displaces
 //! anything needed sooner; demand fetches evict the tensor needed last.
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 
 use serde::Serialize;
 
@@ -371,6 +372,9 @@ pub fn plan(trace: &Trace, config: &PlanConfig) -> Result<Plan, SchedulerError> 
 
 const NO_OP: u32 = u32::MAX;
 
+/// How a victim ranks: lower goes first.
+type VictimKey = (EvictionCost, Reverse<u64>, bool);
+
 /// What evicting a copy costs, cheapest first.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum EvictionCost {
@@ -601,7 +605,7 @@ impl<'a> Planner<'a> {
                 .get(k)
                 .is_some_and(|op| op.accesses.iter().any(|a| a.tensor == t))
         };
-        let mut candidates: Vec<(u64, u32)> = self.resident[tier.index()]
+        let candidates: Vec<(u64, u32)> = self.resident[tier.index()]
             .iter()
             .copied()
             .filter(|&t| !in_op(t))
@@ -612,24 +616,33 @@ impl<'a> Planner<'a> {
         if self.free_bytes(tier) + evictable < bytes {
             return false;
         }
-        match self.config.policy.eviction {
-            // Belady among copies that will have to come back; before
-            // them, copies that are not needed on this tier again (free to
-            // drop, then those written down anyway).
-            Eviction::Belady => candidates.sort_by_key(|&(next, t)| {
-                (
-                    self.eviction_cost(t, tier, next),
-                    std::cmp::Reverse(next),
-                    self.copies[t as usize] == tier.bit(),
-                    t,
-                )
-            }),
-            Eviction::Lru => candidates.sort_by_key(|&(_, t)| (self.last_touch[t as usize], t)),
-        }
-        for (_, victim) in candidates {
-            if self.free_bytes(tier) >= bytes {
+        // Victims in order of their key, each computed once; a heap, as
+        // usually only a few of many candidates go.
+        let mut victims: BinaryHeap<Reverse<(VictimKey, u32)>> = candidates
+            .into_iter()
+            .map(|(next, t)| {
+                let key = match self.config.policy.eviction {
+                    // Belady among copies that will have to come back;
+                    // before them, copies that are not needed on this tier
+                    // again (free to drop, then those written down anyway).
+                    Eviction::Belady => (
+                        self.eviction_cost(t, tier, next),
+                        Reverse(next),
+                        self.copies[t as usize] == tier.bit(),
+                    ),
+                    Eviction::Lru => (
+                        EvictionCost::Free,
+                        Reverse(u64::from(u32::MAX - self.last_touch[t as usize])),
+                        false,
+                    ),
+                };
+                Reverse((key, t))
+            })
+            .collect();
+        while self.free_bytes(tier) < bytes {
+            let Some(Reverse((_, victim))) = victims.pop() else {
                 break;
-            }
+            };
             if !self.evict(victim, tier, k, bar) {
                 return false;
             }
