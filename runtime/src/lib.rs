@@ -29,6 +29,7 @@ pub mod bench;
 mod config;
 pub mod device;
 mod error;
+pub mod gpt;
 mod guard;
 mod host_pool;
 mod residency;

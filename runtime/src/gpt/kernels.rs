@@ -1,0 +1,167 @@
+//! The model's element-wise and row kernels, free functions over slices.
+//! Each has a scalar form only: they are memory-bound next to the matrix
+//! products, which go through the GEMM crate.
+
+/// LayerNorm epsilon.
+pub const LN_EPS: f32 = 1e-5;
+
+/// `out = (x - mean) * rstd * gamma + beta` per row of `cols`; saves each
+/// row's mean and 1/std for the backward pass.
+pub fn layer_norm(
+    x: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    cols: usize,
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
+    for (r, (row, o)) in x
+        .chunks_exact(cols)
+        .zip(out.chunks_exact_mut(cols))
+        .enumerate()
+    {
+        let m = row.iter().sum::<f32>() / cols as f32;
+        let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f32>() / cols as f32;
+        let s = 1.0 / (var + LN_EPS).sqrt();
+        for j in 0..cols {
+            o[j] = (row[j] - m) * s * gamma[j] + beta[j];
+        }
+        mean[r] = m;
+        rstd[r] = s;
+    }
+}
+
+/// Backward of [`layer_norm`]: adds to `dx`, `dgamma` and `dbeta`.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward(
+    dout: &[f32],
+    x: &[f32],
+    gamma: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    cols: usize,
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+    dbeta: &mut [f32],
+) {
+    let n = cols as f32;
+    for (r, ((d, row), dxr)) in dout
+        .chunks_exact(cols)
+        .zip(x.chunks_exact(cols))
+        .zip(dx.chunks_exact_mut(cols))
+        .enumerate()
+    {
+        let (m, s) = (mean[r], rstd[r]);
+        let mut sum_dxhat = 0.0;
+        let mut sum_dxhat_xhat = 0.0;
+        for j in 0..cols {
+            let xhat = (row[j] - m) * s;
+            let dxhat = d[j] * gamma[j];
+            sum_dxhat += dxhat;
+            sum_dxhat_xhat += dxhat * xhat;
+            dgamma[j] += d[j] * xhat;
+            dbeta[j] += d[j];
+        }
+        for j in 0..cols {
+            let xhat = (row[j] - m) * s;
+            let dxhat = d[j] * gamma[j];
+            dxr[j] += s * (dxhat - sum_dxhat / n - xhat * sum_dxhat_xhat / n);
+        }
+    }
+}
+
+const GELU_C: f32 = 0.797_884_6; // sqrt(2 / pi)
+
+/// GELU, tanh approximation (GPT-2's).
+pub fn gelu(x: &[f32], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        let t = (GELU_C * (v + 0.044_715 * v * v * v)).tanh();
+        *o = 0.5 * v * (1.0 + t);
+    }
+}
+
+/// Backward of [`gelu`]: `dx = dout * gelu'(x)`.
+pub fn gelu_backward(dout: &[f32], x: &[f32], dx: &mut [f32]) {
+    for ((g, &d), &v) in dx.iter_mut().zip(dout).zip(x) {
+        let u = GELU_C * (v + 0.044_715 * v * v * v);
+        let t = u.tanh();
+        let du = GELU_C * (1.0 + 3.0 * 0.044_715 * v * v);
+        *g = d * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * du);
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+/// Adds the column sums of `d` to `dbias`.
+pub fn bias_backward(d: &[f32], dbias: &mut [f32]) {
+    for row in d.chunks_exact(dbias.len()) {
+        for (b, v) in dbias.iter_mut().zip(row) {
+            *b += v;
+        }
+    }
+}
+
+/// Row-wise causal softmax of `scores` (`rows x rows`, row `i` sees
+/// columns `0..=i`), scaled by `scale`, in place; masked entries become 0.
+pub fn causal_softmax(scores: &mut [f32], rows: usize, scale: f32) {
+    for (i, row) in scores.chunks_exact_mut(rows).enumerate() {
+        let max = row[..=i]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+        let mut sum = 0.0;
+        for v in &mut row[..=i] {
+            *v = (*v * scale - max).exp();
+            sum += *v;
+        }
+        for v in &mut row[..=i] {
+            *v /= sum;
+        }
+        row[i + 1..].fill(0.0);
+    }
+}
+
+/// Backward of [`causal_softmax`] in place: `dp` (gradient of the
+/// probabilities `p`) becomes the gradient of the raw scores.
+pub fn causal_softmax_backward(p: &[f32], dp: &mut [f32], rows: usize, scale: f32) {
+    for (i, (pr, dr)) in p
+        .chunks_exact(rows)
+        .zip(dp.chunks_exact_mut(rows))
+        .enumerate()
+    {
+        let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
+        for j in 0..=i {
+            dr[j] = pr[j] * (dr[j] - dot) * scale;
+        }
+        dr[i + 1..].fill(0.0);
+    }
+}
+
+/// Softmax cross-entropy of each row of `logits` against `targets`;
+/// writes `dlogits` (for the mean over rows) and returns the mean loss.
+pub fn cross_entropy(logits: &[f32], targets: &[u32], cols: usize, dlogits: &mut [f32]) -> f32 {
+    let rows = targets.len();
+    let mut loss = 0.0f64;
+    for ((row, d), &t) in logits
+        .chunks_exact(cols)
+        .zip(dlogits.chunks_exact_mut(cols))
+        .zip(targets)
+    {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
+        let log_sum = sum.ln() + max;
+        loss += f64::from(log_sum - row[t as usize]);
+        for (dj, &v) in d.iter_mut().zip(row) {
+            *dj = (v - log_sum).exp() / rows as f32;
+        }
+        d[t as usize] -= 1.0 / rows as f32;
+    }
+    (loss / rows as f64) as f32
+}
