@@ -26,6 +26,7 @@
 //! ```
 
 pub mod bench;
+pub mod collective;
 mod config;
 pub mod device;
 mod error;
