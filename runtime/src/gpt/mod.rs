@@ -290,7 +290,7 @@ fn gather_head(
     }
 }
 
-/// The reverse of [`gather_head`], adding or overwriting.
+/// The reverse of [`gather_head`]: overwrites those columns of `dst`.
 fn scatter_head(
     src: &[f32],
     width: usize,
@@ -304,6 +304,46 @@ fn scatter_head(
         let to = (row0 + i) * width + col;
         dst[to..to + d].copy_from_slice(&src[i * d..(i + 1) * d]);
     }
+}
+
+/// A linear layer's backward: `dw += x^T dy`, `db += colsum(dy)`,
+/// `dx = dy w^T`, with `x` `rows x inputs` and `w` `inputs x outputs`.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    rows: usize,
+    inputs: usize,
+    outputs: usize,
+    dw: &mut [f32],
+    db: &mut [f32],
+    dx: &mut [f32],
+) {
+    gemm(
+        Operand::t(x, inputs, rows),
+        Operand::new(dy, rows, outputs),
+        1.0,
+        dw,
+    );
+    bias_backward(dy, db);
+    gemm(
+        Operand::new(dy, rows, outputs),
+        Operand::t(w, outputs, inputs),
+        0.0,
+        dx,
+    );
+}
+
+/// A linear layer: `y = x w + b`.
+fn linear(x: &[f32], w: &[f32], b: &[f32], rows: usize, inputs: usize, y: &mut [f32]) {
+    gemm(
+        Operand::new(x, rows, inputs),
+        Operand::new(w, inputs, b.len()),
+        0.0,
+        y,
+    );
+    add_bias(y, b);
 }
 
 /// One block's forward for `batch` sequences: `out = block(x)`, keeping
@@ -333,13 +373,7 @@ pub fn block_forward(
         &mut acts.mean1,
         &mut acts.rstd1,
     );
-    gemm(
-        Operand::new(&acts.a, n, h),
-        Operand::new(p(2), h, 3 * h),
-        0.0,
-        &mut acts.qkv,
-    );
-    add_bias(&mut acts.qkv, p(3));
+    linear(&acts.a, p(2), p(3), n, h, &mut acts.qkv);
     let scale = 1.0 / (d as f32).sqrt();
     for b in 0..batch {
         for head in 0..heads {
@@ -371,13 +405,7 @@ pub fn block_forward(
             scatter_head(&scratch.o, h, b * s, head * d, s, d, &mut acts.att);
         }
     }
-    gemm(
-        Operand::new(&acts.att, n, h),
-        Operand::new(p(4), h, h),
-        0.0,
-        &mut acts.x1,
-    );
-    add_bias(&mut acts.x1, p(5));
+    linear(&acts.att, p(4), p(5), n, h, &mut acts.x1);
     for (v, xi) in acts.x1.iter_mut().zip(x) {
         *v += xi;
     }
@@ -390,21 +418,9 @@ pub fn block_forward(
         &mut acts.mean2,
         &mut acts.rstd2,
     );
-    gemm(
-        Operand::new(&acts.c, n, h),
-        Operand::new(p(8), h, 4 * h),
-        0.0,
-        &mut acts.f,
-    );
-    add_bias(&mut acts.f, p(9));
+    linear(&acts.c, p(8), p(9), n, h, &mut acts.f);
     gelu(&acts.f, &mut acts.g);
-    gemm(
-        Operand::new(&acts.g, n, 4 * h),
-        Operand::new(p(10), 4 * h, h),
-        0.0,
-        out,
-    );
-    add_bias(out, p(11));
+    linear(&acts.g, p(10), p(11), n, 4 * h, out);
     for (v, x1) in out.iter_mut().zip(&acts.x1) {
         *v += x1;
     }
@@ -441,31 +457,27 @@ pub fn block_backward(
     let (bfc1, rest) = rest.split_at_mut(o[10] - o[9]);
     let (wfc2, bfc2) = rest.split_at_mut(o[11] - o[10]);
     // MLP.
-    gemm(
-        Operand::t(&acts.g, 4 * h, n),
-        Operand::new(dout, n, h),
-        1.0,
+    linear_backward(
+        &acts.g,
+        p(10),
+        dout,
+        n,
+        4 * h,
+        h,
         wfc2,
-    );
-    bias_backward(dout, bfc2);
-    gemm(
-        Operand::new(dout, n, h),
-        Operand::t(p(10), h, 4 * h),
-        0.0,
+        bfc2,
         &mut scratch.dg,
     );
     gelu_backward(&scratch.dg, &acts.f, &mut scratch.df);
-    gemm(
-        Operand::t(&acts.c, h, n),
-        Operand::new(&scratch.df, n, 4 * h),
-        1.0,
+    linear_backward(
+        &acts.c,
+        p(8),
+        &scratch.df,
+        n,
+        h,
+        4 * h,
         wfc1,
-    );
-    bias_backward(&scratch.df, bfc1);
-    gemm(
-        Operand::new(&scratch.df, n, 4 * h),
-        Operand::t(p(8), 4 * h, h),
-        0.0,
+        bfc1,
         &mut scratch.dc,
     );
     scratch.dx1.copy_from_slice(dout);
@@ -481,17 +493,15 @@ pub fn block_backward(
         ln2b,
     );
     // Attention.
-    gemm(
-        Operand::t(&acts.att, h, n),
-        Operand::new(&scratch.dx1, n, h),
-        1.0,
+    linear_backward(
+        &acts.att,
+        p(4),
+        &scratch.dx1,
+        n,
+        h,
+        h,
         wproj,
-    );
-    bias_backward(&scratch.dx1, bproj);
-    gemm(
-        Operand::new(&scratch.dx1, n, h),
-        Operand::t(p(4), h, h),
-        0.0,
+        bproj,
         &mut scratch.datt,
     );
     let scale = 1.0 / (d as f32).sqrt();
@@ -556,17 +566,15 @@ pub fn block_backward(
             );
         }
     }
-    gemm(
-        Operand::t(&acts.a, h, n),
-        Operand::new(&scratch.dqkv, n, 3 * h),
-        1.0,
+    linear_backward(
+        &acts.a,
+        p(2),
+        &scratch.dqkv,
+        n,
+        h,
+        3 * h,
         wqkv,
-    );
-    bias_backward(&scratch.dqkv, bqkv);
-    gemm(
-        Operand::new(&scratch.dqkv, n, 3 * h),
-        Operand::t(p(2), 3 * h, h),
-        0.0,
+        bqkv,
         &mut scratch.da,
     );
     dx.copy_from_slice(&scratch.dx1);
