@@ -57,9 +57,9 @@ pub fn gemm(a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
     }
     let (rsa, csa) = a.strides();
     let (rsb, csb) = b.strides();
-    // SAFETY: the asserts above bound every index the strides reach:
-    // a: (m-1)*rsa + (k-1)*csa < m*k, b likewise < k*n, c: (m-1)*n + n-1
-    // < m*n; `c` is exclusive and does not alias `a` or `b` (borrows).
+    // The asserts above bound every index the strides reach: below m*k in
+    // `a`, k*n in `b` and m*n in `c`.
+    // SAFETY: in bounds (above); `c` is exclusive, aliasing neither `a` nor `b`.
     unsafe {
         matrixmultiply::sgemm(
             m,
