@@ -15,13 +15,25 @@ fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
-fn stdout_json(output: &Output) -> serde_json::Value {
+/// Stdout of a run that must succeed (the failure shows both streams).
+fn stdout_text(output: &Output) -> String {
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
-        "strata failed: {}",
+        "strata failed: {text}{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    serde_json::from_slice(&output.stdout).expect("stdout is one JSON object")
+    text
+}
+
+/// Stderr of a run that must fail.
+fn stderr_of_failure(output: &Output, what: impl std::fmt::Debug) -> String {
+    assert!(!output.status.success(), "{what:?} succeeded");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout_json(output: &Output) -> serde_json::Value {
+    serde_json::from_str(&stdout_text(output)).expect("stdout is one JSON object")
 }
 
 #[test]
@@ -90,12 +102,7 @@ fn bench_nvme_table_recommendation_and_chart_tiny() {
         "--plot",
         chart.to_str().unwrap(),
     ]);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8(output.stdout).unwrap();
+    let text = stdout_text(&output);
     assert!(
         text.contains("[storage]") && text.contains("engine = \"threads\""),
         "{text}"
@@ -152,8 +159,7 @@ fn bench_nvme_bad_input_gets_one_line_naming_the_fix() {
         let mut full = vec!["bench", "nvme"];
         full.extend(&args);
         let output = strata(&full);
-        assert!(!output.status.success(), "{args:?} succeeded");
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = stderr_of_failure(&output, &args);
         let last = stderr.trim_end().lines().last().unwrap_or_default();
         assert!(
             last.starts_with("error: ") && last.contains(expected),
@@ -225,12 +231,7 @@ fn fio_comparison_script_tiny() {
         .env("ROUNDS", "1")
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let text = stdout_text(&output);
     assert_eq!(
         text.lines()
             .filter(|l| l.starts_with("1048576") || l.starts_with("131072"))
@@ -288,8 +289,7 @@ fn bench_tiers_bad_input_names_the_fix() {
         let mut full = vec!["bench", "tiers"];
         full.extend_from_slice(args);
         let output = strata(&full);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} succeeded");
+        let stderr = stderr_of_failure(&output, args);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }
@@ -409,12 +409,7 @@ fn bench_adam_table_every_isa_and_chart_tiny() {
         "--plot",
         chart.to_str().unwrap(),
     ]);
-    let text = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let text = stdout_text(&output);
     assert!(
         text.contains("of roofline")
             && text.contains("portable")
@@ -450,8 +445,7 @@ fn bench_adam_bad_input_gets_one_line_naming_the_fix() {
         let mut full = vec!["bench", "adam"];
         full.extend(&args);
         let output = strata(&full);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{args:?} succeeded");
+        let stderr = stderr_of_failure(&output, &args);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
     // A bad STRATA_ISA is named and ignored, not fatal.
@@ -471,7 +465,7 @@ fn bench_adam_bad_input_gets_one_line_naming_the_fix() {
         .env("STRATA_ISA", "sse9")
         .output()
         .unwrap();
-    assert!(output.status.success());
+    stdout_text(&output);
     assert!(String::from_utf8_lossy(&output.stderr).contains("STRATA_ISA ignored"));
 }
 
@@ -514,12 +508,7 @@ fn deepspeed_comparison_script_tiny() {
         .env("PATH", search_path)
         .output()
         .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8_lossy(&output.stdout);
+    let text = stdout_text(&output);
     let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
     for key in [
         "adamw_vs_roofline",
@@ -600,12 +589,7 @@ fn plan_table_and_chart() {
         "--plot",
         chart.to_str().unwrap(),
     ]);
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8_lossy(&output.stdout);
+    let text = stdout_text(&output);
     for needle in [
         "fits:    yes",
         "bottleneck:",
@@ -656,13 +640,9 @@ fn plan_bad_options_are_named() {
         ),
     ];
     for (args, needle) in cases {
-        let output = strata(args);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            !output.status.success() && stderr.contains(needle),
-            "{args:?}: {stderr}"
-        );
+        let stderr = stderr_of_failure(&strata(args), args);
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
     let unknown = strata(&["plan", "--params", "1T", "--offload-paramz", "nvme"]);
-    assert!(String::from_utf8_lossy(&unknown.stderr).contains("--offload-param"));
+    assert!(stderr_of_failure(&unknown, "--offload-paramz").contains("--offload-param"));
 }
