@@ -273,36 +273,48 @@ impl BlockScratch {
     }
 }
 
-/// Copies head `head`'s columns (`d` wide, starting at `col`) of the `s`
-/// rows of `src` (row width `width`) starting at row `row0` into `dst`.
-fn gather_head(
-    src: &[f32],
-    width: usize,
+/// One attention head's block of a row-major matrix: `rows` rows from
+/// `row0`, `d` columns from `col`, copied to and from a contiguous
+/// `rows x d` buffer.
+#[derive(Clone, Copy)]
+struct HeadBlock {
     row0: usize,
+    rows: usize,
     col: usize,
-    s: usize,
     d: usize,
-    dst: &mut [f32],
-) {
-    for i in 0..s {
-        let from = (row0 + i) * width + col;
-        dst[i * d..(i + 1) * d].copy_from_slice(&src[from..from + d]);
-    }
 }
 
-/// The reverse of [`gather_head`]: overwrites those columns of `dst`.
-fn scatter_head(
-    src: &[f32],
-    width: usize,
-    row0: usize,
-    col: usize,
-    s: usize,
-    d: usize,
-    dst: &mut [f32],
-) {
-    for i in 0..s {
-        let to = (row0 + i) * width + col;
-        dst[to..to + d].copy_from_slice(&src[i * d..(i + 1) * d]);
+impl HeadBlock {
+    /// Pairs of (range in the matrix of row width `width`, columns shifted
+    /// by `part`; range in the buffer), one per row.
+    fn rows(
+        self,
+        width: usize,
+        part: usize,
+    ) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
+        (0..self.rows).map(move |i| {
+            let from = (self.row0 + i) * width + part + self.col;
+            (from..from + self.d, i * self.d..(i + 1) * self.d)
+        })
+    }
+
+    fn gather(self, matrix: &[f32], width: usize, part: usize, buffer: &mut [f32]) {
+        for (m, b) in self.rows(width, part) {
+            buffer[b].copy_from_slice(&matrix[m]);
+        }
+    }
+
+    fn scatter(self, buffer: &[f32], width: usize, part: usize, matrix: &mut [f32]) {
+        for (m, b) in self.rows(width, part) {
+            matrix[m].copy_from_slice(&buffer[b]);
+        }
+    }
+
+    /// This head's query, key and value from `qkv` (`rows x 3h`).
+    fn gather_qkv(self, qkv: &[f32], h: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
+        for (part, buffer) in [q, k, v].into_iter().enumerate() {
+            self.gather(qkv, 3 * h, part * h, buffer);
+        }
     }
 }
 
@@ -377,17 +389,13 @@ pub fn block_forward(
     let scale = 1.0 / (d as f32).sqrt();
     for b in 0..batch {
         for head in 0..heads {
-            gather_head(&acts.qkv, 3 * h, b * s, head * d, s, d, &mut scratch.q);
-            gather_head(&acts.qkv, 3 * h, b * s, h + head * d, s, d, &mut scratch.k);
-            gather_head(
-                &acts.qkv,
-                3 * h,
-                b * s,
-                2 * h + head * d,
-                s,
+            let block = HeadBlock {
+                row0: b * s,
+                rows: s,
+                col: head * d,
                 d,
-                &mut scratch.v,
-            );
+            };
+            block.gather_qkv(&acts.qkv, h, &mut scratch.q, &mut scratch.k, &mut scratch.v);
             let probs = &mut acts.probs[(b * heads + head) * s * s..][..s * s];
             gemm(
                 Operand::new(&scratch.q, s, d),
@@ -402,7 +410,7 @@ pub fn block_forward(
                 0.0,
                 &mut scratch.o,
             );
-            scatter_head(&scratch.o, h, b * s, head * d, s, d, &mut acts.att);
+            block.scatter(&scratch.o, h, 0, &mut acts.att);
         }
     }
     linear(&acts.att, p(4), p(5), n, h, &mut acts.x1);
@@ -508,18 +516,14 @@ pub fn block_backward(
     for b in 0..batch {
         for head in 0..heads {
             let probs = &acts.probs[(b * heads + head) * s * s..][..s * s];
-            gather_head(&acts.qkv, 3 * h, b * s, head * d, s, d, &mut scratch.q);
-            gather_head(&acts.qkv, 3 * h, b * s, h + head * d, s, d, &mut scratch.k);
-            gather_head(
-                &acts.qkv,
-                3 * h,
-                b * s,
-                2 * h + head * d,
-                s,
+            let block = HeadBlock {
+                row0: b * s,
+                rows: s,
+                col: head * d,
                 d,
-                &mut scratch.v,
-            );
-            gather_head(&scratch.datt, h, b * s, head * d, s, d, &mut scratch.o);
+            };
+            block.gather_qkv(&acts.qkv, h, &mut scratch.q, &mut scratch.k, &mut scratch.v);
+            block.gather(&scratch.datt, h, 0, &mut scratch.o);
             gemm(
                 Operand::new(&scratch.o, s, d),
                 Operand::t(&scratch.v, d, s),
@@ -545,25 +549,12 @@ pub fn block_backward(
                 0.0,
                 &mut scratch.dk,
             );
-            scatter_head(&scratch.dq, 3 * h, b * s, head * d, s, d, &mut scratch.dqkv);
-            scatter_head(
-                &scratch.dk,
-                3 * h,
-                b * s,
-                h + head * d,
-                s,
-                d,
-                &mut scratch.dqkv,
-            );
-            scatter_head(
-                &scratch.dv,
-                3 * h,
-                b * s,
-                2 * h + head * d,
-                s,
-                d,
-                &mut scratch.dqkv,
-            );
+            for (part, buffer) in [&scratch.dq, &scratch.dk, &scratch.dv]
+                .into_iter()
+                .enumerate()
+            {
+                block.scatter(buffer, 3 * h, part * h, &mut scratch.dqkv);
+            }
         }
     }
     linear_backward(
