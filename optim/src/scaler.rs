@@ -92,6 +92,34 @@ impl LossScaler {
         })
     }
 
+    /// What a checkpoint keeps: the scale, clean steps since the last
+    /// change, overflows left before backing off.
+    pub fn state(&self) -> (f32, u32, u32) {
+        (self.scale, self.clean_steps, self.overflows_left)
+    }
+
+    /// Restores [`LossScaler::state`] from a checkpoint onto a scaler made
+    /// from the same settings.
+    pub fn restore(&mut self, (scale, clean_steps, overflows_left): (f32, u32, u32)) -> Result<(), OptimError> {
+        check("scale", scale.into(), scale > 0.0, "finite and > 0")?;
+        check(
+            "clean_steps",
+            clean_steps.into(),
+            clean_steps < self.config.growth_interval,
+            "below growth_interval",
+        )?;
+        check(
+            "overflows_left",
+            overflows_left.into(),
+            (1..=self.config.hysteresis).contains(&overflows_left),
+            "in [1, hysteresis]",
+        )?;
+        self.scale = scale;
+        self.clean_steps = clean_steps;
+        self.overflows_left = overflows_left;
+        Ok(())
+    }
+
     /// Multiply the loss by this before backward.
     pub fn scale(&self) -> f32 {
         self.scale

@@ -183,6 +183,38 @@ pub enum RuntimeError {
         /// The size of the data given.
         given_bytes: u64,
     },
+    /// The training step's plan cannot place the model states, activations
+    /// and working tensors in the tier budgets.
+    #[error("the placement does not fit: {cause}")]
+    DoesNotFit {
+        /// The planner's finding, with its numbers.
+        #[source]
+        cause: strata_scheduler::SchedulerError,
+    },
+    /// Planning failed for another reason (a limit, a malformed trace).
+    #[error(transparent)]
+    Scheduler(strata_scheduler::SchedulerError),
+    /// An optimizer kernel's setting is out of range.
+    #[error(transparent)]
+    Optim(#[from] strata_optim::OptimError),
+    /// Reading or writing a checkpoint failed.
+    #[error("checkpoint {path}: {problem}; {fix}")]
+    Checkpoint {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
+    /// Another rank of the data-parallel group failed.
+    #[error("rank {rank} failed: {cause}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// Its error.
+        cause: String,
+    },
     /// The runtime has shut down.
     #[error("the runtime has stopped; no more moves can be started")]
     Stopped,
@@ -190,3 +222,13 @@ pub enum RuntimeError {
 
 /// Result alias for strata-runtime.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+impl From<strata_scheduler::SchedulerError> for RuntimeError {
+    fn from(cause: strata_scheduler::SchedulerError) -> Self {
+        use strata_scheduler::SchedulerError as E;
+        match cause {
+            E::DoesNotFit { .. } | E::InitialPlacement { .. } => RuntimeError::DoesNotFit { cause },
+            other => RuntimeError::Scheduler(other),
+        }
+    }
+}

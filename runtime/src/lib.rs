@@ -29,6 +29,7 @@ pub mod bench;
 pub mod collective;
 mod config;
 pub mod device;
+pub mod engine;
 mod error;
 pub mod gpt;
 mod guard;

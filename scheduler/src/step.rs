@@ -146,6 +146,23 @@ impl StepTracker {
         }
     }
 
+    /// Starts a step whose first op is `first`: follows the cached plan
+    /// that begins with it (the current one when it does), so that a
+    /// program alternating between known shapes of step prefetches from
+    /// its first boundary.
+    pub fn begin_step_with(&mut self, first: &Op) -> Follow<'_> {
+        let fingerprint = op_fingerprint(first);
+        let matches = |tracker: &StepTracker, index: usize| {
+            tracker.cache.trace(index).ops.first().map(op_fingerprint) == Some(fingerprint)
+        };
+        if !self.current.is_some_and(|i| matches(self, i)) {
+            if let Some(index) = self.cache.with_prefix(&[fingerprint]) {
+                self.current = Some(index);
+            }
+        }
+        self.begin_step()
+    }
+
     /// Op `op` starts now.
     pub fn op(&mut self, op: Op) -> Result<Follow<'_>, SchedulerError> {
         let k = self.fingerprints.len();
@@ -188,6 +205,23 @@ impl StepTracker {
         let made_before = self.cache.plans_made;
         self.current = Some(self.cache.get_or_plan(&trace, &self.config)?);
         Ok(self.cache.plans_made > made_before)
+    }
+
+    /// Plans a step known before it runs (a program that can list its
+    /// ops up front), so that even step 1 follows a plan; the first primed
+    /// trace is the one followed until a step departs from it.
+    pub fn prime(&mut self, trace: &Trace) -> Result<&Plan, SchedulerError> {
+        let index = self.cache.get_or_plan(trace, &self.config)?;
+        self.current.get_or_insert(index);
+        Ok(self.cache.plan(index))
+    }
+
+    /// The plan the current step follows, if any.
+    pub fn current_plan(&self) -> Option<&Plan> {
+        match (self.following, self.current) {
+            (true, Some(index)) => Some(self.cache.plan(index)),
+            _ => None,
+        }
     }
 
     /// The plans held.

@@ -145,9 +145,18 @@ pub fn causal_softmax_backward(p: &[f32], dp: &mut [f32], rows: usize, scale: f3
 }
 
 /// Softmax cross-entropy of each row of `logits` against `targets`;
-/// writes `dlogits` (for the mean over rows) and returns the mean loss.
-pub fn cross_entropy(logits: &[f32], targets: &[u32], cols: usize, dlogits: &mut [f32]) -> f32 {
+/// writes `dlogits` (the gradient of the mean over rows, times
+/// `grad_scale`: a loss scale, or a share of a larger batch) and returns
+/// the mean loss.
+pub fn cross_entropy(
+    logits: &[f32],
+    targets: &[u32],
+    cols: usize,
+    grad_scale: f32,
+    dlogits: &mut [f32],
+) -> f32 {
     let rows = targets.len();
+    let per_row = grad_scale / rows as f32;
     let mut loss = 0.0f64;
     for ((row, d), &t) in logits
         .chunks_exact(cols)
@@ -159,9 +168,9 @@ pub fn cross_entropy(logits: &[f32], targets: &[u32], cols: usize, dlogits: &mut
         let log_sum = sum.ln() + max;
         loss += f64::from(log_sum - row[t as usize]);
         for (dj, &v) in d.iter_mut().zip(row) {
-            *dj = (v - log_sum).exp() / rows as f32;
+            *dj = (v - log_sum).exp() * per_row;
         }
-        d[t as usize] -= 1.0 / rows as f32;
+        d[t as usize] -= per_row;
     }
     (loss / rows as f64) as f32
 }

@@ -204,27 +204,52 @@ impl BlockActivations {
         }
     }
 
+    fn parts(&self) -> [&Vec<f32>; 13] {
+        [
+            &self.x, &self.a, &self.mean1, &self.rstd1, &self.qkv, &self.probs, &self.att,
+            &self.x1, &self.c, &self.mean2, &self.rstd2, &self.f, &self.g,
+        ]
+    }
+
+    /// Floats these buffers hold.
+    pub fn floats(&self) -> usize {
+        self.parts().iter().map(|v| v.len()).sum()
+    }
+
     /// Bytes these buffers hold.
     pub fn bytes(&self) -> u64 {
-        let floats = [
-            &self.x,
-            &self.a,
-            &self.mean1,
-            &self.rstd1,
-            &self.qkv,
-            &self.probs,
-            &self.att,
-            &self.x1,
-            &self.c,
-            &self.mean2,
-            &self.rstd2,
-            &self.f,
-            &self.g,
-        ]
-        .iter()
-        .map(|v| v.len())
-        .sum::<usize>();
-        4 * floats as u64
+        4 * self.floats() as u64
+    }
+
+    /// The forward's input (what activation checkpointing keeps).
+    pub fn input(&self) -> &[f32] {
+        &self.x
+    }
+
+    /// Copies every buffer, in order, into `out` (`floats()` long): what a
+    /// run without checkpointing keeps between forward and backward.
+    pub fn save(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), self.floats(), "saved activations");
+        let mut at = 0;
+        for part in self.parts() {
+            out[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+    }
+
+    /// The inverse of [`BlockActivations::save`].
+    pub fn load(&mut self, from: &[f32]) {
+        assert_eq!(from.len(), self.floats(), "saved activations");
+        let mut at = 0;
+        for part in [
+            &mut self.x, &mut self.a, &mut self.mean1, &mut self.rstd1, &mut self.qkv,
+            &mut self.probs, &mut self.att, &mut self.x1, &mut self.c, &mut self.mean2,
+            &mut self.rstd2, &mut self.f, &mut self.g,
+        ] {
+            let len = part.len();
+            part.copy_from_slice(&from[at..at + len]);
+            at += len;
+        }
     }
 }
 
@@ -626,12 +651,15 @@ impl HeadBuffers {
 
 /// The head's forward and backward: the mean cross-entropy of the last
 /// block's output `x` against `targets`; writes `dx` and adds to the
-/// embedding gradients `dembed` (tied LM head, final LayerNorm).
+/// embedding gradients `dembed` (tied LM head, final LayerNorm), both
+/// multiplied by `grad_scale`.
+#[allow(clippy::too_many_arguments)]
 pub fn head_forward_backward(
     config: &GptConfig,
     embed: &[f32],
     x: &[f32],
     targets: &[u32],
+    grad_scale: f32,
     buffers: &mut HeadBuffers,
     dx: &mut [f32],
     dembed: &mut [f32],
@@ -657,7 +685,7 @@ pub fn head_forward_backward(
         0.0,
         &mut buffers.logits,
     );
-    let loss = cross_entropy(&buffers.logits, targets, v, &mut buffers.dlogits);
+    let loss = cross_entropy(&buffers.logits, targets, v, grad_scale, &mut buffers.dlogits);
     gemm(
         Operand::new(&buffers.dlogits, n, v),
         Operand::new(wte, v, h),

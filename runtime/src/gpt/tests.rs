@@ -79,6 +79,7 @@ fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
         &m.embed,
         &x,
         &targets,
+        1.0,
         &mut head,
         &mut dx,
         &mut dembed,

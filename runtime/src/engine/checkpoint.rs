@@ -1,0 +1,261 @@
+//! Checkpoints: the fp32 weights as `model.safetensors` (GPT-2's tensor
+//! names and layouts, loadable by other tools), each rank's optimizer
+//! shard (master weights and moments) as `optimizer-rank{r}.safetensors`,
+//! and `meta.json` (step, loss-scaler state, the run's shape, a checksum
+//! of every file). A checkpoint is written into a temporary directory,
+//! every file and the directory fsynced, then renamed to `step-NNNNNNNN`,
+//! and only then does the `latest` pointer (itself replaced by rename)
+//! name it: a write killed at any point leaves the previous checkpoint
+//! whole and `latest` naming it.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::ModelConfig;
+use crate::error::{Result, RuntimeError};
+use crate::gpt::GptConfig;
+
+/// The layout version this code writes and reads.
+pub const FORMAT: u32 = 1;
+
+/// `meta.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointMeta {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// Steps run.
+    pub step: u64,
+    /// Optimizer steps taken (skipped steps do not count).
+    pub optimizer_steps: u64,
+    /// Data-parallel ranks of the run (each wrote one optimizer shard).
+    pub ranks: usize,
+    /// The run's seed.
+    pub seed: u64,
+    /// The model.
+    pub model: ModelConfig,
+    /// Loss scale, clean steps, overflows left.
+    pub loss_scaler: (f32, u32, u32),
+    /// xxh3-64 of each file, by name.
+    pub files: HashMap<String, String>,
+}
+
+/// A checkpoint found on disk.
+#[derive(Clone, Debug)]
+pub struct Checkpoint {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its `meta.json`.
+    pub meta: CheckpointMeta,
+}
+
+fn problem(path: &Path, problem: impl ToString, fix: impl Into<String>) -> RuntimeError {
+    RuntimeError::Checkpoint {
+        path: path.to_path_buf(),
+        problem: problem.to_string(),
+        fix: fix.into(),
+    }
+}
+
+fn io_fix(err: &std::io::Error) -> String {
+    match err.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => {
+            "free space on that disk or set train.checkpoint_dir elsewhere; the previous checkpoint is intact".into()
+        }
+        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
+            "make the directory writable or set train.checkpoint_dir elsewhere".into()
+        }
+        _ => "check the path and the disk".into(),
+    }
+}
+
+/// Writes `bytes` to `path` and fsyncs it.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let attempt = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(path)?;
+        file.write_all(bytes)?;
+        file.sync_all()
+    };
+    attempt().map_err(|err| problem(path, format!("cannot write it: {err}"), io_fix(&err)))
+}
+
+/// fsyncs a directory, so that the names in it last.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|err| problem(dir, format!("cannot sync it: {err}"), io_fix(&err)))
+}
+
+/// Makes `root/.tmp-step{step}` afresh, removing temporaries a killed
+/// write left behind.
+pub(crate) fn begin(root: &Path, step: u64) -> Result<PathBuf> {
+    std::fs::create_dir_all(root)
+        .map_err(|err| problem(root, format!("cannot create it: {err}"), io_fix(&err)))?;
+    let entries = std::fs::read_dir(root)
+        .map_err(|err| problem(root, format!("cannot list it: {err}"), io_fix(&err)))?;
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    let tmp = root.join(format!(".tmp-step{step}"));
+    std::fs::create_dir(&tmp)
+        .map_err(|err| problem(&tmp, format!("cannot create it: {err}"), io_fix(&err)))?;
+    Ok(tmp)
+}
+
+/// Checksums the files, writes `meta.json`, and publishes the temporary
+/// directory as `step-NNNNNNNN`, then points `latest` at it.
+pub(crate) fn commit(root: &Path, tmp: &Path, mut meta: CheckpointMeta) -> Result<PathBuf> {
+    let entries = std::fs::read_dir(tmp)
+        .map_err(|err| problem(tmp, format!("cannot list it: {err}"), io_fix(&err)))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        meta.files.insert(name, file_hash(&entry.path())?);
+    }
+    let json = serde_json::to_vec_pretty(&meta).expect("meta serializes");
+    write_synced(&tmp.join("meta.json"), &json)?;
+    sync_dir(tmp)?;
+    let name = format!("step-{:08}", meta.step);
+    let done = root.join(&name);
+    if done.exists() {
+        std::fs::remove_dir_all(&done)
+            .map_err(|err| problem(&done, format!("cannot replace it: {err}"), io_fix(&err)))?;
+    }
+    std::fs::rename(tmp, &done)
+        .map_err(|err| problem(&done, format!("cannot rename {} to it: {err}", tmp.display()), io_fix(&err)))?;
+    sync_dir(root)?;
+    let pointer = root.join(".latest.tmp");
+    write_synced(&pointer, name.as_bytes())?;
+    std::fs::rename(&pointer, root.join("latest")).map_err(|err| {
+        problem(&root.join("latest"), format!("cannot replace it: {err}"), io_fix(&err))
+    })?;
+    sync_dir(root)?;
+    Ok(done)
+}
+
+fn file_hash(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path)
+        .map_err(|err| problem(path, format!("cannot read it: {err}"), io_fix(&err)))?;
+    Ok(format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)))
+}
+
+impl Checkpoint {
+    /// The checkpoint at `path`: a `step-*` directory, or a checkpoint
+    /// root whose `latest` names one.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        let dir = if path.join("meta.json").exists() {
+            path.to_path_buf()
+        } else if path.join("latest").exists() {
+            let name = std::fs::read_to_string(path.join("latest"))
+                .map_err(|err| problem(&path.join("latest"), format!("cannot read it: {err}"), io_fix(&err)))?;
+            path.join(name.trim())
+        } else {
+            return Err(problem(
+                path,
+                "no checkpoint there (neither meta.json nor latest)",
+                "give a checkpoint directory (step-NNNNNNNN) or the train.checkpoint_dir of a run",
+            ));
+        };
+        let meta_path = dir.join("meta.json");
+        let text = std::fs::read(&meta_path)
+            .map_err(|err| problem(&meta_path, format!("cannot read it: {err}"), io_fix(&err)))?;
+        let meta: CheckpointMeta = serde_json::from_slice(&text).map_err(|err| {
+            problem(&meta_path, format!("it is not a strata checkpoint's meta.json: {err}"), "resume from another checkpoint")
+        })?;
+        if meta.format != FORMAT {
+            return Err(problem(
+                &meta_path,
+                format!("format {} (this strata reads {FORMAT})", meta.format),
+                "resume with the strata version that wrote it",
+            ));
+        }
+        Ok(Checkpoint { dir, meta })
+    }
+
+    /// Reads file `name`, checking it against its recorded checksum.
+    pub fn read_file(&self, name: &str) -> Result<Vec<u8>> {
+        let path = self.dir.join(name);
+        let bytes = std::fs::read(&path)
+            .map_err(|err| problem(&path, format!("cannot read it: {err}"), io_fix(&err)))?;
+        let expected = self.meta.files.get(name).ok_or_else(|| {
+            problem(&path, "meta.json lists no such file", "the checkpoint is incomplete: resume from another")
+        })?;
+        let found = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+        if &found != expected {
+            return Err(problem(
+                &path,
+                format!("checksum {found} does not match meta.json's {expected}: the file is corrupt"),
+                "resume from another checkpoint",
+            ));
+        }
+        Ok(bytes)
+    }
+}
+
+/// GPT-2's names and shapes of group `g`'s parts, in layout order.
+pub(crate) fn part_names(gpt: &GptConfig, g: usize) -> Vec<(String, Vec<usize>)> {
+    let h = gpt.hidden;
+    if g == 0 {
+        return vec![
+            ("wte.weight".into(), vec![gpt.vocab, h]),
+            ("wpe.weight".into(), vec![gpt.seq, h]),
+            ("ln_f.weight".into(), vec![h]),
+            ("ln_f.bias".into(), vec![h]),
+        ];
+    }
+    let b = g - 1;
+    [
+        ("ln_1.weight", vec![h]),
+        ("ln_1.bias", vec![h]),
+        ("attn.c_attn.weight", vec![h, 3 * h]),
+        ("attn.c_attn.bias", vec![3 * h]),
+        ("attn.c_proj.weight", vec![h, h]),
+        ("attn.c_proj.bias", vec![h]),
+        ("ln_2.weight", vec![h]),
+        ("ln_2.bias", vec![h]),
+        ("mlp.c_fc.weight", vec![h, 4 * h]),
+        ("mlp.c_fc.bias", vec![4 * h]),
+        ("mlp.c_proj.weight", vec![4 * h, h]),
+        ("mlp.c_proj.bias", vec![h]),
+    ]
+    .into_iter()
+    .map(|(name, shape)| (format!("h.{b}.{name}"), shape))
+    .collect()
+}
+
+/// Serializes named f32 tensors as safetensors.
+pub(crate) fn safetensors_bytes(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>> {
+    let views = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytemuck::cast_slice(data))
+                .map(|view| (name.clone(), view))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|err| problem(path, err, "this is a bug: report it"))?;
+    safetensors::serialize(views, None).map_err(|err| problem(path, err, "this is a bug: report it"))
+}
+
+/// The f32 tensor `name` of a safetensors file, `len` elements.
+pub(crate) fn read_tensor(path: &Path, file: &safetensors::SafeTensors<'_>, name: &str, len: usize) -> Result<Vec<f32>> {
+    let view = file.tensor(name).map_err(|err| {
+        problem(path, format!("tensor {name}: {err}"), "the checkpoint does not match this run: resume from another")
+    })?;
+    let elements: usize = view.shape().iter().product();
+    if view.dtype() != safetensors::Dtype::F32 || elements != len {
+        return Err(problem(
+            path,
+            format!("tensor {name} is {:?} x {elements}, expected F32 x {len}", view.dtype()),
+            "the checkpoint does not match this run: resume from another",
+        ));
+    }
+    Ok(view
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}

@@ -1,0 +1,361 @@
+//! [`TrainConfig`]: what `strata train --config FILE` reads. Every table
+//! and field has a default (the built-in small model); unknown keys are
+//! rejected by name.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use strata_optim::{AdamConfig, LossScalerConfig};
+use strata_storage::{ByteSize, StorageConfig};
+
+use crate::config::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig};
+use crate::error::{Result, RuntimeError};
+use crate::gpt::GptConfig;
+use crate::tier::Tier;
+
+/// Most data-parallel ranks (threads of one process).
+pub const RANKS_MAX: usize = 64;
+/// Most micro-batches accumulated into one step.
+pub const GRAD_ACCUMULATION_MAX: usize = 1024;
+
+/// Where a class of model state lives between uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// Device memory.
+    Device,
+    /// Pinned host memory.
+    Cpu,
+    /// The NVMe swap store.
+    Nvme,
+}
+
+impl Placement {
+    /// The tier.
+    pub fn tier(self) -> Tier {
+        match self {
+            Placement::Device => Tier::Device,
+            Placement::Cpu => Tier::Host,
+            Placement::Nvme => Tier::Nvme,
+        }
+    }
+}
+
+/// The `[model]` table: a GPT-2-style model's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Vocabulary (256: byte-level tokens).
+    pub vocab: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Blocks.
+    pub layers: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            vocab: 256,
+            seq: 64,
+            hidden: 128,
+            heads: 4,
+            layers: 4,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// As the model code takes it.
+    pub fn gpt(&self) -> GptConfig {
+        GptConfig {
+            vocab: self.vocab,
+            seq: self.seq,
+            hidden: self.hidden,
+            heads: self.heads,
+            layers: self.layers,
+        }
+    }
+}
+
+/// The `[train]` table: batch, schedule, optimizer, numerics.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainSettings {
+    /// Steps to run (also the length of the cosine schedule).
+    pub steps: u64,
+    /// Sequences per rank per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches per step.
+    pub grad_accumulation: usize,
+    /// Data-parallel ranks (ZeRO-3 shards), as threads of this process.
+    pub ranks: usize,
+    /// Seeds initialization and data order.
+    pub seed: u64,
+    /// Keep only each block's input between forward and backward and
+    /// recompute the rest (activation checkpointing).
+    pub checkpoint_activations: bool,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: u64,
+    /// Learning rate at the end of the cosine decay.
+    pub lr_min: f64,
+    /// AdamW first-moment decay.
+    pub beta1: f64,
+    /// AdamW second-moment decay.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay of weight matrices and embeddings.
+    pub weight_decay: f64,
+    /// Clip gradients to this global L2 norm; 0 turns clipping off.
+    pub clip_norm: f64,
+    /// Dynamic loss scaling: the first scale.
+    pub loss_scale: f32,
+    /// Clean steps before the loss scale doubles.
+    pub loss_scale_growth_interval: u32,
+    /// Write a checkpoint every this many steps (0: only at the end when
+    /// `checkpoint_dir` is set).
+    pub checkpoint_every: u64,
+    /// Where checkpoints go; none means no checkpoints.
+    pub checkpoint_dir: Option<PathBuf>,
+}
+
+impl Default for TrainSettings {
+    fn default() -> Self {
+        TrainSettings {
+            steps: 300,
+            micro_batch: 8,
+            grad_accumulation: 1,
+            ranks: 1,
+            seed: 1,
+            checkpoint_activations: true,
+            lr: 3e-3,
+            warmup_steps: 20,
+            lr_min: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            clip_norm: 1.0,
+            loss_scale: 1024.0,
+            loss_scale_growth_interval: 200,
+            checkpoint_every: 0,
+            checkpoint_dir: None,
+        }
+    }
+}
+
+impl TrainSettings {
+    /// AdamW at `lr`.
+    pub fn adam(&self, lr: f64) -> AdamConfig {
+        AdamConfig {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            decoupled_weight_decay: true,
+            maximize: false,
+        }
+    }
+
+    /// The learning rate of step `step` (from 1): linear warmup, then
+    /// cosine decay to `lr_min` at `steps`.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        if step <= self.warmup_steps {
+            return self.lr * step as f64 / self.warmup_steps.max(1) as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
+        let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
+        self.lr_min + 0.5 * (self.lr - self.lr_min) * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+
+    /// The loss scaler's settings.
+    pub fn scaler(&self) -> LossScalerConfig {
+        LossScalerConfig {
+            init_scale: self.loss_scale,
+            growth_interval: self.loss_scale_growth_interval,
+            ..LossScalerConfig::default()
+        }
+    }
+}
+
+/// The `[placement]` table: where each class of model state lives, and how
+/// far ahead the plan fetches.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementConfig {
+    /// bf16 parameter shards (the compute copies).
+    pub params: Placement,
+    /// fp32 master weights and Adam moments; the optimizer runs on the CPU
+    /// unless this is `device`.
+    pub optimizer: Placement,
+    /// Ops the plan may fetch ahead.
+    pub prefetch_ops: u32,
+    /// Ops ahead of backward that offloaded activations are fetched.
+    pub activation_horizon_ops: u32,
+}
+
+impl Default for PlacementConfig {
+    fn default() -> Self {
+        PlacementConfig {
+            params: Placement::Cpu,
+            optimizer: Placement::Nvme,
+            prefetch_ops: 4,
+            activation_horizon_ops: 2,
+        }
+    }
+}
+
+/// A training run: the model, the schedule, placements and each rank's
+/// runtime (its device, host and NVMe budgets).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: ModelConfig,
+    /// Batch, schedule, optimizer.
+    pub train: TrainSettings,
+    /// Where model states live.
+    pub placement: PlacementConfig,
+    /// Each rank's device; its budget holds the compute workspace and the
+    /// tensors the plan puts there.
+    pub device: DeviceConfig,
+    /// Each rank's pinned host pool.
+    pub host: HostConfig,
+    /// Each rank's NVMe tier (a subdirectory per rank); absent: none.
+    pub nvme: Option<StorageConfig>,
+    /// Threads and limits of each rank's runtime.
+    pub runtime: LimitsConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            model: ModelConfig::default(),
+            train: TrainSettings::default(),
+            placement: PlacementConfig::default(),
+            device: DeviceConfig {
+                kind: DeviceChoice::Cpu,
+                ordinal: 0,
+                budget: ByteSize(8 << 20),
+            },
+            host: HostConfig {
+                budget: ByteSize(16 << 20),
+                classes: Vec::new(),
+                require_locked: false,
+            },
+            nvme: Some(StorageConfig {
+                dirs: vec![PathBuf::from("strata-train-swap")],
+                capacity: ByteSize(256 << 20),
+                ..StorageConfig::default()
+            }),
+            runtime: LimitsConfig::default(),
+        }
+    }
+}
+
+fn bad(key: &'static str, value: impl ToString, fix: impl Into<String>) -> RuntimeError {
+    RuntimeError::Config {
+        key,
+        value: value.to_string(),
+        fix: fix.into(),
+    }
+}
+
+impl TrainConfig {
+    /// Parses a TOML config; unknown keys and bad values are named.
+    pub fn from_toml(text: &str) -> Result<TrainConfig> {
+        let config: TrainConfig = toml::from_str(text).map_err(|err| RuntimeError::Config {
+            key: "config",
+            value: err.message().to_string(),
+            fix: format!(
+                "fix the file{}",
+                err.span()
+                    .map(|span| {
+                        let line = text[..span.start].matches('\n').count() + 1;
+                        format!(" at line {line}")
+                    })
+                    .unwrap_or_default()
+            ),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and the relations between fields (not yet whether
+    /// the placement fits: [`crate::engine::Engine::new`] plans that).
+    pub fn validate(&self) -> Result<()> {
+        self.model.gpt().validate()?;
+        let t = &self.train;
+        if t.steps == 0 {
+            return Err(bad("train.steps", t.steps, "run at least 1 step"));
+        }
+        if t.micro_batch == 0 {
+            return Err(bad("train.micro_batch", 0, "use at least 1 sequence"));
+        }
+        if !(1..=GRAD_ACCUMULATION_MAX).contains(&t.grad_accumulation) {
+            return Err(bad(
+                "train.grad_accumulation",
+                t.grad_accumulation,
+                format!("use 1 to {GRAD_ACCUMULATION_MAX}"),
+            ));
+        }
+        if !(1..=RANKS_MAX).contains(&t.ranks) {
+            return Err(bad("train.ranks", t.ranks, format!("use 1 to {RANKS_MAX}")));
+        }
+        if !(t.lr_min >= 0.0 && t.lr_min <= t.lr) {
+            return Err(bad("train.lr_min", t.lr_min, "use 0 to train.lr"));
+        }
+        if !(t.clip_norm >= 0.0 && t.clip_norm.is_finite()) {
+            return Err(bad("train.clip_norm", t.clip_norm, "use 0 (off) or a positive norm"));
+        }
+        t.adam(t.lr).validate().map_err(|err| bad("train", t.lr, err.to_string()))?;
+        strata_optim::LossScaler::new(t.scaler())
+            .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
+        let uses_nvme = [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme);
+        if uses_nvme && self.nvme.is_none() {
+            return Err(bad(
+                "placement",
+                "nvme",
+                "add an [nvme] table with dirs, or place params and optimizer on device or cpu",
+            ));
+        }
+        self.rank_runtime(0, 0)?.validate()
+    }
+
+    /// Rank `rank`'s runtime settings with `workspace_bytes` of the device
+    /// budget held for compute buffers (the rest is the tier the plan
+    /// uses); each rank swaps to its own subdirectory.
+    pub fn rank_runtime(&self, rank: usize, workspace_bytes: u64) -> Result<RuntimeConfig> {
+        let device_budget = self.device.budget.0;
+        if workspace_bytes >= device_budget {
+            return Err(bad(
+                "device.budget",
+                self.device.budget,
+                format!(
+                    "the compute workspace alone needs {workspace_bytes} bytes (one block's activations, gathered parameters and gradients): raise device.budget above that, or lower train.micro_batch or model.seq"
+                ),
+            ));
+        }
+        let nvme = self.nvme.clone().map(|mut nvme| {
+            nvme.dirs = nvme.dirs.iter().map(|d| d.join(format!("rank{rank}"))).collect();
+            nvme
+        });
+        Ok(RuntimeConfig {
+            device: DeviceConfig {
+                budget: ByteSize(device_budget - workspace_bytes),
+                ..self.device.clone()
+            },
+            host: self.host.clone(),
+            nvme,
+            runtime: self.runtime.clone(),
+        })
+    }
+}

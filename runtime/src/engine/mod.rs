@@ -1,0 +1,1429 @@
+//! The training engine: one data-parallel rank of a ZeRO-3 run of a
+//! GPT-2-style model whose parameters, gradients, optimizer states and
+//! activations live in the runtime's tiers and move under the scheduler's
+//! plans.
+//!
+//! Every group of parameters (the embeddings, then each block) is cut into
+//! one shard per rank. A step, per micro-batch: gather the embeddings, run
+//! each block's forward (all-gather its bf16 shards, keep its input, or all
+//! its activations without checkpointing), the head and loss, then each
+//! block's backward (recompute from the kept input, reduce-scatter the
+//! gradients into this rank's fp32 gradient shard). In the last
+//! micro-batch the optimizer step of a group starts as soon as its
+//! gradient shard is final, on the CPU thread while backward goes on,
+//! writing the updated master weights, moments and bf16 copy into a second
+//! set of tensors. Once every gradient is in, the global norm decides: no
+//! clipping and no overflow keeps that speculative update, clipping redoes
+//! it from the untouched first set with the clip coefficient, an overflow
+//! skips it. Updates are never stale or partial.
+//!
+//! The engine knows its step's ops before it runs, so it plans each shape
+//! of step up front ([`StepTracker::prime`]): the plan's peaks are the
+//! prediction, a placement that cannot fit fails before training, and
+//! step 1 already prefetches.
+
+mod checkpoint;
+mod config;
+mod data;
+mod run;
+
+pub use checkpoint::{Checkpoint, CheckpointMeta};
+pub use config::{
+    GRAD_ACCUMULATION_MAX, ModelConfig, Placement, PlacementConfig, RANKS_MAX, TrainConfig,
+    TrainSettings,
+};
+pub use data::ByteCorpus;
+pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use half::bf16;
+use strata_optim::{
+    AdamCoefficients, GradNorm, Isa, LossScaler, LowPrecisionMut, Moments, StepDecision, Values,
+    adam_step, decide_step, grad_norm, widen,
+};
+use strata_scheduler as sched;
+use strata_scheduler::{Action, ActionKind, Follow, Mode, Op, Processor, StepTracker, TensorClass};
+
+use crate::collective::Collective;
+use crate::error::{Result, RuntimeError};
+use crate::gpt::{
+    BlockActivations, BlockLayout, BlockScratch, EmbedLayout, GptConfig, HeadBuffers,
+    block_backward, block_forward, embed_backward, embed_forward, head_forward_backward,
+};
+use crate::guard::Access;
+use crate::residency::{Completion, Runtime};
+use crate::tier::{Dtype, TensorId, TensorKind, TensorMeta, Tier};
+
+/// Trace tensors per parameter group: two bf16 parameter shards, two
+/// optimizer-state shards (current and next), one gradient shard.
+const PER_GROUP: usize = 5;
+/// Link speeds the planner assumes for the CPU device (memory copies) and
+/// the NVMe tier; they shape prefetch timing, not correctness.
+const COPY_BYTES_PER_S: f64 = 8e9;
+const NVME_BYTES_PER_S: f64 = 2e9;
+/// What the planner assumes the compute runs at, per op.
+const FLOPS_PER_S: f64 = 2e10;
+/// Plans kept: (current set 0 or 1) x (kept or redone update), and room.
+const PLANS_MAX: usize = 8;
+
+/// One step's outcome on this rank (values are global: all-reduced).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct StepReport {
+    /// The step, from 1.
+    pub step: u64,
+    /// Mean loss over every rank's tokens.
+    pub loss: f64,
+    /// The learning rate used.
+    pub lr: f64,
+    /// Global gradient norm (unscaled); NaN when the step was skipped.
+    pub grad_norm: f64,
+    /// The clip coefficient applied (1: not clipped).
+    pub clip: f32,
+    /// A gradient overflowed: the update was skipped and the loss scale
+    /// backed off.
+    pub skipped: bool,
+    /// Clipping applied, so the overlapped update was redone.
+    pub redone: bool,
+    /// The loss scale the step used.
+    pub loss_scale: f32,
+    /// Tokens over all ranks.
+    pub tokens: u64,
+    /// Wall time of the step.
+    pub seconds: f64,
+}
+
+/// What the plans predict per tier for this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Prediction {
+    /// Peak bytes per tier ([`Tier::ALL`] order), device including the
+    /// workspace.
+    pub peak_bytes: [u64; 3],
+    /// The device bytes held for compute buffers.
+    pub workspace_bytes: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Work {
+    EmbedForward { m: usize },
+    BlockForward { m: usize, b: usize },
+    Head { m: usize },
+    BlockBackward { m: usize, b: usize },
+    EmbedBackward { m: usize },
+    Optimizer { g: usize },
+    Decide,
+    Commit,
+}
+
+struct StepOp {
+    work: Work,
+    op: Op,
+}
+
+/// A tensor of the trace and its runtime copy.
+struct Slot {
+    meta: TensorMeta,
+    home: Option<Tier>,
+    id: Option<TensorId>,
+    pending: Option<Completion>,
+}
+
+/// Compute buffers: one block's worth, held for the whole run.
+struct Workspace {
+    gathered: Vec<f32>,
+    shard16: Vec<bf16>,
+    shard32: Vec<f32>,
+    accumulated: Vec<f32>,
+    grad_full: Vec<f32>,
+    dembed: Vec<f32>,
+    acts: BlockActivations,
+    scratch: BlockScratch,
+    head: HeadBuffers,
+    saved: Vec<f32>,
+    x: Vec<f32>,
+    y: Vec<f32>,
+    dx: Vec<f32>,
+    dy: Vec<f32>,
+    inputs: Vec<u32>,
+    targets: Vec<u32>,
+}
+
+impl Workspace {
+    fn new(gpt: &GptConfig, batch: usize, padded_max: usize, shard_max: usize, embed_padded: usize, checkpoint: bool) -> Self {
+        let stream = batch * gpt.seq * gpt.hidden;
+        let acts = BlockActivations::new(gpt, batch);
+        let saved = if checkpoint { stream } else { acts.floats() };
+        Workspace {
+            gathered: vec![0.0; padded_max],
+            shard16: vec![bf16::ZERO; shard_max],
+            shard32: vec![0.0; shard_max],
+            accumulated: vec![0.0; shard_max],
+            grad_full: vec![0.0; padded_max],
+            dembed: vec![0.0; embed_padded],
+            acts,
+            scratch: BlockScratch::new(gpt, batch),
+            head: HeadBuffers::new(gpt, batch),
+            saved: vec![0.0; saved],
+            x: vec![0.0; stream],
+            y: vec![0.0; stream],
+            dx: vec![0.0; stream],
+            dy: vec![0.0; stream],
+            inputs: vec![0; batch * gpt.seq],
+            targets: vec![0; batch * gpt.seq],
+        }
+    }
+
+    /// Bytes of every buffer (what they would take on a GPU).
+    fn bytes(gpt: &GptConfig, batch: usize, padded_max: usize, shard_max: usize, embed_padded: usize, checkpoint: bool) -> u64 {
+        let stream = batch * gpt.seq * gpt.hidden;
+        let (n, h, s) = (batch * gpt.seq, gpt.hidden, gpt.seq);
+        let d = h / gpt.heads;
+        let acts = BlockActivations::new(gpt, batch).floats();
+        let scratch = 4 * s * d + s * s + 3 * s * d + n * h * 4 + n * 3 * h + n * 8 * h;
+        let head = n * h * 2 + 2 * n + 2 * n * gpt.vocab;
+        let saved = if checkpoint { stream } else { acts };
+        let floats = 2 * padded_max + 3 * shard_max + embed_padded + acts + scratch + head + saved + 4 * stream + 2 * n;
+        4 * floats as u64 - 2 * shard_max as u64
+    }
+}
+
+/// A parameter group's shard geometry and weight-decay runs.
+#[derive(Clone, Debug)]
+struct Group {
+    name: String,
+    params: usize,
+    shard: usize,
+    /// Runs of this rank's shard that are (or are not) weight-decayed.
+    runs: Vec<(std::ops::Range<usize>, bool)>,
+}
+
+impl Group {
+    fn padded(&self, world: usize) -> usize {
+        self.shard * world
+    }
+}
+
+/// An optimizer step of one group, for the CPU thread (or run inline when
+/// the optimizer states live on the device).
+struct OptJob {
+    group: usize,
+    tier: Tier,
+    grad: TensorId,
+    state_in: TensorId,
+    state_out: TensorId,
+    param_out: TensorId,
+    coefficients: [AdamCoefficients; 2],
+}
+
+/// The optimizer's buffers for one shard.
+struct OptScratch {
+    state: Vec<f32>,
+    grad: Vec<f32>,
+    param: Vec<bf16>,
+}
+
+fn run_optimizer(runtime: &Runtime, isa: Isa, groups: &[Group], scratch: &mut OptScratch, job: &OptJob) -> Result<f64> {
+    let group = &groups[job.group];
+    let n = group.shard;
+    read_f32(runtime, job.grad, job.tier, &mut scratch.grad[..n])?;
+    read_f32(runtime, job.state_in, job.tier, &mut scratch.state[..3 * n])?;
+    let grad = &scratch.grad[..n];
+    let sum_squares = grad_norm(isa, Values::F32(grad)).sum_squares;
+    let (master, moments) = scratch.state[..3 * n].split_at_mut(n);
+    let (m, v) = moments.split_at_mut(n);
+    let param = &mut scratch.param[..n];
+    for (range, decays) in &group.runs {
+        adam_step(
+            isa,
+            &job.coefficients[usize::from(*decays)],
+            &mut master[range.clone()],
+            Values::F32(&grad[range.clone()]),
+            Moments::F32 {
+                m: &mut m[range.clone()],
+                v: &mut v[range.clone()],
+            },
+            Some(LowPrecisionMut::Bf16(&mut param[range.clone()])),
+        );
+    }
+    write_bytes(runtime, job.state_out, job.tier, bytemuck::cast_slice(&scratch.state[..3 * n]))?;
+    write_bytes(runtime, job.param_out, job.tier, bytemuck::cast_slice(&scratch.param[..n]))?;
+    Ok(sum_squares)
+}
+
+/// A guard on the tensor's copy in `tier`, fetching it there first when it
+/// is not (a demand fetch: the plan did not bring it, or a spill took it).
+fn guard(runtime: &Runtime, id: TensorId, tier: Tier, access: Access) -> Result<crate::guard::Guard> {
+    loop {
+        match runtime.acquire(id, tier, access) {
+            Ok(guard) => return Ok(guard),
+            Err(RuntimeError::NotResident { .. }) => match runtime.move_to(id, tier) {
+                Ok(done) => done.wait()?,
+                Err(RuntimeError::Moving { .. }) => {}
+                Err(err) => return Err(err),
+            },
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+fn read_f32(runtime: &Runtime, id: TensorId, tier: Tier, out: &mut [f32]) -> Result<()> {
+    guard(runtime, id, tier, Access::Read)?.read_into(bytemuck::cast_slice_mut(out))
+}
+
+fn write_bytes(runtime: &Runtime, id: TensorId, tier: Tier, data: &[u8]) -> Result<()> {
+    guard(runtime, id, tier, Access::Write)?.write_from(data)
+}
+
+/// The CPU optimizer thread.
+struct CpuWorker {
+    jobs: Option<Sender<OptJob>>,
+    done: Receiver<(usize, Result<f64>)>,
+    thread: Option<JoinHandle<()>>,
+    outstanding: usize,
+}
+
+impl CpuWorker {
+    fn start(runtime: Arc<Runtime>, isa: Isa, groups: Arc<Vec<Group>>, shard_max: usize) -> Result<CpuWorker> {
+        let (jobs, receiver) = channel::<OptJob>();
+        let (results, done) = channel();
+        let thread = std::thread::Builder::new()
+            .name("strata-cpu-optim".into())
+            .spawn(move || {
+                let mut scratch = OptScratch {
+                    state: vec![0.0; 3 * shard_max],
+                    grad: vec![0.0; shard_max],
+                    param: vec![bf16::ZERO; shard_max],
+                };
+                for job in receiver {
+                    let result = run_optimizer(&runtime, isa, &groups, &mut scratch, &job);
+                    if results.send((job.group, result)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|err| RuntimeError::Config {
+                key: "engine",
+                value: "cpu optimizer thread".into(),
+                fix: format!("could not start it ({err})"),
+            })?;
+        Ok(CpuWorker {
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+            outstanding: 0,
+        })
+    }
+}
+
+impl Drop for CpuWorker {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One rank of a training run. Build it with [`Engine::new`], then call
+/// [`Engine::step`] with this rank's tokens for each step.
+pub struct Engine {
+    config: TrainConfig,
+    gpt: GptConfig,
+    runtime: Arc<Runtime>,
+    collective: Box<dyn Collective>,
+    tracker: StepTracker,
+    groups: Arc<Vec<Group>>,
+    slots: Vec<Slot>,
+    /// `steps[current][redo]`: the ops of each shape of step.
+    shapes: [[Vec<StepOp>; 2]; 2],
+    /// Which of the two parameter/state sets is current.
+    current: usize,
+    ws: Workspace,
+    inline: OptScratch,
+    worker: Option<CpuWorker>,
+    isa: Isa,
+    scaler: LossScaler,
+    /// Optimizer steps taken (skipped steps do not count).
+    optimizer_steps: u64,
+    step: u64,
+    sum_squares: Vec<f64>,
+    actions: Vec<Action>,
+    /// Ops announced so far in this step (the op running is
+    /// `position - 1`).
+    position: usize,
+    /// Per current set, the position after which each tensor is no longer
+    /// used in a step (over both shapes).
+    last_use: [Vec<usize>; 2],
+    prediction: Prediction,
+    loss_sum: f64,
+}
+
+impl Engine {
+    /// Builds rank `collective.rank()`: opens its runtime, registers and
+    /// initializes its shards (the same values whatever the number of
+    /// ranks), plans every shape of step and fails if one does not fit.
+    pub fn new(config: &TrainConfig, collective: Box<dyn Collective>) -> Result<Engine> {
+        config.validate()?;
+        let gpt = config.model.gpt();
+        let (world, rank) = (collective.world(), collective.rank());
+        if world != config.train.ranks {
+            return Err(RuntimeError::Config {
+                key: "train.ranks",
+                value: config.train.ranks.to_string(),
+                fix: format!("the collective group has {world} ranks: make them agree"),
+            });
+        }
+        let groups = Arc::new(groups(&gpt, world, rank));
+        let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
+        let padded_max = groups.iter().map(|g| g.padded(world)).max().expect("groups");
+        let embed_padded = groups[0].padded(world);
+        let checkpoint = config.train.checkpoint_activations;
+        let batch = config.train.micro_batch;
+        let workspace_bytes = Workspace::bytes(&gpt, batch, padded_max, shard_max, embed_padded, checkpoint);
+        let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
+        if let Some(nvme) = &runtime_config.nvme {
+            for dir in &nvme.dirs {
+                std::fs::create_dir_all(dir).map_err(|err| RuntimeError::Config {
+                    key: "nvme.dirs",
+                    value: dir.display().to_string(),
+                    fix: format!("cannot create it ({err}): choose a writable directory"),
+                })?;
+            }
+        }
+        let runtime = Arc::new(Runtime::new(&runtime_config)?);
+        let isa = Isa::chosen();
+        let stats = runtime.stats();
+        let capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
+        let plan_config = sched::PlanConfig {
+            capacity_bytes,
+            links: links(),
+            policy: sched::Policy::strata(config.placement.prefetch_ops, config.placement.activation_horizon_ops),
+        };
+        let layers = gpt.layers;
+        let accumulation = config.train.grad_accumulation;
+        let tensors = PER_GROUP * groups.len() + accumulation * layers;
+        let mut tracker = StepTracker::new(plan_config, tensors, 4 * tensors + 16, PLANS_MAX);
+        let slots = slots(config, &gpt, &groups, batch);
+        for slot in &slots {
+            tracker.tensor(sched::TensorSpec {
+                name: slot.meta.name.clone(),
+                bytes: slot.meta.len_bytes(),
+                class: class_of(slot.meta.kind),
+                home: slot.home.map(sched_tier),
+            })?;
+        }
+        let mut engine = Engine {
+            config: config.clone(),
+            gpt,
+            runtime: runtime.clone(),
+            collective,
+            tracker,
+            groups: groups.clone(),
+            slots,
+            shapes: Default::default(),
+            current: 0,
+            ws: Workspace::new(&gpt, batch, padded_max, shard_max, embed_padded, checkpoint),
+            inline: OptScratch {
+                state: vec![0.0; 3 * shard_max],
+                grad: vec![0.0; shard_max],
+                param: vec![bf16::ZERO; shard_max],
+            },
+            worker: None,
+            isa,
+            scaler: LossScaler::new(config.train.scaler())?,
+            optimizer_steps: 0,
+            step: 0,
+            sum_squares: vec![0.0; groups.len()],
+            actions: Vec::with_capacity(1024),
+            position: 0,
+            last_use: Default::default(),
+            prediction: Prediction {
+                workspace_bytes,
+                ..Prediction::default()
+            },
+            loss_sum: 0.0,
+        };
+        for current in 0..2 {
+            for redo in 0..2 {
+                engine.shapes[current][redo] = engine.step_ops(current, redo == 1);
+            }
+        }
+        for current in 0..2 {
+            let mut last = vec![0; engine.slots.len()];
+            for shape in &engine.shapes[current] {
+                for (k, step_op) in shape.iter().enumerate() {
+                    for access in &step_op.op.accesses {
+                        last[access.tensor as usize] = last[access.tensor as usize].max(k + 1);
+                    }
+                }
+            }
+            engine.last_use[current] = last;
+        }
+        let mut peak = [0u64; 3];
+        for current in [0, 1] {
+            for redo in [0, 1] {
+                let trace = sched::Trace {
+                    tensors: engine.specs(),
+                    ops: engine.shapes[current][redo].iter().map(|s| s.op.clone()).collect(),
+                };
+                let plan = engine.tracker.prime(&trace)?;
+                for (p, planned) in peak.iter_mut().zip(plan.peak_bytes) {
+                    *p = (*p).max(planned);
+                }
+            }
+        }
+        peak[0] += workspace_bytes;
+        engine.prediction.peak_bytes = peak;
+        engine.initialize()?;
+        if config.placement.optimizer != Placement::Device {
+            engine.worker = Some(CpuWorker::start(runtime, isa, groups, shard_max)?);
+        }
+        Ok(engine)
+    }
+
+    fn specs(&self) -> Vec<sched::TensorSpec> {
+        self.slots
+            .iter()
+            .map(|slot| sched::TensorSpec {
+                name: slot.meta.name.clone(),
+                bytes: slot.meta.len_bytes(),
+                class: class_of(slot.meta.kind),
+                home: slot.home.map(sched_tier),
+            })
+            .collect()
+    }
+
+    /// The runtime of this rank (stats, trace).
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// What the plans predict.
+    pub fn prediction(&self) -> Prediction {
+        self.prediction
+    }
+
+    /// Steps run so far.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// Bytes of model states this rank holds: bf16 parameters, fp32
+    /// gradients, master weights and two moments (one set; the second set
+    /// the overlapped update writes into is counted in the tier peaks).
+    pub fn model_state_bytes(&self) -> u64 {
+        self.groups.iter().map(|g| (2 + 4 + 12) * g.shard as u64).sum()
+    }
+
+    /// Tokens one call of [`Engine::step`] takes from this rank:
+    /// `grad_accumulation x micro_batch` sequences of `seq + 1` tokens
+    /// (inputs and the next-token targets).
+    pub fn tokens_per_step(&self) -> usize {
+        self.config.train.grad_accumulation * self.config.train.micro_batch * (self.gpt.seq + 1)
+    }
+
+    fn step_ops(&self, current: usize, redo: bool) -> Vec<StepOp> {
+        let (layers, groups) = (self.gpt.layers, self.groups.len());
+        let accumulation = self.config.train.grad_accumulation;
+        let gpu = Processor::Gpu;
+        let optimizer = match self.config.placement.optimizer {
+            Placement::Device => Processor::Gpu,
+            _ => Processor::Cpu,
+        };
+        let access = |tensor: usize, mode: Mode| sched::Access {
+            tensor: tensor as u32,
+            mode,
+        };
+        let block_ns = (24.0 * (self.config.train.micro_batch * self.gpt.seq) as f64 * (self.gpt.hidden * self.gpt.hidden) as f64
+            / FLOPS_PER_S
+            * 1e9) as u64;
+        let optimizer_ns = |g: usize| (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
+        let param = |g: usize, set: usize| PER_GROUP * g + set;
+        let state = |g: usize, set: usize| PER_GROUP * g + 2 + set;
+        let grad = |g: usize| PER_GROUP * g + 4;
+        let saved = |m: usize, b: usize| PER_GROUP * groups + m * layers + b;
+        let mut ops = Vec::new();
+        let mut push = |work: Work, name: String, processor, accesses, compute_ns, barrier| {
+            let mut op = Op::new(name, processor, accesses, compute_ns);
+            op.barrier = barrier;
+            ops.push(StepOp { work, op });
+        };
+        let optimizer_op = |g: usize| {
+            vec![
+                access(grad(g), Mode::Read),
+                access(state(g, current), Mode::Read),
+                access(state(g, 1 - current), Mode::Write),
+                access(param(g, 1 - current), Mode::Write),
+            ]
+        };
+        for m in 0..accumulation {
+            let last = m + 1 == accumulation;
+            let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
+            push(Work::EmbedForward { m }, format!("fwd.embed.mb{m}"), gpu, vec![access(param(0, current), Mode::Read)], block_ns / 8, false);
+            for b in 0..layers {
+                push(
+                    Work::BlockForward { m, b },
+                    format!("fwd.block{b}.mb{m}"),
+                    gpu,
+                    vec![access(param(b + 1, current), Mode::Read), access(saved(m, b), Mode::Write)],
+                    block_ns,
+                    false,
+                );
+            }
+            push(Work::Head { m }, format!("head.mb{m}"), gpu, vec![access(param(0, current), Mode::Read)], block_ns / 2, false);
+            for b in (0..layers).rev() {
+                push(
+                    Work::BlockBackward { m, b },
+                    format!("bwd.block{b}.mb{m}"),
+                    gpu,
+                    vec![
+                        access(param(b + 1, current), Mode::Read),
+                        access(saved(m, b), Mode::Read),
+                        access(grad(b + 1), grad_mode),
+                    ],
+                    3 * block_ns,
+                    false,
+                );
+                if last {
+                    push(Work::Optimizer { g: b + 1 }, format!("optim.block{b}"), optimizer, optimizer_op(b + 1), optimizer_ns(b + 1), false);
+                }
+            }
+            push(Work::EmbedBackward { m }, format!("bwd.embed.mb{m}"), gpu, vec![access(grad(0), grad_mode)], block_ns / 8, false);
+            if last {
+                push(Work::Optimizer { g: 0 }, "optim.embed".into(), optimizer, optimizer_op(0), optimizer_ns(0), false);
+            }
+        }
+        let all_grads: Vec<_> = (0..groups).map(|g| access(grad(g), Mode::Read)).collect();
+        push(Work::Decide, "decide".into(), optimizer, all_grads.clone(), 1000, true);
+        if redo {
+            for g in (0..groups).rev() {
+                push(Work::Optimizer { g }, format!("optim.redo.{}", self.groups[g].name), optimizer, optimizer_op(g), optimizer_ns(g), false);
+            }
+        }
+        push(Work::Commit, "commit".into(), optimizer, all_grads, 1000, false);
+        ops
+    }
+
+    /// Registers every persistent tensor at home with its initial values.
+    fn initialize(&mut self) -> Result<()> {
+        let world = self.collective.world();
+        let rank = self.collective.rank();
+        let seed = self.config.train.seed;
+        for g in 0..self.groups.len() {
+            let group = self.groups[g].clone();
+            let mut full = vec![0.0f32; group.padded(world)];
+            init_group(&self.gpt, g, seed, &mut full[..group.params]);
+            let master = &full[rank * group.shard..(rank + 1) * group.shard];
+            self.load_group(g, master, None)?;
+        }
+        Ok(())
+    }
+
+    /// Writes group `g`'s shard: master weights, moments (zero when none),
+    /// and the bf16 compute copy, into the current set; the other set is
+    /// registered at home, to be overwritten by the next update.
+    fn load_group(&mut self, g: usize, master: &[f32], moments: Option<(&[f32], &[f32])>) -> Result<()> {
+        let n = self.groups[g].shard;
+        let mut state = vec![0.0f32; 3 * n];
+        state[..n].copy_from_slice(master);
+        if let Some((m, v)) = moments {
+            state[n..2 * n].copy_from_slice(m);
+            state[2 * n..].copy_from_slice(v);
+        }
+        let param: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
+        for set in 0..2 {
+            let current = set == self.current;
+            let p = PER_GROUP * g + set;
+            let s = PER_GROUP * g + 2 + set;
+            self.place_persistent(p, current.then_some(bytemuck::cast_slice(&param)))?;
+            self.place_persistent(s, current.then_some(bytemuck::cast_slice(&state)))?;
+        }
+        Ok(())
+    }
+
+    /// (Re)creates a persistent tensor with `data` (or zeros) at its home.
+    fn place_persistent(&mut self, index: usize, data: Option<&[u8]>) -> Result<()> {
+        if let Some(id) = self.slots[index].id.take() {
+            self.runtime.free(id)?;
+        }
+        let home = self.slots[index].home.expect("persistent tensors have a home");
+        let first = if home == Tier::Device { Tier::Device } else { Tier::Host };
+        let id = self.runtime.register(self.slots[index].meta.clone(), first)?;
+        self.slots[index].id = Some(id);
+        if let Some(data) = data {
+            self.runtime.acquire(id, first, Access::Write)?.write_from(data)?;
+        }
+        if home != first {
+            self.runtime.move_to(id, home)?.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Runs one step on this rank's `tokens` ([`Engine::tokens_per_step`]
+    /// of them). Every rank calls it together, with its own tokens.
+    pub fn step(&mut self, tokens: &[u32]) -> Result<StepReport> {
+        assert_eq!(tokens.len(), self.tokens_per_step(), "tokens for one step");
+        let started = Instant::now();
+        self.step += 1;
+        let step = self.step;
+        let lr = self.config.train.lr_at(step);
+        let loss_scale = self.scaler.scale();
+        self.loss_sum = 0.0;
+        self.sum_squares.fill(0.0);
+        let current = self.current;
+        let shape = std::mem::take(&mut self.shapes[current]);
+        let result = self.run_shape(&shape, tokens, lr, loss_scale);
+        self.shapes[current] = shape;
+        let decision = match result {
+            Ok(decision) => decision,
+            Err(err) => {
+                // Whatever the CPU thread still holds is dropped with it.
+                self.worker = None;
+                return Err(err);
+            }
+        };
+        let (skipped, redone, grad_norm, clip) = match decision {
+            StepDecision::Skip => (true, false, f64::NAN, 1.0),
+            StepDecision::Step {
+                grad_norm,
+                clip_coefficient,
+                ..
+            } => (false, clip_coefficient < 1.0, grad_norm, clip_coefficient),
+        };
+        self.scaler.update(skipped);
+        if !skipped {
+            self.optimizer_steps += 1;
+            self.current = 1 - self.current;
+        }
+        let world = self.collective.world();
+        let micro_batches = (self.config.train.grad_accumulation * world) as f64;
+        Ok(StepReport {
+            step,
+            loss: self.loss_sum / micro_batches,
+            lr,
+            grad_norm,
+            clip,
+            skipped,
+            redone,
+            loss_scale,
+            tokens: (tokens.len() / (self.gpt.seq + 1) * self.gpt.seq * world) as u64,
+            seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Runs the ops of one step: the plain shape up to the decision, then
+    /// its commit, or the redone updates and commit of the other shape.
+    fn run_shape(
+        &mut self,
+        shape: &[Vec<StepOp>; 2],
+        tokens: &[u32],
+        lr: f64,
+        loss_scale: f32,
+    ) -> Result<StepDecision> {
+        let adam = self.config.train.adam(lr);
+        let no_decay = strata_optim::AdamConfig {
+            weight_decay: 0.0,
+            ..adam
+        };
+        let next = self.optimizer_steps + 1;
+        let coefficients = |grad_scale: f32| -> Result<[AdamCoefficients; 2]> {
+            Ok([
+                no_decay.coefficients(next, grad_scale)?,
+                adam.coefficients(next, grad_scale)?,
+            ])
+        };
+        let mut update = coefficients(1.0 / loss_scale)?;
+        self.position = 0;
+        self.actions.clear();
+        if let Follow::Plan(actions) = self.tracker.begin_step_with(&shape[0][0].op) {
+            self.actions.extend_from_slice(actions);
+        }
+        self.issue_actions(false)?;
+        self.issue_actions(true)?;
+        let plain = &shape[0];
+        let decide_at = plain
+            .iter()
+            .position(|s| s.work == Work::Decide)
+            .expect("every step decides");
+        let mut decision = StepDecision::Skip;
+        for step_op in &plain[..=decide_at] {
+            if step_op.work == Work::Decide {
+                decision = self.decide(step_op, loss_scale)?;
+            } else {
+                self.run_op(step_op, tokens, &update)?;
+            }
+        }
+        let tail = match decision {
+            StepDecision::Step {
+                grad_scale,
+                clip_coefficient,
+                ..
+            } if clip_coefficient < 1.0 => {
+                update = coefficients(grad_scale)?;
+                &shape[1][decide_at + 1..]
+            }
+            _ => &plain[decide_at + 1..],
+        };
+        for step_op in tail {
+            self.run_op(step_op, tokens, &update)?;
+        }
+        self.end_step()?;
+        Ok(decision)
+    }
+
+    /// Issues the held actions of one kind: fetches and allocations before
+    /// the op they were announced with runs (they overlap it), evictions
+    /// and drops after it (it may still use what they release).
+    fn issue_actions(&mut self, releases: bool) -> Result<()> {
+        for k in 0..self.actions.len() {
+            let action = self.actions[k];
+            let release = matches!(action.kind, ActionKind::Evict { .. } | ActionKind::Drop { .. });
+            if release == releases {
+                self.issue(action)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Carries out one planned action. The plan is advice: a tensor in use
+    /// or already moving keeps its place, and the op that needs it fetches
+    /// it on demand.
+    fn issue(&mut self, action: Action) -> Result<()> {
+        let index = action.tensor as usize;
+        self.settle_pending(index)?;
+        let Some(id) = self.slots[index].id else {
+            return Ok(());
+        };
+        let outcome = match action.kind {
+            ActionKind::Fetch { to, .. } | ActionKind::Evict { to, .. } => {
+                self.runtime.move_to(id, runtime_tier(to)).map(|done| {
+                    self.slots[index].pending = Some(done);
+                })
+            }
+            ActionKind::Drop { tier } => {
+                let tier = runtime_tier(tier);
+                let only_copy = self.runtime.residency(id)?.iter().all(|&t| t == tier);
+                let dead = self.last_use[self.current][index] <= self.position;
+                if only_copy && self.slots[index].home.is_none() && dead {
+                    // A tensor of the step after its last use.
+                    self.slots[index].id = None;
+                    self.runtime.free(id)
+                } else if only_copy {
+                    Ok(())
+                } else {
+                    self.runtime.release(id, tier)
+                }
+            }
+            ActionKind::Alloc { .. } => Ok(()),
+        };
+        match outcome {
+            Ok(()) => Ok(()),
+            Err(
+                RuntimeError::InUse { .. }
+                | RuntimeError::Moving { .. }
+                | RuntimeError::NotResident { .. },
+            ) => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    fn settle_pending(&mut self, index: usize) -> Result<()> {
+        match self.slots[index].pending.take() {
+            Some(done) => done.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// Tells the tracker the op starts and issues the plan's actions for
+    /// the boundary after it.
+    fn announce(&mut self, op: &Op) -> Result<()> {
+        self.position += 1;
+        self.actions.clear();
+        if let Follow::Plan(actions) = self.tracker.op(op.clone())? {
+            self.actions.extend_from_slice(actions);
+        }
+        self.issue_actions(false)
+    }
+
+    /// Tells the tracker the op starts, issues the plan's next actions,
+    /// and runs it.
+    fn run_op(&mut self, step_op: &StepOp, tokens: &[u32], update: &[AdamCoefficients; 2]) -> Result<()> {
+        self.announce(&step_op.op)?;
+        for access in &step_op.op.accesses {
+            self.settle_pending(access.tensor as usize)?;
+        }
+        let n = self.config.train.micro_batch * self.gpt.seq;
+        let batch = self.config.train.micro_batch;
+        let world = self.collective.world();
+        match step_op.work {
+            Work::EmbedForward { m } => {
+                self.gather(0)?;
+                split_tokens(tokens, m, batch, self.gpt.seq, &mut self.ws.inputs, &mut self.ws.targets);
+                let embed = &self.ws.gathered[..self.groups[0].params];
+                embed_forward(&self.gpt, embed, &self.ws.inputs, &mut self.ws.x);
+            }
+            Work::BlockForward { m, b } => {
+                self.gather(b + 1)?;
+                let ws = &mut self.ws;
+                let params = &ws.gathered[..self.groups[b + 1].params];
+                block_forward(&self.gpt, batch, params, &ws.x, &mut ws.acts, &mut ws.scratch, &mut ws.y);
+                std::mem::swap(&mut ws.x, &mut ws.y);
+                if self.config.train.checkpoint_activations {
+                    let input = ws.acts.input();
+                    ws.saved.copy_from_slice(input);
+                } else {
+                    ws.acts.save(&mut ws.saved);
+                }
+                let index = self.saved_index(m, b);
+                self.write_tensor(index, Tier::Device, Mode::Write, Kept::Saved)?;
+            }
+            Work::Head { .. } => {
+                self.gather(0)?;
+                let scale = self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
+                let embed_params = self.groups[0].params;
+                let ws = &mut self.ws;
+                ws.dembed.fill(0.0);
+                let loss = head_forward_backward(
+                    &self.gpt,
+                    &ws.gathered[..embed_params],
+                    &ws.x,
+                    &ws.targets,
+                    scale,
+                    &mut ws.head,
+                    &mut ws.dy,
+                    &mut ws.dembed[..embed_params],
+                );
+                self.loss_sum += f64::from(loss);
+            }
+            Work::BlockBackward { m, b } => {
+                self.gather(b + 1)?;
+                let index = self.saved_index(m, b);
+                let id = self.slots[index].id.expect("saved in forward");
+                read_f32(&self.runtime, id, Tier::Device, &mut self.ws.saved)?;
+                let ws = &mut self.ws;
+                let params = &ws.gathered[..self.groups[b + 1].params];
+                if self.config.train.checkpoint_activations {
+                    block_forward(&self.gpt, batch, params, &ws.saved, &mut ws.acts, &mut ws.scratch, &mut ws.y);
+                } else {
+                    ws.acts.load(&ws.saved);
+                }
+                let padded = self.groups[b + 1].padded(world);
+                ws.grad_full[..padded].fill(0.0);
+                block_backward(
+                    &self.gpt,
+                    batch,
+                    params,
+                    &ws.acts,
+                    &ws.dy,
+                    &mut ws.scratch,
+                    &mut ws.dx,
+                    &mut ws.grad_full[..self.groups[b + 1].params],
+                );
+                std::mem::swap(&mut ws.dx, &mut ws.dy);
+                self.reduce_gradient(b + 1, m)?;
+            }
+            Work::EmbedBackward { m } => {
+                let embed_params = self.groups[0].params;
+                let ws = &mut self.ws;
+                embed_backward(&self.gpt, &ws.inputs, &ws.dy, &mut ws.dembed[..embed_params]);
+                let padded = self.groups[0].padded(world);
+                ws.grad_full[..padded].copy_from_slice(&ws.dembed[..padded]);
+                self.reduce_gradient(0, m)?;
+            }
+            Work::Optimizer { g } => self.optimizer(step_op, g, update)?,
+            Work::Decide => unreachable!("decided by Engine::decide"),
+            Work::Commit => self.drain_worker()?,
+        }
+        debug_assert_eq!(n, self.ws.inputs.len());
+        self.issue_actions(true)
+    }
+
+    fn saved_index(&self, m: usize, b: usize) -> usize {
+        PER_GROUP * self.groups.len() + m * self.gpt.layers + b
+    }
+
+    /// All-gathers group `g`'s current bf16 shards into the workspace (as
+    /// f32: the values are bf16's).
+    fn gather(&mut self, g: usize) -> Result<()> {
+        let index = PER_GROUP * g + self.current;
+        let id = self.slots[index].id.expect("parameters are registered");
+        let n = self.groups[g].shard;
+        guard(&self.runtime, id, Tier::Device, Access::Read)?
+            .read_into(bytemuck::cast_slice_mut(&mut self.ws.shard16[..n]))?;
+        widen(self.isa, Values::Bf16(&self.ws.shard16[..n]), &mut self.ws.shard32[..n]);
+        let padded = self.groups[g].padded(self.collective.world());
+        self.collective
+            .all_gather(&self.ws.shard32[..n], &mut self.ws.gathered[..padded])
+    }
+
+    /// Reduce-scatters the full gradient in the workspace into group `g`'s
+    /// shard: written in micro-batch 0, added to after.
+    fn reduce_gradient(&mut self, g: usize, m: usize) -> Result<()> {
+        let n = self.groups[g].shard;
+        let padded = self.groups[g].padded(self.collective.world());
+        self.collective
+            .reduce_scatter(&self.ws.grad_full[..padded], &mut self.ws.shard32[..n])?;
+        let index = PER_GROUP * g + 4;
+        if m == 0 {
+            self.write_tensor(index, Tier::Device, Mode::Write, Kept::Shard(n))
+        } else {
+            let id = self.slots[index].id.expect("written in micro-batch 0");
+            let mut held = guard(&self.runtime, id, Tier::Device, Access::Write)?;
+            held.read_into(bytemuck::cast_slice_mut(&mut self.ws.accumulated[..n]))?;
+            for (sum, add) in self.ws.accumulated[..n].iter_mut().zip(&self.ws.shard32[..n]) {
+                *sum += add;
+            }
+            held.write_from(bytemuck::cast_slice(&self.ws.accumulated[..n]))
+        }
+    }
+
+    /// Writes a workspace buffer whole into a tensor on `tier`: over its
+    /// copy there when it has one, else into a fresh tensor (the old one,
+    /// stale, is freed).
+    fn write_tensor(&mut self, index: usize, tier: Tier, mode: Mode, kept: Kept) -> Result<()> {
+        debug_assert_eq!(mode, Mode::Write);
+        let id = self.writable(index, tier)?;
+        let data: &[u8] = match kept {
+            Kept::Saved => bytemuck::cast_slice(&self.ws.saved),
+            Kept::Shard(n) => bytemuck::cast_slice(&self.ws.shard32[..n]),
+        };
+        self.runtime.acquire(id, tier, Access::Write)?.write_from(data)
+    }
+
+    /// A tensor to overwrite whole on `tier`.
+    fn writable(&mut self, index: usize, tier: Tier) -> Result<TensorId> {
+        self.settle_pending(index)?;
+        if let Some(id) = self.slots[index].id {
+            if self.runtime.residency(id)?.contains(&tier) {
+                return Ok(id);
+            }
+            self.runtime.free(id)?;
+            self.slots[index].id = None;
+        }
+        let id = self.runtime.register(self.slots[index].meta.clone(), tier)?;
+        self.slots[index].id = Some(id);
+        Ok(id)
+    }
+
+    /// Starts (on the CPU thread) or runs (on the device) group `g`'s
+    /// optimizer step.
+    fn optimizer(&mut self, step_op: &StepOp, g: usize, update: &[AdamCoefficients; 2]) -> Result<()> {
+        let tier = match step_op.op.processor {
+            Processor::Gpu => Tier::Device,
+            Processor::Cpu => Tier::Host,
+        };
+        let (current, next) = (self.current, 1 - self.current);
+        let state_out = self.writable(PER_GROUP * g + 2 + next, tier)?;
+        let param_out = self.writable(PER_GROUP * g + next, tier)?;
+        let job = OptJob {
+            group: g,
+            tier,
+            grad: self.slots[PER_GROUP * g + 4].id.expect("gradient reduced"),
+            state_in: self.slots[PER_GROUP * g + 2 + current].id.expect("states registered"),
+            state_out,
+            param_out,
+            coefficients: *update,
+        };
+        match &mut self.worker {
+            Some(worker) => {
+                worker
+                    .jobs
+                    .as_ref()
+                    .expect("open while the engine lives")
+                    .send(job)
+                    .map_err(|_| RuntimeError::Stopped)?;
+                worker.outstanding += 1;
+            }
+            None => {
+                let sum_squares = run_optimizer(&self.runtime, self.isa, &self.groups, &mut self.inline, &job)?;
+                self.sum_squares[g] = self.sum_squares[g].max(sum_squares);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the CPU thread's outstanding updates.
+    fn drain_worker(&mut self) -> Result<()> {
+        let Some(worker) = &mut self.worker else {
+            return Ok(());
+        };
+        let mut first_error = None;
+        while worker.outstanding > 0 {
+            let (group, result) = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
+            worker.outstanding -= 1;
+            match result {
+                // A redone update sees the same gradients: keep the first sum.
+                Ok(sum_squares) => self.sum_squares[group] = self.sum_squares[group].max(sum_squares),
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// The barrier: every update is in, the global norm and the overflow
+    /// check decide what happens to them.
+    fn decide(&mut self, step_op: &StepOp, loss_scale: f32) -> Result<StepDecision> {
+        self.announce(&step_op.op)?;
+        self.drain_worker()?;
+        let mut sums = [self.sum_squares.iter().sum::<f64>(), self.loss_sum];
+        self.collective.all_reduce(&mut sums)?;
+        self.loss_sum = sums[1];
+        self.issue_actions(true)?;
+        let clip = self.config.train.clip_norm;
+        Ok(decide_step(
+            GradNorm {
+                sum_squares: sums[0],
+            },
+            loss_scale,
+            (clip > 0.0).then_some(clip),
+        ))
+    }
+
+    /// Writes a checkpoint of the state after the last step under `root`
+    /// (see [`checkpoint`](self) for the layout); every rank calls it
+    /// together. Returns the checkpoint's directory.
+    pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        let (rank, world) = (self.collective.rank(), self.collective.world());
+        let step = self.step;
+        let tmp = root.join(format!(".tmp-step{step}"));
+        let begun = if rank == 0 { checkpoint::begin(root, step).map(drop) } else { Ok(()) };
+        self.agree(begun)?;
+        let mut shard = Vec::with_capacity(3 * self.groups.len());
+        let mut weights = Vec::new();
+        for g in 0..self.groups.len() {
+            let n = self.groups[g].shard;
+            let mut state = vec![0.0f32; 3 * n];
+            self.read_state(g, &mut state)?;
+            let padded = self.groups[g].padded(world);
+            self.collective.all_gather(&state[..n], &mut self.ws.gathered[..padded])?;
+            if rank == 0 {
+                let mut at = 0;
+                for (name, shape) in checkpoint::part_names(&self.gpt, g) {
+                    let len: usize = shape.iter().product();
+                    weights.push((name, shape, self.ws.gathered[at..at + len].to_vec()));
+                    at += len;
+                }
+            }
+            let name = &self.groups[g].name;
+            shard.push((format!("{name}.master"), vec![n], state[..n].to_vec()));
+            shard.push((format!("{name}.exp_avg"), vec![n], state[n..2 * n].to_vec()));
+            shard.push((format!("{name}.exp_avg_sq"), vec![n], state[2 * n..].to_vec()));
+        }
+        let written = (|| {
+            let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
+            checkpoint::write_synced(&path, &checkpoint::safetensors_bytes(&path, &shard)?)?;
+            if rank == 0 {
+                let path = tmp.join("model.safetensors");
+                checkpoint::write_synced(&path, &checkpoint::safetensors_bytes(&path, &weights)?)?;
+            }
+            Ok(())
+        })();
+        self.agree(written)?;
+        let committed = if rank == 0 {
+            let meta = CheckpointMeta {
+                format: checkpoint::FORMAT,
+                step,
+                optimizer_steps: self.optimizer_steps,
+                ranks: world,
+                seed: self.config.train.seed,
+                model: self.config.model,
+                loss_scaler: self.scaler.state(),
+                files: Default::default(),
+            };
+            checkpoint::commit(root, &tmp, meta).map(drop)
+        } else {
+            Ok(())
+        };
+        self.agree(committed)?;
+        Ok(root.join(format!("step-{step:08}")))
+    }
+
+    /// Loads a checkpoint written by a run of the same model, ranks and
+    /// seed: the next step computes what the uninterrupted run's did.
+    pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        let meta = &checkpoint.meta;
+        let rank = self.collective.rank();
+        let path = checkpoint.dir.join(format!("optimizer-rank{rank}.safetensors"));
+        let mismatch = |what: &str, found: String, here: String| RuntimeError::Checkpoint {
+            path: checkpoint.dir.clone(),
+            problem: format!("it was written with {what} {found}, this run has {here}"),
+            fix: format!("resume with the {what} it was written with"),
+        };
+        if meta.model != self.config.model {
+            return Err(mismatch("[model]", format!("{:?}", meta.model), format!("{:?}", self.config.model)));
+        }
+        if meta.ranks != self.collective.world() {
+            return Err(mismatch("train.ranks", meta.ranks.to_string(), self.collective.world().to_string()));
+        }
+        if meta.seed != self.config.train.seed {
+            return Err(mismatch("train.seed", meta.seed.to_string(), self.config.train.seed.to_string()));
+        }
+        let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
+        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| RuntimeError::Checkpoint {
+            path: path.clone(),
+            problem: format!("not a safetensors file: {err}"),
+            fix: "resume from another checkpoint".into(),
+        })?;
+        for g in 0..self.groups.len() {
+            let (name, n) = (self.groups[g].name.clone(), self.groups[g].shard);
+            let master = checkpoint::read_tensor(&path, &file, &format!("{name}.master"), n)?;
+            let m = checkpoint::read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
+            let v = checkpoint::read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
+            self.load_group(g, &master, Some((&m, &v)))?;
+        }
+        self.scaler.restore(meta.loss_scaler)?;
+        self.step = meta.step;
+        self.optimizer_steps = meta.optimizer_steps;
+        Ok(())
+    }
+
+    /// Group `g`'s current master weights and moments, read where they
+    /// are and left at home.
+    fn read_state(&mut self, g: usize, out: &mut [f32]) -> Result<()> {
+        let index = PER_GROUP * g + 2 + self.current;
+        let id = self.slots[index].id.expect("states registered");
+        let home = self.slots[index].home.expect("states have a home");
+        let tier = if self.runtime.residency(id)?.contains(&Tier::Device) { Tier::Device } else { Tier::Host };
+        read_f32(&self.runtime, id, tier, out)?;
+        if home == Tier::Nvme {
+            self.runtime.move_to(id, Tier::Nvme)?.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's outcome of a part each did: this rank's error, or one
+    /// naming the rank that failed.
+    fn agree(&self, outcome: Result<()>) -> Result<()> {
+        let world = self.collective.world();
+        let rank = self.collective.rank();
+        let mut failed = vec![0.0f64; world.min(crate::collective::SCALARS_MAX)];
+        if outcome.is_err() {
+            let slot = rank.min(failed.len() - 1);
+            failed[slot] = 1.0;
+        }
+        self.collective.all_reduce(&mut failed)?;
+        outcome?;
+        match failed.iter().position(|&f| f > 0.0) {
+            Some(other) => Err(RuntimeError::Rank {
+                rank: other,
+                cause: "it could not write its part of the checkpoint".into(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends the step: waits for moves in flight, frees the step's own
+    /// tensors, puts every persistent one back home alone, closes the trace.
+    fn end_step(&mut self) -> Result<()> {
+        for index in 0..self.slots.len() {
+            self.settle_pending(index)?;
+        }
+        for index in 0..self.slots.len() {
+            let Some(id) = self.slots[index].id else {
+                continue;
+            };
+            match self.slots[index].home {
+                None => {
+                    self.runtime.free(id)?;
+                    self.slots[index].id = None;
+                }
+                Some(home) => {
+                    if !self.runtime.residency(id)?.contains(&home) {
+                        self.runtime.move_to(id, home)?.wait()?;
+                    }
+                    for tier in self.runtime.residency(id)? {
+                        if tier != home {
+                            self.runtime.release(id, tier)?;
+                        }
+                    }
+                }
+            }
+        }
+        self.tracker.end_step()?;
+        Ok(())
+    }
+}
+
+/// What a write takes from the workspace.
+#[derive(Clone, Copy)]
+enum Kept {
+    Saved,
+    Shard(usize),
+}
+
+/// Micro-batch `m`'s inputs and next-token targets out of the step's
+/// sequences of `seq + 1` tokens.
+fn split_tokens(tokens: &[u32], m: usize, batch: usize, seq: usize, inputs: &mut [u32], targets: &mut [u32]) {
+    let micro = &tokens[m * batch * (seq + 1)..(m + 1) * batch * (seq + 1)];
+    for (i, sequence) in micro.chunks_exact(seq + 1).enumerate() {
+        inputs[i * seq..(i + 1) * seq].copy_from_slice(&sequence[..seq]);
+        targets[i * seq..(i + 1) * seq].copy_from_slice(&sequence[1..]);
+    }
+}
+
+/// The parameter groups (embeddings, then each block) and this rank's
+/// shard of each.
+fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
+    let embed = EmbedLayout::new(gpt);
+    let block = BlockLayout::new(gpt.hidden);
+    let mut groups = Vec::with_capacity(gpt.layers + 1);
+    for g in 0..=gpt.layers {
+        let (name, params) = match g {
+            0 => ("embed".to_string(), embed.total),
+            _ => (format!("block{}", g - 1), block.total),
+        };
+        let shard = params.div_ceil(world);
+        let begin = rank * shard;
+        let decays = |i: usize| i < params && if g == 0 { embed.is_matrix(i) } else { block.is_matrix(i) };
+        let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+        for i in 0..shard {
+            let d = decays(begin + i);
+            match runs.last_mut() {
+                Some((range, last)) if *last == d => range.end = i + 1,
+                _ => runs.push((i..i + 1, d)),
+            }
+        }
+        groups.push(Group {
+            name,
+            params,
+            shard,
+            runs,
+        });
+    }
+    groups
+}
+
+/// The trace's tensors: per group two parameter sets, two state sets and
+/// the gradient; then what each block keeps for its backward, per
+/// micro-batch.
+fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) -> Vec<Slot> {
+    let params_home = config.placement.params.tier();
+    let states_home = config.placement.optimizer.tier();
+    let slot = |name: String, kind, dtype, elements: usize, home| Slot {
+        meta: TensorMeta::new(name, kind, dtype, &[elements as u64]),
+        home,
+        id: None,
+        pending: None,
+    };
+    let mut slots = Vec::new();
+    for group in groups {
+        let n = group.shard;
+        for set in 0..2 {
+            slots.push(slot(format!("{}.param{set}", group.name), TensorKind::Param, Dtype::Bf16, n, Some(params_home)));
+        }
+        for set in 0..2 {
+            slots.push(slot(format!("{}.optim{set}", group.name), TensorKind::OptimizerState, Dtype::F32, 3 * n, Some(states_home)));
+        }
+        slots.push(slot(format!("{}.grad", group.name), TensorKind::Grad, Dtype::F32, n, None));
+    }
+    let saved = if config.train.checkpoint_activations {
+        batch * gpt.seq * gpt.hidden
+    } else {
+        BlockActivations::new(gpt, batch).floats()
+    };
+    for m in 0..config.train.grad_accumulation {
+        for b in 0..gpt.layers {
+            slots.push(slot(format!("block{b}.saved.mb{m}"), TensorKind::Activation, Dtype::F32, saved, None));
+        }
+    }
+    slots
+}
+
+/// GPT-2's initialization of group `g`, the same whatever the ranks: normal
+/// (0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers),
+/// LayerNorm scales 1, biases 0.
+fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
+    let mut rng = SplitMix(seed ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let h = gpt.hidden;
+    if g == 0 {
+        let layout = EmbedLayout::new(gpt);
+        let matrices = gpt.vocab * h + gpt.seq * h;
+        for x in &mut out[..matrices] {
+            *x = 0.02 * rng.normal();
+        }
+        out[matrices..matrices + h].fill(1.0);
+        out[matrices + h..layout.total].fill(0.0);
+        return;
+    }
+    let layout = BlockLayout::new(h);
+    let residual = 0.02 / (2.0 * gpt.layers as f32).sqrt();
+    // Parts in layout order: ln1 (g, b), qkv (w, b), proj (w, b), ln2 (g,
+    // b), fc1 (w, b), fc2 (w, b).
+    let sizes = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h];
+    let mut at = 0;
+    for (part, size) in sizes.iter().enumerate() {
+        let piece = &mut out[at..at + size];
+        match part {
+            0 | 6 => piece.fill(1.0),
+            2 | 8 => piece.iter_mut().for_each(|x| *x = 0.02 * rng.normal()),
+            4 | 10 => piece.iter_mut().for_each(|x| *x = residual * rng.normal()),
+            _ => piece.fill(0.0),
+        }
+        at += size;
+    }
+    debug_assert_eq!(at, layout.total);
+}
+
+/// SplitMix64 with Box-Muller normals: a seeded, portable stream.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f32 {
+        let (u, v) = (self.uniform(), self.uniform());
+        ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+    }
+}
+
+fn links() -> sched::Links {
+    let copy = sched::Link {
+        bytes_per_s: COPY_BYTES_PER_S,
+        latency_ns: 10_000,
+    };
+    let nvme = sched::Link {
+        bytes_per_s: NVME_BYTES_PER_S,
+        latency_ns: 100_000,
+    };
+    sched::Links {
+        host_to_device: copy,
+        device_to_host: copy,
+        nvme_read: nvme,
+        nvme_write: nvme,
+        nvme_duplex: false,
+    }
+}
+
+fn class_of(kind: TensorKind) -> TensorClass {
+    match kind {
+        TensorKind::Param => TensorClass::Param,
+        TensorKind::Grad => TensorClass::Grad,
+        TensorKind::OptimizerState => TensorClass::OptimizerState,
+        TensorKind::Activation => TensorClass::Activation,
+    }
+}
+
+fn sched_tier(tier: Tier) -> sched::Tier {
+    sched::Tier::ALL[tier.index()]
+}
+
+fn runtime_tier(tier: sched::Tier) -> Tier {
+    Tier::ALL[tier.index()]
+}

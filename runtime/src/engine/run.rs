@@ -1,0 +1,245 @@
+//! A whole run: one [`Engine`] per data-parallel rank, each on its own
+//! thread over an in-process collective, stepping together; checkpoints
+//! on schedule; a summary of losses, speed and memory per tier against the
+//! plans' prediction.
+
+use std::path::PathBuf;
+use std::sync::mpsc::channel;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::{ByteCorpus, Checkpoint, Engine, StepReport, TrainConfig};
+use crate::collective::{Collective, InProcess};
+use crate::error::{Result, RuntimeError};
+use crate::stats::Stats;
+use crate::tier::Tier;
+
+/// What a run does besides training.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Stop after this step (default: `train.steps`).
+    pub stop_after: Option<u64>,
+    /// Resume from this checkpoint (a `step-*` directory or a checkpoint
+    /// root with `latest`).
+    pub resume: Option<PathBuf>,
+    /// Where rank 0's Chrome/Perfetto trace goes.
+    pub trace: Option<PathBuf>,
+}
+
+/// Bytes per tier, by name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TierBytes {
+    /// Device memory (the runtime's tier plus the compute workspace).
+    pub device: u64,
+    /// Pinned host memory.
+    pub host: u64,
+    /// The NVMe swap store.
+    pub nvme: u64,
+}
+
+impl TierBytes {
+    fn from_array(bytes: [u64; 3]) -> TierBytes {
+        TierBytes {
+            device: bytes[0],
+            host: bytes[1],
+            nvme: bytes[2],
+        }
+    }
+
+    /// In [`Tier::ALL`] order.
+    pub fn as_array(&self) -> [u64; 3] {
+        [self.device, self.host, self.nvme]
+    }
+}
+
+/// The outcome of a run (memory figures are rank 0's; every rank's are
+/// the same shape).
+#[derive(Clone, Debug, Serialize)]
+pub struct RunSummary {
+    /// Steps run in this invocation.
+    pub steps: u64,
+    /// The first step's loss in this invocation.
+    pub loss_first: f64,
+    /// The last step's loss.
+    pub loss_last: f64,
+    /// Tokens per second over all ranks, excluding the first step (which
+    /// also warms caches) when there is more than one.
+    pub tokens_per_s: f64,
+    /// Model-state bytes of one rank (bf16 params, fp32 grads, master
+    /// weights and moments: 18 bytes per parameter of its shard).
+    pub model_state_bytes: u64,
+    /// Each tier's budget.
+    pub budget_bytes: TierBytes,
+    /// The most each tier held.
+    pub peak_bytes: TierBytes,
+    /// What the plans predicted.
+    pub predicted_peak_bytes: TierBytes,
+    /// The compute workspace held in device memory.
+    pub workspace_bytes: u64,
+    /// Bytes moved per link (host->device, device->host, nvme->host,
+    /// host->nvme), rank 0.
+    pub moved_bytes: [u64; 4],
+    /// Time rank 0 waited on transfers.
+    pub wait_s: f64,
+    /// Every step's report (rank 0; values are global).
+    #[serde(skip)]
+    pub reports: Vec<StepReport>,
+    /// Checkpoints written.
+    #[serde(skip)]
+    pub checkpoints: Vec<PathBuf>,
+}
+
+/// What a rank sends the caller after each step.
+pub struct Progress<'a> {
+    /// The step's report.
+    pub report: &'a StepReport,
+    /// Rank 0's runtime accounting after it.
+    pub stats: &'a Stats,
+}
+
+/// Runs `config` on `corpus`, calling `progress` after every step.
+pub fn run(
+    config: &TrainConfig,
+    corpus: &ByteCorpus,
+    options: &RunOptions,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<RunSummary> {
+    config.validate()?;
+    let world = config.train.ranks;
+    let padded_max = (config.model.gpt().block_params().max(config.model.gpt().embed_params())).div_ceil(world) * world;
+    let resume = match &options.resume {
+        Some(path) => Some(Checkpoint::open(path)?),
+        None => None,
+    };
+    let collectives = InProcess::group(world, padded_max);
+    let (sender, receiver) = channel::<(StepReport, Stats)>();
+    let stop = options.stop_after.unwrap_or(config.train.steps).min(config.train.steps);
+    std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(world);
+        for collective in collectives {
+            let sender = sender.clone();
+            let resume = resume.clone();
+            let trace = options.trace.clone();
+            handles.push(
+                std::thread::Builder::new()
+                    .name(format!("strata-rank-{}", collective.rank()))
+                    .spawn_scoped(scope, move || rank_main(config, corpus, collective, resume, trace, stop, sender))
+                    .map_err(|err| RuntimeError::Config {
+                        key: "train.ranks",
+                        value: world.to_string(),
+                        fix: format!("could not start a rank thread ({err}): use fewer"),
+                    }),
+            );
+        }
+        drop(sender);
+        for (report, stats) in receiver {
+            progress(Progress {
+                report: &report,
+                stats: &stats,
+            });
+        }
+        let mut summary = None;
+        let mut first_error = None;
+        for (rank, handle) in handles.into_iter().enumerate() {
+            let outcome = match handle {
+                Ok(handle) => handle.join().unwrap_or_else(|_| {
+                    Err(RuntimeError::Rank {
+                        rank,
+                        cause: "it panicked".into(),
+                    })
+                }),
+                Err(err) => Err(err),
+            };
+            match outcome {
+                Ok(Some(done)) => summary = Some(done),
+                Ok(None) => {}
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(summary.expect("rank 0 reports")),
+        }
+    })
+}
+
+fn rank_main(
+    config: &TrainConfig,
+    corpus: &ByteCorpus,
+    collective: InProcess,
+    resume: Option<Checkpoint>,
+    trace: Option<PathBuf>,
+    stop: u64,
+    sender: std::sync::mpsc::Sender<(StepReport, Stats)>,
+) -> Result<Option<RunSummary>> {
+    let rank = collective.rank();
+    let world = collective.world();
+    let mut engine = Engine::new(config, Box::new(collective))?;
+    if let Some(checkpoint) = &resume {
+        engine.resume(checkpoint)?;
+    }
+    let t = &config.train;
+    let mut tokens = vec![0u32; engine.tokens_per_step()];
+    let mut reports = Vec::new();
+    let mut checkpoints = Vec::new();
+    let mut timed = (0.0f64, 0u64);
+    while engine.steps_done() < stop {
+        let step = engine.steps_done() + 1;
+        corpus.step_tokens(t.seed, step, rank, world, t.grad_accumulation, t.micro_batch, config.model.seq, &mut tokens);
+        let started = Instant::now();
+        let report = engine.step(&tokens)?;
+        if !reports.is_empty() || stop == engine.steps_done() {
+            timed.0 += started.elapsed().as_secs_f64();
+            timed.1 += report.tokens;
+        }
+        if let Some(dir) = &t.checkpoint_dir {
+            let due = t.checkpoint_every > 0 && step % t.checkpoint_every == 0;
+            if due || step == stop {
+                checkpoints.push(engine.save_checkpoint(dir)?);
+            }
+        }
+        if rank == 0 {
+            let _ = sender.send((report.clone(), engine.runtime().stats()));
+        }
+        reports.push(report);
+    }
+    if rank != 0 {
+        return Ok(None);
+    }
+    if let Some(path) = trace {
+        let mut file = std::fs::File::create(&path).map_err(|err| RuntimeError::Config {
+            key: "--trace",
+            value: path.display().to_string(),
+            fix: format!("cannot create it ({err}): choose a writable path"),
+        })?;
+        engine.runtime().write_trace(&mut file).map_err(|err| RuntimeError::Config {
+            key: "--trace",
+            value: path.display().to_string(),
+            fix: format!("cannot write it ({err})"),
+        })?;
+    }
+    let stats = engine.runtime().stats();
+    let prediction = engine.prediction();
+    let mut peak = [0, 1, 2].map(|i| stats.tiers[i].peak_bytes);
+    peak[Tier::Device.index()] += prediction.workspace_bytes;
+    let mut budget = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
+    budget[Tier::Device.index()] += prediction.workspace_bytes;
+    Ok(Some(RunSummary {
+        steps: reports.len() as u64,
+        loss_first: reports.first().map_or(f64::NAN, |r| r.loss),
+        loss_last: reports.last().map_or(f64::NAN, |r| r.loss),
+        tokens_per_s: if timed.0 > 0.0 { timed.1 as f64 / timed.0 } else { 0.0 },
+        model_state_bytes: engine.model_state_bytes(),
+        budget_bytes: TierBytes::from_array(budget),
+        peak_bytes: TierBytes::from_array(peak),
+        predicted_peak_bytes: TierBytes::from_array(prediction.peak_bytes),
+        workspace_bytes: prediction.workspace_bytes,
+        moved_bytes: [0, 1, 2, 3].map(|i| stats.links[i].bytes),
+        wait_s: stats.wait_ns as f64 / 1e9,
+        reports,
+        checkpoints,
+    }))
+}
