@@ -560,6 +560,23 @@ impl Runtime {
         stats
     }
 
+    /// Bytes a tensor of `len_bytes` takes in each tier, as the accounting
+    /// counts them: device memory rounded to its alignment, whole host
+    /// buffers, whole aligned NVMe extents (one per chunk).
+    pub fn footprint_bytes(&self, len_bytes: u64) -> [u64; 3] {
+        let mut chunks = Vec::new();
+        self.shared.pool.plan(len_bytes, &mut chunks);
+        let host = chunks
+            .iter()
+            .map(|c| self.shared.pool.buffer_bytes(c.class))
+            .sum();
+        let nvme = self.shared.store.as_ref().map_or(0, |store| {
+            let align = store.align_bytes();
+            chunks.iter().map(|c| round_up(c.len_bytes, align)).sum()
+        });
+        [round_up(len_bytes, DEVICE_ALIGN_BYTES), host, nvme]
+    }
+
     /// Free bytes per tier now (device: the arena allocator's view; host:
     /// free buffers; nvme: the store's free bytes).
     pub fn free_bytes(&self, tier: Tier) -> u64 {

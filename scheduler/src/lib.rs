@@ -31,7 +31,7 @@ pub use error::SchedulerError;
 pub use model::{Hardware, Model, Parallelism, deepspeed_zero3_estimate};
 pub use plan::{
     Action, ActionKind, ClassRule, Eviction, Lane, Link, Links, Plan, PlanConfig, Policy, plan,
-    verify,
+    replay_peak_bytes, verify,
 };
 pub use sim::{SimConfig, SimReport, TimelinePoint, simulate};
 pub use step::{Follow, PlanCache, StepTracker};

@@ -1071,6 +1071,26 @@ fn next_toward(from: Tier, target: Tier) -> Tier {
 /// whose tensor is not on its tier, a transfer from a missing copy, a last
 /// copy dropped, or a tensor not back home at the end.
 pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(), String> {
+    replay(trace, plan, capacity_bytes, &|t, _| trace.tensors[t].bytes).map(drop)
+}
+
+/// The most bytes `plan` keeps on each tier when tensor `t` takes
+/// `footprint(t, tier)` bytes there (whole buffers and extents rather
+/// than the one size the planner used), or what is wrong with the plan.
+pub fn replay_peak_bytes(
+    trace: &Trace,
+    plan: &Plan,
+    footprint: &dyn Fn(usize, Tier) -> u64,
+) -> Result<[u64; 3], String> {
+    replay(trace, plan, &[u64::MAX; 3], footprint)
+}
+
+fn replay(
+    trace: &Trace,
+    plan: &Plan,
+    capacity_bytes: &[u64; 3],
+    footprint: &dyn Fn(usize, Tier) -> u64,
+) -> Result<[u64; 3], String> {
     let n = trace.ops.len();
     if plan.boundary_start.len() != n + 2 {
         return Err(format!(
@@ -1086,14 +1106,15 @@ pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(
     let mut used = [0u64; 3];
     for (t, spec) in trace.tensors.iter().enumerate() {
         if let Some(home) = spec.home {
-            used[home.index()] += trace.tensors[t].bytes;
+            used[home.index()] += footprint(t, home);
         }
     }
+    let mut peak = used;
     let uses = trace.uses();
     for k in 0..=n {
         for action in plan.actions_at(k) {
             let t = action.tensor as usize;
-            let bytes = trace.tensors[t].bytes;
+            let bytes = |tier: Tier| footprint(t, tier);
             let has = |copies: &[u8], tier: Tier| copies[t] & tier.bit() != 0;
             match action.kind {
                 ActionKind::Fetch { from, to } | ActionKind::Evict { from, to } => {
@@ -1107,10 +1128,10 @@ pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(
                         ));
                     }
                     copies[t] |= to.bit();
-                    used[to.index()] += bytes;
+                    used[to.index()] += bytes(to);
                     if let ActionKind::Evict { .. } = action.kind {
                         copies[t] &= !from.bit();
-                        used[from.index()] -= bytes;
+                        used[from.index()] -= bytes(from);
                     }
                 }
                 ActionKind::Drop { tier } => {
@@ -1126,7 +1147,7 @@ pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(
                         ));
                     }
                     copies[t] &= !tier.bit();
-                    used[tier.index()] -= bytes;
+                    used[tier.index()] -= bytes(tier);
                 }
                 ActionKind::Alloc { tier } => {
                     if has(&copies, tier) {
@@ -1136,10 +1157,11 @@ pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(
                         ));
                     }
                     copies[t] |= tier.bit();
-                    used[tier.index()] += bytes;
+                    used[tier.index()] += bytes(tier);
                 }
             }
             for tier in Tier::ALL {
+                peak[tier.index()] = peak[tier.index()].max(used[tier.index()]);
                 if used[tier.index()] > capacity_bytes[tier.index()] {
                     return Err(format!(
                         "boundary {k}: {tier} holds {} bytes, over its {}",
@@ -1164,7 +1186,7 @@ pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(
                     .into_iter()
                     .filter(|&o| o != tier && copies[t] & o.bit() != 0)
                 {
-                    used[other.index()] -= trace.tensors[t].bytes;
+                    used[other.index()] -= footprint(t, other);
                 }
                 copies[t] = tier.bit();
             }
@@ -1179,5 +1201,5 @@ pub fn verify(trace: &Trace, plan: &Plan, capacity_bytes: &[u64; 3]) -> Result<(
             ));
         }
     }
-    Ok(())
+    Ok(peak)
 }

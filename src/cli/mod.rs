@@ -6,6 +6,7 @@ mod nvme;
 mod plan;
 mod swap;
 mod tiers;
+mod train;
 
 use std::io::IsTerminal;
 
@@ -32,6 +33,10 @@ enum Command {
     /// Will a run fit, how is its memory spread over the tiers, how fast
     /// will it step and what limits it (planned and simulated).
     Plan(Box<plan::PlanArgs>),
+    /// Train a GPT-2-style model with its states tiered across device,
+    /// host and NVMe, ZeRO-3 sharded over ranks (no arguments: a small
+    /// model on a bundled text).
+    Train(Box<train::TrainArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -58,6 +63,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(Bench::Adam(args)) => adam::run(args),
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
         Command::Plan(args) => plan::run(*args),
+        Command::Train(args) => train::run(*args),
     }
 }
 

@@ -13,6 +13,8 @@ use crate::error::{Result, RuntimeError};
 use crate::gpt::GptConfig;
 use crate::tier::Tier;
 
+/// The host buffer size when the config sets no classes.
+pub const HOST_BUFFER_BYTES: u64 = 256 << 10;
 /// Most data-parallel ranks (threads of one process).
 pub const RANKS_MAX: usize = 64;
 /// Most micro-batches accumulated into one step.
@@ -227,7 +229,8 @@ pub struct TrainConfig {
     /// Each rank's device; its budget holds the compute workspace and the
     /// tensors the plan puts there.
     pub device: DeviceConfig,
-    /// Each rank's pinned host pool.
+    /// Each rank's pinned host pool (without `classes`: all in 256 KiB
+    /// buffers).
     pub host: HostConfig,
     /// Each rank's NVMe tier (a subdirectory per rank); absent: none.
     pub nvme: Option<StorageConfig>,
@@ -244,10 +247,10 @@ impl Default for TrainConfig {
             device: DeviceConfig {
                 kind: DeviceChoice::Cpu,
                 ordinal: 0,
-                budget: ByteSize(8 << 20),
+                budget: ByteSize(24 << 20),
             },
             host: HostConfig {
-                budget: ByteSize(16 << 20),
+                budget: ByteSize(32 << 20),
                 classes: Vec::new(),
                 require_locked: false,
             },
@@ -348,12 +351,22 @@ impl TrainConfig {
             nvme.dirs = nvme.dirs.iter().map(|d| d.join(format!("rank{rank}"))).collect();
             nvme
         });
+        let mut host = self.host.clone();
+        if host.classes.is_empty() {
+            // Shards are megabytes, not powers of two: one class of 256 KiB
+            // buffers (also the NVMe request size) wastes at most that per
+            // tensor, where size classes would run one class dry.
+            host.classes = vec![crate::config::ClassConfig {
+                buffer_size: ByteSize(HOST_BUFFER_BYTES),
+                bytes: ByteSize(host.budget.0 / HOST_BUFFER_BYTES * HOST_BUFFER_BYTES),
+            }];
+        }
         Ok(RuntimeConfig {
             device: DeviceConfig {
                 budget: ByteSize(device_budget - workspace_bytes),
                 ..self.device.clone()
             },
-            host: self.host.clone(),
+            host,
             nvme,
             runtime: self.runtime.clone(),
         })

@@ -137,7 +137,6 @@ struct Workspace {
     gathered: Vec<f32>,
     shard16: Vec<bf16>,
     shard32: Vec<f32>,
-    accumulated: Vec<f32>,
     grad_full: Vec<f32>,
     dembed: Vec<f32>,
     acts: BlockActivations,
@@ -161,7 +160,6 @@ impl Workspace {
             gathered: vec![0.0; padded_max],
             shard16: vec![bf16::ZERO; shard_max],
             shard32: vec![0.0; shard_max],
-            accumulated: vec![0.0; shard_max],
             grad_full: vec![0.0; padded_max],
             dembed: vec![0.0; embed_padded],
             acts,
@@ -186,7 +184,7 @@ impl Workspace {
         let scratch = 4 * s * d + s * s + 3 * s * d + n * h * 4 + n * 3 * h + n * 8 * h;
         let head = n * h * 2 + 2 * n + 2 * n * gpt.vocab;
         let saved = if checkpoint { stream } else { acts };
-        let floats = 2 * padded_max + 3 * shard_max + embed_padded + acts + scratch + head + saved + 4 * stream + 2 * n;
+        let floats = 2 * padded_max + 2 * shard_max + embed_padded + acts + scratch + head + saved + 4 * stream + 2 * n;
         4 * floats as u64 - 2 * shard_max as u64
     }
 }
@@ -408,13 +406,8 @@ impl Engine {
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
         let mut tracker = StepTracker::new(plan_config, tensors, 4 * tensors + 16, PLANS_MAX);
         let slots = slots(config, &gpt, &groups, batch);
-        for slot in &slots {
-            tracker.tensor(sched::TensorSpec {
-                name: slot.meta.name.clone(),
-                bytes: slot.meta.len_bytes(),
-                class: class_of(slot.meta.kind),
-                home: slot.home.map(sched_tier),
-            })?;
+        for spec in specs(&runtime, &slots) {
+            tracker.tensor(spec)?;
         }
         let mut engine = Engine {
             config: config.clone(),
@@ -467,11 +460,16 @@ impl Engine {
         for current in [0, 1] {
             for redo in [0, 1] {
                 let trace = sched::Trace {
-                    tensors: engine.specs(),
+                    tensors: specs(&engine.runtime, &engine.slots),
                     ops: engine.shapes[current][redo].iter().map(|s| s.op.clone()).collect(),
                 };
                 let plan = engine.tracker.prime(&trace)?;
-                for (p, planned) in peak.iter_mut().zip(plan.peak_bytes) {
+                let footprint = |t: usize, tier: sched::Tier| {
+                    engine.runtime.footprint_bytes(engine.slots[t].meta.len_bytes())[tier.index()]
+                };
+                let replayed = sched::replay_peak_bytes(&trace, plan, &footprint)
+                    .expect("the planner's plans replay");
+                for (p, planned) in peak.iter_mut().zip(replayed) {
                     *p = (*p).max(planned);
                 }
             }
@@ -485,17 +483,6 @@ impl Engine {
         Ok(engine)
     }
 
-    fn specs(&self) -> Vec<sched::TensorSpec> {
-        self.slots
-            .iter()
-            .map(|slot| sched::TensorSpec {
-                name: slot.meta.name.clone(),
-                bytes: slot.meta.len_bytes(),
-                class: class_of(slot.meta.kind),
-                home: slot.home.map(sched_tier),
-            })
-            .collect()
-    }
 
     /// The runtime of this rank (stats, trace).
     pub fn runtime(&self) -> &Runtime {
@@ -820,6 +807,14 @@ impl Engine {
             }
             ActionKind::Alloc { .. } => Ok(()),
         };
+        tracing::trace!(
+            "step {} op {}: {:?} {} -> {:?}",
+            self.step,
+            self.position,
+            action.kind,
+            self.slots[index].meta.name,
+            outcome.as_ref().err()
+        );
         match outcome {
             Ok(()) => Ok(()),
             Err(
@@ -973,11 +968,13 @@ impl Engine {
         } else {
             let id = self.slots[index].id.expect("written in micro-batch 0");
             let mut held = guard(&self.runtime, id, Tier::Device, Access::Write)?;
-            held.read_into(bytemuck::cast_slice_mut(&mut self.ws.accumulated[..n]))?;
-            for (sum, add) in self.ws.accumulated[..n].iter_mut().zip(&self.ws.shard32[..n]) {
+            // The full gradient is reduced: its buffer holds the sum now.
+            let sum = &mut self.ws.grad_full[..n];
+            held.read_into(bytemuck::cast_slice_mut(sum))?;
+            for (sum, add) in sum.iter_mut().zip(&self.ws.shard32[..n]) {
                 *sum += add;
             }
-            held.write_from(bytemuck::cast_slice(&self.ws.accumulated[..n]))
+            held.write_from(bytemuck::cast_slice(sum))
         }
     }
 
@@ -1409,6 +1406,24 @@ fn links() -> sched::Links {
         nvme_write: nvme,
         nvme_duplex: false,
     }
+}
+
+/// The planner's view of the tensors: each as large as the most it takes
+/// in any tier (buffers and extents are whole).
+fn specs(runtime: &Runtime, slots: &[Slot]) -> Vec<sched::TensorSpec> {
+    slots
+        .iter()
+        .map(|slot| sched::TensorSpec {
+            name: slot.meta.name.clone(),
+            bytes: runtime
+                .footprint_bytes(slot.meta.len_bytes())
+                .into_iter()
+                .max()
+                .expect("three tiers"),
+            class: class_of(slot.meta.kind),
+            home: slot.home.map(sched_tier),
+        })
+        .collect()
 }
 
 fn class_of(kind: TensorKind) -> TensorClass {
