@@ -646,3 +646,114 @@ fn plan_bad_options_are_named() {
     let unknown = strata(&["plan", "--params", "1T", "--offload-paramz", "nvme"]);
     assert!(stderr_of_failure(&unknown, "--offload-paramz").contains("--offload-param"));
 }
+
+fn strata_in(dir: &std::path::Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .current_dir(dir)
+        .env("STRATA_LOG", "warn")
+        .output()
+        .expect("strata runs")
+}
+
+fn last_json_line(output: &Output) -> serde_json::Value {
+    let text = stdout_text(output);
+    serde_json::from_str(text.lines().last().expect("output")).expect("last line is JSON")
+}
+
+#[test]
+fn train_default_json_contract_tiny() {
+    let dir = tempdir();
+    let output = strata_in(dir.path(), &["train", "--steps", "4", "--json"]);
+    let summary = last_json_line(&output);
+    for key in [
+        "steps",
+        "loss_first",
+        "loss_last",
+        "tokens_per_s",
+        "model_state_bytes",
+    ] {
+        assert!(summary[key].is_number(), "{key} in {summary}");
+    }
+    for key in ["budget_bytes", "peak_bytes", "predicted_peak_bytes"] {
+        for tier in ["device", "host", "nvme"] {
+            assert!(summary[key][tier].is_u64(), "{key}.{tier} in {summary}");
+        }
+    }
+    assert_eq!(summary["steps"], 4);
+    assert!(
+        summary["loss_last"].as_f64() < summary["loss_first"].as_f64(),
+        "{summary}"
+    );
+    assert!(
+        dir.path().join("strata-train-swap/rank0").is_dir(),
+        "swaps under the current directory"
+    );
+    let text = stdout_text(&output);
+    assert!(text.contains("peak memory per tier"), "{text}");
+}
+
+#[test]
+fn train_bad_configs_are_named_before_training() {
+    let dir = tempdir();
+    let config = dir.path().join("bad.toml");
+    std::fs::write(&config, "[placement]\nparms = \"nvme\"\n").unwrap();
+    let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
+    let stderr = stderr_of_failure(&output, "unknown key");
+    assert!(stderr.contains("parms"), "{stderr}");
+    std::fs::write(
+        &config,
+        "[placement]\nparams = \"device\"\noptimizer = \"device\"\n[device]\nbudget = \"20MiB\"\n",
+    )
+    .unwrap();
+    let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
+    let stderr = stderr_of_failure(&output, "a placement that cannot fit");
+    assert!(
+        stderr.contains("does not fit") && stderr.contains("bytes"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn train_killed_during_checkpoints_resumes_from_the_last_whole_one() {
+    let dir = tempdir();
+    let config = dir.path().join("ckpt.toml");
+    std::fs::write(
+        &config,
+        "[model]\nseq = 32\nhidden = 64\nlayers = 2\n[train]\nsteps = 60\nmicro_batch = 4\ncheckpoint_every = 1\ncheckpoint_dir = \"ckpt\"\n[device]\nbudget = \"8MiB\"\n",
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .current_dir(dir.path())
+        .env("STRATA_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let latest = dir.path().join("ckpt/latest");
+    let started = std::time::Instant::now();
+    while !latest.exists() && started.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Checkpoints are written every step, so a kill lands in one often.
+    std::thread::sleep(std::time::Duration::from_millis(37));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let output = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--resume",
+            "ckpt",
+            "--json",
+        ],
+    );
+    let summary = last_json_line(&output);
+    assert!(
+        summary["steps"].as_u64().unwrap() < 60,
+        "resumed part-way: {summary}"
+    );
+}

@@ -100,7 +100,10 @@ impl LossScaler {
 
     /// Restores [`LossScaler::state`] from a checkpoint onto a scaler made
     /// from the same settings.
-    pub fn restore(&mut self, (scale, clean_steps, overflows_left): (f32, u32, u32)) -> Result<(), OptimError> {
+    pub fn restore(
+        &mut self,
+        (scale, clean_steps, overflows_left): (f32, u32, u32),
+    ) -> Result<(), OptimError> {
         check("scale", scale.into(), scale > 0.0, "finite and > 0")?;
         check(
             "clean_steps",

@@ -5,7 +5,8 @@ use strata_runtime::engine::{ByteCorpus, Placement, RunOptions, TrainConfig, run
 use strata_storage::ByteSize;
 
 fn corpus(seq: usize) -> ByteCorpus {
-    let text = "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. ".repeat(200);
+    let text =
+        "the quick brown fox jumps over the lazy dog. a stitch in time saves nine. ".repeat(200);
     ByteCorpus::new(text.into_bytes(), seq).unwrap()
 }
 
@@ -31,7 +32,12 @@ fn loss_falls_with_states_on_nvme() {
     let config = tiny(dir.path());
     let summary = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
     assert_eq!(summary.steps, 20);
-    assert!(summary.loss_last < summary.loss_first - 0.5, "{} -> {}", summary.loss_first, summary.loss_last);
+    assert!(
+        summary.loss_last < summary.loss_first - 0.5,
+        "{} -> {}",
+        summary.loss_first,
+        summary.loss_last
+    );
     eprintln!("{}", serde_json::to_string(&summary).unwrap());
 }
 
@@ -47,7 +53,102 @@ fn two_ranks_match_one_rank_with_the_same_global_batch() {
     let b = run(&two, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
     for (x, y) in a.reports.iter().zip(&b.reports) {
         let relative = (x.loss - y.loss).abs() / x.loss.abs();
-        eprintln!("step {} loss {} vs {} rel {relative:e}", x.step, x.loss, y.loss);
-        assert!(relative <= 1e-5, "step {}: {} vs {}", x.step, x.loss, y.loss);
+        eprintln!(
+            "step {} loss {} vs {} rel {relative:e}",
+            x.step, x.loss, y.loss
+        );
+        assert!(
+            relative <= 1e-5,
+            "step {}: {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
     }
+}
+
+#[test]
+fn resume_is_bit_identical_and_a_killed_checkpoint_write_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 6;
+    let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    config.train.checkpoint_every = 1;
+    let first = RunOptions {
+        stop_after: Some(3),
+        ..RunOptions::default()
+    };
+    let head = run(&config, &corpus(16), &first, &mut |_| {}).unwrap();
+    assert_eq!(head.checkpoints.len(), 3);
+    // A write of step 4 killed halfway: a temporary directory with a torn
+    // file, never renamed, `latest` untouched.
+    let torn = checkpoints.join(".tmp-step4");
+    std::fs::create_dir(&torn).unwrap();
+    std::fs::write(torn.join("optimizer-rank0.safetensors"), b"torn").unwrap();
+    let opened = strata_runtime::engine::Checkpoint::open(&checkpoints).unwrap();
+    assert_eq!(
+        opened.meta.step, 3,
+        "latest still names the last whole checkpoint"
+    );
+
+    config.train.checkpoint_dir = None;
+    let rest = RunOptions {
+        resume: Some(checkpoints.clone()),
+        ..RunOptions::default()
+    };
+    let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
+    let resumed: Vec<u64> = head
+        .losses
+        .iter()
+        .chain(&tail.losses)
+        .map(|l| l.to_bits())
+        .collect();
+    let uninterrupted: Vec<u64> = whole.losses.iter().map(|l| l.to_bits()).collect();
+    assert_eq!(
+        resumed, uninterrupted,
+        "{:?} vs {:?}",
+        head.losses, whole.losses
+    );
+
+    // A corrupt file is refused by name, not trained on.
+    let step3 = checkpoints.join("step-00000003");
+    let file = step3.join("optimizer-rank0.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let err = run(
+        &config,
+        &corpus(16),
+        &RunOptions {
+            resume: Some(step3),
+            ..RunOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("corrupt"), "{err}");
+}
+
+#[test]
+fn a_placement_that_cannot_fit_is_refused_before_training_with_the_plans_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.placement.params = Placement::Device;
+    config.placement.optimizer = Placement::Device;
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("does not fit") && text.contains("bytes"),
+        "{text}"
+    );
+}
+
+#[test]
+fn unknown_config_keys_are_named() {
+    let err = TrainConfig::from_toml("[train]\nstepz = 3\n").unwrap_err();
+    assert!(err.to_string().contains("stepz"), "{err}");
 }

@@ -67,7 +67,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
     config.validate()?;
     let text = match &args.data {
-        Some(path) => std::fs::read(path).with_context(|| format!("cannot read --data {}", path.display()))?,
+        Some(path) => {
+            std::fs::read(path).with_context(|| format!("cannot read --data {}", path.display()))?
+        }
         None => DEFAULT_TEXT.as_bytes().to_vec(),
     };
     let corpus = ByteCorpus::new(text, config.model.seq)?;
@@ -76,7 +78,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resume: args.resume.clone(),
         trace: args.trace.clone(),
     };
-    let total = options.stop_after.unwrap_or(config.train.steps).min(config.train.steps);
+    let total = options
+        .stop_after
+        .unwrap_or(config.train.steps)
+        .min(config.train.steps);
     let bar = super::progress_bar(
         total,
         args.json,
@@ -149,7 +154,10 @@ fn print_summary(summary: &RunSummary, json: bool) -> anyhow::Result<()> {
         mib(summary.budget_bytes.device),
     );
     println!("peak memory per tier (rank 0), measured against the plan's prediction:");
-    println!("  {:<8} {:>12} {:>12} {:>12} {:>8}", "tier", "budget", "peak", "predicted", "error");
+    println!(
+        "  {:<8} {:>12} {:>12} {:>12} {:>8}",
+        "tier", "budget", "peak", "predicted", "error"
+    );
     let budget = summary.budget_bytes.as_array();
     let peak = summary.peak_bytes.as_array();
     let predicted = summary.predicted_peak_bytes.as_array();

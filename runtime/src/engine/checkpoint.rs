@@ -125,13 +125,22 @@ pub(crate) fn commit(root: &Path, tmp: &Path, mut meta: CheckpointMeta) -> Resul
         std::fs::remove_dir_all(&done)
             .map_err(|err| problem(&done, format!("cannot replace it: {err}"), io_fix(&err)))?;
     }
-    std::fs::rename(tmp, &done)
-        .map_err(|err| problem(&done, format!("cannot rename {} to it: {err}", tmp.display()), io_fix(&err)))?;
+    std::fs::rename(tmp, &done).map_err(|err| {
+        problem(
+            &done,
+            format!("cannot rename {} to it: {err}", tmp.display()),
+            io_fix(&err),
+        )
+    })?;
     sync_dir(root)?;
     let pointer = root.join(".latest.tmp");
     write_synced(&pointer, name.as_bytes())?;
     std::fs::rename(&pointer, root.join("latest")).map_err(|err| {
-        problem(&root.join("latest"), format!("cannot replace it: {err}"), io_fix(&err))
+        problem(
+            &root.join("latest"),
+            format!("cannot replace it: {err}"),
+            io_fix(&err),
+        )
     })?;
     sync_dir(root)?;
     Ok(done)
@@ -150,8 +159,13 @@ impl Checkpoint {
         let dir = if path.join("meta.json").exists() {
             path.to_path_buf()
         } else if path.join("latest").exists() {
-            let name = std::fs::read_to_string(path.join("latest"))
-                .map_err(|err| problem(&path.join("latest"), format!("cannot read it: {err}"), io_fix(&err)))?;
+            let name = std::fs::read_to_string(path.join("latest")).map_err(|err| {
+                problem(
+                    &path.join("latest"),
+                    format!("cannot read it: {err}"),
+                    io_fix(&err),
+                )
+            })?;
             path.join(name.trim())
         } else {
             return Err(problem(
@@ -164,7 +178,11 @@ impl Checkpoint {
         let text = std::fs::read(&meta_path)
             .map_err(|err| problem(&meta_path, format!("cannot read it: {err}"), io_fix(&err)))?;
         let meta: CheckpointMeta = serde_json::from_slice(&text).map_err(|err| {
-            problem(&meta_path, format!("it is not a strata checkpoint's meta.json: {err}"), "resume from another checkpoint")
+            problem(
+                &meta_path,
+                format!("it is not a strata checkpoint's meta.json: {err}"),
+                "resume from another checkpoint",
+            )
         })?;
         if meta.format != FORMAT {
             return Err(problem(
@@ -182,13 +200,19 @@ impl Checkpoint {
         let bytes = std::fs::read(&path)
             .map_err(|err| problem(&path, format!("cannot read it: {err}"), io_fix(&err)))?;
         let expected = self.meta.files.get(name).ok_or_else(|| {
-            problem(&path, "meta.json lists no such file", "the checkpoint is incomplete: resume from another")
+            problem(
+                &path,
+                "meta.json lists no such file",
+                "the checkpoint is incomplete: resume from another",
+            )
         })?;
         let found = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
         if &found != expected {
             return Err(problem(
                 &path,
-                format!("checksum {found} does not match meta.json's {expected}: the file is corrupt"),
+                format!(
+                    "checksum {found} does not match meta.json's {expected}: the file is corrupt"
+                ),
                 "resume from another checkpoint",
             ));
         }
@@ -228,28 +252,48 @@ pub(crate) fn part_names(gpt: &GptConfig, g: usize) -> Vec<(String, Vec<usize>)>
 }
 
 /// Serializes named f32 tensors as safetensors.
-pub(crate) fn safetensors_bytes(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Result<Vec<u8>> {
+pub(crate) fn safetensors_bytes(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+) -> Result<Vec<u8>> {
     let views = tensors
         .iter()
         .map(|(name, shape, data)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytemuck::cast_slice(data))
-                .map(|view| (name.clone(), view))
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                shape.clone(),
+                bytemuck::cast_slice(data),
+            )
+            .map(|view| (name.clone(), view))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|err| problem(path, err, "this is a bug: report it"))?;
-    safetensors::serialize(views, None).map_err(|err| problem(path, err, "this is a bug: report it"))
+    safetensors::serialize(views, None)
+        .map_err(|err| problem(path, err, "this is a bug: report it"))
 }
 
 /// The f32 tensor `name` of a safetensors file, `len` elements.
-pub(crate) fn read_tensor(path: &Path, file: &safetensors::SafeTensors<'_>, name: &str, len: usize) -> Result<Vec<f32>> {
+pub(crate) fn read_tensor(
+    path: &Path,
+    file: &safetensors::SafeTensors<'_>,
+    name: &str,
+    len: usize,
+) -> Result<Vec<f32>> {
     let view = file.tensor(name).map_err(|err| {
-        problem(path, format!("tensor {name}: {err}"), "the checkpoint does not match this run: resume from another")
+        problem(
+            path,
+            format!("tensor {name}: {err}"),
+            "the checkpoint does not match this run: resume from another",
+        )
     })?;
     let elements: usize = view.shape().iter().product();
     if view.dtype() != safetensors::Dtype::F32 || elements != len {
         return Err(problem(
             path,
-            format!("tensor {name} is {:?} x {elements}, expected F32 x {len}", view.dtype()),
+            format!(
+                "tensor {name} is {:?} x {elements}, expected F32 x {len}",
+                view.dtype()
+            ),
             "the checkpoint does not match this run: resume from another",
         ));
     }

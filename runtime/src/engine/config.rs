@@ -175,7 +175,8 @@ impl TrainSettings {
         }
         let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
         let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
-        self.lr_min + 0.5 * (self.lr - self.lr_min) * (1.0 + (std::f64::consts::PI * progress).cos())
+        self.lr_min
+            + 0.5 * (self.lr - self.lr_min) * (1.0 + (std::f64::consts::PI * progress).cos())
     }
 
     /// The loss scaler's settings.
@@ -317,12 +318,19 @@ impl TrainConfig {
             return Err(bad("train.lr_min", t.lr_min, "use 0 to train.lr"));
         }
         if !(t.clip_norm >= 0.0 && t.clip_norm.is_finite()) {
-            return Err(bad("train.clip_norm", t.clip_norm, "use 0 (off) or a positive norm"));
+            return Err(bad(
+                "train.clip_norm",
+                t.clip_norm,
+                "use 0 (off) or a positive norm",
+            ));
         }
-        t.adam(t.lr).validate().map_err(|err| bad("train", t.lr, err.to_string()))?;
+        t.adam(t.lr)
+            .validate()
+            .map_err(|err| bad("train", t.lr, err.to_string()))?;
         strata_optim::LossScaler::new(t.scaler())
             .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
-        let uses_nvme = [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme);
+        let uses_nvme =
+            [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme);
         if uses_nvme && self.nvme.is_none() {
             return Err(bad(
                 "placement",
@@ -348,7 +356,11 @@ impl TrainConfig {
             ));
         }
         let nvme = self.nvme.clone().map(|mut nvme| {
-            nvme.dirs = nvme.dirs.iter().map(|d| d.join(format!("rank{rank}"))).collect();
+            nvme.dirs = nvme
+                .dirs
+                .iter()
+                .map(|d| d.join(format!("rank{rank}")))
+                .collect();
             nvme
         });
         let mut host = self.host.clone();

@@ -49,7 +49,11 @@ impl ByteCorpus {
         seq: usize,
         out: &mut [u32],
     ) {
-        assert_eq!(out.len(), accumulation * micro_batch * (seq + 1), "step tokens");
+        assert_eq!(
+            out.len(),
+            accumulation * micro_batch * (seq + 1),
+            "step tokens"
+        );
         let starts = (self.bytes.len() - seq - 1) as u64;
         let mut windows = out.chunks_exact_mut(seq + 1);
         for m in 0..accumulation {
@@ -94,7 +98,11 @@ mod tests {
         }
         let window = 2 * (seq + 1);
         for m in 0..accumulation {
-            let joined: Vec<u32> = [&halves[0][m * window..][..window], &halves[1][m * window..][..window]].concat();
+            let joined: Vec<u32> = [
+                &halves[0][m * window..][..window],
+                &halves[1][m * window..][..window],
+            ]
+            .concat();
             assert_eq!(joined, one[m * 2 * window..][..2 * window]);
         }
         let mut other_step = vec![0; one.len()];

@@ -152,7 +152,14 @@ struct Workspace {
 }
 
 impl Workspace {
-    fn new(gpt: &GptConfig, batch: usize, padded_max: usize, shard_max: usize, embed_padded: usize, checkpoint: bool) -> Self {
+    fn new(
+        gpt: &GptConfig,
+        batch: usize,
+        padded_max: usize,
+        shard_max: usize,
+        embed_padded: usize,
+        checkpoint: bool,
+    ) -> Self {
         let stream = batch * gpt.seq * gpt.hidden;
         let acts = BlockActivations::new(gpt, batch);
         let saved = if checkpoint { stream } else { acts.floats() };
@@ -176,7 +183,14 @@ impl Workspace {
     }
 
     /// Bytes of every buffer (what they would take on a GPU).
-    fn bytes(gpt: &GptConfig, batch: usize, padded_max: usize, shard_max: usize, embed_padded: usize, checkpoint: bool) -> u64 {
+    fn bytes(
+        gpt: &GptConfig,
+        batch: usize,
+        padded_max: usize,
+        shard_max: usize,
+        embed_padded: usize,
+        checkpoint: bool,
+    ) -> u64 {
         let stream = batch * gpt.seq * gpt.hidden;
         let (n, h, s) = (batch * gpt.seq, gpt.hidden, gpt.seq);
         let d = h / gpt.heads;
@@ -184,7 +198,15 @@ impl Workspace {
         let scratch = 4 * s * d + s * s + 3 * s * d + n * h * 4 + n * 3 * h + n * 8 * h;
         let head = n * h * 2 + 2 * n + 2 * n * gpt.vocab;
         let saved = if checkpoint { stream } else { acts };
-        let floats = 2 * padded_max + 2 * shard_max + embed_padded + acts + scratch + head + saved + 4 * stream + 2 * n;
+        let floats = 2 * padded_max
+            + 2 * shard_max
+            + embed_padded
+            + acts
+            + scratch
+            + head
+            + saved
+            + 4 * stream
+            + 2 * n;
         4 * floats as u64 - 2 * shard_max as u64
     }
 }
@@ -224,7 +246,13 @@ struct OptScratch {
     param: Vec<bf16>,
 }
 
-fn run_optimizer(runtime: &Runtime, isa: Isa, groups: &[Group], scratch: &mut OptScratch, job: &OptJob) -> Result<f64> {
+fn run_optimizer(
+    runtime: &Runtime,
+    isa: Isa,
+    groups: &[Group],
+    scratch: &mut OptScratch,
+    job: &OptJob,
+) -> Result<f64> {
     let group = &groups[job.group];
     let n = group.shard;
     read_f32(runtime, job.grad, job.tier, &mut scratch.grad[..n])?;
@@ -247,14 +275,29 @@ fn run_optimizer(runtime: &Runtime, isa: Isa, groups: &[Group], scratch: &mut Op
             Some(LowPrecisionMut::Bf16(&mut param[range.clone()])),
         );
     }
-    write_bytes(runtime, job.state_out, job.tier, bytemuck::cast_slice(&scratch.state[..3 * n]))?;
-    write_bytes(runtime, job.param_out, job.tier, bytemuck::cast_slice(&scratch.param[..n]))?;
+    write_bytes(
+        runtime,
+        job.state_out,
+        job.tier,
+        bytemuck::cast_slice(&scratch.state[..3 * n]),
+    )?;
+    write_bytes(
+        runtime,
+        job.param_out,
+        job.tier,
+        bytemuck::cast_slice(&scratch.param[..n]),
+    )?;
     Ok(sum_squares)
 }
 
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
 /// is not (a demand fetch: the plan did not bring it, or a spill took it).
-fn guard(runtime: &Runtime, id: TensorId, tier: Tier, access: Access) -> Result<crate::guard::Guard> {
+fn guard(
+    runtime: &Runtime,
+    id: TensorId,
+    tier: Tier,
+    access: Access,
+) -> Result<crate::guard::Guard> {
     loop {
         match runtime.acquire(id, tier, access) {
             Ok(guard) => return Ok(guard),
@@ -285,7 +328,12 @@ struct CpuWorker {
 }
 
 impl CpuWorker {
-    fn start(runtime: Arc<Runtime>, isa: Isa, groups: Arc<Vec<Group>>, shard_max: usize) -> Result<CpuWorker> {
+    fn start(
+        runtime: Arc<Runtime>,
+        isa: Isa,
+        groups: Arc<Vec<Group>>,
+        shard_max: usize,
+    ) -> Result<CpuWorker> {
         let (jobs, receiver) = channel::<OptJob>();
         let (results, done) = channel();
         let thread = std::thread::Builder::new()
@@ -350,6 +398,10 @@ pub struct Engine {
     step: u64,
     sum_squares: Vec<f64>,
     actions: Vec<Action>,
+    /// Releases held back while the CPU optimizer used their tensor.
+    deferred: Vec<Action>,
+    /// Updates the CPU thread finished, not yet accounted.
+    finished: Vec<(usize, Result<f64>)>,
     /// Ops announced so far in this step (the op running is
     /// `position - 1`).
     position: usize,
@@ -377,11 +429,16 @@ impl Engine {
         }
         let groups = Arc::new(groups(&gpt, world, rank));
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
-        let padded_max = groups.iter().map(|g| g.padded(world)).max().expect("groups");
+        let padded_max = groups
+            .iter()
+            .map(|g| g.padded(world))
+            .max()
+            .expect("groups");
         let embed_padded = groups[0].padded(world);
         let checkpoint = config.train.checkpoint_activations;
         let batch = config.train.micro_batch;
-        let workspace_bytes = Workspace::bytes(&gpt, batch, padded_max, shard_max, embed_padded, checkpoint);
+        let workspace_bytes =
+            Workspace::bytes(&gpt, batch, padded_max, shard_max, embed_padded, checkpoint);
         let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
         if let Some(nvme) = &runtime_config.nvme {
             for dir in &nvme.dirs {
@@ -395,17 +452,31 @@ impl Engine {
         let runtime = Arc::new(Runtime::new(&runtime_config)?);
         let isa = Isa::chosen();
         let stats = runtime.stats();
-        let capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
+        let slots = slots(config, &gpt, &groups, batch);
+        // The plan leaves the host room for what it does not schedule:
+        // staging buffers of two-tier moves and demand fetches when the
+        // run strays from it (else the runtime spills, and what it spills
+        // comes back).
+        let largest_bytes = slots
+            .iter()
+            .map(|s| runtime.footprint_bytes(s.meta.len_bytes())[Tier::Host.index()])
+            .max()
+            .unwrap_or(0);
+        let mut capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
+        let host = &mut capacity_bytes[Tier::Host.index()];
+        *host = host.saturating_sub((2 * largest_bytes).max(*host / 8));
         let plan_config = sched::PlanConfig {
             capacity_bytes,
             links: links(),
-            policy: sched::Policy::strata(config.placement.prefetch_ops, config.placement.activation_horizon_ops),
+            policy: sched::Policy::strata(
+                config.placement.prefetch_ops,
+                config.placement.activation_horizon_ops,
+            ),
         };
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
         let mut tracker = StepTracker::new(plan_config, tensors, 4 * tensors + 16, PLANS_MAX);
-        let slots = slots(config, &gpt, &groups, batch);
         for spec in specs(&runtime, &slots) {
             tracker.tensor(spec)?;
         }
@@ -432,6 +503,8 @@ impl Engine {
             step: 0,
             sum_squares: vec![0.0; groups.len()],
             actions: Vec::with_capacity(1024),
+            deferred: Vec::with_capacity(64),
+            finished: Vec::with_capacity(64),
             position: 0,
             last_use: Default::default(),
             prediction: Prediction {
@@ -461,11 +534,16 @@ impl Engine {
             for redo in [0, 1] {
                 let trace = sched::Trace {
                     tensors: specs(&engine.runtime, &engine.slots),
-                    ops: engine.shapes[current][redo].iter().map(|s| s.op.clone()).collect(),
+                    ops: engine.shapes[current][redo]
+                        .iter()
+                        .map(|s| s.op.clone())
+                        .collect(),
                 };
                 let plan = engine.tracker.prime(&trace)?;
                 let footprint = |t: usize, tier: sched::Tier| {
-                    engine.runtime.footprint_bytes(engine.slots[t].meta.len_bytes())[tier.index()]
+                    engine
+                        .runtime
+                        .footprint_bytes(engine.slots[t].meta.len_bytes())[tier.index()]
                 };
                 let replayed = sched::replay_peak_bytes(&trace, plan, &footprint)
                     .expect("the planner's plans replay");
@@ -482,7 +560,6 @@ impl Engine {
         }
         Ok(engine)
     }
-
 
     /// The runtime of this rank (stats, trace).
     pub fn runtime(&self) -> &Runtime {
@@ -503,7 +580,10 @@ impl Engine {
     /// gradients, master weights and two moments (one set; the second set
     /// the overlapped update writes into is counted in the tier peaks).
     pub fn model_state_bytes(&self) -> u64 {
-        self.groups.iter().map(|g| (2 + 4 + 12) * g.shard as u64).sum()
+        self.groups
+            .iter()
+            .map(|g| (2 + 4 + 12) * g.shard as u64)
+            .sum()
     }
 
     /// Tokens one call of [`Engine::step`] takes from this rank:
@@ -525,10 +605,13 @@ impl Engine {
             tensor: tensor as u32,
             mode,
         };
-        let block_ns = (24.0 * (self.config.train.micro_batch * self.gpt.seq) as f64 * (self.gpt.hidden * self.gpt.hidden) as f64
+        let block_ns = (24.0
+            * (self.config.train.micro_batch * self.gpt.seq) as f64
+            * (self.gpt.hidden * self.gpt.hidden) as f64
             / FLOPS_PER_S
             * 1e9) as u64;
-        let optimizer_ns = |g: usize| (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
+        let optimizer_ns =
+            |g: usize| (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
         let param = |g: usize, set: usize| PER_GROUP * g + set;
         let state = |g: usize, set: usize| PER_GROUP * g + 2 + set;
         let grad = |g: usize| PER_GROUP * g + 4;
@@ -550,18 +633,35 @@ impl Engine {
         for m in 0..accumulation {
             let last = m + 1 == accumulation;
             let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
-            push(Work::EmbedForward { m }, format!("fwd.embed.mb{m}"), gpu, vec![access(param(0, current), Mode::Read)], block_ns / 8, false);
+            push(
+                Work::EmbedForward { m },
+                format!("fwd.embed.mb{m}"),
+                gpu,
+                vec![access(param(0, current), Mode::Read)],
+                block_ns / 8,
+                false,
+            );
             for b in 0..layers {
                 push(
                     Work::BlockForward { m, b },
                     format!("fwd.block{b}.mb{m}"),
                     gpu,
-                    vec![access(param(b + 1, current), Mode::Read), access(saved(m, b), Mode::Write)],
+                    vec![
+                        access(param(b + 1, current), Mode::Read),
+                        access(saved(m, b), Mode::Write),
+                    ],
                     block_ns,
                     false,
                 );
             }
-            push(Work::Head { m }, format!("head.mb{m}"), gpu, vec![access(param(0, current), Mode::Read)], block_ns / 2, false);
+            push(
+                Work::Head { m },
+                format!("head.mb{m}"),
+                gpu,
+                vec![access(param(0, current), Mode::Read)],
+                block_ns / 2,
+                false,
+            );
             for b in (0..layers).rev() {
                 push(
                     Work::BlockBackward { m, b },
@@ -576,22 +676,64 @@ impl Engine {
                     false,
                 );
                 if last {
-                    push(Work::Optimizer { g: b + 1 }, format!("optim.block{b}"), optimizer, optimizer_op(b + 1), optimizer_ns(b + 1), false);
+                    push(
+                        Work::Optimizer { g: b + 1 },
+                        format!("optim.block{b}"),
+                        optimizer,
+                        optimizer_op(b + 1),
+                        optimizer_ns(b + 1),
+                        false,
+                    );
                 }
             }
-            push(Work::EmbedBackward { m }, format!("bwd.embed.mb{m}"), gpu, vec![access(grad(0), grad_mode)], block_ns / 8, false);
+            push(
+                Work::EmbedBackward { m },
+                format!("bwd.embed.mb{m}"),
+                gpu,
+                vec![access(grad(0), grad_mode)],
+                block_ns / 8,
+                false,
+            );
             if last {
-                push(Work::Optimizer { g: 0 }, "optim.embed".into(), optimizer, optimizer_op(0), optimizer_ns(0), false);
+                push(
+                    Work::Optimizer { g: 0 },
+                    "optim.embed".into(),
+                    optimizer,
+                    optimizer_op(0),
+                    optimizer_ns(0),
+                    false,
+                );
             }
         }
         let all_grads: Vec<_> = (0..groups).map(|g| access(grad(g), Mode::Read)).collect();
-        push(Work::Decide, "decide".into(), optimizer, all_grads.clone(), 1000, true);
+        push(
+            Work::Decide,
+            "decide".into(),
+            optimizer,
+            all_grads.clone(),
+            1000,
+            true,
+        );
         if redo {
             for g in (0..groups).rev() {
-                push(Work::Optimizer { g }, format!("optim.redo.{}", self.groups[g].name), optimizer, optimizer_op(g), optimizer_ns(g), false);
+                push(
+                    Work::Optimizer { g },
+                    format!("optim.redo.{}", self.groups[g].name),
+                    optimizer,
+                    optimizer_op(g),
+                    optimizer_ns(g),
+                    false,
+                );
             }
         }
-        push(Work::Commit, "commit".into(), optimizer, all_grads, 1000, false);
+        push(
+            Work::Commit,
+            "commit".into(),
+            optimizer,
+            all_grads,
+            1000,
+            false,
+        );
         ops
     }
 
@@ -613,7 +755,12 @@ impl Engine {
     /// Writes group `g`'s shard: master weights, moments (zero when none),
     /// and the bf16 compute copy, into the current set; the other set is
     /// registered at home, to be overwritten by the next update.
-    fn load_group(&mut self, g: usize, master: &[f32], moments: Option<(&[f32], &[f32])>) -> Result<()> {
+    fn load_group(
+        &mut self,
+        g: usize,
+        master: &[f32],
+        moments: Option<(&[f32], &[f32])>,
+    ) -> Result<()> {
         let n = self.groups[g].shard;
         let mut state = vec![0.0f32; 3 * n];
         state[..n].copy_from_slice(master);
@@ -637,12 +784,22 @@ impl Engine {
         if let Some(id) = self.slots[index].id.take() {
             self.runtime.free(id)?;
         }
-        let home = self.slots[index].home.expect("persistent tensors have a home");
-        let first = if home == Tier::Device { Tier::Device } else { Tier::Host };
-        let id = self.runtime.register(self.slots[index].meta.clone(), first)?;
+        let home = self.slots[index]
+            .home
+            .expect("persistent tensors have a home");
+        let first = if home == Tier::Device {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        let id = self
+            .runtime
+            .register(self.slots[index].meta.clone(), first)?;
         self.slots[index].id = Some(id);
         if let Some(data) = data {
-            self.runtime.acquire(id, first, Access::Write)?.write_from(data)?;
+            self.runtime
+                .acquire(id, first, Access::Write)?
+                .write_from(data)?;
         }
         if home != first {
             self.runtime.move_to(id, home)?.wait()?;
@@ -766,10 +923,16 @@ impl Engine {
     /// the op they were announced with runs (they overlap it), evictions
     /// and drops after it (it may still use what they release).
     fn issue_actions(&mut self, releases: bool) -> Result<()> {
+        if releases && !self.deferred.is_empty() {
+            self.poll_worker();
+            let deferred = std::mem::take(&mut self.deferred);
+            for action in deferred {
+                self.issue(action)?;
+            }
+        }
         for k in 0..self.actions.len() {
             let action = self.actions[k];
-            let release = matches!(action.kind, ActionKind::Evict { .. } | ActionKind::Drop { .. });
-            if release == releases {
+            if release(&action) == releases {
                 self.issue(action)?;
             }
         }
@@ -817,6 +980,11 @@ impl Engine {
         );
         match outcome {
             Ok(()) => Ok(()),
+            Err(RuntimeError::InUse { .. }) if release(&action) => {
+                // The CPU optimizer still holds it: release it once done.
+                self.deferred.push(action);
+                Ok(())
+            }
             Err(
                 RuntimeError::InUse { .. }
                 | RuntimeError::Moving { .. }
@@ -846,7 +1014,12 @@ impl Engine {
 
     /// Tells the tracker the op starts, issues the plan's next actions,
     /// and runs it.
-    fn run_op(&mut self, step_op: &StepOp, tokens: &[u32], update: &[AdamCoefficients; 2]) -> Result<()> {
+    fn run_op(
+        &mut self,
+        step_op: &StepOp,
+        tokens: &[u32],
+        update: &[AdamCoefficients; 2],
+    ) -> Result<()> {
         self.announce(&step_op.op)?;
         for access in &step_op.op.accesses {
             self.settle_pending(access.tensor as usize)?;
@@ -857,7 +1030,14 @@ impl Engine {
         match step_op.work {
             Work::EmbedForward { m } => {
                 self.gather(0)?;
-                split_tokens(tokens, m, batch, self.gpt.seq, &mut self.ws.inputs, &mut self.ws.targets);
+                split_tokens(
+                    tokens,
+                    m,
+                    batch,
+                    self.gpt.seq,
+                    &mut self.ws.inputs,
+                    &mut self.ws.targets,
+                );
                 let embed = &self.ws.gathered[..self.groups[0].params];
                 embed_forward(&self.gpt, embed, &self.ws.inputs, &mut self.ws.x);
             }
@@ -865,7 +1045,15 @@ impl Engine {
                 self.gather(b + 1)?;
                 let ws = &mut self.ws;
                 let params = &ws.gathered[..self.groups[b + 1].params];
-                block_forward(&self.gpt, batch, params, &ws.x, &mut ws.acts, &mut ws.scratch, &mut ws.y);
+                block_forward(
+                    &self.gpt,
+                    batch,
+                    params,
+                    &ws.x,
+                    &mut ws.acts,
+                    &mut ws.scratch,
+                    &mut ws.y,
+                );
                 std::mem::swap(&mut ws.x, &mut ws.y);
                 if self.config.train.checkpoint_activations {
                     let input = ws.acts.input();
@@ -878,7 +1066,8 @@ impl Engine {
             }
             Work::Head { .. } => {
                 self.gather(0)?;
-                let scale = self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
+                let scale =
+                    self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
                 let embed_params = self.groups[0].params;
                 let ws = &mut self.ws;
                 ws.dembed.fill(0.0);
@@ -902,7 +1091,15 @@ impl Engine {
                 let ws = &mut self.ws;
                 let params = &ws.gathered[..self.groups[b + 1].params];
                 if self.config.train.checkpoint_activations {
-                    block_forward(&self.gpt, batch, params, &ws.saved, &mut ws.acts, &mut ws.scratch, &mut ws.y);
+                    block_forward(
+                        &self.gpt,
+                        batch,
+                        params,
+                        &ws.saved,
+                        &mut ws.acts,
+                        &mut ws.scratch,
+                        &mut ws.y,
+                    );
                 } else {
                     ws.acts.load(&ws.saved);
                 }
@@ -924,7 +1121,12 @@ impl Engine {
             Work::EmbedBackward { m } => {
                 let embed_params = self.groups[0].params;
                 let ws = &mut self.ws;
-                embed_backward(&self.gpt, &ws.inputs, &ws.dy, &mut ws.dembed[..embed_params]);
+                embed_backward(
+                    &self.gpt,
+                    &ws.inputs,
+                    &ws.dy,
+                    &mut ws.dembed[..embed_params],
+                );
                 let padded = self.groups[0].padded(world);
                 ws.grad_full[..padded].copy_from_slice(&ws.dembed[..padded]);
                 self.reduce_gradient(0, m)?;
@@ -949,7 +1151,11 @@ impl Engine {
         let n = self.groups[g].shard;
         guard(&self.runtime, id, Tier::Device, Access::Read)?
             .read_into(bytemuck::cast_slice_mut(&mut self.ws.shard16[..n]))?;
-        widen(self.isa, Values::Bf16(&self.ws.shard16[..n]), &mut self.ws.shard32[..n]);
+        widen(
+            self.isa,
+            Values::Bf16(&self.ws.shard16[..n]),
+            &mut self.ws.shard32[..n],
+        );
         let padded = self.groups[g].padded(self.collective.world());
         self.collective
             .all_gather(&self.ws.shard32[..n], &mut self.ws.gathered[..padded])
@@ -988,7 +1194,9 @@ impl Engine {
             Kept::Saved => bytemuck::cast_slice(&self.ws.saved),
             Kept::Shard(n) => bytemuck::cast_slice(&self.ws.shard32[..n]),
         };
-        self.runtime.acquire(id, tier, Access::Write)?.write_from(data)
+        self.runtime
+            .acquire(id, tier, Access::Write)?
+            .write_from(data)
     }
 
     /// A tensor to overwrite whole on `tier`.
@@ -1001,14 +1209,21 @@ impl Engine {
             self.runtime.free(id)?;
             self.slots[index].id = None;
         }
-        let id = self.runtime.register(self.slots[index].meta.clone(), tier)?;
+        let id = self
+            .runtime
+            .register(self.slots[index].meta.clone(), tier)?;
         self.slots[index].id = Some(id);
         Ok(id)
     }
 
     /// Starts (on the CPU thread) or runs (on the device) group `g`'s
     /// optimizer step.
-    fn optimizer(&mut self, step_op: &StepOp, g: usize, update: &[AdamCoefficients; 2]) -> Result<()> {
+    fn optimizer(
+        &mut self,
+        step_op: &StepOp,
+        g: usize,
+        update: &[AdamCoefficients; 2],
+    ) -> Result<()> {
         let tier = match step_op.op.processor {
             Processor::Gpu => Tier::Device,
             Processor::Cpu => Tier::Host,
@@ -1020,7 +1235,9 @@ impl Engine {
             group: g,
             tier,
             grad: self.slots[PER_GROUP * g + 4].id.expect("gradient reduced"),
-            state_in: self.slots[PER_GROUP * g + 2 + current].id.expect("states registered"),
+            state_in: self.slots[PER_GROUP * g + 2 + current]
+                .id
+                .expect("states registered"),
             state_out,
             param_out,
             coefficients: *update,
@@ -1036,11 +1253,29 @@ impl Engine {
                 worker.outstanding += 1;
             }
             None => {
-                let sum_squares = run_optimizer(&self.runtime, self.isa, &self.groups, &mut self.inline, &job)?;
+                let sum_squares = run_optimizer(
+                    &self.runtime,
+                    self.isa,
+                    &self.groups,
+                    &mut self.inline,
+                    &job,
+                )?;
                 self.sum_squares[g] = self.sum_squares[g].max(sum_squares);
             }
         }
         Ok(())
+    }
+
+    /// Takes the results of the updates the CPU thread has finished,
+    /// without waiting.
+    fn poll_worker(&mut self) {
+        let Some(worker) = &mut self.worker else {
+            return;
+        };
+        while let Ok(done) = worker.done.try_recv() {
+            worker.outstanding -= 1;
+            self.finished.push(done);
+        }
     }
 
     /// Waits for the CPU thread's outstanding updates.
@@ -1048,15 +1283,22 @@ impl Engine {
         let Some(worker) = &mut self.worker else {
             return Ok(());
         };
-        let mut first_error = None;
         while worker.outstanding > 0 {
-            let (group, result) = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
+            let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
             worker.outstanding -= 1;
-            match result {
-                // A redone update sees the same gradients: keep the first sum.
-                Ok(sum_squares) => self.sum_squares[group] = self.sum_squares[group].max(sum_squares),
-                Err(err) => {
-                    first_error.get_or_insert(err);
+            self.finished.push(done);
+        }
+        let mut first_error = None;
+        for (group, result) in self.finished.drain(..) {
+            {
+                match result {
+                    // A redone update sees the same gradients: keep the first sum.
+                    Ok(sum_squares) => {
+                        self.sum_squares[group] = self.sum_squares[group].max(sum_squares)
+                    }
+                    Err(err) => {
+                        first_error.get_or_insert(err);
+                    }
                 }
             }
         }
@@ -1089,7 +1331,11 @@ impl Engine {
         let (rank, world) = (self.collective.rank(), self.collective.world());
         let step = self.step;
         let tmp = root.join(format!(".tmp-step{step}"));
-        let begun = if rank == 0 { checkpoint::begin(root, step).map(drop) } else { Ok(()) };
+        let begun = if rank == 0 {
+            checkpoint::begin(root, step).map(drop)
+        } else {
+            Ok(())
+        };
         self.agree(begun)?;
         let mut shard = Vec::with_capacity(3 * self.groups.len());
         let mut weights = Vec::new();
@@ -1098,7 +1344,8 @@ impl Engine {
             let mut state = vec![0.0f32; 3 * n];
             self.read_state(g, &mut state)?;
             let padded = self.groups[g].padded(world);
-            self.collective.all_gather(&state[..n], &mut self.ws.gathered[..padded])?;
+            self.collective
+                .all_gather(&state[..n], &mut self.ws.gathered[..padded])?;
             if rank == 0 {
                 let mut at = 0;
                 for (name, shape) in checkpoint::part_names(&self.gpt, g) {
@@ -1110,7 +1357,11 @@ impl Engine {
             let name = &self.groups[g].name;
             shard.push((format!("{name}.master"), vec![n], state[..n].to_vec()));
             shard.push((format!("{name}.exp_avg"), vec![n], state[n..2 * n].to_vec()));
-            shard.push((format!("{name}.exp_avg_sq"), vec![n], state[2 * n..].to_vec()));
+            shard.push((
+                format!("{name}.exp_avg_sq"),
+                vec![n],
+                state[2 * n..].to_vec(),
+            ));
         }
         let written = (|| {
             let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
@@ -1146,26 +1397,42 @@ impl Engine {
     pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<()> {
         let meta = &checkpoint.meta;
         let rank = self.collective.rank();
-        let path = checkpoint.dir.join(format!("optimizer-rank{rank}.safetensors"));
+        let path = checkpoint
+            .dir
+            .join(format!("optimizer-rank{rank}.safetensors"));
         let mismatch = |what: &str, found: String, here: String| RuntimeError::Checkpoint {
             path: checkpoint.dir.clone(),
             problem: format!("it was written with {what} {found}, this run has {here}"),
             fix: format!("resume with the {what} it was written with"),
         };
         if meta.model != self.config.model {
-            return Err(mismatch("[model]", format!("{:?}", meta.model), format!("{:?}", self.config.model)));
+            return Err(mismatch(
+                "[model]",
+                format!("{:?}", meta.model),
+                format!("{:?}", self.config.model),
+            ));
         }
         if meta.ranks != self.collective.world() {
-            return Err(mismatch("train.ranks", meta.ranks.to_string(), self.collective.world().to_string()));
+            return Err(mismatch(
+                "train.ranks",
+                meta.ranks.to_string(),
+                self.collective.world().to_string(),
+            ));
         }
         if meta.seed != self.config.train.seed {
-            return Err(mismatch("train.seed", meta.seed.to_string(), self.config.train.seed.to_string()));
+            return Err(mismatch(
+                "train.seed",
+                meta.seed.to_string(),
+                self.config.train.seed.to_string(),
+            ));
         }
         let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
-        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| RuntimeError::Checkpoint {
-            path: path.clone(),
-            problem: format!("not a safetensors file: {err}"),
-            fix: "resume from another checkpoint".into(),
+        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| {
+            RuntimeError::Checkpoint {
+                path: path.clone(),
+                problem: format!("not a safetensors file: {err}"),
+                fix: "resume from another checkpoint".into(),
+            }
         })?;
         for g in 0..self.groups.len() {
             let (name, n) = (self.groups[g].name.clone(), self.groups[g].shard);
@@ -1186,7 +1453,11 @@ impl Engine {
         let index = PER_GROUP * g + 2 + self.current;
         let id = self.slots[index].id.expect("states registered");
         let home = self.slots[index].home.expect("states have a home");
-        let tier = if self.runtime.residency(id)?.contains(&Tier::Device) { Tier::Device } else { Tier::Host };
+        let tier = if self.runtime.residency(id)?.contains(&Tier::Device) {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
         read_f32(&self.runtime, id, tier, out)?;
         if home == Tier::Nvme {
             self.runtime.move_to(id, Tier::Nvme)?.wait()?;
@@ -1218,6 +1489,7 @@ impl Engine {
     /// Ends the step: waits for moves in flight, frees the step's own
     /// tensors, puts every persistent one back home alone, closes the trace.
     fn end_step(&mut self) -> Result<()> {
+        self.deferred.clear();
         for index in 0..self.slots.len() {
             self.settle_pending(index)?;
         }
@@ -1247,6 +1519,14 @@ impl Engine {
     }
 }
 
+/// Whether an action releases a copy (issued after its op ran).
+fn release(action: &Action) -> bool {
+    matches!(
+        action.kind,
+        ActionKind::Evict { .. } | ActionKind::Drop { .. }
+    )
+}
+
 /// What a write takes from the workspace.
 #[derive(Clone, Copy)]
 enum Kept {
@@ -1256,7 +1536,14 @@ enum Kept {
 
 /// Micro-batch `m`'s inputs and next-token targets out of the step's
 /// sequences of `seq + 1` tokens.
-fn split_tokens(tokens: &[u32], m: usize, batch: usize, seq: usize, inputs: &mut [u32], targets: &mut [u32]) {
+fn split_tokens(
+    tokens: &[u32],
+    m: usize,
+    batch: usize,
+    seq: usize,
+    inputs: &mut [u32],
+    targets: &mut [u32],
+) {
     let micro = &tokens[m * batch * (seq + 1)..(m + 1) * batch * (seq + 1)];
     for (i, sequence) in micro.chunks_exact(seq + 1).enumerate() {
         inputs[i * seq..(i + 1) * seq].copy_from_slice(&sequence[..seq]);
@@ -1277,7 +1564,14 @@ fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
         };
         let shard = params.div_ceil(world);
         let begin = rank * shard;
-        let decays = |i: usize| i < params && if g == 0 { embed.is_matrix(i) } else { block.is_matrix(i) };
+        let decays = |i: usize| {
+            i < params
+                && if g == 0 {
+                    embed.is_matrix(i)
+                } else {
+                    block.is_matrix(i)
+                }
+        };
         let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
         for i in 0..shard {
             let d = decays(begin + i);
@@ -1312,12 +1606,30 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
     for group in groups {
         let n = group.shard;
         for set in 0..2 {
-            slots.push(slot(format!("{}.param{set}", group.name), TensorKind::Param, Dtype::Bf16, n, Some(params_home)));
+            slots.push(slot(
+                format!("{}.param{set}", group.name),
+                TensorKind::Param,
+                Dtype::Bf16,
+                n,
+                Some(params_home),
+            ));
         }
         for set in 0..2 {
-            slots.push(slot(format!("{}.optim{set}", group.name), TensorKind::OptimizerState, Dtype::F32, 3 * n, Some(states_home)));
+            slots.push(slot(
+                format!("{}.optim{set}", group.name),
+                TensorKind::OptimizerState,
+                Dtype::F32,
+                3 * n,
+                Some(states_home),
+            ));
         }
-        slots.push(slot(format!("{}.grad", group.name), TensorKind::Grad, Dtype::F32, n, None));
+        slots.push(slot(
+            format!("{}.grad", group.name),
+            TensorKind::Grad,
+            Dtype::F32,
+            n,
+            None,
+        ));
     }
     let saved = if config.train.checkpoint_activations {
         batch * gpt.seq * gpt.hidden
@@ -1326,7 +1638,13 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
     };
     for m in 0..config.train.grad_accumulation {
         for b in 0..gpt.layers {
-            slots.push(slot(format!("block{b}.saved.mb{m}"), TensorKind::Activation, Dtype::F32, saved, None));
+            slots.push(slot(
+                format!("block{b}.saved.mb{m}"),
+                TensorKind::Activation,
+                Dtype::F32,
+                saved,
+                None,
+            ));
         }
     }
     slots
@@ -1352,7 +1670,20 @@ fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
     let residual = 0.02 / (2.0 * gpt.layers as f32).sqrt();
     // Parts in layout order: ln1 (g, b), qkv (w, b), proj (w, b), ln2 (g,
     // b), fc1 (w, b), fc2 (w, b).
-    let sizes = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h];
+    let sizes = [
+        h,
+        h,
+        3 * h * h,
+        3 * h,
+        h * h,
+        h,
+        h,
+        h,
+        4 * h * h,
+        4 * h,
+        4 * h * h,
+        h,
+    ];
     let mut at = 0;
     for (part, size) in sizes.iter().enumerate() {
         let piece = &mut out[at..at + size];

@@ -82,6 +82,8 @@ pub struct RunSummary {
     pub moved_bytes: [u64; 4],
     /// Time rank 0 waited on transfers.
     pub wait_s: f64,
+    /// Every step's loss, in order.
+    pub losses: Vec<f64>,
     /// Every step's report (rank 0; values are global).
     #[serde(skip)]
     pub reports: Vec<StepReport>,
@@ -107,14 +109,23 @@ pub fn run(
 ) -> Result<RunSummary> {
     config.validate()?;
     let world = config.train.ranks;
-    let padded_max = (config.model.gpt().block_params().max(config.model.gpt().embed_params())).div_ceil(world) * world;
+    let padded_max = (config
+        .model
+        .gpt()
+        .block_params()
+        .max(config.model.gpt().embed_params()))
+    .div_ceil(world)
+        * world;
     let resume = match &options.resume {
         Some(path) => Some(Checkpoint::open(path)?),
         None => None,
     };
     let collectives = InProcess::group(world, padded_max);
     let (sender, receiver) = channel::<(StepReport, Stats)>();
-    let stop = options.stop_after.unwrap_or(config.train.steps).min(config.train.steps);
+    let stop = options
+        .stop_after
+        .unwrap_or(config.train.steps)
+        .min(config.train.steps);
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world);
         for collective in collectives {
@@ -124,7 +135,9 @@ pub fn run(
             handles.push(
                 std::thread::Builder::new()
                     .name(format!("strata-rank-{}", collective.rank()))
-                    .spawn_scoped(scope, move || rank_main(config, corpus, collective, resume, trace, stop, sender))
+                    .spawn_scoped(scope, move || {
+                        rank_main(config, corpus, collective, resume, trace, stop, sender)
+                    })
                     .map_err(|err| RuntimeError::Config {
                         key: "train.ranks",
                         value: world.to_string(),
@@ -188,7 +201,16 @@ fn rank_main(
     let mut timed = (0.0f64, 0u64);
     while engine.steps_done() < stop {
         let step = engine.steps_done() + 1;
-        corpus.step_tokens(t.seed, step, rank, world, t.grad_accumulation, t.micro_batch, config.model.seq, &mut tokens);
+        corpus.step_tokens(
+            t.seed,
+            step,
+            rank,
+            world,
+            t.grad_accumulation,
+            t.micro_batch,
+            config.model.seq,
+            &mut tokens,
+        );
         let started = Instant::now();
         let report = engine.step(&tokens)?;
         if !reports.is_empty() || stop == engine.steps_done() {
@@ -215,11 +237,14 @@ fn rank_main(
             value: path.display().to_string(),
             fix: format!("cannot create it ({err}): choose a writable path"),
         })?;
-        engine.runtime().write_trace(&mut file).map_err(|err| RuntimeError::Config {
-            key: "--trace",
-            value: path.display().to_string(),
-            fix: format!("cannot write it ({err})"),
-        })?;
+        engine
+            .runtime()
+            .write_trace(&mut file)
+            .map_err(|err| RuntimeError::Config {
+                key: "--trace",
+                value: path.display().to_string(),
+                fix: format!("cannot write it ({err})"),
+            })?;
     }
     let stats = engine.runtime().stats();
     let prediction = engine.prediction();
@@ -231,7 +256,11 @@ fn rank_main(
         steps: reports.len() as u64,
         loss_first: reports.first().map_or(f64::NAN, |r| r.loss),
         loss_last: reports.last().map_or(f64::NAN, |r| r.loss),
-        tokens_per_s: if timed.0 > 0.0 { timed.1 as f64 / timed.0 } else { 0.0 },
+        tokens_per_s: if timed.0 > 0.0 {
+            timed.1 as f64 / timed.0
+        } else {
+            0.0
+        },
         model_state_bytes: engine.model_state_bytes(),
         budget_bytes: TierBytes::from_array(budget),
         peak_bytes: TierBytes::from_array(peak),
@@ -239,6 +268,7 @@ fn rank_main(
         workspace_bytes: prediction.workspace_bytes,
         moved_bytes: [0, 1, 2, 3].map(|i| stats.links[i].bytes),
         wait_s: stats.wait_ns as f64 / 1e9,
+        losses: reports.iter().map(|r| r.loss).collect(),
         reports,
         checkpoints,
     }))

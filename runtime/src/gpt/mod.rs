@@ -206,8 +206,19 @@ impl BlockActivations {
 
     fn parts(&self) -> [&Vec<f32>; 13] {
         [
-            &self.x, &self.a, &self.mean1, &self.rstd1, &self.qkv, &self.probs, &self.att,
-            &self.x1, &self.c, &self.mean2, &self.rstd2, &self.f, &self.g,
+            &self.x,
+            &self.a,
+            &self.mean1,
+            &self.rstd1,
+            &self.qkv,
+            &self.probs,
+            &self.att,
+            &self.x1,
+            &self.c,
+            &self.mean2,
+            &self.rstd2,
+            &self.f,
+            &self.g,
         ]
     }
 
@@ -242,9 +253,19 @@ impl BlockActivations {
         assert_eq!(from.len(), self.floats(), "saved activations");
         let mut at = 0;
         for part in [
-            &mut self.x, &mut self.a, &mut self.mean1, &mut self.rstd1, &mut self.qkv,
-            &mut self.probs, &mut self.att, &mut self.x1, &mut self.c, &mut self.mean2,
-            &mut self.rstd2, &mut self.f, &mut self.g,
+            &mut self.x,
+            &mut self.a,
+            &mut self.mean1,
+            &mut self.rstd1,
+            &mut self.qkv,
+            &mut self.probs,
+            &mut self.att,
+            &mut self.x1,
+            &mut self.c,
+            &mut self.mean2,
+            &mut self.rstd2,
+            &mut self.f,
+            &mut self.g,
         ] {
             let len = part.len();
             part.copy_from_slice(&from[at..at + len]);
@@ -685,7 +706,13 @@ pub fn head_forward_backward(
         0.0,
         &mut buffers.logits,
     );
-    let loss = cross_entropy(&buffers.logits, targets, v, grad_scale, &mut buffers.dlogits);
+    let loss = cross_entropy(
+        &buffers.logits,
+        targets,
+        v,
+        grad_scale,
+        &mut buffers.dlogits,
+    );
     gemm(
         Operand::new(&buffers.dlogits, n, v),
         Operand::new(wte, v, h),
