@@ -155,10 +155,10 @@ impl StepTracker {
         let matches = |tracker: &StepTracker, index: usize| {
             tracker.cache.trace(index).ops.first().map(op_fingerprint) == Some(fingerprint)
         };
-        if !self.current.is_some_and(|i| matches(self, i)) {
-            if let Some(index) = self.cache.with_prefix(&[fingerprint]) {
-                self.current = Some(index);
-            }
+        if !self.current.is_some_and(|i| matches(self, i))
+            && let Some(index) = self.cache.with_prefix(&[fingerprint])
+        {
+            self.current = Some(index);
         }
         self.begin_step()
     }
@@ -269,6 +269,40 @@ mod tests {
             followed &= matches!(tracker.op(o.clone()).unwrap(), Follow::Plan(_));
         }
         (followed, tracker.end_step().unwrap())
+    }
+
+    #[test]
+    fn primed_shapes_are_followed_from_step_one_and_chosen_by_their_first_op() {
+        let mut tracker = StepTracker::new(config(), 4, 16, 4);
+        let mut tensors = Vec::new();
+        for name in ["a", "b"] {
+            let spec = TensorSpec {
+                name: name.into(),
+                bytes: 60,
+                class: TensorClass::Param,
+                home: Some(Tier::Host),
+            };
+            tracker.tensor(spec.clone()).unwrap();
+            tensors.push(spec);
+        }
+        let forward = vec![op("f0", 0), op("f1", 1)];
+        let reversed = vec![op("f1", 1), op("f0", 0)];
+        for ops in [&forward, &reversed] {
+            let trace = Trace {
+                tensors: tensors.clone(),
+                ops: ops.clone(),
+            };
+            tracker.prime(&trace).unwrap();
+        }
+        for ops in [&reversed, &forward, &reversed] {
+            assert!(matches!(tracker.begin_step_with(&ops[0]), Follow::Plan(_)));
+            for o in ops.iter() {
+                assert!(matches!(tracker.op(o.clone()).unwrap(), Follow::Plan(_)));
+            }
+            assert!(tracker.current_plan().is_some());
+            assert!(!tracker.end_step().unwrap(), "primed: nothing new to plan");
+        }
+        assert_eq!(tracker.cache().plans_made, 2);
     }
 
     #[test]
