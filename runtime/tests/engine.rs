@@ -152,3 +152,9 @@ fn unknown_config_keys_are_named() {
     let err = TrainConfig::from_toml("[train]\nstepz = 3\n").unwrap_err();
     assert!(err.to_string().contains("stepz"), "{err}");
 }
+
+#[test]
+fn a_cuda_device_is_refused_until_the_engine_has_cuda_kernels() {
+    let err = TrainConfig::from_toml("[device]\nkind = \"cuda\"\n").unwrap_err();
+    assert!(err.to_string().contains("device.kind"), "{err}");
+}

@@ -329,6 +329,13 @@ impl TrainConfig {
             .map_err(|err| bad("train", t.lr, err.to_string()))?;
         strata_optim::LossScaler::new(t.scaler())
             .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
+        if self.device.kind != DeviceChoice::Cpu {
+            return Err(bad(
+                "device.kind",
+                format!("{:?}", self.device.kind).to_lowercase(),
+                "the training engine computes on the CPU device for now (its CUDA kernels are not written): set device.kind = \"cpu\"",
+            ));
+        }
         let uses_nvme =
             [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme);
         if uses_nvme && self.nvme.is_none() {
