@@ -329,11 +329,11 @@ impl TrainConfig {
             .map_err(|err| bad("train", t.lr, err.to_string()))?;
         strata_optim::LossScaler::new(t.scaler())
             .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
-        if self.device.kind != DeviceChoice::Cpu {
+        if self.device.kind == DeviceChoice::Cuda {
             return Err(bad(
                 "device.kind",
                 format!("{:?}", self.device.kind).to_lowercase(),
-                "the training engine computes on the CPU device for now (its CUDA kernels are not written): set device.kind = \"cpu\"",
+                "the training engine computes on the CPU device for now (its CUDA kernels are not written): set device.kind = \"cpu\" or \"auto\"",
             ));
         }
         let uses_nvme =
@@ -383,6 +383,9 @@ impl TrainConfig {
         Ok(RuntimeConfig {
             device: DeviceConfig {
                 budget: ByteSize(device_budget - workspace_bytes),
+                // `auto` means the CPU device until the engine has CUDA
+                // kernels (`cuda` is refused by `validate`).
+                kind: DeviceChoice::Cpu,
                 ..self.device.clone()
             },
             host,
