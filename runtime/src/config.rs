@@ -193,7 +193,8 @@ pub struct RuntimeConfig {
     pub runtime: LimitsConfig,
 }
 
-fn bad(key: &'static str, value: impl ToString, fix: impl Into<String>) -> RuntimeError {
+/// A [`RuntimeError::Config`] naming the key, its value and the fix.
+pub(crate) fn bad(key: &'static str, value: impl ToString, fix: impl Into<String>) -> RuntimeError {
     RuntimeError::Config {
         key,
         value: value.to_string(),

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use strata_optim::{AdamConfig, LossScalerConfig};
 use strata_storage::{ByteSize, StorageConfig};
 
-use crate::config::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig};
+use crate::config::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig, bad};
 use crate::error::{Result, RuntimeError};
 use crate::gpt::GptConfig;
 use crate::tier::Tier;
@@ -262,14 +262,6 @@ impl Default for TrainConfig {
             }),
             runtime: LimitsConfig::default(),
         }
-    }
-}
-
-fn bad(key: &'static str, value: impl ToString, fix: impl Into<String>) -> RuntimeError {
-    RuntimeError::Config {
-        key,
-        value: value.to_string(),
-        fix: fix.into(),
     }
 }
 

@@ -2,7 +2,8 @@
 //! micro-batch and rank reads (a function of the seed and the step alone,
 //! so a resumed run reads what an uninterrupted one would).
 
-use crate::error::{Result, RuntimeError};
+use crate::config::bad;
+use crate::error::Result;
 
 /// A text as byte tokens (vocabulary 256).
 #[derive(Clone, Debug)]
@@ -14,11 +15,11 @@ impl ByteCorpus {
     /// A corpus of `bytes`; it must hold more than one window.
     pub fn new(bytes: Vec<u8>, seq: usize) -> Result<ByteCorpus> {
         if bytes.len() <= seq + 1 {
-            return Err(RuntimeError::Config {
-                key: "data",
-                value: format!("{} bytes", bytes.len()),
-                fix: format!("give a text longer than model.seq + 1 = {} bytes", seq + 1),
-            });
+            return Err(bad(
+                "data",
+                format!("{} bytes", bytes.len()),
+                format!("give a text longer than model.seq + 1 = {} bytes", seq + 1),
+            ));
         }
         Ok(ByteCorpus { bytes })
     }

@@ -48,8 +48,10 @@ use strata_optim::{
 };
 use strata_scheduler as sched;
 use strata_scheduler::{Action, ActionKind, Follow, Mode, Op, Processor, StepTracker, TensorClass};
+use strata_storage::engine::SplitMix64;
 
 use crate::collective::Collective;
+use crate::config::bad;
 use crate::error::{Result, RuntimeError};
 use crate::gpt::{
     BlockActivations, BlockLayout, BlockScratch, EmbedLayout, GptConfig, HeadBuffers,
@@ -155,11 +157,13 @@ impl Workspace {
     fn new(
         gpt: &GptConfig,
         batch: usize,
-        padded_max: usize,
-        shard_max: usize,
-        embed_padded: usize,
+        groups: &[Group],
+        world: usize,
         checkpoint: bool,
     ) -> Self {
+        let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
+        let padded_max = shard_max * world;
+        let embed_padded = groups[0].padded(world);
         let stream = batch * gpt.seq * gpt.hidden;
         let acts = BlockActivations::new(gpt, batch);
         let saved = if checkpoint { stream } else { acts.floats() };
@@ -183,31 +187,26 @@ impl Workspace {
     }
 
     /// Bytes of every buffer (what they would take on a GPU).
-    fn bytes(
-        gpt: &GptConfig,
-        batch: usize,
-        padded_max: usize,
-        shard_max: usize,
-        embed_padded: usize,
-        checkpoint: bool,
-    ) -> u64 {
-        let stream = batch * gpt.seq * gpt.hidden;
-        let (n, h, s) = (batch * gpt.seq, gpt.hidden, gpt.seq);
-        let d = h / gpt.heads;
-        let acts = BlockActivations::new(gpt, batch).floats();
-        let scratch = 4 * s * d + s * s + 3 * s * d + n * h * 4 + n * 3 * h + n * 8 * h;
-        let head = n * h * 2 + 2 * n + 2 * n * gpt.vocab;
-        let saved = if checkpoint { stream } else { acts };
-        let floats = 2 * padded_max
-            + 2 * shard_max
-            + embed_padded
-            + acts
-            + scratch
-            + head
-            + saved
-            + 4 * stream
-            + 2 * n;
-        4 * floats as u64 - 2 * shard_max as u64
+    fn bytes(&self) -> u64 {
+        let floats = [
+            &self.gathered,
+            &self.shard32,
+            &self.grad_full,
+            &self.dembed,
+            &self.saved,
+            &self.x,
+            &self.y,
+            &self.dx,
+            &self.dy,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum::<usize>();
+        let (bf16s, tokens) = (self.shard16.len(), self.inputs.len() + self.targets.len());
+        (4 * floats + 2 * bf16s + 4 * tokens) as u64
+            + self.acts.bytes()
+            + self.scratch.bytes()
+            + self.head.bytes()
     }
 }
 
@@ -351,10 +350,12 @@ impl CpuWorker {
                     }
                 }
             })
-            .map_err(|err| RuntimeError::Config {
-                key: "engine",
-                value: "cpu optimizer thread".into(),
-                fix: format!("could not start it ({err})"),
+            .map_err(|err| {
+                bad(
+                    "engine",
+                    "cpu optimizer thread",
+                    format!("could not start it ({err})"),
+                )
             })?;
         Ok(CpuWorker {
             jobs: Some(jobs),
@@ -421,31 +422,32 @@ impl Engine {
         let gpt = config.model.gpt();
         let (world, rank) = (collective.world(), collective.rank());
         if world != config.train.ranks {
-            return Err(RuntimeError::Config {
-                key: "train.ranks",
-                value: config.train.ranks.to_string(),
-                fix: format!("the collective group has {world} ranks: make them agree"),
-            });
+            return Err(bad(
+                "train.ranks",
+                config.train.ranks.to_string(),
+                format!("the collective group has {world} ranks: make them agree"),
+            ));
         }
         let groups = Arc::new(groups(&gpt, world, rank));
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
-        let padded_max = groups
-            .iter()
-            .map(|g| g.padded(world))
-            .max()
-            .expect("groups");
-        let embed_padded = groups[0].padded(world);
-        let checkpoint = config.train.checkpoint_activations;
         let batch = config.train.micro_batch;
-        let workspace_bytes =
-            Workspace::bytes(&gpt, batch, padded_max, shard_max, embed_padded, checkpoint);
+        let ws = Workspace::new(
+            &gpt,
+            batch,
+            &groups,
+            world,
+            config.train.checkpoint_activations,
+        );
+        let workspace_bytes = ws.bytes();
         let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
         if let Some(nvme) = &runtime_config.nvme {
             for dir in &nvme.dirs {
-                std::fs::create_dir_all(dir).map_err(|err| RuntimeError::Config {
-                    key: "nvme.dirs",
-                    value: dir.display().to_string(),
-                    fix: format!("cannot create it ({err}): choose a writable directory"),
+                std::fs::create_dir_all(dir).map_err(|err| {
+                    bad(
+                        "nvme.dirs",
+                        dir.display().to_string(),
+                        format!("cannot create it ({err}): choose a writable directory"),
+                    )
                 })?;
             }
         }
@@ -490,7 +492,7 @@ impl Engine {
             slots,
             shapes: Default::default(),
             current: 0,
-            ws: Workspace::new(&gpt, batch, padded_max, shard_max, embed_padded, checkpoint),
+            ws,
             inline: OptScratch {
                 state: vec![0.0; 3 * shard_max],
                 grad: vec![0.0; shard_max],
@@ -601,139 +603,109 @@ impl Engine {
             Placement::Device => Processor::Gpu,
             _ => Processor::Cpu,
         };
-        let access = |tensor: usize, mode: Mode| sched::Access {
-            tensor: tensor as u32,
-            mode,
-        };
+        let read = |tensor: usize| access(tensor, Mode::Read);
         let block_ns = (24.0
             * (self.config.train.micro_batch * self.gpt.seq) as f64
             * (self.gpt.hidden * self.gpt.hidden) as f64
             / FLOPS_PER_S
             * 1e9) as u64;
-        let optimizer_ns =
-            |g: usize| (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
-        let param = |g: usize, set: usize| PER_GROUP * g + set;
-        let state = |g: usize, set: usize| PER_GROUP * g + 2 + set;
-        let grad = |g: usize| PER_GROUP * g + 4;
-        let saved = |m: usize, b: usize| PER_GROUP * groups + m * layers + b;
         let mut ops = Vec::new();
-        let mut push = |work: Work, name: String, processor, accesses, compute_ns, barrier| {
-            let mut op = Op::new(name, processor, accesses, compute_ns);
-            op.barrier = barrier;
-            ops.push(StepOp { work, op });
-        };
-        let optimizer_op = |g: usize| {
-            vec![
-                access(grad(g), Mode::Read),
-                access(state(g, current), Mode::Read),
-                access(state(g, 1 - current), Mode::Write),
-                access(param(g, 1 - current), Mode::Write),
-            ]
+        let optimizer_op = |g: usize, stage: &str| {
+            let accesses = vec![
+                read(grad_index(g)),
+                read(state_index(g, current)),
+                access(state_index(g, 1 - current), Mode::Write),
+                access(param_index(g, 1 - current), Mode::Write),
+            ];
+            let compute_ns = (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
+            let name = format!("optim.{stage}{}", self.groups[g].name);
+            step_op(Work::Optimizer { g }, name, optimizer, accesses, compute_ns)
         };
         for m in 0..accumulation {
             let last = m + 1 == accumulation;
             let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
-            push(
+            let embed = read(param_index(0, current));
+            ops.push(step_op(
                 Work::EmbedForward { m },
                 format!("fwd.embed.mb{m}"),
                 gpu,
-                vec![access(param(0, current), Mode::Read)],
+                vec![embed],
                 block_ns / 8,
-                false,
-            );
+            ));
             for b in 0..layers {
-                push(
+                let accesses = vec![
+                    read(param_index(b + 1, current)),
+                    access(self.saved_index(m, b), Mode::Write),
+                ];
+                ops.push(step_op(
                     Work::BlockForward { m, b },
                     format!("fwd.block{b}.mb{m}"),
                     gpu,
-                    vec![
-                        access(param(b + 1, current), Mode::Read),
-                        access(saved(m, b), Mode::Write),
-                    ],
+                    accesses,
                     block_ns,
-                    false,
-                );
+                ));
             }
-            push(
+            ops.push(step_op(
                 Work::Head { m },
                 format!("head.mb{m}"),
                 gpu,
-                vec![access(param(0, current), Mode::Read)],
+                vec![embed],
                 block_ns / 2,
-                false,
-            );
+            ));
             for b in (0..layers).rev() {
-                push(
+                let accesses = vec![
+                    read(param_index(b + 1, current)),
+                    read(self.saved_index(m, b)),
+                    access(grad_index(b + 1), grad_mode),
+                ];
+                ops.push(step_op(
                     Work::BlockBackward { m, b },
                     format!("bwd.block{b}.mb{m}"),
                     gpu,
-                    vec![
-                        access(param(b + 1, current), Mode::Read),
-                        access(saved(m, b), Mode::Read),
-                        access(grad(b + 1), grad_mode),
-                    ],
+                    accesses,
                     3 * block_ns,
-                    false,
-                );
+                ));
                 if last {
-                    push(
-                        Work::Optimizer { g: b + 1 },
-                        format!("optim.block{b}"),
-                        optimizer,
-                        optimizer_op(b + 1),
-                        optimizer_ns(b + 1),
-                        false,
-                    );
+                    ops.push(optimizer_op(b + 1, ""));
                 }
             }
-            push(
+            let accesses = vec![access(grad_index(0), grad_mode)];
+            ops.push(step_op(
                 Work::EmbedBackward { m },
                 format!("bwd.embed.mb{m}"),
                 gpu,
-                vec![access(grad(0), grad_mode)],
+                accesses,
                 block_ns / 8,
-                false,
-            );
+            ));
             if last {
-                push(
-                    Work::Optimizer { g: 0 },
-                    "optim.embed".into(),
-                    optimizer,
-                    optimizer_op(0),
-                    optimizer_ns(0),
-                    false,
-                );
+                ops.push(optimizer_op(0, ""));
             }
         }
-        let all_grads: Vec<_> = (0..groups).map(|g| access(grad(g), Mode::Read)).collect();
-        push(
+        let all_grads: Vec<_> = (0..groups).map(|g| read(grad_index(g))).collect();
+        ops.push(step_op(
             Work::Decide,
             "decide".into(),
             optimizer,
             all_grads.clone(),
             1000,
-            true,
-        );
+        ));
         if redo {
             for g in (0..groups).rev() {
-                push(
-                    Work::Optimizer { g },
-                    format!("optim.redo.{}", self.groups[g].name),
-                    optimizer,
-                    optimizer_op(g),
-                    optimizer_ns(g),
-                    false,
-                );
+                ops.push(optimizer_op(g, "redo."));
             }
         }
-        push(
+        ops.push(step_op(
             Work::Commit,
             "commit".into(),
             optimizer,
             all_grads,
             1000,
-            false,
-        );
+        ));
+        let decide = ops
+            .iter_mut()
+            .find(|s| s.work == Work::Decide)
+            .expect("pushed above");
+        decide.op.barrier = true;
         ops
     }
 
@@ -771,8 +743,8 @@ impl Engine {
         let param: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
         for set in 0..2 {
             let current = set == self.current;
-            let p = PER_GROUP * g + set;
-            let s = PER_GROUP * g + 2 + set;
+            let p = param_index(g, set);
+            let s = state_index(g, set);
             self.place_persistent(p, current.then_some(bytemuck::cast_slice(&param)))?;
             self.place_persistent(s, current.then_some(bytemuck::cast_slice(&state)))?;
         }
@@ -1024,7 +996,6 @@ impl Engine {
         for access in &step_op.op.accesses {
             self.settle_pending(access.tensor as usize)?;
         }
-        let n = self.config.train.micro_batch * self.gpt.seq;
         let batch = self.config.train.micro_batch;
         let world = self.collective.world();
         match step_op.work {
@@ -1062,7 +1033,7 @@ impl Engine {
                     ws.acts.save(&mut ws.saved);
                 }
                 let index = self.saved_index(m, b);
-                self.write_tensor(index, Tier::Device, Mode::Write, Kept::Saved)?;
+                self.write_tensor(index, Tier::Device, Kept::Saved)?;
             }
             Work::Head { .. } => {
                 self.gather(0)?;
@@ -1127,15 +1098,12 @@ impl Engine {
                     &ws.dy,
                     &mut ws.dembed[..embed_params],
                 );
-                let padded = self.groups[0].padded(world);
-                ws.grad_full[..padded].copy_from_slice(&ws.dembed[..padded]);
                 self.reduce_gradient(0, m)?;
             }
             Work::Optimizer { g } => self.optimizer(step_op, g, update)?,
             Work::Decide => unreachable!("decided by Engine::decide"),
             Work::Commit => self.drain_worker()?,
         }
-        debug_assert_eq!(n, self.ws.inputs.len());
         self.issue_actions(true)
     }
 
@@ -1146,7 +1114,7 @@ impl Engine {
     /// All-gathers group `g`'s current bf16 shards into the workspace (as
     /// f32: the values are bf16's).
     fn gather(&mut self, g: usize) -> Result<()> {
-        let index = PER_GROUP * g + self.current;
+        let index = param_index(g, self.current);
         let id = self.slots[index].id.expect("parameters are registered");
         let n = self.groups[g].shard;
         guard(&self.runtime, id, Tier::Device, Access::Read)?
@@ -1166,15 +1134,22 @@ impl Engine {
     fn reduce_gradient(&mut self, g: usize, m: usize) -> Result<()> {
         let n = self.groups[g].shard;
         let padded = self.groups[g].padded(self.collective.world());
+        // The embeddings' gradient gathers the head's and the embedding's
+        // parts over the whole backward in its own buffer.
+        let full = if g == 0 {
+            &self.ws.dembed
+        } else {
+            &self.ws.grad_full
+        };
         self.collective
-            .reduce_scatter(&self.ws.grad_full[..padded], &mut self.ws.shard32[..n])?;
-        let index = PER_GROUP * g + 4;
+            .reduce_scatter(&full[..padded], &mut self.ws.shard32[..n])?;
+        let index = grad_index(g);
         if m == 0 {
-            self.write_tensor(index, Tier::Device, Mode::Write, Kept::Shard(n))
+            self.write_tensor(index, Tier::Device, Kept::Shard(n))
         } else {
             let id = self.slots[index].id.expect("written in micro-batch 0");
             let mut held = guard(&self.runtime, id, Tier::Device, Access::Write)?;
-            // The full gradient is reduced: its buffer holds the sum now.
+            // The full gradient is reduced: its buffer is free for the sum.
             let sum = &mut self.ws.grad_full[..n];
             held.read_into(bytemuck::cast_slice_mut(sum))?;
             for (sum, add) in sum.iter_mut().zip(&self.ws.shard32[..n]) {
@@ -1187,8 +1162,7 @@ impl Engine {
     /// Writes a workspace buffer whole into a tensor on `tier`: over its
     /// copy there when it has one, else into a fresh tensor (the old one,
     /// stale, is freed).
-    fn write_tensor(&mut self, index: usize, tier: Tier, mode: Mode, kept: Kept) -> Result<()> {
-        debug_assert_eq!(mode, Mode::Write);
+    fn write_tensor(&mut self, index: usize, tier: Tier, kept: Kept) -> Result<()> {
         let id = self.writable(index, tier)?;
         let data: &[u8] = match kept {
             Kept::Saved => bytemuck::cast_slice(&self.ws.saved),
@@ -1229,13 +1203,13 @@ impl Engine {
             Processor::Cpu => Tier::Host,
         };
         let (current, next) = (self.current, 1 - self.current);
-        let state_out = self.writable(PER_GROUP * g + 2 + next, tier)?;
-        let param_out = self.writable(PER_GROUP * g + next, tier)?;
+        let state_out = self.writable(state_index(g, next), tier)?;
+        let param_out = self.writable(param_index(g, next), tier)?;
         let job = OptJob {
             group: g,
             tier,
-            grad: self.slots[PER_GROUP * g + 4].id.expect("gradient reduced"),
-            state_in: self.slots[PER_GROUP * g + 2 + current]
+            grad: self.slots[grad_index(g)].id.expect("gradient reduced"),
+            state_in: self.slots[state_index(g, current)]
                 .id
                 .expect("states registered"),
             state_out,
@@ -1260,7 +1234,7 @@ impl Engine {
                     &mut self.inline,
                     &job,
                 )?;
-                self.sum_squares[g] = self.sum_squares[g].max(sum_squares);
+                self.sum_squares[g] = sum_squares;
             }
         }
         Ok(())
@@ -1290,15 +1264,11 @@ impl Engine {
         }
         let mut first_error = None;
         for (group, result) in self.finished.drain(..) {
-            {
-                match result {
-                    // A redone update sees the same gradients: keep the first sum.
-                    Ok(sum_squares) => {
-                        self.sum_squares[group] = self.sum_squares[group].max(sum_squares)
-                    }
-                    Err(err) => {
-                        first_error.get_or_insert(err);
-                    }
+            match result {
+                // A redone update sees the same gradients, so the same sum.
+                Ok(sum_squares) => self.sum_squares[group] = sum_squares,
+                Err(err) => {
+                    first_error.get_or_insert(err);
                 }
             }
         }
@@ -1450,7 +1420,7 @@ impl Engine {
     /// Group `g`'s current master weights and moments, read where they
     /// are and left at home.
     fn read_state(&mut self, g: usize, out: &mut [f32]) -> Result<()> {
-        let index = PER_GROUP * g + 2 + self.current;
+        let index = state_index(g, self.current);
         let id = self.slots[index].id.expect("states registered");
         let home = self.slots[index].home.expect("states have a home");
         let tier = if self.runtime.residency(id)?.contains(&Tier::Device) {
@@ -1519,6 +1489,40 @@ impl Engine {
     }
 }
 
+/// Trace indices of a group's tensors: parameter set `set` (0 or 1), state
+/// set `set`, and the gradient.
+fn param_index(g: usize, set: usize) -> usize {
+    PER_GROUP * g + set
+}
+
+fn state_index(g: usize, set: usize) -> usize {
+    PER_GROUP * g + 2 + set
+}
+
+fn grad_index(g: usize) -> usize {
+    PER_GROUP * g + 4
+}
+
+fn access(tensor: usize, mode: Mode) -> sched::Access {
+    sched::Access {
+        tensor: tensor as u32,
+        mode,
+    }
+}
+
+fn step_op(
+    work: Work,
+    name: String,
+    processor: Processor,
+    accesses: Vec<sched::Access>,
+    compute_ns: u64,
+) -> StepOp {
+    StepOp {
+        work,
+        op: Op::new(name, processor, accesses, compute_ns),
+    }
+}
+
 /// Whether an action releases a copy (issued after its op ran).
 fn release(action: &Action) -> bool {
     matches!(
@@ -1549,6 +1553,12 @@ fn split_tokens(
         inputs[i * seq..(i + 1) * seq].copy_from_slice(&sequence[..seq]);
         targets[i * seq..(i + 1) * seq].copy_from_slice(&sequence[1..]);
     }
+}
+
+/// The most floats one collective call carries: a whole (padded) group.
+fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
+    let shard_max = groups(gpt, world, 0).iter().map(|g| g.shard).max();
+    shard_max.expect("groups") * world
 }
 
 /// The parameter groups (embeddings, then each block) and this rank's
@@ -1654,13 +1664,13 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
 /// (0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers),
 /// LayerNorm scales 1, biases 0.
 fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
-    let mut rng = SplitMix(seed ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut rng = SplitMix64(seed ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let h = gpt.hidden;
     if g == 0 {
         let layout = EmbedLayout::new(gpt);
         let matrices = gpt.vocab * h + gpt.seq * h;
         for x in &mut out[..matrices] {
-            *x = 0.02 * rng.normal();
+            *x = 0.02 * normal(&mut rng);
         }
         out[matrices..matrices + h].fill(1.0);
         out[matrices + h..layout.total].fill(0.0);
@@ -1689,8 +1699,10 @@ fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
         let piece = &mut out[at..at + size];
         match part {
             0 | 6 => piece.fill(1.0),
-            2 | 8 => piece.iter_mut().for_each(|x| *x = 0.02 * rng.normal()),
-            4 | 10 => piece.iter_mut().for_each(|x| *x = residual * rng.normal()),
+            2 | 8 => piece.iter_mut().for_each(|x| *x = 0.02 * normal(&mut rng)),
+            4 | 10 => piece
+                .iter_mut()
+                .for_each(|x| *x = residual * normal(&mut rng)),
             _ => piece.fill(0.0),
         }
         at += size;
@@ -1698,27 +1710,12 @@ fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
     debug_assert_eq!(at, layout.total);
 }
 
-/// SplitMix64 with Box-Muller normals: a seeded, portable stream.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn uniform(&mut self) -> f64 {
-        ((self.next() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    fn normal(&mut self) -> f32 {
-        let (u, v) = (self.uniform(), self.uniform());
-        ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
-    }
+/// A normal deviate by Box-Muller from the shared seeded generator.
+fn normal(rng: &mut SplitMix64) -> f32 {
+    // Uniforms in (0, 1], so the logarithm is finite.
+    let mut uniform = || ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+    let (u, v) = (uniform(), uniform());
+    ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
 }
 
 fn links() -> sched::Links {

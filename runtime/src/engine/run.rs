@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::{ByteCorpus, Checkpoint, Engine, StepReport, TrainConfig};
 use crate::collective::{Collective, InProcess};
+use crate::config::bad;
 use crate::error::{Result, RuntimeError};
 use crate::stats::Stats;
 use crate::tier::Tier;
@@ -109,18 +110,14 @@ pub fn run(
 ) -> Result<RunSummary> {
     config.validate()?;
     let world = config.train.ranks;
-    let padded_max = (config
-        .model
-        .gpt()
-        .block_params()
-        .max(config.model.gpt().embed_params()))
-    .div_ceil(world)
-        * world;
     let resume = match &options.resume {
         Some(path) => Some(Checkpoint::open(path)?),
         None => None,
     };
-    let collectives = InProcess::group(world, padded_max);
+    let collectives = InProcess::group(
+        world,
+        super::collective_elems_max(&config.model.gpt(), world),
+    );
     let (sender, receiver) = channel::<(StepReport, Stats)>();
     let stop = options
         .stop_after
@@ -138,10 +135,12 @@ pub fn run(
                     .spawn_scoped(scope, move || {
                         rank_main(config, corpus, collective, resume, trace, stop, sender)
                     })
-                    .map_err(|err| RuntimeError::Config {
-                        key: "train.ranks",
-                        value: world.to_string(),
-                        fix: format!("could not start a rank thread ({err}): use fewer"),
+                    .map_err(|err| {
+                        bad(
+                            "train.ranks",
+                            world.to_string(),
+                            format!("could not start a rank thread ({err}): use fewer"),
+                        )
                     }),
             );
         }
@@ -232,19 +231,20 @@ fn rank_main(
         return Ok(None);
     }
     if let Some(path) = trace {
-        let mut file = std::fs::File::create(&path).map_err(|err| RuntimeError::Config {
-            key: "--trace",
-            value: path.display().to_string(),
-            fix: format!("cannot create it ({err}): choose a writable path"),
+        let mut file = std::fs::File::create(&path).map_err(|err| {
+            bad(
+                "--trace",
+                path.display().to_string(),
+                format!("cannot create it ({err}): choose a writable path"),
+            )
         })?;
-        engine
-            .runtime()
-            .write_trace(&mut file)
-            .map_err(|err| RuntimeError::Config {
-                key: "--trace",
-                value: path.display().to_string(),
-                fix: format!("cannot write it ({err})"),
-            })?;
+        engine.runtime().write_trace(&mut file).map_err(|err| {
+            bad(
+                "--trace",
+                path.display().to_string(),
+                format!("cannot write it ({err})"),
+            )
+        })?;
     }
     let stats = engine.runtime().stats();
     let prediction = engine.prediction();

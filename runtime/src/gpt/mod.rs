@@ -33,13 +33,7 @@ pub struct GptConfig {
 impl GptConfig {
     /// Checks the shape; the error names the field.
     pub fn validate(&self) -> Result<(), RuntimeError> {
-        let bad = |key: &'static str, value: usize, fix: String| {
-            Err(RuntimeError::Config {
-                key,
-                value: value.to_string(),
-                fix,
-            })
-        };
+        let bad = |key, value: usize, fix: String| Err(crate::config::bad(key, value, fix));
         for (key, value) in [
             ("model.vocab", self.vocab),
             ("model.seq", self.seq),
@@ -316,6 +310,21 @@ impl BlockScratch {
             df: vec![0.0; n * 4 * h],
             da: vec![0.0; n * h],
         }
+    }
+}
+
+impl BlockScratch {
+    /// Bytes these buffers hold.
+    pub fn bytes(&self) -> u64 {
+        let s = self;
+        let floats: usize = [
+            &s.q, &s.k, &s.v, &s.o, &s.dp, &s.dq, &s.dk, &s.dv, &s.datt, &s.dqkv, &s.dx1, &s.dc,
+            &s.dg, &s.df, &s.da,
+        ]
+        .iter()
+        .map(|v| v.len())
+        .sum();
+        4 * floats as u64
     }
 }
 
@@ -667,6 +676,18 @@ impl HeadBuffers {
             dlogits: vec![0.0; n * config.vocab],
             dhf: vec![0.0; n * h],
         }
+    }
+}
+
+impl HeadBuffers {
+    /// Bytes these buffers hold.
+    pub fn bytes(&self) -> u64 {
+        let b = self;
+        let floats: usize = [&b.hf, &b.mean, &b.rstd, &b.logits, &b.dlogits, &b.dhf]
+            .iter()
+            .map(|v| v.len())
+            .sum();
+        4 * floats as u64
     }
 }
 
