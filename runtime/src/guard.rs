@@ -66,6 +66,20 @@ impl View {
         }
     }
 
+    /// Fills a copy being placed (marked moving, so nothing else uses it)
+    /// with `data`, exactly the tensor's size. False when the copy is not
+    /// addressable from the host (a GPU's memory).
+    pub(crate) fn fill_from(&self, shared: &Shared, data: &[u8]) -> bool {
+        let mut offset = 0;
+        self.pieces(shared, data.len() as u64, &mut |ptr, len| {
+            // SAFETY: the copy is being placed (marked moving): no guard or
+            // transfer touches it, and it stays allocated until placed.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+            bytes.copy_from_slice(&data[offset..offset + len]);
+            offset += len;
+        })
+    }
+
     /// Fills a freshly registered copy with zeros: host buffers here, the
     /// device's memory by the device itself.
     pub(crate) fn fill_zero(&self, shared: &Shared, len_bytes: u64) -> Result<()> {
@@ -106,7 +120,8 @@ impl Guard {
         let mut state = shared.lock();
         loop {
             let entry = state.entry(id)?;
-            if entry.is_moving() {
+            let read_through = access == Access::Read && entry.readable_during_move(tier);
+            if entry.is_moving() && !read_through {
                 waited_since.get_or_insert_with(Instant::now);
                 state = shared.changed.wait(state).expect("runtime state lock");
                 continue;

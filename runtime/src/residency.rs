@@ -49,6 +49,10 @@ pub(crate) struct Entry {
     copies: [Option<Copy>; 3],
     /// Target of the move in flight.
     moving: Option<Tier>,
+    /// Tiers above this one keep their copies through the move in flight,
+    /// so readers may take them meanwhile (a write-back to NVMe does not
+    /// stop the device copy's readers). `Tier::Device`: none.
+    kept_above: Tier,
     readers: [u32; 3],
     writer: bool,
     last_use: u64,
@@ -63,6 +67,12 @@ impl Entry {
 
     pub(crate) fn is_moving(&self) -> bool {
         self.moving.is_some()
+    }
+
+    /// Whether a reader may take the copy in `tier` now: no move, or one
+    /// that neither writes nor releases it.
+    pub(crate) fn readable_during_move(&self, tier: Tier) -> bool {
+        self.moving.is_some() && tier < self.kept_above && self.valid(tier)
     }
 
     pub(crate) fn has_writer(&self) -> bool {
@@ -144,6 +154,9 @@ pub(crate) struct Shared {
 struct Job {
     tensor: TensorId,
     target: Tier,
+    /// Copies from this tier down to the target are released once the
+    /// target holds the data (those above it stay).
+    release_from: Tier,
     done: Arc<MoveDone>,
 }
 
@@ -216,7 +229,11 @@ impl Completion {
 /// ```
 pub struct Runtime {
     shared: Arc<Shared>,
+    /// Moves that touch NVMe, for `runtime.movers` threads.
     jobs: Option<SyncSender<Job>>,
+    /// Moves between host and device only, for a thread of their own, so
+    /// that a short device copy never queues behind NVMe transfers.
+    device_jobs: Option<SyncSender<Job>>,
     movers: Vec<JoinHandle<()>>,
 }
 
@@ -321,9 +338,17 @@ impl Runtime {
         });
         let (jobs, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
         let receiver = Arc::new(Mutex::new(receiver));
-        let mut movers = Vec::with_capacity(config.runtime.movers);
-        for lane in 0..config.runtime.movers {
-            let (shared, receiver) = (shared.clone(), receiver.clone());
+        let (device_jobs, device_receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
+        let device_receiver = Arc::new(Mutex::new(device_receiver));
+        let mut movers = Vec::with_capacity(config.runtime.movers + 1);
+        // Lanes 0..movers serve NVMe moves; lane `movers` device moves.
+        for lane in 0..=config.runtime.movers {
+            let receiver = if lane == config.runtime.movers {
+                device_receiver.clone()
+            } else {
+                receiver.clone()
+            };
+            let shared = shared.clone();
             let mover = std::thread::Builder::new()
                 .name(format!("strata-mover-{lane}"))
                 .spawn(move || mover_loop(&shared, &receiver, lane as u32))
@@ -337,6 +362,7 @@ impl Runtime {
         Ok(Self {
             shared,
             jobs: Some(jobs),
+            device_jobs: Some(device_jobs),
             movers,
         })
     }
@@ -387,6 +413,7 @@ impl Runtime {
                 chunks: chunks.into(),
                 copies: [None, None, None],
                 moving: Some(tier),
+                kept_above: Tier::Device,
                 readers: [0; 3],
                 writer: false,
                 last_use: 0,
@@ -444,17 +471,34 @@ impl Runtime {
     /// releases the copies above `target` once the data is safe there. A move
     /// through two tiers stages in pinned host buffers.
     pub fn move_to(&self, id: TensorId, target: Tier) -> Result<Completion> {
+        self.start_move(id, target, Tier::Device)
+    }
+
+    /// Makes a copy in `target` and keeps every other one (a write-back
+    /// to NVMe that leaves the host and device copies in place). Returns at
+    /// once, like [`Runtime::move_to`].
+    pub fn copy_to(&self, id: TensorId, target: Tier) -> Result<Completion> {
+        self.start_move(id, target, target)
+    }
+
+    /// Writes the copy in `from` down to `to`, the tier below, and releases
+    /// it, keeping any copy above `from` (evicting a host copy to NVMe
+    /// leaves the device's alone). Returns at once, like
+    /// [`Runtime::move_to`].
+    pub fn evict(&self, id: TensorId, from: Tier, to: Tier) -> Result<Completion> {
+        assert_eq!(from.below(), Some(to), "evictions go one tier down");
+        self.start_move(id, to, from)
+    }
+
+    fn start_move(&self, id: TensorId, target: Tier, release_from: Tier) -> Result<Completion> {
+        let releasing = &Tier::ALL[release_from.index().min(target.index())..target.index()];
         let bytes = {
             let mut state = self.shared.lock();
             let entry = state.entry(id)?;
             if let Some(moving_to) = entry.moving {
                 return Err(moving_error(id, entry, moving_to));
             }
-            if entry.writer
-                || Tier::ALL[..target.index()]
-                    .iter()
-                    .any(|t| entry.readers[t.index()] > 0)
-            {
+            if entry.writer || releasing.iter().any(|t| entry.readers[t.index()] > 0) {
                 return Err(in_use_error(id, entry));
             }
             if target == Tier::Nvme && self.shared.store.is_none() {
@@ -465,23 +509,29 @@ impl Runtime {
                 });
             }
             if entry.valid(target) {
-                state.release_above(id, target);
+                state.release_between(id, release_from, target);
                 drop(state);
                 self.shared.changed.notify_all();
                 return Ok(Completion::ready(&self.shared, id, Ok(())));
             }
             let len_bytes = entry.len_bytes;
-            state.entry_mut(id)?.moving = Some(target);
-            len_bytes
+            let nvme =
+                target == Tier::Nvme || !(entry.valid(Tier::Device) || entry.valid(Tier::Host));
+            let entry = state.entry_mut(id)?;
+            entry.moving = Some(target);
+            entry.kept_above = release_from.min(target);
+            (len_bytes, nvme)
         };
+        let (bytes, nvme) = bytes;
         let done = Arc::new(MoveDone::default());
         let job = Job {
             tensor: id,
             target,
+            release_from,
             done: done.clone(),
         };
-        let sent = self
-            .jobs
+        let queue = if nvme { &self.jobs } else { &self.device_jobs };
+        let sent = queue
             .as_ref()
             .expect("jobs open while the runtime lives")
             .send(job);
@@ -530,6 +580,87 @@ impl Runtime {
     /// other (now stale) copy.
     pub fn acquire(&self, id: TensorId, tier: Tier, access: Access) -> Result<Guard> {
         Guard::acquire(&self.shared, id, tier, access)
+    }
+
+    /// Replaces the tensor's bytes with `data` (exactly its size) in `tier`
+    /// without reading the old ones: a tier without a copy gets fresh space
+    /// (spilling others as a move would), and every other copy, now stale,
+    /// is released. For tensors written whole (optimizer outputs,
+    /// gradients); a fetch before the write would move bytes for nothing.
+    pub fn overwrite(&self, id: TensorId, tier: Tier, data: &[u8]) -> Result<()> {
+        loop {
+            match self.acquire(id, tier, Access::Write) {
+                Ok(mut guard) => return guard.write_from(data),
+                Err(RuntimeError::NotResident { .. }) => {}
+                Err(err) => return Err(err),
+            }
+            {
+                let mut state = self.shared.lock();
+                let entry = state.entry(id)?;
+                if entry.is_moving() || entry.valid(tier) {
+                    // Landed or moving meanwhile: the guard path again.
+                    continue;
+                }
+                if entry.in_use() {
+                    return Err(in_use_error(id, entry));
+                }
+                if data.len() as u64 != entry.len_bytes {
+                    return Err(RuntimeError::SizeMismatch {
+                        tensor: id,
+                        name: entry.meta.name.clone(),
+                        tensor_bytes: entry.len_bytes,
+                        given_bytes: data.len() as u64,
+                    });
+                }
+                if tier == Tier::Nvme {
+                    return Err(RuntimeError::Config {
+                        key: "tier",
+                        value: "nvme".into(),
+                        fix: "overwrite a device or host copy, then move it to nvme".into(),
+                    });
+                }
+                state.entry_mut(id)?.moving = Some(tier);
+            }
+            let placed = self.shared.allocate(id, tier, CALLER_LANE).map(|()| {
+                let state = self.shared.lock();
+                let entry = state.entry(id).expect("marked moving: not freed");
+                View::of(entry, tier)
+            });
+            let mut state = self.shared.lock();
+            let outcome = match placed {
+                Ok(view) => {
+                    drop(state);
+                    let filled = view.fill_from(&self.shared, data);
+                    state = self.shared.lock();
+                    if filled {
+                        let entry = state.entry_mut(id)?;
+                        entry.copies[tier.index()]
+                            .as_mut()
+                            .expect("allocated")
+                            .valid = true;
+                        state.release_others(id, tier);
+                        Ok(true)
+                    } else {
+                        // Not host-addressable: give the space back and
+                        // take the fetch-then-write path.
+                        state.drop_copy(id, tier);
+                        Ok(false)
+                    }
+                }
+                Err(err) => Err(err),
+            };
+            state.entry_mut(id)?.moving = None;
+            drop(state);
+            self.shared.changed.notify_all();
+            match outcome {
+                Ok(true) => return Ok(()),
+                Ok(false) => {
+                    self.move_to(id, tier)?.wait()?;
+                    return self.acquire(id, tier, Access::Write)?.write_from(data);
+                }
+                Err(err) => return Err(err),
+            }
+        }
     }
 
     /// Tells the spill policy when the tensor is next needed (a position in
@@ -607,6 +738,7 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         // Movers finish the queued moves, then stop.
         self.jobs = None;
+        self.device_jobs = None;
         for mover in self.movers.drain(..) {
             let _ = mover.join();
         }
@@ -617,7 +749,7 @@ fn mover_loop(shared: &Arc<Shared>, receiver: &Mutex<Receiver<Job>>, lane: u32) 
     loop {
         let job = receiver.lock().expect("job queue lock").recv();
         let Ok(job) = job else { return };
-        let result = shared.execute_move(job.tensor, job.target, lane);
+        let result = shared.execute_move(job.tensor, job.target, job.release_from, lane);
         shared.finish_move(job.tensor);
         if let Err(err) = &result {
             tracing::debug!("move of {} to {} failed: {err}", job.tensor, job.target);
@@ -733,8 +865,9 @@ impl State {
         }
     }
 
-    fn release_above(&mut self, id: TensorId, target: Tier) {
-        for tier in &Tier::ALL[..target.index()] {
+    /// Drops the copies in `from` and the tiers below it, above `target`.
+    fn release_between(&mut self, id: TensorId, from: Tier, target: Tier) {
+        for tier in &Tier::ALL[from.index().min(target.index())..target.index()] {
             self.drop_copy(id, *tier);
         }
     }
@@ -827,6 +960,7 @@ impl Shared {
     fn finish_move(&self, id: TensorId) {
         if let Some(entry) = self.lock().tensors.get_mut(&id) {
             entry.moving = None;
+            entry.kept_above = Tier::Device;
         }
         self.changed.notify_all();
     }
@@ -834,11 +968,18 @@ impl Shared {
     /// Carries out a move whose `moving` mark is set: hop by hop toward
     /// `target`, then releases the copies above it. On failure every copy
     /// that was valid before still is.
-    fn execute_move(&self, id: TensorId, target: Tier, lane: u32) -> Result<()> {
+    fn execute_move(
+        &self,
+        id: TensorId,
+        target: Tier,
+        release_from: Tier,
+        lane: u32,
+    ) -> Result<()> {
         let releasing: Vec<Tier> = {
             let mut state = self.lock();
             let entry = state.entry(id)?;
-            let tiers: Vec<Tier> = Tier::ALL[..target.index()]
+            let tiers: Vec<Tier> = Tier::ALL
+                [release_from.index().min(target.index())..target.index()]
                 .iter()
                 .copied()
                 .filter(|&t| entry.copies[t.index()].is_some())
@@ -854,7 +995,7 @@ impl Shared {
             state.releasing[tier.index()] -= 1;
         }
         if result.is_ok() {
-            state.release_above(id, target);
+            state.release_between(id, release_from, target);
         }
         drop(state);
         self.changed.notify_all();
@@ -947,7 +1088,8 @@ impl Shared {
                 let bytes = state.entry(victim)?.len_bytes;
                 drop(state);
                 let started = Instant::now();
-                let result = self.execute_move(victim, below, lane);
+                // The spilled tier's copy goes; one above it stays.
+                let result = self.execute_move(victim, below, tier, lane);
                 self.finish_move(victim);
                 result?;
                 self.lock().stats.spills_written += 1;

@@ -158,3 +158,35 @@ fn a_cuda_device_is_refused_until_the_engine_has_cuda_kernels() {
     let err = TrainConfig::from_toml("[device]\nkind = \"cuda\"\n").unwrap_err();
     assert!(err.to_string().contains("device.kind"), "{err}");
 }
+
+/// The CPU thread's updates, speculative (kept when the step is not
+/// clipped) or late (run in the next step's forward), compute exactly what
+/// the device's inline updates do, and a clipped step is never updated
+/// speculatively.
+#[test]
+fn speculative_late_and_inline_updates_agree_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    for clip_norm in [1e9, 0.05] {
+        let mut cpu = tiny(dir.path());
+        cpu.train.steps = 6;
+        cpu.train.clip_norm = clip_norm;
+        let mut device = cpu.clone();
+        device.placement.params = Placement::Device;
+        device.placement.optimizer = Placement::Device;
+        device.device.budget = ByteSize(32 << 20);
+        let a = run(&cpu, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        let b = run(&device, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        assert_eq!((a.reports.len(), b.reports.len()), (6, 6));
+        for (x, y) in a.reports.iter().zip(&b.reports) {
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
+            assert!(y.late || y.skipped, "inline updates are late: {y:?}");
+            let clipped = x.clip < 1.0;
+            assert_eq!(clipped, clip_norm < 1.0, "{x:?}");
+            if !x.skipped {
+                // Unclipped steps keep their speculative update; clipped
+                // ones update late.
+                assert_eq!(x.late, clipped, "{x:?}");
+            }
+        }
+    }
+}

@@ -110,6 +110,70 @@ fn writes_release_stale_copies() {
     assert_eq!(read_back(&runtime, id), pattern(3, 65536));
 }
 
+#[test]
+fn overwrite_reads_nothing_and_releases_stale_copies() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let bytes = 2 * 65536 + 4096;
+    let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
+    fill(&runtime, id, Tier::Host, &pattern(1, bytes as usize));
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    let read_before = runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes;
+    runtime
+        .overwrite(id, Tier::Host, &pattern(2, bytes as usize))
+        .unwrap();
+    assert_eq!(
+        runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes,
+        read_before,
+        "the old bytes are not fetched"
+    );
+    assert_eq!(
+        runtime.residency(id).unwrap(),
+        vec![Tier::Host],
+        "the NVMe copy is stale"
+    );
+    assert_eq!(read(&runtime, id, Tier::Host), pattern(2, bytes as usize));
+    // Over a resident copy too, and the wrong size is named.
+    runtime
+        .overwrite(id, Tier::Host, &pattern(3, bytes as usize))
+        .unwrap();
+    assert_eq!(read(&runtime, id, Tier::Host), pattern(3, bytes as usize));
+    let err = runtime.overwrite(id, Tier::Device, &[0; 8]).unwrap_err();
+    assert!(
+        matches!(err, RuntimeError::SizeMismatch { given_bytes: 8, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn copy_to_and_evict_keep_the_copies_above() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let id = runtime.register(meta("w", 65536), Tier::Host).unwrap();
+    fill(&runtime, id, Tier::Host, &pattern(5, 65536));
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    // A write-back to NVMe: a device reader is not held up by it, and
+    // every copy stays.
+    let reader = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    let writeback = runtime.copy_to(id, Tier::Nvme).unwrap();
+    let second = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    drop((reader, second));
+    writeback.wait().unwrap();
+    assert_eq!(runtime.residency(id).unwrap(), Tier::ALL.to_vec());
+    // Evicting the host copy leaves the device's.
+    runtime
+        .evict(id, Tier::Host, Tier::Nvme)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        runtime.residency(id).unwrap(),
+        vec![Tier::Device, Tier::Nvme]
+    );
+    assert_eq!(read(&runtime, id, Tier::Device), pattern(5, 65536));
+    assert_eq!(read_back(&runtime, id), pattern(5, 65536));
+}
+
 fn read_back(runtime: &Runtime, id: TensorId) -> Vec<u8> {
     runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
     read(runtime, id, Tier::Host)

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
+use strata_runtime::Link;
 use strata_runtime::engine::{self, ByteCorpus, RunOptions, RunSummary, TrainConfig};
 
 /// The text `strata train` learns by default (byte tokens).
@@ -108,29 +109,33 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         moved_before = moved;
         bar.set_position(r.step);
         bar.set_message(format!(
+            // Stats' links are in `Link` order: h->nvme, nvme->h, h->d, d->h.
             "loss {:.4}  {:.0} tok/s  moved h->d {} d->h {} nvme->h {} h->nvme {}",
             r.loss,
             r.tokens as f64 / r.seconds,
-            step_moved[0],
-            step_moved[1],
-            step_moved[2],
-            step_moved[3],
+            step_moved[Link::HostToDevice.index()],
+            step_moved[Link::DeviceToHost.index()],
+            step_moved[Link::NvmeToHost.index()],
+            step_moved[Link::HostToNvme.index()],
         ));
         if bar.is_hidden() && !args.json {
             eprintln!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  grad-norm {:.3}{}  {:.0} tok/s",
+                "step {:>5}  loss {:.4}  lr {:.2e}  grad-norm {:.3}{}  {:.0} tok/s  (waited {:.0} ms for the optimizer)",
                 r.step,
                 r.loss,
                 r.lr,
                 r.grad_norm,
                 if r.skipped {
                     "  (overflow: skipped)"
-                } else if r.redone {
-                    "  (clipped)"
+                } else if r.late && r.clip < 1.0 {
+                    "  (clipped: updated during the next forward)"
+                } else if r.late {
+                    "  (updated during the next forward)"
                 } else {
                     ""
                 },
                 r.tokens as f64 / r.seconds,
+                r.optimizer_wait_s * 1e3,
             );
         }
     })?;

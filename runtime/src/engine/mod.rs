@@ -8,14 +8,19 @@
 //! each block's forward (all-gather its bf16 shards, keep its input, or all
 //! its activations without checkpointing), the head and loss, then each
 //! block's backward (recompute from the kept input, reduce-scatter the
-//! gradients into this rank's fp32 gradient shard). In the last
-//! micro-batch the optimizer step of a group starts as soon as its
-//! gradient shard is final, on the CPU thread while backward goes on,
-//! writing the updated master weights, moments and bf16 copy into a second
-//! set of tensors. Once every gradient is in, the global norm decides: no
-//! clipping and no overflow keeps that speculative update, clipping redoes
-//! it from the untouched first set with the clip coefficient, an overflow
-//! skips it. Updates are never stale or partial.
+//! gradients into this rank's fp32 gradient shard). Updates write the new
+//! master weights, moments and bf16 copy into a second set of tensors, so
+//! the first stays whole until the global norm decides, and run on the CPU
+//! thread overlapped with compute in one of two ways:
+//! - speculative: when the last step was not clipped, a group's update
+//!   starts as soon as its gradient shard is final, while backward goes
+//!   on. If the norm then says no clipping, it is kept.
+//! - late: when the last step was clipped (or a speculation turns out to
+//!   be), the update, with the clip coefficient, runs during the next
+//!   step's forward, each group's just before the block that reads it.
+//!
+//! An overflow skips the update. Either way each update is the one exact
+//! clipped step: never stale, never partial.
 //!
 //! The engine knows its step's ops before it runs, so it plans each shape
 //! of step up front ([`StepTracker::prime`]): the plan's peaks are the
@@ -70,8 +75,11 @@ const COPY_BYTES_PER_S: f64 = 8e9;
 const NVME_BYTES_PER_S: f64 = 2e9;
 /// What the planner assumes the compute runs at, per op.
 const FLOPS_PER_S: f64 = 2e10;
-/// Plans kept: (current set 0 or 1) x (kept or redone update), and room.
-const PLANS_MAX: usize = 8;
+/// Shapes of step: current set (0 or 1) x speculative updates (or not) x
+/// late updates from the step before (or not).
+const SHAPES: usize = 8;
+/// Plans kept: one per shape.
+const PLANS_MAX: usize = SHAPES;
 
 /// One step's outcome on this rank (values are global: all-reduced).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -89,14 +97,18 @@ pub struct StepReport {
     /// A gradient overflowed: the update was skipped and the loss scale
     /// backed off.
     pub skipped: bool,
-    /// Clipping applied, so the overlapped update was redone.
-    pub redone: bool,
+    /// The update is late: it runs during the next step's forward (the
+    /// step was clipped, so it could not be done speculatively).
+    pub late: bool,
     /// The loss scale the step used.
     pub loss_scale: f32,
     /// Tokens over all ranks.
     pub tokens: u64,
     /// Wall time of the step.
     pub seconds: f64,
+    /// Of which compute waited for the CPU optimizer thread (late updates
+    /// before a block's forward, the commit).
+    pub optimizer_wait_s: f64,
 }
 
 /// What the plans predict per tier for this rank.
@@ -111,12 +123,29 @@ pub struct Prediction {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Work {
-    EmbedForward { m: usize },
-    BlockForward { m: usize, b: usize },
-    Head { m: usize },
-    BlockBackward { m: usize, b: usize },
-    EmbedBackward { m: usize },
-    Optimizer { g: usize },
+    EmbedForward {
+        m: usize,
+    },
+    BlockForward {
+        m: usize,
+        b: usize,
+    },
+    Head {
+        m: usize,
+    },
+    BlockBackward {
+        m: usize,
+        b: usize,
+    },
+    EmbedBackward {
+        m: usize,
+    },
+    /// Group `g`'s update: speculative (in this step's backward) or late
+    /// (the last step's, in this step's forward).
+    Optimizer {
+        g: usize,
+        late: bool,
+    },
     Decide,
     Commit,
 }
@@ -131,7 +160,8 @@ struct Slot {
     meta: TensorMeta,
     home: Option<Tier>,
     id: Option<TensorId>,
-    pending: Option<Completion>,
+    /// The planned move in flight, and its target tier.
+    pending: Option<(Completion, Tier)>,
 }
 
 /// Compute buffers: one block's worth, held for the whole run.
@@ -230,6 +260,8 @@ impl Group {
 /// the optimizer states live on the device).
 struct OptJob {
     group: usize,
+    /// Trace indices of the tensors it writes.
+    outputs: [usize; 2],
     tier: Tier,
     grad: TensorId,
     state_in: TensorId,
@@ -251,13 +283,12 @@ fn run_optimizer(
     groups: &[Group],
     scratch: &mut OptScratch,
     job: &OptJob,
-) -> Result<f64> {
+) -> Result<()> {
     let group = &groups[job.group];
     let n = group.shard;
     read_f32(runtime, job.grad, job.tier, &mut scratch.grad[..n])?;
     read_f32(runtime, job.state_in, job.tier, &mut scratch.state[..3 * n])?;
     let grad = &scratch.grad[..n];
-    let sum_squares = grad_norm(isa, Values::F32(grad)).sum_squares;
     let (master, moments) = scratch.state[..3 * n].split_at_mut(n);
     let (m, v) = moments.split_at_mut(n);
     let param = &mut scratch.param[..n];
@@ -274,19 +305,17 @@ fn run_optimizer(
             Some(LowPrecisionMut::Bf16(&mut param[range.clone()])),
         );
     }
-    write_bytes(
-        runtime,
+    // The outputs are written whole: nothing of their old bytes is read.
+    runtime.overwrite(
         job.state_out,
         job.tier,
         bytemuck::cast_slice(&scratch.state[..3 * n]),
     )?;
-    write_bytes(
-        runtime,
+    runtime.overwrite(
         job.param_out,
         job.tier,
         bytemuck::cast_slice(&scratch.param[..n]),
-    )?;
-    Ok(sum_squares)
+    )
 }
 
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
@@ -314,16 +343,16 @@ fn read_f32(runtime: &Runtime, id: TensorId, tier: Tier, out: &mut [f32]) -> Res
     guard(runtime, id, tier, Access::Read)?.read_into(bytemuck::cast_slice_mut(out))
 }
 
-fn write_bytes(runtime: &Runtime, id: TensorId, tier: Tier, data: &[u8]) -> Result<()> {
-    guard(runtime, id, tier, Access::Write)?.write_from(data)
-}
+/// A finished update: its group, the trace indices it wrote, the outcome.
+type Done = (usize, [usize; 2], Result<()>);
 
 /// The CPU optimizer thread.
 struct CpuWorker {
     jobs: Option<Sender<OptJob>>,
-    done: Receiver<(usize, Result<f64>)>,
+    done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
-    outstanding: usize,
+    /// Updates sent and not yet reported back, per group.
+    outstanding: Vec<u32>,
 }
 
 impl CpuWorker {
@@ -333,6 +362,7 @@ impl CpuWorker {
         groups: Arc<Vec<Group>>,
         shard_max: usize,
     ) -> Result<CpuWorker> {
+        let outstanding = vec![0; groups.len()];
         let (jobs, receiver) = channel::<OptJob>();
         let (results, done) = channel();
         let thread = std::thread::Builder::new()
@@ -345,7 +375,7 @@ impl CpuWorker {
                 };
                 for job in receiver {
                     let result = run_optimizer(&runtime, isa, &groups, &mut scratch, &job);
-                    if results.send((job.group, result)).is_err() {
+                    if results.send((job.group, job.outputs, result)).is_err() {
                         return;
                     }
                 }
@@ -361,7 +391,7 @@ impl CpuWorker {
             jobs: Some(jobs),
             done,
             thread: Some(thread),
-            outstanding: 0,
+            outstanding,
         })
     }
 }
@@ -385,8 +415,8 @@ pub struct Engine {
     tracker: StepTracker,
     groups: Arc<Vec<Group>>,
     slots: Vec<Slot>,
-    /// `steps[current][redo]`: the ops of each shape of step.
-    shapes: [[Vec<StepOp>; 2]; 2],
+    /// The ops of each shape of step, by [`shape_index`].
+    shapes: Vec<Vec<StepOp>>,
     /// Which of the two parameter/state sets is current.
     current: usize,
     ws: Workspace,
@@ -396,19 +426,33 @@ pub struct Engine {
     scaler: LossScaler,
     /// Optimizer steps taken (skipped steps do not count).
     optimizer_steps: u64,
+    /// The coefficients of the last step's update when it is late (runs
+    /// in this step's forward).
+    late: Option<[AdamCoefficients; 2]>,
+    /// Whether this step's updates start during backward, before the
+    /// norm is known (the last step was not clipped).
+    speculate: bool,
     step: u64,
     sum_squares: Vec<f64>,
     actions: Vec<Action>,
     /// Releases held back while the CPU optimizer used their tensor.
     deferred: Vec<Action>,
-    /// Updates the CPU thread finished, not yet accounted.
-    finished: Vec<(usize, Result<f64>)>,
+    /// Planned moves of tensors a queued update has yet to write, held
+    /// until it has (a move before would carry stale bytes).
+    held: Vec<Action>,
+    /// Per trace index, queued updates that write the tensor.
+    writing: Vec<u32>,
+    /// Nanoseconds compute waited for the CPU thread this step.
+    optimizer_wait_ns: u64,
+    /// The first error the CPU thread reported, not yet returned.
+    worker_error: Option<RuntimeError>,
     /// Ops announced so far in this step (the op running is
     /// `position - 1`).
     position: usize,
-    /// Per current set, the position after which each tensor is no longer
-    /// used in a step (over both shapes).
-    last_use: [Vec<usize>; 2],
+    /// The shape of the step running ([`shape_index`]).
+    shape: usize,
+    /// Per shape, the position after which each tensor is no longer used.
+    last_use: Vec<Vec<usize>>,
     prediction: Prediction,
     loss_sum: f64,
 }
@@ -490,7 +534,7 @@ impl Engine {
             tracker,
             groups: groups.clone(),
             slots,
-            shapes: Default::default(),
+            shapes: Vec::with_capacity(SHAPES),
             current: 0,
             ws,
             inline: OptScratch {
@@ -502,44 +546,43 @@ impl Engine {
             isa,
             scaler: LossScaler::new(config.train.scaler())?,
             optimizer_steps: 0,
+            late: None,
+            speculate: config.placement.optimizer != Placement::Device,
             step: 0,
             sum_squares: vec![0.0; groups.len()],
             actions: Vec::with_capacity(1024),
             deferred: Vec::with_capacity(64),
-            finished: Vec::with_capacity(64),
+            held: Vec::with_capacity(64),
+            writing: vec![0; tensors],
+            worker_error: None,
+            optimizer_wait_ns: 0,
             position: 0,
-            last_use: Default::default(),
+            shape: 0,
+            last_use: Vec::with_capacity(SHAPES),
             prediction: Prediction {
                 workspace_bytes,
                 ..Prediction::default()
             },
             loss_sum: 0.0,
         };
-        for current in 0..2 {
-            for redo in 0..2 {
-                engine.shapes[current][redo] = engine.step_ops(current, redo == 1);
-            }
-        }
-        for current in 0..2 {
+        for shape in 0..SHAPES {
+            let (current, speculate, late) = shape_of(shape);
+            let ops = engine.step_ops(current, speculate, late);
             let mut last = vec![0; engine.slots.len()];
-            for shape in &engine.shapes[current] {
-                for (k, step_op) in shape.iter().enumerate() {
-                    for access in &step_op.op.accesses {
-                        last[access.tensor as usize] = last[access.tensor as usize].max(k + 1);
-                    }
+            for (k, step_op) in ops.iter().enumerate() {
+                for access in &step_op.op.accesses {
+                    last[access.tensor as usize] = last[access.tensor as usize].max(k + 1);
                 }
             }
-            engine.last_use[current] = last;
+            engine.shapes.push(ops);
+            engine.last_use.push(last);
         }
         let mut peak = [0u64; 3];
-        for current in [0, 1] {
-            for redo in [0, 1] {
+        for shape in 0..SHAPES {
+            {
                 let trace = sched::Trace {
                     tensors: specs(&engine.runtime, &engine.slots),
-                    ops: engine.shapes[current][redo]
-                        .iter()
-                        .map(|s| s.op.clone())
-                        .collect(),
+                    ops: engine.shapes[shape].iter().map(|s| s.op.clone()).collect(),
                 };
                 let plan = engine.tracker.prime(&trace)?;
                 let footprint = |t: usize, tier: sched::Tier| {
@@ -595,8 +638,10 @@ impl Engine {
         self.config.train.grad_accumulation * self.config.train.micro_batch * (self.gpt.seq + 1)
     }
 
-    fn step_ops(&self, current: usize, redo: bool) -> Vec<StepOp> {
-        let (layers, groups) = (self.gpt.layers, self.groups.len());
+    /// The ops of one shape of step: `current` set, updates `speculate`d
+    /// in backward or not, the last step's `late` updates in forward or not.
+    fn step_ops(&self, current: usize, speculate: bool, late: bool) -> Vec<StepOp> {
+        let layers = self.gpt.layers;
         let accumulation = self.config.train.grad_accumulation;
         let gpu = Processor::Gpu;
         let optimizer = match self.config.placement.optimizer {
@@ -610,21 +655,39 @@ impl Engine {
             / FLOPS_PER_S
             * 1e9) as u64;
         let mut ops = Vec::new();
-        let optimizer_op = |g: usize, stage: &str| {
+        // A speculative update reads the current set and writes the other;
+        // a late one (the last step's) reads the set before and writes the
+        // current one.
+        let optimizer_op = |g: usize, late: bool| {
+            let (from, to) = if late {
+                (1 - current, current)
+            } else {
+                (current, 1 - current)
+            };
             let accesses = vec![
                 read(grad_index(g)),
-                read(state_index(g, current)),
-                access(state_index(g, 1 - current), Mode::Write),
-                access(param_index(g, 1 - current), Mode::Write),
+                read(state_index(g, from)),
+                access(state_index(g, to), Mode::Write),
+                access(param_index(g, to), Mode::Write),
             ];
             let compute_ns = (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
+            let stage = if late { "late." } else { "" };
             let name = format!("optim.{stage}{}", self.groups[g].name);
-            step_op(Work::Optimizer { g }, name, optimizer, accesses, compute_ns)
+            step_op(
+                Work::Optimizer { g, late },
+                name,
+                optimizer,
+                accesses,
+                compute_ns,
+            )
         };
         for m in 0..accumulation {
             let last = m + 1 == accumulation;
             let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
             let embed = read(param_index(0, current));
+            if late && m == 0 {
+                ops.push(optimizer_op(0, true));
+            }
             ops.push(step_op(
                 Work::EmbedForward { m },
                 format!("fwd.embed.mb{m}"),
@@ -633,6 +696,9 @@ impl Engine {
                 block_ns / 8,
             ));
             for b in 0..layers {
+                if late && m == 0 {
+                    ops.push(optimizer_op(b + 1, true));
+                }
                 let accesses = vec![
                     read(param_index(b + 1, current)),
                     access(self.saved_index(m, b), Mode::Write),
@@ -665,8 +731,8 @@ impl Engine {
                     accesses,
                     3 * block_ns,
                 ));
-                if last {
-                    ops.push(optimizer_op(b + 1, ""));
+                if last && speculate {
+                    ops.push(optimizer_op(b + 1, false));
                 }
             }
             let accesses = vec![access(grad_index(0), grad_mode)];
@@ -677,28 +743,24 @@ impl Engine {
                 accesses,
                 block_ns / 8,
             ));
-            if last {
-                ops.push(optimizer_op(0, ""));
+            if last && speculate {
+                ops.push(optimizer_op(0, false));
             }
         }
-        let all_grads: Vec<_> = (0..groups).map(|g| read(grad_index(g))).collect();
+        // The norm is summed as gradients are reduced: deciding and
+        // committing touch no tensor.
         ops.push(step_op(
             Work::Decide,
             "decide".into(),
             optimizer,
-            all_grads.clone(),
+            Vec::new(),
             1000,
         ));
-        if redo {
-            for g in (0..groups).rev() {
-                ops.push(optimizer_op(g, "redo."));
-            }
-        }
         ops.push(step_op(
             Work::Commit,
             "commit".into(),
             optimizer,
-            all_grads,
+            Vec::new(),
             1000,
         ));
         let decide = ops
@@ -720,6 +782,7 @@ impl Engine {
             init_group(&self.gpt, g, seed, &mut full[..group.params]);
             let master = &full[rank * group.shard..(rank + 1) * group.shard];
             self.load_group(g, master, None)?;
+            self.place_persistent(grad_index(g), None)?;
         }
         Ok(())
     }
@@ -790,10 +853,10 @@ impl Engine {
         let loss_scale = self.scaler.scale();
         self.loss_sum = 0.0;
         self.sum_squares.fill(0.0);
-        let current = self.current;
-        let shape = std::mem::take(&mut self.shapes[current]);
-        let result = self.run_shape(&shape, tokens, lr, loss_scale);
-        self.shapes[current] = shape;
+        self.shape = shape_index(self.current, self.speculate, self.late.is_some());
+        let ops = std::mem::take(&mut self.shapes[self.shape]);
+        let result = self.run_ops(&ops, tokens, lr, loss_scale);
+        self.shapes[self.shape] = ops;
         let decision = match result {
             Ok(decision) => decision,
             Err(err) => {
@@ -802,7 +865,7 @@ impl Engine {
                 return Err(err);
             }
         };
-        let (skipped, redone, grad_norm, clip) = match decision {
+        let (skipped, clipped, grad_norm, clip) = match decision {
             StepDecision::Skip => (true, false, f64::NAN, 1.0),
             StepDecision::Step {
                 grad_norm,
@@ -811,9 +874,15 @@ impl Engine {
             } => (false, clip_coefficient < 1.0, grad_norm, clip_coefficient),
         };
         self.scaler.update(skipped);
+        let late = self.late.is_some();
         if !skipped {
             self.optimizer_steps += 1;
             self.current = 1 - self.current;
+        }
+        // Speculate while steps are not clipped: a clipped step's
+        // speculation is thrown away and its update done late.
+        if self.worker.is_some() && !skipped {
+            self.speculate = !clipped;
         }
         let world = self.collective.world();
         let micro_batches = (self.config.train.grad_accumulation * world) as f64;
@@ -824,18 +893,19 @@ impl Engine {
             grad_norm,
             clip,
             skipped,
-            redone,
+            late,
             loss_scale,
             tokens: (tokens.len() / (self.gpt.seq + 1) * self.gpt.seq * world) as u64,
             seconds: started.elapsed().as_secs_f64(),
+            optimizer_wait_s: std::mem::take(&mut self.optimizer_wait_ns) as f64 / 1e9,
         })
     }
 
-    /// Runs the ops of one step: the plain shape up to the decision, then
-    /// its commit, or the redone updates and commit of the other shape.
-    fn run_shape(
+    /// Runs the ops of one step and returns the decision; sets
+    /// [`Engine::late`] when the update must run in the next step.
+    fn run_ops(
         &mut self,
-        shape: &[Vec<StepOp>; 2],
+        ops: &[StepOp],
         tokens: &[u32],
         lr: f64,
         loss_scale: f32,
@@ -852,42 +922,40 @@ impl Engine {
                 adam.coefficients(next, grad_scale)?,
             ])
         };
-        let mut update = coefficients(1.0 / loss_scale)?;
+        let speculative = coefficients(1.0 / loss_scale)?;
+        let late = self.late.take();
         self.position = 0;
         self.actions.clear();
-        if let Follow::Plan(actions) = self.tracker.begin_step_with(&shape[0][0].op) {
+        if let Follow::Plan(actions) = self.tracker.begin_step_with(&ops[0].op) {
             self.actions.extend_from_slice(actions);
         }
         self.issue_actions(false)?;
         self.issue_actions(true)?;
-        let plain = &shape[0];
-        let decide_at = plain
-            .iter()
-            .position(|s| s.work == Work::Decide)
-            .expect("every step decides");
         let mut decision = StepDecision::Skip;
-        for step_op in &plain[..=decide_at] {
-            if step_op.work == Work::Decide {
-                decision = self.decide(step_op, loss_scale)?;
-            } else {
-                self.run_op(step_op, tokens, &update)?;
+        for step_op in ops {
+            match step_op.work {
+                Work::Decide => decision = self.decide(step_op, loss_scale)?,
+                Work::Optimizer { late: true, .. } => {
+                    let update = late.expect("a late shape has the last step's update");
+                    self.run_op(step_op, tokens, &update)?;
+                }
+                _ => self.run_op(step_op, tokens, &speculative)?,
             }
-        }
-        let tail = match decision {
-            StepDecision::Step {
-                grad_scale,
-                clip_coefficient,
-                ..
-            } if clip_coefficient < 1.0 => {
-                update = coefficients(grad_scale)?;
-                &shape[1][decide_at + 1..]
-            }
-            _ => &plain[decide_at + 1..],
-        };
-        for step_op in tail {
-            self.run_op(step_op, tokens, &update)?;
         }
         self.end_step()?;
+        if let StepDecision::Step {
+            grad_scale,
+            clip_coefficient,
+            ..
+        } = decision
+        {
+            let speculated = ops
+                .iter()
+                .any(|s| matches!(s.work, Work::Optimizer { late: false, .. }));
+            if !speculated || clip_coefficient < 1.0 {
+                self.late = Some(coefficients(grad_scale)?);
+            }
+        }
         Ok(decision)
     }
 
@@ -895,6 +963,13 @@ impl Engine {
     /// the op they were announced with runs (they overlap it), evictions
     /// and drops after it (it may still use what they release).
     fn issue_actions(&mut self, releases: bool) -> Result<()> {
+        if !self.held.is_empty() {
+            self.poll_worker();
+            let held = std::mem::take(&mut self.held);
+            for action in held {
+                self.issue(action)?;
+            }
+        }
         if releases && !self.deferred.is_empty() {
             self.poll_worker();
             let deferred = std::mem::take(&mut self.deferred);
@@ -916,20 +991,38 @@ impl Engine {
     /// it on demand.
     fn issue(&mut self, action: Action) -> Result<()> {
         let index = action.tensor as usize;
+        let moving = self.slots[index]
+            .pending
+            .as_ref()
+            .is_some_and(|(done, _)| !done.is_done());
+        if self.writing[index] > 0 || moving {
+            // After the update writes it, or the move in flight lands.
+            self.held.push(action);
+            return Ok(());
+        }
         self.settle_pending(index)?;
         let Some(id) = self.slots[index].id else {
             return Ok(());
         };
         let outcome = match action.kind {
-            ActionKind::Fetch { to, .. } | ActionKind::Evict { to, .. } => {
-                self.runtime.move_to(id, runtime_tier(to)).map(|done| {
-                    self.slots[index].pending = Some(done);
+            // A copy, up or down: every other copy stays.
+            ActionKind::Fetch { to, .. } => {
+                let to = runtime_tier(to);
+                self.runtime.copy_to(id, to).map(|done| {
+                    self.slots[index].pending = Some((done, to));
+                })
+            }
+            // Only the source copy goes: a copy above it stays in use.
+            ActionKind::Evict { from, to } => {
+                let to = runtime_tier(to);
+                self.runtime.evict(id, runtime_tier(from), to).map(|done| {
+                    self.slots[index].pending = Some((done, to));
                 })
             }
             ActionKind::Drop { tier } => {
                 let tier = runtime_tier(tier);
                 let only_copy = self.runtime.residency(id)?.iter().all(|&t| t == tier);
-                let dead = self.last_use[self.current][index] <= self.position;
+                let dead = self.last_use[self.shape][index] <= self.position;
                 if only_copy && self.slots[index].home.is_none() && dead {
                     // A tensor of the step after its last use.
                     self.slots[index].id = None;
@@ -968,8 +1061,17 @@ impl Engine {
 
     fn settle_pending(&mut self, index: usize) -> Result<()> {
         match self.slots[index].pending.take() {
-            Some(done) => done.wait(),
+            Some((done, _)) => done.wait(),
             None => Ok(()),
+        }
+    }
+
+    /// Waits for a planned fetch of the tensor to `tier`, where an op is
+    /// about to use it; a move elsewhere (a write-back) is left in flight.
+    fn settle_fetch(&mut self, index: usize, tier: Tier) -> Result<()> {
+        match &self.slots[index].pending {
+            Some((_, to)) if *to == tier => self.settle_pending(index),
+            _ => Ok(()),
         }
     }
 
@@ -992,9 +1094,21 @@ impl Engine {
         tokens: &[u32],
         update: &[AdamCoefficients; 2],
     ) -> Result<()> {
+        if let (Work::Optimizer { g, late }, Some(_)) = (step_op.work, &self.worker) {
+            // Queued before the boundary's actions are issued, so that moves
+            // of what it writes wait for it (else they carry stale bytes).
+            // Its thread waits for its inputs' moves itself.
+            self.optimizer(step_op, g, late, update)?;
+            self.announce(&step_op.op)?;
+            return self.issue_actions(true);
+        }
         self.announce(&step_op.op)?;
+        let tier = match step_op.op.processor {
+            Processor::Gpu => Tier::Device,
+            Processor::Cpu => Tier::Host,
+        };
         for access in &step_op.op.accesses {
-            self.settle_pending(access.tensor as usize)?;
+            self.settle_fetch(access.tensor as usize, tier)?;
         }
         let batch = self.config.train.micro_batch;
         let world = self.collective.world();
@@ -1100,9 +1214,9 @@ impl Engine {
                 );
                 self.reduce_gradient(0, m)?;
             }
-            Work::Optimizer { g } => self.optimizer(step_op, g, update)?,
+            Work::Optimizer { g, late } => self.optimizer(step_op, g, late, update)?,
             Work::Decide => unreachable!("decided by Engine::decide"),
-            Work::Commit => self.drain_worker()?,
+            Work::Commit => self.wait_worker(None)?,
         }
         self.issue_actions(true)
     }
@@ -1114,6 +1228,8 @@ impl Engine {
     /// All-gathers group `g`'s current bf16 shards into the workspace (as
     /// f32: the values are bf16's).
     fn gather(&mut self, g: usize) -> Result<()> {
+        // A late update of the group writes the parameters read here.
+        self.wait_worker(Some(g))?;
         let index = param_index(g, self.current);
         let id = self.slots[index].id.expect("parameters are registered");
         let n = self.groups[g].shard;
@@ -1144,7 +1260,12 @@ impl Engine {
         self.collective
             .reduce_scatter(&full[..padded], &mut self.ws.shard32[..n])?;
         let index = grad_index(g);
+        let last = m + 1 == self.config.train.grad_accumulation;
         if m == 0 {
+            if last {
+                self.sum_squares[g] =
+                    grad_norm(self.isa, Values::F32(&self.ws.shard32[..n])).sum_squares;
+            }
             self.write_tensor(index, Tier::Device, Kept::Shard(n))
         } else {
             let id = self.slots[index].id.expect("written in micro-batch 0");
@@ -1155,39 +1276,32 @@ impl Engine {
             for (sum, add) in sum.iter_mut().zip(&self.ws.shard32[..n]) {
                 *sum += add;
             }
+            if last {
+                self.sum_squares[g] = grad_norm(self.isa, Values::F32(sum)).sum_squares;
+            }
             held.write_from(bytemuck::cast_slice(sum))
         }
     }
 
-    /// Writes a workspace buffer whole into a tensor on `tier`: over its
-    /// copy there when it has one, else into a fresh tensor (the old one,
-    /// stale, is freed).
+    /// Writes a workspace buffer whole into a tensor on `tier` (registered
+    /// first when the step has none yet); its old bytes are not read.
     fn write_tensor(&mut self, index: usize, tier: Tier, kept: Kept) -> Result<()> {
-        let id = self.writable(index, tier)?;
+        self.settle_pending(index)?;
+        let id = match self.slots[index].id {
+            Some(id) => id,
+            None => {
+                let id = self
+                    .runtime
+                    .register(self.slots[index].meta.clone(), tier)?;
+                self.slots[index].id = Some(id);
+                id
+            }
+        };
         let data: &[u8] = match kept {
             Kept::Saved => bytemuck::cast_slice(&self.ws.saved),
             Kept::Shard(n) => bytemuck::cast_slice(&self.ws.shard32[..n]),
         };
-        self.runtime
-            .acquire(id, tier, Access::Write)?
-            .write_from(data)
-    }
-
-    /// A tensor to overwrite whole on `tier`.
-    fn writable(&mut self, index: usize, tier: Tier) -> Result<TensorId> {
-        self.settle_pending(index)?;
-        if let Some(id) = self.slots[index].id {
-            if self.runtime.residency(id)?.contains(&tier) {
-                return Ok(id);
-            }
-            self.runtime.free(id)?;
-            self.slots[index].id = None;
-        }
-        let id = self
-            .runtime
-            .register(self.slots[index].meta.clone(), tier)?;
-        self.slots[index].id = Some(id);
-        Ok(id)
+        self.runtime.overwrite(id, tier, data)
     }
 
     /// Starts (on the CPU thread) or runs (on the device) group `g`'s
@@ -1196,24 +1310,44 @@ impl Engine {
         &mut self,
         step_op: &StepOp,
         g: usize,
+        late: bool,
         update: &[AdamCoefficients; 2],
     ) -> Result<()> {
         let tier = match step_op.op.processor {
             Processor::Gpu => Tier::Device,
             Processor::Cpu => Tier::Host,
         };
-        let (current, next) = (self.current, 1 - self.current);
-        let state_out = self.writable(state_index(g, next), tier)?;
-        let param_out = self.writable(param_index(g, next), tier)?;
+        self.update_group(g, late, tier, update)
+    }
+
+    /// Starts (on the CPU thread) or runs group `g`'s update from one set
+    /// into the other, on `tier`.
+    fn update_group(
+        &mut self,
+        g: usize,
+        late: bool,
+        tier: Tier,
+        update: &[AdamCoefficients; 2],
+    ) -> Result<()> {
+        let (from, to) = if late {
+            (1 - self.current, self.current)
+        } else {
+            (self.current, 1 - self.current)
+        };
+        let outputs = [state_index(g, to), param_index(g, to)];
+        let id = |index: usize| {
+            self.slots[index]
+                .id
+                .expect("persistent tensors are registered")
+        };
         let job = OptJob {
             group: g,
+            outputs,
             tier,
-            grad: self.slots[grad_index(g)].id.expect("gradient reduced"),
-            state_in: self.slots[state_index(g, current)]
-                .id
-                .expect("states registered"),
-            state_out,
-            param_out,
+            grad: id(grad_index(g)),
+            state_in: id(state_index(g, from)),
+            state_out: id(state_index(g, to)),
+            param_out: id(param_index(g, to)),
             coefficients: *update,
         };
         match &mut self.worker {
@@ -1224,20 +1358,20 @@ impl Engine {
                     .expect("open while the engine lives")
                     .send(job)
                     .map_err(|_| RuntimeError::Stopped)?;
-                worker.outstanding += 1;
+                worker.outstanding[g] += 1;
+                for o in outputs {
+                    self.writing[o] += 1;
+                }
+                Ok(())
             }
-            None => {
-                let sum_squares = run_optimizer(
-                    &self.runtime,
-                    self.isa,
-                    &self.groups,
-                    &mut self.inline,
-                    &job,
-                )?;
-                self.sum_squares[g] = sum_squares;
-            }
+            None => run_optimizer(
+                &self.runtime,
+                self.isa,
+                &self.groups,
+                &mut self.inline,
+                &job,
+            ),
         }
-        Ok(())
     }
 
     /// Takes the results of the updates the CPU thread has finished,
@@ -1246,40 +1380,49 @@ impl Engine {
         let Some(worker) = &mut self.worker else {
             return;
         };
-        while let Ok(done) = worker.done.try_recv() {
-            worker.outstanding -= 1;
-            self.finished.push(done);
+        while let Ok((group, outputs, result)) = worker.done.try_recv() {
+            worker.outstanding[group] -= 1;
+            for o in outputs {
+                self.writing[o] -= 1;
+            }
+            if let Err(err) = result {
+                self.worker_error.get_or_insert(err);
+            }
         }
     }
 
-    /// Waits for the CPU thread's outstanding updates.
-    fn drain_worker(&mut self) -> Result<()> {
-        let Some(worker) = &mut self.worker else {
-            return Ok(());
-        };
-        while worker.outstanding > 0 {
-            let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
-            worker.outstanding -= 1;
-            self.finished.push(done);
-        }
-        let mut first_error = None;
-        for (group, result) in self.finished.drain(..) {
-            match result {
-                // A redone update sees the same gradients, so the same sum.
-                Ok(sum_squares) => self.sum_squares[group] = sum_squares,
-                Err(err) => {
-                    first_error.get_or_insert(err);
+    /// Waits until the CPU thread has no update of group `g` (every group
+    /// with None) outstanding; returns the first error it reported.
+    fn wait_worker(&mut self, g: Option<usize>) -> Result<()> {
+        if let Some(worker) = &mut self.worker {
+            let started = Instant::now();
+            loop {
+                let busy = match g {
+                    Some(g) => worker.outstanding[g] > 0,
+                    None => worker.outstanding.iter().any(|&n| n > 0),
+                };
+                if !busy {
+                    break;
+                }
+                let (group, outputs, result) =
+                    worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
+                worker.outstanding[group] -= 1;
+                for o in outputs {
+                    self.writing[o] -= 1;
+                }
+                if let Err(err) = result {
+                    self.worker_error.get_or_insert(err);
                 }
             }
+            self.optimizer_wait_ns += started.elapsed().as_nanos() as u64;
         }
-        first_error.map_or(Ok(()), Err)
+        self.worker_error.take().map_or(Ok(()), Err)
     }
 
     /// The barrier: every update is in, the global norm and the overflow
     /// check decide what happens to them.
     fn decide(&mut self, step_op: &StepOp, loss_scale: f32) -> Result<StepDecision> {
         self.announce(&step_op.op)?;
-        self.drain_worker()?;
         let mut sums = [self.sum_squares.iter().sum::<f64>(), self.loss_sum];
         self.collective.all_reduce(&mut sums)?;
         self.loss_sum = sums[1];
@@ -1298,6 +1441,7 @@ impl Engine {
     /// (see [`checkpoint`](self) for the layout); every rank calls it
     /// together. Returns the checkpoint's directory.
     pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        self.flush()?;
         let (rank, world) = (self.collective.rank(), self.collective.world());
         let step = self.step;
         let tmp = root.join(format!(".tmp-step{step}"));
@@ -1456,10 +1600,38 @@ impl Engine {
         }
     }
 
+    /// Applies the last step's update now if it is late (else it runs
+    /// during the next step's forward), so that the current set holds the
+    /// updated model. [`Engine::save_checkpoint`] calls it; call it before
+    /// reading the weights some other way. Every rank calls it together.
+    pub fn flush(&mut self) -> Result<()> {
+        let Some(update) = self.late.take() else {
+            return Ok(());
+        };
+        let tier = match self.config.placement.optimizer {
+            Placement::Device => Tier::Device,
+            _ => Tier::Host,
+        };
+        for g in 0..self.groups.len() {
+            self.update_group(g, true, tier, &update)?;
+        }
+        self.wait_worker(None)?;
+        self.return_home()
+    }
+
     /// Ends the step: waits for moves in flight, frees the step's own
     /// tensors, puts every persistent one back home alone, closes the trace.
     fn end_step(&mut self) -> Result<()> {
+        self.return_home()?;
+        self.tracker.end_step()?;
+        Ok(())
+    }
+
+    /// Waits for moves in flight, frees the step's own tensors and puts
+    /// every persistent one back home alone.
+    fn return_home(&mut self) -> Result<()> {
         self.deferred.clear();
+        self.held.clear();
         for index in 0..self.slots.len() {
             self.settle_pending(index)?;
         }
@@ -1484,9 +1656,18 @@ impl Engine {
                 }
             }
         }
-        self.tracker.end_step()?;
         Ok(())
     }
+}
+
+/// The index of a shape of step: which set is current, whether updates
+/// are speculative, whether the last step's update runs late in this one.
+fn shape_index(current: usize, speculate: bool, late: bool) -> usize {
+    current * 4 + usize::from(speculate) * 2 + usize::from(late)
+}
+
+fn shape_of(index: usize) -> (usize, bool, bool) {
+    (index / 4, index & 2 != 0, index & 1 != 0)
 }
 
 /// Trace indices of a group's tensors: parameter set `set` (0 or 1), state
@@ -1606,6 +1787,12 @@ fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
 fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) -> Vec<Slot> {
     let params_home = config.placement.params.tier();
     let states_home = config.placement.optimizer.tier();
+    // Gradients outlive their step when its update runs late, in the next
+    // one: they stay where the optimizer reads them.
+    let grads_home = match config.placement.optimizer {
+        Placement::Device => Tier::Device,
+        _ => Tier::Host,
+    };
     let slot = |name: String, kind, dtype, elements: usize, home| Slot {
         meta: TensorMeta::new(name, kind, dtype, &[elements as u64]),
         home,
@@ -1638,7 +1825,7 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
             TensorKind::Grad,
             Dtype::F32,
             n,
-            None,
+            Some(grads_home),
         ));
     }
     let saved = if config.train.checkpoint_activations {
