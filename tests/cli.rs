@@ -2,12 +2,15 @@
 
 use std::process::{Command, Output};
 
+/// The binary with warnings-only logs.
+fn strata_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
+    command.env("STRATA_LOG", "warn");
+    command
+}
+
 fn strata(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .env("STRATA_LOG", "warn")
-        .output()
-        .expect("strata runs")
+    strata_command().args(args).output().expect("strata runs")
 }
 
 fn tempdir() -> tempfile::TempDir {
@@ -449,7 +452,7 @@ fn bench_adam_bad_input_gets_one_line_naming_the_fix() {
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
     // A bad STRATA_ISA is named and ignored, not fatal.
-    let output = Command::new(env!("CARGO_BIN_EXE_strata"))
+    let output = strata_command()
         .args([
             "bench",
             "adam",
@@ -648,10 +651,9 @@ fn plan_bad_options_are_named() {
 }
 
 fn strata_in(dir: &std::path::Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
+    strata_command()
         .args(args)
         .current_dir(dir)
-        .env("STRATA_LOG", "warn")
         .output()
         .expect("strata runs")
 }
@@ -723,10 +725,9 @@ fn train_killed_during_checkpoints_resumes_from_the_last_whole_one() {
         "[model]\nseq = 32\nhidden = 64\nlayers = 2\n[train]\nsteps = 60\nmicro_batch = 4\ncheckpoint_every = 1\ncheckpoint_dir = \"ckpt\"\n[device]\nbudget = \"8MiB\"\n",
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+    let mut child = strata_command()
         .args(["train", "--config", config.to_str().unwrap()])
         .current_dir(dir.path())
-        .env("STRATA_LOG", "warn")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()

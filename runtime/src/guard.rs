@@ -67,17 +67,20 @@ impl View {
     }
 
     /// Fills a copy being placed (marked moving, so nothing else uses it)
-    /// with `data`, exactly the tensor's size. False when the copy is not
-    /// addressable from the host (a GPU's memory).
-    pub(crate) fn fill_from(&self, shared: &Shared, data: &[u8]) -> bool {
+    /// with `data`, exactly the tensor's size.
+    ///
+    /// # Panics
+    /// If the copy is not addressable from the host (a GPU's memory).
+    pub(crate) fn fill_from(&self, shared: &Shared, data: &[u8]) {
         let mut offset = 0;
-        self.pieces(shared, data.len() as u64, &mut |ptr, len| {
+        let addressable = self.pieces(shared, data.len() as u64, &mut |ptr, len| {
             // SAFETY: the copy is being placed (marked moving): no guard or
             // transfer touches it, and it stays allocated until placed.
             let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
             bytes.copy_from_slice(&data[offset..offset + len]);
             offset += len;
-        })
+        });
+        assert!(addressable, "filled only where the host can address it");
     }
 
     /// Fills a freshly registered copy with zeros: host buffers here, the

@@ -492,7 +492,7 @@ impl Runtime {
 
     fn start_move(&self, id: TensorId, target: Tier, release_from: Tier) -> Result<Completion> {
         let releasing = &Tier::ALL[release_from.index().min(target.index())..target.index()];
-        let bytes = {
+        let (bytes, nvme) = {
             let mut state = self.shared.lock();
             let entry = state.entry(id)?;
             if let Some(moving_to) = entry.moving {
@@ -522,7 +522,6 @@ impl Runtime {
             entry.kept_above = release_from.min(target);
             (len_bytes, nvme)
         };
-        let (bytes, nvme) = bytes;
         let done = Arc::new(MoveDone::default());
         let job = Job {
             tensor: id,
@@ -588,6 +587,19 @@ impl Runtime {
     /// is released. For tensors written whole (optimizer outputs,
     /// gradients); a fetch before the write would move bytes for nothing.
     pub fn overwrite(&self, id: TensorId, tier: Tier, data: &[u8]) -> Result<()> {
+        if tier == Tier::Nvme {
+            return Err(RuntimeError::Config {
+                key: "tier",
+                value: "nvme".into(),
+                fix: "overwrite a device or host copy, then move it to nvme".into(),
+            });
+        }
+        if tier == Tier::Device && self.shared.device.host_address(0).is_none() {
+            // A GPU's memory is written through a guard once the copy is
+            // there (no copy engine path from unpinned bytes here).
+            self.move_to(id, tier)?.wait()?;
+            return self.acquire(id, tier, Access::Write)?.write_from(data);
+        }
         loop {
             match self.acquire(id, tier, Access::Write) {
                 Ok(mut guard) => return guard.write_from(data),
@@ -612,54 +624,26 @@ impl Runtime {
                         given_bytes: data.len() as u64,
                     });
                 }
-                if tier == Tier::Nvme {
-                    return Err(RuntimeError::Config {
-                        key: "tier",
-                        value: "nvme".into(),
-                        fix: "overwrite a device or host copy, then move it to nvme".into(),
-                    });
-                }
                 state.entry_mut(id)?.moving = Some(tier);
             }
-            let placed = self.shared.allocate(id, tier, CALLER_LANE).map(|()| {
-                let state = self.shared.lock();
-                let entry = state.entry(id).expect("marked moving: not freed");
-                View::of(entry, tier)
-            });
+            let placed = self.shared.allocate(id, tier, CALLER_LANE);
+            if placed.is_ok() {
+                let view = View::of(self.shared.lock().entry(id)?, tier);
+                view.fill_from(&self.shared, data);
+            }
             let mut state = self.shared.lock();
-            let outcome = match placed {
-                Ok(view) => {
-                    drop(state);
-                    let filled = view.fill_from(&self.shared, data);
-                    state = self.shared.lock();
-                    if filled {
-                        let entry = state.entry_mut(id)?;
-                        entry.copies[tier.index()]
-                            .as_mut()
-                            .expect("allocated")
-                            .valid = true;
-                        state.release_others(id, tier);
-                        Ok(true)
-                    } else {
-                        // Not host-addressable: give the space back and
-                        // take the fetch-then-write path.
-                        state.drop_copy(id, tier);
-                        Ok(false)
-                    }
-                }
-                Err(err) => Err(err),
-            };
+            if placed.is_ok() {
+                let entry = state.entry_mut(id)?;
+                entry.copies[tier.index()]
+                    .as_mut()
+                    .expect("allocated")
+                    .valid = true;
+                state.release_others(id, tier);
+            }
             state.entry_mut(id)?.moving = None;
             drop(state);
             self.shared.changed.notify_all();
-            match outcome {
-                Ok(true) => return Ok(()),
-                Ok(false) => {
-                    self.move_to(id, tier)?.wait()?;
-                    return self.acquire(id, tier, Access::Write)?.write_from(data);
-                }
-                Err(err) => return Err(err),
-            }
+            return placed;
         }
     }
 

@@ -394,6 +394,23 @@ impl CpuWorker {
             outstanding,
         })
     }
+
+    /// Books a finished update: no longer outstanding, its outputs (counts
+    /// per trace index in `writing`) written, its error kept if first.
+    fn book(
+        &mut self,
+        (group, outputs, result): Done,
+        writing: &mut [u32],
+        first_error: &mut Option<RuntimeError>,
+    ) {
+        self.outstanding[group] -= 1;
+        for o in outputs {
+            writing[o] -= 1;
+        }
+        if let Err(err) = result {
+            first_error.get_or_insert(err);
+        }
+    }
 }
 
 impl Drop for CpuWorker {
@@ -435,11 +452,12 @@ pub struct Engine {
     step: u64,
     sum_squares: Vec<f64>,
     actions: Vec<Action>,
-    /// Releases held back while the CPU optimizer used their tensor.
-    deferred: Vec<Action>,
-    /// Planned moves of tensors a queued update has yet to write, held
-    /// until it has (a move before would carry stale bytes).
+    /// Planned actions that wait: on a tensor the CPU thread uses or has
+    /// yet to write (a move before would carry stale bytes), or one with a
+    /// move in flight. Retried at every boundary.
     held: Vec<Action>,
+    /// `held` as it was when a retry began (its own buffer: no allocation).
+    retry: Vec<Action>,
     /// Per trace index, queued updates that write the tensor.
     writing: Vec<u32>,
     /// Nanoseconds compute waited for the CPU thread this step.
@@ -551,8 +569,8 @@ impl Engine {
             step: 0,
             sum_squares: vec![0.0; groups.len()],
             actions: Vec::with_capacity(1024),
-            deferred: Vec::with_capacity(64),
             held: Vec::with_capacity(64),
+            retry: Vec::with_capacity(64),
             writing: vec![0; tensors],
             worker_error: None,
             optimizer_wait_ns: 0,
@@ -565,6 +583,10 @@ impl Engine {
             },
             loss_sum: 0.0,
         };
+        // Every shape is listed and planned now: its last uses, and the
+        // plan's peaks (the prediction).
+        let tensors = specs(&engine.runtime, &engine.slots);
+        let mut peak = [0u64; 3];
         for shape in 0..SHAPES {
             let (current, speculate, late) = shape_of(shape);
             let ops = engine.step_ops(current, speculate, late);
@@ -574,28 +596,23 @@ impl Engine {
                     last[access.tensor as usize] = last[access.tensor as usize].max(k + 1);
                 }
             }
+            let trace = sched::Trace {
+                tensors: tensors.clone(),
+                ops: ops.iter().map(|s| s.op.clone()).collect(),
+            };
+            let plan = engine.tracker.prime(&trace)?;
+            let footprint = |t: usize, tier: sched::Tier| {
+                engine
+                    .runtime
+                    .footprint_bytes(engine.slots[t].meta.len_bytes())[tier.index()]
+            };
+            let replayed = sched::replay_peak_bytes(&trace, plan, &footprint)
+                .expect("the planner's plans replay");
+            for (p, planned) in peak.iter_mut().zip(replayed) {
+                *p = (*p).max(planned);
+            }
             engine.shapes.push(ops);
             engine.last_use.push(last);
-        }
-        let mut peak = [0u64; 3];
-        for shape in 0..SHAPES {
-            {
-                let trace = sched::Trace {
-                    tensors: specs(&engine.runtime, &engine.slots),
-                    ops: engine.shapes[shape].iter().map(|s| s.op.clone()).collect(),
-                };
-                let plan = engine.tracker.prime(&trace)?;
-                let footprint = |t: usize, tier: sched::Tier| {
-                    engine
-                        .runtime
-                        .footprint_bytes(engine.slots[t].meta.len_bytes())[tier.index()]
-                };
-                let replayed = sched::replay_peak_bytes(&trace, plan, &footprint)
-                    .expect("the planner's plans replay");
-                for (p, planned) in peak.iter_mut().zip(replayed) {
-                    *p = (*p).max(planned);
-                }
-            }
         }
         peak[0] += workspace_bytes;
         engine.prediction.peak_bytes = peak;
@@ -655,15 +672,8 @@ impl Engine {
             / FLOPS_PER_S
             * 1e9) as u64;
         let mut ops = Vec::new();
-        // A speculative update reads the current set and writes the other;
-        // a late one (the last step's) reads the set before and writes the
-        // current one.
         let optimizer_op = |g: usize, late: bool| {
-            let (from, to) = if late {
-                (1 - current, current)
-            } else {
-                (current, 1 - current)
-            };
+            let (from, to) = update_sets(current, late);
             let accesses = vec![
                 read(grad_index(g)),
                 read(state_index(g, from)),
@@ -949,9 +959,7 @@ impl Engine {
             ..
         } = decision
         {
-            let speculated = ops
-                .iter()
-                .any(|s| matches!(s.work, Work::Optimizer { late: false, .. }));
+            let (_, speculated, _) = shape_of(self.shape);
             if !speculated || clip_coefficient < 1.0 {
                 self.late = Some(coefficients(grad_scale)?);
             }
@@ -959,23 +967,19 @@ impl Engine {
         Ok(decision)
     }
 
-    /// Issues the held actions of one kind: fetches and allocations before
-    /// the op they were announced with runs (they overlap it), evictions
-    /// and drops after it (it may still use what they release).
+    /// Retries the held actions, then issues this boundary's planned ones
+    /// of one kind: fetches and allocations before the op they were
+    /// announced with runs (they overlap it), evictions and drops after it
+    /// (it may still use what they release).
     fn issue_actions(&mut self, releases: bool) -> Result<()> {
         if !self.held.is_empty() {
             self.poll_worker();
-            let held = std::mem::take(&mut self.held);
-            for action in held {
+            std::mem::swap(&mut self.held, &mut self.retry);
+            for k in 0..self.retry.len() {
+                let action = self.retry[k];
                 self.issue(action)?;
             }
-        }
-        if releases && !self.deferred.is_empty() {
-            self.poll_worker();
-            let deferred = std::mem::take(&mut self.deferred);
-            for action in deferred {
-                self.issue(action)?;
-            }
+            self.retry.clear();
         }
         for k in 0..self.actions.len() {
             let action = self.actions[k];
@@ -1047,7 +1051,7 @@ impl Engine {
             Ok(()) => Ok(()),
             Err(RuntimeError::InUse { .. }) if release(&action) => {
                 // The CPU optimizer still holds it: release it once done.
-                self.deferred.push(action);
+                self.held.push(action);
                 Ok(())
             }
             Err(
@@ -1098,15 +1102,12 @@ impl Engine {
             // Queued before the boundary's actions are issued, so that moves
             // of what it writes wait for it (else they carry stale bytes).
             // Its thread waits for its inputs' moves itself.
-            self.optimizer(step_op, g, late, update)?;
+            self.update_group(g, late, processor_tier(step_op.op.processor), update)?;
             self.announce(&step_op.op)?;
             return self.issue_actions(true);
         }
         self.announce(&step_op.op)?;
-        let tier = match step_op.op.processor {
-            Processor::Gpu => Tier::Device,
-            Processor::Cpu => Tier::Host,
-        };
+        let tier = processor_tier(step_op.op.processor);
         for access in &step_op.op.accesses {
             self.settle_fetch(access.tensor as usize, tier)?;
         }
@@ -1214,7 +1215,7 @@ impl Engine {
                 );
                 self.reduce_gradient(0, m)?;
             }
-            Work::Optimizer { g, late } => self.optimizer(step_op, g, late, update)?,
+            Work::Optimizer { g, late } => self.update_group(g, late, tier, update)?,
             Work::Decide => unreachable!("decided by Engine::decide"),
             Work::Commit => self.wait_worker(None)?,
         }
@@ -1304,22 +1305,6 @@ impl Engine {
         self.runtime.overwrite(id, tier, data)
     }
 
-    /// Starts (on the CPU thread) or runs (on the device) group `g`'s
-    /// optimizer step.
-    fn optimizer(
-        &mut self,
-        step_op: &StepOp,
-        g: usize,
-        late: bool,
-        update: &[AdamCoefficients; 2],
-    ) -> Result<()> {
-        let tier = match step_op.op.processor {
-            Processor::Gpu => Tier::Device,
-            Processor::Cpu => Tier::Host,
-        };
-        self.update_group(g, late, tier, update)
-    }
-
     /// Starts (on the CPU thread) or runs group `g`'s update from one set
     /// into the other, on `tier`.
     fn update_group(
@@ -1329,11 +1314,7 @@ impl Engine {
         tier: Tier,
         update: &[AdamCoefficients; 2],
     ) -> Result<()> {
-        let (from, to) = if late {
-            (1 - self.current, self.current)
-        } else {
-            (self.current, 1 - self.current)
-        };
+        let (from, to) = update_sets(self.current, late);
         let outputs = [state_index(g, to), param_index(g, to)];
         let id = |index: usize| {
             self.slots[index]
@@ -1380,14 +1361,8 @@ impl Engine {
         let Some(worker) = &mut self.worker else {
             return;
         };
-        while let Ok((group, outputs, result)) = worker.done.try_recv() {
-            worker.outstanding[group] -= 1;
-            for o in outputs {
-                self.writing[o] -= 1;
-            }
-            if let Err(err) = result {
-                self.worker_error.get_or_insert(err);
-            }
+        while let Ok(done) = worker.done.try_recv() {
+            worker.book(done, &mut self.writing, &mut self.worker_error);
         }
     }
 
@@ -1404,15 +1379,8 @@ impl Engine {
                 if !busy {
                     break;
                 }
-                let (group, outputs, result) =
-                    worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
-                worker.outstanding[group] -= 1;
-                for o in outputs {
-                    self.writing[o] -= 1;
-                }
-                if let Err(err) = result {
-                    self.worker_error.get_or_insert(err);
-                }
+                let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
+                worker.book(done, &mut self.writing, &mut self.worker_error);
             }
             self.optimizer_wait_ns += started.elapsed().as_nanos() as u64;
         }
@@ -1608,10 +1576,7 @@ impl Engine {
         let Some(update) = self.late.take() else {
             return Ok(());
         };
-        let tier = match self.config.placement.optimizer {
-            Placement::Device => Tier::Device,
-            _ => Tier::Host,
-        };
+        let tier = optimizer_tier(self.config.placement.optimizer);
         for g in 0..self.groups.len() {
             self.update_group(g, true, tier, &update)?;
         }
@@ -1630,7 +1595,6 @@ impl Engine {
     /// Waits for moves in flight, frees the step's own tensors and puts
     /// every persistent one back home alone.
     fn return_home(&mut self) -> Result<()> {
-        self.deferred.clear();
         self.held.clear();
         for index in 0..self.slots.len() {
             self.settle_pending(index)?;
@@ -1657,6 +1621,33 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// The sets an update reads and writes: a speculative one reads the
+/// `current` set and writes the other; a late one (the last step's) reads
+/// the set before and writes the current one.
+fn update_sets(current: usize, late: bool) -> (usize, usize) {
+    if late {
+        (1 - current, current)
+    } else {
+        (current, 1 - current)
+    }
+}
+
+/// Where the optimizer reads gradients and runs its updates.
+fn optimizer_tier(placement: Placement) -> Tier {
+    match placement {
+        Placement::Device => Tier::Device,
+        _ => Tier::Host,
+    }
+}
+
+/// The tier an op's processor works in.
+fn processor_tier(processor: Processor) -> Tier {
+    match processor {
+        Processor::Gpu => Tier::Device,
+        Processor::Cpu => Tier::Host,
     }
 }
 
@@ -1789,10 +1780,7 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
     let states_home = config.placement.optimizer.tier();
     // Gradients outlive their step when its update runs late, in the next
     // one: they stay where the optimizer reads them.
-    let grads_home = match config.placement.optimizer {
-        Placement::Device => Tier::Device,
-        _ => Tier::Host,
-    };
+    let grads_home = optimizer_tier(config.placement.optimizer);
     let slot = |name: String, kind, dtype, elements: usize, home| Slot {
         meta: TensorMeta::new(name, kind, dtype, &[elements as u64]),
         home,
