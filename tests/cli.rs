@@ -666,8 +666,43 @@ fn last_json_line(output: &Output) -> serde_json::Value {
 #[test]
 fn train_default_json_contract_tiny() {
     let dir = tempdir();
-    let output = strata_in(dir.path(), &["train", "--steps", "4", "--json"]);
+    let output = strata_in(
+        dir.path(),
+        &["train", "--steps", "4", "--json", "--trace", "trace.json"],
+    );
     let summary = last_json_line(&output);
+    // The trace shows compute (per block and micro-batch), the CPU
+    // optimizer's updates on their own lane, and the transfers.
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("trace.json")).unwrap()).unwrap();
+    let spans: Vec<(String, String)> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            (
+                e["cat"].as_str().unwrap().into(),
+                e["name"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    for (category, name) in [
+        ("compute", "block forward"),
+        ("compute", "block backward"),
+        ("transfer", "nvme->host"),
+    ] {
+        assert!(
+            spans.iter().any(|(c, n)| c == category && n == name),
+            "no {category} {name} in the trace"
+        );
+    }
+    assert!(
+        spans
+            .iter()
+            .any(|(c, n)| c == "compute" && n.ends_with("optimizer")),
+        "no optimizer span in the trace"
+    );
     for key in [
         "steps",
         "loss_first",

@@ -158,8 +158,13 @@ fn prev_power_of_two(value: u64) -> u64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
-    /// Threads that carry out moves; each runs one move at a time.
+    /// Threads that carry out NVMe moves; each runs one move at a time.
     pub movers: usize,
+    /// Of the movers, how many read from NVMe (the others write to it).
+    /// One reads in the order the reads were asked for, so the one needed
+    /// first lands first rather than sharing the drive with later ones; a
+    /// single read keeps the drive's queue full by itself.
+    pub read_movers: usize,
     /// Moves waiting for a mover before `move_to` blocks.
     pub moves_queued_max: usize,
     /// Tensors registered at once.
@@ -172,6 +177,7 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         Self {
             movers: 4,
+            read_movers: 1,
             moves_queued_max: 1024,
             tensors_max: 1 << 20,
             trace_events_max: 1 << 16,
@@ -251,11 +257,22 @@ impl RuntimeConfig {
             nvme.validate()?;
         }
         let limits = &self.runtime;
-        if limits.movers == 0 || limits.movers > MOVERS_MAX {
+        if limits.movers < 2 || limits.movers > MOVERS_MAX {
             return Err(bad(
                 "runtime.movers",
                 limits.movers,
-                format!("use 1..={MOVERS_MAX}"),
+                format!("use 2..={MOVERS_MAX} (at least one reads from NVMe, one writes)"),
+            ));
+        }
+        if limits.read_movers == 0 || limits.read_movers >= limits.movers {
+            return Err(bad(
+                "runtime.read_movers",
+                limits.read_movers,
+                format!(
+                    "use 1..={} (fewer than runtime.movers = {}: the others write)",
+                    limits.movers - 1,
+                    limits.movers
+                ),
             ));
         }
         for (key, value) in [
@@ -310,6 +327,28 @@ movers = 4
     fn unknown_keys_are_named() {
         let err = toml::from_str::<RuntimeConfig>("[host]\nbudgett = \"1GiB\"\n").unwrap_err();
         assert!(err.to_string().contains("budgett"), "{err}");
+    }
+
+    #[test]
+    fn movers_split_into_readers_and_writers_or_are_refused_by_name() {
+        let with = |movers, read_movers| RuntimeConfig {
+            runtime: LimitsConfig {
+                movers,
+                read_movers,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert!(with(4, 1).validate().is_ok());
+        assert!(with(2, 1).validate().is_ok());
+        for (movers, readers, key) in [
+            (1, 1, "runtime.movers"),
+            (4, 0, "runtime.read_movers"),
+            (4, 4, "runtime.read_movers"),
+        ] {
+            let err = with(movers, readers).validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{movers}/{readers}: {err}");
+        }
     }
 
     #[test]

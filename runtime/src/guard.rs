@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::error::{Result, RuntimeError};
 use crate::host_pool::{Chunk, Slot};
 use crate::residency::{Place, Shared, in_use_error, not_resident};
-use crate::stats::CALLER_LANE;
+use crate::stats::caller_lane;
 use crate::tier::{TensorId, Tier};
 
 /// Read (shared) or write (exclusive) use.
@@ -66,23 +66,6 @@ impl View {
         }
     }
 
-    /// Fills a copy being placed (marked moving, so nothing else uses it)
-    /// with `data`, exactly the tensor's size.
-    ///
-    /// # Panics
-    /// If the copy is not addressable from the host (a GPU's memory).
-    pub(crate) fn fill_from(&self, shared: &Shared, data: &[u8]) {
-        let mut offset = 0;
-        let addressable = self.pieces(shared, data.len() as u64, &mut |ptr, len| {
-            // SAFETY: the copy is being placed (marked moving): no guard or
-            // transfer touches it, and it stays allocated until placed.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-            bytes.copy_from_slice(&data[offset..offset + len]);
-            offset += len;
-        });
-        assert!(addressable, "filled only where the host can address it");
-    }
-
     /// Fills a freshly registered copy with zeros: host buffers here, the
     /// device's memory by the device itself.
     pub(crate) fn fill_zero(&self, shared: &Shared, len_bytes: u64) -> Result<()> {
@@ -110,9 +93,31 @@ pub struct Guard {
     access: Access,
     len_bytes: u64,
     view: View,
+    /// Drop this copy, not the others, when the guard ends (a write that
+    /// failed part way).
+    discard: bool,
 }
 
 impl Guard {
+    /// A guard on a use already begun (`begin_use`) under the state lock.
+    pub(crate) fn taken(
+        shared: &Arc<Shared>,
+        id: TensorId,
+        entry: &crate::residency::Entry,
+        tier: Tier,
+        access: Access,
+    ) -> Guard {
+        Guard {
+            shared: shared.clone(),
+            tensor: id,
+            tier,
+            access,
+            len_bytes: entry.len_bytes(),
+            view: View::of(entry, tier),
+            discard: false,
+        }
+    }
+
     pub(crate) fn acquire(
         shared: &Arc<Shared>,
         id: TensorId,
@@ -145,7 +150,7 @@ impl Guard {
             state.entry_mut(id)?.begin_use(tier, access, now);
             drop(state);
             if let Some(started) = waited_since {
-                shared.record_wait(id, len_bytes, started, CALLER_LANE);
+                shared.record_wait(id, len_bytes, started, caller_lane());
             }
             return Ok(Guard {
                 shared: shared.clone(),
@@ -154,6 +159,7 @@ impl Guard {
                 access,
                 len_bytes,
                 view,
+                discard: false,
             });
         }
     }
@@ -213,6 +219,46 @@ impl Guard {
         self.addressable(addressable)
     }
 
+    /// Runs `write` on this write guard; when it fails, the copy is dropped
+    /// at the guard's end if another tier holds one (see
+    /// [`crate::Runtime::overwrite_with`]).
+    pub(crate) fn finish_write<R>(
+        &mut self,
+        write: impl FnOnce(&mut Guard) -> Result<R>,
+    ) -> Result<R> {
+        let result = write(self);
+        self.discard = result.is_err();
+        result
+    }
+
+    /// Copies the bytes at `offset..offset + out.len()` of the tensor into
+    /// `out`, across chunk boundaries.
+    pub fn read_range(&self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.check_range(offset, out.len())?;
+        let end = offset + out.len() as u64;
+        self.for_each_chunk(&mut |at, bytes| {
+            let (from, to) = (offset.max(at), end.min(at + bytes.len() as u64));
+            if from < to {
+                out[(from - offset) as usize..(to - offset) as usize]
+                    .copy_from_slice(&bytes[(from - at) as usize..(to - at) as usize]);
+            }
+        })
+    }
+
+    /// Writes `data` at `offset` of the tensor, across chunk boundaries;
+    /// needs [`Access::Write`].
+    pub fn write_range(&mut self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_range(offset, data.len())?;
+        let end = offset + data.len() as u64;
+        self.for_each_chunk_mut(&mut |at, bytes| {
+            let (from, to) = (offset.max(at), end.min(at + bytes.len() as u64));
+            if from < to {
+                bytes[(from - at) as usize..(to - at) as usize]
+                    .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
+            }
+        })
+    }
+
     /// Copies the tensor's bytes into `out` (exactly its size).
     pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
         self.check_size(out.len())?;
@@ -235,6 +281,17 @@ impl Guard {
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         self.for_each_chunk(&mut |_, bytes| hasher.update(bytes))?;
         Ok(hasher.digest())
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<()> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.len_bytes => Ok(()),
+            _ => Err(RuntimeError::Config {
+                key: "range",
+                value: format!("{offset}+{len} of a {}-byte tensor", self.len_bytes),
+                fix: "read or write within the tensor".into(),
+            }),
+        }
     }
 
     fn check_size(&self, given: usize) -> Result<()> {
@@ -281,8 +338,11 @@ impl Drop for Guard {
         let mut state = self.shared.lock();
         if let Ok(entry) = state.entry_mut(self.tensor) {
             entry.end_use(self.tier, self.access);
-            if self.access == Access::Write {
-                state.release_others(self.tensor, self.tier);
+            let elsewhere = Tier::ALL.iter().any(|&t| t != self.tier && entry.valid(t));
+            match (self.access, self.discard && elsewhere) {
+                (Access::Write, true) => state.drop_copy(self.tensor, self.tier),
+                (Access::Write, false) => state.release_others(self.tensor, self.tier),
+                (Access::Read, _) => {}
             }
         }
         drop(state);

@@ -47,7 +47,10 @@ pub use error::{Result, RuntimeError};
 pub use guard::{Access, Guard};
 pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
 pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
-pub use stats::{EventKind, LinkStats, Stats, TierStats, Trace, TraceEvent};
+pub use stats::{
+    CALLER_LANE, EventKind, LinkStats, OPTIMIZER_LANE, Stats, TierStats, Trace, TraceEvent,
+    set_caller_lane,
+};
 pub use tier::{Dtype, Link, Owner, TensorId, TensorKind, TensorMeta, Tier};
 
 pub use strata_optim as optim;

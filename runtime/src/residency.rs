@@ -22,7 +22,7 @@ use crate::device::{self, CopyPiece, Device, Direction};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Access, Guard, View};
 use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
-use crate::stats::{CALLER_LANE, EventKind, Stats, Trace, TraceEvent};
+use crate::stats::{EventKind, Stats, Trace, TraceEvent, caller_lane};
 use crate::tier::{Link, TensorId, TensorMeta, Tier};
 
 /// Alignment of device allocations (covers every vector load and cudaMalloc's
@@ -191,7 +191,7 @@ impl Completion {
         drop(outcome);
         if waited {
             self.shared
-                .record_wait(self.tensor, self.bytes, started, CALLER_LANE);
+                .record_wait(self.tensor, self.bytes, started, caller_lane());
         }
         result
     }
@@ -229,8 +229,12 @@ impl Completion {
 /// ```
 pub struct Runtime {
     shared: Arc<Shared>,
-    /// Moves that touch NVMe, for `runtime.movers` threads.
-    jobs: Option<SyncSender<Job>>,
+    /// Moves that read from NVMe, for `runtime.read_movers` threads: one
+    /// serves them in the order they were asked for, so the first needed
+    /// lands first instead of sharing the drive with the ones after it.
+    reads: Option<SyncSender<Job>>,
+    /// Moves that write to NVMe, for the other `runtime.movers` threads.
+    writes: Option<SyncSender<Job>>,
     /// Moves between host and device only, for a thread of their own, so
     /// that a short device copy never queues behind NVMe transfers.
     device_jobs: Option<SyncSender<Job>>,
@@ -336,17 +340,24 @@ impl Runtime {
             trace: Mutex::new(Trace::new(config.runtime.trace_events_max)),
             started: Instant::now(),
         });
-        let (jobs, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
-        let receiver = Arc::new(Mutex::new(receiver));
-        let (device_jobs, device_receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
-        let device_receiver = Arc::new(Mutex::new(device_receiver));
-        let mut movers = Vec::with_capacity(config.runtime.movers + 1);
-        // Lanes 0..movers serve NVMe moves; lane `movers` device moves.
-        for lane in 0..=config.runtime.movers {
-            let receiver = if lane == config.runtime.movers {
+        let queue = || {
+            let (sender, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
+            (sender, Arc::new(Mutex::new(receiver)))
+        };
+        let (reads, read_receiver) = queue();
+        let (writes, write_receiver) = queue();
+        let (device_jobs, device_receiver) = queue();
+        let (movers_nvme, readers) = (config.runtime.movers, config.runtime.read_movers);
+        let mut movers = Vec::with_capacity(movers_nvme + 1);
+        // Lanes 0..read_movers serve NVMe reads, then up to `movers` NVMe
+        // writes; lane `movers` device moves.
+        for lane in 0..=movers_nvme {
+            let receiver = if lane == movers_nvme {
                 device_receiver.clone()
+            } else if lane < readers {
+                read_receiver.clone()
             } else {
-                receiver.clone()
+                write_receiver.clone()
             };
             let shared = shared.clone();
             let mover = std::thread::Builder::new()
@@ -361,7 +372,8 @@ impl Runtime {
         }
         Ok(Self {
             shared,
-            jobs: Some(jobs),
+            reads: Some(reads),
+            writes: Some(writes),
             device_jobs: Some(device_jobs),
             movers,
         })
@@ -424,7 +436,7 @@ impl Runtime {
         };
         let placed = self
             .shared
-            .allocate(id, tier, CALLER_LANE)
+            .allocate(id, tier, caller_lane())
             .and_then(|()| self.shared.zero(id, tier));
         let mut state = self.shared.lock();
         match placed {
@@ -492,7 +504,7 @@ impl Runtime {
 
     fn start_move(&self, id: TensorId, target: Tier, release_from: Tier) -> Result<Completion> {
         let releasing = &Tier::ALL[release_from.index().min(target.index())..target.index()];
-        let (bytes, nvme) = {
+        let (bytes, queue) = {
             let mut state = self.shared.lock();
             let entry = state.entry(id)?;
             if let Some(moving_to) = entry.moving {
@@ -515,12 +527,17 @@ impl Runtime {
                 return Ok(Completion::ready(&self.shared, id, Ok(())));
             }
             let len_bytes = entry.len_bytes;
-            let nvme =
-                target == Tier::Nvme || !(entry.valid(Tier::Device) || entry.valid(Tier::Host));
+            let queue = if target == Tier::Nvme {
+                &self.writes
+            } else if entry.valid(Tier::Device) || entry.valid(Tier::Host) {
+                &self.device_jobs
+            } else {
+                &self.reads
+            };
             let entry = state.entry_mut(id)?;
             entry.moving = Some(target);
             entry.kept_above = release_from.min(target);
-            (len_bytes, nvme)
+            (len_bytes, queue)
         };
         let done = Arc::new(MoveDone::default());
         let job = Job {
@@ -529,7 +546,6 @@ impl Runtime {
             release_from,
             done: done.clone(),
         };
-        let queue = if nvme { &self.jobs } else { &self.device_jobs };
         let sent = queue
             .as_ref()
             .expect("jobs open while the runtime lives")
@@ -587,6 +603,33 @@ impl Runtime {
     /// is released. For tensors written whole (optimizer outputs,
     /// gradients); a fetch before the write would move bytes for nothing.
     pub fn overwrite(&self, id: TensorId, tier: Tier, data: &[u8]) -> Result<()> {
+        {
+            let state = self.shared.lock();
+            let entry = state.entry(id)?;
+            if data.len() as u64 != entry.len_bytes {
+                return Err(RuntimeError::SizeMismatch {
+                    tensor: id,
+                    name: entry.meta.name.clone(),
+                    tensor_bytes: entry.len_bytes,
+                    given_bytes: data.len() as u64,
+                });
+            }
+        }
+        self.overwrite_with(id, tier, |guard| guard.write_from(data))
+    }
+
+    /// [`Runtime::overwrite`] with the bytes written by `write` through a
+    /// write guard on the copy in `tier`, which must write every byte (a
+    /// fresh copy holds whatever its buffers held before). Nothing of the
+    /// old bytes is read. When `write` fails the copy is dropped if another
+    /// tier holds one (the old bytes stay there); a tier's only copy is
+    /// left as `write` left it.
+    pub fn overwrite_with<R>(
+        &self,
+        id: TensorId,
+        tier: Tier,
+        write: impl FnOnce(&mut Guard) -> Result<R>,
+    ) -> Result<R> {
         if tier == Tier::Nvme {
             return Err(RuntimeError::Config {
                 key: "tier",
@@ -598,11 +641,12 @@ impl Runtime {
             // A GPU's memory is written through a guard once the copy is
             // there (no copy engine path from unpinned bytes here).
             self.move_to(id, tier)?.wait()?;
-            return self.acquire(id, tier, Access::Write)?.write_from(data);
+            let mut guard = self.acquire(id, tier, Access::Write)?;
+            return guard.finish_write(write);
         }
         loop {
             match self.acquire(id, tier, Access::Write) {
-                Ok(mut guard) => return guard.write_from(data),
+                Ok(mut guard) => return guard.finish_write(write),
                 Err(RuntimeError::NotResident { .. }) => {}
                 Err(err) => return Err(err),
             }
@@ -616,34 +660,28 @@ impl Runtime {
                 if entry.in_use() {
                     return Err(in_use_error(id, entry));
                 }
-                if data.len() as u64 != entry.len_bytes {
-                    return Err(RuntimeError::SizeMismatch {
-                        tensor: id,
-                        name: entry.meta.name.clone(),
-                        tensor_bytes: entry.len_bytes,
-                        given_bytes: data.len() as u64,
-                    });
-                }
                 state.entry_mut(id)?.moving = Some(tier);
             }
-            let placed = self.shared.allocate(id, tier, CALLER_LANE);
-            if placed.is_ok() {
-                let view = View::of(self.shared.lock().entry(id)?, tier);
-                view.fill_from(&self.shared, data);
-            }
+            let placed = self.shared.allocate(id, tier, caller_lane());
             let mut state = self.shared.lock();
+            let mut guard = None;
             if placed.is_ok() {
+                // Valid and taken by the writer in one critical section:
+                // nobody sees the fresh copy before it is written.
+                let now = state.tick();
                 let entry = state.entry_mut(id)?;
                 entry.copies[tier.index()]
                     .as_mut()
                     .expect("allocated")
                     .valid = true;
-                state.release_others(id, tier);
+                entry.begin_use(tier, Access::Write, now);
+                guard = Some(Guard::taken(&self.shared, id, entry, tier, Access::Write));
             }
             state.entry_mut(id)?.moving = None;
             drop(state);
             self.shared.changed.notify_all();
-            return placed;
+            placed?;
+            return guard.expect("taken when placed").finish_write(write);
         }
     }
 
@@ -703,8 +741,32 @@ impl Runtime {
         }
     }
 
-    /// Writes the Chrome/Perfetto trace of every transfer, spill and wait so
-    /// far.
+    /// Records a span of compute that began at `started` and ends now, on
+    /// this thread's trace lane (see [`crate::stats::set_caller_lane`]).
+    pub fn record_compute(
+        &self,
+        what: &'static str,
+        group: u32,
+        micro_batch: Option<u32>,
+        started: Instant,
+    ) {
+        let event = TraceEvent {
+            kind: EventKind::Compute {
+                what,
+                group,
+                micro_batch: micro_batch.unwrap_or(u32::MAX),
+            },
+            tensor: None,
+            bytes: 0,
+            start_ns: (started - self.shared.started).as_nanos() as u64,
+            duration_ns: started.elapsed().as_nanos() as u64,
+            lane: caller_lane(),
+        };
+        self.shared.trace.lock().expect("trace lock").push(event);
+    }
+
+    /// Writes the Chrome/Perfetto trace of every transfer, spill, wait and
+    /// span of compute so far.
     pub fn write_trace(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
         let names: HashMap<TensorId, String> = self
             .shared
@@ -721,7 +783,8 @@ impl Runtime {
 impl Drop for Runtime {
     fn drop(&mut self) {
         // Movers finish the queued moves, then stop.
-        self.jobs = None;
+        self.reads = None;
+        self.writes = None;
         self.device_jobs = None;
         for mover in self.movers.drain(..) {
             let _ = mover.join();
@@ -933,7 +996,7 @@ impl Shared {
         let start_ns = (started - self.started).as_nanos() as u64;
         self.trace.lock().expect("trace lock").push(TraceEvent {
             kind: EventKind::Wait,
-            tensor,
+            tensor: Some(tensor),
             bytes,
             start_ns,
             duration_ns,
@@ -1079,7 +1142,7 @@ impl Shared {
                 self.lock().stats.spills_written += 1;
                 self.trace.lock().expect("trace lock").push(TraceEvent {
                     kind: EventKind::Spill(tier),
-                    tensor: victim,
+                    tensor: Some(victim),
                     bytes,
                     start_ns: (started - self.started).as_nanos() as u64,
                     duration_ns: started.elapsed().as_nanos() as u64,
@@ -1237,7 +1300,7 @@ impl Shared {
         }
         self.trace.lock().expect("trace lock").push(TraceEvent {
             kind: EventKind::Transfer(link),
-            tensor: id,
+            tensor: Some(id),
             bytes: len_bytes,
             start_ns: (started - self.started).as_nanos() as u64,
             duration_ns,

@@ -1,6 +1,8 @@
 //! Accounting (bytes per tier now and at peak, bytes per link, time spent
-//! waiting) and the Chrome/Perfetto trace of every transfer and wait.
+//! waiting) and the Chrome/Perfetto trace of every transfer, wait and span
+//! of compute.
 
+use std::cell::Cell;
 use std::io::Write;
 
 use serde::Serialize;
@@ -70,6 +72,16 @@ pub enum EventKind {
     Wait,
     /// A copy written down to make room.
     Spill(Tier),
+    /// Work of a caller (a block's forward, an optimizer step): what, for
+    /// which group of parameters, in which micro-batch (`u32::MAX`: none).
+    Compute {
+        /// What ran, e.g. "forward".
+        what: &'static str,
+        /// The group (0: embeddings, 1 + b: block b).
+        group: u32,
+        /// The micro-batch, or `u32::MAX` for work of the whole step.
+        micro_batch: u32,
+    },
 }
 
 /// One complete event ("ph":"X").
@@ -77,8 +89,8 @@ pub enum EventKind {
 pub struct TraceEvent {
     /// What happened.
     pub kind: EventKind,
-    /// To which tensor.
-    pub tensor: TensorId,
+    /// To which tensor (none for compute).
+    pub tensor: Option<TensorId>,
     /// Bytes involved.
     pub bytes: u64,
     /// Start, ns since the runtime started.
@@ -132,10 +144,10 @@ impl Trace {
     ) -> std::io::Result<()> {
         let mut events = Vec::with_capacity(self.events.len() + 8);
         for lane in self.lanes() {
-            let name = if lane == CALLER_LANE {
-                "callers".to_string()
-            } else {
-                format!("mover {lane}")
+            let name = match lane {
+                CALLER_LANE => "compute".to_string(),
+                OPTIMIZER_LANE => "cpu optimizer".to_string(),
+                lane => format!("mover {lane}"),
             };
             events.push(serde_json::json!({
                 "name": "thread_name", "ph": "M", "pid": 1, "tid": lane,
@@ -147,6 +159,24 @@ impl Trace {
                 EventKind::Transfer(link) => (link.name().to_string(), "transfer"),
                 EventKind::Wait => ("wait".to_string(), "wait"),
                 EventKind::Spill(tier) => (format!("spill {tier}"), "spill"),
+                EventKind::Compute { what, .. } => (what.to_string(), "compute"),
+            };
+            let args = match (event.kind, event.tensor) {
+                (
+                    EventKind::Compute {
+                        group, micro_batch, ..
+                    },
+                    _,
+                ) => serde_json::json!({
+                    "group": group,
+                    "micro_batch": (micro_batch != u32::MAX).then_some(micro_batch),
+                }),
+                (_, Some(tensor)) => serde_json::json!({
+                    "tensor": tensor.0,
+                    "name": name_of(tensor),
+                    "bytes": event.bytes,
+                }),
+                (_, None) => serde_json::json!({ "bytes": event.bytes }),
             };
             events.push(serde_json::json!({
                 "name": name,
@@ -156,11 +186,7 @@ impl Trace {
                 "tid": event.lane,
                 "ts": event.start_ns as f64 / 1e3,
                 "dur": event.duration_ns as f64 / 1e3,
-                "args": {
-                    "tensor": event.tensor.0,
-                    "name": name_of(event.tensor),
-                    "bytes": event.bytes,
-                },
+                "args": args,
             }));
         }
         let document = serde_json::json!({
@@ -180,8 +206,26 @@ impl Trace {
     }
 }
 
-/// The lane of callers (not movers) in the trace.
+/// The trace lane of callers (not movers): the compute thread's.
 pub const CALLER_LANE: u32 = 1000;
+
+/// The trace lane of the CPU optimizer's thread.
+pub const OPTIMIZER_LANE: u32 = 1001;
+
+thread_local! {
+    static LANE: Cell<u32> = const { Cell::new(CALLER_LANE) };
+}
+
+/// Puts this thread's waits and compute spans on `lane` of the trace
+/// (threads start on [`CALLER_LANE`]).
+pub fn set_caller_lane(lane: u32) {
+    LANE.with(|l| l.set(lane));
+}
+
+/// This thread's lane in the trace.
+pub fn caller_lane() -> u32 {
+    LANE.with(Cell::get)
+}
 
 #[cfg(test)]
 mod tests {
@@ -192,7 +236,7 @@ mod tests {
         let mut trace = Trace::new(2);
         let event = TraceEvent {
             kind: EventKind::Wait,
-            tensor: TensorId(1),
+            tensor: Some(TensorId(1)),
             bytes: 0,
             start_ns: 0,
             duration_ns: 5,

@@ -146,6 +146,57 @@ fn overwrite_reads_nothing_and_releases_stale_copies() {
 }
 
 #[test]
+fn overwrite_with_writes_ranges_and_a_failed_write_keeps_the_old_bytes() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    // Chunks of 64 KiB and 4 KiB: ranges cross chunk boundaries.
+    let bytes = 2 * 65536 + 4096;
+    let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
+    let old = pattern(1, bytes as usize);
+    fill(&runtime, id, Tier::Host, &old);
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    let new = pattern(9, bytes as usize);
+    let read_before = runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes;
+    // Written in odd-sized ranges through a guard on fresh host space.
+    runtime
+        .overwrite_with(id, Tier::Host, |guard| {
+            for start in (0..bytes as usize).step_by(5000) {
+                let end = (start + 5000).min(bytes as usize);
+                guard.write_range(start as u64, &new[start..end])?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(
+        runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes,
+        read_before,
+        "the old bytes are not fetched"
+    );
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Host]);
+    let guard = runtime.acquire(id, Tier::Host, Access::Read).unwrap();
+    let mut piece = vec![0; 70000];
+    guard.read_range(60000, &mut piece).unwrap();
+    assert_eq!(piece, new[60000..130000]);
+    let err = guard.read_range(bytes - 10, &mut piece).unwrap_err();
+    assert!(err.to_string().contains("range"), "{err}");
+    drop(guard);
+    assert_eq!(read(&runtime, id, Tier::Host), new);
+    // A write that fails part way over fresh space: that copy is dropped
+    // and the NVMe copy, still whole, stays the tensor's bytes.
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    let err = runtime
+        .overwrite_with(id, Tier::Host, |guard| {
+            guard.write_range(0, &old[..4096])?;
+            guard.write_range(bytes, &old[..1])
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("range"), "{err}");
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Nvme]);
+    runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
+    assert_eq!(read(&runtime, id, Tier::Host), new);
+}
+
+#[test]
 fn copy_to_and_evict_keep_the_copies_above() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
@@ -357,6 +408,49 @@ fn trace_records_transfers_and_waits() {
         assert!(names.contains(&link), "{names:?}");
     }
     assert!(trace.to_string().contains("traced"));
+}
+
+#[test]
+fn trace_records_compute_spans_on_each_threads_lane() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = std::sync::Arc::new(Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap());
+    let started = std::time::Instant::now();
+    runtime.record_compute("block forward", 3, Some(1), started);
+    let other = runtime.clone();
+    std::thread::spawn(move || {
+        strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
+        other.record_compute("optimizer", 2, None, std::time::Instant::now());
+    })
+    .join()
+    .unwrap();
+    let mut out = Vec::new();
+    runtime.write_trace(&mut out).unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let span = |name: &str| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "X" && e["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {events:?}"))
+            .clone()
+    };
+    let forward = span("block forward");
+    assert_eq!(forward["cat"], "compute");
+    assert_eq!(forward["tid"], strata_runtime::CALLER_LANE);
+    assert_eq!(forward["args"]["group"], 3);
+    assert_eq!(forward["args"]["micro_batch"], 1);
+    let optimizer = span("optimizer");
+    assert_eq!(optimizer["tid"], strata_runtime::OPTIMIZER_LANE);
+    assert!(optimizer["args"]["micro_batch"].is_null());
+    let lanes: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        lanes.contains(&"compute") && lanes.contains(&"cpu optimizer"),
+        "{lanes:?}"
+    );
 }
 
 /// Regression: a store refusal other than "out of space" (here extents_max)

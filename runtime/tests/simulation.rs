@@ -95,7 +95,7 @@ impl Sim {
             },
             nvme: Some(nvme),
             runtime: LimitsConfig {
-                movers: 1,
+                movers: 2,
                 ..Default::default()
             },
         };

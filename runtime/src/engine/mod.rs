@@ -155,6 +155,26 @@ struct StepOp {
     op: Op,
 }
 
+impl Work {
+    /// How the trace names it: what, the group, the micro-batch.
+    fn label(self) -> (&'static str, usize, Option<usize>) {
+        match self {
+            Work::EmbedForward { m } => ("embed forward", 0, Some(m)),
+            Work::BlockForward { m, b } => ("block forward", b + 1, Some(m)),
+            Work::Head { m } => ("head", 0, Some(m)),
+            Work::BlockBackward { m, b } => ("block backward", b + 1, Some(m)),
+            Work::EmbedBackward { m } => ("embed backward", 0, Some(m)),
+            Work::Optimizer { g, late } => (optimizer_label(late), g, None),
+            Work::Decide => ("decide", 0, None),
+            Work::Commit => ("commit", 0, None),
+        }
+    }
+}
+
+fn optimizer_label(late: bool) -> &'static str {
+    if late { "late optimizer" } else { "optimizer" }
+}
+
 /// A tensor of the trace and its runtime copy.
 struct Slot {
     meta: TensorMeta,
@@ -260,6 +280,8 @@ impl Group {
 /// the optimizer states live on the device).
 struct OptJob {
     group: usize,
+    /// The last step's update, run in this step's forward.
+    late: bool,
     /// Trace indices of the tensors it writes.
     outputs: [usize; 2],
     tier: Tier,
@@ -270,13 +292,37 @@ struct OptJob {
     coefficients: [AdamCoefficients; 2],
 }
 
-/// The optimizer's buffers for one shard.
+/// Elements of a shard the optimizer updates at once: its buffers (about
+/// 300 KiB) stay in cache between reading the inputs, the update and
+/// writing the outputs, so memory sees each byte of the shard once.
+const OPT_PIECE_ELEMS: usize = 16 * 1024;
+
+/// The optimizer's buffers for one piece of a shard.
 struct OptScratch {
-    state: Vec<f32>,
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
     grad: Vec<f32>,
     param: Vec<bf16>,
 }
 
+impl OptScratch {
+    fn new() -> OptScratch {
+        OptScratch {
+            master: vec![0.0; OPT_PIECE_ELEMS],
+            m: vec![0.0; OPT_PIECE_ELEMS],
+            v: vec![0.0; OPT_PIECE_ELEMS],
+            grad: vec![0.0; OPT_PIECE_ELEMS],
+            param: vec![bf16::ZERO; OPT_PIECE_ELEMS],
+        }
+    }
+}
+
+/// Group `job.group`'s update, streamed piece by piece from the gradient
+/// and the input states' copies in `job.tier` straight into the outputs'
+/// (states: master, m, v, each `shard` f32, one after another; params:
+/// `shard` bf16). The outputs are written whole: nothing of their old
+/// bytes is read or fetched.
 fn run_optimizer(
     runtime: &Runtime,
     isa: Isa,
@@ -285,37 +331,42 @@ fn run_optimizer(
     job: &OptJob,
 ) -> Result<()> {
     let group = &groups[job.group];
-    let n = group.shard;
-    read_f32(runtime, job.grad, job.tier, &mut scratch.grad[..n])?;
-    read_f32(runtime, job.state_in, job.tier, &mut scratch.state[..3 * n])?;
-    let grad = &scratch.grad[..n];
-    let (master, moments) = scratch.state[..3 * n].split_at_mut(n);
-    let (m, v) = moments.split_at_mut(n);
-    let param = &mut scratch.param[..n];
-    for (range, decays) in &group.runs {
-        adam_step(
-            isa,
-            &job.coefficients[usize::from(*decays)],
-            &mut master[range.clone()],
-            Values::F32(&grad[range.clone()]),
-            Moments::F32 {
-                m: &mut m[range.clone()],
-                v: &mut v[range.clone()],
-            },
-            Some(LowPrecisionMut::Bf16(&mut param[range.clone()])),
-        );
-    }
-    // The outputs are written whole: nothing of their old bytes is read.
-    runtime.overwrite(
-        job.state_out,
-        job.tier,
-        bytemuck::cast_slice(&scratch.state[..3 * n]),
-    )?;
-    runtime.overwrite(
-        job.param_out,
-        job.tier,
-        bytemuck::cast_slice(&scratch.param[..n]),
-    )
+    let n = group.shard as u64;
+    let grad = guard(runtime, job.grad, job.tier, Access::Read)?;
+    let state_in = guard(runtime, job.state_in, job.tier, Access::Read)?;
+    runtime.overwrite_with(job.param_out, job.tier, |param_out| {
+        runtime.overwrite_with(job.state_out, job.tier, |state_out| {
+            for (run, decays) in &group.runs {
+                let coefficients = &job.coefficients[usize::from(*decays)];
+                for start in run.clone().step_by(OPT_PIECE_ELEMS) {
+                    let len = OPT_PIECE_ELEMS.min(run.end - start);
+                    let at = start as u64 * 4;
+                    let master = &mut scratch.master[..len];
+                    let m = &mut scratch.m[..len];
+                    let v = &mut scratch.v[..len];
+                    let g = &mut scratch.grad[..len];
+                    let param = &mut scratch.param[..len];
+                    grad.read_range(at, bytemuck::cast_slice_mut(g))?;
+                    state_in.read_range(at, bytemuck::cast_slice_mut(master))?;
+                    state_in.read_range(at + 4 * n, bytemuck::cast_slice_mut(m))?;
+                    state_in.read_range(at + 8 * n, bytemuck::cast_slice_mut(v))?;
+                    adam_step(
+                        isa,
+                        coefficients,
+                        master,
+                        Values::F32(g),
+                        Moments::F32 { m, v },
+                        Some(LowPrecisionMut::Bf16(param)),
+                    );
+                    state_out.write_range(at, bytemuck::cast_slice(master))?;
+                    state_out.write_range(at + 4 * n, bytemuck::cast_slice(m))?;
+                    state_out.write_range(at + 8 * n, bytemuck::cast_slice(v))?;
+                    param_out.write_range(start as u64 * 2, bytemuck::cast_slice(param))?;
+                }
+            }
+            Ok(())
+        })
+    })
 }
 
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
@@ -356,25 +407,24 @@ struct CpuWorker {
 }
 
 impl CpuWorker {
-    fn start(
-        runtime: Arc<Runtime>,
-        isa: Isa,
-        groups: Arc<Vec<Group>>,
-        shard_max: usize,
-    ) -> Result<CpuWorker> {
+    fn start(runtime: Arc<Runtime>, isa: Isa, groups: Arc<Vec<Group>>) -> Result<CpuWorker> {
         let outstanding = vec![0; groups.len()];
         let (jobs, receiver) = channel::<OptJob>();
         let (results, done) = channel();
         let thread = std::thread::Builder::new()
             .name("strata-cpu-optim".into())
             .spawn(move || {
-                let mut scratch = OptScratch {
-                    state: vec![0.0; 3 * shard_max],
-                    grad: vec![0.0; shard_max],
-                    param: vec![bf16::ZERO; shard_max],
-                };
+                crate::stats::set_caller_lane(crate::stats::OPTIMIZER_LANE);
+                let mut scratch = OptScratch::new();
                 for job in receiver {
+                    let started = Instant::now();
                     let result = run_optimizer(&runtime, isa, &groups, &mut scratch, &job);
+                    runtime.record_compute(
+                        optimizer_label(job.late),
+                        job.group as u32,
+                        None,
+                        started,
+                    );
                     if results.send((job.group, job.outputs, result)).is_err() {
                         return;
                     }
@@ -491,7 +541,6 @@ impl Engine {
             ));
         }
         let groups = Arc::new(groups(&gpt, world, rank));
-        let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
         let batch = config.train.micro_batch;
         let ws = Workspace::new(
             &gpt,
@@ -555,11 +604,7 @@ impl Engine {
             shapes: Vec::with_capacity(SHAPES),
             current: 0,
             ws,
-            inline: OptScratch {
-                state: vec![0.0; 3 * shard_max],
-                grad: vec![0.0; shard_max],
-                param: vec![bf16::ZERO; shard_max],
-            },
+            inline: OptScratch::new(),
             worker: None,
             isa,
             scaler: LossScaler::new(config.train.scaler())?,
@@ -618,7 +663,7 @@ impl Engine {
         engine.prediction.peak_bytes = peak;
         engine.initialize()?;
         if config.placement.optimizer != Placement::Device {
-            engine.worker = Some(CpuWorker::start(runtime, isa, groups, shard_max)?);
+            engine.worker = Some(CpuWorker::start(runtime, isa, groups)?);
         }
         Ok(engine)
     }
@@ -1106,6 +1151,7 @@ impl Engine {
             self.announce(&step_op.op)?;
             return self.issue_actions(true);
         }
+        let started = Instant::now();
         self.announce(&step_op.op)?;
         let tier = processor_tier(step_op.op.processor);
         for access in &step_op.op.accesses {
@@ -1219,6 +1265,9 @@ impl Engine {
             Work::Decide => unreachable!("decided by Engine::decide"),
             Work::Commit => self.wait_worker(None)?,
         }
+        let (what, group, micro_batch) = step_op.work.label();
+        self.runtime
+            .record_compute(what, group as u32, micro_batch.map(|m| m as u32), started);
         self.issue_actions(true)
     }
 
@@ -1323,6 +1372,7 @@ impl Engine {
         };
         let job = OptJob {
             group: g,
+            late,
             outputs,
             tier,
             grad: id(grad_index(g)),
@@ -1371,6 +1421,7 @@ impl Engine {
     fn wait_worker(&mut self, g: Option<usize>) -> Result<()> {
         if let Some(worker) = &mut self.worker {
             let started = Instant::now();
+            let mut waited = false;
             loop {
                 let busy = match g {
                     Some(g) => worker.outstanding[g] > 0,
@@ -1379,10 +1430,16 @@ impl Engine {
                 if !busy {
                     break;
                 }
+                waited = true;
                 let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
                 worker.book(done, &mut self.writing, &mut self.worker_error);
             }
             self.optimizer_wait_ns += started.elapsed().as_nanos() as u64;
+            // (A commit's wait is its whole span already.)
+            if let (true, Some(g)) = (waited, g) {
+                self.runtime
+                    .record_compute("wait for optimizer", g as u32, None, started);
+            }
         }
         self.worker_error.take().map_or(Ok(()), Err)
     }
