@@ -7,7 +7,7 @@ rounds=${1:-3}
 steps=${2:-6}
 strata=${3:-target/release/strata}
 configs=$(cd "$(dirname "$0")/../examples/configs" && pwd)
-work=$(mktemp -d -p "${TMPDIR:-.}" strata-train-bench.XXXXXX)
+work=$(cd "$(mktemp -d -p "${TMPDIR:-.}" strata-train-bench.XXXXXX)" && pwd)
 trap 'rm -rf "$work"' EXIT
 ratios=()
 for round in $(seq 1 "$rounds"); do
@@ -15,8 +15,13 @@ for round in $(seq 1 "$rounds"); do
   if (( round % 2 == 0 )); then order=(resident offload); fi
   declare -A tps=()
   for which in "${order[@]}"; do
-    tps[$which]=$(cd "$work" && "$OLDPWD/$strata" train --config "$configs/$which.toml" --steps "$steps" --json 2>/dev/null \
-      | tail -1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])')
+    if ! (cd "$work" && "$OLDPWD/$strata" train --config "$configs/$which.toml" --steps "$steps" --json \
+      >"$work/out.json" 2>"$work/err.txt"); then
+      echo "round $round: $which failed:" >&2
+      tail -20 "$work/err.txt" >&2
+      exit 1
+    fi
+    tps[$which]=$(tail -1 "$work/out.json" | python3 -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])')
   done
   ratio=$(python3 -c "print(${tps[offload]} / ${tps[resident]})")
   echo "round $round: offload ${tps[offload]} tok/s, resident ${tps[resident]} tok/s, ratio $ratio"

@@ -165,6 +165,9 @@ pub struct LimitsConfig {
     /// first lands first rather than sharing the drive with later ones; a
     /// single read keeps the drive's queue full by itself.
     pub read_movers: usize,
+    /// How long a mover waits for room held by copies in use or moving
+    /// (or split around them) before its move fails with the numbers.
+    pub room_wait_ms: u64,
     /// Moves waiting for a mover before `move_to` blocks.
     pub moves_queued_max: usize,
     /// Tensors registered at once.
@@ -178,6 +181,7 @@ impl Default for LimitsConfig {
         Self {
             movers: 4,
             read_movers: 1,
+            room_wait_ms: 5000,
             moves_queued_max: 1024,
             tensors_max: 1 << 20,
             trace_events_max: 1 << 16,

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use strata_storage::{Extent, ExtentAllocator, SwapStore, round_up};
 
@@ -22,7 +22,7 @@ use crate::device::{self, CopyPiece, Device, Direction};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Access, Guard, View};
 use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
-use crate::stats::{EventKind, Stats, Trace, TraceEvent, caller_lane};
+use crate::stats::{CALLER_LANE, EventKind, Stats, Trace, TraceEvent, caller_lane};
 use crate::tier::{Link, TensorId, TensorMeta, Tier};
 
 /// Alignment of device allocations (covers every vector load and cudaMalloc's
@@ -149,6 +149,8 @@ pub(crate) struct Shared {
     store: Option<SwapStore>,
     trace: Mutex<Trace>,
     started: Instant,
+    /// How long a mover waits for room held by copies in use or moving.
+    room_wait: Duration,
 }
 
 struct Job {
@@ -339,6 +341,7 @@ impl Runtime {
             store,
             trace: Mutex::new(Trace::new(config.runtime.trace_events_max)),
             started: Instant::now(),
+            room_wait: Duration::from_millis(config.runtime.room_wait_ms),
         });
         let queue = || {
             let (sender, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
@@ -1112,6 +1115,7 @@ impl Shared {
     /// it fits, waiting for moves that will free room, and failing with the
     /// numbers when nothing can.
     fn allocate(&self, id: TensorId, tier: Tier, lane: u32) -> Result<()> {
+        let mut waiting_since: Option<Instant> = None;
         loop {
             let mut state = self.lock();
             let shortfall = match self.try_place(&mut state, id, tier) {
@@ -1152,6 +1156,21 @@ impl Shared {
             }
             if state.releasing[tier.index()] > 0 {
                 drop(self.changed.wait(state).expect("runtime state lock"));
+                continue;
+            }
+            // A mover holds no guard, so the copies in use or moving on this
+            // tier will be let go: their space (or the gap next to them, in
+            // a fragmented device arena) is what is missing. It waits for
+            // them, boundedly, so that a caller who holds the guard and
+            // waits for this move gets the error instead of a deadlock.
+            let since = *waiting_since.get_or_insert_with(Instant::now);
+            let left = self.room_wait.saturating_sub(since.elapsed());
+            if lane < CALLER_LANE && !left.is_zero() && state.unevictable_bytes(tier) > 0 {
+                drop(
+                    self.changed
+                        .wait_timeout(state, left)
+                        .expect("runtime state lock"),
+                );
                 continue;
             }
             return Err(self.out_of_budget(&state, id, tier, shortfall));

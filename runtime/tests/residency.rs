@@ -230,11 +230,46 @@ fn read_back(runtime: &Runtime, id: TensorId) -> Vec<u8> {
     read(runtime, id, Tier::Host)
 }
 
+/// Regression: a prefetch failed with "device budget exhausted" when the
+/// bytes were free but split around a tensor in use (a gradient being
+/// accumulated); a mover now waits for that tensor to be let go.
+#[test]
+fn a_move_waits_for_room_held_by_a_tensor_in_use() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 4 << 20)).unwrap();
+    let kib = |k: u64| k << 10;
+    let [left, middle, right, big] = [("left", 384), ("middle", 256), ("right", 384), ("big", 640)]
+        .map(|(name, k)| runtime.register(meta(name, kib(k)), Tier::Host).unwrap());
+    fill(&runtime, big, Tier::Host, &pattern(7, kib(640) as usize));
+    for id in [left, middle, right] {
+        runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    }
+    // The middle one in use, its neighbours gone: 768 KiB free on the
+    // device, in two pieces of 384 KiB.
+    let in_use = runtime.acquire(middle, Tier::Device, Access::Read).unwrap();
+    for id in [left, right] {
+        runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
+    }
+    let started = std::time::Instant::now();
+    let fetch = runtime.move_to(big, Tier::Device).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(!fetch.is_done(), "it waits while the middle one is in use");
+    drop(in_use);
+    fetch.wait().unwrap();
+    assert!(started.elapsed() >= std::time::Duration::from_millis(200));
+    assert_eq!(
+        read(&runtime, big, Tier::Device),
+        pattern(7, kib(640) as usize)
+    );
+}
+
 #[test]
 fn device_budget_spills_least_needed_and_never_the_one_in_use() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    // Device holds two 256 KiB tensors.
-    let runtime = Runtime::new(&config(dir.path(), 512 << 10, 2 << 20)).unwrap();
+    // Device holds two 256 KiB tensors; a move waits briefly for room.
+    let mut config = config(dir.path(), 512 << 10, 2 << 20);
+    config.runtime.room_wait_ms = 100;
+    let runtime = Runtime::new(&config).unwrap();
     let ids: Vec<TensorId> = (0..3)
         .map(|i| {
             runtime

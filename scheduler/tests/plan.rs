@@ -137,9 +137,11 @@ proptest! {
                 }
             }
             // A tier full of tensors the step needs can leave no room for
-            // a write-back: the planner says so with the numbers.
-            Err(SchedulerError::DoesNotFit { needed_bytes, capacity_bytes, .. }) => {
-                prop_assert!(needed_bytes > 0 && capacity_bytes > 0);
+            // a write-back (or a tier with none at all, where a tensor must
+            // pass through it on its way home): the planner says so with
+            // the numbers.
+            Err(SchedulerError::DoesNotFit { needed_bytes, .. }) => {
+                prop_assert!(needed_bytes > 0);
             }
             Err(other) => prop_assert!(false, "{other}"),
         }
