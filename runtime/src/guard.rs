@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::error::{Result, RuntimeError};
 use crate::host_pool::{Chunk, Slot};
-use crate::residency::{Place, Shared, in_use_error, not_resident};
+use crate::residency::{Place, Shared, check_size, in_use_error, not_resident};
 use crate::stats::caller_lane;
 use crate::tier::{TensorId, Tier};
 
@@ -235,12 +235,9 @@ impl Guard {
     /// `out`, across chunk boundaries.
     pub fn read_range(&self, offset: u64, out: &mut [u8]) -> Result<()> {
         self.check_range(offset, out.len())?;
-        let end = offset + out.len() as u64;
         self.for_each_chunk(&mut |at, bytes| {
-            let (from, to) = (offset.max(at), end.min(at + bytes.len() as u64));
-            if from < to {
-                out[(from - offset) as usize..(to - offset) as usize]
-                    .copy_from_slice(&bytes[(from - at) as usize..(to - at) as usize]);
+            if let Some((chunk, range)) = overlap(at, bytes.len(), offset, out.len()) {
+                out[range].copy_from_slice(&bytes[chunk]);
             }
         })
     }
@@ -249,12 +246,9 @@ impl Guard {
     /// needs [`Access::Write`].
     pub fn write_range(&mut self, offset: u64, data: &[u8]) -> Result<()> {
         self.check_range(offset, data.len())?;
-        let end = offset + data.len() as u64;
         self.for_each_chunk_mut(&mut |at, bytes| {
-            let (from, to) = (offset.max(at), end.min(at + bytes.len() as u64));
-            if from < to {
-                bytes[(from - at) as usize..(to - at) as usize]
-                    .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
+            if let Some((chunk, range)) = overlap(at, bytes.len(), offset, data.len()) {
+                bytes[chunk].copy_from_slice(&data[range]);
             }
         })
     }
@@ -298,16 +292,7 @@ impl Guard {
         if given as u64 == self.len_bytes {
             return Ok(());
         }
-        let state = self.shared.lock();
-        Err(RuntimeError::SizeMismatch {
-            tensor: self.tensor,
-            name: state
-                .entry(self.tensor)
-                .map(|e| e.name().to_string())
-                .unwrap_or_default(),
-            tensor_bytes: self.len_bytes,
-            given_bytes: given as u64,
-        })
+        check_size(self.tensor, self.shared.lock().entry(self.tensor)?, given)
     }
 
     fn addressable(&self, addressable: bool) -> Result<()> {
@@ -320,6 +305,25 @@ impl Guard {
             fix: "this copy is not addressable from the host (GPU memory); use device_address() or move it to host".into(),
         })
     }
+}
+
+/// Where a chunk at `at` of `len` bytes meets the range at `offset` of
+/// `range_len` bytes: (those bytes' indices in the chunk, in the range), or
+/// None when they do not meet.
+fn overlap(
+    at: u64,
+    len: usize,
+    offset: u64,
+    range_len: usize,
+) -> Option<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let from = offset.max(at);
+    let to = (offset + range_len as u64).min(at + len as u64);
+    (from < to).then(|| {
+        (
+            (from - at) as usize..(to - at) as usize,
+            (from - offset) as usize..(to - offset) as usize,
+        )
+    })
 }
 
 impl std::fmt::Debug for Guard {
@@ -338,11 +342,15 @@ impl Drop for Guard {
         let mut state = self.shared.lock();
         if let Ok(entry) = state.entry_mut(self.tensor) {
             entry.end_use(self.tier, self.access);
-            let elsewhere = Tier::ALL.iter().any(|&t| t != self.tier && entry.valid(t));
-            match (self.access, self.discard && elsewhere) {
-                (Access::Write, true) => state.drop_copy(self.tensor, self.tier),
-                (Access::Write, false) => state.release_others(self.tensor, self.tier),
-                (Access::Read, _) => {}
+            if self.access == Access::Write {
+                // A failed write's copy goes when the old bytes are elsewhere;
+                // otherwise the written copy is the one kept.
+                let elsewhere = Tier::ALL.iter().any(|&t| t != self.tier && entry.valid(t));
+                if self.discard && elsewhere {
+                    state.drop_copy(self.tensor, self.tier);
+                } else {
+                    state.release_others(self.tensor, self.tier);
+                }
             }
         }
         drop(state);

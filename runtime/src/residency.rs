@@ -22,7 +22,7 @@ use crate::device::{self, CopyPiece, Device, Direction};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Access, Guard, View};
 use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
-use crate::stats::{CALLER_LANE, EventKind, Stats, Trace, TraceEvent, caller_lane};
+use crate::stats::{EventKind, Stats, Trace, TraceEvent, caller_lane, is_mover_lane};
 use crate::tier::{Link, TensorId, TensorMeta, Tier};
 
 /// Alignment of device allocations (covers every vector load and cudaMalloc's
@@ -85,10 +85,6 @@ impl Entry {
 
     pub(crate) fn len_bytes(&self) -> u64 {
         self.len_bytes
-    }
-
-    pub(crate) fn name(&self) -> &str {
-        &self.meta.name
     }
 
     pub(crate) fn begin_use(&mut self, tier: Tier, access: Access, now: u64) {
@@ -606,18 +602,8 @@ impl Runtime {
     /// is released. For tensors written whole (optimizer outputs,
     /// gradients); a fetch before the write would move bytes for nothing.
     pub fn overwrite(&self, id: TensorId, tier: Tier, data: &[u8]) -> Result<()> {
-        {
-            let state = self.shared.lock();
-            let entry = state.entry(id)?;
-            if data.len() as u64 != entry.len_bytes {
-                return Err(RuntimeError::SizeMismatch {
-                    tensor: id,
-                    name: entry.meta.name.clone(),
-                    tensor_bytes: entry.len_bytes,
-                    given_bytes: data.len() as u64,
-                });
-            }
-        }
+        // Refused before any room is made for it.
+        check_size(id, self.shared.lock().entry(id)?, data.len())?;
         self.overwrite_with(id, tier, |guard| guard.write_from(data))
     }
 
@@ -757,7 +743,7 @@ impl Runtime {
             kind: EventKind::Compute {
                 what,
                 group,
-                micro_batch: micro_batch.unwrap_or(u32::MAX),
+                micro_batch,
             },
             tensor: None,
             bytes: 0,
@@ -815,6 +801,19 @@ fn moving_error(id: TensorId, entry: &Entry, target: Tier) -> RuntimeError {
         name: entry.meta.name.clone(),
         target_tier: target,
     }
+}
+
+/// `SizeMismatch` unless `given` bytes are the tensor's size.
+pub(crate) fn check_size(id: TensorId, entry: &Entry, given: usize) -> Result<()> {
+    if given as u64 == entry.len_bytes {
+        return Ok(());
+    }
+    Err(RuntimeError::SizeMismatch {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        tensor_bytes: entry.len_bytes,
+        given_bytes: given as u64,
+    })
 }
 
 pub(crate) fn in_use_error(id: TensorId, entry: &Entry) -> RuntimeError {
@@ -1165,7 +1164,7 @@ impl Shared {
             // waits for this move gets the error instead of a deadlock.
             let since = *waiting_since.get_or_insert_with(Instant::now);
             let left = self.room_wait.saturating_sub(since.elapsed());
-            if lane < CALLER_LANE && !left.is_zero() && state.unevictable_bytes(tier) > 0 {
+            if is_mover_lane(lane) && !left.is_zero() && state.unevictable_bytes(tier) > 0 {
                 drop(
                     self.changed
                         .wait_timeout(state, left)

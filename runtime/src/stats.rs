@@ -73,14 +73,14 @@ pub enum EventKind {
     /// A copy written down to make room.
     Spill(Tier),
     /// Work of a caller (a block's forward, an optimizer step): what, for
-    /// which group of parameters, in which micro-batch (`u32::MAX`: none).
+    /// which group of parameters, in which micro-batch.
     Compute {
-        /// What ran, e.g. "forward".
+        /// What ran, e.g. "block forward".
         what: &'static str,
         /// The group (0: embeddings, 1 + b: block b).
         group: u32,
-        /// The micro-batch, or `u32::MAX` for work of the whole step.
-        micro_batch: u32,
+        /// The micro-batch; none for work of the whole step.
+        micro_batch: Option<u32>,
     },
 }
 
@@ -167,16 +167,12 @@ impl Trace {
                         group, micro_batch, ..
                     },
                     _,
-                ) => serde_json::json!({
-                    "group": group,
-                    "micro_batch": (micro_batch != u32::MAX).then_some(micro_batch),
-                }),
-                (_, Some(tensor)) => serde_json::json!({
-                    "tensor": tensor.0,
-                    "name": name_of(tensor),
+                ) => serde_json::json!({ "group": group, "micro_batch": micro_batch }),
+                (_, tensor) => serde_json::json!({
+                    "tensor": tensor.map(|t| t.0),
+                    "name": tensor.and_then(name_of),
                     "bytes": event.bytes,
                 }),
-                (_, None) => serde_json::json!({ "bytes": event.bytes }),
             };
             events.push(serde_json::json!({
                 "name": name,
@@ -217,9 +213,22 @@ thread_local! {
 }
 
 /// Puts this thread's waits and compute spans on `lane` of the trace
-/// (threads start on [`CALLER_LANE`]).
+/// (threads start on [`CALLER_LANE`]). Lanes below [`CALLER_LANE`] are the
+/// movers'.
+///
+/// # Panics
+/// If `lane` is a mover's.
 pub fn set_caller_lane(lane: u32) {
+    assert!(
+        lane >= CALLER_LANE,
+        "lane {lane} is a mover's: callers use {CALLER_LANE} and up"
+    );
     LANE.with(|l| l.set(lane));
+}
+
+/// Whether `lane` is a mover's (a thread that holds no guard).
+pub(crate) fn is_mover_lane(lane: u32) -> bool {
+    lane < CALLER_LANE
 }
 
 /// This thread's lane in the trace.

@@ -53,6 +53,11 @@ fn fill(runtime: &Runtime, id: TensorId, tier: Tier, data: &[u8]) {
     guard.write_from(data).unwrap();
 }
 
+/// Bytes read from NVMe so far.
+fn nvme_read_bytes(runtime: &Runtime) -> u64 {
+    runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes
+}
+
 fn read(runtime: &Runtime, id: TensorId, tier: Tier) -> Vec<u8> {
     let guard = runtime.acquire(id, tier, Access::Read).unwrap();
     let mut out = vec![0; guard.len_bytes() as usize];
@@ -118,12 +123,12 @@ fn overwrite_reads_nothing_and_releases_stale_copies() {
     let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
     fill(&runtime, id, Tier::Host, &pattern(1, bytes as usize));
     runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
-    let read_before = runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes;
+    let read_before = nvme_read_bytes(&runtime);
     runtime
         .overwrite(id, Tier::Host, &pattern(2, bytes as usize))
         .unwrap();
     assert_eq!(
-        runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes,
+        nvme_read_bytes(&runtime),
         read_before,
         "the old bytes are not fetched"
     );
@@ -156,7 +161,7 @@ fn overwrite_with_writes_ranges_and_a_failed_write_keeps_the_old_bytes() {
     fill(&runtime, id, Tier::Host, &old);
     runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
     let new = pattern(9, bytes as usize);
-    let read_before = runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes;
+    let read_before = nvme_read_bytes(&runtime);
     // Written in odd-sized ranges through a guard on fresh host space.
     runtime
         .overwrite_with(id, Tier::Host, |guard| {
@@ -168,7 +173,7 @@ fn overwrite_with_writes_ranges_and_a_failed_write_keeps_the_old_bytes() {
         })
         .unwrap();
     assert_eq!(
-        runtime.stats().link(strata_runtime::Link::NvmeToHost).bytes,
+        nvme_read_bytes(&runtime),
         read_before,
         "the old bytes are not fetched"
     );

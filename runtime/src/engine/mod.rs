@@ -62,7 +62,7 @@ use crate::gpt::{
     BlockActivations, BlockLayout, BlockScratch, EmbedLayout, GptConfig, HeadBuffers,
     block_backward, block_forward, embed_backward, embed_forward, head_forward_backward,
 };
-use crate::guard::Access;
+use crate::guard::{Access, Guard};
 use crate::residency::{Completion, Runtime};
 use crate::tier::{Dtype, TensorId, TensorKind, TensorMeta, Tier};
 
@@ -319,10 +319,9 @@ impl OptScratch {
 }
 
 /// Group `job.group`'s update, streamed piece by piece from the gradient
-/// and the input states' copies in `job.tier` straight into the outputs'
-/// (states: master, m, v, each `shard` f32, one after another; params:
-/// `shard` bf16). The outputs are written whole: nothing of their old
-/// bytes is read or fetched.
+/// and the input states' copies in `job.tier` straight into the outputs'.
+/// The outputs are written whole: nothing of their old bytes is read or
+/// fetched.
 fn run_optimizer(
     runtime: &Runtime,
     isa: Isa,
@@ -330,53 +329,64 @@ fn run_optimizer(
     scratch: &mut OptScratch,
     job: &OptJob,
 ) -> Result<()> {
-    let group = &groups[job.group];
-    let n = group.shard as u64;
-    let grad = guard(runtime, job.grad, job.tier, Access::Read)?;
-    let state_in = guard(runtime, job.state_in, job.tier, Access::Read)?;
+    let inputs = [
+        guard(runtime, job.grad, job.tier, Access::Read)?,
+        guard(runtime, job.state_in, job.tier, Access::Read)?,
+    ];
     runtime.overwrite_with(job.param_out, job.tier, |param_out| {
         runtime.overwrite_with(job.state_out, job.tier, |state_out| {
-            for (run, decays) in &group.runs {
-                let coefficients = &job.coefficients[usize::from(*decays)];
-                for start in run.clone().step_by(OPT_PIECE_ELEMS) {
-                    let len = OPT_PIECE_ELEMS.min(run.end - start);
-                    let at = start as u64 * 4;
-                    let master = &mut scratch.master[..len];
-                    let m = &mut scratch.m[..len];
-                    let v = &mut scratch.v[..len];
-                    let g = &mut scratch.grad[..len];
-                    let param = &mut scratch.param[..len];
-                    grad.read_range(at, bytemuck::cast_slice_mut(g))?;
-                    state_in.read_range(at, bytemuck::cast_slice_mut(master))?;
-                    state_in.read_range(at + 4 * n, bytemuck::cast_slice_mut(m))?;
-                    state_in.read_range(at + 8 * n, bytemuck::cast_slice_mut(v))?;
-                    adam_step(
-                        isa,
-                        coefficients,
-                        master,
-                        Values::F32(g),
-                        Moments::F32 { m, v },
-                        Some(LowPrecisionMut::Bf16(param)),
-                    );
-                    state_out.write_range(at, bytemuck::cast_slice(master))?;
-                    state_out.write_range(at + 4 * n, bytemuck::cast_slice(m))?;
-                    state_out.write_range(at + 8 * n, bytemuck::cast_slice(v))?;
-                    param_out.write_range(start as u64 * 2, bytemuck::cast_slice(param))?;
-                }
-            }
-            Ok(())
+            let outputs = [state_out, param_out];
+            adam_pieces(isa, &groups[job.group], job, scratch, &inputs, outputs)
         })
     })
 }
 
+/// One shard's AdamW in pieces of [`OPT_PIECE_ELEMS`]: `[grad, states in]`
+/// to `[states out, params out]`. States are master, m and v, each
+/// `shard` f32, one after another; params are `shard` bf16.
+fn adam_pieces(
+    isa: Isa,
+    group: &Group,
+    job: &OptJob,
+    scratch: &mut OptScratch,
+    [grad, state_in]: &[Guard; 2],
+    [state_out, param_out]: [&mut Guard; 2],
+) -> Result<()> {
+    let n = group.shard as u64;
+    for (run, decays) in &group.runs {
+        let coefficients = &job.coefficients[usize::from(*decays)];
+        for start in run.clone().step_by(OPT_PIECE_ELEMS) {
+            let len = OPT_PIECE_ELEMS.min(run.end - start);
+            let at = start as u64 * 4;
+            let master = &mut scratch.master[..len];
+            let m = &mut scratch.m[..len];
+            let v = &mut scratch.v[..len];
+            let g = &mut scratch.grad[..len];
+            let param = &mut scratch.param[..len];
+            grad.read_range(at, bytemuck::cast_slice_mut(g))?;
+            state_in.read_range(at, bytemuck::cast_slice_mut(master))?;
+            state_in.read_range(at + 4 * n, bytemuck::cast_slice_mut(m))?;
+            state_in.read_range(at + 8 * n, bytemuck::cast_slice_mut(v))?;
+            adam_step(
+                isa,
+                coefficients,
+                master,
+                Values::F32(g),
+                Moments::F32 { m, v },
+                Some(LowPrecisionMut::Bf16(param)),
+            );
+            state_out.write_range(at, bytemuck::cast_slice(master))?;
+            state_out.write_range(at + 4 * n, bytemuck::cast_slice(m))?;
+            state_out.write_range(at + 8 * n, bytemuck::cast_slice(v))?;
+            param_out.write_range(start as u64 * 2, bytemuck::cast_slice(param))?;
+        }
+    }
+    Ok(())
+}
+
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
 /// is not (a demand fetch: the plan did not bring it, or a spill took it).
-fn guard(
-    runtime: &Runtime,
-    id: TensorId,
-    tier: Tier,
-    access: Access,
-) -> Result<crate::guard::Guard> {
+fn guard(runtime: &Runtime, id: TensorId, tier: Tier, access: Access) -> Result<Guard> {
     loop {
         match runtime.acquire(id, tier, access) {
             Ok(guard) => return Ok(guard),
