@@ -1,7 +1,8 @@
 //! The training engine end to end on tiny models: loss falls, ranks agree,
 //! resume is exact, bad placements are refused before training.
 
-use strata_runtime::engine::{ByteCorpus, Placement, RunOptions, TrainConfig, run};
+use strata_runtime::Link;
+use strata_runtime::engine::{ByteCorpus, Placement, RunOptions, StateCache, TrainConfig, run};
 use strata_storage::ByteSize;
 
 fn corpus(seq: usize) -> ByteCorpus {
@@ -189,4 +190,100 @@ fn speculative_late_and_inline_updates_agree_bit_for_bit() {
             }
         }
     }
+}
+
+#[test]
+fn the_state_cache_saves_drive_reads_and_changes_no_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cached = tiny(dir.path());
+    cached.train.steps = 6;
+    // Every step clipped: every update after the first is late.
+    cached.train.clip_norm = 0.05;
+    cached.placement.state_cache = StateCache::Auto;
+    let mut uncached = cached.clone();
+    uncached.placement.state_cache = StateCache::Bytes(0);
+    let a = run(&cached, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    let b = run(&uncached, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    for (x, y) in a.reports.iter().zip(&b.reports) {
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
+    }
+    assert!(a.reports[1..].iter().all(|r| r.late), "{:?}", a.reports);
+    let reads = |s: &strata_runtime::engine::RunSummary| s.moved_bytes[Link::NvmeToHost.index()];
+    assert!(
+        reads(&a) < reads(&b) / 2,
+        "cached {} vs uncached {} bytes read",
+        reads(&a),
+        reads(&b)
+    );
+    // The cache is held out of the plans' host room, counted in the
+    // prediction, and the budget holds.
+    assert!(a.state_cache_bytes > 0 && b.state_cache_bytes == 0);
+    assert!(a.state_cache_bytes <= a.budget_bytes.host / 4);
+    assert!(a.predicted_peak_bytes.host >= a.state_cache_bytes);
+    assert!(a.peak_bytes.host <= a.budget_bytes.host);
+}
+
+#[test]
+fn a_state_cache_is_a_size_or_auto_and_leaves_the_plans_room() {
+    let text = |value: &str| format!("[placement]\nstate_cache = {value}\n");
+    let parsed =
+        |value: &str| TrainConfig::from_toml(&text(value)).map(|c| c.placement.state_cache);
+    assert_eq!(parsed("\"auto\"").unwrap(), StateCache::Auto);
+    assert_eq!(parsed("\"4MiB\"").unwrap(), StateCache::Bytes(4 << 20));
+    assert_eq!(parsed("0").unwrap(), StateCache::Bytes(0));
+    let err = parsed("\"lots\"").unwrap_err().to_string();
+    assert!(err.contains("state_cache") && err.contains("auto"), "{err}");
+    let err = parsed("\"1GiB\"").unwrap_err().to_string();
+    assert!(
+        err.contains("placement.state_cache") && err.contains("host.budget"),
+        "{err}"
+    );
+}
+
+#[test]
+fn micro_batches_in_flight_together_match_one_after_another_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut together = tiny(dir.path());
+    together.train.steps = 4;
+    together.train.grad_accumulation = 3;
+    together.train.micro_batch = 2;
+    // With activation checkpointing the micro-batches run block by block;
+    // without, one after another. The sums are the same, in the same order.
+    together.train.checkpoint_activations = true;
+    let mut apart = together.clone();
+    apart.train.checkpoint_activations = false;
+    apart.host.budget = ByteSize(16 << 20);
+    let a = run(&together, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    let b = run(&apart, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!((a.reports.len(), b.reports.len()), (4, 4));
+    for (x, y) in a.reports.iter().zip(&b.reports) {
+        assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
+        assert_eq!(
+            x.grad_norm.to_bits(),
+            y.grad_norm.to_bits(),
+            "step {}",
+            x.step
+        );
+    }
+}
+
+#[test]
+fn a_state_cache_the_plans_need_the_room_of_is_named_or_given_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 2;
+    // 3 MiB: the plans fit, but not beside a megabyte of it.
+    config.host.budget = ByteSize(3 << 20);
+    config.placement.state_cache = StateCache::Bytes(1 << 20);
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+    let err = err.to_string();
+    eprintln!("{err}");
+    assert!(
+        err.contains("placement.state_cache") && err.contains("auto"),
+        "{err}"
+    );
+    config.placement.state_cache = StateCache::Auto;
+    let summary = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(summary.state_cache_bytes, 0);
+    assert_eq!(summary.steps, 2);
 }

@@ -185,6 +185,12 @@ fn print_summary(summary: &RunSummary, json: bool) -> anyhow::Result<()> {
         "  (device includes the {} compute workspace)",
         mib(summary.workspace_bytes)
     );
+    if summary.state_cache_bytes > 0 {
+        println!(
+            "  (host includes the {} state cache)",
+            mib(summary.state_cache_bytes)
+        );
+    }
     for path in &summary.checkpoints {
         println!("checkpoint: {}", path.display());
     }

@@ -203,6 +203,55 @@ pub struct PlacementConfig {
     pub prefetch_ops: u32,
     /// Ops ahead of backward that offloaded activations are fetched.
     pub activation_horizon_ops: u32,
+    /// Host memory, out of `host.budget`, that keeps the optimizer states a
+    /// late update just wrote (the first blocks', as many as fit) until the
+    /// next step's update reads them, so that it does not wait for the
+    /// drive; their write-backs wait for backward. Only with `optimizer =
+    /// "nvme"`. `"auto"`: a quarter of the host budget, or none when the
+    /// plans do not fit beside it; `0`: off.
+    pub state_cache: StateCache,
+}
+
+/// [`PlacementConfig::state_cache`]: a size, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SizeOrWord", into = "SizeOrWord")]
+pub enum StateCache {
+    /// A quarter of the host budget, or none when the plans need it.
+    Auto,
+    /// This many bytes.
+    Bytes(u64),
+}
+
+/// How a [`StateCache`] is written: `"auto"`, `"160MiB"` or bytes.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum SizeOrWord {
+    Bytes(u64),
+    Text(String),
+}
+
+impl TryFrom<SizeOrWord> for StateCache {
+    type Error = String;
+
+    fn try_from(value: SizeOrWord) -> std::result::Result<Self, String> {
+        match value {
+            SizeOrWord::Bytes(bytes) => Ok(StateCache::Bytes(bytes)),
+            SizeOrWord::Text(text) if text == "auto" => Ok(StateCache::Auto),
+            SizeOrWord::Text(text) => text
+                .parse::<ByteSize>()
+                .map(|size| StateCache::Bytes(size.0))
+                .map_err(|err| format!("placement.state_cache: {err}, or \"auto\"")),
+        }
+    }
+}
+
+impl From<StateCache> for SizeOrWord {
+    fn from(cache: StateCache) -> Self {
+        match cache {
+            StateCache::Auto => SizeOrWord::Text("auto".into()),
+            StateCache::Bytes(bytes) => SizeOrWord::Text(ByteSize(bytes).to_string()),
+        }
+    }
 }
 
 impl Default for PlacementConfig {
@@ -212,6 +261,7 @@ impl Default for PlacementConfig {
             optimizer: Placement::Nvme,
             prefetch_ops: 4,
             activation_horizon_ops: 2,
+            state_cache: StateCache::Auto,
         }
     }
 }
@@ -335,6 +385,18 @@ impl TrainConfig {
                 "placement",
                 "nvme",
                 "add an [nvme] table with dirs, or place params and optimizer on device or cpu",
+            ));
+        }
+        if let StateCache::Bytes(bytes) = self.placement.state_cache
+            && bytes >= self.host.budget.0
+        {
+            return Err(bad(
+                "placement.state_cache",
+                ByteSize(bytes),
+                format!(
+                    "it must leave the plans part of host.budget ({}): lower it, or use \"auto\"",
+                    self.host.budget
+                ),
             ));
         }
         self.rank_runtime(0, 0)?.validate()

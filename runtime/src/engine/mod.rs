@@ -4,11 +4,16 @@
 //! plans.
 //!
 //! Every group of parameters (the embeddings, then each block) is cut into
-//! one shard per rank. A step, per micro-batch: gather the embeddings, run
-//! each block's forward (all-gather its bf16 shards, keep its input, or all
-//! its activations without checkpointing), the head and loss, then each
+//! one shard per rank. A step: gather the embeddings, run each block's
+//! forward (all-gather its bf16 shards, keep its input, or all its
+//! activations without checkpointing), the head and loss, then each
 //! block's backward (recompute from the kept input, reduce-scatter the
-//! gradients into this rank's fp32 gradient shard). Updates write the new
+//! gradients into this rank's fp32 gradient shard). With activation
+//! checkpointing every micro-batch of the step is in flight at once and
+//! each op runs for all of them in turn, so a block's parameters are
+//! fetched once per pass and its gradient is summed while it is on the
+//! device; without, micro-batches run one after another (only one's
+//! activations alive). The sums are the same either way. Updates write the new
 //! master weights, moments and bf16 copy into a second set of tensors, so
 //! the first stays whole until the global norm decides, and run on the CPU
 //! thread overlapped with compute in one of two ways:
@@ -22,6 +27,13 @@
 //! An overflow skips the update. Either way each update is the one exact
 //! clipped step: never stale, never partial.
 //!
+//! With optimizer states on NVMe, the state cache (`placement.state_cache`)
+//! keeps the host copies of the first groups' states that a late update
+//! wrote until the next step's late update reads them: those updates, the
+//! first of the step, then wait for no drive read, and the drive reads the
+//! later groups' states meanwhile. Their write-backs wait until the late
+//! updates are done. The cache's bytes are taken from the plans' host room.
+//!
 //! The engine knows its step's ops before it runs, so it plans each shape
 //! of step up front ([`StepTracker::prime`]): the plan's peaks are the
 //! prediction, a placement that cannot fit fails before training, and
@@ -34,8 +46,8 @@ mod run;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use config::{
-    GRAD_ACCUMULATION_MAX, ModelConfig, Placement, PlacementConfig, RANKS_MAX, TrainConfig,
-    TrainSettings,
+    GRAD_ACCUMULATION_MAX, ModelConfig, Placement, PlacementConfig, RANKS_MAX, StateCache,
+    TrainConfig, TrainSettings,
 };
 pub use data::ByteCorpus;
 pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
@@ -53,6 +65,7 @@ use strata_optim::{
 };
 use strata_scheduler as sched;
 use strata_scheduler::{Action, ActionKind, Follow, Mode, Op, Processor, StepTracker, TensorClass};
+use strata_storage::ByteSize;
 use strata_storage::engine::SplitMix64;
 
 use crate::collective::Collective;
@@ -119,6 +132,8 @@ pub struct Prediction {
     pub peak_bytes: [u64; 3],
     /// The device bytes held for compute buffers.
     pub workspace_bytes: u64,
+    /// The host bytes held for the state cache (in the host peak).
+    pub state_cache_bytes: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,23 +197,37 @@ struct Slot {
     id: Option<TensorId>,
     /// The planned move in flight, and its target tier.
     pending: Option<(Completion, Tier)>,
+    /// An optimizer state whose host copy is kept across steps when a late
+    /// update writes it (the state cache).
+    carry: bool,
+    /// Written by a late update this step: its host copy stays for the
+    /// next step's update, its write-back waits for backward.
+    fresh: bool,
 }
 
-/// Compute buffers: one block's worth, held for the whole run.
+/// Compute buffers: one block's worth, held for the whole run, and the
+/// streams between blocks of each micro-batch in flight at once.
 struct Workspace {
     gathered: Vec<f32>,
     shard16: Vec<bf16>,
     shard32: Vec<f32>,
     grad_full: Vec<f32>,
-    dembed: Vec<f32>,
     acts: BlockActivations,
     scratch: BlockScratch,
     head: HeadBuffers,
     saved: Vec<f32>,
-    x: Vec<f32>,
     y: Vec<f32>,
     dx: Vec<f32>,
+    /// Per micro-batch in flight: the forward stream, the backward stream,
+    /// the embeddings' gradient, the input and target tokens.
+    streams: Vec<Stream>,
+}
+
+/// One micro-batch's buffers between ops.
+struct Stream {
+    x: Vec<f32>,
     dy: Vec<f32>,
+    dembed: Vec<f32>,
     inputs: Vec<u32>,
     targets: Vec<u32>,
 }
@@ -210,6 +239,7 @@ impl Workspace {
         groups: &[Group],
         world: usize,
         checkpoint: bool,
+        in_flight: usize,
     ) -> Self {
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
         let padded_max = shard_max * world;
@@ -222,37 +252,46 @@ impl Workspace {
             shard16: vec![bf16::ZERO; shard_max],
             shard32: vec![0.0; shard_max],
             grad_full: vec![0.0; padded_max],
-            dembed: vec![0.0; embed_padded],
             acts,
             scratch: BlockScratch::new(gpt, batch),
             head: HeadBuffers::new(gpt, batch),
             saved: vec![0.0; saved],
-            x: vec![0.0; stream],
             y: vec![0.0; stream],
             dx: vec![0.0; stream],
-            dy: vec![0.0; stream],
-            inputs: vec![0; batch * gpt.seq],
-            targets: vec![0; batch * gpt.seq],
+            streams: (0..in_flight)
+                .map(|_| Stream {
+                    x: vec![0.0; stream],
+                    dy: vec![0.0; stream],
+                    dembed: vec![0.0; embed_padded],
+                    inputs: vec![0; batch * gpt.seq],
+                    targets: vec![0; batch * gpt.seq],
+                })
+                .collect(),
         }
     }
 
     /// Bytes of every buffer (what they would take on a GPU).
     fn bytes(&self) -> u64 {
+        let streams = self.streams.iter();
         let floats = [
             &self.gathered,
             &self.shard32,
             &self.grad_full,
-            &self.dembed,
             &self.saved,
-            &self.x,
             &self.y,
             &self.dx,
-            &self.dy,
         ]
         .iter()
         .map(|v| v.len())
-        .sum::<usize>();
-        let (bf16s, tokens) = (self.shard16.len(), self.inputs.len() + self.targets.len());
+        .sum::<usize>()
+            + streams
+                .clone()
+                .map(|s| s.x.len() + s.dy.len() + s.dembed.len())
+                .sum::<usize>();
+        let tokens = streams
+            .map(|s| s.inputs.len() + s.targets.len())
+            .sum::<usize>();
+        let bf16s = self.shard16.len();
         (4 * floats + 2 * bf16s + 4 * tokens) as u64
             + self.acts.bytes()
             + self.scratch.bytes()
@@ -533,6 +572,9 @@ pub struct Engine {
     last_use: Vec<Vec<usize>>,
     prediction: Prediction,
     loss_sum: f64,
+    /// Write-backs of fresh cached states, issued once the late updates
+    /// are done (the drive reads the other states first).
+    deferred: Vec<usize>,
 }
 
 impl Engine {
@@ -558,6 +600,7 @@ impl Engine {
             &groups,
             world,
             config.train.checkpoint_activations,
+            in_flight(&config.train),
         );
         let workspace_bytes = ws.bytes();
         let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
@@ -588,6 +631,24 @@ impl Engine {
         let mut capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
         let host = &mut capacity_bytes[Tier::Host.index()];
         *host = host.saturating_sub((2 * largest_bytes).max(*host / 8));
+        // The state cache: leading groups' states, as many as fit in it.
+        let cache_bytes_max = match (config.placement.optimizer, config.placement.state_cache) {
+            (Placement::Nvme, StateCache::Auto) => stats.tiers[Tier::Host.index()].budget_bytes / 4,
+            (Placement::Nvme, StateCache::Bytes(bytes)) => bytes,
+            _ => 0,
+        };
+        let state_host_bytes = |g: usize| {
+            runtime.footprint_bytes(slots[state_index(g, 0)].meta.len_bytes())[Tier::Host.index()]
+        };
+        let mut cache_groups = 0;
+        let mut cache_bytes = 0;
+        while cache_groups < groups.len()
+            && cache_bytes + state_host_bytes(cache_groups) <= cache_bytes_max
+        {
+            cache_bytes += state_host_bytes(cache_groups);
+            cache_groups += 1;
+        }
+        *host = host.saturating_sub(cache_bytes);
         let plan_config = sched::PlanConfig {
             capacity_bytes,
             links: links(),
@@ -599,10 +660,7 @@ impl Engine {
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
-        let mut tracker = StepTracker::new(plan_config, tensors, 4 * tensors + 16, PLANS_MAX);
-        for spec in specs(&runtime, &slots) {
-            tracker.tensor(spec)?;
-        }
+        let tracker = StepTracker::new(plan_config.clone(), 0, 0, 1);
         let mut engine = Engine {
             config: config.clone(),
             gpt,
@@ -637,15 +695,62 @@ impl Engine {
                 ..Prediction::default()
             },
             loss_sum: 0.0,
+            deferred: Vec::with_capacity(groups.len()),
         };
-        // Every shape is listed and planned now: its last uses, and the
-        // plan's peaks (the prediction).
-        let tensors = specs(&engine.runtime, &engine.slots);
+        match engine.plan_shapes(&plan_config, cache_groups, cache_bytes) {
+            Err(RuntimeError::DoesNotFit { cause }) if cache_groups > 0 => {
+                // Whether the plans fit without the cache: "auto" runs so, an
+                // explicit size is named as the problem.
+                let mut full = plan_config.clone();
+                full.capacity_bytes[Tier::Host.index()] += cache_bytes;
+                engine.plan_shapes(&full, 0, 0)?;
+                if let StateCache::Bytes(bytes) = config.placement.state_cache {
+                    return Err(bad(
+                        "placement.state_cache",
+                        ByteSize(bytes),
+                        format!(
+                            "the plans fit the host budget only without it ({cause}): lower it, or use \"auto\""
+                        ),
+                    ));
+                }
+            }
+            planned => planned?,
+        }
+        engine.initialize()?;
+        if config.placement.optimizer != Placement::Device {
+            engine.worker = Some(CpuWorker::start(runtime, isa, groups)?);
+        }
+        Ok(engine)
+    }
+
+    /// Lists and plans every shape of step with `config` (the host tier
+    /// less the state cache of the first `cache_groups` groups'
+    /// `cache_bytes`): their last uses, and the plans' peaks (the
+    /// prediction).
+    fn plan_shapes(
+        &mut self,
+        config: &sched::PlanConfig,
+        cache_groups: usize,
+        cache_bytes: u64,
+    ) -> Result<()> {
+        let tensors = specs(&self.runtime, &self.slots);
+        let ops_max = 4 * tensors.len() + 16;
+        self.tracker = StepTracker::new(config.clone(), tensors.len(), ops_max, PLANS_MAX);
+        for spec in &tensors {
+            self.tracker.tensor(spec.clone())?;
+        }
+        for g in 0..self.groups.len() {
+            for set in 0..2 {
+                self.slots[state_index(g, set)].carry = g < cache_groups;
+            }
+        }
+        self.shapes.clear();
+        self.last_use.clear();
         let mut peak = [0u64; 3];
         for shape in 0..SHAPES {
             let (current, speculate, late) = shape_of(shape);
-            let ops = engine.step_ops(current, speculate, late);
-            let mut last = vec![0; engine.slots.len()];
+            let ops = self.step_ops(current, speculate, late);
+            let mut last = vec![0; self.slots.len()];
             for (k, step_op) in ops.iter().enumerate() {
                 for access in &step_op.op.accesses {
                     last[access.tensor as usize] = last[access.tensor as usize].max(k + 1);
@@ -655,27 +760,23 @@ impl Engine {
                 tensors: tensors.clone(),
                 ops: ops.iter().map(|s| s.op.clone()).collect(),
             };
-            let plan = engine.tracker.prime(&trace)?;
+            let plan = self.tracker.prime(&trace)?;
             let footprint = |t: usize, tier: sched::Tier| {
-                engine
-                    .runtime
-                    .footprint_bytes(engine.slots[t].meta.len_bytes())[tier.index()]
+                self.runtime.footprint_bytes(self.slots[t].meta.len_bytes())[tier.index()]
             };
             let replayed = sched::replay_peak_bytes(&trace, plan, &footprint)
                 .expect("the planner's plans replay");
             for (p, planned) in peak.iter_mut().zip(replayed) {
                 *p = (*p).max(planned);
             }
-            engine.shapes.push(ops);
-            engine.last_use.push(last);
+            self.shapes.push(ops);
+            self.last_use.push(last);
         }
-        peak[0] += workspace_bytes;
-        engine.prediction.peak_bytes = peak;
-        engine.initialize()?;
-        if config.placement.optimizer != Placement::Device {
-            engine.worker = Some(CpuWorker::start(runtime, isa, groups)?);
-        }
-        Ok(engine)
+        peak[Tier::Device.index()] += self.prediction.workspace_bytes;
+        peak[Tier::Host.index()] += cache_bytes;
+        self.prediction.peak_bytes = peak;
+        self.prediction.state_cache_bytes = cache_bytes;
+        Ok(())
     }
 
     /// The runtime of this rank (stats, trace).
@@ -746,68 +847,90 @@ impl Engine {
                 compute_ns,
             )
         };
-        for m in 0..accumulation {
-            let last = m + 1 == accumulation;
-            let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
+        // With activation checkpointing every micro-batch is in flight at
+        // once and runs block by block: a block's parameters come once per
+        // pass, its gradient is summed while it is on the device. Without,
+        // one micro-batch runs after another (one's activations alive).
+        let passes = accumulation / in_flight(&self.config.train);
+        for pass in 0..passes {
+            let micro_batches = pass * accumulation / passes..(pass + 1) * accumulation / passes;
+            let (first, last) = (pass == 0, pass + 1 == passes);
             let embed = read(param_index(0, current));
-            if late && m == 0 {
+            // Late updates run ahead of the first pass, each queued one
+            // group early so that it overlaps the block before.
+            let late_first = late && first;
+            if late_first {
                 ops.push(optimizer_op(0, true));
-            }
-            ops.push(step_op(
-                Work::EmbedForward { m },
-                format!("fwd.embed.mb{m}"),
-                gpu,
-                vec![embed],
-                block_ns / 8,
-            ));
-            for b in 0..layers {
-                if late && m == 0 {
-                    ops.push(optimizer_op(b + 1, true));
+                if layers > 0 {
+                    ops.push(optimizer_op(1, true));
                 }
-                let accesses = vec![
-                    read(param_index(b + 1, current)),
-                    access(self.saved_index(m, b), Mode::Write),
-                ];
+            }
+            for m in micro_batches.clone() {
                 ops.push(step_op(
-                    Work::BlockForward { m, b },
-                    format!("fwd.block{b}.mb{m}"),
+                    Work::EmbedForward { m },
+                    format!("fwd.embed.mb{m}"),
                     gpu,
-                    accesses,
-                    block_ns,
+                    vec![embed],
+                    block_ns / 8,
                 ));
             }
-            ops.push(step_op(
-                Work::Head { m },
-                format!("head.mb{m}"),
-                gpu,
-                vec![embed],
-                block_ns / 2,
-            ));
-            for b in (0..layers).rev() {
-                let accesses = vec![
-                    read(param_index(b + 1, current)),
-                    read(self.saved_index(m, b)),
-                    access(grad_index(b + 1), grad_mode),
-                ];
+            for b in 0..layers {
+                if late_first && b + 2 <= layers {
+                    ops.push(optimizer_op(b + 2, true));
+                }
+                for m in micro_batches.clone() {
+                    let accesses = vec![
+                        read(param_index(b + 1, current)),
+                        access(self.saved_index(m, b), Mode::Write),
+                    ];
+                    ops.push(step_op(
+                        Work::BlockForward { m, b },
+                        format!("fwd.block{b}.mb{m}"),
+                        gpu,
+                        accesses,
+                        block_ns,
+                    ));
+                }
+            }
+            for m in micro_batches.clone() {
                 ops.push(step_op(
-                    Work::BlockBackward { m, b },
-                    format!("bwd.block{b}.mb{m}"),
+                    Work::Head { m },
+                    format!("head.mb{m}"),
                     gpu,
-                    accesses,
-                    3 * block_ns,
+                    vec![embed],
+                    block_ns / 2,
                 ));
+            }
+            for b in (0..layers).rev() {
+                for m in micro_batches.clone() {
+                    let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
+                    let accesses = vec![
+                        read(param_index(b + 1, current)),
+                        read(self.saved_index(m, b)),
+                        access(grad_index(b + 1), grad_mode),
+                    ];
+                    ops.push(step_op(
+                        Work::BlockBackward { m, b },
+                        format!("bwd.block{b}.mb{m}"),
+                        gpu,
+                        accesses,
+                        3 * block_ns,
+                    ));
+                }
                 if last && speculate {
                     ops.push(optimizer_op(b + 1, false));
                 }
             }
-            let accesses = vec![access(grad_index(0), grad_mode)];
-            ops.push(step_op(
-                Work::EmbedBackward { m },
-                format!("bwd.embed.mb{m}"),
-                gpu,
-                accesses,
-                block_ns / 8,
-            ));
+            for m in micro_batches {
+                let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
+                ops.push(step_op(
+                    Work::EmbedBackward { m },
+                    format!("bwd.embed.mb{m}"),
+                    gpu,
+                    vec![access(grad_index(0), grad_mode)],
+                    block_ns / 8,
+                ));
+            }
             if last && speculate {
                 ops.push(optimizer_op(0, false));
             }
@@ -1071,12 +1194,21 @@ impl Engine {
                     self.slots[index].pending = Some((done, to));
                 })
             }
-            // Only the source copy goes: a copy above it stays in use.
+            // Only the source copy goes: a copy above it stays in use. A
+            // carried state keeps its host copy for the next update.
             ActionKind::Evict { from, to } => {
                 let to = runtime_tier(to);
-                self.runtime.evict(id, runtime_tier(from), to).map(|done| {
-                    self.slots[index].pending = Some((done, to));
-                })
+                let from = runtime_tier(from);
+                if self.slots[index].fresh && from == Tier::Host {
+                    if !self.deferred.contains(&index) {
+                        self.deferred.push(index);
+                    }
+                    Ok(())
+                } else {
+                    self.runtime.evict(id, from, to).map(|done| {
+                        self.slots[index].pending = Some((done, to));
+                    })
+                }
             }
             ActionKind::Drop { tier } => {
                 let tier = runtime_tier(tier);
@@ -1116,6 +1248,19 @@ impl Engine {
             ) => Ok(()),
             Err(err) => Err(err),
         }
+    }
+
+    /// Writes the fresh cached states home, keeping their host copies.
+    fn write_back_deferred(&mut self) -> Result<()> {
+        for k in 0..self.deferred.len() {
+            let index = self.deferred[k];
+            self.settle_pending(index)?;
+            let id = self.slots[index].id.expect("written this step");
+            let done = self.runtime.copy_to(id, Tier::Nvme)?;
+            self.slots[index].pending = Some((done, Tier::Nvme));
+        }
+        self.deferred.clear();
+        Ok(())
     }
 
     fn settle_pending(&mut self, index: usize) -> Result<()> {
@@ -1169,34 +1314,37 @@ impl Engine {
         }
         let batch = self.config.train.micro_batch;
         let world = self.collective.world();
+        let streams = self.ws.streams.len();
         match step_op.work {
             Work::EmbedForward { m } => {
                 self.gather(0)?;
+                let stream = &mut self.ws.streams[m % streams];
                 split_tokens(
                     tokens,
                     m,
                     batch,
                     self.gpt.seq,
-                    &mut self.ws.inputs,
-                    &mut self.ws.targets,
+                    &mut stream.inputs,
+                    &mut stream.targets,
                 );
                 let embed = &self.ws.gathered[..self.groups[0].params];
-                embed_forward(&self.gpt, embed, &self.ws.inputs, &mut self.ws.x);
+                embed_forward(&self.gpt, embed, &stream.inputs, &mut stream.x);
             }
             Work::BlockForward { m, b } => {
                 self.gather(b + 1)?;
                 let ws = &mut self.ws;
+                let stream = &mut ws.streams[m % streams];
                 let params = &ws.gathered[..self.groups[b + 1].params];
                 block_forward(
                     &self.gpt,
                     batch,
                     params,
-                    &ws.x,
+                    &stream.x,
                     &mut ws.acts,
                     &mut ws.scratch,
                     &mut ws.y,
                 );
-                std::mem::swap(&mut ws.x, &mut ws.y);
+                std::mem::swap(&mut stream.x, &mut ws.y);
                 if self.config.train.checkpoint_activations {
                     let input = ws.acts.input();
                     ws.saved.copy_from_slice(input);
@@ -1206,22 +1354,26 @@ impl Engine {
                 let index = self.saved_index(m, b);
                 self.write_tensor(index, Tier::Device, Kept::Saved)?;
             }
-            Work::Head { .. } => {
+            Work::Head { m } => {
+                if m == 0 {
+                    self.write_back_deferred()?;
+                }
                 self.gather(0)?;
                 let scale =
                     self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
                 let embed_params = self.groups[0].params;
                 let ws = &mut self.ws;
-                ws.dembed.fill(0.0);
+                let stream = &mut ws.streams[m % streams];
+                stream.dembed.fill(0.0);
                 let loss = head_forward_backward(
                     &self.gpt,
                     &ws.gathered[..embed_params],
-                    &ws.x,
-                    &ws.targets,
+                    &stream.x,
+                    &stream.targets,
                     scale,
                     &mut ws.head,
-                    &mut ws.dy,
-                    &mut ws.dembed[..embed_params],
+                    &mut stream.dy,
+                    &mut stream.dembed[..embed_params],
                 );
                 self.loss_sum += f64::from(loss);
             }
@@ -1247,27 +1399,28 @@ impl Engine {
                 }
                 let padded = self.groups[b + 1].padded(world);
                 ws.grad_full[..padded].fill(0.0);
+                let stream = &mut ws.streams[m % streams];
                 block_backward(
                     &self.gpt,
                     batch,
                     params,
                     &ws.acts,
-                    &ws.dy,
+                    &stream.dy,
                     &mut ws.scratch,
                     &mut ws.dx,
                     &mut ws.grad_full[..self.groups[b + 1].params],
                 );
-                std::mem::swap(&mut ws.dx, &mut ws.dy);
+                std::mem::swap(&mut ws.dx, &mut stream.dy);
                 self.reduce_gradient(b + 1, m)?;
             }
             Work::EmbedBackward { m } => {
                 let embed_params = self.groups[0].params;
-                let ws = &mut self.ws;
+                let stream = &mut self.ws.streams[m % streams];
                 embed_backward(
                     &self.gpt,
-                    &ws.inputs,
-                    &ws.dy,
-                    &mut ws.dembed[..embed_params],
+                    &stream.inputs,
+                    &stream.dy,
+                    &mut stream.dembed[..embed_params],
                 );
                 self.reduce_gradient(0, m)?;
             }
@@ -1312,8 +1465,9 @@ impl Engine {
         let padded = self.groups[g].padded(self.collective.world());
         // The embeddings' gradient gathers the head's and the embedding's
         // parts over the whole backward in its own buffer.
+        let streams = self.ws.streams.len();
         let full = if g == 0 {
-            &self.ws.dembed
+            &self.ws.streams[m % streams].dembed
         } else {
             &self.ws.grad_full
         };
@@ -1374,6 +1528,8 @@ impl Engine {
         update: &[AdamCoefficients; 2],
     ) -> Result<()> {
         let (from, to) = update_sets(self.current, late);
+        let written = &mut self.slots[state_index(g, to)];
+        written.fresh = late && written.carry;
         let outputs = [state_index(g, to), param_index(g, to)];
         let id = |index: usize| {
             self.slots[index]
@@ -1663,6 +1819,7 @@ impl Engine {
     /// every persistent one back home alone.
     fn return_home(&mut self) -> Result<()> {
         self.held.clear();
+        self.deferred.clear();
         for index in 0..self.slots.len() {
             self.settle_pending(index)?;
         }
@@ -1676,11 +1833,16 @@ impl Engine {
                     self.slots[index].id = None;
                 }
                 Some(home) => {
+                    let keep = std::mem::take(&mut self.slots[index].fresh);
                     if !self.runtime.residency(id)?.contains(&home) {
-                        self.runtime.move_to(id, home)?.wait()?;
+                        if keep {
+                            self.runtime.copy_to(id, home)?.wait()?;
+                        } else {
+                            self.runtime.move_to(id, home)?.wait()?;
+                        }
                     }
                     for tier in self.runtime.residency(id)? {
-                        if tier != home {
+                        if tier != home && !(keep && tier == Tier::Host) {
                             self.runtime.release(id, tier)?;
                         }
                     }
@@ -1779,6 +1941,16 @@ enum Kept {
 
 /// Micro-batch `m`'s inputs and next-token targets out of the step's
 /// sequences of `seq + 1` tokens.
+/// Micro-batches in flight at once: all of them with activation
+/// checkpointing (their kept inputs are small), else one.
+fn in_flight(train: &TrainSettings) -> usize {
+    if train.checkpoint_activations {
+        train.grad_accumulation
+    } else {
+        1
+    }
+}
+
 fn split_tokens(
     tokens: &[u32],
     m: usize,
@@ -1853,6 +2025,8 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
         home,
         id: None,
         pending: None,
+        carry: false,
+        fresh: false,
     };
     let mut slots = Vec::new();
     for group in groups {

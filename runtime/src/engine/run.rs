@@ -78,6 +78,9 @@ pub struct RunSummary {
     pub predicted_peak_bytes: TierBytes,
     /// The compute workspace held in device memory.
     pub workspace_bytes: u64,
+    /// The host memory held for the state cache (`placement.state_cache`),
+    /// in the host prediction.
+    pub state_cache_bytes: u64,
     /// Bytes moved per link (host->device, device->host, nvme->host,
     /// host->nvme), rank 0.
     pub moved_bytes: [u64; 4],
@@ -266,6 +269,7 @@ fn rank_main(
         peak_bytes: TierBytes::from_array(peak),
         predicted_peak_bytes: TierBytes::from_array(prediction.peak_bytes),
         workspace_bytes: prediction.workspace_bytes,
+        state_cache_bytes: prediction.state_cache_bytes,
         moved_bytes: [0, 1, 2, 3].map(|i| stats.links[i].bytes),
         wait_s: stats.wait_ns as f64 / 1e9,
         losses: reports.iter().map(|r| r.loss).collect(),
