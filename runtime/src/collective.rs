@@ -3,7 +3,7 @@
 //! Sums run in rank order, so results are the same bits whatever the
 //! threads' timing.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::RuntimeError;
 
@@ -24,13 +24,65 @@ pub trait Collective: Send + Sync {
 }
 
 struct Shared {
-    barrier: Barrier,
+    gate: Gate,
     slots: Vec<Mutex<Vec<f32>>>,
     scalars: Vec<Mutex<Vec<f64>>>,
     elems_max: usize,
 }
 
+/// A barrier that a rank can leave: the ranks waiting at it, or arriving
+/// later, get [`RuntimeError::PeerLeft`] instead of waiting forever for a
+/// rank that failed or stopped.
+struct Gate {
+    state: Mutex<GateState>,
+    turned: Condvar,
+    world: usize,
+}
+
+struct GateState {
+    arrived: usize,
+    generation: u64,
+    left: Option<usize>,
+}
+
+impl Gate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        // Nothing panics while holding it.
+        self.state.lock().expect("collective gate")
+    }
+
+    fn wait(&self) -> Result<(), RuntimeError> {
+        let mut state = self.lock();
+        if let Some(rank) = state.left {
+            return Err(RuntimeError::PeerLeft { rank });
+        }
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.world {
+            state.arrived = 0;
+            state.generation += 1;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        // Passed once the last rank arrives, even if one leaves after.
+        while state.generation == generation {
+            if let Some(rank) = state.left {
+                return Err(RuntimeError::PeerLeft { rank });
+            }
+            state = self.turned.wait(state).expect("collective gate");
+        }
+        Ok(())
+    }
+
+    fn leave(&self, rank: usize) {
+        self.lock().left.get_or_insert(rank);
+        self.turned.notify_all();
+    }
+}
+
 /// One rank of an in-process group; [`InProcess::group`] makes them all.
+/// Dropping it (the rank returned, failed or panicked) fails the others'
+/// collectives from then on rather than leaving them waiting.
 pub struct InProcess {
     rank: usize,
     shared: Arc<Shared>,
@@ -45,7 +97,15 @@ impl InProcess {
     pub fn group(world: usize, elems_max: usize) -> Vec<InProcess> {
         assert!(world > 0, "a group needs a rank");
         let shared = Arc::new(Shared {
-            barrier: Barrier::new(world),
+            gate: Gate {
+                state: Mutex::new(GateState {
+                    arrived: 0,
+                    generation: 0,
+                    left: None,
+                }),
+                turned: Condvar::new(),
+                world,
+            },
             slots: (0..world)
                 .map(|_| Mutex::new(Vec::with_capacity(elems_max)))
                 .collect(),
@@ -81,6 +141,12 @@ impl InProcess {
     }
 }
 
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.shared.gate.leave(self.rank);
+    }
+}
+
 impl Collective for InProcess {
     fn rank(&self) -> usize {
         self.rank
@@ -94,7 +160,7 @@ impl Collective for InProcess {
         assert_eq!(out.len(), shard.len() * self.world(), "all_gather output");
         self.check(shard.len())?;
         self.post(shard);
-        self.shared.barrier.wait();
+        self.shared.gate.wait()?;
         for (slot, part) in self
             .shared
             .slots
@@ -105,7 +171,7 @@ impl Collective for InProcess {
             assert_eq!(slot.len(), shard.len(), "ranks disagree on the shard size");
             part.copy_from_slice(&slot);
         }
-        self.shared.barrier.wait();
+        self.shared.gate.wait()?;
         Ok(())
     }
 
@@ -117,7 +183,7 @@ impl Collective for InProcess {
         );
         self.check(full.len())?;
         self.post(full);
-        self.shared.barrier.wait();
+        self.shared.gate.wait()?;
         let (start, len) = (self.rank * shard.len(), shard.len());
         shard.fill(0.0);
         for slot in &self.shared.slots {
@@ -127,7 +193,7 @@ impl Collective for InProcess {
                 *s += v;
             }
         }
-        self.shared.barrier.wait();
+        self.shared.gate.wait()?;
         Ok(())
     }
 
@@ -145,7 +211,7 @@ impl Collective for InProcess {
             slot.clear();
             slot.extend_from_slice(values);
         }
-        self.shared.barrier.wait();
+        self.shared.gate.wait()?;
         values.fill(0.0);
         for slot in &self.shared.scalars {
             let slot = slot.lock().expect("collective slot");
@@ -153,7 +219,7 @@ impl Collective for InProcess {
                 *v += s;
             }
         }
-        self.shared.barrier.wait();
+        self.shared.gate.wait()?;
         Ok(())
     }
 }
@@ -207,6 +273,37 @@ mod tests {
         for rank in &again {
             assert!(rank.iter().all(|s| s == &rank[0]));
             assert_eq!(rank[0].1[1], 4.0);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_others_collectives_instead_of_hanging() {
+        let mut ranks = InProcess::group(3, 64);
+        let gone = ranks.pop().expect("three ranks");
+        let errors = std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|c| {
+                    scope.spawn(move || {
+                        let mut values = [1.0];
+                        // Both survivors pass one exchange with the third...
+                        c.all_reduce(&mut values)?;
+                        // ...which leaves while they wait at the next.
+                        c.all_reduce(&mut values).map(|_| values[0])
+                    })
+                })
+                .collect();
+            let mut values = [1.0];
+            gone.all_reduce(&mut values).unwrap();
+            assert_eq!(values[0], 3.0);
+            drop(gone);
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap_err().to_string())
+                .collect::<Vec<_>>()
+        });
+        for err in errors {
+            assert!(err.contains("rank 2") && err.contains("left"), "{err}");
         }
     }
 

@@ -215,6 +215,15 @@ pub enum RuntimeError {
         /// Its error.
         cause: String,
     },
+    /// Another rank left the data-parallel group (it failed or stopped)
+    /// while this one needed it in a collective.
+    #[error(
+        "rank {rank} left the data-parallel group while this rank waited on it in a collective: see that rank's error"
+    )]
+    PeerLeft {
+        /// The rank that left.
+        rank: usize,
+    },
     /// The runtime has shut down.
     #[error("the runtime has stopped; no more moves can be started")]
     Stopped,

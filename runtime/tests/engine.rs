@@ -69,6 +69,22 @@ fn two_ranks_match_one_rank_with_the_same_global_batch() {
 }
 
 #[test]
+fn a_rank_that_fails_stops_the_others_with_its_own_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut two = tiny(dir.path());
+    two.train.ranks = 2;
+    two.train.micro_batch = 2;
+    // Rank 1's swap directory cannot be made: a file stands in its way.
+    let swap = dir.path().join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    std::fs::write(swap.join("rank1"), b"in the way").unwrap();
+    let err = run(&two, &corpus(16), &RunOptions::default(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nvme.dirs") && err.contains("rank1"), "{err}");
+}
+
+#[test]
 fn resume_is_bit_identical_and_a_killed_checkpoint_write_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = tiny(dir.path());
@@ -286,4 +302,33 @@ fn a_state_cache_the_plans_need_the_room_of_is_named_or_given_back() {
     let summary = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
     assert_eq!(summary.state_cache_bytes, 0);
     assert_eq!(summary.steps, 2);
+}
+
+#[test]
+fn only_the_newest_checkpoints_are_kept_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 5;
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    config.train.checkpoint_every = 1;
+    config.train.checkpoints_kept = 2;
+    let summary = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(summary.checkpoints.len(), 5);
+    let mut left: Vec<String> = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["latest", "step-00000004", "step-00000005"]);
+    let opened = strata_runtime::engine::Checkpoint::open(&checkpoints).unwrap();
+    assert_eq!(opened.meta.step, 5);
+    // 0 keeps every one.
+    config.train.checkpoints_kept = 0;
+    config.train.checkpoint_dir = Some(dir.path().join("all"));
+    run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("all")).unwrap().count(),
+        6
+    );
 }

@@ -146,6 +146,39 @@ pub(crate) fn commit(root: &Path, tmp: &Path, mut meta: CheckpointMeta) -> Resul
     Ok(done)
 }
 
+/// Removes all but the `kept` newest `step-NNNNNNNN` checkpoints under
+/// `root` (0: none removed), never the one `latest` names. Each goes by a
+/// rename to a temporary name first, so a kill leaves a whole checkpoint
+/// or a temporary that the next [`begin`] removes.
+pub(crate) fn prune(root: &Path, kept: usize) -> Result<()> {
+    if kept == 0 {
+        return Ok(());
+    }
+    let latest = std::fs::read_to_string(root.join("latest")).unwrap_or_default();
+    let entries = std::fs::read_dir(root)
+        .map_err(|err| problem(root, format!("cannot list it: {err}"), io_fix(&err)))?;
+    let mut steps: Vec<(u64, String)> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("step-")?.parse().ok()?;
+            Some((step, name))
+        })
+        .collect();
+    steps.sort_unstable_by_key(|&(step, _)| std::cmp::Reverse(step));
+    for (_, name) in steps.into_iter().skip(kept) {
+        if name == latest.trim() {
+            continue;
+        }
+        let old = root.join(&name);
+        let doomed = root.join(format!(".tmp-pruned-{name}"));
+        std::fs::rename(&old, &doomed)
+            .and_then(|()| std::fs::remove_dir_all(&doomed))
+            .map_err(|err| problem(&old, format!("cannot remove it: {err}"), io_fix(&err)))?;
+    }
+    sync_dir(root)
+}
+
 fn file_hash(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path)
         .map_err(|err| problem(path, format!("cannot read it: {err}"), io_fix(&err)))?;

@@ -126,6 +126,9 @@ pub struct TrainSettings {
     pub checkpoint_every: u64,
     /// Where checkpoints go; none means no checkpoints.
     pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoints kept in `checkpoint_dir`, the newest; older ones are
+    /// removed once a new one is whole (0: keep every one).
+    pub checkpoints_kept: usize,
 }
 
 impl Default for TrainSettings {
@@ -149,6 +152,7 @@ impl Default for TrainSettings {
             loss_scale_growth_interval: 200,
             checkpoint_every: 0,
             checkpoint_dir: None,
+            checkpoints_kept: 0,
         }
     }
 }

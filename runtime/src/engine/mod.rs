@@ -1689,7 +1689,8 @@ impl Engine {
                 loss_scaler: self.scaler.state(),
                 files: Default::default(),
             };
-            checkpoint::commit(root, &tmp, meta).map(drop)
+            checkpoint::commit(root, &tmp, meta)
+                .and_then(|_| checkpoint::prune(root, self.config.train.checkpoints_kept))
         } else {
             Ok(())
         };

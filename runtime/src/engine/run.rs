@@ -169,8 +169,15 @@ pub fn run(
             match outcome {
                 Ok(Some(done)) => summary = Some(done),
                 Ok(None) => {}
-                Err(err) => {
+                // A rank stopped by another's failure reports that one's
+                // error only if nothing better comes.
+                Err(err @ RuntimeError::PeerLeft { .. }) => {
                     first_error.get_or_insert(err);
+                }
+                Err(err) => {
+                    if matches!(first_error, None | Some(RuntimeError::PeerLeft { .. })) {
+                        first_error = Some(err);
+                    }
                 }
             }
         }
