@@ -106,6 +106,7 @@ pub struct StepTracker {
     current: Option<usize>,
     following: bool,
     fingerprints: Vec<u64>,
+    ops_max: usize,
 }
 
 /// What the tracker says for one op.
@@ -128,6 +129,7 @@ impl StepTracker {
             current: None,
             following: false,
             fingerprints: Vec::with_capacity(ops_max),
+            ops_max,
         }
     }
 
@@ -163,11 +165,18 @@ impl StepTracker {
         self.begin_step()
     }
 
-    /// Op `op` starts now.
-    pub fn op(&mut self, op: Op) -> Result<Follow<'_>, SchedulerError> {
+    /// Op `op` starts now. While the step follows a plan only the op's
+    /// fingerprint is kept (nothing is allocated); ops are recorded from
+    /// the first one that departs from every cached plan.
+    pub fn op(&mut self, op: &Op) -> Result<Follow<'_>, SchedulerError> {
         let k = self.fingerprints.len();
-        self.fingerprints.push(op_fingerprint(&op));
-        self.recorder.op(op)?;
+        if k == self.ops_max {
+            return Err(SchedulerError::Limit {
+                what: "ops_max",
+                limit: self.ops_max as u64,
+            });
+        }
+        self.fingerprints.push(op_fingerprint(op));
         if self.following {
             let current = self.current.expect("following a plan");
             let trace = self.cache.trace(current);
@@ -181,9 +190,15 @@ impl StepTracker {
                 // only when the whole prefix matches.
                 match self.cache.with_prefix(&self.fingerprints) {
                     Some(other) => self.current = Some(other),
-                    None => self.following = false,
+                    None => {
+                        self.following = false;
+                        self.record_followed(k)?;
+                    }
                 }
             }
+        }
+        if !self.following {
+            self.recorder.op(op.clone())?;
         }
         Ok(match (self.following, self.current) {
             (true, Some(index)) => Follow::Plan(self.cache.plan(index).actions_at(k + 1)),
@@ -191,17 +206,30 @@ impl StepTracker {
         })
     }
 
+    /// Records the first `count` ops of the followed plan's trace, which
+    /// the step's ops matched.
+    fn record_followed(&mut self, count: usize) -> Result<(), SchedulerError> {
+        let current = self.current.expect("a plan was followed");
+        for op in &self.cache.trace(current).ops[..count] {
+            self.recorder.op(op.clone())?;
+        }
+        Ok(())
+    }
+
     /// Ends a step; plans its trace if no plan matched it exactly. Returns
     /// whether it planned.
     pub fn end_step(&mut self) -> Result<bool, SchedulerError> {
-        let trace = self.recorder.finish()?;
-        let exact = self.following
-            && self
-                .current
-                .is_some_and(|i| self.cache.plan(i).signature == trace.signature());
-        if exact {
-            return Ok(false);
+        if self.following {
+            let current = self.current.expect("following a plan");
+            if self.cache.trace(current).ops.len() == self.fingerprints.len() {
+                // Every op matched the plan's trace: the same step.
+                self.recorder.clear_ops();
+                return Ok(false);
+            }
+            // It ended early: a prefix of the plan's trace.
+            self.record_followed(self.fingerprints.len())?;
         }
+        let trace = self.recorder.finish()?;
         let made_before = self.cache.plans_made;
         self.current = Some(self.cache.get_or_plan(&trace, &self.config)?);
         Ok(self.cache.plans_made > made_before)
@@ -266,7 +294,7 @@ mod tests {
     fn run_step(tracker: &mut StepTracker, ops: &[Op]) -> (bool, bool) {
         let mut followed = matches!(tracker.begin_step(), Follow::Plan(_));
         for o in ops {
-            followed &= matches!(tracker.op(o.clone()).unwrap(), Follow::Plan(_));
+            followed &= matches!(tracker.op(o).unwrap(), Follow::Plan(_));
         }
         (followed, tracker.end_step().unwrap())
     }
@@ -297,12 +325,43 @@ mod tests {
         for ops in [&reversed, &forward, &reversed] {
             assert!(matches!(tracker.begin_step_with(&ops[0]), Follow::Plan(_)));
             for o in ops.iter() {
-                assert!(matches!(tracker.op(o.clone()).unwrap(), Follow::Plan(_)));
+                assert!(matches!(tracker.op(o).unwrap(), Follow::Plan(_)));
             }
             assert!(tracker.current_plan().is_some());
             assert!(!tracker.end_step().unwrap(), "primed: nothing new to plan");
         }
         assert_eq!(tracker.cache().plans_made, 2);
+    }
+
+    #[test]
+    fn a_step_departing_midway_is_planned_whole_and_followed_after() {
+        let mut tracker = StepTracker::new(config(), 4, 16, 4);
+        for name in ["a", "b", "c"] {
+            tracker
+                .tensor(TensorSpec {
+                    name: name.into(),
+                    bytes: 30,
+                    class: TensorClass::Param,
+                    home: Some(Tier::Host),
+                })
+                .unwrap();
+        }
+        let first = [op("f0", 0), op("f1", 1), op("f2", 2)];
+        let departs = [op("f0", 0), op("f2", 2), op("f1", 1)];
+        let short = [op("f0", 0), op("f1", 1)];
+        assert_eq!(run_step(&mut tracker, &first), (false, true));
+        assert_eq!(run_step(&mut tracker, &first), (true, false));
+        // Follows op 0, departs at op 1: planned with its followed prefix.
+        assert_eq!(run_step(&mut tracker, &departs), (false, true));
+        assert!(
+            (0..tracker.cache().len()).any(|i| tracker.cache().trace(i).ops == departs),
+            "the departing step is planned with the prefix it followed"
+        );
+        assert_eq!(run_step(&mut tracker, &departs), (true, false));
+        // A step that is a prefix of a plan ends early: planned too.
+        assert_eq!(run_step(&mut tracker, &first), (true, false));
+        assert_eq!(run_step(&mut tracker, &short), (true, true));
+        assert_eq!(tracker.cache().plans_made, 3);
     }
 
     #[test]

@@ -333,6 +333,11 @@ impl TraceRecorder {
         &self.trace.ops
     }
 
+    /// Forgets the ops recorded this step (keeping their room).
+    pub fn clear_ops(&mut self) {
+        self.trace.ops.clear();
+    }
+
     /// Ends the step: the validated trace, and an empty recorder with the
     /// same tensors for the next step.
     pub fn finish(&mut self) -> Result<Trace, SchedulerError> {

@@ -1284,7 +1284,7 @@ impl Engine {
     fn announce(&mut self, op: &Op) -> Result<()> {
         self.position += 1;
         self.actions.clear();
-        if let Follow::Plan(actions) = self.tracker.op(op.clone())? {
+        if let Follow::Plan(actions) = self.tracker.op(op)? {
             self.actions.extend_from_slice(actions);
         }
         self.issue_actions(false)
