@@ -9,7 +9,7 @@
 //! upper one later costs nothing), moving down releases the upper ones, and
 //! writing through a guard releases every other copy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -134,6 +134,9 @@ pub(crate) struct State {
     /// Moves in progress that will release a copy in each tier when done.
     releasing: [u32; 3],
     clock: u64,
+    /// Names of freed tensors, newest last, at most `trace_events_max`
+    /// (room reserved at start): the trace names what they moved.
+    retired: VecDeque<(TensorId, String)>,
 }
 
 /// What the movers, guards and completions share.
@@ -308,6 +311,7 @@ impl Runtime {
             tensors: HashMap::with_capacity(config.runtime.tensors_max.min(1 << 16)),
             next_id: 0,
             tensors_max: config.runtime.tensors_max,
+            retired: VecDeque::with_capacity(config.runtime.trace_events_max),
             free_lists: FreeLists::new(&pool),
             device_space: ExtentAllocator::new(device.capacity_bytes(), DEVICE_ALIGN_BYTES),
             stats,
@@ -470,7 +474,14 @@ impl Runtime {
         if entry.in_use() {
             return Err(in_use_error(id, entry));
         }
-        let entry = state.tensors.remove(&id).expect("checked");
+        let mut entry = state.tensors.remove(&id).expect("checked");
+        let name = std::mem::take(&mut entry.meta.name);
+        if state.retired.capacity() > 0 {
+            if state.retired.len() == state.retired.capacity() {
+                state.retired.pop_front();
+            }
+            state.retired.push_back((id, name));
+        }
         state.release_all(entry);
         drop(state);
         self.shared.changed.notify_all();
@@ -757,13 +768,15 @@ impl Runtime {
     /// Writes the Chrome/Perfetto trace of every transfer, spill, wait and
     /// span of compute so far.
     pub fn write_trace(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
-        let names: HashMap<TensorId, String> = self
-            .shared
-            .lock()
-            .tensors
-            .iter()
-            .map(|(id, entry)| (*id, entry.meta.name.clone()))
-            .collect();
+        let names: HashMap<TensorId, String> = {
+            let state = self.shared.lock();
+            let live = state
+                .tensors
+                .iter()
+                .map(|(id, e)| (*id, e.meta.name.clone()));
+            let freed = state.retired.iter().map(|(id, name)| (*id, name.clone()));
+            freed.chain(live).collect()
+        };
         let trace = self.shared.trace.lock().expect("trace lock");
         trace.write_chrome(out, &|id| names.get(&id).cloned())
     }

@@ -434,9 +434,16 @@ fn trace_records_transfers_and_waits() {
     let id = runtime.register(meta("traced", 65536), Tier::Host).unwrap();
     runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
     runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    // A tensor freed after it moved keeps its name in the trace.
+    let gone = runtime
+        .register(meta("freed-later", 65536), Tier::Host)
+        .unwrap();
+    runtime.move_to(gone, Tier::Nvme).unwrap().wait().unwrap();
+    runtime.free(gone).unwrap();
     let mut out = Vec::new();
     runtime.write_trace(&mut out).unwrap();
     let trace: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert!(trace.to_string().contains("freed-later"));
     let names: Vec<&str> = trace["traceEvents"]
         .as_array()
         .unwrap()
