@@ -513,7 +513,7 @@ impl Runtime {
     }
 
     fn start_move(&self, id: TensorId, target: Tier, release_from: Tier) -> Result<Completion> {
-        let releasing = &Tier::ALL[release_from.index().min(target.index())..target.index()];
+        let releasing = released_by(release_from, target);
         let (bytes, queue) = {
             let mut state = self.shared.lock();
             let entry = state.entry(id)?;
@@ -816,6 +816,13 @@ fn moving_error(id: TensorId, entry: &Entry, target: Tier) -> RuntimeError {
     }
 }
 
+/// The tiers whose copies a move to `target` releases once it lands: from
+/// `release_from` down to just above `target` (none when `release_from`
+/// is `target`: a copy).
+fn released_by(release_from: Tier, target: Tier) -> &'static [Tier] {
+    &Tier::ALL[release_from.index().min(target.index())..target.index()]
+}
+
 /// `SizeMismatch` unless `given` bytes are the tensor's size.
 pub(crate) fn check_size(id: TensorId, entry: &Entry, given: usize) -> Result<()> {
     if given as u64 == entry.len_bytes {
@@ -929,7 +936,7 @@ impl State {
 
     /// Drops the copies in `from` and the tiers below it, above `target`.
     fn release_between(&mut self, id: TensorId, from: Tier, target: Tier) {
-        for tier in &Tier::ALL[from.index().min(target.index())..target.index()] {
+        for tier in released_by(from, target) {
             self.drop_copy(id, *tier);
         }
     }
@@ -1040,8 +1047,7 @@ impl Shared {
         let releasing: Vec<Tier> = {
             let mut state = self.lock();
             let entry = state.entry(id)?;
-            let tiers: Vec<Tier> = Tier::ALL
-                [release_from.index().min(target.index())..target.index()]
+            let tiers: Vec<Tier> = released_by(release_from, target)
                 .iter()
                 .copied()
                 .filter(|&t| entry.copies[t.index()].is_some())

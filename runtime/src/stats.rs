@@ -232,7 +232,7 @@ pub(crate) fn is_mover_lane(lane: u32) -> bool {
 }
 
 /// This thread's lane in the trace.
-pub fn caller_lane() -> u32 {
+pub(crate) fn caller_lane() -> u32 {
     LANE.with(Cell::get)
 }
 

@@ -291,9 +291,9 @@ fn a_state_cache_the_plans_need_the_room_of_is_named_or_given_back() {
     // 3 MiB: the plans fit, but not beside a megabyte of it.
     config.host.budget = ByteSize(3 << 20);
     config.placement.state_cache = StateCache::Bytes(1 << 20);
-    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
-    let err = err.to_string();
-    eprintln!("{err}");
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("placement.state_cache") && err.contains("auto"),
         "{err}"

@@ -22,7 +22,8 @@
 //!   on. If the norm then says no clipping, it is kept.
 //! - late: when the last step was clipped (or a speculation turns out to
 //!   be), the update, with the clip coefficient, runs during the next
-//!   step's forward, each group's just before the block that reads it.
+//!   step's forward, each group's queued one group ahead of the block that
+//!   reads it, so that it overlaps the block before.
 //!
 //! An overflow skips the update. Either way each update is the one exact
 //! clipped step: never stale, never partial.
@@ -197,10 +198,7 @@ struct Slot {
     id: Option<TensorId>,
     /// The planned move in flight, and its target tier.
     pending: Option<(Completion, Tier)>,
-    /// An optimizer state whose host copy is kept across steps when a late
-    /// update writes it (the state cache).
-    carry: bool,
-    /// Written by a late update this step: its host copy stays for the
+    /// Written by a late update this step, and in the state cache: its host copy stays for the
     /// next step's update, its write-back waits for backward.
     fresh: bool,
 }
@@ -575,6 +573,8 @@ pub struct Engine {
     /// Write-backs of fresh cached states, issued once the late updates
     /// are done (the drive reads the other states first).
     deferred: Vec<usize>,
+    /// Groups `0..cache_groups` have their states in the state cache.
+    cache_groups: usize,
 }
 
 impl Engine {
@@ -631,23 +631,7 @@ impl Engine {
         let mut capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
         let host = &mut capacity_bytes[Tier::Host.index()];
         *host = host.saturating_sub((2 * largest_bytes).max(*host / 8));
-        // The state cache: leading groups' states, as many as fit in it.
-        let cache_bytes_max = match (config.placement.optimizer, config.placement.state_cache) {
-            (Placement::Nvme, StateCache::Auto) => stats.tiers[Tier::Host.index()].budget_bytes / 4,
-            (Placement::Nvme, StateCache::Bytes(bytes)) => bytes,
-            _ => 0,
-        };
-        let state_host_bytes = |g: usize| {
-            runtime.footprint_bytes(slots[state_index(g, 0)].meta.len_bytes())[Tier::Host.index()]
-        };
-        let mut cache_groups = 0;
-        let mut cache_bytes = 0;
-        while cache_groups < groups.len()
-            && cache_bytes + state_host_bytes(cache_groups) <= cache_bytes_max
-        {
-            cache_bytes += state_host_bytes(cache_groups);
-            cache_groups += 1;
-        }
+        let (cache_groups, cache_bytes) = state_cache(config, &runtime, &slots, groups.len());
         *host = host.saturating_sub(cache_bytes);
         let plan_config = sched::PlanConfig {
             capacity_bytes,
@@ -660,6 +644,7 @@ impl Engine {
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
+        // An empty stand-in: `plan_shapes` makes the real one below.
         let tracker = StepTracker::new(plan_config.clone(), 0, 0, 1);
         let mut engine = Engine {
             config: config.clone(),
@@ -696,6 +681,7 @@ impl Engine {
             },
             loss_sum: 0.0,
             deferred: Vec::with_capacity(groups.len()),
+            cache_groups: 0,
         };
         match engine.plan_shapes(&plan_config, cache_groups, cache_bytes) {
             Err(RuntimeError::DoesNotFit { cause }) if cache_groups > 0 => {
@@ -739,11 +725,7 @@ impl Engine {
         for spec in &tensors {
             self.tracker.tensor(spec.clone())?;
         }
-        for g in 0..self.groups.len() {
-            for set in 0..2 {
-                self.slots[state_index(g, set)].carry = g < cache_groups;
-            }
-        }
+        self.cache_groups = cache_groups;
         self.shapes.clear();
         self.last_use.clear();
         let mut peak = [0u64; 3];
@@ -851,20 +833,20 @@ impl Engine {
         // once and runs block by block: a block's parameters come once per
         // pass, its gradient is summed while it is on the device. Without,
         // one micro-batch runs after another (one's activations alive).
-        let passes = accumulation / in_flight(&self.config.train);
-        for pass in 0..passes {
-            let micro_batches = pass * accumulation / passes..(pass + 1) * accumulation / passes;
-            let (first, last) = (pass == 0, pass + 1 == passes);
+        let in_flight = in_flight(&self.config.train);
+        for first_mb in (0..accumulation).step_by(in_flight) {
+            let micro_batches = first_mb..first_mb + in_flight;
+            let last = micro_batches.end == accumulation;
             let embed = read(param_index(0, current));
-            // Late updates run ahead of the first pass, each queued one
-            // group early so that it overlaps the block before.
-            let late_first = late && first;
-            if late_first {
-                ops.push(optimizer_op(0, true));
-                if layers > 0 {
-                    ops.push(optimizer_op(1, true));
+            // Late updates run ahead of the first pass, group g's queued
+            // before the ops of group g - 1, so that it overlaps them.
+            let queue_late = |ops: &mut Vec<StepOp>, g: usize| {
+                if late && first_mb == 0 && g <= layers {
+                    ops.push(optimizer_op(g, true));
                 }
-            }
+            };
+            queue_late(&mut ops, 0);
+            queue_late(&mut ops, 1);
             for m in micro_batches.clone() {
                 ops.push(step_op(
                     Work::EmbedForward { m },
@@ -875,9 +857,7 @@ impl Engine {
                 ));
             }
             for b in 0..layers {
-                if late_first && b + 2 <= layers {
-                    ops.push(optimizer_op(b + 2, true));
-                }
+                queue_late(&mut ops, b + 2);
                 for m in micro_batches.clone() {
                     let accesses = vec![
                         read(param_index(b + 1, current)),
@@ -1150,21 +1130,28 @@ impl Engine {
     /// announced with runs (they overlap it), evictions and drops after it
     /// (it may still use what they release).
     fn issue_actions(&mut self, releases: bool) -> Result<()> {
-        if !self.held.is_empty() {
-            self.poll_worker();
-            std::mem::swap(&mut self.held, &mut self.retry);
-            for k in 0..self.retry.len() {
-                let action = self.retry[k];
-                self.issue(action)?;
-            }
-            self.retry.clear();
-        }
+        self.retry_held()?;
         for k in 0..self.actions.len() {
             let action = self.actions[k];
             if release(&action) == releases {
                 self.issue(action)?;
             }
         }
+        Ok(())
+    }
+
+    /// Issues the held actions again (those still waiting are held again).
+    fn retry_held(&mut self) -> Result<()> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        self.poll_worker();
+        std::mem::swap(&mut self.held, &mut self.retry);
+        for k in 0..self.retry.len() {
+            let action = self.retry[k];
+            self.issue(action)?;
+        }
+        self.retry.clear();
         Ok(())
     }
 
@@ -1195,7 +1182,8 @@ impl Engine {
                 })
             }
             // Only the source copy goes: a copy above it stays in use. A
-            // carried state keeps its host copy for the next update.
+            // fresh cached state keeps its host copy for the next step's
+            // update; its write-back waits for `write_back_deferred`.
             ActionKind::Evict { from, to } => {
                 let to = runtime_tier(to);
                 let from = runtime_tier(from);
@@ -1250,14 +1238,19 @@ impl Engine {
         }
     }
 
-    /// Writes the fresh cached states home, keeping their host copies.
+    /// Starts writing the fresh cached states home, keeping their host
+    /// copies. One in use or moving is left to `return_home`, which waits
+    /// for its home copy.
     fn write_back_deferred(&mut self) -> Result<()> {
         for k in 0..self.deferred.len() {
             let index = self.deferred[k];
             self.settle_pending(index)?;
             let id = self.slots[index].id.expect("written this step");
-            let done = self.runtime.copy_to(id, Tier::Nvme)?;
-            self.slots[index].pending = Some((done, Tier::Nvme));
+            match self.runtime.copy_to(id, Tier::Nvme) {
+                Ok(done) => self.slots[index].pending = Some((done, Tier::Nvme)),
+                Err(RuntimeError::InUse { .. } | RuntimeError::Moving { .. }) => {}
+                Err(err) => return Err(err),
+            }
         }
         self.deferred.clear();
         Ok(())
@@ -1528,8 +1521,7 @@ impl Engine {
         update: &[AdamCoefficients; 2],
     ) -> Result<()> {
         let (from, to) = update_sets(self.current, late);
-        let written = &mut self.slots[state_index(g, to)];
-        written.fresh = late && written.carry;
+        self.slots[state_index(g, to)].fresh = late && g < self.cache_groups;
         let outputs = [state_index(g, to), param_index(g, to)];
         let id = |index: usize| {
             self.slots[index]
@@ -1585,24 +1577,24 @@ impl Engine {
     /// Waits until the CPU thread has no update of group `g` (every group
     /// with None) outstanding; returns the first error it reported.
     fn wait_worker(&mut self, g: Option<usize>) -> Result<()> {
-        if let Some(worker) = &mut self.worker {
-            let started = Instant::now();
-            let mut waited = false;
-            loop {
-                let busy = match g {
-                    Some(g) => worker.outstanding[g] > 0,
-                    None => worker.outstanding.iter().any(|&n| n > 0),
-                };
-                if !busy {
-                    break;
-                }
-                waited = true;
-                let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
-                worker.book(done, &mut self.writing, &mut self.worker_error);
+        let started = Instant::now();
+        let mut waited = false;
+        while let Some(worker) = &mut self.worker {
+            let busy = match g {
+                Some(g) => worker.outstanding[g] > 0,
+                None => worker.outstanding.iter().any(|&n| n > 0),
+            };
+            if !busy {
+                break;
             }
+            waited = true;
+            let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
+            worker.book(done, &mut self.writing, &mut self.worker_error);
+        }
+        if waited {
             self.optimizer_wait_ns += started.elapsed().as_nanos() as u64;
             // (A commit's wait is its whole span already.)
-            if let (true, Some(g)) = (waited, g) {
+            if let Some(g) = g {
                 self.runtime
                     .record_compute("wait for optimizer", g as u32, None, started);
             }
@@ -1836,11 +1828,7 @@ impl Engine {
                 Some(home) => {
                     let keep = std::mem::take(&mut self.slots[index].fresh);
                     if !self.runtime.residency(id)?.contains(&home) {
-                        if keep {
-                            self.runtime.copy_to(id, home)?.wait()?;
-                        } else {
-                            self.runtime.move_to(id, home)?.wait()?;
-                        }
+                        self.runtime.copy_to(id, home)?.wait()?;
                     }
                     for tier in self.runtime.residency(id)? {
                         if tier != home && !(keep && tier == Tier::Host) {
@@ -1940,8 +1928,31 @@ enum Kept {
     Shard(usize),
 }
 
-/// Micro-batch `m`'s inputs and next-token targets out of the step's
-/// sequences of `seq + 1` tokens.
+/// The state cache: how many leading groups' states fit in it, and their
+/// host bytes (none unless the states live on NVMe).
+fn state_cache(
+    config: &TrainConfig,
+    runtime: &Runtime,
+    slots: &[Slot],
+    groups: usize,
+) -> (usize, u64) {
+    let bytes_max = match (config.placement.optimizer, config.placement.state_cache) {
+        (Placement::Nvme, StateCache::Auto) => runtime.stats().tier(Tier::Host).budget_bytes / 4,
+        (Placement::Nvme, StateCache::Bytes(bytes)) => bytes,
+        _ => 0,
+    };
+    let mut cached = (0, 0);
+    while cached.0 < groups {
+        let state = slots[state_index(cached.0, 0)].meta.len_bytes();
+        let bytes = runtime.footprint_bytes(state)[Tier::Host.index()];
+        if cached.1 + bytes > bytes_max {
+            break;
+        }
+        cached = (cached.0 + 1, cached.1 + bytes);
+    }
+    cached
+}
+
 /// Micro-batches in flight at once: all of them with activation
 /// checkpointing (their kept inputs are small), else one.
 fn in_flight(train: &TrainSettings) -> usize {
@@ -1952,6 +1963,8 @@ fn in_flight(train: &TrainSettings) -> usize {
     }
 }
 
+/// Micro-batch `m`'s inputs and next-token targets out of the step's
+/// sequences of `seq + 1` tokens.
 fn split_tokens(
     tokens: &[u32],
     m: usize,
@@ -2026,7 +2039,6 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
         home,
         id: None,
         pending: None,
-        carry: false,
         fresh: false,
     };
     let mut slots = Vec::new();

@@ -81,8 +81,8 @@ pub struct RunSummary {
     /// The host memory held for the state cache (`placement.state_cache`),
     /// in the host prediction.
     pub state_cache_bytes: u64,
-    /// Bytes moved per link (host->device, device->host, nvme->host,
-    /// host->nvme), rank 0.
+    /// Bytes moved per link, in [`crate::Link`] order (host->nvme,
+    /// nvme->host, host->device, device->host), rank 0.
     pub moved_bytes: [u64; 4],
     /// Time rank 0 waited on transfers.
     pub wait_s: f64,
