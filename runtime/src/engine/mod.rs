@@ -1590,6 +1590,10 @@ impl Engine {
             waited = true;
             let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
             worker.book(done, &mut self.writing, &mut self.worker_error);
+            // The moves held for this update go now, not at the next
+            // boundary: a long wait (the commit's) would otherwise keep
+            // every finished update's inputs and outputs on the host.
+            self.retry_held()?;
         }
         if waited {
             self.optimizer_wait_ns += started.elapsed().as_nanos() as u64;
