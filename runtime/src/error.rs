@@ -61,32 +61,9 @@ pub enum RuntimeError {
         #[source]
         cause: Box<RuntimeError>,
     },
-    /// A CUDA call failed.
-    #[error("CUDA {op} failed: {cause}")]
-    Cuda {
-        /// The call.
-        op: &'static str,
-        /// The driver's message.
-        cause: String,
-    },
-    /// A CUDA device was asked for and none can be used.
-    #[error(
-        "no CUDA device can be used: {reason}; set device.kind = \"cpu\" (or \"auto\") to run on the CPU device"
-    )]
-    CudaUnavailable {
-        /// Why.
-        reason: String,
-    },
-    /// The device has less free memory than the device budget.
-    #[error(
-        "the device has {free_bytes} bytes free but the device budget is {budget_bytes}: lower device.budget"
-    )]
-    DeviceMemory {
-        /// Budget asked for.
-        budget_bytes: u64,
-        /// Free device memory.
-        free_bytes: u64,
-    },
+    /// The device (memory, copy engines, CUDA) failed.
+    #[error(transparent)]
+    Device(#[from] strata_device::DeviceError),
     /// The host budget exceeds the memory the machine has available.
     #[error(
         "host budget of {budget_bytes} bytes (plus a CPU device arena of {arena_bytes}) exceeds the {available_bytes} bytes of memory available: lower host.budget or device.budget"
@@ -183,47 +160,6 @@ pub enum RuntimeError {
         /// The size of the data given.
         given_bytes: u64,
     },
-    /// The training step's plan cannot place the model states, activations
-    /// and working tensors in the tier budgets.
-    #[error("the placement does not fit: {cause}")]
-    DoesNotFit {
-        /// The planner's finding, with its numbers.
-        #[source]
-        cause: strata_scheduler::SchedulerError,
-    },
-    /// Planning failed for another reason (a limit, a malformed trace).
-    #[error(transparent)]
-    Scheduler(strata_scheduler::SchedulerError),
-    /// An optimizer kernel's setting is out of range.
-    #[error(transparent)]
-    Optim(#[from] strata_optim::OptimError),
-    /// Reading or writing a checkpoint failed.
-    #[error("checkpoint {path}: {problem}; {fix}")]
-    Checkpoint {
-        /// The file or directory.
-        path: std::path::PathBuf,
-        /// What went wrong.
-        problem: String,
-        /// What to do.
-        fix: String,
-    },
-    /// Another rank of the data-parallel group failed.
-    #[error("rank {rank} failed: {cause}")]
-    Rank {
-        /// The rank.
-        rank: usize,
-        /// Its error.
-        cause: String,
-    },
-    /// Another rank left the data-parallel group (it failed or stopped)
-    /// while this one needed it in a collective.
-    #[error(
-        "rank {rank} left the data-parallel group while this rank waited on it in a collective: see that rank's error"
-    )]
-    PeerLeft {
-        /// The rank that left.
-        rank: usize,
-    },
     /// The runtime has shut down.
     #[error("the runtime has stopped; no more moves can be started")]
     Stopped,
@@ -231,13 +167,3 @@ pub enum RuntimeError {
 
 /// Result alias for strata-runtime.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
-
-impl From<strata_scheduler::SchedulerError> for RuntimeError {
-    fn from(cause: strata_scheduler::SchedulerError) -> Self {
-        use strata_scheduler::SchedulerError as E;
-        match cause {
-            E::DoesNotFit { .. } | E::InitialPlacement { .. } => RuntimeError::DoesNotFit { cause },
-            other => RuntimeError::Scheduler(other),
-        }
-    }
-}

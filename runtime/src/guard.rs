@@ -222,10 +222,10 @@ impl Guard {
     /// Runs `write` on this write guard; when it fails, the copy is dropped
     /// at the guard's end if another tier holds one (see
     /// [`crate::Runtime::overwrite_with`]).
-    pub(crate) fn finish_write<R>(
+    pub(crate) fn finish_write<R, E>(
         &mut self,
-        write: impl FnOnce(&mut Guard) -> Result<R>,
-    ) -> Result<R> {
+        write: impl FnOnce(&mut Guard) -> Result<R, E>,
+    ) -> Result<R, E> {
         let result = write(self);
         self.discard = result.is_err();
         result

@@ -1,8 +1,9 @@
 //! strata-runtime owns tensors, tiers and devices: the tensor-residency
 //! manager that moves parameters, gradients, optimizer states and
 //! activations between device memory, pinned host RAM and NVMe (through
-//! [`strata_storage`]), and carries out the plans of `strata-scheduler`. It
-//! is the only crate that touches CUDA.
+//! [`strata_storage`]), carrying out the moves its caller decides (the
+//! training engine, from the scheduler's plans). It knows no op, model or
+//! rank, and names no CUDA type: devices come from `strata-device`.
 //!
 //! The main types:
 //! - [`Runtime`]: the registry of tensors and their copies per [`Tier`], the
@@ -26,12 +27,9 @@
 //! ```
 
 pub mod bench;
-pub mod collective;
 mod config;
 pub mod device;
-pub mod engine;
 mod error;
-pub mod gpt;
 mod guard;
 mod host_pool;
 mod residency;
@@ -53,6 +51,4 @@ pub use stats::{
 };
 pub use tier::{Dtype, Link, Owner, TensorId, TensorKind, TensorMeta, Tier};
 
-pub use strata_optim as optim;
-pub use strata_scheduler as scheduler;
 pub use strata_storage as storage;

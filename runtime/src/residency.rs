@@ -624,18 +624,19 @@ impl Runtime {
     /// old bytes is read. When `write` fails the copy is dropped if another
     /// tier holds one (the old bytes stay there); a tier's only copy is
     /// left as `write` left it.
-    pub fn overwrite_with<R>(
+    pub fn overwrite_with<R, E: From<RuntimeError>>(
         &self,
         id: TensorId,
         tier: Tier,
-        write: impl FnOnce(&mut Guard) -> Result<R>,
-    ) -> Result<R> {
+        write: impl FnOnce(&mut Guard) -> Result<R, E>,
+    ) -> Result<R, E> {
         if tier == Tier::Nvme {
             return Err(RuntimeError::Config {
                 key: "tier",
                 value: "nvme".into(),
                 fix: "overwrite a device or host copy, then move it to nvme".into(),
-            });
+            }
+            .into());
         }
         if tier == Tier::Device && self.shared.device.host_address(0).is_none() {
             // A GPU's memory is written through a guard once the copy is
@@ -648,7 +649,7 @@ impl Runtime {
             match self.acquire(id, tier, Access::Write) {
                 Ok(mut guard) => return guard.finish_write(write),
                 Err(RuntimeError::NotResident { .. }) => {}
-                Err(err) => return Err(err),
+                Err(err) => return Err(err.into()),
             }
             {
                 let mut state = self.shared.lock();
@@ -658,7 +659,7 @@ impl Runtime {
                     continue;
                 }
                 if entry.in_use() {
-                    return Err(in_use_error(id, entry));
+                    return Err(in_use_error(id, entry).into());
                 }
                 state.entry_mut(id)?.moving = Some(tier);
             }
@@ -680,7 +681,7 @@ impl Runtime {
             state.entry_mut(id)?.moving = None;
             drop(state);
             self.shared.changed.notify_all();
-            placed?;
+            placed.map_err(E::from)?;
             return guard.expect("taken when placed").finish_write(write);
         }
     }

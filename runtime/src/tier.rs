@@ -116,27 +116,7 @@ impl std::fmt::Display for Link {
     }
 }
 
-/// Element type of a tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// 32-bit float.
-    F32,
-    /// bfloat16.
-    Bf16,
-    /// IEEE half.
-    F16,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::Bf16 | Dtype::F16 => 2,
-        }
-    }
-}
+pub use strata_device::Dtype;
 
 /// What a tensor is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -169,7 +169,7 @@ fn overwrite_with_writes_ranges_and_a_failed_write_keeps_the_old_bytes() {
                 let end = (start + 5000).min(bytes as usize);
                 guard.write_range(start as u64, &new[start..end])?;
             }
-            Ok(())
+            Ok::<_, RuntimeError>(())
         })
         .unwrap();
     assert_eq!(

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::Args;
 use strata_runtime::Link;
-use strata_runtime::engine::{self, ByteCorpus, RunOptions, RunSummary, TrainConfig};
+use strata_train::{self as engine, ByteCorpus, RunOptions, RunSummary, TrainConfig};
 
 /// The text `strata train` learns by default (byte tokens).
 pub const DEFAULT_TEXT: &str = include_str!("../../examples/data/tiers.txt");

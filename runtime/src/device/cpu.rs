@@ -8,8 +8,10 @@ use std::thread::JoinHandle;
 
 use strata_storage::{AlignedBuf, PAGE_BYTES};
 
-use super::{CopyPiece, CopyTicket, CpuDone, Device, DeviceKind, Direction};
-use crate::error::{Result, RuntimeError};
+use strata_device::{DeviceError, Fence, HostSignal};
+
+use super::{CopyPiece, Device, DeviceKind, Direction};
+use crate::error::Result;
 
 /// Copy jobs queued per direction before `copy` blocks.
 const JOBS_QUEUED_MAX: usize = 256;
@@ -17,7 +19,7 @@ const JOBS_QUEUED_MAX: usize = 256;
 struct Job {
     direction: Direction,
     pieces: Vec<CopyPiece>,
-    done: Arc<CpuDone>,
+    done: Arc<HostSignal>,
 }
 
 /// The arena's base address, shared with the copy threads.
@@ -71,10 +73,9 @@ impl CpuDevice {
                         job.done.finish();
                     }
                 })
-                .map_err(|err| RuntimeError::Config {
-                    key: "device",
-                    value: "cpu".into(),
-                    fix: format!("could not start a copy thread: {err}"),
+                .map_err(|err| DeviceError::Thread {
+                    thread: name,
+                    cause: err.to_string(),
                 })?;
             senders.push(sender);
             threads.push(thread);
@@ -136,34 +137,27 @@ impl Device for CpuDevice {
         Ok(AlignedBuf::new_locked(len_bytes, PAGE_BYTES)?)
     }
 
-    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<CopyTicket> {
+    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<Fence> {
         for piece in &pieces {
             self.check_range(piece.device_offset, piece.len_bytes);
         }
-        let done = Arc::new(CpuDone::default());
-        let engine = match direction {
-            Direction::ToDevice => 0,
-            Direction::ToHost => 1,
+        let (fence, done) = Fence::host();
+        let (engine, thread) = match direction {
+            Direction::ToDevice => (0, "strata-h2d"),
+            Direction::ToHost => (1, "strata-d2h"),
         };
         let job = Job {
             direction,
             pieces,
-            done: done.clone(),
+            done,
         };
         self.engines.senders[engine]
             .send(job)
-            .expect("copy thread runs as long as the device");
-        Ok(CopyTicket::Cpu(done))
-    }
-
-    fn wait(&self, ticket: CopyTicket) -> Result<()> {
-        match ticket {
-            CopyTicket::Cpu(done) => {
-                done.wait();
-                Ok(())
-            }
-            CopyTicket::Cuda(_) => unreachable!("a CUDA ticket on the CPU device"),
-        }
+            .map_err(|_| DeviceError::Thread {
+                thread,
+                cause: "the copy thread has stopped".into(),
+            })?;
+        Ok(fence)
     }
 
     fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {

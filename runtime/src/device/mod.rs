@@ -1,6 +1,7 @@
-//! Devices behind one interface: [`CpuDevice`] (a budgeted host arena that
-//! stands in for device memory, so everything runs without a GPU) and
-//! [`CudaDevice`] (cudarc, loaded at run time).
+//! Devices as the runtime sees them, memory and copy engines behind one
+//! interface: [`CpuDevice`] (a budgeted host arena that stands in for
+//! device memory, so everything runs without a GPU) and [`CudaDevice`] (an
+//! arena on a GPU, over `strata_device::cuda::Context`; no CUDA type here).
 //!
 //! A device owns one arena of `budget` bytes, reserved at start; the
 //! registry sub-allocates it. Copies between pinned host buffers and the
@@ -13,22 +14,12 @@ mod cuda;
 pub use cpu::CpuDevice;
 pub use cuda::CudaDevice;
 
-use std::sync::{Arc, Condvar, Mutex};
-
+pub use strata_device::DeviceKind;
+use strata_device::Fence;
 use strata_storage::AlignedBuf;
 
 use crate::config::{DeviceChoice, DeviceConfig};
 use crate::error::{Result, RuntimeError};
-
-/// Which kind of device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    /// The CPU device.
-    Cpu,
-    /// A CUDA GPU.
-    Cuda,
-}
 
 /// Direction of a copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,36 +46,6 @@ pub struct CopyPiece {
 // (`Device::copy`'s contract).
 unsafe impl Send for CopyPiece {}
 
-/// Completion of a CPU-device copy job.
-#[derive(Default)]
-pub struct CpuDone {
-    finished: Mutex<bool>,
-    ready: Condvar,
-}
-
-impl CpuDone {
-    pub(crate) fn finish(&self) {
-        *self.finished.lock().expect("done lock") = true;
-        self.ready.notify_all();
-    }
-
-    pub(crate) fn wait(&self) {
-        let mut finished = self.finished.lock().expect("done lock");
-        while !*finished {
-            finished = self.ready.wait(finished).expect("done lock");
-        }
-    }
-}
-
-/// A batch of copies in flight; wait on it with [`Device::wait`].
-#[must_use = "a copy must be waited on before its memory is reused"]
-pub enum CopyTicket {
-    /// A CPU-device job.
-    Cpu(Arc<CpuDone>),
-    /// An event recorded on a CUDA copy stream after the copies.
-    Cuda(cuda::CudaTicket),
-}
-
 /// What the registry needs from a device.
 pub trait Device: Send + Sync {
     /// CPU or CUDA.
@@ -100,7 +61,8 @@ pub trait Device: Send + Sync {
     /// when a GPU is present (so copies are true DMA), mlock otherwise.
     fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf>;
 
-    /// Queues copies on the copy engine of `direction` and returns at once.
+    /// Queues copies on the copy engine of `direction` and returns at once,
+    /// with the fence that passes when they are done.
     /// Takes the list by value: the CPU device hands it to its copy thread.
     ///
     /// # Safety
@@ -108,14 +70,18 @@ pub trait Device: Send + Sync {
     /// accessed by anyone else) until the ticket has been waited on; device
     /// ranges must lie in the arena and not be written by anyone else until
     /// then.
-    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<CopyTicket>;
+    unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<Fence>;
 
-    /// Fills `len_bytes` of the arena at `device_offset` with zeros, before
-    /// returning (a new tensor registered on the device).
+    /// Fills `len_bytes` of the arena at `device_offset` with zeros (a new
+    /// tensor registered on the device): on the CPU device before
+    /// returning, on a GPU enqueued on the host->device copy stream, which
+    /// every later upload or reader of the range is ordered after.
     fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()>;
 
     /// Blocks until a batch of copies has finished.
-    fn wait(&self, ticket: CopyTicket) -> Result<()>;
+    fn wait(&self, fence: Fence) -> Result<()> {
+        Ok(fence.wait()?)
+    }
 
     /// A host address for an arena offset when the arena is host memory (the
     /// CPU device); None on a GPU.
@@ -147,7 +113,7 @@ pub fn open(config: &DeviceConfig) -> Result<Box<dyn Device>> {
         DeviceChoice::Cuda => Ok(Box::new(CudaDevice::new(config.ordinal, config.budget.0)?)),
         DeviceChoice::Auto => match CudaDevice::new(config.ordinal, config.budget.0) {
             Ok(device) => Ok(Box::new(device)),
-            Err(RuntimeError::CudaUnavailable { reason }) => {
+            Err(RuntimeError::Device(strata_device::DeviceError::CudaUnavailable { reason })) => {
                 tracing::info!("device: cpu, because {reason}");
                 Ok(Box::new(CpuDevice::new(config.budget.0)?))
             }
@@ -159,5 +125,5 @@ pub fn open(config: &DeviceConfig) -> Result<Box<dyn Device>> {
 /// Whether a CUDA device can be used here, and why not. Tests that need a
 /// GPU print the reason and skip.
 pub fn cuda_available() -> std::result::Result<(), String> {
-    cuda::probe()
+    strata_device::cuda::probe_device()
 }

@@ -47,34 +47,108 @@ impl<'a> Operand<'a> {
 
 /// `c = a * b + beta * c`, with `c` row-major `a.rows x b.cols`.
 pub fn gemm(a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
+    fn strided(o: Operand<'_>) -> Strided<'_> {
+        let (row_stride, col_stride) = o.strides();
+        Strided {
+            data: o.data,
+            rows: o.rows,
+            cols: o.cols,
+            row_stride: row_stride as usize,
+            col_stride: col_stride as usize,
+        }
+    }
+    assert!(
+        c.len() >= a.rows * b.cols,
+        "c holds {} < {}x{}",
+        c.len(),
+        a.rows,
+        b.cols
+    );
+    gemm_strided(strided(a), strided(b), 1.0, beta, c, b.cols);
+}
+
+/// A matrix operand with any strides: element `(i, j)` is
+/// `data[i * row_stride + j * col_stride]`.
+#[derive(Clone, Copy)]
+pub struct Strided<'a> {
+    /// The elements the strides reach.
+    pub data: &'a [f32],
+    /// Rows as used in the product.
+    pub rows: usize,
+    /// Columns as used in the product.
+    pub cols: usize,
+    /// Elements between rows.
+    pub row_stride: usize,
+    /// Elements between columns.
+    pub col_stride: usize,
+}
+
+impl Strided<'_> {
+    /// One past the last element the strides reach.
+    fn reach(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            0
+        } else {
+            (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride + 1
+        }
+    }
+}
+
+/// `c = alpha * a * b + beta * c`, with `c` `a.rows x b.cols` at row
+/// stride `c_row_stride`.
+pub fn gemm_strided(
+    a: Strided<'_>,
+    b: Strided<'_>,
+    alpha: f32,
+    beta: f32,
+    c: &mut [f32],
+    c_row_stride: usize,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "inner dimensions differ");
-    assert!(a.data.len() >= m * k, "a holds {} < {m}x{k}", a.data.len());
-    assert!(b.data.len() >= k * n, "b holds {} < {k}x{n}", b.data.len());
-    assert!(c.len() >= m * n, "c holds {} < {m}x{n}", c.len());
+    assert!(
+        a.data.len() >= a.reach(),
+        "a holds {} < {}",
+        a.data.len(),
+        a.reach()
+    );
+    assert!(
+        b.data.len() >= b.reach(),
+        "b holds {} < {}",
+        b.data.len(),
+        b.reach()
+    );
+    let c_reach = Strided {
+        data: c,
+        rows: m,
+        cols: n,
+        row_stride: c_row_stride,
+        col_stride: 1,
+    }
+    .reach();
+    assert!(c.len() >= c_reach, "c holds {} < {c_reach}", c.len());
+    assert!(c_row_stride >= n || m <= 1, "c rows overlap");
     if m == 0 || n == 0 {
         return;
     }
-    let (rsa, csa) = a.strides();
-    let (rsb, csb) = b.strides();
-    // The asserts above bound every index the strides reach: below m*k in
-    // `a`, k*n in `b` and m*n in `c`.
+    // The asserts above bound every index the strides reach in `a`, `b`
+    // and `c`, and rows of `c` do not overlap.
     // SAFETY: in bounds (above); `c` is exclusive, aliasing neither `a` nor `b`.
     unsafe {
         matrixmultiply::sgemm(
             m,
             k,
             n,
-            1.0,
+            alpha,
             a.data.as_ptr(),
-            rsa,
-            csa,
+            a.row_stride as isize,
+            a.col_stride as isize,
             b.data.as_ptr(),
-            rsb,
-            csb,
+            b.row_stride as isize,
+            b.col_stride as isize,
             beta,
             c.as_mut_ptr(),
-            n as isize,
+            c_row_stride as isize,
             1,
         );
     }

@@ -2,8 +2,8 @@
 //! micro-batch and rank reads (a function of the seed and the step alone,
 //! so a resumed run reads what an uninterrupted one would).
 
-use crate::config::bad;
 use crate::error::Result;
+use crate::error::bad;
 
 /// A text as byte tokens (vocabulary 256).
 #[derive(Clone, Debug)]

@@ -8,10 +8,12 @@ use serde::{Deserialize, Serialize};
 use strata_optim::{AdamConfig, LossScalerConfig};
 use strata_storage::{ByteSize, StorageConfig};
 
-use crate::config::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig, bad};
-use crate::error::{Result, RuntimeError};
+use strata_runtime::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig};
+
+use crate::error::bad;
+use crate::error::{Result, TrainError};
 use crate::gpt::GptConfig;
-use crate::tier::Tier;
+use strata_runtime::Tier;
 
 /// The host buffer size when the config sets no classes.
 pub const HOST_BUFFER_BYTES: u64 = 256 << 10;
@@ -322,7 +324,7 @@ impl Default for TrainConfig {
 impl TrainConfig {
     /// Parses a TOML config; unknown keys and bad values are named.
     pub fn from_toml(text: &str) -> Result<TrainConfig> {
-        let config: TrainConfig = toml::from_str(text).map_err(|err| RuntimeError::Config {
+        let config: TrainConfig = toml::from_str(text).map_err(|err| TrainError::Config {
             key: "config",
             value: err.message().to_string(),
             fix: format!(
@@ -403,7 +405,7 @@ impl TrainConfig {
                 ),
             ));
         }
-        self.rank_runtime(0, 0)?.validate()
+        Ok(self.rank_runtime(0, 0)?.validate()?)
     }
 
     /// Rank `rank`'s runtime settings with `workspace_bytes` of the device
@@ -433,7 +435,7 @@ impl TrainConfig {
             // Shards are megabytes, not powers of two: one class of 256 KiB
             // buffers (also the NVMe request size) wastes at most that per
             // tensor, where size classes would run one class dry.
-            host.classes = vec![crate::config::ClassConfig {
+            host.classes = vec![strata_runtime::ClassConfig {
                 buffer_size: ByteSize(HOST_BUFFER_BYTES),
                 bytes: ByteSize(host.budget.0 / HOST_BUFFER_BYTES * HOST_BUFFER_BYTES),
             }];

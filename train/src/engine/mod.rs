@@ -69,16 +69,18 @@ use strata_scheduler::{Action, ActionKind, Follow, Mode, Op, Processor, StepTrac
 use strata_storage::ByteSize;
 use strata_storage::engine::SplitMix64;
 
-use crate::collective::Collective;
-use crate::config::bad;
-use crate::error::{Result, RuntimeError};
+use strata_comm::Collective;
+use strata_runtime::RuntimeError;
+
+use crate::error::{Result, TrainError, bad};
 use crate::gpt::{
     BlockActivations, BlockLayout, BlockScratch, EmbedLayout, GptConfig, HeadBuffers,
     block_backward, block_forward, embed_backward, embed_forward, head_forward_backward,
 };
-use crate::guard::{Access, Guard};
-use crate::residency::{Completion, Runtime};
-use crate::tier::{Dtype, TensorId, TensorKind, TensorMeta, Tier};
+use strata_device::{View, ViewMut};
+use strata_runtime::{
+    Access, Completion, Dtype, Guard, Runtime, TensorId, TensorKind, TensorMeta, Tier,
+};
 
 /// Trace tensors per parameter group: two bf16 parameter shards, two
 /// optimizer-state shards (current and next), one gradient shard.
@@ -430,15 +432,15 @@ fn guard(runtime: &Runtime, id: TensorId, tier: Tier, access: Access) -> Result<
             Err(RuntimeError::NotResident { .. }) => match runtime.move_to(id, tier) {
                 Ok(done) => done.wait()?,
                 Err(RuntimeError::Moving { .. }) => {}
-                Err(err) => return Err(err),
+                Err(err) => return Err(err.into()),
             },
-            Err(err) => return Err(err),
+            Err(err) => return Err(err.into()),
         }
     }
 }
 
 fn read_f32(runtime: &Runtime, id: TensorId, tier: Tier, out: &mut [f32]) -> Result<()> {
-    guard(runtime, id, tier, Access::Read)?.read_into(bytemuck::cast_slice_mut(out))
+    Ok(guard(runtime, id, tier, Access::Read)?.read_into(bytemuck::cast_slice_mut(out))?)
 }
 
 /// A finished update: its group, the trace indices it wrote, the outcome.
@@ -461,7 +463,7 @@ impl CpuWorker {
         let thread = std::thread::Builder::new()
             .name("strata-cpu-optim".into())
             .spawn(move || {
-                crate::stats::set_caller_lane(crate::stats::OPTIMIZER_LANE);
+                strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
                 let mut scratch = OptScratch::new();
                 for job in receiver {
                     let started = Instant::now();
@@ -498,7 +500,7 @@ impl CpuWorker {
         &mut self,
         (group, outputs, result): Done,
         writing: &mut [u32],
-        first_error: &mut Option<RuntimeError>,
+        first_error: &mut Option<TrainError>,
     ) {
         self.outstanding[group] -= 1;
         for o in outputs {
@@ -560,7 +562,7 @@ pub struct Engine {
     /// Nanoseconds compute waited for the CPU thread this step.
     optimizer_wait_ns: u64,
     /// The first error the CPU thread reported, not yet returned.
-    worker_error: Option<RuntimeError>,
+    worker_error: Option<TrainError>,
     /// Ops announced so far in this step (the op running is
     /// `position - 1`).
     position: usize,
@@ -684,7 +686,7 @@ impl Engine {
             cache_groups: 0,
         };
         match engine.plan_shapes(&plan_config, cache_groups, cache_bytes) {
-            Err(RuntimeError::DoesNotFit { cause }) if cache_groups > 0 => {
+            Err(TrainError::DoesNotFit { cause }) if cache_groups > 0 => {
                 // Whether the plans fit without the cache: "auto" runs so, an
                 // explicit size is named as the problem.
                 let mut full = plan_config.clone();
@@ -1234,7 +1236,7 @@ impl Engine {
                 | RuntimeError::Moving { .. }
                 | RuntimeError::NotResident { .. },
             ) => Ok(()),
-            Err(err) => Err(err),
+            Err(err) => Err(err.into()),
         }
     }
 
@@ -1249,7 +1251,7 @@ impl Engine {
             match self.runtime.copy_to(id, Tier::Nvme) {
                 Ok(done) => self.slots[index].pending = Some((done, Tier::Nvme)),
                 Err(RuntimeError::InUse { .. } | RuntimeError::Moving { .. }) => {}
-                Err(err) => return Err(err),
+                Err(err) => return Err(err.into()),
             }
         }
         self.deferred.clear();
@@ -1258,7 +1260,7 @@ impl Engine {
 
     fn settle_pending(&mut self, index: usize) -> Result<()> {
         match self.slots[index].pending.take() {
-            Some((done, _)) => done.wait(),
+            Some((done, _)) => Ok(done.wait()?),
             None => Ok(()),
         }
     }
@@ -1448,7 +1450,12 @@ impl Engine {
         );
         let padded = self.groups[g].padded(self.collective.world());
         self.collective
-            .all_gather(&self.ws.shard32[..n], &mut self.ws.gathered[..padded])
+            .all_gather(
+                View::host_slice(&self.ws.shard32[..n]),
+                ViewMut::host_slice(&mut self.ws.gathered[..padded]),
+            )?
+            .wait()?;
+        Ok(())
     }
 
     /// Reduce-scatters the full gradient in the workspace into group `g`'s
@@ -1465,7 +1472,11 @@ impl Engine {
             &self.ws.grad_full
         };
         self.collective
-            .reduce_scatter(&full[..padded], &mut self.ws.shard32[..n])?;
+            .reduce_scatter(
+                View::host_slice(&full[..padded]),
+                ViewMut::host_slice(&mut self.ws.shard32[..n]),
+            )?
+            .wait()?;
         let index = grad_index(g);
         let last = m + 1 == self.config.train.grad_accumulation;
         if m == 0 {
@@ -1486,7 +1497,7 @@ impl Engine {
             if last {
                 self.sum_squares[g] = grad_norm(self.isa, Values::F32(sum)).sum_squares;
             }
-            held.write_from(bytemuck::cast_slice(sum))
+            Ok(held.write_from(bytemuck::cast_slice(sum))?)
         }
     }
 
@@ -1508,7 +1519,7 @@ impl Engine {
             Kept::Saved => bytemuck::cast_slice(&self.ws.saved),
             Kept::Shard(n) => bytemuck::cast_slice(&self.ws.shard32[..n]),
         };
-        self.runtime.overwrite(id, tier, data)
+        Ok(self.runtime.overwrite(id, tier, data)?)
     }
 
     /// Starts (on the CPU thread) or runs group `g`'s update from one set
@@ -1611,7 +1622,7 @@ impl Engine {
     fn decide(&mut self, step_op: &StepOp, loss_scale: f32) -> Result<StepDecision> {
         self.announce(&step_op.op)?;
         let mut sums = [self.sum_squares.iter().sum::<f64>(), self.loss_sum];
-        self.collective.all_reduce(&mut sums)?;
+        self.collective.all_reduce_scalars(&mut sums)?;
         self.loss_sum = sums[1];
         self.issue_actions(true)?;
         let clip = self.config.train.clip_norm;
@@ -1646,7 +1657,11 @@ impl Engine {
             self.read_state(g, &mut state)?;
             let padded = self.groups[g].padded(world);
             self.collective
-                .all_gather(&state[..n], &mut self.ws.gathered[..padded])?;
+                .all_gather(
+                    View::host_slice(&state[..n]),
+                    ViewMut::host_slice(&mut self.ws.gathered[..padded]),
+                )?
+                .wait()?;
             if rank == 0 {
                 let mut at = 0;
                 for (name, shape) in checkpoint::part_names(&self.gpt, g) {
@@ -1702,7 +1717,7 @@ impl Engine {
         let path = checkpoint
             .dir
             .join(format!("optimizer-rank{rank}.safetensors"));
-        let mismatch = |what: &str, found: String, here: String| RuntimeError::Checkpoint {
+        let mismatch = |what: &str, found: String, here: String| TrainError::Checkpoint {
             path: checkpoint.dir.clone(),
             problem: format!("it was written with {what} {found}, this run has {here}"),
             fix: format!("resume with the {what} it was written with"),
@@ -1730,7 +1745,7 @@ impl Engine {
         }
         let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
         let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| {
-            RuntimeError::Checkpoint {
+            TrainError::Checkpoint {
                 path: path.clone(),
                 problem: format!("not a safetensors file: {err}"),
                 fix: "resume from another checkpoint".into(),
@@ -1772,15 +1787,15 @@ impl Engine {
     fn agree(&self, outcome: Result<()>) -> Result<()> {
         let world = self.collective.world();
         let rank = self.collective.rank();
-        let mut failed = vec![0.0f64; world.min(crate::collective::SCALARS_MAX)];
+        let mut failed = vec![0.0f64; world.min(strata_comm::SCALARS_MAX)];
         if outcome.is_err() {
             let slot = rank.min(failed.len() - 1);
             failed[slot] = 1.0;
         }
-        self.collective.all_reduce(&mut failed)?;
+        self.collective.all_reduce_scalars(&mut failed)?;
         outcome?;
         match failed.iter().position(|&f| f > 0.0) {
-            Some(other) => Err(RuntimeError::Rank {
+            Some(other) => Err(TrainError::Rank {
                 rank: other,
                 cause: "it could not write its part of the checkpoint".into(),
             }),

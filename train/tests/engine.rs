@@ -2,8 +2,8 @@
 //! resume is exact, bad placements are refused before training.
 
 use strata_runtime::Link;
-use strata_runtime::engine::{ByteCorpus, Placement, RunOptions, StateCache, TrainConfig, run};
 use strata_storage::ByteSize;
+use strata_train::{ByteCorpus, Placement, RunOptions, StateCache, TrainConfig, run};
 
 fn corpus(seq: usize) -> ByteCorpus {
     let text =
@@ -105,7 +105,7 @@ fn resume_is_bit_identical_and_a_killed_checkpoint_write_loses_nothing() {
     let torn = checkpoints.join(".tmp-step4");
     std::fs::create_dir(&torn).unwrap();
     std::fs::write(torn.join("optimizer-rank0.safetensors"), b"torn").unwrap();
-    let opened = strata_runtime::engine::Checkpoint::open(&checkpoints).unwrap();
+    let opened = strata_train::Checkpoint::open(&checkpoints).unwrap();
     assert_eq!(
         opened.meta.step, 3,
         "latest still names the last whole checkpoint"
@@ -224,7 +224,7 @@ fn the_state_cache_saves_drive_reads_and_changes_no_bit() {
         assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "step {}", x.step);
     }
     assert!(a.reports[1..].iter().all(|r| r.late), "{:?}", a.reports);
-    let reads = |s: &strata_runtime::engine::RunSummary| s.moved_bytes[Link::NvmeToHost.index()];
+    let reads = |s: &strata_train::RunSummary| s.moved_bytes[Link::NvmeToHost.index()];
     assert!(
         reads(&a) < reads(&b) / 2,
         "cached {} vs uncached {} bytes read",
@@ -321,7 +321,7 @@ fn only_the_newest_checkpoints_are_kept_when_asked() {
         .collect();
     left.sort();
     assert_eq!(left, ["latest", "step-00000004", "step-00000005"]);
-    let opened = strata_runtime::engine::Checkpoint::open(&checkpoints).unwrap();
+    let opened = strata_train::Checkpoint::open(&checkpoints).unwrap();
     assert_eq!(opened.meta.step, 5);
     // 0 keeps every one.
     config.train.checkpoints_kept = 0;

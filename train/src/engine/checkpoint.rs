@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::ModelConfig;
-use crate::error::{Result, RuntimeError};
+use crate::error::{Result, TrainError};
 use crate::gpt::GptConfig;
 
 /// The layout version this code writes and reads.
@@ -52,8 +52,8 @@ pub struct Checkpoint {
     pub meta: CheckpointMeta,
 }
 
-fn problem(path: &Path, problem: impl ToString, fix: impl Into<String>) -> RuntimeError {
-    RuntimeError::Checkpoint {
+fn problem(path: &Path, problem: impl ToString, fix: impl Into<String>) -> TrainError {
+    TrainError::Checkpoint {
         path: path.to_path_buf(),
         problem: problem.to_string(),
         fix: fix.into(),

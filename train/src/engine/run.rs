@@ -10,11 +10,11 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{ByteCorpus, Checkpoint, Engine, StepReport, TrainConfig};
-use crate::collective::{Collective, InProcess};
-use crate::config::bad;
-use crate::error::{Result, RuntimeError};
-use crate::stats::Stats;
-use crate::tier::Tier;
+use crate::error::bad;
+use crate::error::{Result, TrainError};
+use strata_comm::{Collective, InProcess};
+use strata_runtime::Stats;
+use strata_runtime::Tier;
 
 /// What a run does besides training.
 #[derive(Clone, Debug, Default)]
@@ -159,7 +159,7 @@ pub fn run(
         for (rank, handle) in handles.into_iter().enumerate() {
             let outcome = match handle {
                 Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    Err(RuntimeError::Rank {
+                    Err(TrainError::Rank {
                         rank,
                         cause: "it panicked".into(),
                     })
@@ -171,11 +171,11 @@ pub fn run(
                 Ok(None) => {}
                 // A rank stopped by another's failure reports that one's
                 // error only if nothing better comes.
-                Err(err @ RuntimeError::PeerLeft { .. }) => {
+                Err(err) if err.is_peer_left() => {
                     first_error.get_or_insert(err);
                 }
                 Err(err) => {
-                    if matches!(first_error, None | Some(RuntimeError::PeerLeft { .. })) {
+                    if first_error.as_ref().is_none_or(TrainError::is_peer_left) {
                         first_error = Some(err);
                     }
                 }

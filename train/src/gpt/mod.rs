@@ -8,12 +8,9 @@
 //! the embeddings ([`EmbedLayout`]). Matrix products go through
 //! `matrixmultiply` ([`gemm`]); the rest are the kernels in [`kernels`].
 
-pub mod gemm;
-pub mod kernels;
-
-use crate::error::RuntimeError;
-use gemm::{Operand, gemm};
-use kernels::*;
+use crate::error::TrainError;
+use strata_kernels::cpu::gemm::{Operand, gemm};
+use strata_kernels::cpu::ops::*;
 
 /// A model's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,8 +29,8 @@ pub struct GptConfig {
 
 impl GptConfig {
     /// Checks the shape; the error names the field.
-    pub fn validate(&self) -> Result<(), RuntimeError> {
-        let bad = |key, value: usize, fix: String| Err(crate::config::bad(key, value, fix));
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |key, value: usize, fix: String| Err(crate::error::bad(key, value, fix));
         for (key, value) in [
             ("model.vocab", self.vocab),
             ("model.seq", self.seq),

@@ -1,0 +1,76 @@
+//! The one error type of strata-comm.
+
+use strata_device::{DeviceError, Dtype};
+
+/// Everything that can go wrong in a collective. Variants carry the
+/// numbers; messages say what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// A rank left the group (it returned, failed or panicked): the
+    /// collective cannot complete.
+    #[error("rank {rank} left the group (it failed or stopped); its own error says why")]
+    PeerLeft {
+        /// The rank that left.
+        rank: usize,
+    },
+    /// An exchange is larger than the buffers sized at start.
+    #[error("a collective of {requested} elements exceeds {what} ({max}); raise it")]
+    Limit {
+        /// The limit's name.
+        what: &'static str,
+        /// Its value.
+        max: u64,
+        /// What was asked for.
+        requested: u64,
+    },
+    /// Operands whose sizes do not fit the collective.
+    #[error("{op}: {what} holds {actual} elements but {expected} were needed")]
+    Shape {
+        /// The collective.
+        op: &'static str,
+        /// The operand.
+        what: &'static str,
+        /// Elements needed.
+        expected: usize,
+        /// Elements given.
+        actual: usize,
+    },
+    /// A dtype the collective cannot carry (sums of integers), or operands
+    /// of different dtypes.
+    #[error("{op} cannot carry {dtype} here: {why}")]
+    Dtype {
+        /// The collective.
+        op: &'static str,
+        /// The dtype.
+        dtype: Dtype,
+        /// Why not.
+        why: &'static str,
+    },
+    /// A peer rank outside the group.
+    #[error("{op} names rank {peer}, but the group has ranks 0..{world}")]
+    Peer {
+        /// The collective.
+        op: &'static str,
+        /// The rank named.
+        peer: usize,
+        /// Ranks in the group.
+        world: usize,
+    },
+    /// A buffer on a device this backend cannot reach (device memory for
+    /// the in-process backend).
+    #[error("{op}: the in-process backend reaches host memory only, and {what} is on {kind:?}")]
+    Unreachable {
+        /// The collective.
+        op: &'static str,
+        /// The operand.
+        what: &'static str,
+        /// Its device.
+        kind: strata_device::DeviceKind,
+    },
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// Results of strata-comm.
+pub type Result<T> = std::result::Result<T, CommError>;

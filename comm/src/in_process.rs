@@ -1,0 +1,762 @@
+//! Ranks as threads of one process, exchanging through per-rank buffers
+//! sized at start between two waits at a gate (a barrier a rank can
+//! leave).
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use half::{bf16, f16};
+use strata_device::{DeviceKind, Dtype, Fence, Raw, View, ViewMut};
+
+use crate::error::{CommError, Result};
+use crate::{Collective, ProcessGroups};
+
+/// Scalars one [`Collective::all_reduce_scalars`] may carry.
+pub const SCALARS_MAX: usize = 64;
+
+/// How often a rank waiting for a message looks whether its peer left.
+const PEER_POLL: Duration = Duration::from_millis(20);
+
+struct Shared {
+    gate: Gate,
+    /// Per rank: its posted bytes, in 4-byte words (aligned for any dtype).
+    slots: Vec<Mutex<Vec<u32>>>,
+    scalars: Vec<Mutex<Vec<f64>>>,
+    /// `world x world` mailboxes, `[from * world + to]`, for send/recv.
+    mail: Vec<Mutex<Option<Vec<u32>>>>,
+    mail_changed: Condvar,
+    elems_max: usize,
+}
+
+/// A barrier that a rank can leave: the ranks waiting at it, or arriving
+/// later, get [`CommError::PeerLeft`] instead of waiting forever for a
+/// rank that failed or stopped.
+struct Gate {
+    state: Mutex<GateState>,
+    turned: Condvar,
+    world: usize,
+}
+
+struct GateState {
+    arrived: usize,
+    generation: u64,
+    left: Option<usize>,
+}
+
+impl Gate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        // Nothing panics while holding it.
+        self.state.lock().expect("collective gate")
+    }
+
+    fn left(&self) -> Option<usize> {
+        self.lock().left
+    }
+
+    fn wait(&self) -> Result<()> {
+        let mut state = self.lock();
+        if let Some(rank) = state.left {
+            return Err(CommError::PeerLeft { rank });
+        }
+        let generation = state.generation;
+        state.arrived += 1;
+        if state.arrived == self.world {
+            state.arrived = 0;
+            state.generation += 1;
+            self.turned.notify_all();
+            return Ok(());
+        }
+        // Passed once the last rank arrives, even if one leaves after.
+        while state.generation == generation {
+            if let Some(rank) = state.left {
+                return Err(CommError::PeerLeft { rank });
+            }
+            state = self.turned.wait(state).expect("collective gate");
+        }
+        Ok(())
+    }
+
+    fn leave(&self, rank: usize) {
+        self.lock().left.get_or_insert(rank);
+        self.turned.notify_all();
+    }
+}
+
+/// One rank of an in-process group; [`InProcess::group`] makes them all.
+/// Dropping it (the rank returned, failed or panicked) fails the others'
+/// collectives from then on rather than leaving them waiting.
+pub struct InProcess {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl InProcess {
+    /// A group of `world` ranks exchanging at most `elems_max` elements
+    /// (of up to 4 bytes) per rank and call; buffers are allocated here,
+    /// once.
+    pub fn group(world: usize, elems_max: usize) -> Vec<InProcess> {
+        assert!(world > 0, "a group needs a rank");
+        let shared = Arc::new(Shared {
+            gate: Gate {
+                state: Mutex::new(GateState {
+                    arrived: 0,
+                    generation: 0,
+                    left: None,
+                }),
+                turned: Condvar::new(),
+                world,
+            },
+            slots: (0..world)
+                .map(|_| Mutex::new(Vec::with_capacity(elems_max)))
+                .collect(),
+            scalars: (0..world)
+                .map(|_| Mutex::new(Vec::with_capacity(SCALARS_MAX)))
+                .collect(),
+            mail: (0..world * world).map(|_| Mutex::new(None)).collect(),
+            mail_changed: Condvar::new(),
+            elems_max,
+        });
+        (0..world)
+            .map(|rank| InProcess {
+                rank,
+                shared: Arc::clone(&shared),
+            })
+            .collect()
+    }
+
+    /// Every rank's groups for `data x tensor x pipeline` ranks, in global
+    /// rank order (see [`ProcessGroups::global_rank`]).
+    pub fn grid(
+        data: usize,
+        tensor: usize,
+        pipeline: usize,
+        elems_max: usize,
+    ) -> Vec<ProcessGroups> {
+        let world = data * tensor * pipeline;
+        let index = |p: usize, d: usize, t: usize| (p * data + d) * tensor + t;
+        let mut slots: Vec<[Option<InProcess>; 3]> =
+            (0..world).map(|_| [None, None, None]).collect();
+        for p in 0..pipeline {
+            for t in 0..tensor {
+                for (d, member) in InProcess::group(data, elems_max).into_iter().enumerate() {
+                    slots[index(p, d, t)][0] = Some(member);
+                }
+            }
+            for d in 0..data {
+                for (t, member) in InProcess::group(tensor, elems_max).into_iter().enumerate() {
+                    slots[index(p, d, t)][1] = Some(member);
+                }
+            }
+        }
+        for d in 0..data {
+            for t in 0..tensor {
+                for (p, member) in InProcess::group(pipeline, elems_max)
+                    .into_iter()
+                    .enumerate()
+                {
+                    slots[index(p, d, t)][2] = Some(member);
+                }
+            }
+        }
+        slots
+            .into_iter()
+            .map(|[data, tensor, pipeline]| ProcessGroups {
+                data: Box::new(data.expect("every rank has a data group")),
+                tensor: Box::new(tensor.expect("every rank has a tensor group")),
+                pipeline: Box::new(pipeline.expect("every rank has a pipeline group")),
+            })
+            .collect()
+    }
+
+    fn check(&self, op: &'static str, elems: usize) -> Result<()> {
+        if elems > self.shared.elems_max {
+            return Err(CommError::Limit {
+                what: "collective_elems_max",
+                max: self.shared.elems_max as u64,
+                requested: elems as u64,
+            });
+        }
+        let _ = op;
+        Ok(())
+    }
+
+    fn post(&self, op: &'static str, values: &View<'_>) -> Result<()> {
+        let bytes = view_bytes(op, "input", values)?;
+        pack(bytes, &mut self.slot(self.rank));
+        Ok(())
+    }
+
+    fn slot(&self, rank: usize) -> MutexGuard<'_, Vec<u32>> {
+        self.shared.slots[rank].lock().expect("collective slot")
+    }
+
+    fn peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.world() || peer == self.rank {
+            return Err(CommError::Peer {
+                op,
+                peer,
+                world: self.world(),
+            });
+        }
+        Ok(())
+    }
+
+    fn mailbox(&self, from: usize, to: usize) -> &Mutex<Option<Vec<u32>>> {
+        &self.shared.mail[from * self.world() + to]
+    }
+
+    /// Waits on the mailbox until `ready` holds, failing if a rank left.
+    fn wait_mail(
+        &self,
+        mailbox: &Mutex<Option<Vec<u32>>>,
+        mut ready: impl FnMut(&mut Option<Vec<u32>>) -> bool,
+    ) -> Result<()> {
+        let mut held = mailbox.lock().expect("mailbox");
+        loop {
+            if ready(&mut held) {
+                self.shared.mail_changed.notify_all();
+                return Ok(());
+            }
+            if let Some(rank) = self.shared.gate.left() {
+                return Err(CommError::PeerLeft { rank });
+            }
+            held = self
+                .shared
+                .mail_changed
+                .wait_timeout(held, PEER_POLL)
+                .expect("mailbox")
+                .0;
+        }
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        self.shared.gate.leave(self.rank);
+        self.shared.mail_changed.notify_all();
+    }
+}
+
+/// The bytes of a contiguous host view.
+fn view_bytes<'a>(op: &'static str, what: &'static str, view: &View<'a>) -> Result<&'a [u8]> {
+    let bytes = reach(op, what, view.raw())?;
+    // SAFETY: `reach` checked it is contiguous host memory of `bytes`
+    // bytes, which the view borrows (shared) for 'a.
+    Ok(unsafe { std::slice::from_raw_parts(view.raw().start_address() as *const u8, bytes) })
+}
+
+/// `bytes` packed into 4-byte words (so any dtype can be read back
+/// aligned), the last word padded with zeros.
+fn pack(bytes: &[u8], words: &mut Vec<u32>) {
+    words.clear();
+    words.resize(bytes.len().div_ceil(4), 0);
+    bytemuck::cast_slice_mut::<u32, u8>(words)[..bytes.len()].copy_from_slice(bytes);
+}
+
+/// Bytes of a contiguous host view, or why it cannot be reached.
+fn reach(op: &'static str, what: &'static str, raw: Raw) -> Result<usize> {
+    if raw.kind != DeviceKind::Cpu {
+        return Err(CommError::Unreachable {
+            op,
+            what,
+            kind: raw.kind,
+        });
+    }
+    if !raw.is_contiguous() {
+        return Err(CommError::Shape {
+            op,
+            what,
+            expected: raw.extent(),
+            actual: raw.len(),
+        });
+    }
+    Ok(raw.len() * raw.dtype.bytes() as usize)
+}
+
+fn same_dtype(op: &'static str, a: Dtype, b: Dtype) -> Result<()> {
+    if a != b {
+        return Err(CommError::Dtype {
+            op,
+            dtype: b,
+            why: "the operands' dtypes differ",
+        });
+    }
+    Ok(())
+}
+
+/// Writes `words` (as bytes) into the host view `out`.
+fn copy_out(op: &'static str, words: &[u32], mut out: ViewMut<'_>) -> Result<()> {
+    let bytes = reach(op, "output", out.raw())?;
+    let source: &[u8] = bytemuck::cast_slice(words);
+    let target = host_bytes(&mut out);
+    target[..bytes].copy_from_slice(&source[..bytes]);
+    Ok(())
+}
+
+fn host_bytes<'v>(out: &'v mut ViewMut<'_>) -> &'v mut [u8] {
+    let raw = out.raw();
+    let bytes = raw.len() * raw.dtype.bytes() as usize;
+    // SAFETY: `reach` checked it is contiguous host memory of `bytes`
+    // bytes, borrowed exclusively by `out` for 'v.
+    unsafe { std::slice::from_raw_parts_mut(raw.start_address() as *mut u8, bytes) }
+}
+
+/// Adds the part `start..start + len` (elements) of each slot, in rank
+/// order, into `out` (set to the first rank's part plus the others).
+fn sum_into(op: &'static str, slots: &[&[u32]], start: usize, out: &mut ViewMut<'_>) -> Result<()> {
+    let dtype = out.dtype();
+    let len = out.len();
+    match dtype {
+        Dtype::F32 => {
+            let out = out.host::<f32>().expect("checked host");
+            out.fill(0.0);
+            for slot in slots {
+                let part: &[f32] = bytemuck::cast_slice(slot);
+                for (s, v) in out.iter_mut().zip(&part[start..start + len]) {
+                    *s += v;
+                }
+            }
+        }
+        Dtype::Bf16 => sum_narrow::<bf16>(slots, start, out.host::<bf16>().expect("checked host")),
+        Dtype::F16 => sum_narrow::<f16>(slots, start, out.host::<f16>().expect("checked host")),
+        Dtype::U32 => {
+            return Err(CommError::Dtype {
+                op,
+                dtype,
+                why: "integers are gathered, not summed",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Sums 16-bit floats in fp32, in rank order, rounding once at the end.
+fn sum_narrow<T: bytemuck::Pod + Into<f32> + HalfFrom>(
+    slots: &[&[u32]],
+    start: usize,
+    out: &mut [T],
+) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut sum = 0.0f32;
+        for slot in slots {
+            let part: &[T] = bytemuck::cast_slice(slot);
+            sum += part[start + i].into();
+        }
+        *o = T::from_f32_rne(sum);
+    }
+}
+
+/// Rounding from fp32, as `half` does it.
+trait HalfFrom {
+    fn from_f32_rne(value: f32) -> Self;
+}
+impl HalfFrom for bf16 {
+    fn from_f32_rne(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+impl HalfFrom for f16 {
+    fn from_f32_rne(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}
+
+impl Collective for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.shared.slots.len()
+    }
+
+    fn all_gather(&self, shard: View<'_>, mut out: ViewMut<'_>) -> Result<Fence> {
+        const OP: &str = "all_gather";
+        same_dtype(OP, shard.dtype(), out.dtype())?;
+        if out.len() != shard.len() * self.world() {
+            return Err(CommError::Shape {
+                op: OP,
+                what: "output",
+                expected: shard.len() * self.world(),
+                actual: out.len(),
+            });
+        }
+        self.check(OP, shard.len())?;
+        reach(OP, "output", out.raw())?;
+        self.post(OP, &shard)?;
+        self.shared.gate.wait()?;
+        let part_bytes = shard.len() * shard.dtype().bytes() as usize;
+        let target = host_bytes(&mut out);
+        for (rank, part) in target.chunks_exact_mut(part_bytes.max(1)).enumerate() {
+            let slot = self.slot(rank);
+            let bytes: &[u8] = bytemuck::cast_slice(&slot);
+            assert_eq!(
+                slot.len(),
+                part_bytes.div_ceil(4),
+                "ranks disagree on the shard size"
+            );
+            part.copy_from_slice(&bytes[..part_bytes]);
+        }
+        self.shared.gate.wait()?;
+        Ok(Fence::ready())
+    }
+
+    fn reduce_scatter(&self, full: View<'_>, mut shard: ViewMut<'_>) -> Result<Fence> {
+        const OP: &str = "reduce_scatter";
+        same_dtype(OP, full.dtype(), shard.dtype())?;
+        if full.len() != shard.len() * self.world() {
+            return Err(CommError::Shape {
+                op: OP,
+                what: "input",
+                expected: shard.len() * self.world(),
+                actual: full.len(),
+            });
+        }
+        self.check(OP, full.len())?;
+        reach(OP, "output", shard.raw())?;
+        self.post(OP, &full)?;
+        self.shared.gate.wait()?;
+        let guards: Vec<_> = (0..self.world()).map(|rank| self.slot(rank)).collect();
+        let slots: Vec<&[u32]> = guards.iter().map(|g| g.as_slice()).collect();
+        let summed = sum_into(OP, &slots, self.rank * shard.len(), &mut shard);
+        drop(slots);
+        drop(guards);
+        self.shared.gate.wait()?;
+        summed.map(|()| Fence::ready())
+    }
+
+    fn all_reduce(&self, mut values: ViewMut<'_>) -> Result<Fence> {
+        const OP: &str = "all_reduce";
+        self.check(OP, values.len())?;
+        reach(OP, "values", values.raw())?;
+        self.post(OP, &values.view())?;
+        self.shared.gate.wait()?;
+        let guards: Vec<_> = (0..self.world()).map(|rank| self.slot(rank)).collect();
+        let slots: Vec<&[u32]> = guards.iter().map(|g| g.as_slice()).collect();
+        let summed = sum_into(OP, &slots, 0, &mut values);
+        drop(slots);
+        drop(guards);
+        self.shared.gate.wait()?;
+        summed.map(|()| Fence::ready())
+    }
+
+    fn all_reduce_scalars(&self, values: &mut [f64]) -> Result<()> {
+        if values.len() > SCALARS_MAX {
+            return Err(CommError::Limit {
+                what: "collective scalars (SCALARS_MAX)",
+                max: SCALARS_MAX as u64,
+                requested: values.len() as u64,
+            });
+        }
+        {
+            let mut slot = self.shared.scalars[self.rank]
+                .lock()
+                .expect("collective slot");
+            slot.clear();
+            slot.extend_from_slice(values);
+        }
+        self.shared.gate.wait()?;
+        values.fill(0.0);
+        for slot in &self.shared.scalars {
+            let slot = slot.lock().expect("collective slot");
+            for (v, s) in values.iter_mut().zip(slot.iter()) {
+                *v += s;
+            }
+        }
+        self.shared.gate.wait()?;
+        Ok(())
+    }
+
+    fn broadcast(&self, root: usize, values: ViewMut<'_>) -> Result<Fence> {
+        const OP: &str = "broadcast";
+        if root >= self.world() {
+            return Err(CommError::Peer {
+                op: OP,
+                peer: root,
+                world: self.world(),
+            });
+        }
+        self.check(OP, values.len())?;
+        reach(OP, "values", values.raw())?;
+        if self.rank == root {
+            self.post(OP, &values.view())?;
+        }
+        self.shared.gate.wait()?;
+        if self.rank != root {
+            let slot = self.slot(root).clone();
+            copy_out(OP, &slot, values)?;
+        }
+        self.shared.gate.wait()?;
+        Ok(Fence::ready())
+    }
+
+    fn send(&self, peer: usize, values: View<'_>) -> Result<Fence> {
+        const OP: &str = "send";
+        self.peer(OP, peer)?;
+        self.check(OP, values.len())?;
+        let mut words = Vec::new();
+        pack(view_bytes(OP, "values", &values)?, &mut words);
+        let mut message = Some(words);
+        self.wait_mail(self.mailbox(self.rank, peer), |held| {
+            if held.is_some() {
+                return false;
+            }
+            *held = message.take();
+            true
+        })?;
+        Ok(Fence::ready())
+    }
+
+    fn recv(&self, peer: usize, values: ViewMut<'_>) -> Result<Fence> {
+        const OP: &str = "recv";
+        self.peer(OP, peer)?;
+        let bytes = reach(OP, "values", values.raw())?;
+        let mut message = None;
+        self.wait_mail(self.mailbox(peer, self.rank), |held| {
+            message = held.take();
+            message.is_some()
+        })?;
+        let message = message.expect("taken when ready");
+        if message.len() != bytes.div_ceil(4) {
+            return Err(CommError::Shape {
+                op: OP,
+                what: "values",
+                expected: message.len() * 4 / values.dtype().bytes() as usize,
+                actual: values.len(),
+            });
+        }
+        copy_out(OP, &message, values)?;
+        Ok(Fence::ready())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T: Send>(world: usize, f: impl Fn(&InProcess) -> T + Sync) -> Vec<T> {
+        let ranks = InProcess::group(world, 64);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks.iter().map(|r| scope.spawn(|| f(r))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn gather(c: &InProcess, shard: &[f32], out: &mut [f32]) -> Result<()> {
+        c.all_gather(View::host_slice(shard), ViewMut::host_slice(out))?
+            .wait()?;
+        Ok(())
+    }
+
+    #[test]
+    fn gather_concatenates_in_rank_order() {
+        for out in run(3, |c| {
+            let shard = [c.rank() as f32; 2];
+            let mut out = [0.0; 6];
+            gather(c, &shard, &mut out).unwrap();
+            out
+        }) {
+            assert_eq!(out, [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]);
+        }
+    }
+
+    #[test]
+    fn bf16_shards_gather_and_sum_in_fp32_rounded_once() {
+        let out = run(3, |c| {
+            let shard = [bf16::from_f32(c.rank() as f32 + 0.5); 2];
+            let mut full = [bf16::ZERO; 6];
+            c.all_gather(View::host_slice(&shard), ViewMut::host_slice(&mut full))
+                .unwrap()
+                .wait()
+                .unwrap();
+            // Rank 0 gives 1, the others 2^-8: in fp32 the sum is 1 + 2^-7,
+            // a bf16; summed in bf16, each 1 + 2^-8 would round back to 1.
+            let value = if c.rank() == 0 { 1.0 } else { 1.0 / 256.0 };
+            let full_in = [bf16::from_f32(value); 6];
+            let mut part = [bf16::ZERO; 2];
+            c.reduce_scatter(View::host_slice(&full_in), ViewMut::host_slice(&mut part))
+                .unwrap()
+                .wait()
+                .unwrap();
+            (full, part)
+        });
+        let expected_part = bf16::from_f32(1.0 + 1.0 / 128.0);
+        for (full, part) in out {
+            assert_eq!(full.map(f32::from), [0.5, 0.5, 1.5, 1.5, 2.5, 2.5]);
+            assert_eq!(part, [expected_part; 2]);
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_sums_each_part_in_rank_order() {
+        let shards = run(2, |c| {
+            let full: Vec<f32> = (0..4).map(|i| (i + 10 * c.rank()) as f32).collect();
+            let mut shard = [0.0; 2];
+            c.reduce_scatter(View::host_slice(&full), ViewMut::host_slice(&mut shard))
+                .unwrap()
+                .wait()
+                .unwrap();
+            shard
+        });
+        assert_eq!(shards, vec![[10.0, 12.0], [14.0, 16.0]]);
+        // Repeated calls reuse the buffers and give the same bits.
+        let again = run(4, |c| {
+            let full: Vec<f32> = (0..8).map(|i| 0.1 * (i + c.rank()) as f32).collect();
+            let mut sums = Vec::new();
+            for _ in 0..50 {
+                let mut shard = [0.0; 2];
+                c.reduce_scatter(View::host_slice(&full), ViewMut::host_slice(&mut shard))
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+                let mut norm = [f64::from(shard[0]), 1.0];
+                c.all_reduce_scalars(&mut norm).unwrap();
+                sums.push((shard, norm));
+            }
+            sums
+        });
+        for rank in &again {
+            assert!(rank.iter().all(|s| s == &rank[0]));
+            assert_eq!(rank[0].1[1], 4.0);
+        }
+    }
+
+    #[test]
+    fn all_reduce_broadcast_and_send_recv_move_buffers() {
+        let out = run(3, |c| {
+            let mut sum = [c.rank() as f32, 1.0];
+            c.all_reduce(ViewMut::host_slice(&mut sum))
+                .unwrap()
+                .wait()
+                .unwrap();
+            let mut root = [c.rank() as u32 * 7; 3];
+            c.broadcast(1, ViewMut::host_slice(&mut root))
+                .unwrap()
+                .wait()
+                .unwrap();
+            // A pipeline of three: 0 -> 1 -> 2.
+            let mut passed = [0.0f32; 2];
+            if c.rank() == 0 {
+                c.send(1, View::host_slice(&[4.0f32, 5.0]))
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+            } else {
+                c.recv(c.rank() - 1, ViewMut::host_slice(&mut passed))
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+                if c.rank() == 1 {
+                    let next = [passed[0] * 2.0, passed[1] * 2.0];
+                    c.send(2, View::host_slice(&next)).unwrap().wait().unwrap();
+                }
+            }
+            (sum, root, passed)
+        });
+        for (rank, (sum, root, passed)) in out.into_iter().enumerate() {
+            assert_eq!(sum, [3.0, 3.0]);
+            assert_eq!(root, [7; 3]);
+            let expected = [[0.0, 0.0], [4.0, 5.0], [8.0, 10.0]][rank];
+            assert_eq!(passed, expected);
+        }
+        let errors = run(2, |c| {
+            let integers = [1u32; 2];
+            let mut part = [0u32; 1];
+            let sum = c
+                .reduce_scatter(View::host_slice(&integers), ViewMut::host_slice(&mut part))
+                .unwrap_err();
+            let peer = c.send(5, View::host_slice(&integers)).unwrap_err();
+            (sum.to_string(), peer.to_string())
+        });
+        assert!(
+            errors[0].0.contains("integers are gathered"),
+            "{}",
+            errors[0].0
+        );
+        assert!(errors[0].1.contains("rank 5"), "{}", errors[0].1);
+    }
+
+    #[test]
+    fn a_grid_gives_each_rank_its_data_tensor_and_pipeline_groups() {
+        let grid = InProcess::grid(2, 2, 2, 16);
+        let sums = std::thread::scope(|scope| {
+            let handles: Vec<_> = grid
+                .iter()
+                .map(|groups| {
+                    scope.spawn(move || {
+                        let me = groups.global_rank() as f64;
+                        let mut each = [[me], [me], [me]];
+                        for (group, value) in [&groups.data, &groups.tensor, &groups.pipeline]
+                            .into_iter()
+                            .zip(&mut each)
+                        {
+                            group.all_reduce_scalars(value).unwrap();
+                        }
+                        (groups.global_rank(), each.map(|v| v[0]))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (rank, [data, tensor, pipeline]) in sums {
+            let (p, d, t) = (rank / 4, (rank / 2) % 2, rank % 2);
+            let at = |p: usize, d: usize, t: usize| ((p * 2 + d) * 2 + t) as f64;
+            assert_eq!(data, at(p, 0, t) + at(p, 1, t), "rank {rank}");
+            assert_eq!(tensor, at(p, d, 0) + at(p, d, 1), "rank {rank}");
+            assert_eq!(pipeline, at(0, d, t) + at(1, d, t), "rank {rank}");
+        }
+        assert_eq!(grid[5].world(), 8);
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_others_collectives_instead_of_hanging() {
+        let mut ranks = InProcess::group(3, 64);
+        let gone = ranks.pop().expect("three ranks");
+        let errors = std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks
+                .iter()
+                .map(|c| {
+                    scope.spawn(move || {
+                        let mut values = [1.0];
+                        // Both survivors pass one exchange with the third...
+                        c.all_reduce_scalars(&mut values)?;
+                        // ...which leaves while they wait at the next.
+                        c.all_reduce_scalars(&mut values).map(|_| values[0])
+                    })
+                })
+                .collect();
+            let mut values = [1.0];
+            gone.all_reduce_scalars(&mut values).unwrap();
+            assert_eq!(values[0], 3.0);
+            drop(gone);
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap_err().to_string())
+                .collect::<Vec<_>>()
+        });
+        for err in errors {
+            assert!(err.contains("rank 2") && err.contains("left"), "{err}");
+        }
+        // A receiver whose sender left is told so too, not left waiting.
+        let mut pair = InProcess::group(2, 8);
+        let sender = pair.pop().expect("two ranks");
+        drop(sender);
+        let mut values = [0.0f32; 2];
+        let err = pair[0]
+            .recv(1, ViewMut::host_slice(&mut values))
+            .unwrap_err();
+        assert!(matches!(err, CommError::PeerLeft { rank: 1 }), "{err}");
+    }
+
+    #[test]
+    fn oversized_exchanges_name_the_limit() {
+        let errors = run(1, |c| {
+            let mut out = vec![0.0; 65];
+            gather(c, &[0.0; 65], &mut out).unwrap_err().to_string()
+        });
+        assert!(errors[0].contains("collective_elems_max"), "{}", errors[0]);
+    }
+}

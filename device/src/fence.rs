@@ -1,0 +1,132 @@
+//! Streams, and fences that order work across them.
+//!
+//! Work is enqueued on a stream: the device's one compute stream, or one
+//! of its two copy streams. A [`Fence`] marks a point on a stream; another
+//! stream (or the host) waits on it instead of on the whole device. On the
+//! CPU device compute runs on the calling thread, so its fences are
+//! [`Fence::ready`] or a copy engine's completion flag.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use crate::cuda::Event;
+use crate::error::Result;
+
+/// Which of a device's streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StreamKind {
+    /// The one stream kernels run on.
+    Compute,
+    /// Host to device copies.
+    CopyToDevice,
+    /// Device to host copies.
+    CopyToHost,
+}
+
+impl StreamKind {
+    /// Lower-case name, for messages and traces.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamKind::Compute => "compute",
+            StreamKind::CopyToDevice => "host->device copy",
+            StreamKind::CopyToHost => "device->host copy",
+        }
+    }
+}
+
+/// A completion flag a host thread sets (the CPU device's copy engines).
+#[derive(Default)]
+pub struct HostSignal {
+    finished: Mutex<bool>,
+    ready: Condvar,
+}
+
+impl HostSignal {
+    /// Marks the work done and wakes every waiter.
+    pub fn finish(&self) {
+        *self.finished.lock().expect("signal lock") = true;
+        self.ready.notify_all();
+    }
+
+    fn wait(&self) {
+        let mut finished = self.finished.lock().expect("signal lock");
+        while !*finished {
+            finished = self.ready.wait(finished).expect("signal lock");
+        }
+    }
+
+    fn is_set(&self) -> bool {
+        *self.finished.lock().expect("signal lock")
+    }
+}
+
+/// A point in a stream's work: what the next user of a buffer waits for.
+#[must_use = "a fence must be waited on (or handed to the next user) before its buffers are reused"]
+pub enum Fence {
+    /// Already passed (work done on the calling thread).
+    Ready,
+    /// Set by a host thread when its work is done.
+    Host(Arc<HostSignal>),
+    /// An event recorded on a CUDA stream.
+    Cuda(Event),
+}
+
+impl Fence {
+    /// A fence that has already passed.
+    pub fn ready() -> Fence {
+        Fence::Ready
+    }
+
+    /// A fence a host thread will set through the returned signal.
+    pub fn host() -> (Fence, Arc<HostSignal>) {
+        let signal = Arc::new(HostSignal::default());
+        (Fence::Host(signal.clone()), signal)
+    }
+
+    /// Blocks the calling thread until the work before the fence is done.
+    /// Errors of enqueued work surface here.
+    pub fn wait(&self) -> Result<()> {
+        match self {
+            Fence::Ready => Ok(()),
+            Fence::Host(signal) => {
+                signal.wait();
+                Ok(())
+            }
+            Fence::Cuda(event) => event.synchronize(),
+        }
+    }
+
+    /// Whether the work before the fence is done, without blocking.
+    pub fn is_passed(&self) -> Result<bool> {
+        match self {
+            Fence::Ready => Ok(true),
+            Fence::Host(signal) => Ok(signal.is_set()),
+            Fence::Cuda(event) => event.is_complete(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fence::Ready => f.write_str("Fence::Ready"),
+            Fence::Host(signal) => write!(f, "Fence::Host(set: {})", signal.is_set()),
+            Fence::Cuda(_) => f.write_str("Fence::Cuda"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_fence_passes_when_its_signal_is_set_from_another_thread() {
+        let (fence, signal) = Fence::host();
+        assert!(!fence.is_passed().unwrap());
+        let setter = std::thread::spawn(move || signal.finish());
+        fence.wait().unwrap();
+        assert!(fence.is_passed().unwrap());
+        setter.join().unwrap();
+        assert!(Fence::ready().is_passed().unwrap());
+    }
+}

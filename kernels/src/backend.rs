@@ -1,0 +1,258 @@
+//! The [`Backend`] trait: the ops a transformer step needs, at op
+//! granularity, over `strata_device` views.
+//!
+//! Ops are enqueued on the backend's one compute stream and return once
+//! enqueued; their errors surface at the next fence ([`Backend::record`]).
+//! A buffer's next user waits for the fence of its last use: a copy stream
+//! ([`Backend::wait`] makes the compute stream wait, not the host). On the
+//! CPU backend every op runs on the calling thread before it returns, so
+//! fences are already passed and the numbers are those of the free
+//! functions in [`crate::cpu`], bit for bit.
+//!
+//! No reduction uses atomics: a backend's results are the same bits run to
+//! run. What an op saves for its backward is opaque to the caller; the
+//! backend says how many elements it needs ([`Backend::attention_saved_elems`]),
+//! so the planner can count them.
+
+use strata_device::{Buffer, DeviceKind, Dtype, Fence, View, ViewMut};
+
+use crate::error::Result;
+
+/// A GEMM operand: a `rows x cols` view, used as itself or transposed.
+#[derive(Clone, Copy, Debug)]
+pub struct Matrix<'a> {
+    /// The stored matrix (row-major, any row stride).
+    pub view: View<'a>,
+    /// Use its transpose.
+    pub transposed: bool,
+}
+
+impl<'a> Matrix<'a> {
+    /// The view as stored.
+    pub fn n(view: View<'a>) -> Matrix<'a> {
+        Matrix {
+            view,
+            transposed: false,
+        }
+    }
+
+    /// The view's transpose.
+    pub fn t(view: View<'a>) -> Matrix<'a> {
+        Matrix {
+            view,
+            transposed: true,
+        }
+    }
+
+    /// Rows and columns as used in the product.
+    pub fn shape(&self) -> (usize, usize) {
+        let raw = self.view.raw();
+        if self.transposed {
+            (raw.cols, raw.rows)
+        } else {
+            (raw.rows, raw.cols)
+        }
+    }
+}
+
+/// The shape of a causal self-attention over packed `q | k | v` rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attention {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl Attention {
+    /// Hidden width (`heads x head_dim`).
+    pub fn hidden(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Token rows (`batch x seq`).
+    pub fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+}
+
+/// A scalar computed on the device, readable once its fence passes
+/// (a loss, a norm), without synchronizing the whole device.
+#[derive(Debug)]
+pub struct Readback {
+    fence: Fence,
+    value: f64,
+}
+
+impl Readback {
+    /// A value already on the host.
+    pub fn ready(value: f64) -> Readback {
+        Readback {
+            fence: Fence::ready(),
+            value,
+        }
+    }
+
+    /// Waits for the fence and returns the value.
+    pub fn get(self) -> Result<f64> {
+        self.fence.wait()?;
+        Ok(self.value)
+    }
+}
+
+/// Compute on one device. Every op checks its operands' sizes, dtypes and
+/// device before it enqueues anything.
+pub trait Backend: Send + Sync {
+    /// The device the backend computes on.
+    fn kind(&self) -> DeviceKind;
+
+    /// A short name for messages ("cpu").
+    fn name(&self) -> &'static str;
+
+    /// `len` zeroed elements of `dtype` on the backend's device.
+    fn alloc(&self, dtype: Dtype, len: usize) -> Result<Buffer>;
+
+    /// A fence after every op enqueued so far.
+    fn record(&self) -> Result<Fence>;
+
+    /// Makes the compute stream wait for `fence` (an upload that must land
+    /// before the next op reads it).
+    fn wait(&self, fence: &Fence) -> Result<()>;
+
+    /// `c = alpha * a * b + beta * c`; `beta = 1` accumulates (gradients
+    /// in fp32).
+    fn gemm(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        alpha: f32,
+        beta: f32,
+        c: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// Adds `bias` to every row of `x` (`rows x bias.len()`).
+    fn add_bias(&self, x: ViewMut<'_>, bias: View<'_>) -> Result<()>;
+
+    /// Adds the column sums of `dy` (`rows x dbias.len()`) to `dbias`.
+    fn bias_grad(&self, dy: View<'_>, dbias: ViewMut<'_>) -> Result<()>;
+
+    /// `y += x`, element-wise (residual connections, accumulation).
+    fn add(&self, y: ViewMut<'_>, x: View<'_>) -> Result<()>;
+
+    /// `y += alpha * x`.
+    fn axpy(&self, alpha: f32, x: View<'_>, y: ViewMut<'_>) -> Result<()>;
+
+    /// `x *= alpha`.
+    fn scale(&self, alpha: f32, x: ViewMut<'_>) -> Result<()>;
+
+    /// Copies `x` into `y` (same dtype and length; device to device).
+    fn copy(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()>;
+
+    /// Sets every element of `x` to zero.
+    fn zero(&self, x: ViewMut<'_>) -> Result<()>;
+
+    /// Converts `x` into `y`'s dtype (round to nearest even when narrowing).
+    fn cast(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()>;
+
+    /// LayerNorm of each row of `x` (`rows x gamma.len()`) into `out`;
+    /// `saved` (`2 x rows`) keeps each row's mean and 1/std.
+    fn layer_norm(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// LayerNorm's backward: adds to `dx`, and to `dgamma_dbeta`
+    /// (`gamma.len()` of dgamma then as many of dbeta).
+    fn layer_norm_backward(
+        &self,
+        dout: View<'_>,
+        x: View<'_>,
+        gamma: View<'_>,
+        saved: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma_dbeta: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// GELU (tanh form) of `x` into `out`.
+    fn gelu(&self, x: View<'_>, out: ViewMut<'_>) -> Result<()>;
+
+    /// GELU's backward: `dx = dout * gelu'(x)`.
+    fn gelu_backward(&self, dout: View<'_>, x: View<'_>, dx: ViewMut<'_>) -> Result<()>;
+
+    /// Elements the attention forward saves for its backward.
+    fn attention_saved_elems(&self, shape: Attention) -> usize;
+
+    /// Elements of scratch the attention ops need.
+    fn attention_workspace_elems(&self, shape: Attention) -> usize;
+
+    /// Causal attention over `qkv` (`rows x 3 hidden`) into `out` (`rows x
+    /// hidden`), keeping what the backward needs in `saved`.
+    fn attention(
+        &self,
+        shape: Attention,
+        qkv: View<'_>,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
+        workspace: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// Attention's backward: writes `dqkv` from `dout`.
+    fn attention_backward(
+        &self,
+        shape: Attention,
+        qkv: View<'_>,
+        saved: View<'_>,
+        dout: View<'_>,
+        dqkv: ViewMut<'_>,
+        workspace: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// Softmax cross-entropy of each row of `logits` (`rows x vocab`)
+    /// against `targets` (u32): writes `dlogits` (the gradient of the
+    /// mean, times `grad_scale`) and returns the mean loss.
+    fn cross_entropy(
+        &self,
+        logits: View<'_>,
+        targets: View<'_>,
+        grad_scale: f32,
+        dlogits: ViewMut<'_>,
+    ) -> Result<Readback>;
+
+    /// `out[i] = table[tokens[i]] + positions[i % seq]` (rows of `hidden`).
+    fn embedding(
+        &self,
+        table: View<'_>,
+        positions: View<'_>,
+        tokens: View<'_>,
+        seq: usize,
+        out: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// The embedding's backward: adds each row of `dout` to the rows of
+    /// `dtable` and `dpositions` it came from, in token order (no atomics).
+    fn embedding_backward(
+        &self,
+        tokens: View<'_>,
+        seq: usize,
+        dout: View<'_>,
+        dtable: ViewMut<'_>,
+        dpositions: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// The sum of squares of `x`, in f64 (a gradient norm's partial).
+    fn sum_squares(&self, x: View<'_>) -> Result<Readback>;
+
+    /// Whether `x` holds an infinity or a NaN (1) or not (0).
+    fn non_finite(&self, x: View<'_>) -> Result<Readback>;
+
+    /// Element `index` of `x` as f64, without a device-wide sync.
+    fn read_scalar(&self, x: View<'_>, index: usize) -> Result<Readback>;
+}

@@ -1,0 +1,656 @@
+//! [`CpuBackend`]: every op on the calling thread, through the free
+//! functions of [`super::gemm`] and [`super::ops`], so the model's numbers
+//! on the CPU device are theirs bit for bit.
+
+use half::bf16;
+use strata_device::{Buffer, DeviceKind, Dtype, Element, Fence, View, ViewMut};
+
+use super::gemm::{Strided, gemm_strided};
+use super::ops;
+use crate::backend::{Attention, Backend, Matrix, Readback};
+use crate::error::{KernelError, Result};
+
+/// The CPU reference backend.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+fn slice<'a, T: Element>(
+    op: &'static str,
+    operand: &'static str,
+    view: View<'a>,
+) -> Result<&'a [T]> {
+    check(op, operand, view.raw().kind, view.dtype(), T::DTYPE)?;
+    Ok(view.host::<T>().expect("checked: host memory"))
+}
+
+fn slice_mut<'a, T: Element>(
+    op: &'static str,
+    operand: &'static str,
+    view: ViewMut<'a>,
+) -> Result<&'a mut [T]> {
+    check(op, operand, view.raw().kind, view.dtype(), T::DTYPE)?;
+    Ok(view.into_host::<T>().expect("checked: host memory"))
+}
+
+fn check(
+    op: &'static str,
+    operand: &'static str,
+    kind: DeviceKind,
+    dtype: Dtype,
+    want: Dtype,
+) -> Result<()> {
+    if kind != DeviceKind::Cpu {
+        return Err(KernelError::Device {
+            op,
+            operand,
+            actual: kind,
+            expected: DeviceKind::Cpu,
+        });
+    }
+    if dtype != want {
+        return Err(KernelError::Dtype {
+            op,
+            backend: "cpu",
+            operand,
+            dtype,
+            fix: "the CPU backend computes in f32 (u32 for token ids)",
+        });
+    }
+    Ok(())
+}
+
+fn same_len(op: &'static str, operand: &'static str, actual: usize, expected: usize) -> Result<()> {
+    if actual != expected {
+        return Err(KernelError::Shape {
+            op,
+            operand,
+            actual: format!("{actual} elements"),
+            expected: format!("{expected} elements"),
+        });
+    }
+    Ok(())
+}
+
+fn contiguous<'a, T: Element>(
+    op: &'static str,
+    operand: &'static str,
+    view: View<'a>,
+) -> Result<&'a [T]> {
+    if !view.raw().is_contiguous() {
+        return Err(KernelError::Shape {
+            op,
+            operand,
+            actual: format!("row stride {}", view.raw().row_stride),
+            expected: "a contiguous view".into(),
+        });
+    }
+    slice(op, operand, view)
+}
+
+fn contiguous_mut<'a, T: Element>(
+    op: &'static str,
+    operand: &'static str,
+    view: ViewMut<'a>,
+) -> Result<&'a mut [T]> {
+    if !view.raw().is_contiguous() {
+        return Err(KernelError::Shape {
+            op,
+            operand,
+            actual: format!("row stride {}", view.raw().row_stride),
+            expected: "a contiguous view".into(),
+        });
+    }
+    slice_mut(op, operand, view)
+}
+
+fn operand<'a>(op: &'static str, name: &'static str, m: Matrix<'a>) -> Result<Strided<'a>> {
+    let raw = m.view.raw();
+    let data = slice::<f32>(op, name, m.view)?;
+    let (rows, cols) = m.shape();
+    let (row_stride, col_stride) = if m.transposed {
+        (1, raw.row_stride)
+    } else {
+        (raw.row_stride, 1)
+    };
+    Ok(Strided {
+        data,
+        rows,
+        cols,
+        row_stride,
+        col_stride,
+    })
+}
+
+impl CpuBackend {
+    /// Per (sequence, head): the head's q, k, v gathered from `qkv`.
+    fn heads(shape: Attention) -> impl Iterator<Item = (usize, usize)> {
+        (0..shape.batch).flat_map(move |b| (0..shape.heads).map(move |h| (b, h)))
+    }
+}
+
+/// Copies rows `b * seq..` of columns `col..col + d` of a matrix of row
+/// width `width` into the contiguous `seq x d` buffer, or back.
+/// Copies rows `row0..row0 + rows`, columns `col..col + d` of a matrix of
+/// row width `width` into the contiguous `rows x d` buffer.
+fn gather(
+    matrix: &[f32],
+    width: usize,
+    row0: usize,
+    col: usize,
+    rows: usize,
+    d: usize,
+    out: &mut [f32],
+) {
+    for i in 0..rows {
+        let from = (row0 + i) * width + col;
+        out[i * d..(i + 1) * d].copy_from_slice(&matrix[from..from + d]);
+    }
+}
+
+fn scatter(
+    buffer: &[f32],
+    width: usize,
+    row0: usize,
+    col: usize,
+    rows: usize,
+    d: usize,
+    matrix: &mut [f32],
+) {
+    for i in 0..rows {
+        let to = (row0 + i) * width + col;
+        matrix[to..to + d].copy_from_slice(&buffer[i * d..(i + 1) * d]);
+    }
+}
+
+/// `c = op(a) op(b)` for contiguous `m x k` and `k x n` (as used).
+#[allow(clippy::too_many_arguments)]
+fn product(
+    a: &[f32],
+    a_t: bool,
+    b: &[f32],
+    b_t: bool,
+    m: usize,
+    k: usize,
+    n: usize,
+    c: &mut [f32],
+) {
+    let op = |data, rows, cols, t: bool| Strided {
+        data,
+        rows,
+        cols,
+        row_stride: if t { 1 } else { cols },
+        col_stride: if t { rows } else { 1 },
+    };
+    gemm_strided(op(a, m, k, a_t), op(b, k, n, b_t), 1.0, 0.0, c, n);
+}
+
+impl Backend for CpuBackend {
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn alloc(&self, dtype: Dtype, len: usize) -> Result<Buffer> {
+        Ok(Buffer::host(dtype, len)?)
+    }
+
+    fn record(&self) -> Result<Fence> {
+        Ok(Fence::ready())
+    }
+
+    fn wait(&self, fence: &Fence) -> Result<()> {
+        Ok(fence.wait()?)
+    }
+
+    fn gemm(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        alpha: f32,
+        beta: f32,
+        c: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "gemm";
+        let ((m, k), (kb, n)) = (a.shape(), b.shape());
+        let (c_rows, c_cols, c_stride) = (c.raw().rows, c.raw().cols, c.raw().row_stride);
+        if kb != k || c_rows != m || c_cols != n {
+            return Err(KernelError::Shape {
+                op: OP,
+                operand: "operands",
+                actual: format!("a {m} x {k}, b {kb} x {n}, c {c_rows} x {c_cols}"),
+                expected: "a m x k, b k x n, c m x n".into(),
+            });
+        }
+        let (a, b) = (operand(OP, "a", a)?, operand(OP, "b", b)?);
+        let c = slice_mut::<f32>(OP, "c", c)?;
+        gemm_strided(a, b, alpha, beta, c, c_stride);
+        Ok(())
+    }
+
+    fn add_bias(&self, x: ViewMut<'_>, bias: View<'_>) -> Result<()> {
+        let bias = contiguous::<f32>("add_bias", "bias", bias)?;
+        let x = contiguous_mut::<f32>("add_bias", "x", x)?;
+        same_len("add_bias", "x", x.len() % bias.len().max(1), 0)?;
+        ops::add_bias(x, bias);
+        Ok(())
+    }
+
+    fn bias_grad(&self, dy: View<'_>, dbias: ViewMut<'_>) -> Result<()> {
+        let dy = contiguous::<f32>("bias_grad", "dy", dy)?;
+        let dbias = contiguous_mut::<f32>("bias_grad", "dbias", dbias)?;
+        same_len("bias_grad", "dy", dy.len() % dbias.len().max(1), 0)?;
+        ops::bias_backward(dy, dbias);
+        Ok(())
+    }
+
+    fn add(&self, y: ViewMut<'_>, x: View<'_>) -> Result<()> {
+        self.axpy(1.0, x, y)
+    }
+
+    fn axpy(&self, alpha: f32, x: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        let x = contiguous::<f32>("axpy", "x", x)?;
+        let y = contiguous_mut::<f32>("axpy", "y", y)?;
+        same_len("axpy", "x", x.len(), y.len())?;
+        if alpha == 1.0 {
+            // Exactly `y += x` (what the model's residuals add).
+            for (v, a) in y.iter_mut().zip(x) {
+                *v += a;
+            }
+        } else {
+            for (v, a) in y.iter_mut().zip(x) {
+                *v += alpha * a;
+            }
+        }
+        Ok(())
+    }
+
+    fn scale(&self, alpha: f32, x: ViewMut<'_>) -> Result<()> {
+        for v in contiguous_mut::<f32>("scale", "x", x)? {
+            *v *= alpha;
+        }
+        Ok(())
+    }
+
+    fn copy(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        same_len("copy", "y", y.len(), x.len())?;
+        match x.dtype() {
+            Dtype::F32 => {
+                contiguous_mut::<f32>("copy", "y", y)?.copy_from_slice(contiguous("copy", "x", x)?)
+            }
+            Dtype::U32 => {
+                contiguous_mut::<u32>("copy", "y", y)?.copy_from_slice(contiguous("copy", "x", x)?)
+            }
+            Dtype::Bf16 => {
+                contiguous_mut::<bf16>("copy", "y", y)?.copy_from_slice(contiguous("copy", "x", x)?)
+            }
+            Dtype::F16 => contiguous_mut::<half::f16>("copy", "y", y)?
+                .copy_from_slice(contiguous("copy", "x", x)?),
+        }
+        Ok(())
+    }
+
+    fn zero(&self, x: ViewMut<'_>) -> Result<()> {
+        match x.dtype() {
+            Dtype::F32 => contiguous_mut::<f32>("zero", "x", x)?.fill(0.0),
+            Dtype::U32 => contiguous_mut::<u32>("zero", "x", x)?.fill(0),
+            Dtype::Bf16 => contiguous_mut::<bf16>("zero", "x", x)?.fill(bf16::ZERO),
+            Dtype::F16 => contiguous_mut::<half::f16>("zero", "x", x)?.fill(half::f16::ZERO),
+        }
+        Ok(())
+    }
+
+    fn cast(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        same_len("cast", "y", y.len(), x.len())?;
+        match (x.dtype(), y.dtype()) {
+            (Dtype::Bf16, Dtype::F32) => {
+                let x = contiguous::<bf16>("cast", "x", x)?;
+                for (o, v) in contiguous_mut::<f32>("cast", "y", y)?.iter_mut().zip(x) {
+                    *o = f32::from(*v);
+                }
+            }
+            (Dtype::F32, Dtype::Bf16) => {
+                let x = contiguous::<f32>("cast", "x", x)?;
+                for (o, v) in contiguous_mut::<bf16>("cast", "y", y)?.iter_mut().zip(x) {
+                    *o = bf16::from_f32(*v);
+                }
+            }
+            (from, _) => {
+                return Err(KernelError::Dtype {
+                    op: "cast",
+                    backend: "cpu",
+                    operand: "x",
+                    dtype: from,
+                    fix: "the CPU backend casts between f32 and bf16",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn layer_norm(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        beta: View<'_>,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "layer_norm";
+        let (gamma, beta) = (
+            contiguous::<f32>(OP, "gamma", gamma)?,
+            contiguous::<f32>(OP, "beta", beta)?,
+        );
+        let cols = gamma.len();
+        same_len(OP, "beta", beta.len(), cols)?;
+        let x = contiguous::<f32>(OP, "x", x)?;
+        let rows = x.len() / cols.max(1);
+        same_len(OP, "x", x.len(), rows * cols)?;
+        let out = contiguous_mut::<f32>(OP, "out", out)?;
+        same_len(OP, "out", out.len(), x.len())?;
+        let saved = contiguous_mut::<f32>(OP, "saved", saved)?;
+        same_len(OP, "saved", saved.len(), 2 * rows)?;
+        let (mean, rstd) = saved.split_at_mut(rows);
+        ops::layer_norm(x, gamma, beta, cols, out, mean, rstd);
+        Ok(())
+    }
+
+    fn layer_norm_backward(
+        &self,
+        dout: View<'_>,
+        x: View<'_>,
+        gamma: View<'_>,
+        saved: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma_dbeta: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "layer_norm_backward";
+        let gamma = contiguous::<f32>(OP, "gamma", gamma)?;
+        let cols = gamma.len();
+        let (dout, x) = (
+            contiguous::<f32>(OP, "dout", dout)?,
+            contiguous::<f32>(OP, "x", x)?,
+        );
+        let rows = x.len() / cols.max(1);
+        same_len(OP, "dout", dout.len(), x.len())?;
+        let saved = contiguous::<f32>(OP, "saved", saved)?;
+        same_len(OP, "saved", saved.len(), 2 * rows)?;
+        let dx = contiguous_mut::<f32>(OP, "dx", dx)?;
+        same_len(OP, "dx", dx.len(), x.len())?;
+        let dgb = contiguous_mut::<f32>(OP, "dgamma_dbeta", dgamma_dbeta)?;
+        same_len(OP, "dgamma_dbeta", dgb.len(), 2 * cols)?;
+        let (dgamma, dbeta) = dgb.split_at_mut(cols);
+        let (mean, rstd) = saved.split_at(rows);
+        ops::layer_norm_backward(dout, x, gamma, mean, rstd, cols, dx, dgamma, dbeta);
+        Ok(())
+    }
+
+    fn gelu(&self, x: View<'_>, out: ViewMut<'_>) -> Result<()> {
+        let x = contiguous::<f32>("gelu", "x", x)?;
+        let out = contiguous_mut::<f32>("gelu", "out", out)?;
+        same_len("gelu", "out", out.len(), x.len())?;
+        ops::gelu(x, out);
+        Ok(())
+    }
+
+    fn gelu_backward(&self, dout: View<'_>, x: View<'_>, dx: ViewMut<'_>) -> Result<()> {
+        let (dout, x) = (
+            contiguous::<f32>("gelu_backward", "dout", dout)?,
+            contiguous::<f32>("gelu_backward", "x", x)?,
+        );
+        let dx = contiguous_mut::<f32>("gelu_backward", "dx", dx)?;
+        same_len("gelu_backward", "dout", dout.len(), x.len())?;
+        same_len("gelu_backward", "dx", dx.len(), x.len())?;
+        ops::gelu_backward(dout, x, dx);
+        Ok(())
+    }
+
+    fn attention_saved_elems(&self, shape: Attention) -> usize {
+        // The probabilities of every head: the CPU keeps the s x s matrix
+        // (a flash-style GPU kernel keeps one log-sum-exp per row).
+        shape.batch * shape.heads * shape.seq * shape.seq
+    }
+
+    fn attention_workspace_elems(&self, shape: Attention) -> usize {
+        // q, k, v, o, dq, dk, dv of one head, and its dp.
+        7 * shape.seq * shape.head_dim + shape.seq * shape.seq
+    }
+
+    fn attention(
+        &self,
+        shape: Attention,
+        qkv: View<'_>,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
+        workspace: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
+        let qkv = contiguous::<f32>(OP, "qkv", qkv)?;
+        same_len(OP, "qkv", qkv.len(), shape.rows() * 3 * h)?;
+        let out = contiguous_mut::<f32>(OP, "out", out)?;
+        same_len(OP, "out", out.len(), shape.rows() * h)?;
+        let probs_all = contiguous_mut::<f32>(OP, "saved", saved)?;
+        same_len(
+            OP,
+            "saved",
+            probs_all.len(),
+            self.attention_saved_elems(shape),
+        )?;
+        let ws = contiguous_mut::<f32>(OP, "workspace", workspace)?;
+        same_len(
+            OP,
+            "workspace",
+            ws.len(),
+            self.attention_workspace_elems(shape),
+        )?;
+        let (q, rest) = ws.split_at_mut(s * d);
+        let (k, rest) = rest.split_at_mut(s * d);
+        let (v, rest) = rest.split_at_mut(s * d);
+        let o = &mut rest[..s * d];
+        let scale = 1.0 / (d as f32).sqrt();
+        for (b, head) in Self::heads(shape) {
+            let (row0, col) = (b * s, head * d);
+            gather(qkv, 3 * h, row0, col, s, d, q);
+            gather(qkv, 3 * h, row0, h + col, s, d, k);
+            gather(qkv, 3 * h, row0, 2 * h + col, s, d, v);
+            let probs = &mut probs_all[(b * shape.heads + head) * s * s..][..s * s];
+            product(q, false, k, true, s, d, s, probs);
+            ops::causal_softmax(probs, s, scale);
+            product(probs, false, v, false, s, s, d, o);
+            scatter(o, h, row0, col, s, d, out);
+        }
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        shape: Attention,
+        qkv: View<'_>,
+        saved: View<'_>,
+        dout: View<'_>,
+        dqkv: ViewMut<'_>,
+        workspace: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "attention_backward";
+        let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
+        let qkv = contiguous::<f32>(OP, "qkv", qkv)?;
+        same_len(OP, "qkv", qkv.len(), shape.rows() * 3 * h)?;
+        let probs_all = contiguous::<f32>(OP, "saved", saved)?;
+        same_len(
+            OP,
+            "saved",
+            probs_all.len(),
+            self.attention_saved_elems(shape),
+        )?;
+        let dout = contiguous::<f32>(OP, "dout", dout)?;
+        same_len(OP, "dout", dout.len(), shape.rows() * h)?;
+        let dqkv = contiguous_mut::<f32>(OP, "dqkv", dqkv)?;
+        same_len(OP, "dqkv", dqkv.len(), qkv.len())?;
+        let ws = contiguous_mut::<f32>(OP, "workspace", workspace)?;
+        same_len(
+            OP,
+            "workspace",
+            ws.len(),
+            self.attention_workspace_elems(shape),
+        )?;
+        let (q, rest) = ws.split_at_mut(s * d);
+        let (k, rest) = rest.split_at_mut(s * d);
+        let (v, rest) = rest.split_at_mut(s * d);
+        let (o, rest) = rest.split_at_mut(s * d);
+        let (dq, rest) = rest.split_at_mut(s * d);
+        let (dk, rest) = rest.split_at_mut(s * d);
+        let (dv, dp) = rest.split_at_mut(s * d);
+        let scale = 1.0 / (d as f32).sqrt();
+        for (b, head) in Self::heads(shape) {
+            let (row0, col) = (b * s, head * d);
+            let probs = &probs_all[(b * shape.heads + head) * s * s..][..s * s];
+            gather(qkv, 3 * h, row0, col, s, d, q);
+            gather(qkv, 3 * h, row0, h + col, s, d, k);
+            gather(qkv, 3 * h, row0, 2 * h + col, s, d, v);
+            gather(dout, h, row0, col, s, d, o);
+            product(o, false, v, true, s, d, s, dp);
+            product(probs, true, o, false, s, s, d, dv);
+            ops::causal_softmax_backward(probs, dp, s, scale);
+            product(dp, false, k, false, s, s, d, dq);
+            product(dp, true, q, false, s, s, d, dk);
+            for (part, buffer) in [&*dq, &*dk, &*dv].into_iter().enumerate() {
+                scatter(buffer, 3 * h, row0, part * h + col, s, d, dqkv);
+            }
+        }
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: View<'_>,
+        targets: View<'_>,
+        grad_scale: f32,
+        dlogits: ViewMut<'_>,
+    ) -> Result<Readback> {
+        const OP: &str = "cross_entropy";
+        let targets = contiguous::<u32>(OP, "targets", targets)?;
+        let logits = contiguous::<f32>(OP, "logits", logits)?;
+        let vocab = logits.len() / targets.len().max(1);
+        same_len(OP, "logits", logits.len(), vocab * targets.len())?;
+        if let Some((position, &token)) = targets
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= vocab)
+        {
+            return Err(KernelError::Token {
+                op: OP,
+                token,
+                position,
+                vocab,
+            });
+        }
+        let dlogits = contiguous_mut::<f32>(OP, "dlogits", dlogits)?;
+        same_len(OP, "dlogits", dlogits.len(), logits.len())?;
+        let loss = ops::cross_entropy(logits, targets, vocab, grad_scale, dlogits);
+        Ok(Readback::ready(f64::from(loss)))
+    }
+
+    fn embedding(
+        &self,
+        table: View<'_>,
+        positions: View<'_>,
+        tokens: View<'_>,
+        seq: usize,
+        out: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "embedding";
+        let (table, positions) = (
+            contiguous::<f32>(OP, "table", table)?,
+            contiguous::<f32>(OP, "positions", positions)?,
+        );
+        let tokens = contiguous::<u32>(OP, "tokens", tokens)?;
+        let out = contiguous_mut::<f32>(OP, "out", out)?;
+        let hidden = out.len() / tokens.len().max(1);
+        same_len(OP, "out", out.len(), hidden * tokens.len())?;
+        same_len(OP, "positions", positions.len(), seq * hidden)?;
+        let vocab = table.len() / hidden.max(1);
+        for (i, (&token, row)) in tokens.iter().zip(out.chunks_exact_mut(hidden)).enumerate() {
+            if token as usize >= vocab {
+                return Err(KernelError::Token {
+                    op: OP,
+                    token,
+                    position: i,
+                    vocab,
+                });
+            }
+            let (te, pe) = (
+                &table[token as usize * hidden..][..hidden],
+                &positions[(i % seq) * hidden..][..hidden],
+            );
+            for j in 0..hidden {
+                row[j] = te[j] + pe[j];
+            }
+        }
+        Ok(())
+    }
+
+    fn embedding_backward(
+        &self,
+        tokens: View<'_>,
+        seq: usize,
+        dout: View<'_>,
+        dtable: ViewMut<'_>,
+        dpositions: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "embedding_backward";
+        let tokens = contiguous::<u32>(OP, "tokens", tokens)?;
+        let dout = contiguous::<f32>(OP, "dout", dout)?;
+        let hidden = dout.len() / tokens.len().max(1);
+        let dtable = contiguous_mut::<f32>(OP, "dtable", dtable)?;
+        let dpositions = contiguous_mut::<f32>(OP, "dpositions", dpositions)?;
+        same_len(OP, "dpositions", dpositions.len(), seq * hidden)?;
+        let vocab = dtable.len() / hidden.max(1);
+        for (i, (&token, row)) in tokens.iter().zip(dout.chunks_exact(hidden)).enumerate() {
+            if token as usize >= vocab {
+                return Err(KernelError::Token {
+                    op: OP,
+                    token,
+                    position: i,
+                    vocab,
+                });
+            }
+            let te = &mut dtable[token as usize * hidden..][..hidden];
+            for j in 0..hidden {
+                te[j] += row[j];
+            }
+            let pe = &mut dpositions[(i % seq) * hidden..][..hidden];
+            for j in 0..hidden {
+                pe[j] += row[j];
+            }
+        }
+        Ok(())
+    }
+
+    fn sum_squares(&self, x: View<'_>) -> Result<Readback> {
+        let x = contiguous::<f32>("sum_squares", "x", x)?;
+        Ok(Readback::ready(
+            x.iter().map(|&v| f64::from(v) * f64::from(v)).sum(),
+        ))
+    }
+
+    fn non_finite(&self, x: View<'_>) -> Result<Readback> {
+        let x = contiguous::<f32>("non_finite", "x", x)?;
+        Ok(Readback::ready(f64::from(u8::from(
+            x.iter().any(|v| !v.is_finite()),
+        ))))
+    }
+
+    fn read_scalar(&self, x: View<'_>, index: usize) -> Result<Readback> {
+        let x = contiguous::<f32>("read_scalar", "x", x)?;
+        let value = x.get(index).ok_or(KernelError::Shape {
+            op: "read_scalar",
+            operand: "x",
+            actual: format!("{} elements", x.len()),
+            expected: format!("more than {index}"),
+        })?;
+        Ok(Readback::ready(f64::from(*value)))
+    }
+}

@@ -1,0 +1,79 @@
+//! The one error type of strata-kernels.
+
+use strata_device::{DeviceError, DeviceKind, Dtype};
+
+/// What can go wrong when an op is enqueued. Shapes that disagree are the
+/// caller's to fix, and say which operand and which numbers.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// An operand's size does not fit the op.
+    #[error("{op}: {operand} has {actual} but {expected} was needed")]
+    Shape {
+        /// The op.
+        op: &'static str,
+        /// The operand.
+        operand: &'static str,
+        /// What it has ("12 x 64").
+        actual: String,
+        /// What it needed.
+        expected: String,
+    },
+    /// A dtype combination this backend does not run.
+    #[error("{op} on the {backend} backend does not take {dtype} for {operand}; {fix}")]
+    Dtype {
+        /// The op.
+        op: &'static str,
+        /// The backend's name.
+        backend: &'static str,
+        /// The operand.
+        operand: &'static str,
+        /// Its dtype.
+        dtype: Dtype,
+        /// What to do.
+        fix: &'static str,
+    },
+    /// An operand lives on another device than the backend computes on.
+    #[error("{op}: {operand} is on {actual:?} but the backend computes on {expected:?}")]
+    Device {
+        /// The op.
+        op: &'static str,
+        /// The operand.
+        operand: &'static str,
+        /// Where it is.
+        actual: DeviceKind,
+        /// Where the backend computes.
+        expected: DeviceKind,
+    },
+    /// A size passes the index type a kernel uses.
+    #[error("{op}: {what} = {value} passes the kernel's index limit {max}")]
+    Index {
+        /// The op.
+        op: &'static str,
+        /// The size.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// A token id outside the vocabulary.
+    #[error(
+        "{op}: token {token} at position {position} is outside the vocabulary of {vocab}; use a model whose vocab covers the data"
+    )]
+    Token {
+        /// The op.
+        op: &'static str,
+        /// The id.
+        token: u32,
+        /// Where it is.
+        position: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The device failed (errors of enqueued work surface at fences).
+    #[error(transparent)]
+    Failed(#[from] DeviceError),
+}
+
+/// Results of strata-kernels.
+pub type Result<T> = std::result::Result<T, KernelError>;

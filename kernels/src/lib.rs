@@ -1,0 +1,14 @@
+//! strata-kernels: compute. The CPU reference kernels (free functions over
+//! slices in [`cpu`]), and the [`Backend`] trait at op granularity over
+//! `strata_device` buffers that the model is written against.
+//!
+//! Kernels never move data between tiers and never see a file, a tier or a
+//! rank: they read and write the views they are given.
+
+mod backend;
+pub mod cpu;
+mod error;
+
+pub use backend::{Attention, Backend, Matrix, Readback};
+pub use cpu::CpuBackend;
+pub use error::{KernelError, Result};

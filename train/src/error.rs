@@ -1,0 +1,134 @@
+//! The one error type of strata-train.
+
+use std::path::PathBuf;
+
+use strata_comm::CommError;
+use strata_device::DeviceError;
+use strata_optim::OptimError;
+use strata_runtime::RuntimeError;
+use strata_scheduler::SchedulerError;
+use strata_storage::StorageError;
+
+/// Everything that can go wrong in training. Variants carry the numbers
+/// and the field at fault; messages say what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A configuration value is out of range or inconsistent.
+    #[error("invalid setting {key} = {value}: {fix}")]
+    Config {
+        /// The field (dotted TOML path).
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// What to change.
+        fix: String,
+    },
+    /// The operating system refused an operation on a path.
+    #[error("{op} {path}: {cause} (errno {errno}); {fix}")]
+    Os {
+        /// What was being done ("create the checkpoint directory").
+        op: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The OS's message.
+        cause: String,
+        /// The raw errno (0 when the OS gave none).
+        errno: i32,
+        /// What to do.
+        fix: &'static str,
+    },
+    /// The training step's plan cannot place the model states, activations
+    /// and working tensors in the tier budgets.
+    #[error("the placement does not fit: {cause}")]
+    DoesNotFit {
+        /// The planner's finding, with its numbers.
+        #[source]
+        cause: SchedulerError,
+    },
+    /// Planning failed for another reason (a limit, a malformed trace).
+    #[error(transparent)]
+    Scheduler(SchedulerError),
+    /// Reading or writing a checkpoint failed.
+    #[error("checkpoint {path}: {problem}; {fix}")]
+    Checkpoint {
+        /// The file or directory.
+        path: PathBuf,
+        /// What went wrong.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
+    /// Another rank of the data-parallel group failed.
+    #[error("rank {rank} failed: {cause}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// Its error.
+        cause: String,
+    },
+    /// The CPU optimizer thread stopped (its own error was reported).
+    #[error("the CPU optimizer thread has stopped; no more updates can run")]
+    OptimizerStopped,
+    /// The runtime (tiers, moves, budgets) failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// A collective failed (a rank left, a limit).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// An optimizer kernel's setting is out of range.
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    /// The NVMe tier or a file failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
+/// Results of strata-train.
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+impl From<SchedulerError> for TrainError {
+    fn from(cause: SchedulerError) -> Self {
+        match cause {
+            SchedulerError::DoesNotFit { .. } | SchedulerError::InitialPlacement { .. } => {
+                TrainError::DoesNotFit { cause }
+            }
+            other => TrainError::Scheduler(other),
+        }
+    }
+}
+
+impl TrainError {
+    /// An OS error on `path`, with its errno.
+    pub fn os(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+        err: std::io::Error,
+        fix: &'static str,
+    ) -> Self {
+        TrainError::Os {
+            op,
+            path: path.into(),
+            errno: err.raw_os_error().unwrap_or(0),
+            cause: err.to_string(),
+            fix,
+        }
+    }
+
+    /// Whether this is another rank leaving a collective (reported after
+    /// that rank's own error).
+    pub fn is_peer_left(&self) -> bool {
+        matches!(self, TrainError::Comm(CommError::PeerLeft { .. }))
+    }
+}
+
+/// A configuration error naming the field, the value and the fix.
+pub(crate) fn bad(key: &'static str, value: impl ToString, fix: impl Into<String>) -> TrainError {
+    TrainError::Config {
+        key,
+        value: value.to_string(),
+        fix: fix.into(),
+    }
+}

@@ -1,0 +1,26 @@
+//! strata-train: the GPT model written once over the kernels' `Backend`
+//! and comm's `Collective`, and the training engine that runs it with its
+//! states tiered by `strata-runtime` under `strata-scheduler`'s plans:
+//! [`Engine`] (one data-parallel rank: `Engine::new(config, collective)`,
+//! then `engine.step(tokens)`), [`run`] (whole runs, ranks as threads,
+//! checkpoints) and [`TrainConfig`].
+//!
+//! ```no_run
+//! use strata_train::{ByteCorpus, RunOptions, TrainConfig, run};
+//! let config = TrainConfig::default();
+//! let corpus = ByteCorpus::new(std::fs::read("input.txt")?, config.model.seq)?;
+//! let summary = run(&config, &corpus, &RunOptions::default(), &mut |_progress| {})?;
+//! println!("final loss {}", summary.losses.last().unwrap());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod engine;
+mod error;
+pub mod gpt;
+
+pub use engine::{
+    ByteCorpus, Checkpoint, CheckpointMeta, Engine, GRAD_ACCUMULATION_MAX, ModelConfig, Placement,
+    PlacementConfig, Prediction, Progress, RANKS_MAX, RunOptions, RunSummary, StateCache,
+    StepReport, TierBytes, TrainConfig, TrainSettings, run,
+};
+pub use error::{Result, TrainError};
