@@ -168,7 +168,7 @@ impl InProcess {
             .collect()
     }
 
-    fn check(&self, op: &'static str, elems: usize) -> Result<()> {
+    fn check(&self, elems: usize) -> Result<()> {
         if elems > self.shared.elems_max {
             return Err(CommError::Limit {
                 what: "collective_elems_max",
@@ -176,8 +176,15 @@ impl InProcess {
                 requested: elems as u64,
             });
         }
-        let _ = op;
         Ok(())
+    }
+
+    /// Once every rank has posted: sums their posts' elements from `start`
+    /// into `out` in rank order, then waits for every rank to have read.
+    fn sum_posted(&self, op: &'static str, start: usize, out: &mut ViewMut<'_>) -> Result<Fence> {
+        let summed = sum_into(op, &self.shared.slots, start, out);
+        self.shared.gate.wait()?;
+        summed.map(|()| Fence::ready())
     }
 
     fn post(&self, op: &'static str, values: &View<'_>) -> Result<()> {
@@ -239,10 +246,8 @@ impl Drop for InProcess {
 
 /// The bytes of a contiguous host view.
 fn view_bytes<'a>(op: &'static str, what: &'static str, view: &View<'a>) -> Result<&'a [u8]> {
-    let bytes = reach(op, what, view.raw())?;
-    // SAFETY: `reach` checked it is contiguous host memory of `bytes`
-    // bytes, which the view borrows (shared) for 'a.
-    Ok(unsafe { std::slice::from_raw_parts(view.raw().start_address() as *const u8, bytes) })
+    reach(op, what, view.raw())?;
+    Ok(view.host_bytes().expect("checked: contiguous host memory"))
 }
 
 /// `bytes` packed into 4-byte words (so any dtype can be read back
@@ -285,25 +290,28 @@ fn same_dtype(op: &'static str, a: Dtype, b: Dtype) -> Result<()> {
 }
 
 /// Writes `words` (as bytes) into the host view `out`.
-fn copy_out(op: &'static str, words: &[u32], mut out: ViewMut<'_>) -> Result<()> {
+fn copy_out(op: &'static str, words: &[u32], out: ViewMut<'_>) -> Result<()> {
     let bytes = reach(op, "output", out.raw())?;
     let source: &[u8] = bytemuck::cast_slice(words);
-    let target = host_bytes(&mut out);
-    target[..bytes].copy_from_slice(&source[..bytes]);
+    let target = out
+        .into_host_bytes()
+        .expect("checked: contiguous host memory");
+    target.copy_from_slice(&source[..bytes]);
     Ok(())
 }
 
-fn host_bytes<'v>(out: &'v mut ViewMut<'_>) -> &'v mut [u8] {
-    let raw = out.raw();
-    let bytes = raw.len() * raw.dtype.bytes() as usize;
-    // SAFETY: `reach` checked it is contiguous host memory of `bytes`
-    // bytes, borrowed exclusively by `out` for 'v.
-    unsafe { std::slice::from_raw_parts_mut(raw.start_address() as *mut u8, bytes) }
-}
+/// Elements of 16-bit sums kept in fp32 at once (on the stack).
+const NARROW_CHUNK: usize = 256;
 
-/// Adds the part `start..start + len` (elements) of each slot, in rank
-/// order, into `out` (set to the first rank's part plus the others).
-fn sum_into(op: &'static str, slots: &[&[u32]], start: usize, out: &mut ViewMut<'_>) -> Result<()> {
+/// Adds the part `start..start + len` (elements) of each rank's slot, in
+/// rank order, into `out`. Each slot is locked in turn: nothing is
+/// allocated.
+fn sum_into(
+    op: &'static str,
+    slots: &[Mutex<Vec<u32>>],
+    start: usize,
+    out: &mut ViewMut<'_>,
+) -> Result<()> {
     let dtype = out.dtype();
     let len = out.len();
     match dtype {
@@ -311,7 +319,8 @@ fn sum_into(op: &'static str, slots: &[&[u32]], start: usize, out: &mut ViewMut<
             let out = out.host::<f32>().expect("checked host");
             out.fill(0.0);
             for slot in slots {
-                let part: &[f32] = bytemuck::cast_slice(slot);
+                let slot = slot.lock().expect("collective slot");
+                let part: &[f32] = bytemuck::cast_slice(&slot);
                 for (s, v) in out.iter_mut().zip(&part[start..start + len]) {
                     *s += v;
                 }
@@ -330,19 +339,28 @@ fn sum_into(op: &'static str, slots: &[&[u32]], start: usize, out: &mut ViewMut<
     Ok(())
 }
 
-/// Sums 16-bit floats in fp32, in rank order, rounding once at the end.
+/// Sums 16-bit floats in fp32, in rank order, rounding once at the end,
+/// [`NARROW_CHUNK`] elements at a time.
 fn sum_narrow<T: bytemuck::Pod + Into<f32> + HalfFrom>(
-    slots: &[&[u32]],
+    slots: &[Mutex<Vec<u32>>],
     start: usize,
     out: &mut [T],
 ) {
-    for (i, o) in out.iter_mut().enumerate() {
-        let mut sum = 0.0f32;
+    let mut sums = [0.0f32; NARROW_CHUNK];
+    for (c, chunk) in out.chunks_mut(NARROW_CHUNK).enumerate() {
+        let from = start + c * NARROW_CHUNK;
+        let sums = &mut sums[..chunk.len()];
+        sums.fill(0.0);
         for slot in slots {
-            let part: &[T] = bytemuck::cast_slice(slot);
-            sum += part[start + i].into();
+            let slot = slot.lock().expect("collective slot");
+            let part: &[T] = bytemuck::cast_slice(&slot);
+            for (sum, v) in sums.iter_mut().zip(&part[from..from + chunk.len()]) {
+                *sum += (*v).into();
+            }
         }
-        *o = T::from_f32_rne(sum);
+        for (o, sum) in chunk.iter_mut().zip(sums.iter()) {
+            *o = T::from_f32_rne(*sum);
+        }
     }
 }
 
@@ -370,7 +388,7 @@ impl Collective for InProcess {
         self.shared.slots.len()
     }
 
-    fn all_gather(&self, shard: View<'_>, mut out: ViewMut<'_>) -> Result<Fence> {
+    fn all_gather(&self, shard: View<'_>, out: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "all_gather";
         same_dtype(OP, shard.dtype(), out.dtype())?;
         if out.len() != shard.len() * self.world() {
@@ -381,12 +399,14 @@ impl Collective for InProcess {
                 actual: out.len(),
             });
         }
-        self.check(OP, shard.len())?;
+        self.check(shard.len())?;
         reach(OP, "output", out.raw())?;
         self.post(OP, &shard)?;
         self.shared.gate.wait()?;
         let part_bytes = shard.len() * shard.dtype().bytes() as usize;
-        let target = host_bytes(&mut out);
+        let target = out
+            .into_host_bytes()
+            .expect("checked: contiguous host memory");
         for (rank, part) in target.chunks_exact_mut(part_bytes.max(1)).enumerate() {
             let slot = self.slot(rank);
             let bytes: &[u8] = bytemuck::cast_slice(&slot);
@@ -412,32 +432,20 @@ impl Collective for InProcess {
                 actual: full.len(),
             });
         }
-        self.check(OP, full.len())?;
+        self.check(full.len())?;
         reach(OP, "output", shard.raw())?;
         self.post(OP, &full)?;
         self.shared.gate.wait()?;
-        let guards: Vec<_> = (0..self.world()).map(|rank| self.slot(rank)).collect();
-        let slots: Vec<&[u32]> = guards.iter().map(|g| g.as_slice()).collect();
-        let summed = sum_into(OP, &slots, self.rank * shard.len(), &mut shard);
-        drop(slots);
-        drop(guards);
-        self.shared.gate.wait()?;
-        summed.map(|()| Fence::ready())
+        self.sum_posted(OP, self.rank * shard.len(), &mut shard)
     }
 
     fn all_reduce(&self, mut values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "all_reduce";
-        self.check(OP, values.len())?;
+        self.check(values.len())?;
         reach(OP, "values", values.raw())?;
         self.post(OP, &values.view())?;
         self.shared.gate.wait()?;
-        let guards: Vec<_> = (0..self.world()).map(|rank| self.slot(rank)).collect();
-        let slots: Vec<&[u32]> = guards.iter().map(|g| g.as_slice()).collect();
-        let summed = sum_into(OP, &slots, 0, &mut values);
-        drop(slots);
-        drop(guards);
-        self.shared.gate.wait()?;
-        summed.map(|()| Fence::ready())
+        self.sum_posted(OP, 0, &mut values)
     }
 
     fn all_reduce_scalars(&self, values: &mut [f64]) -> Result<()> {
@@ -476,7 +484,7 @@ impl Collective for InProcess {
                 world: self.world(),
             });
         }
-        self.check(OP, values.len())?;
+        self.check(values.len())?;
         reach(OP, "values", values.raw())?;
         if self.rank == root {
             self.post(OP, &values.view())?;
@@ -493,7 +501,7 @@ impl Collective for InProcess {
     fn send(&self, peer: usize, values: View<'_>) -> Result<Fence> {
         const OP: &str = "send";
         self.peer(OP, peer)?;
-        self.check(OP, values.len())?;
+        self.check(values.len())?;
         let mut words = Vec::new();
         pack(view_bytes(OP, "values", &values)?, &mut words);
         let mut message = Some(words);

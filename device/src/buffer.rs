@@ -307,6 +307,14 @@ impl Raw {
         }
     }
 
+    /// Start and length in bytes of a contiguous view of host memory.
+    fn host_byte_range(&self) -> Option<(*mut u8, usize)> {
+        (self.kind == DeviceKind::Cpu && self.is_contiguous()).then(|| {
+            let len = self.len() * self.dtype.bytes() as usize;
+            (self.start_address() as *mut u8, len)
+        })
+    }
+
     fn host_pointer<T: Element>(&self) -> Option<*mut T> {
         assert_eq!(
             self.dtype,
@@ -394,7 +402,17 @@ impl<'a> View<'a> {
         // SAFETY: the view was made from a live borrow of host memory of
         // `T` (a buffer or a slice) that holds its whole extent (checked
         // where views are cut); the borrow lasts 'a and is shared.
-        Some(unsafe { std::slice::from_raw_parts(pointer, self.raw.extent()) })
+        let slice = unsafe { std::slice::from_raw_parts(pointer, self.raw.extent()) };
+        Some(slice)
+    }
+
+    /// The bytes of this view, when it is contiguous host memory.
+    pub fn host_bytes(self) -> Option<&'a [u8]> {
+        let (pointer, len) = self.raw.host_byte_range()?;
+        // SAFETY: as `View::host`: a live, shared borrow of host memory that
+        // holds the whole (contiguous) view.
+        let bytes = unsafe { std::slice::from_raw_parts(pointer, len) };
+        Some(bytes)
     }
 
     fn with(self, raw: Raw) -> View<'a> {
@@ -497,7 +515,17 @@ impl<'a> ViewMut<'a> {
         // SAFETY: as `View::host`, and the borrow is exclusive: views cut
         // from one `ViewMut` (`split_at`) never overlap, and strided
         // writable views are only cut (`columns`) from a view they consume.
-        Some(unsafe { std::slice::from_raw_parts_mut(pointer, self.raw.extent()) })
+        let slice = unsafe { std::slice::from_raw_parts_mut(pointer, self.raw.extent()) };
+        Some(slice)
+    }
+
+    /// The bytes of this view to write, when it is contiguous host memory.
+    pub fn into_host_bytes(self) -> Option<&'a mut [u8]> {
+        let (pointer, len) = self.raw.host_byte_range()?;
+        // SAFETY: as `ViewMut::into_host`: an exclusive borrow of host
+        // memory that holds the whole (contiguous) view.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(pointer, len) };
+        Some(bytes)
     }
 
     /// As [`ViewMut::into_host`], for the length of a borrow.

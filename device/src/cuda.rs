@@ -146,18 +146,14 @@ impl PinnedHost {
     }
 }
 
-fn release_pinned(context: &CudaContext, address: usize) {
-    let _ = context.bind_to_thread();
-    // SAFETY: allocated by cuMemHostAlloc in `Context::alloc_pinned`,
-    // released once (by Drop or by the function `into_release` returned).
-    if let Err(err) = unsafe { result::free_host(address as *mut c_void) } {
-        tracing::warn!("freeing pinned host memory failed: {err:?}");
-    }
-}
-
 impl Drop for PinnedHost {
     fn drop(&mut self) {
-        release_pinned(&self.context, self.pointer.as_ptr() as usize);
+        let _ = self.context.bind_to_thread();
+        // SAFETY: allocated by cuMemHostAlloc in `Context::alloc_pinned`,
+        // released once, here.
+        if let Err(err) = unsafe { result::free_host(self.pointer.as_ptr().cast()) } {
+            tracing::warn!("freeing pinned host memory failed: {err:?}");
+        }
     }
 }
 

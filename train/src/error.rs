@@ -23,20 +23,6 @@ pub enum TrainError {
         /// What to change.
         fix: String,
     },
-    /// The operating system refused an operation on a path.
-    #[error("{op} {path}: {cause} (errno {errno}); {fix}")]
-    Os {
-        /// What was being done ("create the checkpoint directory").
-        op: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The OS's message.
-        cause: String,
-        /// The raw errno (0 when the OS gave none).
-        errno: i32,
-        /// What to do.
-        fix: &'static str,
-    },
     /// The training step's plan cannot place the model states, activations
     /// and working tensors in the tier budgets.
     #[error("the placement does not fit: {cause}")]
@@ -101,22 +87,6 @@ impl From<SchedulerError> for TrainError {
 }
 
 impl TrainError {
-    /// An OS error on `path`, with its errno.
-    pub fn os(
-        op: &'static str,
-        path: impl Into<PathBuf>,
-        err: std::io::Error,
-        fix: &'static str,
-    ) -> Self {
-        TrainError::Os {
-            op,
-            path: path.into(),
-            errno: err.raw_os_error().unwrap_or(0),
-            cause: err.to_string(),
-            fix,
-        }
-    }
-
     /// Whether this is another rank leaving a collective (reported after
     /// that rank's own error).
     pub fn is_peer_left(&self) -> bool {

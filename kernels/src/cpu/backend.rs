@@ -122,9 +122,39 @@ fn operand<'a>(op: &'static str, name: &'static str, m: Matrix<'a>) -> Result<St
 }
 
 impl CpuBackend {
-    /// Per (sequence, head): the head's q, k, v gathered from `qkv`.
+    /// Every (sequence, head) pair.
     fn heads(shape: Attention) -> impl Iterator<Item = (usize, usize)> {
         (0..shape.batch).flat_map(move |b| (0..shape.heads).map(move |h| (b, h)))
+    }
+
+    /// The attention workspace, checked, as one head's q, k, v, o, dq, dk,
+    /// dv (`seq x head_dim` each) and its dp (`seq x seq`).
+    fn attention_workspace<'a>(
+        &self,
+        op: &'static str,
+        shape: Attention,
+        workspace: ViewMut<'a>,
+    ) -> Result<([&'a mut [f32]; 7], &'a mut [f32])> {
+        let ws = contiguous_mut::<f32>(op, "workspace", workspace)?;
+        same_len(
+            op,
+            "workspace",
+            ws.len(),
+            self.attention_workspace_elems(shape),
+        )?;
+        let (heads, dp) = ws.split_at_mut(7 * shape.seq * shape.head_dim);
+        let mut parts = heads.chunks_exact_mut(shape.seq * shape.head_dim);
+        let parts = std::array::from_fn(|_| parts.next().expect("seven parts"));
+        Ok((parts, dp))
+    }
+}
+
+/// One head's query, key and value (columns `col..col + d` of each third
+/// of `qkv`), from row `row0` on, into `[q, k, v]`.
+fn gather_qkv(qkv: &[f32], shape: Attention, row0: usize, col: usize, into: [&mut [f32]; 3]) {
+    let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
+    for (part, buffer) in into.into_iter().enumerate() {
+        gather(qkv, 3 * h, row0, part * h + col, s, d, buffer);
     }
 }
 
@@ -439,23 +469,11 @@ impl Backend for CpuBackend {
             probs_all.len(),
             self.attention_saved_elems(shape),
         )?;
-        let ws = contiguous_mut::<f32>(OP, "workspace", workspace)?;
-        same_len(
-            OP,
-            "workspace",
-            ws.len(),
-            self.attention_workspace_elems(shape),
-        )?;
-        let (q, rest) = ws.split_at_mut(s * d);
-        let (k, rest) = rest.split_at_mut(s * d);
-        let (v, rest) = rest.split_at_mut(s * d);
-        let o = &mut rest[..s * d];
+        let ([q, k, v, o, ..], _) = self.attention_workspace(OP, shape, workspace)?;
         let scale = 1.0 / (d as f32).sqrt();
         for (b, head) in Self::heads(shape) {
             let (row0, col) = (b * s, head * d);
-            gather(qkv, 3 * h, row0, col, s, d, q);
-            gather(qkv, 3 * h, row0, h + col, s, d, k);
-            gather(qkv, 3 * h, row0, 2 * h + col, s, d, v);
+            gather_qkv(qkv, shape, row0, col, [&mut *q, &mut *k, &mut *v]);
             let probs = &mut probs_all[(b * shape.heads + head) * s * s..][..s * s];
             product(q, false, k, true, s, d, s, probs);
             ops::causal_softmax(probs, s, scale);
@@ -489,27 +507,12 @@ impl Backend for CpuBackend {
         same_len(OP, "dout", dout.len(), shape.rows() * h)?;
         let dqkv = contiguous_mut::<f32>(OP, "dqkv", dqkv)?;
         same_len(OP, "dqkv", dqkv.len(), qkv.len())?;
-        let ws = contiguous_mut::<f32>(OP, "workspace", workspace)?;
-        same_len(
-            OP,
-            "workspace",
-            ws.len(),
-            self.attention_workspace_elems(shape),
-        )?;
-        let (q, rest) = ws.split_at_mut(s * d);
-        let (k, rest) = rest.split_at_mut(s * d);
-        let (v, rest) = rest.split_at_mut(s * d);
-        let (o, rest) = rest.split_at_mut(s * d);
-        let (dq, rest) = rest.split_at_mut(s * d);
-        let (dk, rest) = rest.split_at_mut(s * d);
-        let (dv, dp) = rest.split_at_mut(s * d);
+        let ([q, k, v, o, dq, dk, dv], dp) = self.attention_workspace(OP, shape, workspace)?;
         let scale = 1.0 / (d as f32).sqrt();
         for (b, head) in Self::heads(shape) {
             let (row0, col) = (b * s, head * d);
             let probs = &probs_all[(b * shape.heads + head) * s * s..][..s * s];
-            gather(qkv, 3 * h, row0, col, s, d, q);
-            gather(qkv, 3 * h, row0, h + col, s, d, k);
-            gather(qkv, 3 * h, row0, 2 * h + col, s, d, v);
+            gather_qkv(qkv, shape, row0, col, [&mut *q, &mut *k, &mut *v]);
             gather(dout, h, row0, col, s, d, o);
             product(o, false, v, true, s, d, s, dp);
             product(probs, true, o, false, s, s, d, dv);

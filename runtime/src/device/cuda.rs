@@ -101,21 +101,19 @@ impl Device for CudaDevice {
         // SAFETY: page-aligned (checked by alloc_pinned), `len` (a multiple
         // of a page) zeroed bytes, owned by the buffer and released once,
         // when `release` is dropped after its call.
-        Ok(unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) })
+        let buffer = unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) };
+        Ok(buffer)
     }
 
     unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<Fence> {
         let on = stream(direction);
         for piece in &pieces {
             self.check_range(piece.device_offset, piece.len_bytes);
+            let device = self.base + piece.device_offset;
             // SAFETY: forwarded from our caller; the range is in the arena.
             unsafe {
-                self.context.copy_async(
-                    on,
-                    piece.host,
-                    self.base + piece.device_offset,
-                    piece.len_bytes,
-                )?
+                self.context
+                    .copy_async(on, piece.host, device, piece.len_bytes)?
             };
         }
         Ok(self.context.record(on)?)
@@ -123,15 +121,13 @@ impl Device for CudaDevice {
 
     fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {
         self.check_range(device_offset, len_bytes as usize);
+        let (device, len) = (self.base + device_offset, len_bytes as usize);
         // SAFETY: the range is in the arena, owned by the copy being
         // registered; uploads into it follow on the same stream, and the
         // other two streams wait (on the device) for the fence below.
         unsafe {
-            self.context.zero_async(
-                StreamKind::CopyToDevice,
-                self.base + device_offset,
-                len_bytes as usize,
-            )?
+            self.context
+                .zero_async(StreamKind::CopyToDevice, device, len)?
         };
         let zeroed = self.context.record(StreamKind::CopyToDevice)?;
         self.context.wait_on(StreamKind::CopyToHost, &zeroed)?;
