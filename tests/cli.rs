@@ -749,6 +749,18 @@ fn train_bad_configs_are_named_before_training() {
         stderr.contains("does not fit") && stderr.contains("bytes"),
         "{stderr}"
     );
+    // A swap directory that cannot be created is the OS's error, with its
+    // errno and the path, not a configuration value's.
+    std::fs::write(dir.path().join("a-file"), b"").unwrap();
+    std::fs::write(&config, "[nvme]\ndirs = [\"a-file/swap\"]\n").unwrap();
+    let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
+    let stderr = stderr_of_failure(&output, "a swap directory under a file");
+    assert!(
+        stderr.contains("create nvme.dirs entry a-file/swap")
+            && stderr.contains("os error 20")
+            && stderr.contains("choose a writable directory"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -508,6 +508,18 @@ impl<'a> ViewMut<'a> {
         (make(head), make(tail))
     }
 
+    /// Cuts the first `lens.iter().sum()` elements of this contiguous view
+    /// into `N` consecutive parts of `lens` elements (a model's saved
+    /// activations, a block's gradients), each writable on its own.
+    pub fn split_parts<const N: usize>(self, lens: [usize; N]) -> [ViewMut<'a>; N] {
+        let mut rest = Some(self);
+        std::array::from_fn(|i| {
+            let (head, tail) = rest.take().expect("one part at a time").split_at(lens[i]);
+            rest = Some(tail);
+            head
+        })
+    }
+
     /// The elements from the first to the last it reaches, to write, when
     /// it is host memory of `T`.
     pub fn into_host<T: Element>(self) -> Option<&'a mut [T]> {
@@ -566,6 +578,10 @@ mod tests {
         assert_eq!(matrix.range(2..4).host::<f32>().unwrap(), &[2.0, 3.0]);
         let (head, tail) = buffer.view_mut().split_at(5);
         assert_eq!((head.len(), tail.len()), (5, 7));
+        let [a, mut b, c] = buffer.view_mut().split_parts([2, 3, 4]);
+        assert_eq!((a.len(), b.len(), c.len()), (2, 3, 4));
+        assert_eq!(b.host::<f32>().unwrap(), &[2.0, 3.0, 4.0]);
+        assert_eq!(c.view().host::<f32>().unwrap(), &[5.0, 6.0, 7.0, 8.0]);
         assert!(matches!(
             buffer.view().matrix(4, 4),
             Err(DeviceError::ViewBounds {

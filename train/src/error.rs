@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use strata_comm::CommError;
 use strata_device::DeviceError;
+use strata_kernels::KernelError;
 use strata_optim::OptimError;
 use strata_runtime::RuntimeError;
 use strata_scheduler::SchedulerError;
@@ -52,6 +53,20 @@ pub enum TrainError {
         /// Its error.
         cause: String,
     },
+    /// The operating system refused an operation: creating a directory or
+    /// a file, starting a thread. Carries the errno and what was tried.
+    #[error("{operation} failed: {error}; {fix}")]
+    Os {
+        /// What was tried, with its path or name ("create nvme.dirs entry
+        /// /mnt/swap").
+        operation: String,
+        /// The raw OS error number (0 when the OS gave none).
+        errno: i32,
+        /// The error.
+        error: std::io::Error,
+        /// What to do.
+        fix: &'static str,
+    },
     /// The CPU optimizer thread stopped (its own error was reported).
     #[error("the CPU optimizer thread has stopped; no more updates can run")]
     OptimizerStopped,
@@ -64,6 +79,20 @@ pub enum TrainError {
     /// The device failed.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// A compute op was refused (a shape, a dtype, a token outside the
+    /// vocabulary) or failed on the device.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A model buffer given to a model function has the wrong size.
+    #[error("{what} holds {actual} elements but the model's shape needs {expected}")]
+    Shape {
+        /// Which buffer.
+        what: &'static str,
+        /// Its elements.
+        actual: usize,
+        /// What the shape needs.
+        expected: usize,
+    },
     /// An optimizer kernel's setting is out of range.
     #[error(transparent)]
     Optim(#[from] OptimError),
@@ -91,6 +120,20 @@ impl TrainError {
     /// that rank's own error).
     pub fn is_peer_left(&self) -> bool {
         matches!(self, TrainError::Comm(CommError::PeerLeft { .. }))
+    }
+}
+
+/// An OS failure of `operation`, with its errno and the fix.
+pub(crate) fn os(
+    operation: impl Into<String>,
+    error: std::io::Error,
+    fix: &'static str,
+) -> TrainError {
+    TrainError::Os {
+        operation: operation.into(),
+        errno: error.raw_os_error().unwrap_or(0),
+        error,
+        fix,
     }
 }
 

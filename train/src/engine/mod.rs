@@ -55,7 +55,7 @@ pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -72,12 +72,13 @@ use strata_storage::engine::SplitMix64;
 use strata_comm::Collective;
 use strata_runtime::RuntimeError;
 
-use crate::error::{Result, TrainError, bad};
+use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::{
     BlockActivations, BlockLayout, BlockScratch, EmbedLayout, GptConfig, HeadBuffers,
     block_backward, block_forward, embed_backward, embed_forward, head_forward_backward,
 };
 use strata_device::{View, ViewMut};
+use strata_kernels::{Backend, CpuBackend};
 use strata_runtime::{
     Access, Completion, Dtype, Guard, Runtime, TensorId, TensorKind, TensorMeta, Tier,
 };
@@ -234,27 +235,32 @@ struct Stream {
 
 impl Workspace {
     fn new(
+        backend: &dyn Backend,
         gpt: &GptConfig,
         batch: usize,
         groups: &[Group],
         world: usize,
         checkpoint: bool,
         in_flight: usize,
-    ) -> Self {
+    ) -> Result<Self> {
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
         let padded_max = shard_max * world;
         let embed_padded = groups[0].padded(world);
         let stream = batch * gpt.seq * gpt.hidden;
-        let acts = BlockActivations::new(gpt, batch);
-        let saved = if checkpoint { stream } else { acts.floats() };
-        Workspace {
+        let acts = BlockActivations::new(backend, gpt, batch)?;
+        let saved = if checkpoint {
+            stream
+        } else {
+            acts.view().len()
+        };
+        Ok(Workspace {
             gathered: vec![0.0; padded_max],
             shard16: vec![bf16::ZERO; shard_max],
             shard32: vec![0.0; shard_max],
             grad_full: vec![0.0; padded_max],
             acts,
-            scratch: BlockScratch::new(gpt, batch),
-            head: HeadBuffers::new(gpt, batch),
+            scratch: BlockScratch::new(backend, gpt, batch)?,
+            head: HeadBuffers::new(backend, gpt, batch)?,
             saved: vec![0.0; saved],
             y: vec![0.0; stream],
             dx: vec![0.0; stream],
@@ -267,7 +273,7 @@ impl Workspace {
                     targets: vec![0; batch * gpt.seq],
                 })
                 .collect(),
-        }
+        })
     }
 
     /// Bytes of every buffer (what they would take on a GPU).
@@ -446,9 +452,15 @@ fn read_f32(runtime: &Runtime, id: TensorId, tier: Tier, out: &mut [f32]) -> Res
 /// A finished update: its group, the trace indices it wrote, the outcome.
 type Done = (usize, [usize; 2], Result<()>);
 
+/// Updates of one group sent to the CPU thread and not yet booked: its
+/// update of the step before (late, in this step's forward) and this
+/// step's. The channels both ways hold this many per group, so neither
+/// side ever blocks on a full one.
+const UPDATES_PER_GROUP_MAX: u32 = 2;
+
 /// The CPU optimizer thread.
 struct CpuWorker {
-    jobs: Option<Sender<OptJob>>,
+    jobs: Option<SyncSender<OptJob>>,
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
     /// Updates sent and not yet reported back, per group.
@@ -458,8 +470,9 @@ struct CpuWorker {
 impl CpuWorker {
     fn start(runtime: Arc<Runtime>, isa: Isa, groups: Arc<Vec<Group>>) -> Result<CpuWorker> {
         let outstanding = vec![0; groups.len()];
-        let (jobs, receiver) = channel::<OptJob>();
-        let (results, done) = channel();
+        let bound = groups.len() * UPDATES_PER_GROUP_MAX as usize;
+        let (jobs, receiver) = sync_channel::<OptJob>(bound);
+        let (results, done) = sync_channel(bound);
         let thread = std::thread::Builder::new()
             .name("strata-cpu-optim".into())
             .spawn(move || {
@@ -480,10 +493,10 @@ impl CpuWorker {
                 }
             })
             .map_err(|err| {
-                bad(
-                    "engine",
-                    "cpu optimizer thread",
-                    format!("could not start it ({err})"),
+                os(
+                    "start the CPU optimizer thread",
+                    err,
+                    "raise the process or thread limit (ulimit -u)",
                 )
             })?;
         Ok(CpuWorker {
@@ -527,6 +540,8 @@ pub struct Engine {
     config: TrainConfig,
     gpt: GptConfig,
     runtime: Arc<Runtime>,
+    /// Where the model computes.
+    backend: Box<dyn Backend>,
     collective: Box<dyn Collective>,
     tracker: StepTracker,
     groups: Arc<Vec<Group>>,
@@ -596,23 +611,25 @@ impl Engine {
         }
         let groups = Arc::new(groups(&gpt, world, rank));
         let batch = config.train.micro_batch;
+        let backend: Box<dyn Backend> = Box::new(CpuBackend);
         let ws = Workspace::new(
+            &*backend,
             &gpt,
             batch,
             &groups,
             world,
             config.train.checkpoint_activations,
             in_flight(&config.train),
-        );
+        )?;
         let workspace_bytes = ws.bytes();
         let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
         if let Some(nvme) = &runtime_config.nvme {
             for dir in &nvme.dirs {
                 std::fs::create_dir_all(dir).map_err(|err| {
-                    bad(
-                        "nvme.dirs",
-                        dir.display().to_string(),
-                        format!("cannot create it ({err}): choose a writable directory"),
+                    os(
+                        format!("create nvme.dirs entry {}", dir.display()),
+                        err,
+                        "choose a writable directory in nvme.dirs",
                     )
                 })?;
             }
@@ -620,7 +637,7 @@ impl Engine {
         let runtime = Arc::new(Runtime::new(&runtime_config)?);
         let isa = Isa::chosen();
         let stats = runtime.stats();
-        let slots = slots(config, &gpt, &groups, batch);
+        let slots = slots(config, &gpt, &groups, ws.acts.view().len());
         // The plan leaves the host room for what it does not schedule:
         // staging buffers of two-tier moves and demand fetches when the
         // run strays from it (else the runtime spills, and what it spills
@@ -652,6 +669,7 @@ impl Engine {
             config: config.clone(),
             gpt,
             runtime: runtime.clone(),
+            backend,
             collective,
             tracker,
             groups: groups.clone(),
@@ -1323,7 +1341,13 @@ impl Engine {
                     &mut stream.targets,
                 );
                 let embed = &self.ws.gathered[..self.groups[0].params];
-                embed_forward(&self.gpt, embed, &stream.inputs, &mut stream.x);
+                embed_forward(
+                    &*self.backend,
+                    &self.gpt,
+                    View::host_slice(embed),
+                    View::host_slice(&stream.inputs),
+                    ViewMut::host_slice(&mut stream.x),
+                )?;
             }
             Work::BlockForward { m, b } => {
                 self.gather(b + 1)?;
@@ -1331,21 +1355,23 @@ impl Engine {
                 let stream = &mut ws.streams[m % streams];
                 let params = &ws.gathered[..self.groups[b + 1].params];
                 block_forward(
+                    &*self.backend,
                     &self.gpt,
                     batch,
-                    params,
-                    &stream.x,
+                    View::host_slice(params),
+                    View::host_slice(&stream.x),
                     &mut ws.acts,
                     &mut ws.scratch,
-                    &mut ws.y,
-                );
+                    ViewMut::host_slice(&mut ws.y),
+                )?;
                 std::mem::swap(&mut stream.x, &mut ws.y);
-                if self.config.train.checkpoint_activations {
-                    let input = ws.acts.input();
-                    ws.saved.copy_from_slice(input);
+                let kept = if self.config.train.checkpoint_activations {
+                    ws.acts.input()
                 } else {
-                    ws.acts.save(&mut ws.saved);
-                }
+                    ws.acts.view()
+                };
+                self.backend
+                    .copy(kept, ViewMut::host_slice(&mut ws.saved))?;
                 let index = self.saved_index(m, b);
                 self.write_tensor(index, Tier::Device, Kept::Saved)?;
             }
@@ -1361,16 +1387,17 @@ impl Engine {
                 let stream = &mut ws.streams[m % streams];
                 stream.dembed.fill(0.0);
                 let loss = head_forward_backward(
+                    &*self.backend,
                     &self.gpt,
-                    &ws.gathered[..embed_params],
-                    &stream.x,
-                    &stream.targets,
+                    View::host_slice(&ws.gathered[..embed_params]),
+                    View::host_slice(&stream.x),
+                    View::host_slice(&stream.targets),
                     scale,
                     &mut ws.head,
-                    &mut stream.dy,
-                    &mut stream.dembed[..embed_params],
-                );
-                self.loss_sum += f64::from(loss);
+                    ViewMut::host_slice(&mut stream.dy),
+                    ViewMut::host_slice(&mut stream.dembed[..embed_params]),
+                )?;
+                self.loss_sum += loss.get()?;
             }
             Work::BlockBackward { m, b } => {
                 self.gather(b + 1)?;
@@ -1378,33 +1405,36 @@ impl Engine {
                 let id = self.slots[index].id.expect("saved in forward");
                 read_f32(&self.runtime, id, Tier::Device, &mut self.ws.saved)?;
                 let ws = &mut self.ws;
-                let params = &ws.gathered[..self.groups[b + 1].params];
+                let params = View::host_slice(&ws.gathered[..self.groups[b + 1].params]);
                 if self.config.train.checkpoint_activations {
                     block_forward(
+                        &*self.backend,
                         &self.gpt,
                         batch,
                         params,
-                        &ws.saved,
+                        View::host_slice(&ws.saved),
                         &mut ws.acts,
                         &mut ws.scratch,
-                        &mut ws.y,
-                    );
+                        ViewMut::host_slice(&mut ws.y),
+                    )?;
                 } else {
-                    ws.acts.load(&ws.saved);
+                    self.backend
+                        .copy(View::host_slice(&ws.saved), ws.acts.view_mut())?;
                 }
                 let padded = self.groups[b + 1].padded(world);
                 ws.grad_full[..padded].fill(0.0);
                 let stream = &mut ws.streams[m % streams];
                 block_backward(
+                    &*self.backend,
                     &self.gpt,
                     batch,
                     params,
                     &ws.acts,
-                    &stream.dy,
+                    View::host_slice(&stream.dy),
                     &mut ws.scratch,
-                    &mut ws.dx,
-                    &mut ws.grad_full[..self.groups[b + 1].params],
-                );
+                    ViewMut::host_slice(&mut ws.dx),
+                    ViewMut::host_slice(&mut ws.grad_full[..self.groups[b + 1].params]),
+                )?;
                 std::mem::swap(&mut ws.dx, &mut stream.dy);
                 self.reduce_gradient(b + 1, m)?;
             }
@@ -1412,11 +1442,12 @@ impl Engine {
                 let embed_params = self.groups[0].params;
                 let stream = &mut self.ws.streams[m % streams];
                 embed_backward(
+                    &*self.backend,
                     &self.gpt,
-                    &stream.inputs,
-                    &stream.dy,
-                    &mut stream.dembed[..embed_params],
-                );
+                    View::host_slice(&stream.inputs),
+                    View::host_slice(&stream.dy),
+                    ViewMut::host_slice(&mut stream.dembed[..embed_params]),
+                )?;
                 self.reduce_gradient(0, m)?;
             }
             Work::Optimizer { g, late } => self.update_group(g, late, tier, update)?,
@@ -1552,6 +1583,11 @@ impl Engine {
         };
         match &mut self.worker {
             Some(worker) => {
+                assert!(
+                    worker.outstanding[g] < UPDATES_PER_GROUP_MAX,
+                    "group {g} has {} updates outstanding",
+                    worker.outstanding[g]
+                );
                 worker
                     .jobs
                     .as_ref()
@@ -2047,7 +2083,14 @@ fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
 /// The trace's tensors: per group two parameter sets, two state sets and
 /// the gradient; then what each block keeps for its backward, per
 /// micro-batch.
-fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) -> Vec<Slot> {
+/// `activation_elems` is what a block keeps for its backward without
+/// checkpointing.
+fn slots(
+    config: &TrainConfig,
+    gpt: &GptConfig,
+    groups: &[Group],
+    activation_elems: usize,
+) -> Vec<Slot> {
     let params_home = config.placement.params.tier();
     let states_home = config.placement.optimizer.tier();
     // Gradients outlive their step when its update runs late, in the next
@@ -2090,9 +2133,9 @@ fn slots(config: &TrainConfig, gpt: &GptConfig, groups: &[Group], batch: usize) 
         ));
     }
     let saved = if config.train.checkpoint_activations {
-        batch * gpt.seq * gpt.hidden
+        config.train.micro_batch * gpt.seq * gpt.hidden
     } else {
-        BlockActivations::new(gpt, batch).floats()
+        activation_elems
     };
     for m in 0..config.train.grad_accumulation {
         for b in 0..gpt.layers {
@@ -2212,9 +2255,17 @@ fn class_of(kind: TensorKind) -> TensorClass {
 }
 
 fn sched_tier(tier: Tier) -> sched::Tier {
-    sched::Tier::ALL[tier.index()]
+    match tier {
+        Tier::Device => sched::Tier::Device,
+        Tier::Host => sched::Tier::Host,
+        Tier::Nvme => sched::Tier::Nvme,
+    }
 }
 
 fn runtime_tier(tier: sched::Tier) -> Tier {
-    Tier::ALL[tier.index()]
+    match tier {
+        sched::Tier::Device => Tier::Device,
+        sched::Tier::Host => Tier::Host,
+        sched::Tier::Nvme => Tier::Nvme,
+    }
 }

@@ -10,8 +10,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{ByteCorpus, Checkpoint, Engine, StepReport, TrainConfig};
-use crate::error::bad;
-use crate::error::{Result, TrainError};
+use crate::error::{Result, TrainError, os};
 use strata_comm::{Collective, InProcess};
 use strata_runtime::Stats;
 use strata_runtime::Tier;
@@ -129,20 +128,21 @@ pub fn run(
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world);
         for collective in collectives {
+            let rank = collective.rank();
             let sender = sender.clone();
             let resume = resume.clone();
             let trace = options.trace.clone();
             handles.push(
                 std::thread::Builder::new()
-                    .name(format!("strata-rank-{}", collective.rank()))
+                    .name(format!("strata-rank-{rank}"))
                     .spawn_scoped(scope, move || {
                         rank_main(config, corpus, collective, resume, trace, stop, sender)
                     })
                     .map_err(|err| {
-                        bad(
-                            "train.ranks",
-                            world.to_string(),
-                            format!("could not start a rank thread ({err}): use fewer"),
+                        os(
+                            format!("start the thread of rank {rank} of {world}"),
+                            err,
+                            "use fewer train.ranks or raise the thread limit (ulimit -u)",
                         )
                     }),
             );
@@ -242,17 +242,17 @@ fn rank_main(
     }
     if let Some(path) = trace {
         let mut file = std::fs::File::create(&path).map_err(|err| {
-            bad(
-                "--trace",
-                path.display().to_string(),
-                format!("cannot create it ({err}): choose a writable path"),
+            os(
+                format!("create the --trace file {}", path.display()),
+                err,
+                "choose a writable path for --trace",
             )
         })?;
         engine.runtime().write_trace(&mut file).map_err(|err| {
-            bad(
-                "--trace",
-                path.display().to_string(),
-                format!("cannot write it ({err})"),
+            os(
+                format!("write the --trace file {}", path.display()),
+                err,
+                "free space on that disk or choose another path for --trace",
             )
         })?;
     }

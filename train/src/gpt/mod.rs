@@ -4,13 +4,36 @@
 //! pre-LayerNorm blocks (causal multi-head attention, GELU MLP), a final
 //! LayerNorm, an LM head tied to the token embedding, cross-entropy.
 //!
-//! Parameters of a block are one flat `f32` slice ([`BlockLayout`]); so are
-//! the embeddings ([`EmbedLayout`]). Matrix products go through
-//! `matrixmultiply` ([`gemm`]); the rest are the kernels in [`kernels`].
+//! The model is written once over the ops of a [`Backend`] on
+//! `strata_device` views: it never touches an element itself, so the same
+//! code runs on every backend (on the CPU backend the numbers are those of
+//! `strata_kernels::cpu`, bit for bit). Parameters of a block are one flat
+//! `f32` view ([`BlockLayout`]); so are the embeddings ([`EmbedLayout`]).
+//! What a block keeps for its backward is one buffer ([`BlockActivations`]):
+//! saving it between passes is one copy, and its size is the backend's to
+//! say (a flash-style attention keeps less than the CPU's probabilities).
+//!
+//! ```
+//! use strata_device::{View, ViewMut};
+//! use strata_kernels::CpuBackend;
+//! use strata_train::gpt::{GptConfig, embed_forward};
+//!
+//! let config = GptConfig { vocab: 4, seq: 2, hidden: 2, heads: 1, layers: 1 };
+//! let embed = vec![0.5f32; config.embed_params()];
+//! let (tokens, mut x) = ([1u32, 3], vec![0.0f32; 4]);
+//! embed_forward(&CpuBackend, &config, View::host_slice(&embed), View::host_slice(&tokens),
+//!     ViewMut::host_slice(&mut x)).unwrap();
+//! assert_eq!(x, [1.0; 4]);
+//! ```
+
+use std::ops::Range;
+
+use strata_device::{Buffer, Dtype, View, ViewMut};
+use strata_kernels::{Attention, Backend, Matrix, Readback};
 
 use crate::error::TrainError;
-use strata_kernels::cpu::gemm::{Operand, gemm};
-use strata_kernels::cpu::ops::*;
+
+type Result<T> = std::result::Result<T, TrainError>;
 
 /// A model's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,7 +52,7 @@ pub struct GptConfig {
 
 impl GptConfig {
     /// Checks the shape; the error names the field.
-    pub fn validate(&self) -> Result<(), TrainError> {
+    pub fn validate(&self) -> Result<()> {
         let bad = |key, value: usize, fix: String| Err(crate::error::bad(key, value, fix));
         for (key, value) in [
             ("model.vocab", self.vocab),
@@ -71,22 +94,75 @@ impl GptConfig {
     }
 }
 
-/// Where each tensor of a block sits in its flat parameter slice.
+/// Consecutive parts of one flat buffer, by their lengths.
+#[derive(Debug, Clone, Copy)]
+struct Parts<const N: usize> {
+    lens: [usize; N],
+    ends: [usize; N],
+}
+
+impl<const N: usize> Parts<N> {
+    fn new(lens: [usize; N]) -> Self {
+        let mut ends = lens;
+        for i in 1..N {
+            ends[i] += ends[i - 1];
+        }
+        Parts { lens, ends }
+    }
+
+    fn total(&self) -> usize {
+        self.ends[N - 1]
+    }
+
+    /// Elements of parts `first..=last`.
+    fn span(&self, first: usize, last: usize) -> Range<usize> {
+        let start = if first == 0 { 0 } else { self.ends[first - 1] };
+        start..self.ends[last]
+    }
+
+    fn range(&self, i: usize) -> Range<usize> {
+        self.span(i, i)
+    }
+
+    fn split<'a>(&self, view: ViewMut<'a>) -> [ViewMut<'a>; N] {
+        view.split_parts(self.lens)
+    }
+
+    fn views<'a>(&self, view: View<'a>) -> [View<'a>; N] {
+        std::array::from_fn(|i| view.range(self.range(i)))
+    }
+}
+
+// A block's parameters, in layout order (weights stored input-major:
+// `y = x W + b`).
+const LN1_GAMMA: usize = 0;
+const LN1_BETA: usize = 1;
+const QKV_W: usize = 2;
+const QKV_B: usize = 3;
+const PROJ_W: usize = 4;
+const PROJ_B: usize = 5;
+const LN2_GAMMA: usize = 6;
+const LN2_BETA: usize = 7;
+const FC1_W: usize = 8;
+const FC1_B: usize = 9;
+const FC2_W: usize = 10;
+const FC2_B: usize = 11;
+
+/// Where each tensor of a block sits in its flat parameter view.
 #[derive(Debug, Clone, Copy)]
 pub struct BlockLayout {
-    /// Offsets of ln1 gamma, ln1 beta, qkv weight, qkv bias, proj weight,
-    /// proj bias, ln2 gamma, ln2 beta, fc1 weight, fc1 bias, fc2 weight,
-    /// fc2 bias, and the end.
-    offsets: [usize; 13],
+    parts: Parts<12>,
+    /// The gradients' cut: each LayerNorm's gamma and beta as one part
+    /// (the backward writes them together).
+    grads: Parts<10>,
     /// Parameters in the block.
     pub total: usize,
 }
 
 impl BlockLayout {
-    /// The layout for hidden size `h` (weights stored input-major:
-    /// `y = x W + b`).
+    /// The layout for hidden size `h`.
     pub fn new(h: usize) -> Self {
-        let sizes = [
+        let parts = Parts::new([
             h,
             h,
             h * 3 * h,
@@ -99,27 +175,39 @@ impl BlockLayout {
             4 * h,
             4 * h * h,
             h,
-        ];
-        let mut offsets = [0; 13];
-        for (i, size) in sizes.iter().enumerate() {
-            offsets[i + 1] = offsets[i] + size;
-        }
+        ]);
+        let grads = Parts::new([
+            2 * h,
+            h * 3 * h,
+            3 * h,
+            h * h,
+            h,
+            2 * h,
+            h * 4 * h,
+            4 * h,
+            4 * h * h,
+            h,
+        ]);
         BlockLayout {
-            offsets,
-            total: offsets[12],
+            parts,
+            grads,
+            total: parts.total(),
         }
     }
 
-    fn part<'a>(&self, p: &'a [f32], i: usize) -> &'a [f32] {
-        &p[self.offsets[i]..self.offsets[i + 1]]
+    /// Elements of parameter tensor `i` (layout order: ln1 gamma, ln1
+    /// beta, qkv weight, qkv bias, proj weight, proj bias, ln2 gamma, ln2
+    /// beta, fc1 weight, fc1 bias, fc2 weight, fc2 bias).
+    pub fn range(&self, i: usize) -> Range<usize> {
+        self.parts.range(i)
     }
 
     /// Whether parameter `index` is a weight matrix (decayed by AdamW),
     /// not a bias or a LayerNorm scale.
     pub fn is_matrix(&self, index: usize) -> bool {
-        [2, 4, 8, 10]
+        [QKV_W, PROJ_W, FC1_W, FC2_W]
             .iter()
-            .any(|&i| (self.offsets[i]..self.offsets[i + 1]).contains(&index))
+            .any(|&i| self.range(i).contains(&index))
     }
 }
 
@@ -128,7 +216,7 @@ impl BlockLayout {
 /// LayerNorm gamma and beta.
 #[derive(Debug, Clone, Copy)]
 pub struct EmbedLayout {
-    offsets: [usize; 5],
+    parts: Parts<4>,
     /// Parameters.
     pub total: usize,
 }
@@ -137,646 +225,492 @@ impl EmbedLayout {
     /// The layout for `config`.
     pub fn new(config: &GptConfig) -> Self {
         let h = config.hidden;
-        let sizes = [config.vocab * h, config.seq * h, h, h];
-        let mut offsets = [0; 5];
-        for (i, size) in sizes.iter().enumerate() {
-            offsets[i + 1] = offsets[i] + size;
-        }
+        let parts = Parts::new([config.vocab * h, config.seq * h, h, h]);
         EmbedLayout {
-            offsets,
-            total: offsets[4],
+            parts,
+            total: parts.total(),
         }
+    }
+
+    /// Elements of tensor `i` (token embedding, position embedding, final
+    /// LayerNorm gamma, beta).
+    pub fn range(&self, i: usize) -> Range<usize> {
+        self.parts.range(i)
     }
 
     /// Whether parameter `index` is a weight matrix (the embeddings).
     pub fn is_matrix(&self, index: usize) -> bool {
-        index < self.offsets[2]
+        index < self.parts.ends[1]
     }
 }
 
-/// What a block's forward keeps for its backward, for `batch` sequences.
-/// With activation checkpointing only the input is kept between passes,
-/// and [`block_forward`] is run again into this before the backward.
+/// The attention shape of `batch` sequences.
+fn attention_shape(config: &GptConfig, batch: usize) -> Attention {
+    Attention {
+        batch,
+        seq: config.seq,
+        heads: config.heads,
+        head_dim: config.hidden / config.heads,
+    }
+}
+
+/// The parts of [`BlockActivations`], in order: the block's input, ln1's
+/// output and saved statistics, qkv, what attention saves, attention's
+/// output, the residual after it, ln2's output and statistics, fc1's
+/// output, GELU's output.
+fn activation_parts(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Parts<11> {
+    let (n, h) = (batch * config.seq, config.hidden);
+    let attention = backend.attention_saved_elems(attention_shape(config, batch));
+    Parts::new([
+        n * h,
+        n * h,
+        2 * n,
+        n * 3 * h,
+        attention,
+        n * h,
+        n * h,
+        n * h,
+        2 * n,
+        n * 4 * h,
+        n * 4 * h,
+    ])
+}
+
+/// What a block's forward keeps for its backward, for `batch` sequences,
+/// in one buffer. With activation checkpointing only the input is kept
+/// between passes, and [`block_forward`] is run again into this before the
+/// backward.
 #[derive(Debug)]
 pub struct BlockActivations {
-    x: Vec<f32>,
-    a: Vec<f32>,
-    mean1: Vec<f32>,
-    rstd1: Vec<f32>,
-    qkv: Vec<f32>,
-    probs: Vec<f32>,
-    att: Vec<f32>,
-    x1: Vec<f32>,
-    c: Vec<f32>,
-    mean2: Vec<f32>,
-    rstd2: Vec<f32>,
-    f: Vec<f32>,
-    g: Vec<f32>,
+    buffer: Buffer,
+    parts: Parts<11>,
 }
 
 impl BlockActivations {
-    /// Buffers for `batch` sequences of `config.seq` tokens.
-    pub fn new(config: &GptConfig, batch: usize) -> Self {
-        let (n, h) = (batch * config.seq, config.hidden);
-        BlockActivations {
-            x: vec![0.0; n * h],
-            a: vec![0.0; n * h],
-            mean1: vec![0.0; n],
-            rstd1: vec![0.0; n],
-            qkv: vec![0.0; n * 3 * h],
-            probs: vec![0.0; batch * config.heads * config.seq * config.seq],
-            att: vec![0.0; n * h],
-            x1: vec![0.0; n * h],
-            c: vec![0.0; n * h],
-            mean2: vec![0.0; n],
-            rstd2: vec![0.0; n],
-            f: vec![0.0; n * 4 * h],
-            g: vec![0.0; n * 4 * h],
-        }
-    }
-
-    fn parts(&self) -> [&Vec<f32>; 13] {
-        [
-            &self.x,
-            &self.a,
-            &self.mean1,
-            &self.rstd1,
-            &self.qkv,
-            &self.probs,
-            &self.att,
-            &self.x1,
-            &self.c,
-            &self.mean2,
-            &self.rstd2,
-            &self.f,
-            &self.g,
-        ]
-    }
-
-    /// Floats these buffers hold.
-    pub fn floats(&self) -> usize {
-        self.parts().iter().map(|v| v.len()).sum()
-    }
-
-    /// Bytes these buffers hold.
-    pub fn bytes(&self) -> u64 {
-        4 * self.floats() as u64
-    }
-
-    /// The forward's input (what activation checkpointing keeps).
-    pub fn input(&self) -> &[f32] {
-        &self.x
-    }
-
-    /// Copies every buffer, in order, into `out` (`floats()` long): what a
-    /// run without checkpointing keeps between forward and backward.
-    pub fn save(&self, out: &mut [f32]) {
-        assert_eq!(out.len(), self.floats(), "saved activations");
-        let mut at = 0;
-        for part in self.parts() {
-            out[at..at + part.len()].copy_from_slice(part);
-            at += part.len();
-        }
-    }
-
-    /// The inverse of [`BlockActivations::save`].
-    pub fn load(&mut self, from: &[f32]) {
-        assert_eq!(from.len(), self.floats(), "saved activations");
-        let mut at = 0;
-        for part in [
-            &mut self.x,
-            &mut self.a,
-            &mut self.mean1,
-            &mut self.rstd1,
-            &mut self.qkv,
-            &mut self.probs,
-            &mut self.att,
-            &mut self.x1,
-            &mut self.c,
-            &mut self.mean2,
-            &mut self.rstd2,
-            &mut self.f,
-            &mut self.g,
-        ] {
-            let len = part.len();
-            part.copy_from_slice(&from[at..at + len]);
-            at += len;
-        }
-    }
-}
-
-/// Working buffers of a block's backward, sized once.
-#[derive(Debug)]
-pub struct BlockScratch {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    o: Vec<f32>,
-    dp: Vec<f32>,
-    dq: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
-    datt: Vec<f32>,
-    dqkv: Vec<f32>,
-    dx1: Vec<f32>,
-    dc: Vec<f32>,
-    dg: Vec<f32>,
-    df: Vec<f32>,
-    da: Vec<f32>,
-}
-
-impl BlockScratch {
-    /// Buffers for `batch` sequences.
-    pub fn new(config: &GptConfig, batch: usize) -> Self {
-        let (n, h, s) = (batch * config.seq, config.hidden, config.seq);
-        let d = h / config.heads;
-        BlockScratch {
-            q: vec![0.0; s * d],
-            k: vec![0.0; s * d],
-            v: vec![0.0; s * d],
-            o: vec![0.0; s * d],
-            dp: vec![0.0; s * s],
-            dq: vec![0.0; s * d],
-            dk: vec![0.0; s * d],
-            dv: vec![0.0; s * d],
-            datt: vec![0.0; n * h],
-            dqkv: vec![0.0; n * 3 * h],
-            dx1: vec![0.0; n * h],
-            dc: vec![0.0; n * h],
-            dg: vec![0.0; n * 4 * h],
-            df: vec![0.0; n * 4 * h],
-            da: vec![0.0; n * h],
-        }
-    }
-}
-
-impl BlockScratch {
-    /// Bytes these buffers hold.
-    pub fn bytes(&self) -> u64 {
-        let s = self;
-        let floats: usize = [
-            &s.q, &s.k, &s.v, &s.o, &s.dp, &s.dq, &s.dk, &s.dv, &s.datt, &s.dqkv, &s.dx1, &s.dc,
-            &s.dg, &s.df, &s.da,
-        ]
-        .iter()
-        .map(|v| v.len())
-        .sum();
-        4 * floats as u64
-    }
-}
-
-/// One attention head's block of a row-major matrix: `rows` rows from
-/// `row0`, `d` columns from `col`, copied to and from a contiguous
-/// `rows x d` buffer.
-#[derive(Clone, Copy)]
-struct HeadBlock {
-    row0: usize,
-    rows: usize,
-    col: usize,
-    d: usize,
-}
-
-impl HeadBlock {
-    /// Pairs of (range in the matrix of row width `width`, columns shifted
-    /// by `part`; range in the buffer), one per row.
-    fn rows(
-        self,
-        width: usize,
-        part: usize,
-    ) -> impl Iterator<Item = (std::ops::Range<usize>, std::ops::Range<usize>)> {
-        (0..self.rows).map(move |i| {
-            let from = (self.row0 + i) * width + part + self.col;
-            (from..from + self.d, i * self.d..(i + 1) * self.d)
+    /// Buffers for `batch` sequences of `config.seq` tokens on `backend`.
+    pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
+        let parts = activation_parts(backend, config, batch);
+        Ok(BlockActivations {
+            buffer: backend.alloc(Dtype::F32, parts.total())?,
+            parts,
         })
     }
 
-    fn gather(self, matrix: &[f32], width: usize, part: usize, buffer: &mut [f32]) {
-        for (m, b) in self.rows(width, part) {
-            buffer[b].copy_from_slice(&matrix[m]);
-        }
+    /// Elements a block keeps for its backward on `backend` (without
+    /// allocating them).
+    pub fn elems(backend: &dyn Backend, config: &GptConfig, batch: usize) -> usize {
+        activation_parts(backend, config, batch).total()
     }
 
-    fn scatter(self, buffer: &[f32], width: usize, part: usize, matrix: &mut [f32]) {
-        for (m, b) in self.rows(width, part) {
-            matrix[m].copy_from_slice(&buffer[b]);
-        }
+    /// Bytes these buffers hold.
+    pub fn bytes(&self) -> u64 {
+        self.buffer.bytes()
     }
 
-    /// This head's query, key and value from `qkv` (`rows x 3h`).
-    fn gather_qkv(self, qkv: &[f32], h: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]) {
-        for (part, buffer) in [q, k, v].into_iter().enumerate() {
-            self.gather(qkv, 3 * h, part * h, buffer);
-        }
+    /// Everything kept, as one view: what a run without checkpointing
+    /// saves between forward and backward.
+    pub fn view(&self) -> View<'_> {
+        self.buffer.view()
     }
+
+    /// Everything kept, to restore what [`BlockActivations::view`] saved.
+    pub fn view_mut(&mut self) -> ViewMut<'_> {
+        self.buffer.view_mut()
+    }
+
+    /// The forward's input (what activation checkpointing keeps).
+    pub fn input(&self) -> View<'_> {
+        self.buffer.view().range(self.parts.range(0))
+    }
+}
+
+/// The parts of [`BlockScratch`]: the attention ops' workspace, then the
+/// gradients of attention's output, qkv, the first residual, ln2's
+/// output, GELU's output, fc1's output and ln1's output.
+fn scratch_parts(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Parts<8> {
+    let (n, h) = (batch * config.seq, config.hidden);
+    let workspace = backend.attention_workspace_elems(attention_shape(config, batch));
+    Parts::new([
+        workspace,
+        n * h,
+        n * 3 * h,
+        n * h,
+        n * h,
+        n * 4 * h,
+        n * 4 * h,
+        n * h,
+    ])
+}
+
+/// Working buffers of a block, sized once, in one buffer.
+#[derive(Debug)]
+pub struct BlockScratch {
+    buffer: Buffer,
+    parts: Parts<8>,
+}
+
+impl BlockScratch {
+    /// Buffers for `batch` sequences on `backend`.
+    pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
+        let parts = scratch_parts(backend, config, batch);
+        Ok(BlockScratch {
+            buffer: backend.alloc(Dtype::F32, parts.total())?,
+            parts,
+        })
+    }
+
+    /// Bytes these buffers hold.
+    pub fn bytes(&self) -> u64 {
+        self.buffer.bytes()
+    }
+
+    /// The attention ops' workspace.
+    fn workspace(&mut self) -> ViewMut<'_> {
+        let range = self.parts.range(0);
+        self.buffer.view_mut().range(range)
+    }
+}
+
+/// A linear layer: `y = x w + b`, with `x` `rows x inputs`.
+fn linear(
+    backend: &dyn Backend,
+    x: View<'_>,
+    w: View<'_>,
+    b: View<'_>,
+    rows: usize,
+    mut y: ViewMut<'_>,
+) -> Result<()> {
+    let (inputs, outputs) = (x.len() / rows.max(1), b.len());
+    backend.gemm(
+        Matrix::n(x.matrix(rows, inputs)?),
+        Matrix::n(w.matrix(inputs, outputs)?),
+        1.0,
+        0.0,
+        y.reborrow().matrix(rows, outputs)?,
+    )?;
+    backend.add_bias(y, b)?;
+    Ok(())
 }
 
 /// A linear layer's backward: `dw += x^T dy`, `db += colsum(dy)`,
 /// `dx = dy w^T`, with `x` `rows x inputs` and `w` `inputs x outputs`.
 #[allow(clippy::too_many_arguments)]
 fn linear_backward(
-    x: &[f32],
-    w: &[f32],
-    dy: &[f32],
+    backend: &dyn Backend,
+    x: View<'_>,
+    w: View<'_>,
+    dy: View<'_>,
     rows: usize,
-    inputs: usize,
-    outputs: usize,
-    dw: &mut [f32],
-    db: &mut [f32],
-    dx: &mut [f32],
-) {
-    gemm(
-        Operand::t(x, inputs, rows),
-        Operand::new(dy, rows, outputs),
+    dw: ViewMut<'_>,
+    db: ViewMut<'_>,
+    dx: ViewMut<'_>,
+) -> Result<()> {
+    let (inputs, outputs) = (x.len() / rows.max(1), db.len());
+    let dy_matrix = dy.matrix(rows, outputs)?;
+    backend.gemm(
+        Matrix::t(x.matrix(rows, inputs)?),
+        Matrix::n(dy_matrix),
         1.0,
-        dw,
-    );
-    bias_backward(dy, db);
-    gemm(
-        Operand::new(dy, rows, outputs),
-        Operand::t(w, outputs, inputs),
+        1.0,
+        dw.matrix(inputs, outputs)?,
+    )?;
+    backend.bias_grad(dy, db)?;
+    backend.gemm(
+        Matrix::n(dy_matrix),
+        Matrix::t(w.matrix(inputs, outputs)?),
+        1.0,
         0.0,
-        dx,
-    );
+        dx.matrix(rows, inputs)?,
+    )?;
+    Ok(())
 }
 
-/// A linear layer: `y = x w + b`.
-fn linear(x: &[f32], w: &[f32], b: &[f32], rows: usize, inputs: usize, y: &mut [f32]) {
-    gemm(
-        Operand::new(x, rows, inputs),
-        Operand::new(w, inputs, b.len()),
-        0.0,
-        y,
-    );
-    add_bias(y, b);
+/// Checks that `view` holds `expected` elements; the error names it.
+fn expect_len(what: &'static str, view_len: usize, expected: usize) -> Result<()> {
+    if view_len != expected {
+        return Err(TrainError::Shape {
+            what,
+            actual: view_len,
+            expected,
+        });
+    }
+    Ok(())
 }
 
 /// One block's forward for `batch` sequences: `out = block(x)`, keeping
 /// what the backward needs in `acts`.
+#[allow(clippy::too_many_arguments)]
 pub fn block_forward(
+    backend: &dyn Backend,
     config: &GptConfig,
     batch: usize,
-    params: &[f32],
-    x: &[f32],
+    params: View<'_>,
+    x: View<'_>,
     acts: &mut BlockActivations,
     scratch: &mut BlockScratch,
-    out: &mut [f32],
-) {
-    let (s, h, heads) = (config.seq, config.hidden, config.heads);
-    let (n, d) = (batch * s, h / heads);
+    mut out: ViewMut<'_>,
+) -> Result<()> {
+    let (n, h) = (batch * config.seq, config.hidden);
     let layout = BlockLayout::new(h);
-    assert_eq!(params.len(), layout.total, "block parameters");
-    assert_eq!(x.len(), n * h, "block input");
-    let p = |i| layout.part(params, i);
-    acts.x.copy_from_slice(x);
-    layer_norm(
-        x,
-        p(0),
-        p(1),
-        h,
-        &mut acts.a,
-        &mut acts.mean1,
-        &mut acts.rstd1,
-    );
-    linear(&acts.a, p(2), p(3), n, h, &mut acts.qkv);
-    let scale = 1.0 / (d as f32).sqrt();
-    for b in 0..batch {
-        for head in 0..heads {
-            let block = HeadBlock {
-                row0: b * s,
-                rows: s,
-                col: head * d,
-                d,
-            };
-            block.gather_qkv(&acts.qkv, h, &mut scratch.q, &mut scratch.k, &mut scratch.v);
-            let probs = &mut acts.probs[(b * heads + head) * s * s..][..s * s];
-            gemm(
-                Operand::new(&scratch.q, s, d),
-                Operand::t(&scratch.k, d, s),
-                0.0,
-                probs,
-            );
-            causal_softmax(probs, s, scale);
-            gemm(
-                Operand::new(probs, s, s),
-                Operand::new(&scratch.v, s, d),
-                0.0,
-                &mut scratch.o,
-            );
-            block.scatter(&scratch.o, h, 0, &mut acts.att);
-        }
-    }
-    linear(&acts.att, p(4), p(5), n, h, &mut acts.x1);
-    for (v, xi) in acts.x1.iter_mut().zip(x) {
-        *v += xi;
-    }
-    layer_norm(
-        &acts.x1,
-        p(6),
-        p(7),
-        h,
-        &mut acts.c,
-        &mut acts.mean2,
-        &mut acts.rstd2,
-    );
-    linear(&acts.c, p(8), p(9), n, h, &mut acts.f);
-    gelu(&acts.f, &mut acts.g);
-    linear(&acts.g, p(10), p(11), n, 4 * h, out);
-    for (v, x1) in out.iter_mut().zip(&acts.x1) {
-        *v += x1;
-    }
+    expect_len("block parameters", params.len(), layout.total)?;
+    expect_len("block input", x.len(), n * h)?;
+    expect_len("block output", out.len(), n * h)?;
+    let p = layout.parts.views(params);
+    let parts = acts.parts;
+    let [
+        input,
+        mut a,
+        ln1,
+        mut qkv,
+        saved,
+        mut att,
+        mut x1,
+        mut c,
+        ln2,
+        mut f,
+        mut g,
+    ] = parts.split(acts.buffer.view_mut());
+    backend.copy(x, input)?;
+    backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
+    linear(backend, a.view(), p[QKV_W], p[QKV_B], n, qkv.reborrow())?;
+    backend.attention(
+        attention_shape(config, batch),
+        qkv.view(),
+        att.reborrow(),
+        saved,
+        scratch.workspace(),
+    )?;
+    linear(backend, att.view(), p[PROJ_W], p[PROJ_B], n, x1.reborrow())?;
+    backend.add(x1.reborrow(), x)?;
+    backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
+    linear(backend, c.view(), p[FC1_W], p[FC1_B], n, f.reborrow())?;
+    backend.gelu(f.view(), g.reborrow())?;
+    linear(backend, g.view(), p[FC2_W], p[FC2_B], n, out.reborrow())?;
+    backend.add(out, x1.view())?;
+    Ok(())
 }
 
 /// One block's backward from the activations of its forward: writes `dx`
 /// and adds the parameter gradients to `dparams`.
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward(
+    backend: &dyn Backend,
     config: &GptConfig,
     batch: usize,
-    params: &[f32],
+    params: View<'_>,
     acts: &BlockActivations,
-    dout: &[f32],
+    dout: View<'_>,
     scratch: &mut BlockScratch,
-    dx: &mut [f32],
-    dparams: &mut [f32],
-) {
-    let (s, h, heads) = (config.seq, config.hidden, config.heads);
-    let (n, d) = (batch * s, h / heads);
+    mut dx: ViewMut<'_>,
+    dparams: ViewMut<'_>,
+) -> Result<()> {
+    let (n, h) = (batch * config.seq, config.hidden);
     let layout = BlockLayout::new(h);
-    assert_eq!(dparams.len(), layout.total, "block gradients");
-    let p = |i| layout.part(params, i);
-    let o = layout.offsets;
-    let (ln1g, rest) = dparams.split_at_mut(o[1]);
-    let (ln1b, rest) = rest.split_at_mut(o[2] - o[1]);
-    let (wqkv, rest) = rest.split_at_mut(o[3] - o[2]);
-    let (bqkv, rest) = rest.split_at_mut(o[4] - o[3]);
-    let (wproj, rest) = rest.split_at_mut(o[5] - o[4]);
-    let (bproj, rest) = rest.split_at_mut(o[6] - o[5]);
-    let (ln2g, rest) = rest.split_at_mut(o[7] - o[6]);
-    let (ln2b, rest) = rest.split_at_mut(o[8] - o[7]);
-    let (wfc1, rest) = rest.split_at_mut(o[9] - o[8]);
-    let (bfc1, rest) = rest.split_at_mut(o[10] - o[9]);
-    let (wfc2, bfc2) = rest.split_at_mut(o[11] - o[10]);
+    expect_len("block parameters", params.len(), layout.total)?;
+    expect_len("block gradients", dparams.len(), layout.total)?;
+    expect_len("block output gradient", dout.len(), n * h)?;
+    expect_len("block input gradient", dx.len(), n * h)?;
+    let p = layout.parts.views(params);
+    let [x, a, ln1, qkv, saved, att, x1, c, ln2, f, g] = acts.parts.views(acts.buffer.view());
+    let [
+        dln1,
+        dwqkv,
+        dbqkv,
+        dwproj,
+        dbproj,
+        dln2,
+        dwfc1,
+        dbfc1,
+        dwfc2,
+        dbfc2,
+    ] = layout.grads.split(dparams);
+    let scratch_parts = scratch.parts;
+    let [
+        workspace,
+        mut datt,
+        mut dqkv,
+        mut dx1,
+        mut dc,
+        mut dg,
+        mut df,
+        mut da,
+    ] = scratch_parts.split(scratch.buffer.view_mut());
     // MLP.
+    linear_backward(backend, g, p[FC2_W], dout, n, dwfc2, dbfc2, dg.reborrow())?;
+    backend.gelu_backward(dg.view(), f, df.reborrow())?;
     linear_backward(
-        &acts.g,
-        p(10),
-        dout,
+        backend,
+        c,
+        p[FC1_W],
+        df.view(),
         n,
-        4 * h,
-        h,
-        wfc2,
-        bfc2,
-        &mut scratch.dg,
-    );
-    gelu_backward(&scratch.dg, &acts.f, &mut scratch.df);
-    linear_backward(
-        &acts.c,
-        p(8),
-        &scratch.df,
-        n,
-        h,
-        4 * h,
-        wfc1,
-        bfc1,
-        &mut scratch.dc,
-    );
-    scratch.dx1.copy_from_slice(dout);
-    layer_norm_backward(
-        &scratch.dc,
-        &acts.x1,
-        p(6),
-        &acts.mean2,
-        &acts.rstd2,
-        h,
-        &mut scratch.dx1,
-        ln2g,
-        ln2b,
-    );
+        dwfc1,
+        dbfc1,
+        dc.reborrow(),
+    )?;
+    backend.copy(dout, dx1.reborrow())?;
+    backend.layer_norm_backward(dc.view(), x1, p[LN2_GAMMA], ln2, dx1.reborrow(), dln2)?;
     // Attention.
     linear_backward(
-        &acts.att,
-        p(4),
-        &scratch.dx1,
+        backend,
+        att,
+        p[PROJ_W],
+        dx1.view(),
         n,
-        h,
-        h,
-        wproj,
-        bproj,
-        &mut scratch.datt,
-    );
-    let scale = 1.0 / (d as f32).sqrt();
-    for b in 0..batch {
-        for head in 0..heads {
-            let probs = &acts.probs[(b * heads + head) * s * s..][..s * s];
-            let block = HeadBlock {
-                row0: b * s,
-                rows: s,
-                col: head * d,
-                d,
-            };
-            block.gather_qkv(&acts.qkv, h, &mut scratch.q, &mut scratch.k, &mut scratch.v);
-            block.gather(&scratch.datt, h, 0, &mut scratch.o);
-            gemm(
-                Operand::new(&scratch.o, s, d),
-                Operand::t(&scratch.v, d, s),
-                0.0,
-                &mut scratch.dp,
-            );
-            gemm(
-                Operand::t(probs, s, s),
-                Operand::new(&scratch.o, s, d),
-                0.0,
-                &mut scratch.dv,
-            );
-            causal_softmax_backward(probs, &mut scratch.dp, s, scale);
-            gemm(
-                Operand::new(&scratch.dp, s, s),
-                Operand::new(&scratch.k, s, d),
-                0.0,
-                &mut scratch.dq,
-            );
-            gemm(
-                Operand::t(&scratch.dp, s, s),
-                Operand::new(&scratch.q, s, d),
-                0.0,
-                &mut scratch.dk,
-            );
-            for (part, buffer) in [&scratch.dq, &scratch.dk, &scratch.dv]
-                .into_iter()
-                .enumerate()
-            {
-                block.scatter(buffer, 3 * h, part * h, &mut scratch.dqkv);
-            }
-        }
-    }
+        dwproj,
+        dbproj,
+        datt.reborrow(),
+    )?;
+    backend.attention_backward(
+        attention_shape(config, batch),
+        qkv,
+        saved,
+        datt.view(),
+        dqkv.reborrow(),
+        workspace,
+    )?;
     linear_backward(
-        &acts.a,
-        p(2),
-        &scratch.dqkv,
+        backend,
+        a,
+        p[QKV_W],
+        dqkv.view(),
         n,
-        h,
-        3 * h,
-        wqkv,
-        bqkv,
-        &mut scratch.da,
-    );
-    dx.copy_from_slice(&scratch.dx1);
-    layer_norm_backward(
-        &scratch.da,
-        &acts.x,
-        p(0),
-        &acts.mean1,
-        &acts.rstd1,
-        h,
-        dx,
-        ln1g,
-        ln1b,
-    );
+        dwqkv,
+        dbqkv,
+        da.reborrow(),
+    )?;
+    backend.copy(dx1.view(), dx.reborrow())?;
+    backend.layer_norm_backward(da.view(), x, p[LN1_GAMMA], ln1, dx, dln1)?;
+    Ok(())
 }
 
 /// The embeddings' forward: `x[b, t] = wte[tokens[b, t]] + wpe[t]`.
-pub fn embed_forward(config: &GptConfig, embed: &[f32], tokens: &[u32], x: &mut [f32]) {
-    let (s, h) = (config.seq, config.hidden);
+pub fn embed_forward(
+    backend: &dyn Backend,
+    config: &GptConfig,
+    embed: View<'_>,
+    tokens: View<'_>,
+    x: ViewMut<'_>,
+) -> Result<()> {
     let layout = EmbedLayout::new(config);
-    let (wte, wpe) = (
-        &embed[..layout.offsets[1]],
-        &embed[layout.offsets[1]..layout.offsets[2]],
-    );
-    for (i, (&token, row)) in tokens.iter().zip(x.chunks_exact_mut(h)).enumerate() {
-        let (te, pe) = (&wte[token as usize * h..][..h], &wpe[(i % s) * h..][..h]);
-        for j in 0..h {
-            row[j] = te[j] + pe[j];
-        }
-    }
+    expect_len("embedding parameters", embed.len(), layout.total)?;
+    let [wte, wpe, _, _] = layout.parts.views(embed);
+    backend.embedding(wte, wpe, tokens, config.seq, x)?;
+    Ok(())
 }
 
-/// Buffers of the head (final LayerNorm, tied LM head, loss).
+/// The parts of [`HeadBuffers`]: the final LayerNorm's output and saved
+/// statistics, the logits, their gradient, and the final LayerNorm
+/// output's gradient.
+fn head_parts(config: &GptConfig, batch: usize) -> Parts<5> {
+    let (n, h) = (batch * config.seq, config.hidden);
+    Parts::new([n * h, 2 * n, n * config.vocab, n * config.vocab, n * h])
+}
+
+/// Buffers of the head (final LayerNorm, tied LM head, loss), in one
+/// buffer.
 #[derive(Debug)]
 pub struct HeadBuffers {
-    hf: Vec<f32>,
-    mean: Vec<f32>,
-    rstd: Vec<f32>,
-    logits: Vec<f32>,
-    dlogits: Vec<f32>,
-    dhf: Vec<f32>,
+    buffer: Buffer,
+    parts: Parts<5>,
 }
 
 impl HeadBuffers {
-    /// Buffers for `batch` sequences.
-    pub fn new(config: &GptConfig, batch: usize) -> Self {
-        let (n, h) = (batch * config.seq, config.hidden);
-        HeadBuffers {
-            hf: vec![0.0; n * h],
-            mean: vec![0.0; n],
-            rstd: vec![0.0; n],
-            logits: vec![0.0; n * config.vocab],
-            dlogits: vec![0.0; n * config.vocab],
-            dhf: vec![0.0; n * h],
-        }
+    /// Buffers for `batch` sequences on `backend`.
+    pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
+        let parts = head_parts(config, batch);
+        Ok(HeadBuffers {
+            buffer: backend.alloc(Dtype::F32, parts.total())?,
+            parts,
+        })
     }
-}
 
-impl HeadBuffers {
     /// Bytes these buffers hold.
     pub fn bytes(&self) -> u64 {
-        let b = self;
-        let floats: usize = [&b.hf, &b.mean, &b.rstd, &b.logits, &b.dlogits, &b.dhf]
-            .iter()
-            .map(|v| v.len())
-            .sum();
-        4 * floats as u64
+        self.buffer.bytes()
     }
 }
 
 /// The head's forward and backward: the mean cross-entropy of the last
 /// block's output `x` against `targets`; writes `dx` and adds to the
 /// embedding gradients `dembed` (tied LM head, final LayerNorm), both
-/// multiplied by `grad_scale`.
+/// multiplied by `grad_scale`. The loss is read back without waiting for
+/// the device.
 #[allow(clippy::too_many_arguments)]
 pub fn head_forward_backward(
+    backend: &dyn Backend,
     config: &GptConfig,
-    embed: &[f32],
-    x: &[f32],
-    targets: &[u32],
+    embed: View<'_>,
+    x: View<'_>,
+    targets: View<'_>,
     grad_scale: f32,
     buffers: &mut HeadBuffers,
-    dx: &mut [f32],
-    dembed: &mut [f32],
-) -> f32 {
+    mut dx: ViewMut<'_>,
+    dembed: ViewMut<'_>,
+) -> Result<Readback> {
     let (h, v) = (config.hidden, config.vocab);
     let n = targets.len();
     let layout = EmbedLayout::new(config);
-    let o = layout.offsets;
-    let wte = &embed[..o[1]];
-    let (gamma, beta) = (&embed[o[2]..o[3]], &embed[o[3]..o[4]]);
-    layer_norm(
-        x,
-        gamma,
-        beta,
-        h,
-        &mut buffers.hf,
-        &mut buffers.mean,
-        &mut buffers.rstd,
-    );
-    gemm(
-        Operand::new(&buffers.hf, n, h),
-        Operand::t(wte, h, v),
-        0.0,
-        &mut buffers.logits,
-    );
-    let loss = cross_entropy(
-        &buffers.logits,
-        targets,
-        v,
-        grad_scale,
-        &mut buffers.dlogits,
-    );
-    gemm(
-        Operand::new(&buffers.dlogits, n, v),
-        Operand::new(wte, v, h),
-        0.0,
-        &mut buffers.dhf,
-    );
-    let (dwte, rest) = dembed.split_at_mut(o[1]);
-    gemm(
-        Operand::t(&buffers.dlogits, v, n),
-        Operand::new(&buffers.hf, n, h),
+    expect_len("embedding parameters", embed.len(), layout.total)?;
+    expect_len("embedding gradients", dembed.len(), layout.total)?;
+    expect_len("head input", x.len(), n * h)?;
+    let [wte, _, gamma, beta] = layout.parts.views(embed);
+    let wte = wte.matrix(v, h)?;
+    let parts = buffers.parts;
+    let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] = parts.split(buffers.buffer.view_mut());
+    backend.layer_norm(x, gamma, beta, hf.reborrow(), ln.reborrow())?;
+    let hf = hf.view().matrix(n, h)?;
+    backend.gemm(
+        Matrix::n(hf),
+        Matrix::t(wte),
         1.0,
-        dwte,
-    );
-    let (dgamma, dbeta) = rest[o[2] - o[1]..].split_at_mut(h);
-    dx.fill(0.0);
-    layer_norm_backward(
-        &buffers.dhf,
-        x,
-        gamma,
-        &buffers.mean,
-        &buffers.rstd,
-        h,
-        dx,
-        dgamma,
-        dbeta,
-    );
-    loss
+        0.0,
+        logits.reborrow().matrix(n, v)?,
+    )?;
+    let loss = backend.cross_entropy(logits.view(), targets, grad_scale, dlogits.reborrow())?;
+    let dlogits = dlogits.view().matrix(n, v)?;
+    backend.gemm(
+        Matrix::n(dlogits),
+        Matrix::n(wte),
+        1.0,
+        0.0,
+        dhf.reborrow().matrix(n, h)?,
+    )?;
+    let [dwte, _, dnorm] = dembed.split_parts([
+        layout.parts.lens[0],
+        layout.parts.lens[1],
+        layout.parts.lens[2] + layout.parts.lens[3],
+    ]);
+    backend.gemm(
+        Matrix::t(dlogits),
+        Matrix::n(hf),
+        1.0,
+        1.0,
+        dwte.matrix(v, h)?,
+    )?;
+    backend.zero(dx.reborrow())?;
+    backend.layer_norm_backward(dhf.view(), x, gamma, ln.view(), dx, dnorm)?;
+    Ok(loss)
 }
 
 /// The embeddings' backward: adds `dx` to the rows of the token and
 /// position embeddings it came from.
-pub fn embed_backward(config: &GptConfig, tokens: &[u32], dx: &[f32], dembed: &mut [f32]) {
-    let (s, h) = (config.seq, config.hidden);
+pub fn embed_backward(
+    backend: &dyn Backend,
+    config: &GptConfig,
+    tokens: View<'_>,
+    dx: View<'_>,
+    dembed: ViewMut<'_>,
+) -> Result<()> {
     let layout = EmbedLayout::new(config);
-    let (dwte, rest) = dembed.split_at_mut(layout.offsets[1]);
-    let dwpe = &mut rest[..layout.offsets[2] - layout.offsets[1]];
-    for (i, (&token, row)) in tokens.iter().zip(dx.chunks_exact(h)).enumerate() {
-        let te = &mut dwte[token as usize * h..][..h];
-        for j in 0..h {
-            te[j] += row[j];
-        }
-        let pe = &mut dwpe[(i % s) * h..][..h];
-        for j in 0..h {
-            pe[j] += row[j];
-        }
-    }
+    expect_len("embedding gradients", dembed.len(), layout.total)?;
+    let [dwte, dwpe, _] = dembed.split_parts([
+        layout.parts.lens[0],
+        layout.parts.lens[1],
+        layout.parts.lens[2] + layout.parts.lens[3],
+    ]);
+    backend.embedding_backward(tokens, config.seq, dx, dwte, dwpe)?;
+    Ok(())
 }
 
 #[cfg(test)]

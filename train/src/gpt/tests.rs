@@ -2,6 +2,17 @@
 //! on a tiny shape.
 
 use super::*;
+use strata_kernels::CpuBackend;
+
+const CPU: &dyn Backend = &CpuBackend;
+
+fn v(x: &[f32]) -> View<'_> {
+    View::host_slice(x)
+}
+
+fn w(x: &mut [f32]) -> ViewMut<'_> {
+    ViewMut::host_slice(x)
+}
 
 const CONFIG: GptConfig = GptConfig {
     vocab: 11,
@@ -28,7 +39,7 @@ fn model() -> Model {
     let mut embed = values(CONFIG.embed_params(), 0.3, 0.5);
     let layout = EmbedLayout::new(&CONFIG);
     // The final LayerNorm near identity, as at initialisation.
-    for g in &mut embed[layout.offsets[2]..layout.offsets[3]] {
+    for g in &mut embed[layout.range(2)] {
         *g = 1.0 + 0.1 * *g;
     }
     let blocks = (0..CONFIG.layers)
@@ -36,7 +47,7 @@ fn model() -> Model {
             let mut p = values(CONFIG.block_params(), l as f32, 0.3);
             let layout = BlockLayout::new(CONFIG.hidden);
             for part in [0, 6] {
-                for g in &mut p[layout.offsets[part]..layout.offsets[part + 1]] {
+                for g in &mut p[layout.range(part)] {
                     *g = 1.0 + 0.1 * *g;
                 }
             }
@@ -61,45 +72,62 @@ fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
     let mut acts: Vec<BlockActivations> = (0..CONFIG.layers)
-        .map(|_| BlockActivations::new(&CONFIG, BATCH))
+        .map(|_| BlockActivations::new(CPU, &CONFIG, BATCH).unwrap())
         .collect();
-    let mut scratch = BlockScratch::new(&CONFIG, BATCH);
+    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH).unwrap();
     let mut x = vec![0.0; n * h];
-    embed_forward(&CONFIG, &m.embed, &tokens, &mut x);
+    let tokens = View::host_slice(&tokens);
+    embed_forward(CPU, &CONFIG, v(&m.embed), tokens, w(&mut x)).unwrap();
     let mut next = vec![0.0; n * h];
     for (l, p) in m.blocks.iter().enumerate() {
-        block_forward(&CONFIG, BATCH, p, &x, &mut acts[l], &mut scratch, &mut next);
+        block_forward(
+            CPU,
+            &CONFIG,
+            BATCH,
+            v(p),
+            v(&x),
+            &mut acts[l],
+            &mut scratch,
+            w(&mut next),
+        )
+        .unwrap();
         std::mem::swap(&mut x, &mut next);
     }
-    let mut head = HeadBuffers::new(&CONFIG, BATCH);
+    let mut head = HeadBuffers::new(CPU, &CONFIG, BATCH).unwrap();
     let mut dembed = vec![0.0; CONFIG.embed_params()];
     let mut dx = vec![0.0; n * h];
     let loss = head_forward_backward(
+        CPU,
         &CONFIG,
-        &m.embed,
-        &x,
-        &targets,
+        v(&m.embed),
+        v(&x),
+        View::host_slice(&targets),
         1.0,
         &mut head,
-        &mut dx,
-        &mut dembed,
-    );
+        w(&mut dx),
+        w(&mut dembed),
+    )
+    .unwrap()
+    .get()
+    .unwrap() as f32;
     let mut dblocks = vec![vec![0.0; CONFIG.block_params()]; CONFIG.layers];
     let mut dprev = vec![0.0; n * h];
     for l in (0..CONFIG.layers).rev() {
         block_backward(
+            CPU,
             &CONFIG,
             BATCH,
-            &m.blocks[l],
+            v(&m.blocks[l]),
             &acts[l],
-            &dx,
+            v(&dx),
             &mut scratch,
-            &mut dprev,
-            &mut dblocks[l],
-        );
+            w(&mut dprev),
+            w(&mut dblocks[l]),
+        )
+        .unwrap();
         std::mem::swap(&mut dx, &mut dprev);
     }
-    embed_backward(&CONFIG, &tokens, &dx, &mut dembed);
+    embed_backward(CPU, &CONFIG, tokens, v(&dx), w(&mut dembed)).unwrap();
     (loss, dembed, dblocks)
 }
 
@@ -159,57 +187,99 @@ fn recomputed_forward_gives_the_same_gradients() {
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
     let mut x = vec![0.0; n * h];
-    embed_forward(&CONFIG, &m.embed, &tokens, &mut x);
-    let mut scratch = BlockScratch::new(&CONFIG, BATCH);
-    let mut acts = BlockActivations::new(&CONFIG, BATCH);
-    let mut out = vec![0.0; n * h];
-    block_forward(
+    embed_forward(
+        CPU,
         &CONFIG,
-        BATCH,
-        &m.blocks[0],
-        &x,
-        &mut acts,
-        &mut scratch,
-        &mut out,
-    );
+        v(&m.embed),
+        View::host_slice(&tokens),
+        w(&mut x),
+    )
+    .unwrap();
+    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH).unwrap();
+    let mut out = vec![0.0; n * h];
     let dout = values(n * h, 2.0, 1.0);
     let mut grads = [
         vec![0.0; CONFIG.block_params()],
         vec![0.0; CONFIG.block_params()],
     ];
     let mut dx = [vec![0.0; n * h], vec![0.0; n * h]];
-    block_backward(
-        &CONFIG,
-        BATCH,
-        &m.blocks[0],
-        &acts,
-        &dout,
-        &mut scratch,
-        &mut dx[0],
-        &mut grads[0],
-    );
-    let mut again = BlockActivations::new(&CONFIG, BATCH);
-    block_forward(
-        &CONFIG,
-        BATCH,
-        &m.blocks[0],
-        &x,
-        &mut again,
-        &mut scratch,
-        &mut out,
-    );
-    block_backward(
-        &CONFIG,
-        BATCH,
-        &m.blocks[0],
-        &again,
-        &dout,
-        &mut scratch,
-        &mut dx[1],
-        &mut grads[1],
-    );
+    for (grads, dx) in grads.iter_mut().zip(&mut dx) {
+        let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH).unwrap();
+        let p = v(&m.blocks[0]);
+        block_forward(
+            CPU,
+            &CONFIG,
+            BATCH,
+            p,
+            v(&x),
+            &mut acts,
+            &mut scratch,
+            w(&mut out),
+        )
+        .unwrap();
+        assert_eq!(acts.input().host::<f32>().unwrap(), &x[..]);
+        block_backward(
+            CPU,
+            &CONFIG,
+            BATCH,
+            p,
+            &acts,
+            v(&dout),
+            &mut scratch,
+            w(dx),
+            w(grads),
+        )
+        .unwrap();
+    }
     assert_eq!(grads[0], grads[1]);
     assert_eq!(dx[0], dx[1]);
+}
+
+#[test]
+fn buffers_of_the_wrong_size_are_named_errors() {
+    let m = model();
+    let n = BATCH * CONFIG.seq;
+    let h = CONFIG.hidden;
+    let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH).unwrap();
+    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH).unwrap();
+    let (x, mut out) = (vec![0.0; n * h - 1], vec![0.0; n * h]);
+    let p = v(&m.blocks[0]);
+    let error = block_forward(
+        CPU,
+        &CONFIG,
+        BATCH,
+        p,
+        v(&x),
+        &mut acts,
+        &mut scratch,
+        w(&mut out),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            TrainError::Shape {
+                what: "block input",
+                actual: 79,
+                expected: 80
+            }
+        ),
+        "{error}"
+    );
+    // A token outside the vocabulary is the kernel's error, not a panic.
+    let (tokens, mut x) = (vec![CONFIG.vocab as u32; n], vec![0.0; n * h]);
+    let error = embed_forward(
+        CPU,
+        &CONFIG,
+        v(&m.embed),
+        View::host_slice(&tokens),
+        w(&mut x),
+    )
+    .unwrap_err();
+    assert!(
+        error.to_string().contains("outside the vocabulary"),
+        "{error}"
+    );
 }
 
 #[test]
