@@ -13,10 +13,16 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use strata_device::{View, ViewMut};
+use strata_runtime::Tier;
 
-use super::ModelConfig;
 use crate::error::{Result, TrainError};
 use crate::gpt::GptConfig;
+
+use super::Engine;
+use super::config::ModelConfig;
+use super::moves::read_f32;
+use super::steps::state_index;
 
 /// The layout version this code writes and reads.
 pub const FORMAT: u32 = 1;
@@ -335,4 +341,152 @@ pub(crate) fn read_tensor(
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect())
+}
+
+impl Engine {
+    /// Writes a checkpoint of the state after the last step under `root`
+    /// (see [`checkpoint`](self) for the layout); every rank calls it
+    /// together. Returns the checkpoint's directory.
+    pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        self.flush()?;
+        let (rank, world) = (self.collective.rank(), self.collective.world());
+        let step = self.step;
+        let tmp = root.join(format!(".tmp-step{step}"));
+        let begun = if rank == 0 {
+            begin(root, step).map(drop)
+        } else {
+            Ok(())
+        };
+        self.agree(begun)?;
+        let mut shard = Vec::with_capacity(3 * self.groups.len());
+        let mut weights = Vec::new();
+        for g in 0..self.groups.len() {
+            let n = self.groups[g].shard;
+            let mut state = vec![0.0f32; 3 * n];
+            self.read_state(g, &mut state)?;
+            let padded = self.groups[g].padded(world);
+            self.collective
+                .all_gather(
+                    View::host_slice(&state[..n]),
+                    ViewMut::host_slice(&mut self.ws.gathered[..padded]),
+                )?
+                .wait()?;
+            if rank == 0 {
+                let mut at = 0;
+                for (name, shape) in part_names(&self.gpt, g) {
+                    let len: usize = shape.iter().product();
+                    weights.push((name, shape, self.ws.gathered[at..at + len].to_vec()));
+                    at += len;
+                }
+            }
+            let name = &self.groups[g].name;
+            shard.push((format!("{name}.master"), vec![n], state[..n].to_vec()));
+            shard.push((format!("{name}.exp_avg"), vec![n], state[n..2 * n].to_vec()));
+            shard.push((
+                format!("{name}.exp_avg_sq"),
+                vec![n],
+                state[2 * n..].to_vec(),
+            ));
+        }
+        let written = (|| {
+            let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
+            write_synced(&path, &safetensors_bytes(&path, &shard)?)?;
+            if rank == 0 {
+                let path = tmp.join("model.safetensors");
+                write_synced(&path, &safetensors_bytes(&path, &weights)?)?;
+            }
+            Ok(())
+        })();
+        self.agree(written)?;
+        let committed = if rank == 0 {
+            let meta = CheckpointMeta {
+                format: FORMAT,
+                step,
+                optimizer_steps: self.optimizer_steps,
+                ranks: world,
+                seed: self.config.train.seed,
+                model: self.config.model,
+                loss_scaler: self.scaler.state(),
+                files: Default::default(),
+            };
+            commit(root, &tmp, meta).and_then(|_| prune(root, self.config.train.checkpoints_kept))
+        } else {
+            Ok(())
+        };
+        self.agree(committed)?;
+        Ok(root.join(format!("step-{step:08}")))
+    }
+
+    /// Loads a checkpoint written by a run of the same model, ranks and
+    /// seed: the next step computes what the uninterrupted run's did.
+    pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        let meta = &checkpoint.meta;
+        let rank = self.collective.rank();
+        let path = checkpoint
+            .dir
+            .join(format!("optimizer-rank{rank}.safetensors"));
+        let mismatch = |what: &str, found: String, here: String| TrainError::Checkpoint {
+            path: checkpoint.dir.clone(),
+            problem: format!("it was written with {what} {found}, this run has {here}"),
+            fix: format!("resume with the {what} it was written with"),
+        };
+        if meta.model != self.config.model {
+            return Err(mismatch(
+                "[model]",
+                format!("{:?}", meta.model),
+                format!("{:?}", self.config.model),
+            ));
+        }
+        if meta.ranks != self.collective.world() {
+            return Err(mismatch(
+                "train.ranks",
+                meta.ranks.to_string(),
+                self.collective.world().to_string(),
+            ));
+        }
+        if meta.seed != self.config.train.seed {
+            return Err(mismatch(
+                "train.seed",
+                meta.seed.to_string(),
+                self.config.train.seed.to_string(),
+            ));
+        }
+        let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
+        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| {
+            TrainError::Checkpoint {
+                path: path.clone(),
+                problem: format!("not a safetensors file: {err}"),
+                fix: "resume from another checkpoint".into(),
+            }
+        })?;
+        for g in 0..self.groups.len() {
+            let (name, n) = (self.groups[g].name.clone(), self.groups[g].shard);
+            let master = read_tensor(&path, &file, &format!("{name}.master"), n)?;
+            let m = read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
+            let v = read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
+            self.load_group(g, &master, Some((&m, &v)))?;
+        }
+        self.scaler.restore(meta.loss_scaler)?;
+        self.step = meta.step;
+        self.optimizer_steps = meta.optimizer_steps;
+        Ok(())
+    }
+
+    /// Group `g`'s current master weights and moments, read where they
+    /// are and left at home.
+    pub(super) fn read_state(&mut self, g: usize, out: &mut [f32]) -> Result<()> {
+        let index = state_index(g, self.current);
+        let id = self.slots[index].id.expect("states registered");
+        let home = self.slots[index].home.expect("states have a home");
+        let tier = if self.runtime.residency(id)?.contains(&Tier::Device) {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        read_f32(&self.runtime, id, tier, out)?;
+        if home == Tier::Nvme {
+            self.runtime.move_to(id, Tier::Nvme)?.wait()?;
+        }
+        Ok(())
+    }
 }

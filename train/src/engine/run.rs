@@ -118,7 +118,7 @@ pub fn run(
     };
     let collectives = InProcess::group(
         world,
-        super::collective_elems_max(&config.model.gpt(), world),
+        super::tensors::collective_elems_max(&config.model.gpt(), world),
     );
     let (sender, receiver) = channel::<(StepReport, Stats)>();
     let stop = options

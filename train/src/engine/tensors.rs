@@ -1,0 +1,403 @@
+//! The trace's tensors: parameter groups and their shards, the slots
+//! (two parameter sets, two state sets and the gradient per group, then
+//! the saved activations), their registration and initialization, and
+//! how the planner sees them (sizes, classes, tiers, links).
+
+use half::bf16;
+use strata_runtime::{Access, Completion, Dtype, Runtime, TensorId, TensorKind, TensorMeta, Tier};
+use strata_scheduler as sched;
+use strata_scheduler::{Processor, TensorClass};
+use strata_storage::engine::SplitMix64;
+
+use crate::error::Result;
+use crate::gpt::{BlockLayout, EmbedLayout, GptConfig};
+
+use super::Engine;
+use super::config::{Placement, StateCache, TrainConfig};
+use super::steps::{grad_index, param_index, state_index};
+
+/// A tensor of the trace and its runtime copy.
+pub(super) struct Slot {
+    pub(super) meta: TensorMeta,
+    pub(super) home: Option<Tier>,
+    pub(super) id: Option<TensorId>,
+    /// The planned move in flight, and its target tier.
+    pub(super) pending: Option<(Completion, Tier)>,
+    /// Written by a late update this step, and in the state cache: its host copy stays for the
+    /// next step's update, its write-back waits for backward.
+    pub(super) fresh: bool,
+}
+
+/// A parameter group's shard geometry and weight-decay runs.
+#[derive(Clone, Debug)]
+pub(super) struct Group {
+    pub(super) name: String,
+    pub(super) params: usize,
+    pub(super) shard: usize,
+    /// Runs of this rank's shard that are (or are not) weight-decayed.
+    pub(super) runs: Vec<(std::ops::Range<usize>, bool)>,
+}
+
+impl Group {
+    pub(super) fn padded(&self, world: usize) -> usize {
+        self.shard * world
+    }
+}
+
+/// Where the optimizer reads gradients and runs its updates.
+pub(super) fn optimizer_tier(placement: Placement) -> Tier {
+    match placement {
+        Placement::Device => Tier::Device,
+        _ => Tier::Host,
+    }
+}
+
+/// The tier an op's processor works in.
+pub(super) fn processor_tier(processor: Processor) -> Tier {
+    match processor {
+        Processor::Gpu => Tier::Device,
+        Processor::Cpu => Tier::Host,
+    }
+}
+
+/// The state cache: how many leading groups' states fit in it, and their
+/// host bytes (none unless the states live on NVMe).
+pub(super) fn state_cache(
+    config: &TrainConfig,
+    runtime: &Runtime,
+    slots: &[Slot],
+    groups: usize,
+) -> (usize, u64) {
+    let bytes_max = match (config.placement.optimizer, config.placement.state_cache) {
+        (Placement::Nvme, StateCache::Auto) => runtime.stats().tier(Tier::Host).budget_bytes / 4,
+        (Placement::Nvme, StateCache::Bytes(bytes)) => bytes,
+        _ => 0,
+    };
+    let mut cached = (0, 0);
+    while cached.0 < groups {
+        let state = slots[state_index(cached.0, 0)].meta.len_bytes();
+        let bytes = runtime.footprint_bytes(state)[Tier::Host.index()];
+        if cached.1 + bytes > bytes_max {
+            break;
+        }
+        cached = (cached.0 + 1, cached.1 + bytes);
+    }
+    cached
+}
+
+/// The most floats one collective call carries: a whole (padded) group.
+pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
+    let shard_max = groups(gpt, world, 0).iter().map(|g| g.shard).max();
+    shard_max.expect("groups") * world
+}
+
+/// The parameter groups (embeddings, then each block) and this rank's
+/// shard of each.
+pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
+    let embed = EmbedLayout::new(gpt);
+    let block = BlockLayout::new(gpt.hidden);
+    let mut groups = Vec::with_capacity(gpt.layers + 1);
+    for g in 0..=gpt.layers {
+        let (name, params) = match g {
+            0 => ("embed".to_string(), embed.total),
+            _ => (format!("block{}", g - 1), block.total),
+        };
+        let shard = params.div_ceil(world);
+        let begin = rank * shard;
+        let decays = |i: usize| {
+            i < params
+                && if g == 0 {
+                    embed.is_matrix(i)
+                } else {
+                    block.is_matrix(i)
+                }
+        };
+        let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+        for i in 0..shard {
+            let d = decays(begin + i);
+            match runs.last_mut() {
+                Some((range, last)) if *last == d => range.end = i + 1,
+                _ => runs.push((i..i + 1, d)),
+            }
+        }
+        groups.push(Group {
+            name,
+            params,
+            shard,
+            runs,
+        });
+    }
+    groups
+}
+
+/// The trace's tensors: per group two parameter sets, two state sets and
+/// the gradient; then what each block keeps for its backward, per
+/// micro-batch.
+/// `activation_elems` is what a block keeps for its backward without
+/// checkpointing.
+pub(super) fn slots(
+    config: &TrainConfig,
+    gpt: &GptConfig,
+    groups: &[Group],
+    activation_elems: usize,
+) -> Vec<Slot> {
+    let params_home = config.placement.params.tier();
+    let states_home = config.placement.optimizer.tier();
+    // Gradients outlive their step when its update runs late, in the next
+    // one: they stay where the optimizer reads them.
+    let grads_home = optimizer_tier(config.placement.optimizer);
+    let slot = |name: String, kind, dtype, elements: usize, home| Slot {
+        meta: TensorMeta::new(name, kind, dtype, &[elements as u64]),
+        home,
+        id: None,
+        pending: None,
+        fresh: false,
+    };
+    let mut slots = Vec::new();
+    for group in groups {
+        let n = group.shard;
+        for set in 0..2 {
+            slots.push(slot(
+                format!("{}.param{set}", group.name),
+                TensorKind::Param,
+                Dtype::Bf16,
+                n,
+                Some(params_home),
+            ));
+        }
+        for set in 0..2 {
+            slots.push(slot(
+                format!("{}.optim{set}", group.name),
+                TensorKind::OptimizerState,
+                Dtype::F32,
+                3 * n,
+                Some(states_home),
+            ));
+        }
+        slots.push(slot(
+            format!("{}.grad", group.name),
+            TensorKind::Grad,
+            Dtype::F32,
+            n,
+            Some(grads_home),
+        ));
+    }
+    let saved = if config.train.checkpoint_activations {
+        config.train.micro_batch * gpt.seq * gpt.hidden
+    } else {
+        activation_elems
+    };
+    for m in 0..config.train.grad_accumulation {
+        for b in 0..gpt.layers {
+            slots.push(slot(
+                format!("block{b}.saved.mb{m}"),
+                TensorKind::Activation,
+                Dtype::F32,
+                saved,
+                None,
+            ));
+        }
+    }
+    slots
+}
+
+/// GPT-2's initialization of group `g`, the same whatever the ranks: normal
+/// (0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers),
+/// LayerNorm scales 1, biases 0.
+pub(super) fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
+    let mut rng = SplitMix64(seed ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let h = gpt.hidden;
+    if g == 0 {
+        let layout = EmbedLayout::new(gpt);
+        let matrices = gpt.vocab * h + gpt.seq * h;
+        for x in &mut out[..matrices] {
+            *x = 0.02 * normal(&mut rng);
+        }
+        out[matrices..matrices + h].fill(1.0);
+        out[matrices + h..layout.total].fill(0.0);
+        return;
+    }
+    let layout = BlockLayout::new(h);
+    let residual = 0.02 / (2.0 * gpt.layers as f32).sqrt();
+    // Parts in layout order: ln1 (g, b), qkv (w, b), proj (w, b), ln2 (g,
+    // b), fc1 (w, b), fc2 (w, b).
+    let sizes = [
+        h,
+        h,
+        3 * h * h,
+        3 * h,
+        h * h,
+        h,
+        h,
+        h,
+        4 * h * h,
+        4 * h,
+        4 * h * h,
+        h,
+    ];
+    let mut at = 0;
+    for (part, size) in sizes.iter().enumerate() {
+        let piece = &mut out[at..at + size];
+        match part {
+            0 | 6 => piece.fill(1.0),
+            2 | 8 => piece.iter_mut().for_each(|x| *x = 0.02 * normal(&mut rng)),
+            4 | 10 => piece
+                .iter_mut()
+                .for_each(|x| *x = residual * normal(&mut rng)),
+            _ => piece.fill(0.0),
+        }
+        at += size;
+    }
+    debug_assert_eq!(at, layout.total);
+}
+
+/// A normal deviate by Box-Muller from the shared seeded generator.
+pub(super) fn normal(rng: &mut SplitMix64) -> f32 {
+    // Uniforms in (0, 1], so the logarithm is finite.
+    let mut uniform = || ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+    let (u, v) = (uniform(), uniform());
+    ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+}
+
+pub(super) fn links() -> sched::Links {
+    let copy = sched::Link {
+        bytes_per_s: COPY_BYTES_PER_S,
+        latency_ns: 10_000,
+    };
+    let nvme = sched::Link {
+        bytes_per_s: NVME_BYTES_PER_S,
+        latency_ns: 100_000,
+    };
+    sched::Links {
+        host_to_device: copy,
+        device_to_host: copy,
+        nvme_read: nvme,
+        nvme_write: nvme,
+        nvme_duplex: false,
+    }
+}
+
+/// The planner's view of the tensors: each as large as the most it takes
+/// in any tier (buffers and extents are whole).
+pub(super) fn specs(runtime: &Runtime, slots: &[Slot]) -> Vec<sched::TensorSpec> {
+    slots
+        .iter()
+        .map(|slot| sched::TensorSpec {
+            name: slot.meta.name.clone(),
+            bytes: runtime
+                .footprint_bytes(slot.meta.len_bytes())
+                .into_iter()
+                .max()
+                .expect("three tiers"),
+            class: class_of(slot.meta.kind),
+            home: slot.home.map(sched_tier),
+        })
+        .collect()
+}
+
+pub(super) fn class_of(kind: TensorKind) -> TensorClass {
+    match kind {
+        TensorKind::Param => TensorClass::Param,
+        TensorKind::Grad => TensorClass::Grad,
+        TensorKind::OptimizerState => TensorClass::OptimizerState,
+        TensorKind::Activation => TensorClass::Activation,
+    }
+}
+
+pub(super) fn sched_tier(tier: Tier) -> sched::Tier {
+    match tier {
+        Tier::Device => sched::Tier::Device,
+        Tier::Host => sched::Tier::Host,
+        Tier::Nvme => sched::Tier::Nvme,
+    }
+}
+
+pub(super) fn runtime_tier(tier: sched::Tier) -> Tier {
+    match tier {
+        sched::Tier::Device => Tier::Device,
+        sched::Tier::Host => Tier::Host,
+        sched::Tier::Nvme => Tier::Nvme,
+    }
+}
+
+/// Link speeds the planner assumes for the CPU device (memory copies) and
+/// the NVMe tier; they shape prefetch timing, not correctness.
+pub(super) const COPY_BYTES_PER_S: f64 = 8e9;
+
+pub(super) const NVME_BYTES_PER_S: f64 = 2e9;
+
+/// What the planner assumes the compute runs at, per op.
+pub(super) const FLOPS_PER_S: f64 = 2e10;
+
+impl Engine {
+    /// Registers every persistent tensor at home with its initial values.
+    pub(super) fn initialize(&mut self) -> Result<()> {
+        let world = self.collective.world();
+        let rank = self.collective.rank();
+        let seed = self.config.train.seed;
+        for g in 0..self.groups.len() {
+            let group = self.groups[g].clone();
+            let mut full = vec![0.0f32; group.padded(world)];
+            init_group(&self.gpt, g, seed, &mut full[..group.params]);
+            let master = &full[rank * group.shard..(rank + 1) * group.shard];
+            self.load_group(g, master, None)?;
+            self.place_persistent(grad_index(g), None)?;
+        }
+        Ok(())
+    }
+
+    /// Writes group `g`'s shard: master weights, moments (zero when none),
+    /// and the bf16 compute copy, into the current set; the other set is
+    /// registered at home, to be overwritten by the next update.
+    pub(super) fn load_group(
+        &mut self,
+        g: usize,
+        master: &[f32],
+        moments: Option<(&[f32], &[f32])>,
+    ) -> Result<()> {
+        let n = self.groups[g].shard;
+        let mut state = vec![0.0f32; 3 * n];
+        state[..n].copy_from_slice(master);
+        if let Some((m, v)) = moments {
+            state[n..2 * n].copy_from_slice(m);
+            state[2 * n..].copy_from_slice(v);
+        }
+        let param: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
+        for set in 0..2 {
+            let current = set == self.current;
+            let p = param_index(g, set);
+            let s = state_index(g, set);
+            self.place_persistent(p, current.then_some(bytemuck::cast_slice(&param)))?;
+            self.place_persistent(s, current.then_some(bytemuck::cast_slice(&state)))?;
+        }
+        Ok(())
+    }
+
+    /// (Re)creates a persistent tensor with `data` (or zeros) at its home.
+    pub(super) fn place_persistent(&mut self, index: usize, data: Option<&[u8]>) -> Result<()> {
+        if let Some(id) = self.slots[index].id.take() {
+            self.runtime.free(id)?;
+        }
+        let home = self.slots[index]
+            .home
+            .expect("persistent tensors have a home");
+        let first = if home == Tier::Device {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        let id = self
+            .runtime
+            .register(self.slots[index].meta.clone(), first)?;
+        self.slots[index].id = Some(id);
+        if let Some(data) = data {
+            self.runtime
+                .acquire(id, first, Access::Write)?
+                .write_from(data)?;
+        }
+        if home != first {
+            self.runtime.move_to(id, home)?.wait()?;
+        }
+        Ok(())
+    }
+}
