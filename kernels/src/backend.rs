@@ -15,6 +15,7 @@
 //! so the planner can count them.
 
 use strata_device::{Buffer, DeviceKind, Dtype, Fence, View, ViewMut};
+use strata_optim::AdamCoefficients;
 
 use crate::error::Result;
 
@@ -245,6 +246,26 @@ pub trait Backend: Send + Sync {
         dout: View<'_>,
         dtable: ViewMut<'_>,
         dpositions: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// One fused AdamW step over optimizer states resident on the device
+    /// (a resident placement): reads the fp32 gradient `grad`, updates the
+    /// fp32 `master` weights and moments `m` and `v` in place, and writes
+    /// their bf16 compute copy to `param`, all `grad.len()` long.
+    /// `coefficients` carry the step's learning rate, bias corrections,
+    /// weight decay and gradient scale (1 / loss scale times the clip
+    /// coefficient), as `strata_optim` derives them; an overflowed step is
+    /// the caller's to skip. The update's arithmetic is `strata_optim`'s,
+    /// element by element.
+    #[allow(clippy::too_many_arguments)]
+    fn adamw(
+        &self,
+        coefficients: &AdamCoefficients,
+        grad: View<'_>,
+        master: ViewMut<'_>,
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+        param: ViewMut<'_>,
     ) -> Result<()>;
 
     /// The sum of squares of `x`, in f64 (a gradient norm's partial).

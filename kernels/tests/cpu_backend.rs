@@ -327,3 +327,70 @@ fn casts_copies_and_reductions_read_back_without_a_device_sync() {
     assert_eq!(y, [0.0; 3]);
     assert!(backend.read_scalar(View::host_slice(&y), 3).is_err());
 }
+
+#[test]
+fn fused_adamw_matches_the_f64_reference_for_ten_steps() {
+    use strata_optim::AdamConfig;
+    use strata_optim::reference::{State64, adam};
+    let backend = CpuBackend;
+    let n = 37;
+    let config = AdamConfig::adamw(1e-2);
+    let mut master = values(n, 11);
+    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let mut param = vec![half::bf16::ZERO; n];
+    let mut exact: Vec<State64> = master
+        .iter()
+        .map(|&p| State64 {
+            p: f64::from(p),
+            ..State64::default()
+        })
+        .collect();
+    let grad_scale = 0.5f32;
+    for step in 1..=10u64 {
+        let grad = values(n, 100 + step);
+        let coefficients = config.coefficients(step, grad_scale).unwrap();
+        backend
+            .adamw(
+                &coefficients,
+                View::host_slice(&grad),
+                ViewMut::host_slice(&mut master),
+                ViewMut::host_slice(&mut m),
+                ViewMut::host_slice(&mut v),
+                ViewMut::host_slice(&mut param),
+            )
+            .unwrap();
+        for (x, g) in exact.iter_mut().zip(&grad) {
+            *x = adam(&config, step, f64::from(grad_scale), f64::from(*g), *x);
+        }
+    }
+    for i in 0..n {
+        let (p, e) = (f64::from(master[i]), exact[i]);
+        assert!(
+            (p - e.p).abs() <= 1e-5 * e.p.abs().max(1e-2),
+            "master[{i}] {p} vs {}",
+            e.p
+        );
+        assert!(
+            (f64::from(v[i]) - e.s2).abs() <= 1e-5 * e.s2.abs().max(1e-6),
+            "v[{i}]"
+        );
+        assert_eq!(param[i], half::bf16::from_f32(master[i]), "param[{i}]");
+    }
+    // Operands of different lengths are named, before anything is written.
+    let before = master.clone();
+    let error = backend
+        .adamw(
+            &config.coefficients(11, 1.0).unwrap(),
+            View::host_slice(&values(n, 1)),
+            ViewMut::host_slice(&mut master),
+            ViewMut::host_slice(&mut m),
+            ViewMut::host_slice(&mut v[..n - 1]),
+            ViewMut::host_slice(&mut param),
+        )
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("adamw: v has 36 elements"),
+        "{error}"
+    );
+    assert_eq!(master, before);
+}

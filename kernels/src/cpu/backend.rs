@@ -4,6 +4,7 @@
 
 use half::bf16;
 use strata_device::{Buffer, DeviceKind, Dtype, Element, Fence, View, ViewMut};
+use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam_step};
 
 use super::gemm::{Strided, gemm_strided};
 use super::ops;
@@ -629,6 +630,40 @@ impl Backend for CpuBackend {
                 pe[j] += row[j];
             }
         }
+        Ok(())
+    }
+
+    fn adamw(
+        &self,
+        coefficients: &AdamCoefficients,
+        grad: View<'_>,
+        master: ViewMut<'_>,
+        m: ViewMut<'_>,
+        v: ViewMut<'_>,
+        param: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "adamw";
+        let grad = contiguous::<f32>(OP, "grad", grad)?;
+        let master = contiguous_mut::<f32>(OP, "master", master)?;
+        let m = contiguous_mut::<f32>(OP, "m", m)?;
+        let v = contiguous_mut::<f32>(OP, "v", v)?;
+        let param = contiguous_mut::<bf16>(OP, "param", param)?;
+        for (operand, len) in [
+            ("master", master.len()),
+            ("m", m.len()),
+            ("v", v.len()),
+            ("param", param.len()),
+        ] {
+            same_len(OP, operand, len, grad.len())?;
+        }
+        adam_step(
+            Isa::chosen(),
+            coefficients,
+            master,
+            Values::F32(grad),
+            Moments::F32 { m, v },
+            Some(LowPrecisionMut::Bf16(param)),
+        );
         Ok(())
     }
 
