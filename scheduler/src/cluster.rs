@@ -558,7 +558,11 @@ pub fn estimate(
     let ops_per_layer = 4 * tiles;
     let (steady, first) = match policy {
         Policies::Strata => (
-            Policy::strata(LOOKAHEAD_OPS_MAX, horizon_layers * ops_per_layer),
+            Policy::strata(
+                LOOKAHEAD_OPS_MAX,
+                horizon_layers * ops_per_layer,
+                device_room.saturating_add(host_per_gpu),
+            ),
             Policy::recording(),
         ),
         Policies::DeepSpeed { pipelined } => (

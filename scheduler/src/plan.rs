@@ -188,7 +188,10 @@ pub struct Policy {
     pub rules: [ClassRule; 5],
     /// Stop the lookahead at the first tensor whose only copy is on NVMe.
     pub stop_at_nvme: bool,
-    /// Bytes fetched ahead of the current op, at most.
+    /// Bytes fetched ahead of the current op, at most: sized at start.
+    /// strata's callers give what the device and host tiers hold for the
+    /// plan (everything fetched ahead sits there), so the op-count
+    /// lookahead is what binds in practice.
     pub prefetch_bytes_max: u64,
     /// Transfers queued or running per lane, at most (prefetches; demand
     /// fetches are never held back).
@@ -204,10 +207,15 @@ pub struct Policy {
 
 impl Policy {
     /// strata: Belady eviction, one lookahead queue over every class and
-    /// both hops, bounded by `lookahead_ops_max` ops and
+    /// both hops, bounded by `lookahead_ops_max` ops, `prefetch_bytes_max`
+    /// bytes ahead (the caller's device and host room for the plan) and
     /// `transfers_in_flight_max` per lane; activations prefetched at most
     /// `activation_horizon_ops` ahead.
-    pub fn strata(lookahead_ops_max: u32, activation_horizon_ops: u32) -> Policy {
+    pub fn strata(
+        lookahead_ops_max: u32,
+        activation_horizon_ops: u32,
+        prefetch_bytes_max: u64,
+    ) -> Policy {
         let rule = ClassRule {
             prefetch_ops_max: lookahead_ops_max,
             evict_after_use: false,
@@ -222,7 +230,7 @@ impl Policy {
             eviction: Eviction::Belady,
             rules,
             stop_at_nvme: false,
-            prefetch_bytes_max: u64::MAX,
+            prefetch_bytes_max,
             transfers_in_flight_max: 16,
             move_early: true,
         }

@@ -279,7 +279,7 @@ mod tests {
         PlanConfig {
             capacity_bytes: [100, 1000, 10_000],
             links,
-            policy: Policy::strata(8, 8),
+            policy: Policy::strata(8, 8, 100),
         }
     }
 

@@ -47,7 +47,7 @@ fn steps_that_follow_their_plan_do_not_allocate() {
             nvme_write: link,
             nvme_duplex: false,
         },
-        policy: Policy::strata(4, 2),
+        policy: Policy::strata(4, 2, 200),
     };
     let tensors: Vec<TensorSpec> = (0..8)
         .map(|i| TensorSpec {

@@ -95,7 +95,8 @@ fn traces() -> impl Strategy<Value = Trace> {
 
 fn policies() -> impl Strategy<Value = Policy> {
     prop_oneof![
-        (0u32..12, 0u32..6).prop_map(|(lookahead, horizon)| Policy::strata(lookahead, horizon)),
+        (0u32..12, 0u32..6, prop_oneof![0u64..4096, Just(u64::MAX)])
+            .prop_map(|(lookahead, horizon, bytes)| Policy::strata(lookahead, horizon, bytes)),
         (1u32..5, any::<bool>()).prop_map(|(step, pipelined)| Policy::deepspeed(step, pipelined)),
         Just(Policy::recording()),
     ]

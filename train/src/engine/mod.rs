@@ -260,6 +260,8 @@ impl Engine {
             policy: sched::Policy::strata(
                 config.placement.prefetch_ops,
                 config.placement.activation_horizon_ops,
+                capacity_bytes[Tier::Device.index()]
+                    .saturating_add(capacity_bytes[Tier::Host.index()]),
             ),
         };
         let layers = gpt.layers;
