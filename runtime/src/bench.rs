@@ -13,8 +13,8 @@ use strata_storage::{ByteSize, Op, PAGE_BYTES, StorageConfig, round_up};
 use crate::config::{ClassConfig, DeviceConfig, HostConfig, RuntimeConfig};
 use crate::device::Direction;
 use crate::error::{Result, RuntimeError};
-use crate::guard::Access;
 use crate::residency::Runtime;
+use crate::state::Access;
 use crate::tier::{Dtype, Link, TensorKind, TensorMeta, Tier};
 
 /// Buffer size of the pool's large class in the bench.

@@ -7,18 +7,9 @@ use std::time::Instant;
 
 use crate::error::{Result, RuntimeError};
 use crate::host_pool::{Chunk, Slot};
-use crate::residency::{Place, Shared, check_size, in_use_error, not_resident};
+use crate::state::{Access, Entry, Place, Shared, check_size, in_use_error, not_resident};
 use crate::stats::caller_lane;
 use crate::tier::{TensorId, Tier};
-
-/// Read (shared) or write (exclusive) use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Access {
-    /// Any number of readers; no writer.
-    Read,
-    /// One writer, no reader; other copies are released when it ends.
-    Write,
-}
 
 /// Where a guarded copy's bytes are.
 pub(crate) enum View {
@@ -33,7 +24,7 @@ pub(crate) enum View {
 }
 
 impl View {
-    pub(crate) fn of(entry: &crate::residency::Entry, tier: Tier) -> View {
+    pub(crate) fn of(entry: &Entry, tier: Tier) -> View {
         let (place, chunks) = entry.place(tier);
         match place {
             Place::Host(slots) => View::Host {
@@ -103,7 +94,7 @@ impl Guard {
     pub(crate) fn taken(
         shared: &Arc<Shared>,
         id: TensorId,
-        entry: &crate::residency::Entry,
+        entry: &Entry,
         tier: Tier,
         access: Access,
     ) -> Guard {

@@ -33,6 +33,7 @@ mod error;
 mod guard;
 mod host_pool;
 mod residency;
+mod state;
 mod stats;
 mod tier;
 
@@ -42,9 +43,10 @@ pub use config::{
 };
 pub use device::{CpuDevice, CudaDevice, Device, DeviceKind};
 pub use error::{Result, RuntimeError};
-pub use guard::{Access, Guard};
+pub use guard::Guard;
 pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
 pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
+pub use state::Access;
 pub use stats::{
     CALLER_LANE, EventKind, LinkStats, OPTIMIZER_LANE, Stats, TierStats, Trace, TraceEvent,
     set_caller_lane,

@@ -1,6 +1,6 @@
 //! The one error type of strata-scheduler.
 
-use crate::trace::Tier;
+use crate::tier::Tier;
 
 /// Everything that can go wrong while planning or simulating.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -24,6 +24,7 @@ mod model;
 mod plan;
 mod sim;
 mod step;
+mod tier;
 mod trace;
 
 pub use cluster::{Estimate, Policies};

@@ -5,52 +5,7 @@
 use serde::Serialize;
 
 use crate::error::SchedulerError;
-
-/// Where a copy of a tensor lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// GPU memory.
-    Device,
-    /// Pinned host RAM.
-    Host,
-    /// The NVMe swap store.
-    Nvme,
-}
-
-impl Tier {
-    /// All tiers, fastest first; `ALL[t.index()] == t`.
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Nvme];
-
-    /// 0, 1, 2 from fastest to slowest.
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// The bit of this tier in a copy mask.
-    pub fn bit(self) -> u8 {
-        1 << self.index()
-    }
-
-    /// The next tier down, if any.
-    pub fn below(self) -> Option<Tier> {
-        match self {
-            Tier::Device => Some(Tier::Host),
-            Tier::Host => Some(Tier::Nvme),
-            Tier::Nvme => None,
-        }
-    }
-}
-
-impl std::fmt::Display for Tier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Nvme => "nvme",
-        })
-    }
-}
+pub use crate::tier::Tier;
 
 /// What runs an op; its tensors must be on that processor's tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

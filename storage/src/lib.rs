@@ -28,6 +28,7 @@
 mod alloc;
 pub mod bench;
 mod buffer;
+mod checksum;
 mod config;
 pub mod engine;
 mod error;
@@ -40,6 +41,7 @@ pub mod sys;
 
 pub use alloc::ExtentAllocator;
 pub use buffer::{AlignedBuf, PAGE_BYTES};
+pub use checksum::checksum;
 pub use config::{
     BLOCK_BYTES_MAX, DIRS_MAX, EngineChoice, QUEUE_DEPTH_MAX, RINGS_MAX, StorageConfig,
 };
@@ -52,4 +54,4 @@ pub use file::{AlignSource, IoFile, check_dir_writable};
 pub use queue::{Completion, IoQueue, QueueStats, RETRIES_MAX_DEFAULT, Request};
 pub use service::{EngineFactory, IoService, ServiceConfig, Ticket};
 pub use size::{ByteSize, round_up};
-pub use store::{Extent, OWNED_DIR, SwapStore, checksum};
+pub use store::{Extent, OWNED_DIR, SwapStore};

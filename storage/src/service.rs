@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc;
 
+use crate::checksum::checksum;
 use crate::engine::{self, EngineKind, RawEngine};
 use crate::error::{Op, Result, StorageError};
 use crate::queue::{Completion, IoQueue, Request};
@@ -416,7 +417,7 @@ fn verify(piece: &Piece) -> Result<()> {
     debug_assert_eq!(piece.request.op, Op::Read);
     // SAFETY: the read into this memory completed and the batch still owns it.
     let data = unsafe { std::slice::from_raw_parts(piece.request.ptr, piece.request.len as usize) };
-    let actual = crate::store::checksum(data);
+    let actual = checksum(data);
     if actual == check.expected {
         Ok(())
     } else {

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use crate::alloc::ExtentAllocator;
 use crate::buffer::AlignedBuf;
+use crate::checksum::checksum;
 use crate::config::StorageConfig;
 use crate::engine::{EngineKind, FaultCounts, FaultRates};
 use crate::error::{Op, Result, StorageError};
@@ -21,11 +22,6 @@ use crate::size::{ByteSize, round_up};
 
 /// Name of the directory a store owns inside each swap directory.
 pub const OWNED_DIR: &str = "strata-swap";
-
-/// The checksum of one chunk (xxh3, 64 bits).
-pub fn checksum(data: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(data)
-}
 
 static STORE_SEQ: AtomicU64 = AtomicU64::new(0);
 

@@ -1,0 +1,345 @@
+//! The residency manager's shared state, one level below the registry
+//! (`residency.rs`) and the guards (`guard.rs`): the registry uses guards,
+//! and both use this, which uses neither. It holds [`Access`], each tensor's
+//! [`Entry`] with the [`Place`] of each [`Copy`](struct@Copy), the registry
+//! [`State`] kept under one lock, [`Shared`] (what the movers, guards and
+//! completions hold: the state, the pinned pool, the device, the store and
+//! the trace), and the error helpers both report with ([`check_size`],
+//! [`in_use_error`], [`not_resident`], [`moving_error`]).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use strata_storage::{Extent, ExtentAllocator, SwapStore};
+
+use crate::device::Device;
+use crate::error::{Result, RuntimeError};
+use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
+use crate::stats::{EventKind, Stats, Trace, TraceEvent};
+use crate::tier::{TensorId, TensorMeta, Tier};
+
+/// Read (shared) or write (exclusive) use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Any number of readers; no writer.
+    Read,
+    /// One writer, no reader; other copies are released when it ends.
+    Write,
+}
+
+/// Where one copy of a tensor lives.
+pub(crate) enum Place {
+    Device { offset: u64, bytes: u64 },
+    Host(Arc<[Slot]>),
+    Nvme(Arc<[Extent]>),
+}
+
+pub(crate) struct Copy {
+    pub(crate) place: Place,
+    /// False while a move is filling it.
+    pub(crate) valid: bool,
+}
+
+pub(crate) struct Entry {
+    pub(crate) meta: TensorMeta,
+    pub(crate) len_bytes: u64,
+    pub(crate) chunks: Arc<[Chunk]>,
+    pub(crate) copies: [Option<Copy>; 3],
+    /// Target of the move in flight.
+    pub(crate) moving: Option<Tier>,
+    /// Tiers above this one keep their copies through the move in flight,
+    /// so readers may take them meanwhile (a write-back to NVMe does not
+    /// stop the device copy's readers). `Tier::Device`: none.
+    pub(crate) kept_above: Tier,
+    pub(crate) readers: [u32; 3],
+    pub(crate) writer: bool,
+    pub(crate) last_use: u64,
+    pub(crate) next_use: u64,
+}
+
+impl Entry {
+    pub(crate) fn place(&self, tier: Tier) -> (&Place, &Arc<[Chunk]>) {
+        let copy = self.copies[tier.index()].as_ref().expect("copy present");
+        (&copy.place, &self.chunks)
+    }
+
+    pub(crate) fn is_moving(&self) -> bool {
+        self.moving.is_some()
+    }
+
+    /// Whether a reader may take the copy in `tier` now: no move, or one
+    /// that neither writes nor releases it.
+    pub(crate) fn readable_during_move(&self, tier: Tier) -> bool {
+        self.moving.is_some() && tier < self.kept_above && self.valid(tier)
+    }
+
+    pub(crate) fn has_writer(&self) -> bool {
+        self.writer
+    }
+
+    pub(crate) fn reader_count(&self) -> u32 {
+        self.readers.iter().sum()
+    }
+
+    pub(crate) fn len_bytes(&self) -> u64 {
+        self.len_bytes
+    }
+
+    pub(crate) fn begin_use(&mut self, tier: Tier, access: Access, now: u64) {
+        self.last_use = now;
+        match access {
+            Access::Read => self.readers[tier.index()] += 1,
+            Access::Write => self.writer = true,
+        }
+    }
+
+    pub(crate) fn end_use(&mut self, tier: Tier, access: Access) {
+        match access {
+            Access::Read => self.readers[tier.index()] -= 1,
+            Access::Write => self.writer = false,
+        }
+    }
+
+    pub(crate) fn valid(&self, tier: Tier) -> bool {
+        matches!(&self.copies[tier.index()], Some(copy) if copy.valid)
+    }
+
+    pub(crate) fn in_use(&self) -> bool {
+        self.writer || self.readers.iter().any(|&r| r > 0)
+    }
+
+    fn resident(&self) -> String {
+        let tiers: Vec<&str> = Tier::ALL
+            .iter()
+            .filter(|&&t| self.valid(t))
+            .map(|t| t.name())
+            .collect();
+        if tiers.is_empty() {
+            "no tier".into()
+        } else {
+            tiers.join(", ")
+        }
+    }
+}
+
+pub(crate) struct State {
+    pub(crate) tensors: HashMap<TensorId, Entry>,
+    pub(crate) next_id: u64,
+    pub(crate) tensors_max: usize,
+    pub(crate) free_lists: FreeLists,
+    pub(crate) device_space: ExtentAllocator,
+    pub(crate) stats: Stats,
+    /// Moves in progress that will release a copy in each tier when done.
+    pub(crate) releasing: [u32; 3],
+    pub(crate) clock: u64,
+    /// Names of freed tensors, newest last, at most `trace_events_max`
+    /// (room reserved at start): the trace names what they moved.
+    pub(crate) retired: VecDeque<(TensorId, String)>,
+}
+
+/// What the movers, guards and completions share.
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    pub(crate) changed: Condvar,
+    pub(crate) pool: HostPool,
+    pub(crate) device: Box<dyn Device>,
+    pub(crate) store: Option<SwapStore>,
+    pub(crate) trace: Mutex<Trace>,
+    pub(crate) started: Instant,
+    /// How long a mover waits for room held by copies in use or moving.
+    pub(crate) room_wait: Duration,
+}
+
+pub(crate) fn moving_error(id: TensorId, entry: &Entry, target: Tier) -> RuntimeError {
+    RuntimeError::Moving {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        target_tier: target,
+    }
+}
+
+/// The tiers whose copies a move to `target` releases once it lands: from
+/// `release_from` down to just above `target` (none when `release_from`
+/// is `target`: a copy).
+pub(crate) fn released_by(release_from: Tier, target: Tier) -> &'static [Tier] {
+    &Tier::ALL[release_from.index().min(target.index())..target.index()]
+}
+
+/// `SizeMismatch` unless `given` bytes are the tensor's size.
+pub(crate) fn check_size(id: TensorId, entry: &Entry, given: usize) -> Result<()> {
+    if given as u64 == entry.len_bytes {
+        return Ok(());
+    }
+    Err(RuntimeError::SizeMismatch {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        tensor_bytes: entry.len_bytes,
+        given_bytes: given as u64,
+    })
+}
+
+pub(crate) fn in_use_error(id: TensorId, entry: &Entry) -> RuntimeError {
+    RuntimeError::InUse {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        readers: entry.readers.iter().sum(),
+        writer: entry.writer,
+    }
+}
+
+pub(crate) fn not_resident(id: TensorId, entry: &Entry, tier: Tier) -> RuntimeError {
+    RuntimeError::NotResident {
+        tensor: id,
+        name: entry.meta.name.clone(),
+        tier,
+        resident: entry.resident(),
+    }
+}
+
+impl State {
+    pub(crate) fn entry(&self, id: TensorId) -> Result<&Entry> {
+        self.tensors
+            .get(&id)
+            .ok_or(RuntimeError::UnknownTensor { tensor: id })
+    }
+
+    pub(crate) fn entry_mut(&mut self, id: TensorId) -> Result<&mut Entry> {
+        self.tensors
+            .get_mut(&id)
+            .ok_or(RuntimeError::UnknownTensor { tensor: id })
+    }
+
+    pub(crate) fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    pub(crate) fn account(&mut self, tier: Tier, added_bytes: u64, removed_bytes: u64) {
+        let stats = &mut self.stats.tiers[tier.index()];
+        stats.used_bytes = stats.used_bytes + added_bytes - removed_bytes;
+        stats.peak_bytes = stats.peak_bytes.max(stats.used_bytes);
+        assert!(
+            stats.used_bytes <= stats.budget_bytes,
+            "{tier} holds {} bytes, over its budget of {}",
+            stats.used_bytes,
+            stats.budget_bytes
+        );
+    }
+
+    /// Frees a copy's memory and updates the accounting.
+    fn release_place(&mut self, tier: Tier, place: Place) {
+        let bytes = match place {
+            Place::Device { offset, bytes } => {
+                self.device_space.free(offset, bytes);
+                bytes
+            }
+            Place::Host(slots) => {
+                self.free_lists.give_back(&slots);
+                self.free_lists.bytes_of(&slots)
+            }
+            // Extents free themselves once no transfer holds them.
+            Place::Nvme(extents) => extents.iter().map(|e| e.len_bytes()).sum(),
+        };
+        self.account(tier, 0, bytes);
+    }
+
+    pub(crate) fn drop_copy(&mut self, id: TensorId, tier: Tier) {
+        let entry = self.tensors.get_mut(&id).expect("live tensor");
+        if let Some(copy) = entry.copies[tier.index()].take() {
+            self.release_place(tier, copy.place);
+        }
+    }
+
+    /// Drops the copies in `from` and the tiers below it, above `target`.
+    pub(crate) fn release_between(&mut self, id: TensorId, from: Tier, target: Tier) {
+        for tier in released_by(from, target) {
+            self.drop_copy(id, *tier);
+        }
+    }
+
+    pub(crate) fn release_others(&mut self, id: TensorId, kept: Tier) {
+        for tier in Tier::ALL {
+            if tier != kept {
+                self.drop_copy(id, tier);
+            }
+        }
+    }
+
+    pub(crate) fn release_all(&mut self, mut entry: Entry) {
+        for tier in Tier::ALL {
+            if let Some(copy) = entry.copies[tier.index()].take() {
+                self.release_place(tier, copy.place);
+            }
+        }
+    }
+
+    /// The copy to spill from `tier` to make room for `requester`: the one
+    /// needed last, then the one that can be dropped for free, then the least
+    /// recently used. Tensors in use or moving are never chosen.
+    pub(crate) fn pick_victim(
+        &self,
+        tier: Tier,
+        requester: TensorId,
+        shortfall: Option<Shortfall>,
+        can_write_down: bool,
+    ) -> Option<(TensorId, bool)> {
+        self.tensors
+            .iter()
+            .filter(|(id, entry)| {
+                **id != requester && entry.moving.is_none() && !entry.in_use() && entry.valid(tier)
+            })
+            .filter(
+                |(_, entry)| match (shortfall, &entry.copies[tier.index()]) {
+                    (
+                        Some(short),
+                        Some(Copy {
+                            place: Place::Host(slots),
+                            ..
+                        }),
+                    ) => slots.iter().any(|s| s.class == short.class),
+                    _ => true,
+                },
+            )
+            .map(|(id, entry)| {
+                let free = Tier::ALL.iter().any(|&t| t != tier && entry.valid(t));
+                (*id, entry, free)
+            })
+            .filter(|(_, _, free)| *free || can_write_down)
+            .max_by_key(|(id, entry, free)| (entry.next_use, *free, u64::MAX - entry.last_use, *id))
+            .map(|(id, _, free)| (id, free))
+    }
+
+    /// Bytes in `tier` that cannot be spilled now.
+    pub(crate) fn unevictable_bytes(&self, tier: Tier) -> u64 {
+        self.tensors
+            .values()
+            .filter(|e| e.copies[tier.index()].is_some() && (e.moving.is_some() || e.in_use()))
+            .map(|e| e.len_bytes)
+            .sum()
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("runtime state lock")
+    }
+
+    pub(crate) fn record_wait(&self, tensor: TensorId, bytes: u64, started: Instant, lane: u32) {
+        let duration_ns = started.elapsed().as_nanos() as u64;
+        {
+            let mut state = self.lock();
+            state.stats.wait_ns += duration_ns;
+            state.stats.waits += 1;
+        }
+        let start_ns = (started - self.started).as_nanos() as u64;
+        self.trace.lock().expect("trace lock").push(TraceEvent {
+            kind: EventKind::Wait,
+            tensor: Some(tensor),
+            bytes,
+            start_ns,
+            duration_ns,
+            lane,
+        });
+    }
+}
