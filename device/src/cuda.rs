@@ -12,11 +12,11 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::safe::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::safe::{CudaContext, CudaStream};
 use cudarc::driver::{result, sys};
 
 use crate::error::{DeviceError, Result};
-use crate::fence::{Fence, StreamKind};
+use crate::fence::{Event, Fence, StreamKind};
 
 /// A CUDA library strata loads at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,32 +98,6 @@ fn cuda_error(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
     move |err| DeviceError::Cuda {
         op,
         cause: format!("{err:?}"),
-    }
-}
-
-/// An event recorded on a stream (inside a [`Fence`]).
-pub struct Event {
-    event: CudaEvent,
-    stream: StreamKind,
-}
-
-impl Event {
-    pub(crate) fn synchronize(&self) -> Result<()> {
-        self.event
-            .synchronize()
-            .map_err(|err| DeviceError::Enqueued {
-                stream: self.stream.name(),
-                cause: format!("{err:?}"),
-            })
-    }
-
-    pub(crate) fn is_complete(&self) -> Result<bool> {
-        self.event
-            .try_is_complete()
-            .map_err(|err| DeviceError::Enqueued {
-                stream: self.stream.name(),
-                cause: format!("{err:?}"),
-            })
     }
 }
 

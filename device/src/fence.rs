@@ -8,8 +8,9 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::cuda::Event;
-use crate::error::Result;
+use cudarc::driver::safe::CudaEvent;
+
+use crate::error::{DeviceError, Result};
 
 /// Which of a device's streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,6 +31,32 @@ impl StreamKind {
             StreamKind::CopyToDevice => "host->device copy",
             StreamKind::CopyToHost => "device->host copy",
         }
+    }
+}
+
+/// An event recorded on a stream (inside a [`Fence`]).
+pub struct Event {
+    pub(crate) event: CudaEvent,
+    pub(crate) stream: StreamKind,
+}
+
+impl Event {
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.event
+            .synchronize()
+            .map_err(|err| DeviceError::Enqueued {
+                stream: self.stream.name(),
+                cause: format!("{err:?}"),
+            })
+    }
+
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        self.event
+            .try_is_complete()
+            .map_err(|err| DeviceError::Enqueued {
+                stream: self.stream.name(),
+                cause: format!("{err:?}"),
+            })
     }
 }
 

@@ -2,8 +2,6 @@
 //! the wrong length is a caller bug and panics. Errors come from
 //! configuration (hyperparameters, instruction sets, thread pools).
 
-use crate::Isa;
-
 /// What went wrong configuring or preparing an optimizer step.
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
@@ -34,12 +32,12 @@ pub enum OptimError {
         name: String,
     },
     /// The CPU lacks the asked-for instruction set.
-    #[error("this CPU does not support {isa}; available: {}", names(available))]
+    #[error("this CPU does not support {isa}; available: {available}")]
     IsaUnavailable {
         /// What was asked for.
-        isa: Isa,
-        /// What this CPU supports.
-        available: Vec<Isa>,
+        isa: &'static str,
+        /// What this CPU supports, comma-separated.
+        available: String,
     },
     /// A thread count of 0 or above the limit.
     #[error("{threads} optimizer threads asked for: choose 1 to {threads_max}")]
@@ -55,11 +53,4 @@ pub enum OptimError {
         /// rayon's message.
         reason: String,
     },
-}
-
-fn names(isas: &[Isa]) -> String {
-    isas.iter()
-        .map(|isa| isa.name())
-        .collect::<Vec<_>>()
-        .join(", ")
 }

@@ -90,9 +90,10 @@ impl Isa {
     pub fn parse_available(name: &str) -> Result<Isa, OptimError> {
         let isa: Isa = name.parse()?;
         if !isa.is_available() {
+            let available: Vec<&str> = Isa::available().iter().map(|isa| isa.name()).collect();
             return Err(OptimError::IsaUnavailable {
-                isa,
-                available: Isa::available(),
+                isa: isa.name(),
+                available: available.join(", "),
             });
         }
         Ok(isa)

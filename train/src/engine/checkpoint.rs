@@ -22,7 +22,7 @@ use crate::gpt::GptConfig;
 use super::Engine;
 use super::config::ModelConfig;
 use super::moves::read_f32;
-use super::steps::state_index;
+use super::tensors::state_index;
 
 /// The layout version this code writes and reads.
 pub const FORMAT: u32 = 1;

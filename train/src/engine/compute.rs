@@ -18,8 +18,9 @@ use crate::gpt::{
 };
 
 use super::moves::{Kept, guard, read_f32};
-use super::steps::{StepOp, Work, grad_index, param_index};
+use super::steps::{StepOp, Work};
 use super::tensors::{Group, processor_tier};
+use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
 
 /// Compute buffers: one block's worth, held for the whole run, and the

@@ -20,8 +20,9 @@ use crate::error::{Result, TrainError, os};
 
 use super::Engine;
 use super::moves::guard;
-use super::steps::{StepOp, grad_index, optimizer_label, param_index, state_index, update_sets};
+use super::steps::{StepOp, optimizer_label, update_sets};
 use super::tensors::Group;
+use super::tensors::{grad_index, param_index, state_index};
 
 /// An optimizer step of one group, for the CPU thread (or run inline when
 /// the optimizer states live on the device).

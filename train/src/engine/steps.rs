@@ -7,8 +7,8 @@ use strata_scheduler as sched;
 use strata_scheduler::{Mode, Op, Processor};
 
 use super::config::{Placement, TrainSettings};
-use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S};
-use super::{Engine, PER_GROUP};
+use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
+use super::Engine;
 
 /// What one op of the step does (`m`: micro-batch, `b`: block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,20 +84,6 @@ pub(super) fn shape_index(current: usize, speculate: bool, late: bool) -> usize 
 
 pub(super) fn shape_of(index: usize) -> (usize, bool, bool) {
     (index / 4, index & 2 != 0, index & 1 != 0)
-}
-
-/// Trace indices of a group's tensors: parameter set `set` (0 or 1), state
-/// set `set`, and the gradient.
-pub(super) fn param_index(g: usize, set: usize) -> usize {
-    PER_GROUP * g + set
-}
-
-pub(super) fn state_index(g: usize, set: usize) -> usize {
-    PER_GROUP * g + 2 + set
-}
-
-pub(super) fn grad_index(g: usize) -> usize {
-    PER_GROUP * g + 4
 }
 
 pub(super) fn access(tensor: usize, mode: Mode) -> sched::Access {

@@ -12,9 +12,22 @@ use strata_storage::engine::SplitMix64;
 use crate::error::Result;
 use crate::gpt::{BlockLayout, EmbedLayout, GptConfig};
 
-use super::Engine;
 use super::config::{Placement, StateCache, TrainConfig};
-use super::steps::{grad_index, param_index, state_index};
+use super::{Engine, PER_GROUP};
+
+/// Trace indices of a group's tensors: parameter set `set` (0 or 1), state
+/// set `set`, and the gradient.
+pub(super) fn param_index(g: usize, set: usize) -> usize {
+    PER_GROUP * g + set
+}
+
+pub(super) fn state_index(g: usize, set: usize) -> usize {
+    PER_GROUP * g + 2 + set
+}
+
+pub(super) fn grad_index(g: usize) -> usize {
+    PER_GROUP * g + 4
+}
 
 /// A tensor of the trace and its runtime copy.
 pub(super) struct Slot {
