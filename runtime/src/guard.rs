@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use strata_device::Fence;
+
 use crate::error::{Result, RuntimeError};
 use crate::host_pool::{Chunk, Slot};
 use crate::state::{Access, Entry, Place, Shared, check_size, in_use_error, not_resident};
@@ -87,6 +89,8 @@ pub struct Guard {
     /// Drop this copy, not the others, when the guard ends (a write that
     /// failed part way).
     discard: bool,
+    /// The fence of the last work enqueued on this copy under the guard.
+    last_use: Option<Fence>,
 }
 
 impl Guard {
@@ -106,6 +110,7 @@ impl Guard {
             len_bytes: entry.len_bytes(),
             view: View::of(entry, tier),
             discard: false,
+            last_use: None,
         }
     }
 
@@ -151,8 +156,22 @@ impl Guard {
                 len_bytes,
                 view,
                 discard: false,
+                last_use: None,
             });
         }
+    }
+
+    /// Hands over the fence of the last work enqueued on this copy while
+    /// the guard is held (an event the compute stream recorded after the
+    /// last op that reads or writes it), as PyTorch's `record_stream`
+    /// does: when the guard ends, a move out of the copy waits for it on
+    /// its copy stream, and the copy's memory is not reused for another
+    /// tensor before it passes. The guard itself ends at once, without
+    /// waiting. Fences from one stream: a later one replaces an earlier.
+    /// On the CPU device ops finish before they return, so their fences
+    /// have passed and this changes nothing.
+    pub fn used_until(&mut self, fence: Fence) {
+        self.last_use = Some(fence);
     }
 
     /// The tensor.
@@ -333,6 +352,12 @@ impl Drop for Guard {
         let mut state = self.shared.lock();
         if let Ok(entry) = state.entry_mut(self.tensor) {
             entry.end_use(self.tier, self.access);
+            if let (Some(fence), Some(copy)) = (
+                self.last_use.take(),
+                entry.copies[self.tier.index()].as_mut(),
+            ) {
+                copy.last_use = Some(fence);
+            }
             if self.access == Access::Write {
                 // A failed write's copy goes when the old bytes are elsewhere;
                 // otherwise the written copy is the one kept.

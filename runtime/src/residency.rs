@@ -198,6 +198,7 @@ impl Runtime {
             stats,
             releasing: [0; 3],
             clock: 0,
+            fenced: VecDeque::with_capacity(config.runtime.tensors_max.min(1 << 16)),
         };
         tracing::info!(
             "runtime: {}; pinned pool {} bytes in {} class(es) ({}); nvme {}",
@@ -615,7 +616,8 @@ impl Runtime {
     /// Free bytes per tier now (device: the arena allocator's view; host:
     /// free buffers; nvme: the store's free bytes).
     pub fn free_bytes(&self, tier: Tier) -> u64 {
-        let state = self.shared.lock();
+        let mut state = self.shared.lock();
+        state.reclaim_fenced();
         match tier {
             Tier::Device => state.device_space.free_bytes(),
             Tier::Host => state.free_lists.free_bytes(),
@@ -829,11 +831,21 @@ impl Shared {
         let mut waiting_since: Option<Instant> = None;
         loop {
             let mut state = self.lock();
+            state.reclaim_fenced();
             let shortfall = match self.try_place(&mut state, id, tier) {
                 Ok(()) => return Ok(()),
                 Err(Unplaced::Full(shortfall)) => shortfall,
                 Err(Unplaced::Failed(err)) => return Err(err),
             };
+            // Room released but still in use by enqueued work comes back
+            // when that work is done: cheaper than a spill.
+            if let Some((place, fence)) = state.take_fenced(tier) {
+                drop(state);
+                let waited = fence.wait();
+                self.lock().release_place(tier, place);
+                waited?;
+                continue;
+            }
             let can_write_down = match tier {
                 Tier::Device => true,
                 Tier::Host => self.store.is_some(),
@@ -973,6 +985,7 @@ impl Shared {
         entry.copies[tier.index()] = Some(Copy {
             place,
             valid: false,
+            last_use: None,
         });
         Ok(())
     }
@@ -991,8 +1004,12 @@ impl Shared {
     /// not yet valid copy in `target` (neighbouring tiers).
     fn transfer(&self, id: TensorId, source: Tier, target: Tier, lane: u32) -> Result<()> {
         let link = Link::between(source, target);
-        let (chunks, len_bytes, host, other) = {
-            let state = self.lock();
+        let (chunks, len_bytes, host, other, last_use) = {
+            let mut state = self.lock();
+            // Work enqueued on the source copy finishes before it is read.
+            let last_use = state.entry_mut(id)?.copies[source.index()]
+                .as_mut()
+                .and_then(|copy| copy.last_use.take());
             let entry = state.entry(id)?;
             let host = match &entry.copies[Tier::Host.index()] {
                 Some(Copy {
@@ -1013,8 +1030,11 @@ impl Shared {
                 }) => Other::Nvme(extents.clone()),
                 _ => unreachable!("the far side of a hop is device or nvme"),
             };
-            (entry.chunks.clone(), entry.len_bytes, host, other)
+            (entry.chunks.clone(), entry.len_bytes, host, other, last_use)
         };
+        if let Some(fence) = last_use {
+            self.device.wait(fence)?;
+        }
         let started = Instant::now();
         match other {
             Other::Device(offset) => self.copy_device(link, &chunks, &host, offset)?,

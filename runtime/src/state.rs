@@ -11,6 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use strata_device::Fence;
 use strata_storage::{Extent, ExtentAllocator, SwapStore};
 
 use crate::device::Device;
@@ -39,6 +40,10 @@ pub(crate) struct Copy {
     pub(crate) place: Place,
     /// False while a move is filling it.
     pub(crate) valid: bool,
+    /// The fence of the last enqueued work that used it
+    /// ([`crate::Guard::used_until`]): a move out of it waits for it, and
+    /// its memory is not reused before it passes.
+    pub(crate) last_use: Option<Fence>,
 }
 
 pub(crate) struct Entry {
@@ -136,6 +141,10 @@ pub(crate) struct State {
     /// Names of freed tensors, newest last, at most `trace_events_max`
     /// (room reserved at start): the trace names what they moved.
     pub(crate) retired: VecDeque<(TensorId, String)>,
+    /// Released copies whose last use has not passed its fence yet, oldest
+    /// first: their memory stays counted as used until it does (at most
+    /// one per copy released, so bounded by `tensors_max` x 3).
+    pub(crate) fenced: VecDeque<(Tier, Place, Fence)>,
 }
 
 /// What the movers, guards and completions share.
@@ -227,8 +236,41 @@ impl State {
         );
     }
 
+    /// Frees a released copy's memory now, or once the fence of its last
+    /// use passes (a fence that reports a device error counts as passed:
+    /// the error surfaces at the compute stream's next fence).
+    fn release_copy(&mut self, tier: Tier, copy: Copy) {
+        match copy.last_use {
+            Some(fence) if !fence.is_passed().unwrap_or(true) => {
+                self.fenced.push_back((tier, copy.place, fence));
+            }
+            _ => self.release_place(tier, copy.place),
+        }
+    }
+
+    /// Frees the fenced copies whose fences have passed.
+    pub(crate) fn reclaim_fenced(&mut self) {
+        let mut kept = 0;
+        while kept < self.fenced.len() {
+            if self.fenced[kept].2.is_passed().unwrap_or(true) {
+                let (tier, place, _) = self.fenced.remove(kept).expect("in range");
+                self.release_place(tier, place);
+            } else {
+                kept += 1;
+            }
+        }
+    }
+
+    /// Takes the oldest fenced copy in `tier`, for a caller that needs its
+    /// room to wait for its fence (off the lock) and then free it.
+    pub(crate) fn take_fenced(&mut self, tier: Tier) -> Option<(Place, Fence)> {
+        let at = self.fenced.iter().position(|(t, _, _)| *t == tier)?;
+        let (_, place, fence) = self.fenced.remove(at).expect("in range");
+        Some((place, fence))
+    }
+
     /// Frees a copy's memory and updates the accounting.
-    fn release_place(&mut self, tier: Tier, place: Place) {
+    pub(crate) fn release_place(&mut self, tier: Tier, place: Place) {
         let bytes = match place {
             Place::Device { offset, bytes } => {
                 self.device_space.free(offset, bytes);
@@ -247,7 +289,7 @@ impl State {
     pub(crate) fn drop_copy(&mut self, id: TensorId, tier: Tier) {
         let entry = self.tensors.get_mut(&id).expect("live tensor");
         if let Some(copy) = entry.copies[tier.index()].take() {
-            self.release_place(tier, copy.place);
+            self.release_copy(tier, copy);
         }
     }
 
@@ -269,7 +311,7 @@ impl State {
     pub(crate) fn release_all(&mut self, mut entry: Entry) {
         for tier in Tier::ALL {
             if let Some(copy) = entry.copies[tier.index()].take() {
-                self.release_place(tier, copy.place);
+                self.release_copy(tier, copy);
             }
         }
     }

@@ -520,3 +520,54 @@ fn store_limits_surface_as_themselves() {
         "source kept"
     );
 }
+
+/// A guard's last-use fence (work still enqueued on the copy when the
+/// guard ends): a move out of the copy waits for it, and the copy's memory
+/// is not given to another tensor before it passes, while the guard itself
+/// ends at once.
+#[test]
+fn a_copy_in_use_by_enqueued_work_is_neither_read_nor_reused_before_its_fence() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // The device holds one tensor.
+    let runtime = Runtime::new(&config(dir.path(), 64 << 10, 1 << 20)).unwrap();
+    let id = runtime.register(meta("w", 65536), Tier::Device).unwrap();
+    fill(&runtime, id, Tier::Device, &pattern(9, 65536));
+    // "Compute" still runs on the device copy: its fence has not passed.
+    let (fence, compute) = strata_device::Fence::host();
+    let mut guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    guard.used_until(fence);
+    drop(guard);
+    let eviction = runtime.move_to(id, Tier::Host).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        !eviction.is_done(),
+        "the move read the copy before its last use ended"
+    );
+    compute.finish();
+    eviction.wait().unwrap();
+    assert_eq!(read(&runtime, id, Tier::Host), pattern(9, 65536));
+
+    // Released with work still enqueued: its room stays counted until the
+    // fence passes; a tensor that needs the room waits for it (no spill).
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    let free_before = runtime.free_bytes(Tier::Device);
+    let (fence, compute) = strata_device::Fence::host();
+    let mut guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    guard.used_until(fence);
+    drop(guard);
+    runtime.release(id, Tier::Device).unwrap();
+    assert_eq!((free_before, runtime.free_bytes(Tier::Device)), (0, 0));
+    let other = runtime.register(meta("x", 65536), Tier::Host).unwrap();
+    fill(&runtime, other, Tier::Host, &pattern(3, 65536));
+    let upload = runtime.move_to(other, Tier::Device).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(
+        !upload.is_done(),
+        "the room was reused before the fence passed"
+    );
+    compute.finish();
+    upload.wait().unwrap();
+    assert_eq!(read(&runtime, other, Tier::Device), pattern(3, 65536));
+    assert_eq!(read(&runtime, id, Tier::Host), pattern(9, 65536));
+    assert_eq!(runtime.stats().spills_written, 0);
+}
