@@ -738,21 +738,21 @@ fn resources(
         "nvlink"
     };
     let nvme_bytes =
-        report.lane_bytes[Lane::NvmeRead as usize] + report.lane_bytes[Lane::NvmeWrite as usize];
+        report.lane_bytes[Lane::NvmeRead.index()] + report.lane_bytes[Lane::NvmeWrite.index()];
     let nvme_busy =
-        report.lane_busy_s[Lane::NvmeRead as usize] + report.lane_busy_s[Lane::NvmeWrite as usize];
+        report.lane_busy_s[Lane::NvmeRead.index()] + report.lane_busy_s[Lane::NvmeWrite.index()];
     let list = [
         ("gpu-compute", report.gpu_busy_s, 0),
         ("cpu-optimizer", report.cpu_busy_s, 0),
         (
             "pcie-h2d",
-            report.lane_busy_s[Lane::HostToDevice as usize],
-            report.lane_bytes[Lane::HostToDevice as usize],
+            report.lane_busy_s[Lane::HostToDevice.index()],
+            report.lane_bytes[Lane::HostToDevice.index()],
         ),
         (
             "pcie-d2h",
-            report.lane_busy_s[Lane::DeviceToHost as usize],
-            report.lane_bytes[Lane::DeviceToHost as usize],
+            report.lane_busy_s[Lane::DeviceToHost.index()],
+            report.lane_bytes[Lane::DeviceToHost.index()],
         ),
         ("nvme", nvme_busy, nvme_bytes),
         (collective, report.collective_busy_s, 0),
@@ -827,7 +827,7 @@ fn memory_parts(
         ),
     ];
     let Some(made) = made else { return parts };
-    let peak = |class: TensorClass, tier: Tier| made.peak_class_bytes[class as usize][tier.index()];
+    let peak = |class: TensorClass, tier: Tier| made.peak_class_bytes[class.index()][tier.index()];
     for tier in [Tier::Device, Tier::Host] {
         let moved = |class| peak(class, tier).saturating_sub(home_on(class, tier));
         parts.push(part(

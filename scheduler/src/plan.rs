@@ -72,6 +72,16 @@ impl Lane {
         Lane::NvmeWrite,
     ];
 
+    /// Its position in per-lane tables (`ALL[l.index()] == l`).
+    pub fn index(self) -> usize {
+        match self {
+            Lane::HostToDevice => 0,
+            Lane::DeviceToHost => 1,
+            Lane::NvmeRead => 2,
+            Lane::NvmeWrite => 3,
+        }
+    }
+
     /// The lane between two neighbouring tiers.
     pub fn between(from: Tier, to: Tier) -> Lane {
         match (from, to) {
@@ -97,8 +107,8 @@ impl Lane {
     /// the drives are duplex.
     pub fn queue(self, links: &Links) -> usize {
         match self {
-            Lane::NvmeWrite if !links.nvme_duplex => Lane::NvmeRead as usize,
-            lane => lane as usize,
+            Lane::NvmeWrite if !links.nvme_duplex => Lane::NvmeRead.index(),
+            lane => lane.index(),
         }
     }
 }
@@ -184,7 +194,7 @@ pub struct Policy {
     pub name: &'static str,
     /// Victim choice.
     pub eviction: Eviction,
-    /// Rules per [`TensorClass`] (indexed by `class as usize`).
+    /// Rules per [`TensorClass`] (indexed by `TensorClass::index`).
     pub rules: [ClassRule; 5],
     /// Stop the lookahead at the first tensor whose only copy is on NVMe.
     pub stop_at_nvme: bool,
@@ -223,7 +233,7 @@ impl Policy {
             keep_host_copy: true,
         };
         let mut rules = [rule; 5];
-        rules[TensorClass::Activation as usize].prefetch_ops_max =
+        rules[TensorClass::Activation.index()].prefetch_ops_max =
             activation_horizon_ops.min(lookahead_ops_max);
         Policy {
             name: "strata",
@@ -254,7 +264,7 @@ impl Policy {
             TensorClass::Grad,
             TensorClass::OptimizerState,
         ] {
-            rules[class as usize].evict_after_use = true;
+            rules[class.index()].evict_after_use = true;
         }
         Policy {
             name: "strata-recording",
@@ -283,14 +293,14 @@ impl Policy {
             keep_host_copy: true,
         };
         let mut rules = [demand; 5];
-        rules[TensorClass::Param as usize] = ClassRule {
+        rules[TensorClass::Param.index()] = ClassRule {
             prefetch_ops_max: if step >= 3 { 64 } else { 0 },
             evict_after_use: true,
             synchronous_writeback: false,
             keep_host_copy: false,
         };
-        rules[TensorClass::Grad as usize].evict_after_use = true;
-        rules[TensorClass::OptimizerState as usize] = ClassRule {
+        rules[TensorClass::Grad.index()].evict_after_use = true;
+        rules[TensorClass::OptimizerState.index()] = ClassRule {
             prefetch_ops_max: u32::from(pipelined),
             evict_after_use: true,
             synchronous_writeback: !pipelined,
@@ -308,7 +318,7 @@ impl Policy {
     }
 
     fn rule(&self, class: TensorClass) -> ClassRule {
-        self.rules[class as usize]
+        self.rules[class.index()]
     }
 
     fn lookahead_ops_max(&self) -> u32 {
@@ -346,7 +356,7 @@ pub struct Plan {
     /// planner's estimate: the pinned staging it needs.
     pub staging_bytes_max: u64,
     /// The most bytes of each class on each tier at once
-    /// (`[class as usize][tier.index()]`).
+    /// (`[class.index()][tier.index()]`).
     pub peak_class_bytes: [[u64; 3]; 5],
     /// Transfers the plan issues, per [`Lane`].
     pub transfers: [u32; 4],
@@ -497,7 +507,7 @@ impl<'a> Planner<'a> {
         list.push(tensor);
         let (i, class) = (
             tier.index(),
-            self.trace.tensors[tensor as usize].class as usize,
+            self.trace.tensors[tensor as usize].class.index(),
         );
         self.peak[i] = self.peak[i].max(self.used[i]);
         self.class_used[class][i] += self.bytes(tensor);
@@ -511,7 +521,7 @@ impl<'a> Planner<'a> {
         );
         self.copies[tensor as usize] &= !tier.bit();
         self.used[tier.index()] -= self.bytes(tensor);
-        self.class_used[self.trace.tensors[tensor as usize].class as usize][tier.index()] -=
+        self.class_used[self.trace.tensors[tensor as usize].class.index()][tier.index()] -=
             self.bytes(tensor);
         let position = self.slot[tensor as usize][tier.index()] as usize;
         let list = &mut self.resident[tier.index()];
@@ -582,11 +592,11 @@ impl<'a> Planner<'a> {
             },
         ));
         self.ready_ns[tensor as usize] = done;
-        self.transfers[lane as usize] += 1;
-        self.transfer_bytes[lane as usize] += bytes;
-        let staging: u64 = self.lane_done_ns[Lane::NvmeRead as usize]
+        self.transfers[lane.index()] += 1;
+        self.transfer_bytes[lane.index()] += bytes;
+        let staging: u64 = self.lane_done_ns[Lane::NvmeRead.index()]
             .iter()
-            .chain(&self.lane_done_ns[Lane::NvmeWrite as usize])
+            .chain(&self.lane_done_ns[Lane::NvmeWrite.index()])
             .map(|&(_, b)| b)
             .sum();
         self.staging_bytes_max = self.staging_bytes_max.max(staging);
@@ -864,11 +874,7 @@ impl<'a> Planner<'a> {
         let bytes = self.bytes(t);
         while !self.has(t, target) {
             let source = nearest_copy(self.copies[t as usize], target);
-            let to = if source.index() > target.index() {
-                Tier::ALL[source.index() - 1]
-            } else {
-                Tier::ALL[source.index() + 1]
-            };
+            let to = source.toward(target);
             if !self.make_room(to, bytes, k, bar) {
                 return false;
             }
@@ -1067,11 +1073,7 @@ fn nearest_copy(mask: u8, target: Tier) -> Tier {
 
 /// The neighbour of `from` in the direction of `target`.
 fn next_toward(from: Tier, target: Tier) -> Tier {
-    match from.index().cmp(&target.index()) {
-        std::cmp::Ordering::Greater => Tier::ALL[from.index() - 1],
-        std::cmp::Ordering::Less => Tier::ALL[from.index() + 1],
-        std::cmp::Ordering::Equal => from,
-    }
+    from.toward(target)
 }
 
 /// Replays `plan` on `trace` in op order, independently of the planner,

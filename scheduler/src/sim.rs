@@ -492,8 +492,8 @@ impl<'a> Sim<'a> {
         self.readers[t][from.index()] += 1;
         let lane = Lane::between(from, to);
         let duration = lane.link(&self.config.links).time_ns(bytes);
-        self.lane_busy_ns[lane as usize] += duration;
-        self.lane_bytes[lane as usize] += bytes;
+        self.lane_busy_ns[lane.index()] += duration;
+        self.lane_bytes[lane.index()] += bytes;
         self.running[queue] = Some((a, self.now_ns + duration));
         true
     }

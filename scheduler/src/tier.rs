@@ -37,6 +37,27 @@ impl Tier {
             Tier::Nvme => None,
         }
     }
+
+    /// The next tier up, if any.
+    pub fn above(self) -> Option<Tier> {
+        match self {
+            Tier::Device => None,
+            Tier::Host => Some(Tier::Device),
+            Tier::Nvme => Some(Tier::Host),
+        }
+    }
+
+    /// The neighbour of this tier in the direction of `target` (itself
+    /// when it is `target`).
+    pub fn toward(self, target: Tier) -> Tier {
+        match self.index().cmp(&target.index()) {
+            std::cmp::Ordering::Greater => {
+                self.above().expect("a tier below another has one above")
+            }
+            std::cmp::Ordering::Less => self.below().expect("a tier above another has one below"),
+            std::cmp::Ordering::Equal => self,
+        }
+    }
 }
 
 impl std::fmt::Display for Tier {

@@ -55,6 +55,28 @@ pub enum TensorClass {
     Other,
 }
 
+impl TensorClass {
+    /// Every class, in [`TensorClass::index`] order.
+    pub const ALL: [TensorClass; 5] = [
+        TensorClass::Param,
+        TensorClass::Grad,
+        TensorClass::OptimizerState,
+        TensorClass::Activation,
+        TensorClass::Other,
+    ];
+
+    /// Its position in per-class tables (`ALL[c.index()] == c`).
+    pub fn index(self) -> usize {
+        match self {
+            TensorClass::Param => 0,
+            TensorClass::Grad => 1,
+            TensorClass::OptimizerState => 2,
+            TensorClass::Activation => 3,
+            TensorClass::Other => 4,
+        }
+    }
+}
+
 /// One tensor of the step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TensorSpec {
