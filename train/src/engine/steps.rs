@@ -6,9 +6,9 @@
 use strata_scheduler as sched;
 use strata_scheduler::{Mode, Op, Processor};
 
+use super::Engine;
 use super::config::{Placement, TrainSettings};
 use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
-use super::Engine;
 
 /// What one op of the step does (`m`: micro-batch, `b`: block).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
