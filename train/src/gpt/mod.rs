@@ -242,6 +242,14 @@ impl EmbedLayout {
     pub fn is_matrix(&self, index: usize) -> bool {
         index < self.parts.ends[1]
     }
+
+    /// The embeddings' gradients cut as the backward writes them: token
+    /// embedding, position embedding, and the final LayerNorm's gamma and
+    /// beta together.
+    fn split_grads<'a>(&self, dembed: ViewMut<'a>) -> [ViewMut<'a>; 3] {
+        let lens = self.parts.lens;
+        dembed.split_parts([lens[0], lens[1], lens[2] + lens[3]])
+    }
 }
 
 /// The attention shape of `batch` sequences.
@@ -676,11 +684,7 @@ pub fn head_forward_backward(
         0.0,
         dhf.reborrow().matrix(n, h)?,
     )?;
-    let [dwte, _, dnorm] = dembed.split_parts([
-        layout.parts.lens[0],
-        layout.parts.lens[1],
-        layout.parts.lens[2] + layout.parts.lens[3],
-    ]);
+    let [dwte, _, dnorm] = layout.split_grads(dembed);
     backend.gemm(
         Matrix::t(dlogits),
         Matrix::n(hf),
@@ -704,11 +708,7 @@ pub fn embed_backward(
 ) -> Result<()> {
     let layout = EmbedLayout::new(config);
     expect_len("embedding gradients", dembed.len(), layout.total)?;
-    let [dwte, dwpe, _] = dembed.split_parts([
-        layout.parts.lens[0],
-        layout.parts.lens[1],
-        layout.parts.lens[2] + layout.parts.lens[3],
-    ]);
+    let [dwte, dwpe, _] = layout.split_grads(dembed);
     backend.embedding_backward(tokens, config.seq, dx, dwte, dwpe)?;
     Ok(())
 }
