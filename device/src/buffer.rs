@@ -399,9 +399,9 @@ impl<'a> View<'a> {
     /// memory of `T` (for a strided view, the rows' gaps included).
     pub fn host<T: Element>(self) -> Option<&'a [T]> {
         let pointer = self.raw.host_pointer::<T>()?;
-        // SAFETY: the view was made from a live borrow of host memory of
-        // `T` (a buffer or a slice) that holds its whole extent (checked
-        // where views are cut); the borrow lasts 'a and is shared.
+        // The view was cut from a live, shared borrow (a buffer or a slice) of host
+        // memory of `T` that holds its whole extent (checked where views are cut).
+        // SAFETY: that borrow lasts 'a and holds `extent()` elements of `T`.
         let slice = unsafe { std::slice::from_raw_parts(pointer, self.raw.extent()) };
         Some(slice)
     }
@@ -409,8 +409,7 @@ impl<'a> View<'a> {
     /// The bytes of this view, when it is contiguous host memory.
     pub fn host_bytes(self) -> Option<&'a [u8]> {
         let (pointer, len) = self.raw.host_byte_range()?;
-        // SAFETY: as `View::host`: a live, shared borrow of host memory that
-        // holds the whole (contiguous) view.
+        // SAFETY: as `View::host`: a live shared borrow of the whole contiguous view.
         let bytes = unsafe { std::slice::from_raw_parts(pointer, len) };
         Some(bytes)
     }
@@ -524,9 +523,9 @@ impl<'a> ViewMut<'a> {
     /// it is host memory of `T`.
     pub fn into_host<T: Element>(self) -> Option<&'a mut [T]> {
         let pointer = self.raw.host_pointer::<T>()?;
-        // SAFETY: as `View::host`, and the borrow is exclusive: views cut
-        // from one `ViewMut` (`split_at`) never overlap, and strided
-        // writable views are only cut (`columns`) from a view they consume.
+        // As `View::host`, and exclusive: views cut from one `ViewMut` (`split_at`)
+        // never overlap; strided writable views are cut (`columns`) from one consumed.
+        // SAFETY: an exclusive borrow of `extent()` elements of `T` for 'a.
         let slice = unsafe { std::slice::from_raw_parts_mut(pointer, self.raw.extent()) };
         Some(slice)
     }
@@ -534,8 +533,7 @@ impl<'a> ViewMut<'a> {
     /// The bytes of this view to write, when it is contiguous host memory.
     pub fn into_host_bytes(self) -> Option<&'a mut [u8]> {
         let (pointer, len) = self.raw.host_byte_range()?;
-        // SAFETY: as `ViewMut::into_host`: an exclusive borrow of host
-        // memory that holds the whole (contiguous) view.
+        // SAFETY: as `ViewMut::into_host`: an exclusive borrow of the whole view.
         let bytes = unsafe { std::slice::from_raw_parts_mut(pointer, len) };
         Some(bytes)
     }

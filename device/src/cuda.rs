@@ -123,8 +123,7 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         let _ = self.context.bind_to_thread();
-        // SAFETY: allocated by cuMemHostAlloc in `Context::alloc_pinned`,
-        // released once, here.
+        // SAFETY: from cuMemHostAlloc in `Context::alloc_pinned`; released once, here.
         if let Err(err) = unsafe { result::free_host(self.pointer.as_ptr().cast()) } {
             tracing::warn!("freeing pinned host memory failed: {err:?}");
         }

@@ -63,8 +63,7 @@ pub fn allowed_cpus() -> Vec<usize> {
         let rc = unsafe { libc::sched_getaffinity(0, size, &mut set) };
         if rc == 0 {
             let is_set = |cpu: usize| {
-                // SAFETY: CPU_ISSET reads the initialized set; `cpu` is below
-                // CPU_SETSIZE, the set's size in bits.
+                // SAFETY: reads the initialized set; `cpu` < CPU_SETSIZE, its size in bits.
                 unsafe { libc::CPU_ISSET(cpu, &set) }
             };
             let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
@@ -90,12 +89,10 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
         }
         // SAFETY: all-zero is a valid empty cpu_set_t.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `cpu` < CPU_SETSIZE (checked above), so the bit is inside
-        // the set.
+        // SAFETY: `cpu` < CPU_SETSIZE (checked above), so the bit is inside the set.
         unsafe { libc::CPU_SET(cpu, &mut set) };
         let size = std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: `set` is a live cpu_set_t and `size` is its size; pid 0 is
-        // the calling thread.
+        // SAFETY: `set` is a live cpu_set_t of `size` bytes; pid 0 is this thread.
         let rc = unsafe { libc::sched_setaffinity(0, size, &set) };
         if rc != 0 {
             return Err(io::Error::last_os_error());

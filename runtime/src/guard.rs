@@ -204,8 +204,7 @@ impl Guard {
         let addressable = self
             .view
             .pieces(&self.shared, self.len_bytes, &mut |ptr, len| {
-                // SAFETY: the guard keeps the copy alive and, as a reader or the
-                // writer, excludes writers other than itself.
+                // SAFETY: the guard keeps the copy alive and excludes writers but itself.
                 let bytes = unsafe { std::slice::from_raw_parts(ptr, len) };
                 f(offset, bytes);
                 offset += len as u64;
@@ -220,8 +219,7 @@ impl Guard {
         let addressable = self
             .view
             .pieces(&self.shared, self.len_bytes, &mut |ptr, len| {
-                // SAFETY: a write guard is the tensor's only user, and the copy
-                // stays alive while it is held.
+                // SAFETY: a write guard is the tensor's only user; the copy lives while held.
                 let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
                 f(offset, bytes);
                 offset += len as u64;

@@ -339,8 +339,9 @@ impl TestFile {
             crate::queue::RETRIES_MAX_DEFAULT,
         );
         if let Some(SendPtr(start, len)) = memory {
-            // SAFETY: `run_over` borrows the memory mutably until every ring
-            // thread (and so every queue, drained on drop) has finished.
+            // `run_over` borrows the memory mutably until every ring thread (and so
+            // every queue, drained on drop) has finished.
+            // SAFETY: the registered memory outlives every request on the queue.
             unsafe { queue.register_buffers(&[(start, len)]) };
             return Ok((None, Vec::new(), queue));
         }
@@ -352,12 +353,12 @@ impl TestFile {
         )?;
         fill_random(&mut pool, spec.queue_depth as u64);
         let base = pool.as_mut_ptr();
-        // SAFETY: slot i's buffer lies inside the pool (i < queue_depth).
         let slots: Vec<*mut u8> = (0..spec.queue_depth)
+            // SAFETY: slot i's buffer lies inside the pool (i < queue_depth).
             .map(|i| unsafe { base.add(i * block) })
             .collect();
-        // SAFETY: the caller keeps the pool alive longer than the queue (it
-        // comes first in the returned tuple, so it drops last).
+        // The pool comes first in the returned tuple, so it drops last.
+        // SAFETY: the caller keeps the pool alive longer than the queue.
         unsafe { queue.register_buffers(&[(base, pool.len())]) };
         Ok((Some(pool), slots, queue))
     }

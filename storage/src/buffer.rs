@@ -162,8 +162,8 @@ impl AlignedBuf {
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr is valid for len initialised bytes (zeroed at allocation
-        // or guaranteed by from_raw_parts' contract) for the life of self.
+        // Zeroed at allocation, or guaranteed by from_raw_parts' contract.
+        // SAFETY: ptr is valid for len initialised bytes for the life of self.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }

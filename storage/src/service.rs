@@ -400,8 +400,7 @@ impl RingSlots {
             let slot = self.free.pop().expect("room checked");
             let mut request = piece.request;
             request.tag = slot as u64;
-            // SAFETY: the piece's builder guarantees its memory until the
-            // batch finishes, which is after this completion.
+            // SAFETY: the piece's builder keeps its memory until the batch finishes.
             unsafe { queue.push(request) };
             self.pieces[slot] = Some(piece);
             pushed += 1;

@@ -368,8 +368,8 @@ impl SwapStore {
     /// records its checksums. Blocks until done; call from plain threads.
     pub fn write(&self, extent: &Extent, data: &AlignedBuf) -> Result<()> {
         let ptr = data.as_ptr().cast_mut();
-        // SAFETY: `transfer` waits for every piece before returning, even on
-        // unwind (its guard), so `data` outlives the I/O; writes only read it.
+        // `transfer` waits for every piece before returning, even on unwind (its guard).
+        // SAFETY: so `data` outlives the I/O, and a write only reads it.
         unsafe { self.transfer(extent, Op::Write, ptr, data.len(), ()) }.1
     }
 
@@ -404,8 +404,8 @@ impl SwapStore {
 
     fn start(&self, extent: &Extent, op: Op, mut buf: AlignedBuf) -> Ticket<AlignedBuf> {
         let (ptr, len) = (buf.as_mut_ptr(), buf.len());
-        // SAFETY: the pointer is into `buf`, which the batch owns (as its
-        // payload) until every piece has completed.
+        // The batch owns `buf` (as its payload) until every piece has completed.
+        // SAFETY: the pointer is into `buf`, alive for the whole transfer.
         unsafe { self.start_raw(extent, op, ptr, len, buf) }
     }
 
@@ -541,8 +541,8 @@ impl SwapStore {
             return;
         }
         let (ptr, len) = (piece.request.ptr, piece.request.len as usize);
-        // SAFETY: the piece's memory is valid (the caller's obligation) and a
-        // write only reads it; nothing writes it while the transfer is busy.
+        // The piece's memory is valid (the caller's obligation).
+        // SAFETY: a write only reads it, and nothing writes it while the transfer is busy.
         let data = unsafe { std::slice::from_raw_parts(ptr, len) };
         let sum = checksum(data);
         let mut extents = self.inner.extents.lock().expect("extents lock");

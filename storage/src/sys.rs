@@ -24,8 +24,8 @@ pub fn statx_dio_align(file: &File) -> io::Result<Option<DioAlign>> {
     // SAFETY: statx is plain old data; all-zero is a valid value.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     let empty = c"";
-    // SAFETY: the fd is open for the lifetime of `file`, the path is a valid
-    // NUL-terminated string, and `stx` is a valid, writable statx buffer.
+    // The fd is open for the lifetime of `file`; the path is NUL-terminated.
+    // SAFETY: those, and `stx` is a valid, writable statx buffer.
     let rc = unsafe {
         libc::statx(
             file.as_raw_fd(),

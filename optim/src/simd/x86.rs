@@ -70,8 +70,8 @@ pub(crate) fn run_avx512<K: Kernel>(kernel: K) -> K::Output {
 /// Runs `kernel` with AVX-512F and AVX512-BF16.
 pub(crate) fn run_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
     assert!(crate::Isa::Avx512Bf16.is_available());
-    // SAFETY: the assertion above checked avx512f, avx512bw, avx512vl and
-    // avx512bf16 at run time.
+    // The assertion above checked avx512f, avx512bw, avx512vl and avx512bf16.
+    // SAFETY: the features the entry point is compiled for are present (at run time).
     unsafe { entry_avx512_bf16(kernel) }
 }
 
@@ -124,8 +124,7 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn load(self, src: &[f32]) -> __m256 {
         assert!(src.len() >= 8);
-        // SAFETY: the token; 8 f32 are in bounds (asserted), loadu has no
-        // alignment requirement.
+        // SAFETY: the token; 8 f32 in bounds (asserted); loadu needs no alignment.
         unsafe { _mm256_loadu_ps(src.as_ptr()) }
     }
     #[inline(always)]
@@ -152,8 +151,7 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn stream_bf16(self, dst: &mut [bf16], v: __m256) {
         assert!(dst.len() >= 8 && (dst.as_ptr() as usize).is_multiple_of(16));
-        // SAFETY: the token; 16 bytes in bounds and 16-byte aligned
-        // (asserted), as movntdq requires.
+        // SAFETY: the token; 16 bytes in bounds, 16-byte aligned (asserted) for movntdq.
         unsafe { _mm_stream_si128(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
     }
     #[inline(always)]
@@ -176,8 +174,7 @@ impl Simd for Avx2 {
     #[inline(always)]
     fn stream_f16(self, dst: &mut [f16], v: __m256) {
         assert!(dst.len() >= 8 && (dst.as_ptr() as usize).is_multiple_of(16));
-        // SAFETY: the token; 16 bytes in bounds and 16-byte aligned
-        // (asserted), as movntdq requires.
+        // SAFETY: the token; 16 bytes in bounds, 16-byte aligned (asserted) for movntdq.
         unsafe {
             _mm_stream_si128(
                 dst.as_mut_ptr().cast(),
@@ -261,8 +258,8 @@ impl<const BF16: bool> Avx512<BF16> {
     /// f32 lanes to 16 bf16 words (round to nearest even, NaN quieted).
     #[inline(always)]
     fn bf16_words(self, v: __m512) -> __m256i {
-        // SAFETY: the token (with BF16 it includes avx512bw/vl/bf16);
-        // __m256bh and __m256i are both 32 plain bytes.
+        // With BF16 the token includes avx512bw/vl/bf16.
+        // SAFETY: the token's features; __m256bh and __m256i are both 32 plain bytes.
         unsafe {
             let bits = _mm512_castps_si512(v);
             let integer_rule = || {
@@ -336,8 +333,7 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     #[inline(always)]
     fn stream_bf16(self, dst: &mut [bf16], v: __m512) {
         assert!(dst.len() >= 16 && (dst.as_ptr() as usize).is_multiple_of(32));
-        // SAFETY: the token; 32 bytes in bounds and 32-byte aligned
-        // (asserted), as vmovntdq ymm requires.
+        // SAFETY: the token; 32 bytes in bounds, 32-byte aligned (asserted) for vmovntdq.
         unsafe { _mm256_stream_si256(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
     }
     #[inline(always)]
@@ -360,8 +356,7 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     #[inline(always)]
     fn stream_f16(self, dst: &mut [f16], v: __m512) {
         assert!(dst.len() >= 16 && (dst.as_ptr() as usize).is_multiple_of(32));
-        // SAFETY: the token; 32 bytes in bounds and 32-byte aligned
-        // (asserted), as vmovntdq ymm requires.
+        // SAFETY: the token; 32 bytes in bounds, 32-byte aligned (asserted) for vmovntdq.
         unsafe {
             _mm256_stream_si256(
                 dst.as_mut_ptr().cast(),

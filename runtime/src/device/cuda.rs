@@ -67,8 +67,8 @@ impl CudaDevice {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         let _ = self.context.synchronize();
-        // SAFETY: allocated in `new` on this context, freed once; the
-        // synchronize above finished every copy into it.
+        // Allocated in `new` on this context; the synchronize above finished every copy.
+        // SAFETY: freed once, here, with no copy into it in flight.
         if let Err(err) = unsafe { self.context.free(self.base) } {
             tracing::warn!("freeing the device arena failed: {err}");
         }
@@ -98,9 +98,9 @@ impl Device for CudaDevice {
         let pointer = pinned.pointer();
         // Dropping the closure (which owns `pinned`) releases the memory.
         let release = move |_pointer, _len| drop(pinned);
-        // SAFETY: page-aligned (checked by alloc_pinned), `len` (a multiple
-        // of a page) zeroed bytes, owned by the buffer and released once,
-        // when `release` is dropped after its call.
+        // Page-aligned (checked by alloc_pinned), `len` zeroed bytes (a multiple of a
+        // page), owned by the buffer; `release` drops `pinned` after its call.
+        // SAFETY: the memory is valid, aligned and zeroed, and released exactly once.
         let buffer = unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) };
         Ok(buffer)
     }
@@ -122,9 +122,9 @@ impl Device for CudaDevice {
     fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {
         self.check_range(device_offset, len_bytes as usize);
         let (device, len) = (self.base + device_offset, len_bytes as usize);
-        // SAFETY: the range is in the arena, owned by the copy being
-        // registered; uploads into it follow on the same stream, and the
-        // other two streams wait (on the device) for the fence below.
+        // Uploads into the range follow on the same stream, and the other two
+        // streams wait (on the device) for the fence below.
+        // SAFETY: the range is in the arena, owned by the copy being registered.
         unsafe {
             self.context
                 .zero_async(StreamKind::CopyToDevice, device, len)?

@@ -101,8 +101,8 @@ impl<E: RawEngine> FaultEngine<E> {
             self.counts.flip += 1;
             let byte = (self.rng.next_u64() % u64::from(moved)) as usize;
             let bit = self.rng.next_u64() % 8;
-            // SAFETY: the read into ptr..ptr+moved has completed and the buffer
-            // is still ours until this completion is returned (push's contract).
+            // The buffer is ours until this completion is returned (push's contract).
+            // SAFETY: the read into ptr..ptr+moved has completed, and `byte` < moved.
             unsafe { *req.ptr.add(byte) ^= 1 << bit };
         }
         result

@@ -65,8 +65,7 @@ fn worker_loop(jobs: &Mutex<Receiver<Job>>, done: &Sender<RawCompletion>) {
             }
         };
         let Job(req, fd) = job;
-        // SAFETY: `push`'s contract keeps the buffer valid and ours alone
-        // until the completion is delivered below.
+        // SAFETY: `push`'s contract keeps the buffer valid and ours until completion.
         let result = unsafe {
             crate::sys::pread_or_pwrite(
                 fd,

@@ -90,8 +90,8 @@ impl RawEngine for UringEngine {
             "file index out of range"
         );
         let entry = self.entry(&req);
-        // SAFETY: the buffer outlives the request by this method's contract,
-        // and the fd (or fixed index) refers to a file we hold open.
+        // The fd (or fixed index) refers to a file we hold open.
+        // SAFETY: the buffer outlives the request by this method's contract.
         let pushed = unsafe { self.ring.submission().push(&entry) };
         if pushed.is_err() {
             // Submission queue full: flush it to the kernel, then retry once.
