@@ -104,6 +104,30 @@ fn contiguous_mut<'a, T: Element>(
     slice_mut(op, operand, view)
 }
 
+/// [`contiguous`], holding exactly `len` elements.
+fn sized<'a, T: Element>(
+    op: &'static str,
+    operand: &'static str,
+    view: View<'a>,
+    len: usize,
+) -> Result<&'a [T]> {
+    let slice = contiguous(op, operand, view)?;
+    same_len(op, operand, slice.len(), len)?;
+    Ok(slice)
+}
+
+/// [`contiguous_mut`], holding exactly `len` elements.
+fn sized_mut<'a, T: Element>(
+    op: &'static str,
+    operand: &'static str,
+    view: ViewMut<'a>,
+    len: usize,
+) -> Result<&'a mut [T]> {
+    let slice = contiguous_mut(op, operand, view)?;
+    same_len(op, operand, slice.len(), len)?;
+    Ok(slice)
+}
+
 fn operand<'a>(op: &'static str, name: &'static str, m: Matrix<'a>) -> Result<Strided<'a>> {
     let raw = m.view.raw();
     let data = slice::<f32>(op, name, m.view)?;
@@ -136,11 +160,10 @@ impl CpuBackend {
         shape: Attention,
         workspace: ViewMut<'a>,
     ) -> Result<([&'a mut [f32]; 7], &'a mut [f32])> {
-        let ws = contiguous_mut::<f32>(op, "workspace", workspace)?;
-        same_len(
+        let ws = sized_mut::<f32>(
             op,
             "workspace",
-            ws.len(),
+            workspace,
             self.attention_workspace_elems(shape),
         )?;
         let (heads, dp) = ws.split_at_mut(7 * shape.seq * shape.head_dim);
@@ -379,10 +402,8 @@ impl Backend for CpuBackend {
         let x = contiguous::<f32>(OP, "x", x)?;
         let rows = x.len() / cols.max(1);
         same_len(OP, "x", x.len(), rows * cols)?;
-        let out = contiguous_mut::<f32>(OP, "out", out)?;
-        same_len(OP, "out", out.len(), x.len())?;
-        let saved = contiguous_mut::<f32>(OP, "saved", saved)?;
-        same_len(OP, "saved", saved.len(), 2 * rows)?;
+        let out = sized_mut::<f32>(OP, "out", out, x.len())?;
+        let saved = sized_mut::<f32>(OP, "saved", saved, 2 * rows)?;
         let (mean, rstd) = saved.split_at_mut(rows);
         ops::layer_norm(x, gamma, beta, cols, out, mean, rstd);
         Ok(())
@@ -406,12 +427,9 @@ impl Backend for CpuBackend {
         );
         let rows = x.len() / cols.max(1);
         same_len(OP, "dout", dout.len(), x.len())?;
-        let saved = contiguous::<f32>(OP, "saved", saved)?;
-        same_len(OP, "saved", saved.len(), 2 * rows)?;
-        let dx = contiguous_mut::<f32>(OP, "dx", dx)?;
-        same_len(OP, "dx", dx.len(), x.len())?;
-        let dgb = contiguous_mut::<f32>(OP, "dgamma_dbeta", dgamma_dbeta)?;
-        same_len(OP, "dgamma_dbeta", dgb.len(), 2 * cols)?;
+        let saved = sized::<f32>(OP, "saved", saved, 2 * rows)?;
+        let dx = sized_mut::<f32>(OP, "dx", dx, x.len())?;
+        let dgb = sized_mut::<f32>(OP, "dgamma_dbeta", dgamma_dbeta, 2 * cols)?;
         let (dgamma, dbeta) = dgb.split_at_mut(cols);
         let (mean, rstd) = saved.split_at(rows);
         ops::layer_norm_backward(dout, x, gamma, mean, rstd, cols, dx, dgamma, dbeta);
@@ -420,8 +438,7 @@ impl Backend for CpuBackend {
 
     fn gelu(&self, x: View<'_>, out: ViewMut<'_>) -> Result<()> {
         let x = contiguous::<f32>("gelu", "x", x)?;
-        let out = contiguous_mut::<f32>("gelu", "out", out)?;
-        same_len("gelu", "out", out.len(), x.len())?;
+        let out = sized_mut::<f32>("gelu", "out", out, x.len())?;
         ops::gelu(x, out);
         Ok(())
     }
@@ -459,17 +476,9 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         const OP: &str = "attention";
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
-        let qkv = contiguous::<f32>(OP, "qkv", qkv)?;
-        same_len(OP, "qkv", qkv.len(), shape.rows() * 3 * h)?;
-        let out = contiguous_mut::<f32>(OP, "out", out)?;
-        same_len(OP, "out", out.len(), shape.rows() * h)?;
-        let probs_all = contiguous_mut::<f32>(OP, "saved", saved)?;
-        same_len(
-            OP,
-            "saved",
-            probs_all.len(),
-            self.attention_saved_elems(shape),
-        )?;
+        let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
+        let out = sized_mut::<f32>(OP, "out", out, shape.rows() * h)?;
+        let probs_all = sized_mut::<f32>(OP, "saved", saved, self.attention_saved_elems(shape))?;
         let ([q, k, v, o, ..], _) = self.attention_workspace(OP, shape, workspace)?;
         let scale = 1.0 / (d as f32).sqrt();
         for (b, head) in Self::heads(shape) {
@@ -495,19 +504,10 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         const OP: &str = "attention_backward";
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
-        let qkv = contiguous::<f32>(OP, "qkv", qkv)?;
-        same_len(OP, "qkv", qkv.len(), shape.rows() * 3 * h)?;
-        let probs_all = contiguous::<f32>(OP, "saved", saved)?;
-        same_len(
-            OP,
-            "saved",
-            probs_all.len(),
-            self.attention_saved_elems(shape),
-        )?;
-        let dout = contiguous::<f32>(OP, "dout", dout)?;
-        same_len(OP, "dout", dout.len(), shape.rows() * h)?;
-        let dqkv = contiguous_mut::<f32>(OP, "dqkv", dqkv)?;
-        same_len(OP, "dqkv", dqkv.len(), qkv.len())?;
+        let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
+        let probs_all = sized::<f32>(OP, "saved", saved, self.attention_saved_elems(shape))?;
+        let dout = sized::<f32>(OP, "dout", dout, shape.rows() * h)?;
+        let dqkv = sized_mut::<f32>(OP, "dqkv", dqkv, qkv.len())?;
         let ([q, k, v, o, dq, dk, dv], dp) = self.attention_workspace(OP, shape, workspace)?;
         let scale = 1.0 / (d as f32).sqrt();
         for (b, head) in Self::heads(shape) {
@@ -551,8 +551,7 @@ impl Backend for CpuBackend {
                 vocab,
             });
         }
-        let dlogits = contiguous_mut::<f32>(OP, "dlogits", dlogits)?;
-        same_len(OP, "dlogits", dlogits.len(), logits.len())?;
+        let dlogits = sized_mut::<f32>(OP, "dlogits", dlogits, logits.len())?;
         let loss = ops::cross_entropy(logits, targets, vocab, grad_scale, dlogits);
         Ok(Readback::ready(f64::from(loss)))
     }
@@ -609,8 +608,7 @@ impl Backend for CpuBackend {
         let dout = contiguous::<f32>(OP, "dout", dout)?;
         let hidden = dout.len() / tokens.len().max(1);
         let dtable = contiguous_mut::<f32>(OP, "dtable", dtable)?;
-        let dpositions = contiguous_mut::<f32>(OP, "dpositions", dpositions)?;
-        same_len(OP, "dpositions", dpositions.len(), seq * hidden)?;
+        let dpositions = sized_mut::<f32>(OP, "dpositions", dpositions, seq * hidden)?;
         let vocab = dtable.len() / hidden.max(1);
         for (i, (&token, row)) in tokens.iter().zip(dout.chunks_exact(hidden)).enumerate() {
             if token as usize >= vocab {
@@ -644,18 +642,11 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         const OP: &str = "adamw";
         let grad = contiguous::<f32>(OP, "grad", grad)?;
-        let master = contiguous_mut::<f32>(OP, "master", master)?;
-        let m = contiguous_mut::<f32>(OP, "m", m)?;
-        let v = contiguous_mut::<f32>(OP, "v", v)?;
-        let param = contiguous_mut::<bf16>(OP, "param", param)?;
-        for (operand, len) in [
-            ("master", master.len()),
-            ("m", m.len()),
-            ("v", v.len()),
-            ("param", param.len()),
-        ] {
-            same_len(OP, operand, len, grad.len())?;
-        }
+        let n = grad.len();
+        let master = sized_mut::<f32>(OP, "master", master, n)?;
+        let m = sized_mut::<f32>(OP, "m", m, n)?;
+        let v = sized_mut::<f32>(OP, "v", v, n)?;
+        let param = sized_mut::<bf16>(OP, "param", param, n)?;
         adam_step(
             Isa::chosen(),
             coefficients,
