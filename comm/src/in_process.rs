@@ -379,6 +379,29 @@ impl HalfFrom for f16 {
     }
 }
 
+impl InProcess {
+    /// `Shape` unless the full buffer (`what`, `full` elements) holds one
+    /// shard of `shard` elements per rank.
+    fn world_times(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        full: usize,
+        shard: usize,
+    ) -> Result<()> {
+        let expected = shard * self.world();
+        if full != expected {
+            return Err(CommError::Shape {
+                op,
+                what,
+                expected,
+                actual: full,
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Collective for InProcess {
     fn rank(&self) -> usize {
         self.rank
@@ -391,14 +414,7 @@ impl Collective for InProcess {
     fn all_gather(&self, shard: View<'_>, out: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "all_gather";
         same_dtype(OP, shard.dtype(), out.dtype())?;
-        if out.len() != shard.len() * self.world() {
-            return Err(CommError::Shape {
-                op: OP,
-                what: "output",
-                expected: shard.len() * self.world(),
-                actual: out.len(),
-            });
-        }
+        self.world_times(OP, "output", out.len(), shard.len())?;
         self.check(shard.len())?;
         reach(OP, "output", out.raw())?;
         self.post(OP, &shard)?;
@@ -424,14 +440,7 @@ impl Collective for InProcess {
     fn reduce_scatter(&self, full: View<'_>, mut shard: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "reduce_scatter";
         same_dtype(OP, full.dtype(), shard.dtype())?;
-        if full.len() != shard.len() * self.world() {
-            return Err(CommError::Shape {
-                op: OP,
-                what: "input",
-                expected: shard.len() * self.world(),
-                actual: full.len(),
-            });
-        }
+        self.world_times(OP, "input", full.len(), shard.len())?;
         self.check(full.len())?;
         reach(OP, "output", shard.raw())?;
         self.post(OP, &full)?;
