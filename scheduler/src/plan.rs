@@ -49,6 +49,9 @@ pub struct Links {
     pub nvme_duplex: bool,
 }
 
+/// Tensor classes, the length of per-class tables.
+const CLASSES: usize = TensorClass::ALL.len();
+
 /// A transfer lane: one FIFO queue of transfers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -195,7 +198,7 @@ pub struct Policy {
     /// Victim choice.
     pub eviction: Eviction,
     /// Rules per [`TensorClass`] (indexed by `TensorClass::index`).
-    pub rules: [ClassRule; 5],
+    pub rules: [ClassRule; CLASSES],
     /// Stop the lookahead at the first tensor whose only copy is on NVMe.
     pub stop_at_nvme: bool,
     /// Bytes fetched ahead of the current op, at most: sized at start.
@@ -232,7 +235,7 @@ impl Policy {
             synchronous_writeback: false,
             keep_host_copy: true,
         };
-        let mut rules = [rule; 5];
+        let mut rules = [rule; CLASSES];
         rules[TensorClass::Activation.index()].prefetch_ops_max =
             activation_horizon_ops.min(lookahead_ops_max);
         Policy {
@@ -258,7 +261,7 @@ impl Policy {
             synchronous_writeback: false,
             keep_host_copy: true,
         };
-        let mut rules = [rule; 5];
+        let mut rules = [rule; CLASSES];
         for class in [
             TensorClass::Param,
             TensorClass::Grad,
@@ -292,7 +295,7 @@ impl Policy {
             synchronous_writeback: false,
             keep_host_copy: true,
         };
-        let mut rules = [demand; 5];
+        let mut rules = [demand; CLASSES];
         rules[TensorClass::Param.index()] = ClassRule {
             prefetch_ops_max: if step >= 3 { 64 } else { 0 },
             evict_after_use: true,
@@ -357,7 +360,7 @@ pub struct Plan {
     pub staging_bytes_max: u64,
     /// The most bytes of each class on each tier at once
     /// (`[class.index()][tier.index()]`).
-    pub peak_class_bytes: [[u64; 3]; 5],
+    pub peak_class_bytes: [[u64; 3]; CLASSES],
     /// Transfers the plan issues, per [`Lane`].
     pub transfers: [u32; 4],
     /// Bytes it moves, per [`Lane`].
@@ -421,8 +424,8 @@ struct Planner<'a> {
     actions: Vec<Action>,
     boundary_start: Vec<u32>,
     peak: [u64; 3],
-    class_used: [[u64; 3]; 5],
-    peak_class: [[u64; 3]; 5],
+    class_used: [[u64; 3]; CLASSES],
+    peak_class: [[u64; 3]; CLASSES],
     // Estimated timeline: when each lane frees up, what is queued on it.
     now_ns: f64,
     processor_free_ns: [f64; 2],
@@ -451,8 +454,8 @@ impl<'a> Planner<'a> {
             actions: Vec::with_capacity(trace.ops.len() * 4),
             boundary_start: Vec::with_capacity(trace.ops.len() + 2),
             peak: [0; 3],
-            class_used: [[0; 3]; 5],
-            peak_class: [[0; 3]; 5],
+            class_used: [[0; 3]; CLASSES],
+            peak_class: [[0; 3]; CLASSES],
             now_ns: 0.0,
             processor_free_ns: [0.0; 2],
             lane_free_ns: [0.0; 4],

@@ -331,6 +331,22 @@ impl TraceRecorder {
 mod tests {
     use super::*;
 
+    #[test]
+    fn indices_round_trip() {
+        for (i, class) in TensorClass::ALL.into_iter().enumerate() {
+            assert_eq!(class.index(), i);
+        }
+        for (i, lane) in crate::plan::Lane::ALL.into_iter().enumerate() {
+            assert_eq!(lane.index(), i);
+        }
+        for (i, tier) in Tier::ALL.into_iter().enumerate() {
+            assert_eq!(tier.index(), i);
+            assert_eq!(tier.toward(tier), tier);
+        }
+        assert_eq!(Tier::Nvme.toward(Tier::Device), Tier::Host);
+        assert_eq!(Tier::Device.toward(Tier::Nvme), Tier::Host);
+    }
+
     fn access(tensor: u32, mode: Mode) -> Access {
         Access { tensor, mode }
     }

@@ -304,12 +304,6 @@ impl BlockActivations {
         })
     }
 
-    /// Elements a block keeps for its backward on `backend` (without
-    /// allocating them).
-    pub fn elems(backend: &dyn Backend, config: &GptConfig, batch: usize) -> usize {
-        activation_parts(backend, config, batch).total()
-    }
-
     /// Bytes these buffers hold.
     pub fn bytes(&self) -> u64 {
         self.buffer.bytes()
