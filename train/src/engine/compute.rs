@@ -23,6 +23,9 @@ use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
 
+/// The engine's workspace is host memory (the CPU backend's buffers).
+pub(super) const HOST_WORKSPACE: &str = "the engine's workspace is host memory";
+
 /// Compute buffers: one block's worth, held for the whole run, and the
 /// streams between blocks of each micro-batch in flight at once.
 pub(super) struct Workspace {
@@ -33,6 +36,7 @@ pub(super) struct Workspace {
     pub(super) acts: BlockActivations,
     pub(super) scratch: BlockScratch,
     pub(super) head: HeadBuffers,
+    /// A block's kept input, read back for the recompute (checkpointing).
     pub(super) saved: Vec<f32>,
     pub(super) y: Vec<f32>,
     pub(super) dx: Vec<f32>,
@@ -65,11 +69,10 @@ impl Workspace {
         let embed_padded = groups[0].padded(world);
         let stream = batch * gpt.seq * gpt.hidden;
         let acts = BlockActivations::new(backend, gpt, batch)?;
-        let saved = if checkpoint {
-            stream
-        } else {
-            acts.view().len()
-        };
+        // With checkpointing a block's backward recomputes from its input,
+        // read back here; without, the saved activations are read straight
+        // into `acts`.
+        let saved = if checkpoint { stream } else { 0 };
         Ok(Workspace {
             gathered: vec![0.0; padded_max],
             shard16: vec![bf16::ZERO; shard_max],
@@ -225,13 +228,6 @@ impl Engine {
             ViewMut::host_slice(&mut ws.y),
         )?;
         std::mem::swap(&mut stream.x, &mut ws.y);
-        let kept = if self.config.train.checkpoint_activations {
-            ws.acts.input()
-        } else {
-            ws.acts.view()
-        };
-        self.backend
-            .copy(kept, ViewMut::host_slice(&mut ws.saved))?;
         let index = self.saved_index(m, b);
         self.write_tensor(index, Tier::Device, Kept::Saved)?;
         Ok(())
@@ -276,10 +272,10 @@ impl Engine {
         self.gather(b + 1)?;
         let index = self.saved_index(m, b);
         let id = self.slots[index].id.expect("saved in forward");
-        read_f32(&self.runtime, id, Tier::Device, &mut self.ws.saved)?;
         let ws = &mut self.ws;
         let params = View::host_slice(&ws.gathered[..self.groups[b + 1].params]);
         if self.config.train.checkpoint_activations {
+            read_f32(&self.runtime, id, Tier::Device, &mut ws.saved)?;
             block_forward(
                 &*self.backend,
                 &self.gpt,
@@ -291,8 +287,9 @@ impl Engine {
                 ViewMut::host_slice(&mut ws.y),
             )?;
         } else {
-            self.backend
-                .copy(View::host_slice(&ws.saved), ws.acts.view_mut())?;
+            // Read straight back into the block's activations.
+            let acts = ws.acts.view_mut().into_host::<f32>();
+            read_f32(&self.runtime, id, Tier::Device, acts.expect(HOST_WORKSPACE))?;
         }
         let padded = self.groups[b + 1].padded(world);
         ws.grad_full[..padded].fill(0.0);

@@ -10,6 +10,7 @@ use strata_scheduler::{Action, ActionKind, Follow, Op};
 use crate::error::Result;
 
 use super::Engine;
+use super::compute::HOST_WORKSPACE;
 use super::tensors::runtime_tier;
 
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
@@ -43,6 +44,8 @@ pub(super) fn release(action: &Action) -> bool {
 /// What a write takes from the workspace.
 #[derive(Clone, Copy)]
 pub(super) enum Kept {
+    /// What a block keeps for its backward: its input with checkpointing,
+    /// else all its activations.
     Saved,
     Shard(usize),
 }
@@ -221,7 +224,10 @@ impl Engine {
             }
         };
         let data: &[u8] = match kept {
-            Kept::Saved => bytemuck::cast_slice(&self.ws.saved),
+            Kept::Saved if self.config.train.checkpoint_activations => {
+                self.ws.acts.input().host_bytes().expect(HOST_WORKSPACE)
+            }
+            Kept::Saved => self.ws.acts.view().host_bytes().expect(HOST_WORKSPACE),
             Kept::Shard(n) => bytemuck::cast_slice(&self.ws.shard32[..n]),
         };
         Ok(self.runtime.overwrite(id, tier, data)?)
