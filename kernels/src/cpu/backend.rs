@@ -3,7 +3,7 @@
 //! on the CPU device are theirs bit for bit.
 
 use half::bf16;
-use strata_device::{Buffer, DeviceKind, Dtype, Element, Fence, View, ViewMut};
+use strata_device::{Buffer, DeviceKind, Dtype, Element, Fence, Raw, View, ViewMut};
 use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam_step};
 
 use super::gemm::{Strided, gemm_strided};
@@ -72,19 +72,25 @@ fn same_len(op: &'static str, operand: &'static str, actual: usize, expected: us
     Ok(())
 }
 
+/// `Shape` unless the view has no gaps between its rows.
+fn is_contiguous(op: &'static str, operand: &'static str, raw: Raw) -> Result<()> {
+    if raw.is_contiguous() {
+        return Ok(());
+    }
+    Err(KernelError::Shape {
+        op,
+        operand,
+        actual: format!("row stride {}", raw.row_stride),
+        expected: "a contiguous view".into(),
+    })
+}
+
 fn contiguous<'a, T: Element>(
     op: &'static str,
     operand: &'static str,
     view: View<'a>,
 ) -> Result<&'a [T]> {
-    if !view.raw().is_contiguous() {
-        return Err(KernelError::Shape {
-            op,
-            operand,
-            actual: format!("row stride {}", view.raw().row_stride),
-            expected: "a contiguous view".into(),
-        });
-    }
+    is_contiguous(op, operand, view.raw())?;
     slice(op, operand, view)
 }
 
@@ -93,14 +99,7 @@ fn contiguous_mut<'a, T: Element>(
     operand: &'static str,
     view: ViewMut<'a>,
 ) -> Result<&'a mut [T]> {
-    if !view.raw().is_contiguous() {
-        return Err(KernelError::Shape {
-            op,
-            operand,
-            actual: format!("row stride {}", view.raw().row_stride),
-            expected: "a contiguous view".into(),
-        });
-    }
+    is_contiguous(op, operand, view.raw())?;
     slice_mut(op, operand, view)
 }
 
