@@ -1216,3 +1216,15 @@ fn replay(
     }
     Ok(peak)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Lane;
+
+    #[test]
+    fn lane_indices_round_trip() {
+        for (i, lane) in Lane::ALL.into_iter().enumerate() {
+            assert_eq!(lane.index(), i);
+        }
+    }
+}

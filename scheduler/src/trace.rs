@@ -336,9 +336,6 @@ mod tests {
         for (i, class) in TensorClass::ALL.into_iter().enumerate() {
             assert_eq!(class.index(), i);
         }
-        for (i, lane) in crate::plan::Lane::ALL.into_iter().enumerate() {
-            assert_eq!(lane.index(), i);
-        }
         for (i, tier) in Tier::ALL.into_iter().enumerate() {
             assert_eq!(tier.index(), i);
             assert_eq!(tier.toward(tier), tier);

@@ -17,14 +17,11 @@ use crate::gpt::{
     embed_backward, embed_forward, head_forward_backward,
 };
 
-use super::moves::{Kept, guard, read_f32};
+use super::moves::{HOST_WORKSPACE, Kept, guard, read_f32};
 use super::steps::{StepOp, Work};
 use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
-
-/// The engine's workspace is host memory (the CPU backend's buffers).
-pub(super) const HOST_WORKSPACE: &str = "the engine's workspace is host memory";
 
 /// Compute buffers: one block's worth, held for the whole run, and the
 /// streams between blocks of each micro-batch in flight at once.

@@ -10,7 +10,6 @@ use strata_scheduler::{Action, ActionKind, Follow, Op};
 use crate::error::Result;
 
 use super::Engine;
-use super::compute::HOST_WORKSPACE;
 use super::tensors::runtime_tier;
 
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
@@ -40,6 +39,9 @@ pub(super) fn release(action: &Action) -> bool {
         ActionKind::Evict { .. } | ActionKind::Drop { .. }
     )
 }
+
+/// The engine's workspace is host memory (the CPU backend's buffers).
+pub(super) const HOST_WORKSPACE: &str = "the engine's workspace is host memory";
 
 /// What a write takes from the workspace.
 #[derive(Clone, Copy)]
