@@ -8,11 +8,12 @@
 
 use serde::Serialize;
 
+use crate::builder::{OpCost, StepModel, StepShape, Updates, Work, build_step};
 use crate::error::SchedulerError;
 use crate::model::{Hardware, Model, Parallelism, deepspeed_zero3_estimate};
 use crate::plan::{ActionKind, Lane, Link, Links, Plan, PlanConfig, Policy, plan};
 use crate::sim::{SimConfig, SimReport, TimelinePoint, simulate};
-use crate::trace::{Access, Mode, Op, Processor, TensorClass, TensorSpec, Tier, Trace};
+use crate::trace::{Access, Mode, Processor, TensorClass, TensorSpec, Tier, Trace};
 
 /// Device memory kept for the CUDA context and allocator slack.
 pub const DEVICE_RESERVE_BYTES: u64 = 1 << 30;
@@ -248,7 +249,187 @@ fn collective_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64
     }
 }
 
-/// Builds one GPU's trace of one optimizer step.
+/// One unit the optimizer updates (a linear layer's tile, or the
+/// embedding) on this GPU, before ZeRO sharding.
+struct Unit {
+    name: String,
+    params: u64,
+    forward_flops: f64,
+    param: u32,
+    optimizer: u32,
+    grad: u32,
+}
+
+/// One GPU's step as the step builder sees it: tensor numbers and costs.
+struct ClusterStep<'a> {
+    parallelism: &'a Parallelism,
+    hardware: &'a Hardware,
+    shares: &'a Shares,
+    /// By group: the embedding, then each block's units in order.
+    units: Vec<Unit>,
+    /// Saved activations by micro-batch, then block.
+    saved: Vec<u32>,
+    /// Units per block.
+    parts: usize,
+    collective_bytes_per_s: f64,
+}
+
+impl ClusterStep<'_> {
+    /// A ring collective over `bytes` (`factor` 2 for an all-reduce).
+    fn ring_ns(&self, bytes: u64, factor: f64) -> u64 {
+        if self.parallelism.data <= 1 {
+            return 0;
+        }
+        let data = f64::from(self.parallelism.data);
+        COLLECTIVE_LATENCY_NS
+            + (factor * bytes as f64 * (data - 1.0) / data / self.collective_bytes_per_s * 1e9)
+                as u64
+    }
+
+    fn flops_ns(&self, flops: f64) -> u64 {
+        (flops / (self.hardware.gpu_flops * self.hardware.gpu_efficiency) * 1e9) as u64
+    }
+
+    fn optimizer_on_gpu(&self) -> bool {
+        self.parallelism.offload_optimizer == Tier::Device
+    }
+
+    fn optimizer_ns(&self, params: u64) -> u64 {
+        let hardware = self.hardware;
+        if self.optimizer_on_gpu() {
+            (36.0 * params as f64 / hardware.gpu_memory_bytes_per_s * 1e9) as u64
+        } else {
+            (params as f64 * f64::from(hardware.gpus_per_node)
+                / hardware.cpu_optimizer_params_per_s
+                * 1e9) as u64
+        }
+    }
+
+    fn gather_ns(&self, unit: &Unit) -> u64 {
+        if self.shares.param_shard > 1 {
+            self.ring_ns(2 * unit.params, 1.0)
+        } else {
+            0
+        }
+    }
+
+    fn reduce_ns(&self, unit: &Unit) -> u64 {
+        let factor = if self.shares.grad_shard > 1 { 1.0 } else { 2.0 };
+        self.ring_ns(2 * unit.params, factor)
+    }
+
+    /// The forward flops of block `layer`, recomputed in its backward with
+    /// checkpointing.
+    fn recompute_flops(&self, layer: usize) -> f64 {
+        if !self.parallelism.checkpoint_activations {
+            return 0.0;
+        }
+        let first = 1 + layer * self.parts;
+        self.units[first..first + self.parts]
+            .iter()
+            .map(|u| u.forward_flops)
+            .sum()
+    }
+}
+
+impl StepModel for ClusterStep<'_> {
+    fn param(&self, group: usize) -> u32 {
+        self.units[group].param
+    }
+
+    fn grad(&self, group: usize) -> u32 {
+        self.units[group].grad
+    }
+
+    fn saved(&self, m: usize, layer: usize) -> u32 {
+        self.saved[m * self.shares.layers as usize + layer]
+    }
+
+    fn update(&self, group: usize, _late: bool) -> Vec<Access> {
+        let u = &self.units[group];
+        let access = |tensor, mode| Access { tensor, mode };
+        vec![
+            access(u.optimizer, Mode::Update),
+            access(u.grad, Mode::Read),
+            access(u.param, Mode::Write),
+        ]
+    }
+
+    fn name(&self, group: usize) -> String {
+        self.units[group].name.clone()
+    }
+
+    fn cost(&self, work: Work) -> OpCost {
+        let gpu = Processor::Gpu;
+        let embedding = &self.units[0];
+        let unit = |layer: usize, part: usize| &self.units[1 + layer * self.parts + part];
+        match work {
+            Work::EmbedForward { .. } => OpCost {
+                gather_ns: self.gather_ns(embedding),
+                ..OpCost::compute(gpu, 1_000)
+            },
+            Work::Forward { layer, part, .. } => {
+                let u = unit(layer, part);
+                OpCost {
+                    gather_ns: self.gather_ns(u),
+                    ..OpCost::compute(gpu, self.flops_ns(u.forward_flops))
+                }
+            }
+            Work::Head { .. } => OpCost {
+                gather_ns: self.gather_ns(embedding),
+                ..OpCost::compute(gpu, self.flops_ns(3.0 * embedding.forward_flops))
+            },
+            Work::Backward { layer, part, .. } => {
+                let u = unit(layer, part);
+                let mut flops = 2.0 * u.forward_flops;
+                if part + 1 == self.parts {
+                    flops += self.recompute_flops(layer);
+                }
+                OpCost {
+                    processor: gpu,
+                    compute_ns: self.flops_ns(flops),
+                    gather_ns: self.gather_ns(u),
+                    reduce_ns: self.reduce_ns(u),
+                }
+            }
+            Work::EmbedBackward { .. } => OpCost {
+                reduce_ns: self.reduce_ns(embedding),
+                ..OpCost::compute(gpu, 1_000)
+            },
+            Work::Update { group, .. } => {
+                let processor = if self.optimizer_on_gpu() {
+                    Processor::Gpu
+                } else {
+                    Processor::Cpu
+                };
+                let params = self.units[group].params / self.shares.optimizer_shard;
+                OpCost::compute(processor, self.optimizer_ns(params))
+            }
+            Work::Norm => OpCost::compute(gpu, 10_000),
+            Work::Commit => unreachable!("the cluster model has no commit"),
+        }
+    }
+}
+
+/// Adds a tensor to the trace; its index.
+fn add_tensor(
+    trace: &mut Trace,
+    name: String,
+    bytes: u64,
+    class: TensorClass,
+    home: Option<Tier>,
+) -> u32 {
+    trace.tensors.push(TensorSpec {
+        name,
+        bytes: bytes.max(1),
+        class,
+        home,
+    });
+    trace.tensors.len() as u32 - 1
+}
+
+/// Builds one GPU's trace of one optimizer step (its ops by the step
+/// builder).
 fn build_trace(
     model: &Model,
     parallelism: &Parallelism,
@@ -257,64 +438,22 @@ fn build_trace(
     policy: Policies,
 ) -> Trace {
     let mut trace = Trace::default();
-    let data = f64::from(parallelism.data);
-    let collective = collective_bytes_per_s(hardware, parallelism);
-    let ring = |bytes: u64, factor: f64| -> u64 {
-        if parallelism.data <= 1 {
-            0
-        } else {
-            COLLECTIVE_LATENCY_NS
-                + (factor * bytes as f64 * (data - 1.0) / data / collective * 1e9) as u64
-        }
-    };
-    let flops_ns =
-        |flops: f64| (flops / (hardware.gpu_flops * hardware.gpu_efficiency) * 1e9) as u64;
-    let optimizer_on_gpu = parallelism.offload_optimizer == Tier::Device;
-    let optimizer_ns = |params: u64| -> u64 {
-        if optimizer_on_gpu {
-            (36.0 * params as f64 / hardware.gpu_memory_bytes_per_s * 1e9) as u64
-        } else {
-            (params as f64 * f64::from(hardware.gpus_per_node)
-                / hardware.cpu_optimizer_params_per_s
-                * 1e9) as u64
-        }
-    };
-    // Parameters of one unit (a linear layer's tile, or the embedding) on
-    // this GPU before ZeRO sharding.
-    struct Unit {
-        name: String,
-        params: u64,
-        forward_flops: f64,
-        param: u32,
-        optimizer: u32,
-        grad: u32,
-    }
-    let add =
-        |trace: &mut Trace, name: String, bytes: u64, class: TensorClass, home: Option<Tier>| {
-            trace.tensors.push(TensorSpec {
-                name,
-                bytes: bytes.max(1),
-                class,
-                home,
-            });
-            trace.tensors.len() as u32 - 1
-        };
     let unit = |trace: &mut Trace, name: String, params: u64, forward_flops: f64| Unit {
-        param: add(
+        param: add_tensor(
             trace,
             format!("{name}.param16"),
             2 * params / shares.param_shard,
             TensorClass::Param,
             Some(parallelism.offload_param),
         ),
-        optimizer: add(
+        optimizer: add_tensor(
             trace,
             format!("{name}.fp32"),
             16 * params / shares.optimizer_shard,
             TensorClass::OptimizerState,
             Some(parallelism.offload_optimizer),
         ),
-        grad: add(
+        grad: add_tensor(
             trace,
             format!("{name}.grad16"),
             2 * params / shares.grad_shard,
@@ -327,17 +466,16 @@ fn build_trace(
     };
     let tp = shares.tensor;
     let tokens = model.tokens() as f64;
-    let embedding = unit(
+    let mut units = vec![unit(
         &mut trace,
         "embed".into(),
         model.embedding_params() / tp,
         2.0 * tokens * (model.vocab * model.hidden) as f64 / tp as f64,
-    );
-    let mut layers: Vec<Vec<Unit>> = Vec::new();
+    )];
+    let block_params = model.block_params();
     for l in 0..shares.layers {
-        let mut units = Vec::new();
-        for (j, (name, params)) in model.block_params().into_iter().enumerate() {
-            let mut flops = 2.0 * tokens * params as f64;
+        for (j, (name, params)) in block_params.iter().enumerate() {
+            let mut flops = 2.0 * tokens * *params as f64;
             if j == 1 {
                 flops += 4.0 * tokens * model.seq as f64 * model.hidden as f64;
             }
@@ -356,170 +494,55 @@ fn build_trace(
                 ));
             }
         }
-        layers.push(units);
     }
     let saved_bytes = if parallelism.checkpoint_activations {
         model.checkpoint_bytes()
     } else {
         model.block_activation_bytes() / tp
     };
-    let micro_batches = parallelism.grad_accumulation;
-    let overlap_optimizer = policy == Policies::Strata && !parallelism.grad_clip;
-    let optimizer_processor = if optimizer_on_gpu {
-        Processor::Gpu
-    } else {
-        Processor::Cpu
-    };
-    let optimizer_op = |u: &Unit| {
-        let accesses = vec![
-            Access {
-                tensor: u.optimizer,
-                mode: Mode::Update,
-            },
-            Access {
-                tensor: u.grad,
-                mode: Mode::Read,
-            },
-            Access {
-                tensor: u.param,
-                mode: Mode::Write,
-            },
-        ];
-        let compute_ns = optimizer_ns(u.params / shares.optimizer_shard);
-        Op::new(
-            format!("adam.{}", u.name),
-            optimizer_processor,
-            accesses,
-            compute_ns,
-        )
-    };
-    let gather = |u: &Unit| {
-        if shares.param_shard > 1 {
-            ring(2 * u.params, 1.0)
-        } else {
-            0
-        }
-    };
-    let reduce = |u: &Unit| ring(2 * u.params, if shares.grad_shard > 1 { 1.0 } else { 2.0 });
-    let grad_mode = |m: u32| if m == 0 { Mode::Write } else { Mode::Update };
-    let gpu =
-        |name: String, accesses: Vec<Access>, compute_ns: u64, gather_ns: u64, reduce_ns: u64| Op {
-            gather_ns,
-            reduce_ns,
-            ..Op::new(name, Processor::Gpu, accesses, compute_ns)
-        };
+    let micro_batches = parallelism.grad_accumulation as usize;
+    let mut saved = Vec::new();
     for m in 0..micro_batches {
-        let saved: Vec<u32> = (0..shares.layers)
-            .map(|l| {
-                add(
-                    &mut trace,
-                    format!("m{m}.l{l}.saved"),
-                    saved_bytes,
-                    TensorClass::Activation,
-                    None,
-                )
-            })
-            .collect();
-        let read = |tensor: u32| Access {
-            tensor,
-            mode: Mode::Read,
-        };
-        trace.ops.push(gpu(
-            format!("m{m}.fwd.embed"),
-            vec![read(embedding.param)],
-            1_000,
-            gather(&embedding),
-            0,
-        ));
-        for (l, units) in layers.iter().enumerate() {
-            for (i, u) in units.iter().enumerate() {
-                let mut accesses = vec![read(u.param)];
-                if i + 1 == units.len() {
-                    accesses.push(Access {
-                        tensor: saved[l],
-                        mode: Mode::Write,
-                    });
-                }
-                trace.ops.push(gpu(
-                    format!("m{m}.fwd.{}", u.name),
-                    accesses,
-                    flops_ns(u.forward_flops),
-                    gather(u),
-                    0,
-                ));
-            }
-        }
-        let head = vec![
-            read(embedding.param),
-            Access {
-                tensor: embedding.grad,
-                mode: grad_mode(m),
-            },
-        ];
-        trace.ops.push(gpu(
-            format!("m{m}.head"),
-            head,
-            flops_ns(3.0 * embedding.forward_flops),
-            gather(&embedding),
-            0,
-        ));
-        let last = m + 1 == micro_batches;
-        for (l, units) in layers.iter().enumerate().rev() {
-            let recompute: f64 = if parallelism.checkpoint_activations {
-                units.iter().map(|u| u.forward_flops).sum()
-            } else {
-                0.0
-            };
-            for (i, u) in units.iter().enumerate().rev() {
-                let mut accesses = vec![
-                    read(u.param),
-                    Access {
-                        tensor: u.grad,
-                        mode: grad_mode(m),
-                    },
-                ];
-                let mut flops = 2.0 * u.forward_flops;
-                if i + 1 == units.len() {
-                    accesses.push(read(saved[l]));
-                    flops += recompute;
-                }
-                trace.ops.push(gpu(
-                    format!("m{m}.bwd.{}", u.name),
-                    accesses,
-                    flops_ns(flops),
-                    gather(u),
-                    reduce(u),
-                ));
-                if last && overlap_optimizer {
-                    trace.ops.push(optimizer_op(u));
-                }
-            }
-        }
-        let embed_grad = vec![Access {
-            tensor: embedding.grad,
-            mode: Mode::Update,
-        }];
-        trace.ops.push(gpu(
-            format!("m{m}.bwd.embed"),
-            embed_grad,
-            1_000,
-            0,
-            reduce(&embedding),
-        ));
-    }
-    if parallelism.grad_clip {
-        let mut norm = gpu("grad-norm".into(), Vec::new(), 10_000, 0, 0);
-        norm.barrier = true;
-        trace.ops.push(norm);
-    }
-    if !overlap_optimizer {
-        for units in layers.iter().rev() {
-            for u in units.iter().rev() {
-                trace.ops.push(optimizer_op(u));
-            }
+        for l in 0..shares.layers {
+            saved.push(add_tensor(
+                &mut trace,
+                format!("m{m}.l{l}.saved"),
+                saved_bytes,
+                TensorClass::Activation,
+                None,
+            ));
         }
     }
-    trace.ops.push(optimizer_op(&embedding));
+    let overlap_optimizer = policy == Policies::Strata && !parallelism.grad_clip;
+    let parts = block_params.len() * shares.tiles as usize;
+    let shape = StepShape {
+        layers: shares.layers as usize,
+        parts,
+        micro_batches,
+        in_flight: 1,
+        updates: if overlap_optimizer {
+            Updates::InBackward
+        } else {
+            Updates::AfterNorm
+        },
+        late: false,
+        norm: parallelism.grad_clip,
+        commit: false,
+        head_writes_embed_grad: true,
+    };
+    let step = ClusterStep {
+        parallelism,
+        hardware,
+        shares,
+        units,
+        saved,
+        parts,
+        collective_bytes_per_s: collective_bytes_per_s(hardware, parallelism),
+    };
+    trace.ops = build_step(&shape, &step)
+        .into_iter()
+        .map(|s| s.op)
+        .collect();
     trace
 }
 

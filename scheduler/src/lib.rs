@@ -18,6 +18,7 @@
 //! # Ok::<(), strata_scheduler::SchedulerError>(())
 //! ```
 
+mod builder;
 pub mod cluster;
 mod error;
 mod model;
@@ -27,6 +28,7 @@ mod step;
 mod tier;
 mod trace;
 
+pub use builder::{OpCost, StepModel, StepOp, StepShape, Updates, Work, build_step};
 pub use cluster::{Estimate, Policies};
 pub use error::SchedulerError;
 pub use model::{Hardware, Model, Parallelism, deepspeed_zero3_estimate};

@@ -18,7 +18,9 @@ use crate::gpt::{
 };
 
 use super::moves::{HOST_WORKSPACE, Kept, guard, read_f32};
-use super::steps::{StepOp, Work};
+use strata_scheduler::{StepOp, Work};
+
+use super::steps::label;
 use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
@@ -148,7 +150,7 @@ impl Engine {
         tokens: &[u32],
         update: &[AdamCoefficients; 2],
     ) -> Result<()> {
-        if let (Work::Optimizer { g, late }, Some(_)) = (step_op.work, &self.worker) {
+        if let (Work::Update { group: g, late }, Some(_)) = (step_op.work, &self.worker) {
             // Queued before the boundary's actions are issued, so that moves
             // of what it writes wait for it (else they carry stale bytes).
             // Its thread waits for its inputs' moves itself.
@@ -164,15 +166,15 @@ impl Engine {
         }
         match step_op.work {
             Work::EmbedForward { m } => self.embed_forward(m, tokens)?,
-            Work::BlockForward { m, b } => self.block_forward(m, b)?,
+            Work::Forward { m, layer, .. } => self.block_forward(m, layer)?,
             Work::Head { m } => self.head(m)?,
-            Work::BlockBackward { m, b } => self.block_backward(m, b)?,
+            Work::Backward { m, layer, .. } => self.block_backward(m, layer)?,
             Work::EmbedBackward { m } => self.embed_backward(m)?,
-            Work::Optimizer { g, late } => self.update_group(g, late, tier, update)?,
-            Work::Decide => unreachable!("decided by Engine::decide"),
+            Work::Update { group, late } => self.update_group(group, late, tier, update)?,
+            Work::Norm => unreachable!("decided by Engine::decide"),
             Work::Commit => self.wait_worker(None)?,
         }
-        let (what, group, micro_batch) = step_op.work.label();
+        let (what, group, micro_batch) = label(step_op.work);
         self.runtime
             .record_compute(what, group as u32, micro_batch.map(|m| m as u32), started);
         self.issue_actions(true)

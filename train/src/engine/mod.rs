@@ -71,18 +71,18 @@ use std::time::Instant;
 
 use strata_optim::{AdamCoefficients, Isa, LossScaler, StepDecision};
 use strata_scheduler as sched;
-use strata_scheduler::{Action, Follow, StepTracker};
+use strata_scheduler::{Action, Follow, StepOp, StepTracker, Work};
 use strata_storage::ByteSize;
 
 use strata_comm::Collective;
+use strata_kernels::{Backend, CpuBackend};
+use strata_runtime::{Runtime, Tier};
 
 use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::GptConfig;
 use compute::Workspace;
 use optimizer::{CpuWorker, OptScratch};
-use steps::{StepOp, Work, in_flight, shape_index, shape_of};
-use strata_kernels::{Backend, CpuBackend};
-use strata_runtime::{Runtime, Tier};
+use steps::{in_flight, shape_index, shape_of};
 use tensors::{Group, Slot, groups, links, optimizer_tier, slots, specs, state_cache};
 
 /// Trace tensors per parameter group: two bf16 parameter shards, two
@@ -509,8 +509,8 @@ impl Engine {
         let mut decision = StepDecision::Skip;
         for step_op in ops {
             match step_op.work {
-                Work::Decide => decision = self.decide(step_op, loss_scale)?,
-                Work::Optimizer { late: true, .. } => {
+                Work::Norm => decision = self.decide(step_op, loss_scale)?,
+                Work::Update { late: true, .. } => {
                     let update = late.expect("a late shape has the last step's update");
                     self.run_op(step_op, tokens, &update)?;
                 }

@@ -20,7 +20,9 @@ use crate::error::{Result, TrainError, os};
 
 use super::Engine;
 use super::moves::guard;
-use super::steps::{StepOp, optimizer_label, update_sets};
+use strata_scheduler::StepOp;
+
+use super::steps::{optimizer_label, update_sets};
 use super::tensors::Group;
 use super::tensors::{grad_index, param_index, state_index};
 

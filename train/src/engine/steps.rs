@@ -4,60 +4,25 @@
 //! engine runs them and the planner plans them.
 
 use strata_scheduler as sched;
-use strata_scheduler::{Mode, Op, Processor};
+use strata_scheduler::{
+    Mode, OpCost, Processor, StepModel, StepOp, StepShape, Updates, Work, build_step,
+};
 
 use super::Engine;
 use super::config::{Placement, TrainSettings};
 use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
 
-/// What one op of the step does (`m`: micro-batch, `b`: block).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Work {
-    EmbedForward {
-        m: usize,
-    },
-    BlockForward {
-        m: usize,
-        b: usize,
-    },
-    Head {
-        m: usize,
-    },
-    BlockBackward {
-        m: usize,
-        b: usize,
-    },
-    EmbedBackward {
-        m: usize,
-    },
-    /// Group `g`'s update: speculative (in this step's backward) or late
-    /// (the last step's, in this step's forward).
-    Optimizer {
-        g: usize,
-        late: bool,
-    },
-    Decide,
-    Commit,
-}
-
-pub(super) struct StepOp {
-    pub(super) work: Work,
-    pub(super) op: Op,
-}
-
-impl Work {
-    /// How the trace names it: what, the group, the micro-batch.
-    pub(super) fn label(self) -> (&'static str, usize, Option<usize>) {
-        match self {
-            Work::EmbedForward { m } => ("embed forward", 0, Some(m)),
-            Work::BlockForward { m, b } => ("block forward", b + 1, Some(m)),
-            Work::Head { m } => ("head", 0, Some(m)),
-            Work::BlockBackward { m, b } => ("block backward", b + 1, Some(m)),
-            Work::EmbedBackward { m } => ("embed backward", 0, Some(m)),
-            Work::Optimizer { g, late } => (optimizer_label(late), g, None),
-            Work::Decide => ("decide", 0, None),
-            Work::Commit => ("commit", 0, None),
-        }
+/// How the trace names an op's work: what, the group, the micro-batch.
+pub(super) fn label(work: Work) -> (&'static str, usize, Option<usize>) {
+    match work {
+        Work::EmbedForward { m } => ("embed forward", 0, Some(m)),
+        Work::Forward { m, layer, .. } => ("block forward", layer + 1, Some(m)),
+        Work::Head { m } => ("head", 0, Some(m)),
+        Work::Backward { m, layer, .. } => ("block backward", layer + 1, Some(m)),
+        Work::EmbedBackward { m } => ("embed backward", 0, Some(m)),
+        Work::Update { group, late } => (optimizer_label(late), group, None),
+        Work::Norm => ("decide", 0, None),
+        Work::Commit => ("commit", 0, None),
     }
 }
 
@@ -86,26 +51,6 @@ pub(super) fn shape_of(index: usize) -> (usize, bool, bool) {
     (index / 4, index & 2 != 0, index & 1 != 0)
 }
 
-pub(super) fn access(tensor: usize, mode: Mode) -> sched::Access {
-    sched::Access {
-        tensor: tensor as u32,
-        mode,
-    }
-}
-
-pub(super) fn step_op(
-    work: Work,
-    name: String,
-    processor: Processor,
-    accesses: Vec<sched::Access>,
-    compute_ns: u64,
-) -> StepOp {
-    StepOp {
-        work,
-        op: Op::new(name, processor, accesses, compute_ns),
-    }
-}
-
 /// Micro-batches in flight at once: all of them with activation
 /// checkpointing (their kept inputs are small), else one.
 pub(super) fn in_flight(train: &TrainSettings) -> usize {
@@ -116,150 +61,106 @@ pub(super) fn in_flight(train: &TrainSettings) -> usize {
     }
 }
 
+/// One shape of the engine's step as the step builder sees it.
+struct EngineStep<'a> {
+    engine: &'a Engine,
+    /// The state set the step's compute reads.
+    current: usize,
+    /// One block's forward, estimated.
+    block_ns: u64,
+    optimizer: Processor,
+}
+
+impl StepModel for EngineStep<'_> {
+    fn param(&self, group: usize) -> u32 {
+        param_index(group, self.current) as u32
+    }
+
+    fn grad(&self, group: usize) -> u32 {
+        grad_index(group) as u32
+    }
+
+    fn saved(&self, m: usize, layer: usize) -> u32 {
+        self.engine.saved_index(m, layer) as u32
+    }
+
+    fn update(&self, group: usize, late: bool) -> Vec<sched::Access> {
+        let (from, to) = update_sets(self.current, late);
+        let access = |tensor: usize, mode| sched::Access {
+            tensor: tensor as u32,
+            mode,
+        };
+        vec![
+            access(grad_index(group), Mode::Read),
+            access(state_index(group, from), Mode::Read),
+            access(state_index(group, to), Mode::Write),
+            access(param_index(group, to), Mode::Write),
+        ]
+    }
+
+    fn name(&self, group: usize) -> String {
+        self.engine.groups[group].name.clone()
+    }
+
+    fn cost(&self, work: Work) -> OpCost {
+        let (gpu, block_ns) = (Processor::Gpu, self.block_ns);
+        match work {
+            Work::EmbedForward { .. } | Work::EmbedBackward { .. } => {
+                OpCost::compute(gpu, block_ns / 8)
+            }
+            Work::Forward { .. } => OpCost::compute(gpu, block_ns),
+            Work::Head { .. } => OpCost::compute(gpu, block_ns / 2),
+            Work::Backward { .. } => OpCost::compute(gpu, 3 * block_ns),
+            Work::Update { group, .. } => {
+                let shard = self.engine.groups[group].shard as f64;
+                OpCost::compute(
+                    self.optimizer,
+                    (shard * 32.0 / COPY_BYTES_PER_S * 1e9) as u64,
+                )
+            }
+            Work::Norm | Work::Commit => OpCost::compute(self.optimizer, 1000),
+        }
+    }
+}
+
 impl Engine {
     /// The ops of one shape of step: `current` set, updates `speculate`d
-    /// in backward or not, the last step's `late` updates in forward or not.
+    /// in backward or not (then late, in the next step's forward), the last
+    /// step's `late` updates in forward or not. The norm is summed as
+    /// gradients are reduced: deciding there and committing touch no
+    /// tensor.
     pub(super) fn step_ops(&self, current: usize, speculate: bool, late: bool) -> Vec<StepOp> {
-        let layers = self.gpt.layers;
-        let accumulation = self.config.train.grad_accumulation;
-        let gpu = Processor::Gpu;
+        let train = &self.config.train;
+        let shape = StepShape {
+            layers: self.gpt.layers,
+            parts: 1,
+            micro_batches: train.grad_accumulation,
+            in_flight: in_flight(train),
+            updates: if speculate {
+                Updates::InBackward
+            } else {
+                Updates::NextStep
+            },
+            late,
+            norm: true,
+            commit: true,
+            head_writes_embed_grad: false,
+        };
+        let block_ns = (24.0
+            * (train.micro_batch * self.gpt.seq) as f64
+            * (self.gpt.hidden * self.gpt.hidden) as f64
+            / FLOPS_PER_S
+            * 1e9) as u64;
         let optimizer = match self.config.placement.optimizer {
             Placement::Device => Processor::Gpu,
             _ => Processor::Cpu,
         };
-        let read = |tensor: usize| access(tensor, Mode::Read);
-        let block_ns = (24.0
-            * (self.config.train.micro_batch * self.gpt.seq) as f64
-            * (self.gpt.hidden * self.gpt.hidden) as f64
-            / FLOPS_PER_S
-            * 1e9) as u64;
-        let mut ops = Vec::new();
-        let optimizer_op = |g: usize, late: bool| {
-            let (from, to) = update_sets(current, late);
-            let accesses = vec![
-                read(grad_index(g)),
-                read(state_index(g, from)),
-                access(state_index(g, to), Mode::Write),
-                access(param_index(g, to), Mode::Write),
-            ];
-            let compute_ns = (self.groups[g].shard as f64 * 32.0 / COPY_BYTES_PER_S * 1e9) as u64;
-            let stage = if late { "late." } else { "" };
-            let name = format!("optim.{stage}{}", self.groups[g].name);
-            step_op(
-                Work::Optimizer { g, late },
-                name,
-                optimizer,
-                accesses,
-                compute_ns,
-            )
+        let model = EngineStep {
+            engine: self,
+            current,
+            block_ns,
+            optimizer,
         };
-        // With activation checkpointing every micro-batch is in flight at
-        // once and runs block by block: a block's parameters come once per
-        // pass, its gradient is summed while it is on the device. Without,
-        // one micro-batch runs after another (one's activations alive).
-        let in_flight = in_flight(&self.config.train);
-        for first_mb in (0..accumulation).step_by(in_flight) {
-            let micro_batches = first_mb..first_mb + in_flight;
-            let last = micro_batches.end == accumulation;
-            let embed = read(param_index(0, current));
-            // Late updates run ahead of the first pass, group g's queued
-            // before the ops of group g - 1, so that it overlaps them.
-            let queue_late = |ops: &mut Vec<StepOp>, g: usize| {
-                if late && first_mb == 0 && g <= layers {
-                    ops.push(optimizer_op(g, true));
-                }
-            };
-            queue_late(&mut ops, 0);
-            queue_late(&mut ops, 1);
-            for m in micro_batches.clone() {
-                ops.push(step_op(
-                    Work::EmbedForward { m },
-                    format!("fwd.embed.mb{m}"),
-                    gpu,
-                    vec![embed],
-                    block_ns / 8,
-                ));
-            }
-            for b in 0..layers {
-                queue_late(&mut ops, b + 2);
-                for m in micro_batches.clone() {
-                    let accesses = vec![
-                        read(param_index(b + 1, current)),
-                        access(self.saved_index(m, b), Mode::Write),
-                    ];
-                    ops.push(step_op(
-                        Work::BlockForward { m, b },
-                        format!("fwd.block{b}.mb{m}"),
-                        gpu,
-                        accesses,
-                        block_ns,
-                    ));
-                }
-            }
-            for m in micro_batches.clone() {
-                ops.push(step_op(
-                    Work::Head { m },
-                    format!("head.mb{m}"),
-                    gpu,
-                    vec![embed],
-                    block_ns / 2,
-                ));
-            }
-            for b in (0..layers).rev() {
-                for m in micro_batches.clone() {
-                    let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
-                    let accesses = vec![
-                        read(param_index(b + 1, current)),
-                        read(self.saved_index(m, b)),
-                        access(grad_index(b + 1), grad_mode),
-                    ];
-                    ops.push(step_op(
-                        Work::BlockBackward { m, b },
-                        format!("bwd.block{b}.mb{m}"),
-                        gpu,
-                        accesses,
-                        3 * block_ns,
-                    ));
-                }
-                if last && speculate {
-                    ops.push(optimizer_op(b + 1, false));
-                }
-            }
-            for m in micro_batches {
-                let grad_mode = if m == 0 { Mode::Write } else { Mode::Update };
-                ops.push(step_op(
-                    Work::EmbedBackward { m },
-                    format!("bwd.embed.mb{m}"),
-                    gpu,
-                    vec![access(grad_index(0), grad_mode)],
-                    block_ns / 8,
-                ));
-            }
-            if last && speculate {
-                ops.push(optimizer_op(0, false));
-            }
-        }
-        // The norm is summed as gradients are reduced: deciding and
-        // committing touch no tensor.
-        ops.push(step_op(
-            Work::Decide,
-            "decide".into(),
-            optimizer,
-            Vec::new(),
-            1000,
-        ));
-        ops.push(step_op(
-            Work::Commit,
-            "commit".into(),
-            optimizer,
-            Vec::new(),
-            1000,
-        ));
-        let decide = ops
-            .iter_mut()
-            .find(|s| s.work == Work::Decide)
-            .expect("pushed above");
-        decide.op.barrier = true;
-        ops
+        build_step(&shape, &model)
     }
 }
