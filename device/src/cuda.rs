@@ -319,7 +319,7 @@ impl Context {
             .stream(stream)
             .record_event(None)
             .map_err(cuda_error("cuEventRecord"))?;
-        Ok(Fence::Cuda(Event { event, stream }))
+        Ok(Fence::Cuda(Arc::new(Event { event, stream })))
     }
 
     /// Makes `stream` wait (on the device, not the host) for `fence`.

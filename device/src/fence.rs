@@ -87,6 +87,9 @@ impl HostSignal {
 }
 
 /// A point in a stream's work: what the next user of a buffer waits for.
+/// Clones name the same point (a copy's fence is both the new copy's
+/// "ready" and the source's "last use").
+#[derive(Clone)]
 #[must_use = "a fence must be waited on (or handed to the next user) before its buffers are reused"]
 pub enum Fence {
     /// Already passed (work done on the calling thread).
@@ -94,7 +97,7 @@ pub enum Fence {
     /// Set by a host thread when its work is done.
     Host(Arc<HostSignal>),
     /// An event recorded on a CUDA stream.
-    Cuda(Event),
+    Cuda(Arc<Event>),
 }
 
 impl Fence {

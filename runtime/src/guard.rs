@@ -91,6 +91,9 @@ pub struct Guard {
     discard: bool,
     /// The fence of the last work enqueued on this copy under the guard.
     last_use: Option<Fence>,
+    /// What the guard's user orders after: the copy's landing and the
+    /// work enqueued on it before the guard was taken.
+    ready: Fence,
 }
 
 impl Guard {
@@ -111,6 +114,7 @@ impl Guard {
             view: View::of(entry, tier),
             discard: false,
             last_use: None,
+            ready: ready_fence(entry, tier),
         }
     }
 
@@ -142,6 +146,7 @@ impl Guard {
             }
             let view = View::of(entry, tier);
             let len_bytes = entry.len_bytes();
+            let ready = ready_fence(entry, tier);
             let now = state.tick();
             state.entry_mut(id)?.begin_use(tier, access, now);
             drop(state);
@@ -157,8 +162,21 @@ impl Guard {
                 view,
                 discard: false,
                 last_use: None,
+                ready,
             });
         }
+    }
+
+    /// The fence the guard's user orders its work after, without blocking
+    /// the host: the copy's bytes are there and the work enqueued on it
+    /// before the guard was taken is done once it passes. A move to the
+    /// device hands the copy out as soon as its copy is enqueued, so this
+    /// is usually that copy's event; kernels on the compute stream wait on
+    /// it (`CudaDevice::wait_on`). Host accesses through the guard
+    /// ([`Guard::for_each_chunk`] and the methods over it) wait for it
+    /// themselves. [`Fence::Ready`] when nothing is pending.
+    pub fn ready(&self) -> &Fence {
+        &self.ready
     }
 
     /// Hands over the fence of the last work enqueued on this copy while
@@ -200,6 +218,7 @@ impl Guard {
     /// Calls `f(offset_in_tensor, bytes)` for each contiguous piece of the
     /// copy, in order. Errors for copies not addressable from the host.
     pub fn for_each_chunk(&self, f: &mut dyn FnMut(u64, &[u8])) -> Result<()> {
+        self.ready.wait()?;
         let mut offset = 0;
         let addressable = self
             .view
@@ -215,6 +234,7 @@ impl Guard {
     /// Like [`Guard::for_each_chunk`], writable; needs [`Access::Write`].
     pub fn for_each_chunk_mut(&mut self, f: &mut dyn FnMut(u64, &mut [u8])) -> Result<()> {
         assert_eq!(self.access, Access::Write, "writing needs a write guard");
+        self.ready.wait()?;
         let mut offset = 0;
         let addressable = self
             .view
@@ -313,6 +333,15 @@ impl Guard {
             fix: "this copy is not addressable from the host (GPU memory); use device_address() or move it to host".into(),
         })
     }
+}
+
+/// The fence a new user of the copy in `tier` orders after (its last use:
+/// a copy still landing, or enqueued work that used it).
+fn ready_fence(entry: &Entry, tier: Tier) -> Fence {
+    entry.copies[tier.index()]
+        .as_ref()
+        .and_then(|copy| copy.last_use.clone())
+        .unwrap_or(Fence::Ready)
 }
 
 /// Where a chunk at `at` of `len` bytes meets the range at `offset` of

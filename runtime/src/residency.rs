@@ -15,6 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use strata_device::Fence;
 use strata_storage::{Extent, ExtentAllocator, SwapStore, round_up};
 
 use crate::config::RuntimeConfig;
@@ -684,11 +685,21 @@ fn mover_loop(shared: &Arc<Shared>, receiver: &Mutex<Receiver<Job>>, lane: u32) 
         let Ok(job) = job else { return };
         let result = shared.execute_move(job.tensor, job.target, job.release_from, lane);
         shared.finish_move(job.tensor);
-        if let Err(err) = &result {
-            tracing::debug!("move of {} to {} failed: {err}", job.tensor, job.target);
-        }
+        let (result, landing) = match result {
+            Ok(landing) => (Ok(()), landing),
+            Err(err) => {
+                tracing::debug!("move of {} to {} failed: {err}", job.tensor, job.target);
+                (Err(err), None)
+            }
+        };
         *job.done.outcome.lock().expect("move lock") = Some(result);
         job.done.ready.notify_all();
+        // The copy was handed out when its copy was enqueued; this thread
+        // waits for it to land only to account for it (and to keep one
+        // device copy in flight per mover, as the copy stream would).
+        if let Some(landing) = landing {
+            shared.finish_landing(landing);
+        }
     }
 }
 
@@ -731,14 +742,17 @@ impl Shared {
 
     /// Carries out a move whose `moving` mark is set: hop by hop toward
     /// `target`, then releases the copies above it. On failure every copy
-    /// that was valid before still is.
+    /// that was valid before still is. A move that ends with a copy to the
+    /// device returns once that copy is enqueued: the device copy is valid
+    /// behind the copy's fence (its `last_use`), and the [`Landing`] says
+    /// when it has landed.
     fn execute_move(
         &self,
         id: TensorId,
         target: Tier,
         release_from: Tier,
         lane: u32,
-    ) -> Result<()> {
+    ) -> Result<Option<Landing>> {
         let releasing: Vec<Tier> = {
             let mut state = self.lock();
             let entry = state.entry(id)?;
@@ -783,13 +797,14 @@ impl Shared {
         })
     }
 
-    fn execute_hops(&self, id: TensorId, target: Tier, lane: u32) -> Result<()> {
+    fn execute_hops(&self, id: TensorId, target: Tier, lane: u32) -> Result<Option<Landing>> {
+        let mut landing = None;
         loop {
             let (source, next) = {
                 let state = self.lock();
                 let entry = state.entry(id)?;
                 if entry.valid(target) {
-                    return Ok(());
+                    return Ok(landing);
                 }
                 // The nearest valid copy above the target, else below it.
                 let above = Tier::ALL[..target.index()]
@@ -810,17 +825,74 @@ impl Shared {
             if self.lock().entry(id)?.copies[next.index()].is_none() {
                 self.allocate(id, next, lane)?;
             }
-            if let Err(err) = self.transfer(id, source, next, lane) {
-                let mut state = self.lock();
-                state.drop_copy(id, next);
-                return Err(err);
-            }
+            let fence = match self.transfer(id, source, next, lane) {
+                Ok(pending) => pending.map(|pending| {
+                    let fence = pending.fence.clone();
+                    landing = Some(pending);
+                    fence
+                }),
+                Err(err) => {
+                    let mut state = self.lock();
+                    state.drop_copy(id, next);
+                    return Err(err);
+                }
+            };
             let mut state = self.lock();
-            state.entry_mut(id)?.copies[next.index()]
+            let entry = state.entry_mut(id)?;
+            if let Some(fence) = fence {
+                // Readers of the new copy and reusers of the source's
+                // buffers order after the copy.
+                let source = entry.copies[source.index()].as_mut().expect("source copy");
+                source.last_use = Some(fence.clone());
+                entry.copies[next.index()]
+                    .as_mut()
+                    .expect("filled above")
+                    .last_use = Some(fence);
+            }
+            entry.copies[next.index()]
                 .as_mut()
                 .expect("filled above")
                 .valid = true;
         }
+    }
+
+    /// Waits for an enqueued copy to the device to land and accounts for
+    /// it. A copy that fails is logged: the fence its readers were given
+    /// reports the same error to them.
+    fn finish_landing(&self, landing: Landing) {
+        if let Err(err) = self.device.wait(landing.fence) {
+            tracing::error!(
+                "the copy of tensor {} to the device failed after it was enqueued: {err}",
+                landing.tensor
+            );
+            return;
+        }
+        self.account_transfer(
+            landing.link,
+            landing.tensor,
+            landing.bytes,
+            landing.started,
+            landing.lane,
+        );
+    }
+
+    fn account_transfer(&self, link: Link, id: TensorId, bytes: u64, started: Instant, lane: u32) {
+        let duration_ns = started.elapsed().as_nanos() as u64;
+        {
+            let mut state = self.lock();
+            let stats = &mut state.stats.links[link.index()];
+            stats.bytes += bytes;
+            stats.transfers += 1;
+            stats.busy_ns += duration_ns;
+        }
+        self.trace.lock().expect("trace lock").push(TraceEvent {
+            kind: EventKind::Transfer(link),
+            tensor: Some(id),
+            bytes,
+            start_ns: (started - self.started).as_nanos() as u64,
+            duration_ns,
+            lane,
+        });
     }
 
     /// Places a not-yet-valid copy of `id` in `tier`, spilling other tensors
@@ -865,6 +937,10 @@ impl Shared {
                 // The spilled tier's copy goes; one above it stays.
                 let result = self.execute_move(victim, below, tier, lane);
                 self.finish_move(victim);
+                assert!(
+                    matches!(result, Ok(None) | Err(_)),
+                    "a write-down enqueues no copy to the device"
+                );
                 result?;
                 self.lock().stats.spills_written += 1;
                 self.trace.lock().expect("trace lock").push(TraceEvent {
@@ -1001,8 +1077,15 @@ impl Shared {
     }
 
     /// Copies the data from the valid copy in `source` to the allocated,
-    /// not yet valid copy in `target` (neighbouring tiers).
-    fn transfer(&self, id: TensorId, source: Tier, target: Tier, lane: u32) -> Result<()> {
+    /// not yet valid copy in `target` (neighbouring tiers). A copy to the
+    /// device is enqueued, not waited for: it comes back as a [`Landing`].
+    fn transfer(
+        &self,
+        id: TensorId,
+        source: Tier,
+        target: Tier,
+        lane: u32,
+    ) -> Result<Option<Landing>> {
         let link = Link::between(source, target);
         let (chunks, len_bytes, host, other, last_use) = {
             let mut state = self.lock();
@@ -1037,29 +1120,35 @@ impl Shared {
         }
         let started = Instant::now();
         match other {
-            Other::Device(offset) => self.copy_device(link, &chunks, &host, offset)?,
+            Other::Device(offset) => {
+                let fence = self.copy_device(link, &chunks, &host, offset)?;
+                if link == Link::HostToDevice {
+                    return Ok(Some(Landing {
+                        fence,
+                        link,
+                        tensor: id,
+                        bytes: len_bytes,
+                        started,
+                        lane,
+                    }));
+                }
+                self.device.wait(fence)?;
+            }
             Other::Nvme(extents) => self.copy_nvme(link, &host, &extents)?,
         }
-        let duration_ns = started.elapsed().as_nanos() as u64;
-        {
-            let mut state = self.lock();
-            let stats = &mut state.stats.links[link.index()];
-            stats.bytes += len_bytes;
-            stats.transfers += 1;
-            stats.busy_ns += duration_ns;
-        }
-        self.trace.lock().expect("trace lock").push(TraceEvent {
-            kind: EventKind::Transfer(link),
-            tensor: Some(id),
-            bytes: len_bytes,
-            start_ns: (started - self.started).as_nanos() as u64,
-            duration_ns,
-            lane,
-        });
-        Ok(())
+        self.account_transfer(link, id, len_bytes, started, lane);
+        Ok(None)
     }
 
-    fn copy_device(&self, link: Link, chunks: &[Chunk], host: &[Slot], offset: u64) -> Result<()> {
+    /// Enqueues the copy between the host buffers and the device range; its
+    /// fence.
+    fn copy_device(
+        &self,
+        link: Link,
+        chunks: &[Chunk],
+        host: &[Slot],
+        offset: u64,
+    ) -> Result<Fence> {
         let direction = match link {
             Link::HostToDevice => Direction::ToDevice,
             Link::DeviceToHost => Direction::ToHost,
@@ -1075,10 +1164,11 @@ impl Shared {
             })
             .collect();
         // The tensor is marked moving, so no guard, spill or free touches its
-        // copies; the copy is waited on before the mark clears.
+        // copies until the copy is waited on (device to host) or both copies
+        // carry its fence as their last use (host to device), before the
+        // mark clears.
         // SAFETY: the host buffers and device range are this tensor's copies.
-        let ticket = unsafe { self.device.copy(direction, pieces)? };
-        self.device.wait(ticket)
+        Ok(unsafe { self.device.copy(direction, pieces)? })
     }
 
     fn copy_nvme(&self, link: Link, host: &[Slot], extents: &Arc<[Extent]>) -> Result<()> {
@@ -1126,4 +1216,14 @@ enum Unplaced {
 enum Other {
     Device(u64),
     Nvme(Arc<[Extent]>),
+}
+
+/// A copy to the device that is enqueued and not yet known to have landed.
+struct Landing {
+    fence: Fence,
+    link: Link,
+    tensor: TensorId,
+    bytes: u64,
+    started: Instant,
+    lane: u32,
 }

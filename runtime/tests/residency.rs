@@ -571,3 +571,132 @@ fn a_copy_in_use_by_enqueued_work_is_neither_read_nor_reused_before_its_fence() 
     assert_eq!(read(&runtime, id, Tier::Host), pattern(9, 65536));
     assert_eq!(runtime.stats().spills_written, 0);
 }
+
+/// Copies to the device whose fences are held back: (the copy's own fence,
+/// the signal of the fence handed out for it).
+type Held = std::sync::Mutex<
+    Vec<(
+        strata_device::Fence,
+        std::sync::Arc<strata_device::HostSignal>,
+    )>,
+>;
+
+/// The CPU device with copies to the device held back: their bytes are
+/// copied, their fences pass only when the test calls `land`.
+struct HeldDevice {
+    inner: strata_runtime::CpuDevice,
+    held: std::sync::Arc<Held>,
+}
+
+fn land(held: &Held) {
+    for (fence, signal) in held.lock().unwrap().drain(..) {
+        fence.wait().unwrap();
+        signal.finish();
+    }
+}
+
+impl strata_runtime::Device for HeldDevice {
+    fn kind(&self) -> strata_runtime::DeviceKind {
+        self.inner.kind()
+    }
+    fn describe(&self) -> String {
+        "held cpu arena".into()
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+    fn alloc_host(&self, len_bytes: usize) -> strata_runtime::Result<strata_storage::AlignedBuf> {
+        self.inner.alloc_host(len_bytes)
+    }
+    unsafe fn copy(
+        &self,
+        direction: strata_runtime::device::Direction,
+        pieces: Vec<strata_runtime::device::CopyPiece>,
+    ) -> strata_runtime::Result<strata_device::Fence> {
+        // SAFETY: the caller's contract, passed on unchanged.
+        let fence = unsafe { self.inner.copy(direction, pieces)? };
+        if direction != strata_runtime::device::Direction::ToDevice {
+            return Ok(fence);
+        }
+        let (held, signal) = strata_device::Fence::host();
+        self.held.lock().unwrap().push((fence, signal));
+        Ok(held)
+    }
+    fn zero(&self, device_offset: u64, len_bytes: u64) -> strata_runtime::Result<()> {
+        self.inner.zero(device_offset, len_bytes)
+    }
+    fn host_address(&self, device_offset: u64) -> Option<*mut u8> {
+        self.inner.host_address(device_offset)
+    }
+    fn device_address(&self, device_offset: u64) -> u64 {
+        self.inner.device_address(device_offset)
+    }
+    unsafe fn raw_copy(
+        &self,
+        direction: strata_runtime::device::Direction,
+        host: *mut u8,
+        device_offset: u64,
+        len_bytes: usize,
+    ) -> strata_runtime::Result<()> {
+        // SAFETY: the caller's contract, passed on unchanged.
+        unsafe {
+            self.inner
+                .raw_copy(direction, host, device_offset, len_bytes)
+        }
+    }
+}
+
+#[test]
+fn a_move_to_the_device_hands_out_the_copy_behind_its_fence_without_blocking() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let config = config(dir.path(), 64 << 10, 1 << 20);
+    let held = std::sync::Arc::new(Held::default());
+    let device = HeldDevice {
+        inner: strata_runtime::CpuDevice::new(64 << 10).unwrap(),
+        held: held.clone(),
+    };
+    let runtime = Runtime::with_parts(&config, Box::new(device), None).unwrap();
+    let id = runtime.register(meta("w", 65536), Tier::Host).unwrap();
+    fill(&runtime, id, Tier::Host, &pattern(5, 65536));
+    let host_free = runtime.free_bytes(Tier::Host);
+
+    // The move completes once its copy is enqueued; the guard comes at
+    // once, with the copy's fence to order after.
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    let guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    assert!(!guard.ready().is_passed().unwrap());
+    // Not accounted before it lands.
+    let h2d = |runtime: &Runtime| {
+        runtime
+            .stats()
+            .link(strata_runtime::Link::HostToDevice)
+            .transfers
+    };
+    assert_eq!(h2d(&runtime), 0);
+    // The host copy it reads from is not reused meanwhile.
+    runtime.release(id, Tier::Host).unwrap();
+    assert_eq!(runtime.free_bytes(Tier::Host), host_free);
+
+    // A host reader through the guard waits for the landing.
+    let read = std::thread::scope(|scope| {
+        let reader = scope.spawn(|| {
+            let mut out = vec![0; 65536];
+            guard.read_into(&mut out).unwrap();
+            out
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!reader.is_finished(), "read the copy before it landed");
+        land(&held);
+        reader.join().unwrap()
+    });
+    assert_eq!(read, pattern(5, 65536));
+    assert!(guard.ready().is_passed().unwrap());
+    drop(guard);
+    // Landed: accounted, and the host copy's room comes back.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while h2d(&runtime) == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(h2d(&runtime), 1);
+    assert!(runtime.free_bytes(Tier::Host) > host_free);
+}
