@@ -125,6 +125,12 @@ pub fn tiers_vs_raw(
             let mut timed = |link: Link, target: Tier| -> Result<()> {
                 let started = Instant::now();
                 runtime.move_to(id, target)?.wait()?;
+                // A move to the device completes when its copy is enqueued:
+                // timed until the bytes have landed.
+                runtime
+                    .acquire(id, target, Access::Read)?
+                    .ready()
+                    .wait()?;
                 runtime_bw[link.index()] = rate(spec.size_bytes, started);
                 Ok(())
             };
