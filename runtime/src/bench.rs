@@ -127,10 +127,7 @@ pub fn tiers_vs_raw(
                 runtime.move_to(id, target)?.wait()?;
                 // A move to the device completes when its copy is enqueued:
                 // timed until the bytes have landed.
-                runtime
-                    .acquire(id, target, Access::Read)?
-                    .ready()
-                    .wait()?;
+                runtime.acquire(id, target, Access::Read)?.ready().wait()?;
                 runtime_bw[link.index()] = rate(spec.size_bytes, started);
                 Ok(())
             };

@@ -428,16 +428,14 @@ fn add_tensor(
     trace.tensors.len() as u32 - 1
 }
 
-/// Builds one GPU's trace of one optimizer step (its ops by the step
-/// builder).
-fn build_trace(
+/// Adds the tensors of every unit (the embedding, then each block's linear
+/// layers, tile by tile) to the trace; the units by group.
+fn add_units(
+    trace: &mut Trace,
     model: &Model,
     parallelism: &Parallelism,
-    hardware: &Hardware,
     shares: &Shares,
-    policy: Policies,
-) -> Trace {
-    let mut trace = Trace::default();
+) -> Vec<Unit> {
     let unit = |trace: &mut Trace, name: String, params: u64, forward_flops: f64| Unit {
         param: add_tensor(
             trace,
@@ -467,15 +465,14 @@ fn build_trace(
     let tp = shares.tensor;
     let tokens = model.tokens() as f64;
     let mut units = vec![unit(
-        &mut trace,
+        trace,
         "embed".into(),
         model.embedding_params() / tp,
         2.0 * tokens * (model.vocab * model.hidden) as f64 / tp as f64,
     )];
-    let block_params = model.block_params();
     for l in 0..shares.layers {
-        for (j, (name, params)) in block_params.iter().enumerate() {
-            let mut flops = 2.0 * tokens * *params as f64;
+        for (j, (name, params)) in model.block_params().into_iter().enumerate() {
+            let mut flops = 2.0 * tokens * params as f64;
             if j == 1 {
                 flops += 4.0 * tokens * model.seq as f64 * model.hidden as f64;
             }
@@ -487,7 +484,7 @@ fn build_trace(
                     String::new()
                 };
                 units.push(unit(
-                    &mut trace,
+                    trace,
                     format!("l{l}.{name}{tile}"),
                     params / tp / u64::from(shares.tiles),
                     flops / (tp * u64::from(shares.tiles)) as f64,
@@ -495,6 +492,21 @@ fn build_trace(
             }
         }
     }
+    units
+}
+
+/// Builds one GPU's trace of one optimizer step (its ops by the step
+/// builder).
+fn build_trace(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    shares: &Shares,
+    policy: Policies,
+) -> Trace {
+    let mut trace = Trace::default();
+    let units = add_units(&mut trace, model, parallelism, shares);
+    let tp = shares.tensor;
     let saved_bytes = if parallelism.checkpoint_activations {
         model.checkpoint_bytes()
     } else {
@@ -514,7 +526,7 @@ fn build_trace(
         }
     }
     let overlap_optimizer = policy == Policies::Strata && !parallelism.grad_clip;
-    let parts = block_params.len() * shares.tiles as usize;
+    let parts = model.block_params().len() * shares.tiles as usize;
     let shape = StepShape {
         layers: shares.layers as usize,
         parts,

@@ -224,46 +224,11 @@ impl Engine {
             in_flight(&config.train),
         )?;
         let workspace_bytes = ws.bytes();
-        let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
-        if let Some(nvme) = &runtime_config.nvme {
-            for dir in &nvme.dirs {
-                std::fs::create_dir_all(dir).map_err(|err| {
-                    os(
-                        format!("create nvme.dirs entry {}", dir.display()),
-                        err,
-                        "choose a writable directory in nvme.dirs",
-                    )
-                })?;
-            }
-        }
-        let runtime = Arc::new(Runtime::new(&runtime_config)?);
+        let runtime = open_runtime(config, rank, workspace_bytes)?;
         let isa = Isa::chosen();
-        let stats = runtime.stats();
         let slots = slots(config, &gpt, &groups, ws.acts.view().len());
-        // The plan leaves the host room for what it does not schedule:
-        // staging buffers of two-tier moves and demand fetches when the
-        // run strays from it (else the runtime spills, and what it spills
-        // comes back).
-        let largest_bytes = slots
-            .iter()
-            .map(|s| runtime.footprint_bytes(s.meta.len_bytes())[Tier::Host.index()])
-            .max()
-            .unwrap_or(0);
-        let mut capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
-        let host = &mut capacity_bytes[Tier::Host.index()];
-        *host = host.saturating_sub((2 * largest_bytes).max(*host / 8));
-        let (cache_groups, cache_bytes) = state_cache(config, &runtime, &slots, groups.len());
-        *host = host.saturating_sub(cache_bytes);
-        let plan_config = sched::PlanConfig {
-            capacity_bytes,
-            links: links(),
-            policy: sched::Policy::strata(
-                config.placement.prefetch_ops,
-                config.placement.activation_horizon_ops,
-                capacity_bytes[Tier::Device.index()]
-                    .saturating_add(capacity_bytes[Tier::Host.index()]),
-            ),
-        };
+        let (plan_config, cache_groups, cache_bytes) =
+            plan_config(config, &runtime, &slots, groups.len());
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
@@ -307,14 +272,29 @@ impl Engine {
             deferred: Vec::with_capacity(groups.len()),
             cache_groups: 0,
         };
-        match engine.plan_shapes(&plan_config, cache_groups, cache_bytes) {
+        engine.plan_with_cache(&plan_config, cache_groups, cache_bytes)?;
+        engine.initialize()?;
+        if config.placement.optimizer != Placement::Device {
+            engine.worker = Some(CpuWorker::start(runtime, isa, groups)?);
+        }
+        Ok(engine)
+    }
+
+    /// Plans every shape of step with the state cache of `cache_groups`
+    /// groups, or without it when "auto" does not fit it (an explicit size
+    /// that does not fit is named as the problem).
+    fn plan_with_cache(
+        &mut self,
+        plan_config: &sched::PlanConfig,
+        cache_groups: usize,
+        cache_bytes: u64,
+    ) -> Result<()> {
+        match self.plan_shapes(plan_config, cache_groups, cache_bytes) {
             Err(TrainError::DoesNotFit { cause }) if cache_groups > 0 => {
-                // Whether the plans fit without the cache: "auto" runs so, an
-                // explicit size is named as the problem.
                 let mut full = plan_config.clone();
                 full.capacity_bytes[Tier::Host.index()] += cache_bytes;
-                engine.plan_shapes(&full, 0, 0)?;
-                if let StateCache::Bytes(bytes) = config.placement.state_cache {
+                self.plan_shapes(&full, 0, 0)?;
+                if let StateCache::Bytes(bytes) = self.config.placement.state_cache {
                     return Err(bad(
                         "placement.state_cache",
                         ByteSize(bytes),
@@ -323,14 +303,10 @@ impl Engine {
                         ),
                     ));
                 }
+                Ok(())
             }
-            planned => planned?,
+            planned => planned,
         }
-        engine.initialize()?;
-        if config.placement.optimizer != Placement::Device {
-            engine.worker = Some(CpuWorker::start(runtime, isa, groups)?);
-        }
-        Ok(engine)
     }
 
     /// Lists and plans every shape of step with `config` (the host tier
@@ -576,4 +552,56 @@ impl Engine {
         self.tracker.end_step()?;
         Ok(())
     }
+}
+
+/// Creates the NVMe directories of rank `rank` and opens its runtime.
+fn open_runtime(config: &TrainConfig, rank: usize, workspace_bytes: u64) -> Result<Arc<Runtime>> {
+    let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
+    if let Some(nvme) = &runtime_config.nvme {
+        for dir in &nvme.dirs {
+            std::fs::create_dir_all(dir).map_err(|err| {
+                os(
+                    format!("create nvme.dirs entry {}", dir.display()),
+                    err,
+                    "choose a writable directory in nvme.dirs",
+                )
+            })?;
+        }
+    }
+    Ok(Arc::new(Runtime::new(&runtime_config)?))
+}
+
+/// The planner's view of the rank's tiers, and the state cache (its groups
+/// and bytes), which the plan leaves the host room for.
+fn plan_config(
+    config: &TrainConfig,
+    runtime: &Runtime,
+    slots: &[Slot],
+    groups: usize,
+) -> (sched::PlanConfig, usize, u64) {
+    let stats = runtime.stats();
+    // The plan leaves the host room for what it does not schedule:
+    // staging buffers of two-tier moves and demand fetches when the run
+    // strays from it (else the runtime spills, and what it spills comes
+    // back).
+    let largest_bytes = slots
+        .iter()
+        .map(|s| runtime.footprint_bytes(s.meta.len_bytes())[Tier::Host.index()])
+        .max()
+        .unwrap_or(0);
+    let mut capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
+    let host = &mut capacity_bytes[Tier::Host.index()];
+    *host = host.saturating_sub((2 * largest_bytes).max(*host / 8));
+    let (cache_groups, cache_bytes) = state_cache(config, runtime, slots, groups);
+    *host = host.saturating_sub(cache_bytes);
+    let plan_config = sched::PlanConfig {
+        capacity_bytes,
+        links: links(),
+        policy: sched::Policy::strata(
+            config.placement.prefetch_ops,
+            config.placement.activation_horizon_ops,
+            capacity_bytes[Tier::Device.index()].saturating_add(capacity_bytes[Tier::Host.index()]),
+        ),
+    };
+    (plan_config, cache_groups, cache_bytes)
 }
