@@ -1,4 +1,7 @@
-//! strata-scheduler plans and simulates. From a training step's access
+//! strata-scheduler builds steps, plans and simulates. [`build_step`] is the
+//! one step builder: the ordered ops of a step (forward, backward, updates,
+//! per micro-batch and block) that the training engine runs and `strata
+//! plan` simulates. From a training step's access
 //! [`Trace`], tier capacities and link speeds, [`plan`] computes when to
 //! issue each transfer and what to evict to where (a [`Plan`]);
 //! [`simulate`] runs a plan against a hardware model and predicts step
