@@ -14,6 +14,7 @@
 
 use half::{bf16, f16};
 
+use crate::rounding::{Noise, Rounding, Stream};
 use crate::simd::{self, Element, Kernel, Simd};
 use crate::values::{LowPrecisionMut, Moments, Split, Values, padded};
 use crate::{Isa, OptimError};
@@ -172,6 +173,35 @@ pub fn adam_step(
     moments: Moments<'_>,
     out: Option<LowPrecisionMut<'_>>,
 ) {
+    adam_step_rounded(
+        isa,
+        coefficients,
+        params,
+        grads,
+        moments,
+        out,
+        Rounding::Nearest,
+    )
+}
+
+/// [`adam_step`] with bf16 moments written as `rounding` says:
+/// [`Rounding::Stochastic`] keeps them unbiased (round to nearest freezes
+/// the second moment at beta2 = 0.999), with random bits that depend on the
+/// elements' global indices, so any split of the tensor gives the same
+/// result. fp32 moments and the 16-bit output copy are not affected (the
+/// copy is rounded to nearest).
+///
+/// # Panics
+/// As [`adam_step`].
+pub fn adam_step_rounded(
+    isa: Isa,
+    coefficients: &AdamCoefficients,
+    params: &mut [f32],
+    grads: Values<'_>,
+    moments: Moments<'_>,
+    out: Option<LowPrecisionMut<'_>>,
+    rounding: Rounding,
+) {
     let len = params.len();
     assert_eq!(grads.len(), len, "gradients and params differ in length");
     moments.assert_len(len);
@@ -183,6 +213,7 @@ pub fn adam_step(
         coefficients,
         params,
         out,
+        rounding,
     };
     match grads {
         Values::F32(g) => call.with_grads(g, moments),
@@ -191,14 +222,48 @@ pub fn adam_step(
     }
 }
 
-struct Call<'a, 'c> {
+/// One Adam/AdamW step with bf16 master weights (state dtype (b): bf16
+/// master and moments, 14 bytes per parameter per step with bf16
+/// gradients): the update is computed in f32 and written back rounded as
+/// `rounding` says, masters and bf16 moments alike. There is no separate
+/// 16-bit copy: the masters are it.
+///
+/// # Panics
+/// If the slices differ in length or `isa` is not available.
+pub fn adam_step_bf16_master(
     isa: Isa,
-    coefficients: &'c AdamCoefficients,
-    params: &'a mut [f32],
-    out: Option<LowPrecisionMut<'a>>,
+    coefficients: &AdamCoefficients,
+    params: &mut [bf16],
+    grads: Values<'_>,
+    moments: Moments<'_>,
+    rounding: Rounding,
+) {
+    let len = params.len();
+    assert_eq!(grads.len(), len, "gradients and params differ in length");
+    moments.assert_len(len);
+    let call = Call {
+        isa,
+        coefficients,
+        params,
+        out: None,
+        rounding,
+    };
+    match grads {
+        Values::F32(g) => call.with_grads(g, moments),
+        Values::Bf16(g) => call.with_grads(g, moments),
+        Values::F16(g) => call.with_grads(g, moments),
+    }
 }
 
-impl<'a> Call<'a, '_> {
+struct Call<'a, 'c, P> {
+    isa: Isa,
+    coefficients: &'c AdamCoefficients,
+    params: &'a mut [P],
+    out: Option<LowPrecisionMut<'a>>,
+    rounding: Rounding,
+}
+
+impl<'a, P: Element> Call<'a, '_, P> {
     fn with_grads<G: Element>(self, grads: &'a [G], moments: Moments<'a>) {
         match moments {
             Moments::F32 { m, v } => self.with_moments(grads, m, v),
@@ -207,17 +272,19 @@ impl<'a> Call<'a, '_> {
     }
 
     fn with_moments<G: Element, M: Element>(self, grads: &'a [G], m: &'a mut [M], v: &'a mut [M]) {
-        let (isa, coefficients, params) = (self.isa, self.coefficients, self.params);
+        let (isa, coefficients, params, rounding) =
+            (self.isa, self.coefficients, self.params, self.rounding);
         match self.out {
             None => simd::dispatch(
                 isa,
-                AdamKernel::<G, M, bf16> {
+                AdamKernel::<P, G, M, bf16> {
                     coefficients,
                     params,
                     grads,
                     m,
                     v,
                     out: None,
+                    rounding,
                 },
             ),
             Some(LowPrecisionMut::Bf16(out)) => simd::dispatch(
@@ -229,30 +296,33 @@ impl<'a> Call<'a, '_> {
                     m,
                     v,
                     out: Some(out),
+                    rounding,
                 },
             ),
             Some(LowPrecisionMut::F16(out)) => simd::dispatch(
                 isa,
-                AdamKernel::<G, M, f16> {
+                AdamKernel::<P, G, M, f16> {
                     coefficients,
                     params,
                     grads,
                     m,
                     v,
                     out: Some(out),
+                    rounding,
                 },
             ),
         }
     }
 }
 
-struct AdamKernel<'a, G, M, O> {
+struct AdamKernel<'a, P, G, M, O> {
     coefficients: &'a AdamCoefficients,
-    params: &'a mut [f32],
+    params: &'a mut [P],
     grads: &'a [G],
     m: &'a mut [M],
     v: &'a mut [M],
     out: Option<&'a mut [O]>,
+    rounding: Rounding,
 }
 
 /// The coefficients broadcast to vectors once per call.
@@ -284,17 +354,21 @@ impl<S: Simd> Splat<S> {
         }
     }
 
-    /// One vector of the update; returns the new parameters.
+    /// One vector of the update; returns the new parameters. With
+    /// `noise`, bf16 moments are rounded stochastically (m with each
+    /// word's low half, v with its high half); with `master`, bf16 master
+    /// weights too.
     #[inline(always)]
-    fn update<G: Element, M: Element>(
+    fn update<P: Element, G: Element, M: Element>(
         &self,
         s: S,
-        p: &mut [f32],
+        p: &mut [P],
         g: &[G],
         m: &mut [M],
         v: &mut [M],
+        (noise, master): Drawn<S>,
     ) -> S::V {
-        let p0 = s.load(p);
+        let p0 = P::load(s, p);
         let g = s.mul_add(self.l2, p0, s.mul(G::load(s, g), self.grad_scale));
         let m0 = M::load(s, m);
         let m1 = s.mul_add(self.one_minus_beta1, s.sub(g, m0), m0);
@@ -303,22 +377,36 @@ impl<S: Simd> Splat<S> {
             self.one_minus_beta2,
             s.mul(M::load(s, v), self.beta2),
         );
-        M::store(s, m, m1);
-        M::store(s, v, v1);
+        match noise {
+            Some(noise) => {
+                M::store_sr(s, m, m1, noise);
+                M::store_sr(s, v, v1, s.high_half(noise));
+            }
+            None => {
+                M::store(s, m, m1);
+                M::store(s, v, v1);
+            }
+        }
         let denominator = s.mul_add(s.sqrt(v1), self.inv_sqrt_bias_correction2, self.eps);
         let p1 = s.mul_add(
             self.neg_step_size,
             s.div(m1, denominator),
             s.mul(p0, self.decay),
         );
-        s.store(p, p1);
+        match master {
+            Some(master) => P::store_sr(s, p, p1, master),
+            None => P::store(s, p, p1),
+        }
         p1
     }
 }
 
+/// One vector's random words: the moments' and the master weights'.
+type Drawn<S> = (Option<<S as Simd>::U>, Option<<S as Simd>::U>);
+
 /// The five streams of one call, cut together with [`Split`].
-type Streams<'a, G, M, O> = (
-    &'a mut [f32],
+type Streams<'a, P, G, M, O> = (
+    &'a mut [P],
     &'a [G],
     &'a mut [M],
     &'a mut [M],
@@ -329,17 +417,18 @@ impl<S: Simd> Splat<S> {
     /// Fewer than `LANES` elements (a head or tail) through the same vector
     /// code, by way of zero-padded stack copies.
     #[inline(always)]
-    fn padded<G: Element, M: Element, O: Element>(
+    fn padded<P: Element, G: Element, M: Element, O: Element>(
         &self,
         s: S,
-        (p, g, m, v, out): Streams<'_, G, M, O>,
+        (p, g, m, v, out): Streams<'_, P, G, M, O>,
+        noise: Drawn<S>,
     ) {
         let rest = p.len();
         if rest == 0 {
             return;
         }
         let (mut p1, g1, mut m1, mut v1) = (padded(p), padded(g), padded(m), padded(v));
-        let new = self.update(s, &mut p1, &g1, &mut m1, &mut v1);
+        let new = self.update(s, &mut p1, &g1, &mut m1, &mut v1, noise);
         p.copy_from_slice(&p1[..rest]);
         m.copy_from_slice(&m1[..rest]);
         v.copy_from_slice(&v1[..rest]);
@@ -351,12 +440,47 @@ impl<S: Simd> Splat<S> {
     }
 }
 
-impl<G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, G, M, O> {
+/// Random words for stochastic rounding: the moments' stream, the master
+/// weights' (bf16 masters only) and the global index of the call's first
+/// element.
+struct Words {
+    moments: Noise,
+    master: Option<Noise>,
+    first: u64,
+}
+
+impl Words {
+    /// The words of the vector at `offset` in the call, when rounding
+    /// stochastically.
+    #[inline(always)]
+    fn at<S: Simd>(words: &mut Option<Words>, s: S, offset: usize) -> Drawn<S> {
+        match words {
+            None => (None, None),
+            Some(w) => {
+                let index = w.first + offset as u64;
+                let master = w.master.as_mut().map(|n| n.lanes(s, index));
+                (Some(w.moments.lanes(s, index)), master)
+            }
+        }
+    }
+}
+
+impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P, G, M, O> {
     type Output = ();
 
     #[inline(always)]
     fn run<S: Simd>(self, s: S) {
         let k = Splat::new(s, self.coefficients);
+        let mut words = match self.rounding {
+            Rounding::Nearest => None,
+            Rounding::Stochastic { seed, step, first } => Some(Words {
+                moments: Noise::new(seed, step, Stream::Moments),
+                // fp32 masters are stored as they are.
+                master: (std::mem::size_of::<P>() < 4)
+                    .then(|| Noise::new(seed, step, Stream::Master)),
+                first,
+            }),
+        };
         let n = S::LANES;
         let len = self.params.len();
         // A short head runs through the padded path so the body's
@@ -364,7 +488,7 @@ impl<G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, G, M, O> {
         // go out with non-temporal stores, which need the output aligned
         // too: when one head cannot align both, the output is stored
         // normally.
-        let head = simd::align_head::<S, f32>(self.params);
+        let head = simd::align_head::<S, P>(self.params);
         let stream = len >= simd::STREAM_ELEMS_MIN
             && self
                 .out
@@ -372,33 +496,39 @@ impl<G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, G, M, O> {
                 .is_some_and(|out| simd::align_head::<S, O>(out) == head);
         let streams = (self.params, self.grads, self.m, self.v, self.out);
         let (head_part, rest) = streams.split_at(head);
-        let (body, tail) = rest.split_at(simd::body_len::<S>(len - head));
-        k.padded(s, head_part);
+        let body_len = simd::body_len::<S>(len - head);
+        let (body, tail) = rest.split_at(body_len);
+        k.padded(s, head_part, Words::at(&mut words, s, 0));
         let (p, g, m, v, out) = body;
         let vectors = p
             .chunks_exact_mut(n)
             .zip(g.chunks_exact(n))
             .zip(m.chunks_exact_mut(n))
-            .zip(v.chunks_exact_mut(n));
+            .zip(v.chunks_exact_mut(n))
+            .enumerate()
+            .map(|(i, x)| (head + i * n, x));
         match out {
             Some(out) if stream => {
-                for ((((p, g), m), v), o) in vectors.zip(out.chunks_exact_mut(n)) {
-                    O::stream(s, o, k.update(s, p, g, m, v));
+                for ((at, (((p, g), m), v)), o) in vectors.zip(out.chunks_exact_mut(n)) {
+                    let noise = Words::at(&mut words, s, at);
+                    O::stream(s, o, k.update(s, p, g, m, v, noise));
                 }
                 s.fence();
             }
             Some(out) => {
-                for ((((p, g), m), v), o) in vectors.zip(out.chunks_exact_mut(n)) {
-                    O::store(s, o, k.update(s, p, g, m, v));
+                for ((at, (((p, g), m), v)), o) in vectors.zip(out.chunks_exact_mut(n)) {
+                    let noise = Words::at(&mut words, s, at);
+                    O::store(s, o, k.update(s, p, g, m, v, noise));
                 }
             }
             None => {
-                for (((p, g), m), v) in vectors {
-                    k.update(s, p, g, m, v);
+                for (at, (((p, g), m), v)) in vectors {
+                    let noise = Words::at(&mut words, s, at);
+                    k.update(s, p, g, m, v, noise);
                 }
             }
         }
-        k.padded(s, tail);
+        k.padded(s, tail, Words::at(&mut words, s, head + body_len));
     }
 }
 

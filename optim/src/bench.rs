@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use crate::{
-    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, Values,
+    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, Rounding,
+    Values,
 };
 
 /// A benchmarked kernel.
@@ -28,6 +29,12 @@ pub enum BenchKernel {
     OffloadStepFp16,
     /// The offload step with bf16 moments as well.
     OffloadStepBf16Moments,
+    /// The offload step with bf16 moments rounded stochastically (state
+    /// dtype (a): fp32 master, bf16 moments).
+    OffloadStepBf16MomentsSr,
+    /// AdamW on bf16 masters and moments, all rounded stochastically, bf16
+    /// gradients in (state dtype (b); the masters are the 16-bit copy).
+    OffloadStepBf16Master,
     /// Adam with L2 weight decay, fp32.
     AdamL2Fp32,
     /// Adagrad, fp32.
@@ -44,11 +51,13 @@ pub enum BenchKernel {
 
 impl BenchKernel {
     /// Every kernel, in table order.
-    pub const ALL: [BenchKernel; 10] = [
+    pub const ALL: [BenchKernel; 12] = [
         BenchKernel::AdamwFp32,
         BenchKernel::OffloadStepBf16,
         BenchKernel::OffloadStepFp16,
         BenchKernel::OffloadStepBf16Moments,
+        BenchKernel::OffloadStepBf16MomentsSr,
+        BenchKernel::OffloadStepBf16Master,
         BenchKernel::AdamL2Fp32,
         BenchKernel::AdagradFp32,
         BenchKernel::LionFp32,
@@ -64,6 +73,8 @@ impl BenchKernel {
             BenchKernel::OffloadStepBf16 => "offload_step_bf16",
             BenchKernel::OffloadStepFp16 => "offload_step_fp16",
             BenchKernel::OffloadStepBf16Moments => "offload_step_bf16_moments",
+            BenchKernel::OffloadStepBf16MomentsSr => "offload_step_bf16_moments_sr",
+            BenchKernel::OffloadStepBf16Master => "offload_step_bf16_master",
             BenchKernel::AdamL2Fp32 => "adam_l2_fp32",
             BenchKernel::AdagradFp32 => "adagrad_fp32",
             BenchKernel::LionFp32 => "lion_fp32",
@@ -81,7 +92,10 @@ impl BenchKernel {
             // p, m, v read (12) + 2-byte grad; p, m, v written + 2-byte out.
             BenchKernel::OffloadStepBf16 | BenchKernel::OffloadStepFp16 => 28,
             // p (4) + g, m, v (2 each) read; p (4) + m, v, out (2 each) written.
-            BenchKernel::OffloadStepBf16Moments => 20,
+            BenchKernel::OffloadStepBf16Moments | BenchKernel::OffloadStepBf16MomentsSr => 20,
+            // bf16 master, gradient and moments: 2 + 2 read, 2 x 2 read and
+            // written, master written.
+            BenchKernel::OffloadStepBf16Master => 14,
             // p, g, state read; p, state written.
             BenchKernel::AdagradFp32 | BenchKernel::LionFp32 => 20,
             BenchKernel::GradNormBf16 => 2,
@@ -147,7 +161,10 @@ fn buffers(kernel: BenchKernel) -> &'static [Buffer] {
         }
         BenchKernel::OffloadStepBf16 => &[P, GBf16, M, V, OutBf16],
         BenchKernel::OffloadStepFp16 => &[P, GF16, M, V, OutF16],
-        BenchKernel::OffloadStepBf16Moments => &[P, GBf16, MBf16, VBf16, OutBf16],
+        BenchKernel::OffloadStepBf16Moments | BenchKernel::OffloadStepBf16MomentsSr => {
+            &[P, GBf16, MBf16, VBf16, OutBf16]
+        }
+        BenchKernel::OffloadStepBf16Master => &[OutBf16, GBf16, MBf16, VBf16],
         BenchKernel::AdagradFp32 => &[P, G, Sum],
         BenchKernel::LionFp32 => &[P, G, M],
         BenchKernel::GradNormBf16 => &[GBf16],
@@ -326,19 +343,46 @@ impl BenchBuffers {
                     out,
                 );
             }
-            BenchKernel::OffloadStepBf16Moments => {
+            BenchKernel::OffloadStepBf16Moments | BenchKernel::OffloadStepBf16MomentsSr => {
                 let c = adamw.coefficients(step, 1.0 / 1024.0)?;
                 let moments = Moments::Bf16 {
                     m: self.m_bf16.get_mut(),
                     v: self.v_bf16.get_mut(),
                 };
                 let out = Some(LowPrecisionMut::Bf16(self.out_bf16.get_mut()));
-                pool.adam_step(
+                let rounding = match kernel {
+                    BenchKernel::OffloadStepBf16MomentsSr => Rounding::Stochastic {
+                        seed: 1,
+                        step,
+                        first: 0,
+                    },
+                    _ => Rounding::Nearest,
+                };
+                pool.adam_step_rounded(
                     &c,
                     self.p.get_mut(),
                     Values::Bf16(self.g_bf16.get()),
                     moments,
                     out,
+                    rounding,
+                );
+            }
+            BenchKernel::OffloadStepBf16Master => {
+                let c = adamw.coefficients(step, 1.0 / 1024.0)?;
+                let moments = Moments::Bf16 {
+                    m: self.m_bf16.get_mut(),
+                    v: self.v_bf16.get_mut(),
+                };
+                pool.adam_step_bf16_master(
+                    &c,
+                    self.out_bf16.get_mut(),
+                    Values::Bf16(self.g_bf16.get()),
+                    moments,
+                    Rounding::Stochastic {
+                        seed: 1,
+                        step,
+                        first: 0,
+                    },
                 );
             }
             BenchKernel::AdagradFp32 => {

@@ -45,6 +45,7 @@ mod isa;
 mod lion;
 mod pool;
 pub mod reference;
+mod rounding;
 mod scaler;
 mod simd;
 mod single_state;
@@ -52,7 +53,7 @@ pub mod topology;
 mod values;
 
 pub use adagrad::{AdagradCoefficients, AdagradConfig, adagrad_step};
-pub use adam::{AdamCoefficients, AdamConfig, adam_step};
+pub use adam::{AdamCoefficients, AdamConfig, adam_step, adam_step_bf16_master, adam_step_rounded};
 pub use error::OptimError;
 pub use grads::{
     GradNorm, StepDecision, accumulate, clip_coefficient, decide_step, grad_norm, narrow,
@@ -62,6 +63,7 @@ pub use half::{bf16, f16};
 pub use isa::Isa;
 pub use lion::{LionCoefficients, LionConfig, lion_step};
 pub use pool::{Pool, PoolConfig, SPLIT_ALIGN_ELEMS, THREADS_MAX};
+pub use rounding::{Rounding, narrow_stochastic, round_bf16_stochastic};
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use simd::Element;
 pub use values::{LowPrecisionMut, Moments, Split, Values};

@@ -7,12 +7,15 @@
 //! vectors on every back end, so results do not depend on the thread count.
 
 use std::sync::Arc;
+
+use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::adagrad::{AdagradCoefficients, adagrad_step};
-use crate::adam::{AdamCoefficients, adam_step};
+use crate::adam::{AdamCoefficients, adam_step, adam_step_bf16_master, adam_step_rounded};
 use crate::grads::{self, GradNorm};
 use crate::lion::{LionCoefficients, lion_step};
+use crate::rounding::Rounding;
 use crate::topology::{CpuTopology, pin_current_thread};
 use crate::values::{LowPrecisionMut, Moments, Split, Values};
 use crate::{Isa, OptimError};
@@ -133,6 +136,44 @@ impl Pool {
         )| {
             adam_step(isa, coefficients, p, g, m, o)
         });
+    }
+
+    /// [`adam_step_rounded`] over the pool: each piece's random words come
+    /// from its elements' global indices, so the result is the same on any
+    /// number of threads.
+    pub fn adam_step_rounded(
+        &self,
+        coefficients: &AdamCoefficients,
+        params: &mut [f32],
+        grads: Values<'_>,
+        moments: Moments<'_>,
+        out: Option<LowPrecisionMut<'_>>,
+        rounding: Rounding,
+    ) {
+        let isa = self.isa;
+        self.split(
+            params.len(),
+            (params, grads, moments, out, rounding),
+            &|(p, g, m, o, r)| adam_step_rounded(isa, coefficients, p, g, m, o, r),
+        );
+    }
+
+    /// [`adam_step_bf16_master`] over the pool (the same result on any
+    /// number of threads).
+    pub fn adam_step_bf16_master(
+        &self,
+        coefficients: &AdamCoefficients,
+        params: &mut [bf16],
+        grads: Values<'_>,
+        moments: Moments<'_>,
+        rounding: Rounding,
+    ) {
+        let isa = self.isa;
+        self.split(
+            params.len(),
+            (params, grads, moments, rounding),
+            &|(p, g, m, r)| adam_step_bf16_master(isa, coefficients, p, g, m, r),
+        );
     }
 
     /// [`adagrad_step`] over the pool.

@@ -32,6 +32,8 @@ pub trait Simd: Copy + Send + Sync {
     type V: Copy;
     /// A sum of squares kept in f64 lanes.
     type Acc: Copy;
+    /// A vector of `LANES` u32 (random words for stochastic rounding).
+    type U: Copy;
 
     fn splat(self, x: f32) -> Self::V;
     fn load(self, src: &[f32]) -> Self::V;
@@ -52,6 +54,16 @@ pub trait Simd: Copy + Send + Sync {
     fn stream_f16(self, dst: &mut [f16], v: Self::V);
     /// Orders earlier non-temporal stores before later stores.
     fn fence(self);
+
+    /// Lane `i`: `rounding::hash32(key, first + i)` (wrapping).
+    fn hash_lanes(self, key: u32, first: u32) -> Self::U;
+    /// u32 lanes from `src` (at least `LANES` long).
+    fn load_u32(self, src: &[u32]) -> Self::U;
+    /// Each lane's high 16 bits, shifted down.
+    fn high_half(self, u: Self::U) -> Self::U;
+    /// f32 to bf16, rounding stochastically with each lane's low 16 bits
+    /// of `noise`, as `rounding::round_bf16_stochastic`.
+    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U);
 
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
     fn sub(self, a: Self::V, b: Self::V) -> Self::V;
@@ -89,10 +101,18 @@ pub trait Lanes: Sized {
     /// [`Lanes::store`] bypassing the caches where the back end can; `dst`
     /// aligned as [`Simd::stream_bf16`] requires.
     fn stream<S: Simd>(s: S, dst: &mut [Self], v: S::V);
+    /// [`Lanes::store`] rounding stochastically with the low 16 bits of
+    /// each lane of `noise` where the type is narrower than f32 and
+    /// supports it (bf16); exactly `store` otherwise.
+    #[inline(always)]
+    fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) {
+        let _ = noise;
+        Self::store(s, dst, v)
+    }
 }
 
 macro_rules! element {
-    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr) => {
+    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident)?) => {
         impl Element for $t {
             fn to_f32(self) -> f32 {
                 $to(self)
@@ -114,6 +134,12 @@ macro_rules! element {
             fn stream<S: Simd>(s: S, dst: &mut [Self], v: S::V) {
                 s.$stream(dst, v)
             }
+            $(
+            #[inline(always)]
+            fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) {
+                s.$store_sr(dst, v, noise)
+            }
+            )?
         }
     };
 }
@@ -125,7 +151,8 @@ element!(
     store_bf16,
     stream_bf16,
     portable::widen_bf16,
-    bf16::from_f32
+    bf16::from_f32,
+    store_bf16_sr
 );
 element!(
     f16,

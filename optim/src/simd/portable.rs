@@ -8,6 +8,7 @@
 use half::{bf16, f16};
 
 use super::Simd;
+use crate::rounding::{hash32, round_bf16_stochastic};
 
 const LANES: usize = 8;
 
@@ -36,6 +37,26 @@ impl Simd for Portable {
     const LANES: usize = LANES;
     type V = [f32; LANES];
     type Acc = [f64; LANES];
+    type U = [u32; LANES];
+
+    #[inline(always)]
+    fn hash_lanes(self, key: u32, first: u32) -> Self::U {
+        std::array::from_fn(|i| hash32(key, first.wrapping_add(i as u32)))
+    }
+    #[inline(always)]
+    fn load_u32(self, src: &[u32]) -> Self::U {
+        std::array::from_fn(|i| src[i])
+    }
+    #[inline(always)]
+    fn high_half(self, u: Self::U) -> Self::U {
+        u.map(|w| w >> 16)
+    }
+    #[inline(always)]
+    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U) {
+        for ((d, x), n) in dst[..LANES].iter_mut().zip(v).zip(noise) {
+            *d = round_bf16_stochastic(x, n);
+        }
+    }
 
     #[inline(always)]
     fn splat(self, x: f32) -> Self::V {

@@ -87,7 +87,43 @@ macro_rules! bf16_round_bits {
     }};
 }
 
+/// `rounding::hash32` in 32-bit lanes of `x = key ^ counter`.
+macro_rules! hash32_lanes {
+    ($x:expr, $xor:ident, $srli:ident, $mullo:ident, $set1:ident) => {{
+        let mut x = $x;
+        x = $xor(x, $srli::<16>(x));
+        x = $mullo(x, $set1(0x7feb_352d_u32 as i32));
+        x = $xor(x, $srli::<15>(x));
+        x = $mullo(x, $set1(0x846c_a68b_u32 as i32));
+        $xor(x, $srli::<16>(x))
+    }};
+}
+
+/// f32 bits to bf16 bits in 32-bit lanes, rounding stochastically (the low
+/// 16 bits of `noise` added below bf16's last place), NaN made quiet:
+/// (rounded, quiet, magnitude) as [`bf16_round_bits`] gives them.
+macro_rules! bf16_stochastic_bits {
+    ($bits:expr, $noise:expr, $set1:ident, $and:ident, $add:ident, $srli:ident, $or:ident) => {{
+        let bits = $bits;
+        let rounded = $srli::<16>($add(bits, $and($noise, $set1(0xffff))));
+        let quiet = $or($srli::<16>(bits), $set1(0x40));
+        (rounded, quiet, $and(bits, $set1(0x7fff_ffff)))
+    }};
+}
+
 impl Avx2 {
+    /// 8 lanes holding values <= 0xffff to 8 words.
+    #[inline(always)]
+    fn pack_words(self, words: __m256i) -> __m128i {
+        // SAFETY: the token.
+        unsafe {
+            // Lanes hold values <= 0xffff, so the saturating pack is exact;
+            // it packs within 128-bit halves, the permute joins them.
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(words, words));
+            _mm256_castsi256_si128(packed)
+        }
+    }
+
     /// f32 lanes to 8 bf16 words (round to nearest even, NaN quieted).
     #[inline(always)]
     fn bf16_words(self, v: __m256) -> __m128i {
@@ -102,11 +138,7 @@ impl Avx2 {
                 _mm256_or_si256
             );
             let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f80_0000));
-            let words = _mm256_blendv_epi8(rounded, quiet, nan);
-            // Lanes hold values <= 0xffff, so the saturating pack is exact;
-            // it packs within 128-bit halves, the permute joins them.
-            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(words, words));
-            _mm256_castsi256_si128(packed)
+            self.pack_words(_mm256_blendv_epi8(rounded, quiet, nan))
         }
     }
 }
@@ -115,6 +147,55 @@ impl Simd for Avx2 {
     const LANES: usize = 8;
     type V = __m256;
     type Acc = (__m256d, __m256d);
+    type U = __m256i;
+
+    #[inline(always)]
+    fn hash_lanes(self, key: u32, first: u32) -> __m256i {
+        // SAFETY: the token.
+        unsafe {
+            let counters = _mm256_add_epi32(
+                _mm256_set1_epi32(first as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            hash32_lanes!(
+                _mm256_xor_si256(counters, _mm256_set1_epi32(key as i32)),
+                _mm256_xor_si256,
+                _mm256_srli_epi32,
+                _mm256_mullo_epi32,
+                _mm256_set1_epi32
+            )
+        }
+    }
+    #[inline(always)]
+    fn load_u32(self, src: &[u32]) -> __m256i {
+        assert!(src.len() >= 8);
+        // SAFETY: the token; 8 u32 (32 bytes) are in bounds (asserted).
+        unsafe { _mm256_loadu_si256(src.as_ptr().cast()) }
+    }
+    #[inline(always)]
+    fn high_half(self, u: __m256i) -> __m256i {
+        // SAFETY: the token.
+        unsafe { _mm256_srli_epi32::<16>(u) }
+    }
+    #[inline(always)]
+    fn store_bf16_sr(self, dst: &mut [bf16], v: __m256, noise: __m256i) {
+        assert!(dst.len() >= 8);
+        // SAFETY: the token; 8 bf16 (16 bytes) are in bounds (asserted).
+        unsafe {
+            let (rounded, quiet, magnitude) = bf16_stochastic_bits!(
+                _mm256_castps_si256(v),
+                noise,
+                _mm256_set1_epi32,
+                _mm256_and_si256,
+                _mm256_add_epi32,
+                _mm256_srli_epi32,
+                _mm256_or_si256
+            );
+            let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f80_0000));
+            let words = self.pack_words(_mm256_blendv_epi8(rounded, quiet, nan));
+            _mm_storeu_si128(dst.as_mut_ptr().cast(), words)
+        }
+    }
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m256 {
@@ -297,6 +378,55 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     const LANES: usize = 16;
     type V = __m512;
     type Acc = (__m512d, __m512d);
+    type U = __m512i;
+
+    #[inline(always)]
+    fn hash_lanes(self, key: u32, first: u32) -> __m512i {
+        // SAFETY: the token.
+        unsafe {
+            let counters = _mm512_add_epi32(
+                _mm512_set1_epi32(first as i32),
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            );
+            hash32_lanes!(
+                _mm512_xor_si512(counters, _mm512_set1_epi32(key as i32)),
+                _mm512_xor_si512,
+                _mm512_srli_epi32,
+                _mm512_mullo_epi32,
+                _mm512_set1_epi32
+            )
+        }
+    }
+    #[inline(always)]
+    fn load_u32(self, src: &[u32]) -> __m512i {
+        assert!(src.len() >= 16);
+        // SAFETY: the token; 16 u32 (64 bytes) are in bounds (asserted).
+        unsafe { _mm512_loadu_si512(src.as_ptr().cast()) }
+    }
+    #[inline(always)]
+    fn high_half(self, u: __m512i) -> __m512i {
+        // SAFETY: the token.
+        unsafe { _mm512_srli_epi32::<16>(u) }
+    }
+    #[inline(always)]
+    fn store_bf16_sr(self, dst: &mut [bf16], v: __m512, noise: __m512i) {
+        assert!(dst.len() >= 16);
+        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        unsafe {
+            let (rounded, quiet, magnitude) = bf16_stochastic_bits!(
+                _mm512_castps_si512(v),
+                noise,
+                _mm512_set1_epi32,
+                _mm512_and_si512,
+                _mm512_add_epi32,
+                _mm512_srli_epi32,
+                _mm512_or_si512
+            );
+            let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+            let words = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+            _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
+        }
+    }
 
     #[inline(always)]
     fn splat(self, x: f32) -> __m512 {
