@@ -16,7 +16,7 @@ use half::{bf16, f16};
 
 use crate::rounding::{Noise, Rounding, Stream};
 use crate::simd::{self, Element, Kernel, Simd};
-use crate::values::{LowPrecisionMut, Moments, Split, Values, padded};
+use crate::values::{LowPrecisionMut, Moments, MomentsRef, Split, Values, padded};
 use crate::{Isa, OptimError};
 
 /// Adam/AdamW hyperparameters, PyTorch's names and defaults.
@@ -255,6 +255,57 @@ pub fn adam_step_bf16_master(
     }
 }
 
+/// One Adam/AdamW step out of place, as the training engine runs it: the
+/// states are read from `params_in`/`moments_in` and the updated ones
+/// written to `params_out`/`moments_out` (another buffer, so the inputs
+/// stay intact until the step is committed), `out` as in [`adam_step`].
+/// Large outputs are written with non-temporal stores: writing a buffer
+/// the step did not read otherwise costs a read for ownership of each line
+/// (about 12 more bytes per parameter with fp32 states). bf16 moments
+/// rounded stochastically are stored through the caches.
+///
+/// # Panics
+/// If the slices differ in length, the moments in and out differ in
+/// format, or `isa` is not available.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_out_of_place(
+    isa: Isa,
+    coefficients: &AdamCoefficients,
+    params_in: &[f32],
+    moments_in: MomentsRef<'_>,
+    grads: Values<'_>,
+    params_out: &mut [f32],
+    moments_out: Moments<'_>,
+    out: Option<LowPrecisionMut<'_>>,
+    rounding: Rounding,
+) {
+    let len = params_out.len();
+    assert_eq!(params_in.len(), len, "params in and out differ in length");
+    assert_eq!(grads.len(), len, "gradients and params differ in length");
+    moments_out.assert_len(len);
+    assert_eq!(
+        moments_in.len(),
+        len,
+        "moments in and params differ in length"
+    );
+    if let Some(out) = &out {
+        assert_eq!(out.len(), len, "output copy and params differ in length");
+    }
+    let call = Call {
+        isa,
+        coefficients,
+        params: params_out,
+        out,
+        rounding,
+    };
+    let src = Some((params_in, moments_in));
+    match grads {
+        Values::F32(g) => call.with_sources(g, moments_out, src),
+        Values::Bf16(g) => call.with_sources(g, moments_out, src),
+        Values::F16(g) => call.with_sources(g, moments_out, src),
+    }
+}
+
 struct Call<'a, 'c, P> {
     isa: Isa,
     coefficients: &'c AdamCoefficients,
@@ -265,13 +316,35 @@ struct Call<'a, 'c, P> {
 
 impl<'a, P: Element> Call<'a, '_, P> {
     fn with_grads<G: Element>(self, grads: &'a [G], moments: Moments<'a>) {
-        match moments {
-            Moments::F32 { m, v } => self.with_moments(grads, m, v),
-            Moments::Bf16 { m, v } => self.with_moments(grads, m, v),
+        self.with_sources(grads, moments, None)
+    }
+
+    fn with_sources<G: Element>(
+        self,
+        grads: &'a [G],
+        moments: Moments<'a>,
+        src: Option<(&'a [P], MomentsRef<'a>)>,
+    ) {
+        match (moments, src) {
+            (Moments::F32 { m, v }, None) => self.with_moments(grads, m, v, None),
+            (Moments::Bf16 { m, v }, None) => self.with_moments(grads, m, v, None),
+            (Moments::F32 { m, v }, Some((p0, MomentsRef::F32 { m: m0, v: v0 }))) => {
+                self.with_moments(grads, m, v, Some((p0, m0, v0)))
+            }
+            (Moments::Bf16 { m, v }, Some((p0, MomentsRef::Bf16 { m: m0, v: v0 }))) => {
+                self.with_moments(grads, m, v, Some((p0, m0, v0)))
+            }
+            _ => panic!("moments in and out differ in format"),
         }
     }
 
-    fn with_moments<G: Element, M: Element>(self, grads: &'a [G], m: &'a mut [M], v: &'a mut [M]) {
+    fn with_moments<G: Element, M: Element>(
+        self,
+        grads: &'a [G],
+        m: &'a mut [M],
+        v: &'a mut [M],
+        src: Option<Sources<'a, P, M>>,
+    ) {
         let (isa, coefficients, params, rounding) =
             (self.isa, self.coefficients, self.params, self.rounding);
         match self.out {
@@ -285,6 +358,7 @@ impl<'a, P: Element> Call<'a, '_, P> {
                     v,
                     out: None,
                     rounding,
+                    src,
                 },
             ),
             Some(LowPrecisionMut::Bf16(out)) => simd::dispatch(
@@ -297,6 +371,7 @@ impl<'a, P: Element> Call<'a, '_, P> {
                     v,
                     out: Some(out),
                     rounding,
+                    src,
                 },
             ),
             Some(LowPrecisionMut::F16(out)) => simd::dispatch(
@@ -309,6 +384,7 @@ impl<'a, P: Element> Call<'a, '_, P> {
                     v,
                     out: Some(out),
                     rounding,
+                    src,
                 },
             ),
         }
@@ -323,7 +399,12 @@ struct AdamKernel<'a, P, G, M, O> {
     v: &'a mut [M],
     out: Option<&'a mut [O]>,
     rounding: Rounding,
+    /// Out of place: the states read (params, m, v); in place: None.
+    src: Option<Sources<'a, P, M>>,
 }
+
+/// The states an out-of-place step reads: params, m, v.
+type Sources<'a, P, M> = (&'a [P], &'a [M], &'a [M]);
 
 /// The coefficients broadcast to vectors once per call.
 struct Splat<S: Simd> {
@@ -359,6 +440,7 @@ impl<S: Simd> Splat<S> {
     /// word's low half, v with its high half); with `master`, bf16 master
     /// weights too.
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn update<P: Element, G: Element, M: Element>(
         &self,
         s: S,
@@ -366,21 +448,25 @@ impl<S: Simd> Splat<S> {
         g: &[G],
         m: &mut [M],
         v: &mut [M],
+        src: Option<Sources<'_, P, M>>,
+        nt: bool,
         (noise, master): Drawn<S>,
     ) -> S::V {
-        let p0 = P::load(s, p);
+        let (p0, m0, v0) = match src {
+            Some((p, m, v)) => (P::load(s, p), M::load(s, m), M::load(s, v)),
+            None => (P::load(s, p), M::load(s, m), M::load(s, v)),
+        };
         let g = s.mul_add(self.l2, p0, s.mul(G::load(s, g), self.grad_scale));
-        let m0 = M::load(s, m);
         let m1 = s.mul_add(self.one_minus_beta1, s.sub(g, m0), m0);
-        let v1 = s.mul_add(
-            s.mul(g, g),
-            self.one_minus_beta2,
-            s.mul(M::load(s, v), self.beta2),
-        );
+        let v1 = s.mul_add(s.mul(g, g), self.one_minus_beta2, s.mul(v0, self.beta2));
         match noise {
             Some(noise) => {
                 M::store_sr(s, m, m1, noise);
                 M::store_sr(s, v, v1, s.high_half(noise));
+            }
+            None if nt => {
+                M::stream(s, m, m1);
+                M::stream(s, v, v1);
             }
             None => {
                 M::store(s, m, m1);
@@ -395,6 +481,7 @@ impl<S: Simd> Splat<S> {
         );
         match master {
             Some(master) => P::store_sr(s, p, p1, master),
+            None if nt => P::stream(s, p, p1),
             None => P::store(s, p, p1),
         }
         p1
@@ -411,6 +498,7 @@ type Streams<'a, P, G, M, O> = (
     &'a mut [M],
     &'a mut [M],
     Option<&'a mut [O]>,
+    Option<Sources<'a, P, M>>,
 );
 
 impl<S: Simd> Splat<S> {
@@ -420,7 +508,7 @@ impl<S: Simd> Splat<S> {
     fn padded<P: Element, G: Element, M: Element, O: Element>(
         &self,
         s: S,
-        (p, g, m, v, out): Streams<'_, P, G, M, O>,
+        (p, g, m, v, out, src): Streams<'_, P, G, M, O>,
         noise: Drawn<S>,
     ) {
         let rest = p.len();
@@ -428,7 +516,9 @@ impl<S: Simd> Splat<S> {
             return;
         }
         let (mut p1, g1, mut m1, mut v1) = (padded(p), padded(g), padded(m), padded(v));
-        let new = self.update(s, &mut p1, &g1, &mut m1, &mut v1, noise);
+        let src = src.map(|(p, m, v)| (padded(p), padded(m), padded(v)));
+        let src = src.as_ref().map(|(p, m, v)| (&p[..], &m[..], &v[..]));
+        let new = self.update(s, &mut p1, &g1, &mut m1, &mut v1, src, false, noise);
         p.copy_from_slice(&p1[..rest]);
         m.copy_from_slice(&m1[..rest]);
         v.copy_from_slice(&v1[..rest]);
@@ -437,6 +527,44 @@ impl<S: Simd> Splat<S> {
             O::store(s, &mut o, new);
             out.copy_from_slice(&o[..rest]);
         }
+    }
+}
+
+/// Elements of an out-of-place step computed into the cache before they are
+/// streamed out (4 KiB of fp32 per state).
+const TILE_ELEMS: usize = 1024;
+
+const _: () = assert!(TILE_ELEMS.is_multiple_of(simd::LANES_MAX));
+
+/// An out-of-place step's outputs for one tile, in the cache.
+struct Tile<P, M, O> {
+    p: [P; TILE_ELEMS],
+    m: [M; TILE_ELEMS],
+    v: [M; TILE_ELEMS],
+    out: [O; TILE_ELEMS],
+}
+
+impl<P: Element, M: Element, O: Element> Tile<P, M, O> {
+    fn new() -> Self {
+        Tile {
+            p: [P::default(); TILE_ELEMS],
+            m: [M::default(); TILE_ELEMS],
+            v: [M::default(); TILE_ELEMS],
+            out: [O::default(); TILE_ELEMS],
+        }
+    }
+}
+
+/// Copies a tile (a whole number of vectors) to `dst` with non-temporal
+/// stores; `dst` aligned as [`Simd::stream_bf16`] requires. 16-bit values
+/// pass through f32 unchanged.
+#[inline(always)]
+fn stream_out<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [T]) {
+    for (d, x) in dst
+        .chunks_exact_mut(S::LANES)
+        .zip(src.chunks_exact(S::LANES))
+    {
+        T::stream(s, d, T::load(s, x));
     }
 }
 
@@ -494,12 +622,62 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                 .out
                 .as_ref()
                 .is_some_and(|out| simd::align_head::<S, O>(out) == head);
-        let streams = (self.params, self.grads, self.m, self.v, self.out);
+        // Out of place, the states go out non-temporally too when every
+        // output is aligned like the parameters.
+        let nt = self.src.is_some()
+            && len >= simd::STREAM_ELEMS_MIN
+            && simd::align_head::<S, M>(self.m) == head
+            && simd::align_head::<S, M>(self.v) == head
+            && self
+                .out
+                .as_ref()
+                .is_none_or(|out| simd::align_head::<S, O>(out) == head);
+        let streams = (self.params, self.grads, self.m, self.v, self.out, self.src);
         let (head_part, rest) = streams.split_at(head);
         let body_len = simd::body_len::<S>(len - head);
         let (body, tail) = rest.split_at(body_len);
         k.padded(s, head_part, Words::at(&mut words, s, 0));
-        let (p, g, m, v, out) = body;
+        let (p, g, m, v, mut out, src) = body;
+        if let Some((p0, m0, v0)) = src {
+            if !nt {
+                for i in (0..body_len).step_by(n) {
+                    let noise = Words::at(&mut words, s, head + i);
+                    let src = Some((&p0[i..], &m0[i..], &v0[i..]));
+                    let (p, m, v) = (&mut p[i..], &mut m[i..], &mut v[i..]);
+                    let new = k.update(s, p, &g[i..], m, v, src, false, noise);
+                    if let Some(out) = out.as_deref_mut() {
+                        O::store(s, &mut out[i..], new);
+                    }
+                }
+            } else {
+                // A tile is computed into the cache, then each output is
+                // streamed out whole, one after another: four streams
+                // written at once would compete with the loads for the
+                // core's line fill buffers and flush lines half written.
+                let mut tile = Tile::<P, M, O>::new();
+                for start in (0..body_len).step_by(TILE_ELEMS) {
+                    let len = TILE_ELEMS.min(body_len - start);
+                    for j in (0..len).step_by(n) {
+                        let i = start + j;
+                        let noise = Words::at(&mut words, s, head + i);
+                        let src = Some((&p0[i..], &m0[i..], &v0[i..]));
+                        let (tp, tm, tv) = (&mut tile.p[j..], &mut tile.m[j..], &mut tile.v[j..]);
+                        let new = k.update(s, tp, &g[i..], tm, tv, src, false, noise);
+                        O::store(s, &mut tile.out[j..], new);
+                    }
+                    let range = start..start + len;
+                    stream_out(s, &tile.p[..len], &mut p[range.clone()]);
+                    stream_out(s, &tile.m[..len], &mut m[range.clone()]);
+                    stream_out(s, &tile.v[..len], &mut v[range.clone()]);
+                    if let Some(out) = out.as_deref_mut() {
+                        stream_out(s, &tile.out[..len], &mut out[range]);
+                    }
+                }
+                s.fence();
+            }
+            k.padded(s, tail, Words::at(&mut words, s, head + body_len));
+            return;
+        }
         let vectors = p
             .chunks_exact_mut(n)
             .zip(g.chunks_exact(n))
@@ -511,20 +689,20 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             Some(out) if stream => {
                 for ((at, (((p, g), m), v)), o) in vectors.zip(out.chunks_exact_mut(n)) {
                     let noise = Words::at(&mut words, s, at);
-                    O::stream(s, o, k.update(s, p, g, m, v, noise));
+                    O::stream(s, o, k.update(s, p, g, m, v, None, false, noise));
                 }
                 s.fence();
             }
             Some(out) => {
                 for ((at, (((p, g), m), v)), o) in vectors.zip(out.chunks_exact_mut(n)) {
                     let noise = Words::at(&mut words, s, at);
-                    O::store(s, o, k.update(s, p, g, m, v, noise));
+                    O::store(s, o, k.update(s, p, g, m, v, None, false, noise));
                 }
             }
             None => {
                 for (at, (((p, g), m), v)) in vectors {
                     let noise = Words::at(&mut words, s, at);
-                    k.update(s, p, g, m, v, noise);
+                    k.update(s, p, g, m, v, None, false, noise);
                 }
             }
         }

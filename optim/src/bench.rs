@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use crate::{
-    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, Rounding,
-    Values,
+    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, MomentsRef, OptimError, Pool,
+    Rounding, Values,
 };
 
 /// A benchmarked kernel.
@@ -35,6 +35,10 @@ pub enum BenchKernel {
     /// AdamW on bf16 masters and moments, all rounded stochastically, bf16
     /// gradients in (state dtype (b); the masters are the 16-bit copy).
     OffloadStepBf16Master,
+    /// The offload step as the training engine runs it: out of place from
+    /// one fp32 state set into the other (alternating each step, states
+    /// streamed past the caches), bf16 gradients in, bf16 params out.
+    EngineStepBf16,
     /// Adam with L2 weight decay, fp32.
     AdamL2Fp32,
     /// Adagrad, fp32.
@@ -51,13 +55,14 @@ pub enum BenchKernel {
 
 impl BenchKernel {
     /// Every kernel, in table order.
-    pub const ALL: [BenchKernel; 12] = [
+    pub const ALL: [BenchKernel; 13] = [
         BenchKernel::AdamwFp32,
         BenchKernel::OffloadStepBf16,
         BenchKernel::OffloadStepFp16,
         BenchKernel::OffloadStepBf16Moments,
         BenchKernel::OffloadStepBf16MomentsSr,
         BenchKernel::OffloadStepBf16Master,
+        BenchKernel::EngineStepBf16,
         BenchKernel::AdamL2Fp32,
         BenchKernel::AdagradFp32,
         BenchKernel::LionFp32,
@@ -75,6 +80,7 @@ impl BenchKernel {
             BenchKernel::OffloadStepBf16Moments => "offload_step_bf16_moments",
             BenchKernel::OffloadStepBf16MomentsSr => "offload_step_bf16_moments_sr",
             BenchKernel::OffloadStepBf16Master => "offload_step_bf16_master",
+            BenchKernel::EngineStepBf16 => "engine_step_bf16",
             BenchKernel::AdamL2Fp32 => "adam_l2_fp32",
             BenchKernel::AdagradFp32 => "adagrad_fp32",
             BenchKernel::LionFp32 => "lion_fp32",
@@ -91,6 +97,9 @@ impl BenchKernel {
             BenchKernel::AdamwFp32 | BenchKernel::AdamL2Fp32 | BenchKernel::Roofline4r3w => 28,
             // p, m, v read (12) + 2-byte grad; p, m, v written + 2-byte out.
             BenchKernel::OffloadStepBf16 | BenchKernel::OffloadStepFp16 => 28,
+            // One state set read, the other written (no read for
+            // ownership: streamed), gradient in, copy out.
+            BenchKernel::EngineStepBf16 => 28,
             // p (4) + g, m, v (2 each) read; p (4) + m, v, out (2 each) written.
             BenchKernel::OffloadStepBf16Moments | BenchKernel::OffloadStepBf16MomentsSr => 20,
             // bf16 master, gradient and moments: 2 + 2 read, 2 x 2 read and
@@ -140,11 +149,14 @@ enum Buffer {
     VBf16,
     OutBf16,
     OutF16,
+    /// A second set of fp32 params, m and v (out-of-place steps).
+    States2,
 }
 
 impl Buffer {
     fn bytes_per_param(self) -> u64 {
         match self {
+            Buffer::States2 => 12,
             Buffer::P | Buffer::G | Buffer::M | Buffer::V | Buffer::Sum => 4,
             _ => 2,
         }
@@ -165,6 +177,7 @@ fn buffers(kernel: BenchKernel) -> &'static [Buffer] {
             &[P, GBf16, MBf16, VBf16, OutBf16]
         }
         BenchKernel::OffloadStepBf16Master => &[OutBf16, GBf16, MBf16, VBf16],
+        BenchKernel::EngineStepBf16 => &[P, GBf16, M, V, States2, OutBf16],
         BenchKernel::AdagradFp32 => &[P, G, Sum],
         BenchKernel::LionFp32 => &[P, G, M],
         BenchKernel::GradNormBf16 => &[GBf16],
@@ -236,6 +249,8 @@ pub struct BenchBuffers {
     v_bf16: PageAligned<bf16>,
     out_bf16: PageAligned<bf16>,
     out_f16: PageAligned<f16>,
+    /// The second state set: params, m, v.
+    states2: [PageAligned<f32>; 3],
     step: u64,
 }
 
@@ -282,6 +297,11 @@ impl BenchBuffers {
                 }),
                 Buffer::OutBf16 => ensure(&mut self.out_bf16, n, |_| bf16::ZERO),
                 Buffer::OutF16 => ensure(&mut self.out_f16, n, |_| f16::ZERO),
+                Buffer::States2 => {
+                    for (salt, state) in self.states2.iter_mut().enumerate() {
+                        ensure(state, n, |i| value(i, 7 + salt as u32, 1e-3).abs());
+                    }
+                }
             }
         }
     }
@@ -383,6 +403,30 @@ impl BenchBuffers {
                         step,
                         first: 0,
                     },
+                );
+            }
+            BenchKernel::EngineStepBf16 => {
+                let c = adamw.coefficients(step, 1.0 / 1024.0)?;
+                let [p2, m2, v2] = &mut self.states2;
+                let (p1, m1, v1) = (&mut self.p, &mut self.m, &mut self.v);
+                // Odd steps read the first set, even steps the second.
+                let ((p_in, m_in, v_in), (p_out, m_out, v_out)) = if step % 2 == 1 {
+                    ((p1.get(), m1.get(), v1.get()), (p2, m2, v2))
+                } else {
+                    ((p2.get(), m2.get(), v2.get()), (p1, m1, v1))
+                };
+                pool.adam_step_out_of_place(
+                    &c,
+                    p_in,
+                    MomentsRef::F32 { m: m_in, v: v_in },
+                    Values::Bf16(self.g_bf16.get()),
+                    p_out.get_mut(),
+                    Moments::F32 {
+                        m: m_out.get_mut(),
+                        v: v_out.get_mut(),
+                    },
+                    Some(LowPrecisionMut::Bf16(self.out_bf16.get_mut())),
+                    Rounding::Nearest,
                 );
             }
             BenchKernel::AdagradFp32 => {

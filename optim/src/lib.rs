@@ -53,7 +53,10 @@ pub mod topology;
 mod values;
 
 pub use adagrad::{AdagradCoefficients, AdagradConfig, adagrad_step};
-pub use adam::{AdamCoefficients, AdamConfig, adam_step, adam_step_bf16_master, adam_step_rounded};
+pub use adam::{
+    AdamCoefficients, AdamConfig, adam_step, adam_step_bf16_master, adam_step_out_of_place,
+    adam_step_rounded,
+};
 pub use error::OptimError;
 pub use grads::{
     GradNorm, StepDecision, accumulate, clip_coefficient, decide_step, grad_norm, narrow,
@@ -66,4 +69,4 @@ pub use pool::{Pool, PoolConfig, SPLIT_ALIGN_ELEMS, THREADS_MAX};
 pub use rounding::{Rounding, narrow_stochastic, round_bf16_stochastic};
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use simd::Element;
-pub use values::{LowPrecisionMut, Moments, Split, Values};
+pub use values::{LowPrecisionMut, Moments, MomentsRef, Split, Values};

@@ -12,12 +12,14 @@ use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::adagrad::{AdagradCoefficients, adagrad_step};
-use crate::adam::{AdamCoefficients, adam_step, adam_step_bf16_master, adam_step_rounded};
+use crate::adam::{
+    AdamCoefficients, adam_step, adam_step_bf16_master, adam_step_out_of_place, adam_step_rounded,
+};
 use crate::grads::{self, GradNorm};
 use crate::lion::{LionCoefficients, lion_step};
 use crate::rounding::Rounding;
 use crate::topology::{CpuTopology, pin_current_thread};
-use crate::values::{LowPrecisionMut, Moments, Split, Values};
+use crate::values::{LowPrecisionMut, Moments, MomentsRef, Split, Values};
 use crate::{Isa, OptimError};
 
 /// Most threads a pool may have.
@@ -155,6 +157,37 @@ impl Pool {
             params.len(),
             (params, grads, moments, out, rounding),
             &|(p, g, m, o, r)| adam_step_rounded(isa, coefficients, p, g, m, o, r),
+        );
+    }
+
+    /// [`adam_step_out_of_place`] over the pool.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam_step_out_of_place(
+        &self,
+        coefficients: &AdamCoefficients,
+        params_in: &[f32],
+        moments_in: MomentsRef<'_>,
+        grads: Values<'_>,
+        params_out: &mut [f32],
+        moments_out: Moments<'_>,
+        out: Option<LowPrecisionMut<'_>>,
+        rounding: Rounding,
+    ) {
+        let isa = self.isa;
+        self.split(
+            params_out.len(),
+            (
+                params_in,
+                moments_in,
+                grads,
+                params_out,
+                moments_out,
+                out,
+                rounding,
+            ),
+            &|(p0, m0, g, p, m, o, r)| {
+                adam_step_out_of_place(isa, coefficients, p0, m0, g, p, m, o, r)
+            },
         );
     }
 

@@ -177,6 +177,64 @@ impl Split for Moments<'_> {
     }
 }
 
+/// Adam's moments to read from (an out-of-place step's inputs), in one
+/// format.
+#[derive(Clone, Copy, Debug)]
+pub enum MomentsRef<'a> {
+    /// fp32 moments.
+    F32 {
+        /// First moment.
+        m: &'a [f32],
+        /// Second moment.
+        v: &'a [f32],
+    },
+    /// bf16 moments.
+    Bf16 {
+        /// First moment.
+        m: &'a [bf16],
+        /// Second moment.
+        v: &'a [bf16],
+    },
+}
+
+impl MomentsRef<'_> {
+    /// Elements (asserting m and v agree).
+    pub fn len(&self) -> usize {
+        let (m, v) = match self {
+            MomentsRef::F32 { m, v } => (m.len(), v.len()),
+            MomentsRef::Bf16 { m, v } => (m.len(), v.len()),
+        };
+        assert_eq!(m, v, "m and v differ in length");
+        m
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Split for MomentsRef<'_> {
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        match self {
+            MomentsRef::F32 { m, v } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at(mid), v.split_at(mid));
+                (
+                    MomentsRef::F32 { m: m0, v: v0 },
+                    MomentsRef::F32 { m: m1, v: v1 },
+                )
+            }
+            MomentsRef::Bf16 { m, v } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at(mid), v.split_at(mid));
+                (
+                    MomentsRef::Bf16 { m: m0, v: v0 },
+                    MomentsRef::Bf16 { m: m1, v: v1 },
+                )
+            }
+        }
+    }
+}
+
 macro_rules! split_tuple {
     ($($t:ident $v:ident $index:tt),+) => {
         impl<$($t: Split),+> Split for ($($t,)+) {
@@ -192,6 +250,8 @@ split_tuple!(A a 0, B b 1);
 split_tuple!(A a 0, B b 1, C c 2);
 split_tuple!(A a 0, B b 1, C c 2, D d 3);
 split_tuple!(A a 0, B b 1, C c 2, D d 3, E e 4);
+split_tuple!(A a 0, B b 1, C c 2, D d 3, E e 4, F f 5);
+split_tuple!(A a 0, B b 1, C c 2, D d 3, E e 4, F f 5, G g 6);
 
 /// Copies up to [`crate::simd::LANES_MAX`] tail elements into a zero-padded
 /// stack buffer, so a tail runs through the same vector code as the body.

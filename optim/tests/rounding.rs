@@ -222,9 +222,16 @@ fn bf16_masters_rounded_stochastically_follow_updates_below_half_a_place() {
     let moved = 1.0 - exact;
     assert!(moved > 0.09, "fp32 masters moved {moved}");
     let error = ((1.0 - mean) - moved).abs() / moved;
-    assert!(error < 0.02, "bf16 masters moved {} against {moved}", 1.0 - mean);
+    assert!(
+        error < 0.02,
+        "bf16 masters moved {} against {moved}",
+        1.0 - mean
+    );
     let (nearest, _) = master_drift(|_| Rounding::Nearest, 1000);
-    assert_eq!(nearest, 1.0, "to nearest, an eighth of a place is lost every step");
+    assert_eq!(
+        nearest, 1.0,
+        "to nearest, an eighth of a place is lost every step"
+    );
 }
 
 #[test]
@@ -263,5 +270,8 @@ fn bf16_masters_do_not_depend_on_threads() {
         (master, m, v)
     };
     let one = run(1);
-    assert!(one == run(2) && one == run(3), "thread count changed the result");
+    assert!(
+        one == run(2) && one == run(3),
+        "thread count changed the result"
+    );
 }

@@ -46,6 +46,9 @@ pub trait Simd: Copy + Send + Sync {
     fn load_f16(self, src: &[f16]) -> Self::V;
     /// f32 to fp16, round to nearest even, subnormals kept.
     fn store_f16(self, dst: &mut [f16], v: Self::V);
+    /// `store` with a non-temporal store; `dst` must start on a
+    /// `4 * LANES`-byte boundary (panics otherwise).
+    fn stream_f32(self, dst: &mut [f32], v: Self::V);
     /// `store_bf16` with a non-temporal store (no read for ownership, no
     /// cache pollution). `dst` must start on a `2 * LANES`-byte boundary
     /// (panics otherwise); call [`Simd::fence`] before the data is handed on.
@@ -144,7 +147,7 @@ macro_rules! element {
     };
 }
 
-element!(f32, load, store, store, |x| x, |x| x);
+element!(f32, load, store, stream_f32, |x| x, |x| x);
 element!(
     bf16,
     load_bf16,

@@ -91,6 +91,10 @@ impl Simd for Portable {
         }
     }
     #[inline(always)]
+    fn stream_f32(self, dst: &mut [f32], v: Self::V) {
+        self.store(dst, v)
+    }
+    #[inline(always)]
     fn stream_bf16(self, dst: &mut [bf16], v: Self::V) {
         self.store_bf16(dst, v)
     }

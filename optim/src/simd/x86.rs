@@ -230,6 +230,12 @@ impl Simd for Avx2 {
         unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
     }
     #[inline(always)]
+    fn stream_f32(self, dst: &mut [f32], v: __m256) {
+        assert!(dst.len() >= 8 && (dst.as_ptr() as usize).is_multiple_of(32));
+        // SAFETY: the token; 32 bytes in bounds, 32-byte aligned (asserted) for vmovntps.
+        unsafe { _mm256_stream_ps(dst.as_mut_ptr(), v) }
+    }
+    #[inline(always)]
     fn stream_bf16(self, dst: &mut [bf16], v: __m256) {
         assert!(dst.len() >= 8 && (dst.as_ptr() as usize).is_multiple_of(16));
         // SAFETY: the token; 16 bytes in bounds, 16-byte aligned (asserted) for movntdq.
@@ -459,6 +465,12 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         assert!(dst.len() >= 16);
         // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
         unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), self.bf16_words(v)) }
+    }
+    #[inline(always)]
+    fn stream_f32(self, dst: &mut [f32], v: __m512) {
+        assert!(dst.len() >= 16 && (dst.as_ptr() as usize).is_multiple_of(64));
+        // SAFETY: the token; 64 bytes in bounds, 64-byte aligned (asserted) for vmovntps.
+        unsafe { _mm512_stream_ps(dst.as_mut_ptr(), v) }
     }
     #[inline(always)]
     fn stream_bf16(self, dst: &mut [bf16], v: __m512) {

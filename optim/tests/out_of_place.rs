@@ -1,0 +1,167 @@
+//! The out-of-place step (the engine's: one state set read, the other
+//! written, streamed past the caches when large) against the in-place one,
+//! bit for bit, at any alignment, on every instruction set and thread count.
+
+use strata_optim::{
+    AdamConfig, Isa, LowPrecisionMut, Moments, MomentsRef, Pool, PoolConfig, Rounding, Values,
+    adam_step_out_of_place, adam_step_rounded, bf16,
+};
+
+fn value(i: usize, salt: usize, scale: f32) -> f32 {
+    (((i * 2_654_435_761 + salt * 97) % 2001) as f32 / 1000.0 - 1.0) * scale
+}
+
+/// In place and out of place from the same inputs, `offset` elements into
+/// page-aligned buffers (so the heads differ); bf16 moments when `bf16`.
+fn compare(isa: Isa, len: usize, offset: usize, bf16_moments: bool, rounding: Rounding) {
+    let n = len + offset;
+    let p: Vec<f32> = (0..n).map(|i| value(i, 1, 1.0)).collect();
+    let g: Vec<bf16> = (0..n).map(|i| bf16::from_f32(value(i, 2, 1e-2))).collect();
+    let m: Vec<f32> = (0..n).map(|i| value(i, 3, 1e-3)).collect();
+    let v: Vec<f32> = (0..n).map(|i| value(i, 4, 1e-6).abs()).collect();
+    let c = AdamConfig::adamw(1e-3).coefficients(3, 0.5).unwrap();
+    let r = offset..n;
+    // In place.
+    let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+    let (mut mb1, mut vb1): (Vec<bf16>, Vec<bf16>) = (
+        m.iter().map(|&x| bf16::from_f32(x)).collect(),
+        v.iter().map(|&x| bf16::from_f32(x)).collect(),
+    );
+    let mut out1 = vec![bf16::ZERO; n];
+    let moments = if bf16_moments {
+        Moments::Bf16 {
+            m: &mut mb1[r.clone()],
+            v: &mut vb1[r.clone()],
+        }
+    } else {
+        Moments::F32 {
+            m: &mut m1[r.clone()],
+            v: &mut v1[r.clone()],
+        }
+    };
+    adam_step_rounded(
+        isa,
+        &c,
+        &mut p1[r.clone()],
+        Values::Bf16(&g[r.clone()]),
+        moments,
+        Some(LowPrecisionMut::Bf16(&mut out1[r.clone()])),
+        rounding,
+    );
+    // Out of place, from untouched inputs into fresh buffers.
+    let (mb, vb): (Vec<bf16>, Vec<bf16>) = (
+        m.iter().map(|&x| bf16::from_f32(x)).collect(),
+        v.iter().map(|&x| bf16::from_f32(x)).collect(),
+    );
+    let (mut p2, mut m2, mut v2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let (mut mb2, mut vb2) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+    let mut out2 = vec![bf16::ZERO; n];
+    let (moments_in, moments_out) = if bf16_moments {
+        (
+            MomentsRef::Bf16 {
+                m: &mb[r.clone()],
+                v: &vb[r.clone()],
+            },
+            Moments::Bf16 {
+                m: &mut mb2[r.clone()],
+                v: &mut vb2[r.clone()],
+            },
+        )
+    } else {
+        (
+            MomentsRef::F32 {
+                m: &m[r.clone()],
+                v: &v[r.clone()],
+            },
+            Moments::F32 {
+                m: &mut m2[r.clone()],
+                v: &mut v2[r.clone()],
+            },
+        )
+    };
+    adam_step_out_of_place(
+        isa,
+        &c,
+        &p[r.clone()],
+        moments_in,
+        Values::Bf16(&g[r.clone()]),
+        &mut p2[r.clone()],
+        moments_out,
+        Some(LowPrecisionMut::Bf16(&mut out2[r.clone()])),
+        rounding,
+    );
+    let what = format!("{isa} len {len} offset {offset} bf16 moments {bf16_moments}");
+    assert!(p1[r.clone()] == p2[r.clone()], "params differ: {what}");
+    assert!(out1[r.clone()] == out2[r.clone()], "copies differ: {what}");
+    if bf16_moments {
+        assert!(
+            mb1[r.clone()] == mb2[r.clone()] && vb1[r.clone()] == vb2[r.clone()],
+            "{what}"
+        );
+    } else {
+        assert!(
+            m1[r.clone()] == m2[r.clone()] && v1[r.clone()] == v2[r],
+            "moments differ: {what}"
+        );
+    }
+}
+
+#[test]
+fn out_of_place_matches_in_place_bit_for_bit() {
+    let stochastic = Rounding::Stochastic {
+        seed: 4,
+        step: 3,
+        first: 1 << 20,
+    };
+    for isa in Isa::available() {
+        for len in [0, 1, 15, 16, 17, 1000, 4099] {
+            for offset in [0, 1, 3, 8] {
+                compare(isa, len, offset, false, Rounding::Nearest);
+                compare(isa, len, offset, true, Rounding::Nearest);
+                compare(isa, len, offset, true, stochastic);
+            }
+        }
+        // Long enough for the streamed (non-temporal) path; and misaligned
+        // so that it cannot stream.
+        for offset in [0, 5] {
+            compare(isa, (1 << 21) + 37, offset, false, Rounding::Nearest);
+        }
+        compare(isa, (1 << 21) + 37, 0, true, stochastic);
+    }
+}
+
+#[test]
+fn the_pool_splits_the_out_of_place_step_without_changing_it() {
+    let n = (1 << 17) + 11;
+    let run = |threads| {
+        let pool = Pool::new(PoolConfig {
+            threads: Some(threads),
+            pin: false,
+            parallel_elems_min: 1024,
+            isa: None,
+        })
+        .unwrap();
+        let p: Vec<f32> = (0..n).map(|i| value(i, 1, 1.0)).collect();
+        let g: Vec<f32> = (0..n).map(|i| value(i, 2, 1e-2)).collect();
+        let m: Vec<f32> = (0..n).map(|i| value(i, 3, 1e-3)).collect();
+        let v: Vec<f32> = (0..n).map(|i| value(i, 4, 1e-6).abs()).collect();
+        let (mut p2, mut m2, mut v2) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let c = AdamConfig::adamw(1e-3).coefficients(1, 1.0).unwrap();
+        pool.adam_step_out_of_place(
+            &c,
+            &p,
+            MomentsRef::F32 { m: &m, v: &v },
+            Values::F32(&g),
+            &mut p2,
+            Moments::F32 {
+                m: &mut m2,
+                v: &mut v2,
+            },
+            None,
+            Rounding::Nearest,
+        );
+        (p2, m2, v2)
+    };
+    let one = run(1);
+    assert!(one == run(2) && one == run(4));
+}
