@@ -59,6 +59,25 @@ impl View {
         }
     }
 
+    /// The address of byte `offset` of the copy and the bytes from there
+    /// to the end of its contiguous piece; None when not host-addressable.
+    fn piece_at(&self, shared: &Shared, len_bytes: u64, offset: u64) -> Option<(*mut u8, u64)> {
+        match self {
+            View::Host { slots, chunks } => {
+                let i = chunks.partition_point(|c| c.offset + c.len_bytes <= offset);
+                let chunk = chunks.get(i)?;
+                let within = offset - chunk.offset;
+                let ptr = shared.pool.ptr(slots[i]).wrapping_add(within as usize);
+                Some((ptr, chunk.len_bytes - within))
+            }
+            View::Device { offset: at } => {
+                let base = shared.device.host_address(*at)?;
+                Some((base.wrapping_add(offset as usize), len_bytes - offset))
+            }
+            View::Nvme => None,
+        }
+    }
+
     /// Fills a freshly registered copy with zeros: host buffers here, the
     /// device's memory by the device itself.
     pub(crate) fn fill_zero(&self, shared: &Shared, len_bytes: u64) -> Result<()> {
@@ -342,6 +361,93 @@ fn ready_fence(entry: &Entry, tier: Tier) -> Fence {
         .as_ref()
         .and_then(|copy| copy.last_use.clone())
         .unwrap_or(Fence::Ready)
+}
+
+/// A range of elements of one guarded copy, for [`zip_ranges`]: the
+/// guard (a reference to it for reads, an index into the write guards for
+/// writes), the byte offset of the range's first element in the tensor,
+/// and the bytes of one element.
+pub type RangeOf<G> = (G, u64, u64);
+
+/// Walks the same `elems` elements of several guarded copies together
+/// (ranges read, ranges written, each at its own offset and element size;
+/// several written ranges may lie in one write guard's copy, apart):
+/// `f(first, reads, writes)` is called for each stretch in which every
+/// range is contiguous in host memory, `first` being the stretch's first
+/// element. Host chunks split a tensor where its size classes say, so the
+/// stretches are as long as the chunks allow. Each guard's `ready()` fence
+/// is waited for first. Errors for ranges past a tensor's end or copies
+/// not addressable from the host (a GPU, NVMe).
+///
+/// # Panics
+/// If a written range's guard is not a write guard, or two written ranges
+/// of one guard overlap.
+pub fn zip_ranges<const R: usize, const W: usize>(
+    reads: [RangeOf<&Guard>; R],
+    outputs: &mut [&mut Guard],
+    writes: [RangeOf<usize>; W],
+    elems: u64,
+    mut f: impl FnMut(u64, [&[u8]; R], [&mut [u8]; W]),
+) -> Result<()> {
+    for (guard, offset, elem) in reads {
+        guard.check_range(offset, (elems * elem) as usize)?;
+        guard.ready.wait()?;
+    }
+    for (i, &(g, offset, elem)) in writes.iter().enumerate() {
+        let guard = &outputs[g];
+        assert_eq!(guard.access, Access::Write, "writing needs a write guard");
+        guard.check_range(offset, (elems * elem) as usize)?;
+        guard.ready.wait()?;
+        for &(h, other, other_elem) in &writes[..i] {
+            let apart = offset + elems * elem <= other || other + elems * other_elem <= offset;
+            assert!(h != g || apart, "written ranges overlap in one copy");
+        }
+    }
+    let mut done = 0;
+    while done < elems {
+        let mut stretch = elems - done;
+        let mut read_at = [(std::ptr::null_mut(), 0u64); R];
+        let mut write_at = [(std::ptr::null_mut(), 0u64); W];
+        for (at, (guard, offset, elem)) in read_at.iter_mut().zip(reads.iter()) {
+            *at = guard.piece(*offset + done * *elem)?;
+            stretch = stretch.min(at.1 / *elem);
+        }
+        for (at, (g, offset, elem)) in write_at.iter_mut().zip(writes.iter()) {
+            *at = outputs[*g].piece(*offset + done * *elem)?;
+            stretch = stretch.min(at.1 / *elem);
+        }
+        assert!(stretch > 0, "a chunk boundary splits an element");
+        let read_slices = std::array::from_fn(|i| {
+            // SAFETY: `piece` returned an address with at least
+            // `stretch * elem` bytes behind it in this guarded copy, which
+            // the guard keeps alive and free of writers.
+            unsafe { std::slice::from_raw_parts(read_at[i].0, (stretch * reads[i].2) as usize) }
+        });
+        let write_slices = std::array::from_fn(|i| {
+            // SAFETY: as above, in a copy only this write guard uses, which
+            // `outputs` holds exclusively for the call; the written ranges
+            // do not overlap (asserted) and no read guard can share the
+            // tensor with a write guard.
+            unsafe {
+                std::slice::from_raw_parts_mut(write_at[i].0, (stretch * writes[i].2) as usize)
+            }
+        });
+        f(done, read_slices, write_slices);
+        done += stretch;
+    }
+    Ok(())
+}
+
+impl Guard {
+    /// [`View::piece_at`], or the error saying the copy is not addressable.
+    fn piece(&self, offset: u64) -> Result<(*mut u8, u64)> {
+        match self.view.piece_at(&self.shared, self.len_bytes, offset) {
+            Some(piece) => Ok(piece),
+            None => self
+                .addressable(false)
+                .map(|()| unreachable!("not addressable")),
+        }
+    }
 }
 
 /// Where a chunk at `at` of `len` bytes meets the range at `offset` of

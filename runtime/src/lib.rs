@@ -43,7 +43,7 @@ pub use config::{
 };
 pub use device::{CpuDevice, CudaDevice, Device, DeviceKind};
 pub use error::{Result, RuntimeError};
-pub use guard::Guard;
+pub use guard::{Guard, RangeOf, zip_ranges};
 pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
 pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
 pub use state::Access;

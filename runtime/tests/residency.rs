@@ -700,3 +700,59 @@ fn a_move_to_the_device_hands_out_the_copy_behind_its_fence_without_blocking() {
     assert_eq!(h2d(&runtime), 1);
     assert!(runtime.free_bytes(Tier::Host) > host_free);
 }
+
+#[test]
+fn zip_ranges_walks_copies_split_into_different_chunks_together() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 8 << 20)).unwrap();
+    // 70,000 f32 and 3 x 70,000 f32: chunked by 64 KiB and 4 KiB buffers
+    // at different places.
+    let n = 70_000u64;
+    let a = runtime.register(meta("a", 4 * n), Tier::Host).unwrap();
+    let b = runtime.register(meta("b", 12 * n), Tier::Host).unwrap();
+    let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    fill(&runtime, a, Tier::Host, bytemuck::cast_slice(&values));
+    let read = runtime.acquire(a, Tier::Host, Access::Read).unwrap();
+    let mut write = runtime.acquire(b, Tier::Host, Access::Write).unwrap();
+    let mut stretches = 0;
+    // b's second third gets a's values doubled.
+    let outputs = &mut [&mut write];
+    strata_runtime::zip_ranges(
+        [(&read, 0, 4)],
+        outputs,
+        [(0, 4 * n, 4)],
+        n,
+        |first, [x], [y]| {
+            stretches += 1;
+            let (x, y): (&[f32], &mut [f32]) =
+                (bytemuck::cast_slice(x), bytemuck::cast_slice_mut(y));
+            assert_eq!(x[0], first as f32);
+            for (y, x) in y.iter_mut().zip(x) {
+                *y = 2.0 * x;
+            }
+        },
+    )
+    .unwrap();
+    assert!(stretches > 2, "{stretches} stretches");
+    // Past the end: an error naming the range, nothing written.
+    let past = strata_runtime::zip_ranges(
+        [(&read, 4, 4)],
+        &mut [],
+        [],
+        n,
+        |_, _, _: [&mut [u8]; 0]| panic!("walked a range past the tensor's end"),
+    );
+    assert!(past.unwrap_err().to_string().contains("range"));
+    drop((read, write));
+    let out = read_back_range(&runtime, b, 4 * n, n);
+    assert!(out.iter().enumerate().all(|(i, y)| *y == 2.0 * i as f32));
+}
+
+fn read_back_range(runtime: &Runtime, id: TensorId, offset: u64, n: u64) -> Vec<f32> {
+    let guard = runtime.acquire(id, Tier::Host, Access::Read).unwrap();
+    let mut out = vec![0f32; n as usize];
+    guard
+        .read_range(offset, bytemuck::cast_slice_mut(&mut out))
+        .unwrap();
+    out
+}

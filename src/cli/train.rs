@@ -120,7 +120,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         ));
         if bar.is_hidden() && !args.json {
             eprintln!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  grad-norm {:.3}{}  {:.0} tok/s  (waited {:.0} ms for the optimizer)",
+                "step {:>5}  loss {:.4}  lr {:.2e}  grad-norm {:.3}{}  {:.0} tok/s  (waited {:.0} ms for the optimizer; it ran at {:.3} G params/s)",
                 r.step,
                 r.loss,
                 r.lr,
@@ -136,6 +136,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 },
                 r.tokens as f64 / r.seconds,
                 r.optimizer_wait_s * 1e3,
+                r.optimizer_params_per_s / 1e9,
             );
         }
     })?;

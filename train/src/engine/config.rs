@@ -216,6 +216,10 @@ pub struct PlacementConfig {
     /// "nvme"`. `"auto"`: a quarter of the host budget, or none when the
     /// plans do not fit beside it; `0`: off.
     pub state_cache: StateCache,
+    /// Threads of each rank's CPU optimizer pool; 0: the physical cores
+    /// this process may use less two (left to the kernel-launch thread and
+    /// the movers), shared among the ranks, at least one.
+    pub optimizer_threads: u32,
 }
 
 /// [`PlacementConfig::state_cache`]: a size, or `auto`.
@@ -268,6 +272,7 @@ impl Default for PlacementConfig {
             prefetch_ops: 4,
             activation_horizon_ops: 2,
             state_cache: StateCache::Auto,
+            optimizer_threads: 0,
         }
     }
 }

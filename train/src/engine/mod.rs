@@ -81,7 +81,7 @@ use strata_runtime::{Runtime, Tier};
 use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::GptConfig;
 use compute::Workspace;
-use optimizer::{CpuWorker, OptScratch};
+use optimizer::{CpuWorker, optimizer_pool};
 use steps::{in_flight, shape_index, shape_of};
 use tensors::{Group, Slot, groups, links, optimizer_tier, slots, specs, state_cache};
 
@@ -122,6 +122,9 @@ pub struct StepReport {
     /// Of which compute waited for the CPU optimizer thread (late updates
     /// before a block's forward, the commit).
     pub optimizer_wait_s: f64,
+    /// The optimizer lane's rate over the updates it finished during the
+    /// step: parameters per second of its busy time (0: none finished).
+    pub optimizer_params_per_s: f64,
 }
 
 /// What the plans predict per tier for this rank.
@@ -153,7 +156,10 @@ pub struct Engine {
     /// Which of the two parameter/state sets is current.
     current: usize,
     ws: Workspace,
-    inline: OptScratch,
+    /// The optimizer's pool when it runs inline (states on the device).
+    inline: strata_optim::Pool,
+    /// The inline optimizer's rate since the last step report.
+    inline_rate: optimizer::LaneRate,
     worker: Option<CpuWorker>,
     isa: Isa,
     scaler: LossScaler,
@@ -246,7 +252,8 @@ impl Engine {
             shapes: Vec::with_capacity(SHAPES),
             current: 0,
             ws,
-            inline: OptScratch::new(),
+            inline: optimizer_pool(1, 1)?,
+            inline_rate: optimizer::LaneRate::default(),
             worker: None,
             isa,
             scaler: LossScaler::new(config.train.scaler())?,
@@ -275,7 +282,8 @@ impl Engine {
         engine.plan_with_cache(&plan_config, cache_groups, cache_bytes)?;
         engine.initialize()?;
         if config.placement.optimizer != Placement::Device {
-            engine.worker = Some(CpuWorker::start(runtime, isa, groups)?);
+            let pool = optimizer_pool(config.placement.optimizer_threads, world)?;
+            engine.worker = Some(CpuWorker::start(runtime, pool, groups)?);
         }
         Ok(engine)
     }
@@ -449,6 +457,10 @@ impl Engine {
             tokens: (tokens.len() / (self.gpt.seq + 1) * self.gpt.seq * world) as u64,
             seconds: started.elapsed().as_secs_f64(),
             optimizer_wait_s: std::mem::take(&mut self.optimizer_wait_ns) as f64 / 1e9,
+            optimizer_params_per_s: match &mut self.worker {
+                Some(worker) => worker.lane.take(),
+                None => self.inline_rate.take(),
+            },
         })
     }
 

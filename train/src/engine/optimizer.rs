@@ -8,10 +8,9 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use half::bf16;
 use strata_optim::{
-    AdamCoefficients, GradNorm, Isa, LowPrecisionMut, Moments, StepDecision, Values, adam_step,
-    decide_step,
+    AdamCoefficients, GradNorm, LowPrecisionMut, Moments, MomentsRef, Pool, PoolConfig, Rounding,
+    StepDecision, Values, decide_step,
 };
 use strata_runtime::RuntimeError;
 use strata_runtime::{Access, Guard, Runtime, TensorId, Tier};
@@ -42,41 +41,33 @@ pub(super) struct OptJob {
     pub(super) coefficients: [AdamCoefficients; 2],
 }
 
-/// Elements of a shard the optimizer updates at once: its buffers (about
-/// 300 KiB) stay in cache between reading the inputs, the update and
-/// writing the outputs, so memory sees each byte of the shard once.
-pub(super) const OPT_PIECE_ELEMS: usize = 16 * 1024;
-
-/// The optimizer's buffers for one piece of a shard.
-pub(super) struct OptScratch {
-    pub(super) master: Vec<f32>,
-    pub(super) m: Vec<f32>,
-    pub(super) v: Vec<f32>,
-    pub(super) grad: Vec<f32>,
-    pub(super) param: Vec<bf16>,
-}
-
-impl OptScratch {
-    pub(super) fn new() -> OptScratch {
-        OptScratch {
-            master: vec![0.0; OPT_PIECE_ELEMS],
-            m: vec![0.0; OPT_PIECE_ELEMS],
-            v: vec![0.0; OPT_PIECE_ELEMS],
-            grad: vec![0.0; OPT_PIECE_ELEMS],
-            param: vec![bf16::ZERO; OPT_PIECE_ELEMS],
+/// The optimizer's threads for one rank: `threads` (0: the physical cores
+/// this process may use, less two for the kernel-launch thread and the
+/// movers, shared among `ranks` in-process ranks; at least one). Pinned to
+/// cores only with one rank (ranks' pools would share the same cores).
+pub(super) fn optimizer_pool(threads: u32, ranks: usize) -> Result<Pool> {
+    let threads = match threads {
+        0 => {
+            let cores = strata_optim::topology::CpuTopology::detect().core_count();
+            (cores.saturating_sub(2) / ranks.max(1)).max(1)
         }
-    }
+        n => n as usize,
+    };
+    Ok(Pool::new(PoolConfig {
+        threads: Some(threads),
+        pin: ranks == 1 && threads > 1,
+        ..PoolConfig::default()
+    })?)
 }
 
-/// Group `job.group`'s update, streamed piece by piece from the gradient
-/// and the input states' copies in `job.tier` straight into the outputs'.
-/// The outputs are written whole: nothing of their old bytes is read or
-/// fetched.
+/// Group `job.group`'s update, straight from the gradient and the input
+/// states' copies in `job.tier` into the outputs': out of place, on the
+/// pool, stretch by stretch of host memory. The outputs are written whole:
+/// nothing of their old bytes is read or fetched.
 pub(super) fn run_optimizer(
     runtime: &Runtime,
-    isa: Isa,
+    pool: &Pool,
     groups: &[Group],
-    scratch: &mut OptScratch,
     job: &OptJob,
 ) -> Result<()> {
     let inputs = [
@@ -85,57 +76,74 @@ pub(super) fn run_optimizer(
     ];
     runtime.overwrite_with(job.param_out, job.tier, |param_out| {
         runtime.overwrite_with(job.state_out, job.tier, |state_out| {
-            let outputs = [state_out, param_out];
-            adam_pieces(isa, &groups[job.group], job, scratch, &inputs, outputs)
+            adam_group(
+                pool,
+                &groups[job.group],
+                job,
+                &inputs,
+                [state_out, param_out],
+            )
         })
     })
 }
 
-/// One shard's AdamW in pieces of [`OPT_PIECE_ELEMS`]: `[grad, states in]`
-/// to `[states out, params out]`. States are master, m and v, each
-/// `shard` f32, one after another; params are `shard` bf16.
-pub(super) fn adam_pieces(
-    isa: Isa,
+/// One shard's AdamW: `[grad, states in]` to `[states out, params out]`.
+/// States are master, m and v, each `shard` f32, one after another; params
+/// are `shard` bf16.
+pub(super) fn adam_group(
+    pool: &Pool,
     group: &Group,
     job: &OptJob,
-    scratch: &mut OptScratch,
     [grad, state_in]: &[Guard; 2],
-    [state_out, param_out]: [&mut Guard; 2],
+    outputs: [&mut Guard; 2],
 ) -> Result<()> {
     let n = group.shard as u64;
+    let mut outputs = outputs;
     for (run, decays) in &group.runs {
         let coefficients = &job.coefficients[usize::from(*decays)];
-        for start in run.clone().step_by(OPT_PIECE_ELEMS) {
-            let len = OPT_PIECE_ELEMS.min(run.end - start);
-            let at = start as u64 * 4;
-            let master = &mut scratch.master[..len];
-            let m = &mut scratch.m[..len];
-            let v = &mut scratch.v[..len];
-            let g = &mut scratch.grad[..len];
-            let param = &mut scratch.param[..len];
-            grad.read_range(at, bytemuck::cast_slice_mut(g))?;
-            state_in.read_range(at, bytemuck::cast_slice_mut(master))?;
-            state_in.read_range(at + 4 * n, bytemuck::cast_slice_mut(m))?;
-            state_in.read_range(at + 8 * n, bytemuck::cast_slice_mut(v))?;
-            adam_step(
-                isa,
-                coefficients,
-                master,
-                Values::F32(g),
-                Moments::F32 { m, v },
-                Some(LowPrecisionMut::Bf16(param)),
-            );
-            state_out.write_range(at, bytemuck::cast_slice(master))?;
-            state_out.write_range(at + 4 * n, bytemuck::cast_slice(m))?;
-            state_out.write_range(at + 8 * n, bytemuck::cast_slice(v))?;
-            param_out.write_range(start as u64 * 2, bytemuck::cast_slice(param))?;
-        }
+        let (first, len) = (run.start as u64, run.len() as u64);
+        let state = |k: u64| 4 * (k * n + first);
+        strata_runtime::zip_ranges(
+            [
+                (grad, 4 * first, 4),
+                (state_in, state(0), 4),
+                (state_in, state(1), 4),
+                (state_in, state(2), 4),
+            ],
+            &mut outputs,
+            [
+                (0, state(0), 4),
+                (0, state(1), 4),
+                (0, state(2), 4),
+                (1, 2 * first, 2),
+            ],
+            len,
+            |_, [g, p0, m0, v0], [p, m, v, out]| {
+                pool.adam_step_out_of_place(
+                    coefficients,
+                    bytemuck::cast_slice(p0),
+                    MomentsRef::F32 {
+                        m: bytemuck::cast_slice(m0),
+                        v: bytemuck::cast_slice(v0),
+                    },
+                    Values::F32(bytemuck::cast_slice(g)),
+                    bytemuck::cast_slice_mut(p),
+                    Moments::F32 {
+                        m: bytemuck::cast_slice_mut(m),
+                        v: bytemuck::cast_slice_mut(v),
+                    },
+                    Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out))),
+                    Rounding::Nearest,
+                );
+            },
+        )?;
     }
     Ok(())
 }
 
-/// A finished update: its group, the trace indices it wrote, the outcome.
-pub(super) type Done = (usize, [usize; 2], Result<()>);
+/// A finished update: its group, the trace indices it wrote, the outcome,
+/// and the nanoseconds it took.
+pub(super) type Done = (usize, [usize; 2], Result<()>, u64);
 
 /// Updates of one group sent to the CPU thread and not yet booked: its
 /// update of the step before (late, in this step's forward) and this
@@ -150,12 +158,34 @@ pub(super) struct CpuWorker {
     pub(super) thread: Option<JoinHandle<()>>,
     /// Updates sent and not yet reported back, per group.
     pub(super) outstanding: Vec<u32>,
+    /// Parameters updated and time spent updating them since the last
+    /// step report (the lane's rate).
+    pub(super) lane: LaneRate,
+}
+
+/// Parameters the optimizer lane updated and the time it spent on them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct LaneRate {
+    pub(super) params: u64,
+    pub(super) busy_ns: u64,
+}
+
+impl LaneRate {
+    /// Parameters per second (0 when nothing ran), and a reset.
+    pub(super) fn take(&mut self) -> f64 {
+        let rate = std::mem::take(self);
+        if rate.busy_ns == 0 {
+            0.0
+        } else {
+            rate.params as f64 / (rate.busy_ns as f64 / 1e9)
+        }
+    }
 }
 
 impl CpuWorker {
     pub(super) fn start(
         runtime: Arc<Runtime>,
-        isa: Isa,
+        pool: Pool,
         groups: Arc<Vec<Group>>,
     ) -> Result<CpuWorker> {
         let outstanding = vec![0; groups.len()];
@@ -166,17 +196,20 @@ impl CpuWorker {
             .name("strata-cpu-optim".into())
             .spawn(move || {
                 strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
-                let mut scratch = OptScratch::new();
                 for job in receiver {
                     let started = Instant::now();
-                    let result = run_optimizer(&runtime, isa, &groups, &mut scratch, &job);
+                    let result = run_optimizer(&runtime, &pool, &groups, &job);
                     runtime.record_compute(
                         optimizer_label(job.late),
                         job.group as u32,
                         None,
                         started,
                     );
-                    if results.send((job.group, job.outputs, result)).is_err() {
+                    let busy_ns = started.elapsed().as_nanos() as u64;
+                    if results
+                        .send((job.group, job.outputs, result, busy_ns))
+                        .is_err()
+                    {
                         return;
                     }
                 }
@@ -193,6 +226,7 @@ impl CpuWorker {
             done,
             thread: Some(thread),
             outstanding,
+            lane: LaneRate::default(),
         })
     }
 
@@ -200,10 +234,13 @@ impl CpuWorker {
     /// per trace index in `writing`) written, its error kept if first.
     pub(super) fn book(
         &mut self,
-        (group, outputs, result): Done,
+        (group, outputs, result, busy_ns): Done,
+        shard: usize,
         writing: &mut [u32],
         first_error: &mut Option<TrainError>,
     ) {
+        self.lane.params += shard as u64;
+        self.lane.busy_ns += busy_ns;
         self.outstanding[group] -= 1;
         for o in outputs {
             writing[o] -= 1;
@@ -271,13 +308,13 @@ impl Engine {
                 }
                 Ok(())
             }
-            None => run_optimizer(
-                &self.runtime,
-                self.isa,
-                &self.groups,
-                &mut self.inline,
-                &job,
-            ),
+            None => {
+                let started = Instant::now();
+                run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?;
+                self.inline_rate.params += self.groups[g].shard as u64;
+                self.inline_rate.busy_ns += started.elapsed().as_nanos() as u64;
+                Ok(())
+            }
         }
     }
 
@@ -288,7 +325,8 @@ impl Engine {
             return;
         };
         while let Ok(done) = worker.done.try_recv() {
-            worker.book(done, &mut self.writing, &mut self.worker_error);
+            let shard = self.groups[done.0].shard;
+            worker.book(done, shard, &mut self.writing, &mut self.worker_error);
         }
     }
 
@@ -307,7 +345,8 @@ impl Engine {
             }
             waited = true;
             let done = worker.done.recv().map_err(|_| RuntimeError::Stopped)?;
-            worker.book(done, &mut self.writing, &mut self.worker_error);
+            let shard = self.groups[done.0].shard;
+            worker.book(done, shard, &mut self.writing, &mut self.worker_error);
             // The moves held for this update go now, not at the next
             // boundary: a long wait (the commit's) would otherwise keep
             // every finished update's inputs and outputs on the host.
