@@ -200,6 +200,7 @@ impl Runtime {
             releasing: [0; 3],
             clock: 0,
             fenced: VecDeque::with_capacity(config.runtime.tensors_max.min(1 << 16)),
+            landings: 0,
         };
         tracing::info!(
             "runtime: {}; pinned pool {} bytes in {} class(es) ({}); nvme {}",
@@ -654,7 +655,11 @@ impl Runtime {
     /// span of compute so far.
     pub fn write_trace(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
         let names: HashMap<TensorId, String> = {
-            let state = self.shared.lock();
+            let mut state = self.shared.lock();
+            // Copies still landing add their spans when they land.
+            while state.landings > 0 {
+                state = self.shared.changed.wait(state).expect("runtime state lock");
+            }
             let live = state
                 .tensors
                 .iter()
@@ -860,31 +865,36 @@ impl Shared {
     /// it. A copy that fails is logged: the fence its readers were given
     /// reports the same error to them.
     fn finish_landing(&self, landing: Landing) {
-        if let Err(err) = self.device.wait(landing.fence) {
-            tracing::error!(
+        match self.device.wait(landing.fence) {
+            Ok(()) => self.account_time(
+                landing.link,
+                landing.tensor,
+                landing.bytes,
+                landing.started,
+                landing.lane,
+            ),
+            Err(err) => tracing::error!(
                 "the copy of tensor {} to the device failed after it was enqueued: {err}",
                 landing.tensor
-            );
-            return;
+            ),
         }
-        self.account_transfer(
-            landing.link,
-            landing.tensor,
-            landing.bytes,
-            landing.started,
-            landing.lane,
-        );
+        self.lock().landings -= 1;
+        self.changed.notify_all();
     }
 
-    fn account_transfer(&self, link: Link, id: TensorId, bytes: u64, started: Instant, lane: u32) {
+    /// Counts a transfer's bytes (when it is issued, so a completed move's
+    /// bytes are in the stats at once).
+    fn account_bytes(&self, link: Link, bytes: u64) {
+        let mut state = self.lock();
+        let stats = &mut state.stats.links[link.index()];
+        stats.bytes += bytes;
+        stats.transfers += 1;
+    }
+
+    /// Counts a transfer's time (when it has finished) and traces it.
+    fn account_time(&self, link: Link, id: TensorId, bytes: u64, started: Instant, lane: u32) {
         let duration_ns = started.elapsed().as_nanos() as u64;
-        {
-            let mut state = self.lock();
-            let stats = &mut state.stats.links[link.index()];
-            stats.bytes += bytes;
-            stats.transfers += 1;
-            stats.busy_ns += duration_ns;
-        }
+        self.lock().stats.links[link.index()].busy_ns += duration_ns;
         self.trace.lock().expect("trace lock").push(TraceEvent {
             kind: EventKind::Transfer(link),
             tensor: Some(id),
@@ -1122,7 +1132,9 @@ impl Shared {
         match other {
             Other::Device(offset) => {
                 let fence = self.copy_device(link, &chunks, &host, offset)?;
+                self.account_bytes(link, len_bytes);
                 if link == Link::HostToDevice {
+                    self.lock().landings += 1;
                     return Ok(Some(Landing {
                         fence,
                         link,
@@ -1134,9 +1146,12 @@ impl Shared {
                 }
                 self.device.wait(fence)?;
             }
-            Other::Nvme(extents) => self.copy_nvme(link, &host, &extents)?,
+            Other::Nvme(extents) => {
+                self.copy_nvme(link, &host, &extents)?;
+                self.account_bytes(link, len_bytes);
+            }
         }
-        self.account_transfer(link, id, len_bytes, started, lane);
+        self.account_time(link, id, len_bytes, started, lane);
         Ok(None)
     }
 

@@ -145,6 +145,9 @@ pub(crate) struct State {
     /// first: their memory stays counted as used until it does (at most
     /// one per copy released, so bounded by `tensors_max` x 3).
     pub(crate) fenced: VecDeque<(Tier, Place, Fence)>,
+    /// Copies to the device handed out and not yet known to have landed
+    /// (their time and trace span come when they do).
+    pub(crate) landings: u32,
 }
 
 /// What the movers, guards and completions share.

@@ -19,8 +19,8 @@ mod error;
 pub mod gpt;
 
 pub use engine::{
-    ByteCorpus, Checkpoint, CheckpointMeta, Engine, GRAD_ACCUMULATION_MAX, ModelConfig, Placement,
-    PlacementConfig, Prediction, Progress, RANKS_MAX, RunOptions, RunSummary, StateCache,
-    StepReport, TierBytes, TrainConfig, TrainSettings, run,
+    ByteCorpus, Checkpoint, CheckpointMeta, Engine, GRAD_ACCUMULATION_MAX, ModelConfig,
+    OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX, RunOptions,
+    RunSummary, StateCache, StateDtype, StepReport, TierBytes, TrainConfig, TrainSettings, run,
 };
 pub use error::{Result, TrainError};

@@ -3,7 +3,7 @@
 
 use strata_runtime::Link;
 use strata_storage::ByteSize;
-use strata_train::{ByteCorpus, Placement, RunOptions, StateCache, TrainConfig, run};
+use strata_train::{ByteCorpus, Placement, RunOptions, StateCache, StateDtype, TrainConfig, run};
 
 fn corpus(seq: usize) -> ByteCorpus {
     let text =
@@ -331,4 +331,52 @@ fn only_the_newest_checkpoints_are_kept_when_asked() {
         std::fs::read_dir(dir.path().join("all")).unwrap().count(),
         6
     );
+}
+
+#[test]
+fn bf16_moments_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 6;
+    let fp32 = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    config.optim.state_dtype = StateDtype::Bf16Moments;
+    let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    // Other bits (the moments are rounded), much the same losses.
+    assert_ne!(whole.losses, fp32.losses);
+    for (a, b) in whole.losses.iter().zip(&fp32.losses) {
+        assert!((a - b).abs() < 0.02 * b, "{a} against fp32 states' {b}");
+    }
+    // The same updates on the state cache's path and inline on the device.
+    let mut device = config.clone();
+    device.placement.params = Placement::Device;
+    device.placement.optimizer = Placement::Device;
+    device.device.budget = ByteSize(32 << 20);
+    let inline = run(&device, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(inline.losses, whole.losses);
+
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    config.train.checkpoint_every = 1;
+    let first = RunOptions {
+        stop_after: Some(3),
+        ..RunOptions::default()
+    };
+    let head = run(&config, &corpus(16), &first, &mut |_| {}).unwrap();
+    let meta = strata_train::Checkpoint::open(&checkpoints).unwrap().meta;
+    assert_eq!(
+        (meta.state_dtype, meta.rounding.as_str()),
+        (StateDtype::Bf16Moments, "stochastic")
+    );
+    config.train.checkpoint_dir = None;
+    let rest = RunOptions {
+        resume: Some(checkpoints.clone()),
+        ..RunOptions::default()
+    };
+    let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
+    let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
+    assert_eq!(resumed, whole.losses);
+
+    config.optim.state_dtype = StateDtype::Fp32;
+    let err = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("optim.state_dtype"), "{err}");
 }

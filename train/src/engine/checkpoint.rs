@@ -21,8 +21,13 @@ use crate::gpt::GptConfig;
 
 use super::Engine;
 use super::config::ModelConfig;
+use super::config::StateDtype;
 use super::moves::read_f32;
-use super::tensors::state_index;
+use super::tensors::{decode_states, state_index};
+
+fn nearest() -> String {
+    "nearest".into()
+}
 
 /// The layout version this code writes and reads.
 pub const FORMAT: u32 = 1;
@@ -45,6 +50,15 @@ pub struct CheckpointMeta {
     pub model: ModelConfig,
     /// Loss scale, clean steps, overflows left.
     pub loss_scaler: (f32, u32, u32),
+    /// How the optimizer states were kept (`optim.state_dtype`; absent in
+    /// checkpoints from before it existed: fp32).
+    #[serde(default)]
+    pub state_dtype: StateDtype,
+    /// How bf16 states were rounded: "nearest" (no bf16 state) or
+    /// "stochastic" (random bits keyed by `seed`, the Adam step and each
+    /// parameter's index).
+    #[serde(default = "nearest")]
+    pub rounding: String,
     /// xxh3-64 of each file, by name.
     pub files: HashMap<String, String>,
 }
@@ -407,6 +421,11 @@ impl Engine {
                 seed: self.config.train.seed,
                 model: self.config.model,
                 loss_scaler: self.scaler.state(),
+                state_dtype: self.config.optim.state_dtype,
+                rounding: match self.config.optim.state_dtype {
+                    StateDtype::Fp32 => nearest(),
+                    StateDtype::Bf16Moments => "stochastic".into(),
+                },
                 files: Default::default(),
             };
             commit(root, &tmp, meta).and_then(|_| prune(root, self.config.train.checkpoints_kept))
@@ -442,6 +461,13 @@ impl Engine {
                 "train.ranks",
                 meta.ranks.to_string(),
                 self.collective.world().to_string(),
+            ));
+        }
+        if meta.state_dtype != self.config.optim.state_dtype {
+            return Err(mismatch(
+                "optim.state_dtype",
+                format!("{:?}", meta.state_dtype.name()),
+                format!("{:?}", self.config.optim.state_dtype.name()),
             ));
         }
         if meta.seed != self.config.train.seed {
@@ -483,7 +509,10 @@ impl Engine {
         } else {
             Tier::Host
         };
-        read_f32(&self.runtime, id, tier, out)?;
+        let dtype = self.config.optim.state_dtype;
+        let mut raw = vec![0f32; out.len() / 3 * dtype.bytes_per_param() / 4];
+        read_f32(&self.runtime, id, tier, &mut raw)?;
+        decode_states(dtype, bytemuck::cast_slice(&raw), out);
         if home == Tier::Nvme {
             self.runtime.move_to(id, Tier::Nvme)?.wait()?;
         }

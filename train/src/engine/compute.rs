@@ -8,7 +8,7 @@ use std::time::Instant;
 use half::bf16;
 use strata_device::{View, ViewMut};
 use strata_kernels::Backend;
-use strata_optim::{AdamCoefficients, Values, grad_norm, widen};
+use strata_optim::{Values, grad_norm, widen};
 use strata_runtime::{Access, Tier};
 
 use crate::error::Result;
@@ -20,6 +20,7 @@ use crate::gpt::{
 use super::moves::{HOST_WORKSPACE, Kept, guard, read_f32};
 use strata_scheduler::{StepOp, Work};
 
+use super::optimizer::Update;
 use super::steps::label;
 use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
@@ -148,7 +149,7 @@ impl Engine {
         &mut self,
         step_op: &StepOp,
         tokens: &[u32],
-        update: &[AdamCoefficients; 2],
+        update: &Update,
     ) -> Result<()> {
         if let (Work::Update { group: g, late }, Some(_)) = (step_op.work, &self.worker) {
             // Queued before the boundary's actions are issued, so that moves

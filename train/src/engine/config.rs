@@ -216,10 +216,63 @@ pub struct PlacementConfig {
     /// "nvme"`. `"auto"`: a quarter of the host budget, or none when the
     /// plans do not fit beside it; `0`: off.
     pub state_cache: StateCache,
+}
+
+/// The `[optim]` table: how the CPU optimizer runs and keeps its states.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
     /// Threads of each rank's CPU optimizer pool; 0: the physical cores
     /// this process may use less two (left to the kernel-launch thread and
     /// the movers), shared among the ranks, at least one.
-    pub optimizer_threads: u32,
+    pub threads: u32,
+    /// How the optimizer states are kept.
+    pub state_dtype: StateDtype,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            threads: 0,
+            state_dtype: StateDtype::Fp32,
+        }
+    }
+}
+
+/// [`OptimConfig::state_dtype`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StateDtype {
+    /// fp32 master weights and moments: 12 bytes per parameter.
+    #[default]
+    Fp32,
+    /// fp32 master weights, bf16 moments rounded stochastically (random
+    /// bits from the run's seed, the step and each parameter's index): 8
+    /// bytes per parameter, 20 read and written per step instead of 28.
+    Bf16Moments,
+}
+
+impl StateDtype {
+    /// Bytes of one moment.
+    pub fn moment_bytes(self) -> usize {
+        match self {
+            StateDtype::Fp32 => 4,
+            StateDtype::Bf16Moments => 2,
+        }
+    }
+
+    /// Bytes of one parameter's states: master weight and two moments.
+    pub fn bytes_per_param(self) -> usize {
+        4 + 2 * self.moment_bytes()
+    }
+
+    /// The name in configs and `meta.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StateDtype::Fp32 => "fp32",
+            StateDtype::Bf16Moments => "bf16-moments",
+        }
+    }
 }
 
 /// [`PlacementConfig::state_cache`]: a size, or `auto`.
@@ -272,7 +325,6 @@ impl Default for PlacementConfig {
             prefetch_ops: 4,
             activation_horizon_ops: 2,
             state_cache: StateCache::Auto,
-            optimizer_threads: 0,
         }
     }
 }
@@ -288,6 +340,8 @@ pub struct TrainConfig {
     pub train: TrainSettings,
     /// Where model states live.
     pub placement: PlacementConfig,
+    /// The CPU optimizer's threads and state dtype.
+    pub optim: OptimConfig,
     /// Each rank's device; its budget holds the compute workspace and the
     /// tensors the plan puts there.
     pub device: DeviceConfig,
@@ -306,6 +360,7 @@ impl Default for TrainConfig {
             model: ModelConfig::default(),
             train: TrainSettings::default(),
             placement: PlacementConfig::default(),
+            optim: OptimConfig::default(),
             device: DeviceConfig {
                 kind: DeviceChoice::Cpu,
                 ordinal: 0,

@@ -60,8 +60,8 @@ mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use config::{
-    GRAD_ACCUMULATION_MAX, ModelConfig, Placement, PlacementConfig, RANKS_MAX, StateCache,
-    TrainConfig, TrainSettings,
+    GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement, PlacementConfig, RANKS_MAX,
+    StateCache, StateDtype, TrainConfig, TrainSettings,
 };
 pub use data::ByteCorpus;
 pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
@@ -69,7 +69,7 @@ pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
 use std::sync::Arc;
 use std::time::Instant;
 
-use strata_optim::{AdamCoefficients, Isa, LossScaler, StepDecision};
+use strata_optim::{Isa, LossScaler, StepDecision};
 use strata_scheduler as sched;
 use strata_scheduler::{Action, Follow, StepOp, StepTracker, Work};
 use strata_storage::ByteSize;
@@ -81,7 +81,7 @@ use strata_runtime::{Runtime, Tier};
 use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::GptConfig;
 use compute::Workspace;
-use optimizer::{CpuWorker, optimizer_pool};
+use optimizer::{CpuWorker, Update, optimizer_pool};
 use steps::{in_flight, shape_index, shape_of};
 use tensors::{Group, Slot, groups, links, optimizer_tier, slots, specs, state_cache};
 
@@ -167,7 +167,7 @@ pub struct Engine {
     optimizer_steps: u64,
     /// The coefficients of the last step's update when it is late (runs
     /// in this step's forward).
-    late: Option<[AdamCoefficients; 2]>,
+    late: Option<Update>,
     /// Whether this step's updates start during backward, before the
     /// norm is known (the last step was not clipped).
     speculate: bool,
@@ -282,7 +282,7 @@ impl Engine {
         engine.plan_with_cache(&plan_config, cache_groups, cache_bytes)?;
         engine.initialize()?;
         if config.placement.optimizer != Placement::Device {
-            let pool = optimizer_pool(config.placement.optimizer_threads, world)?;
+            let pool = optimizer_pool(config.optim.threads, world)?;
             engine.worker = Some(CpuWorker::start(runtime, pool, groups)?);
         }
         Ok(engine)
@@ -385,12 +385,14 @@ impl Engine {
     }
 
     /// Bytes of model states this rank holds: bf16 parameters, fp32
-    /// gradients, master weights and two moments (one set; the second set
-    /// the overlapped update writes into is counted in the tier peaks).
+    /// gradients, master weights and two moments in `optim.state_dtype`
+    /// (one set; the second set the overlapped update writes into is
+    /// counted in the tier peaks).
     pub fn model_state_bytes(&self) -> u64 {
+        let states = self.config.optim.state_dtype.bytes_per_param() as u64;
         self.groups
             .iter()
-            .map(|g| (2 + 4 + 12) * g.shard as u64)
+            .map(|g| (2 + 4 + states) * g.shard as u64)
             .sum()
     }
 
@@ -479,11 +481,14 @@ impl Engine {
             ..adam
         };
         let next = self.optimizer_steps + 1;
-        let coefficients = |grad_scale: f32| -> Result<[AdamCoefficients; 2]> {
-            Ok([
-                no_decay.coefficients(next, grad_scale)?,
-                adam.coefficients(next, grad_scale)?,
-            ])
+        let coefficients = |grad_scale: f32| -> Result<Update> {
+            Ok(Update {
+                coefficients: [
+                    no_decay.coefficients(next, grad_scale)?,
+                    adam.coefficients(next, grad_scale)?,
+                ],
+                adam_step: next,
+            })
         };
         let speculative = coefficients(1.0 / loss_scale)?;
         let late = self.late.take();

@@ -21,6 +21,7 @@ use super::Engine;
 use super::moves::guard;
 use strata_scheduler::StepOp;
 
+use super::config::StateDtype;
 use super::steps::{optimizer_label, update_sets};
 use super::tensors::Group;
 use super::tensors::{grad_index, param_index, state_index};
@@ -38,7 +39,18 @@ pub(super) struct OptJob {
     pub(super) state_in: TensorId,
     pub(super) state_out: TensorId,
     pub(super) param_out: TensorId,
+    pub(super) update: Update,
+    /// How the states are kept, and the seed of their rounding.
+    pub(super) state_dtype: StateDtype,
+    pub(super) seed: u64,
+}
+
+/// One optimizer step's coefficients (without and with weight decay) and
+/// its Adam step number, which also keys the stochastic rounding's bits.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Update {
     pub(super) coefficients: [AdamCoefficients; 2],
+    pub(super) adam_step: u64,
 }
 
 /// The optimizer's threads for one rank: `threads` (0: the physical cores
@@ -88,8 +100,8 @@ pub(super) fn run_optimizer(
 }
 
 /// One shard's AdamW: `[grad, states in]` to `[states out, params out]`.
-/// States are master, m and v, each `shard` f32, one after another; params
-/// are `shard` bf16.
+/// States are master weights (f32), then m and v (f32, or bf16 rounded
+/// stochastically), each `shard` long; params are `shard` bf16.
 pub(super) fn adam_group(
     pool: &Pool,
     group: &Group,
@@ -98,42 +110,67 @@ pub(super) fn adam_group(
     outputs: [&mut Guard; 2],
 ) -> Result<()> {
     let n = group.shard as u64;
+    let moment = job.state_dtype.moment_bytes() as u64;
     let mut outputs = outputs;
     for (run, decays) in &group.runs {
-        let coefficients = &job.coefficients[usize::from(*decays)];
+        let coefficients = &job.update.coefficients[usize::from(*decays)];
         let (first, len) = (run.start as u64, run.len() as u64);
-        let state = |k: u64| 4 * (k * n + first);
+        let (m_at, v_at) = (4 * n + moment * first, (4 + moment) * n + moment * first);
+        let rounding = match job.state_dtype {
+            StateDtype::Fp32 => Rounding::Nearest,
+            StateDtype::Bf16Moments => Rounding::Stochastic {
+                seed: job.seed,
+                step: job.update.adam_step,
+                first: group.first + first,
+            },
+        };
         strata_runtime::zip_ranges(
             [
                 (grad, 4 * first, 4),
-                (state_in, state(0), 4),
-                (state_in, state(1), 4),
-                (state_in, state(2), 4),
+                (state_in, 4 * first, 4),
+                (state_in, m_at, moment),
+                (state_in, v_at, moment),
             ],
             &mut outputs,
             [
-                (0, state(0), 4),
-                (0, state(1), 4),
-                (0, state(2), 4),
+                (0, 4 * first, 4),
+                (0, m_at, moment),
+                (0, v_at, moment),
                 (1, 2 * first, 2),
             ],
             len,
             |_, [g, p0, m0, v0], [p, m, v, out]| {
+                let (moments_in, moments_out) = match job.state_dtype {
+                    StateDtype::Fp32 => (
+                        MomentsRef::F32 {
+                            m: bytemuck::cast_slice(m0),
+                            v: bytemuck::cast_slice(v0),
+                        },
+                        Moments::F32 {
+                            m: bytemuck::cast_slice_mut(m),
+                            v: bytemuck::cast_slice_mut(v),
+                        },
+                    ),
+                    StateDtype::Bf16Moments => (
+                        MomentsRef::Bf16 {
+                            m: bytemuck::cast_slice(m0),
+                            v: bytemuck::cast_slice(v0),
+                        },
+                        Moments::Bf16 {
+                            m: bytemuck::cast_slice_mut(m),
+                            v: bytemuck::cast_slice_mut(v),
+                        },
+                    ),
+                };
                 pool.adam_step_out_of_place(
                     coefficients,
                     bytemuck::cast_slice(p0),
-                    MomentsRef::F32 {
-                        m: bytemuck::cast_slice(m0),
-                        v: bytemuck::cast_slice(v0),
-                    },
+                    moments_in,
                     Values::F32(bytemuck::cast_slice(g)),
                     bytemuck::cast_slice_mut(p),
-                    Moments::F32 {
-                        m: bytemuck::cast_slice_mut(m),
-                        v: bytemuck::cast_slice_mut(v),
-                    },
+                    moments_out,
                     Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out))),
-                    Rounding::Nearest,
+                    rounding,
                 );
             },
         )?;
@@ -268,7 +305,7 @@ impl Engine {
         g: usize,
         late: bool,
         tier: Tier,
-        update: &[AdamCoefficients; 2],
+        update: &Update,
     ) -> Result<()> {
         let (from, to) = update_sets(self.current, late);
         self.slots[state_index(g, to)].fresh = late && g < self.cache_groups;
@@ -287,7 +324,9 @@ impl Engine {
             state_in: id(state_index(g, from)),
             state_out: id(state_index(g, to)),
             param_out: id(param_index(g, to)),
-            coefficients: *update,
+            update: *update,
+            state_dtype: self.config.optim.state_dtype,
+            seed: self.config.train.seed,
         };
         match &mut self.worker {
             Some(worker) => {

@@ -12,7 +12,7 @@ use strata_storage::engine::SplitMix64;
 use crate::error::Result;
 use crate::gpt::{BlockLayout, EmbedLayout, GptConfig};
 
-use super::config::{Placement, StateCache, TrainConfig};
+use super::config::{Placement, StateCache, StateDtype, TrainConfig};
 use super::{Engine, PER_GROUP};
 
 /// Trace indices of a group's tensors: parameter set `set` (0 or 1), state
@@ -49,6 +49,10 @@ pub(super) struct Group {
     pub(super) shard: usize,
     /// Runs of this rank's shard that are (or are not) weight-decayed.
     pub(super) runs: Vec<(std::ops::Range<usize>, bool)>,
+    /// The index of this rank's first element among all the model's
+    /// parameters (whatever the number of ranks): what stochastic
+    /// rounding's random bits are keyed by.
+    pub(super) first: u64,
 }
 
 impl Group {
@@ -106,10 +110,50 @@ pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
 
 /// The parameter groups (embeddings, then each block) and this rank's
 /// shard of each.
+/// A state tensor's bytes: master weights (f32), then m and v in `dtype`
+/// (bf16 rounded to nearest: exact for values that were bf16).
+pub(super) fn encode_states(dtype: StateDtype, master: &[f32], m: &[f32], v: &[f32]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(master.len() * dtype.bytes_per_param());
+    bytes.extend_from_slice(bytemuck::cast_slice(master));
+    for moment in [m, v] {
+        match dtype {
+            StateDtype::Fp32 => bytes.extend_from_slice(bytemuck::cast_slice(moment)),
+            StateDtype::Bf16Moments => {
+                for x in moment {
+                    bytes.extend_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
+                }
+            }
+        }
+    }
+    bytes
+}
+
+/// The inverse of [`encode_states`]: master, m and v as f32, one after
+/// another in `out` (3 x the shard).
+pub(super) fn decode_states(dtype: StateDtype, bytes: &[u8], out: &mut [f32]) {
+    let n = out.len() / 3;
+    assert_eq!(
+        bytes.len(),
+        n * dtype.bytes_per_param(),
+        "state tensor size"
+    );
+    let (master, moments) = bytes.split_at(4 * n);
+    out[..n].copy_from_slice(bytemuck::cast_slice(master));
+    match dtype {
+        StateDtype::Fp32 => out[n..].copy_from_slice(bytemuck::cast_slice(moments)),
+        StateDtype::Bf16Moments => {
+            for (x, b) in out[n..].iter_mut().zip(moments.chunks_exact(2)) {
+                *x = bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+    }
+}
+
 pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
     let embed = EmbedLayout::new(gpt);
     let block = BlockLayout::new(gpt.hidden);
     let mut groups = Vec::with_capacity(gpt.layers + 1);
+    let mut base = 0u64;
     for g in 0..=gpt.layers {
         let (name, params) = match g {
             0 => ("embed".to_string(), embed.total),
@@ -138,7 +182,9 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
             params,
             shard,
             runs,
+            first: base + begin as u64,
         });
+        base += params as u64;
     }
     groups
 }
@@ -179,11 +225,14 @@ pub(super) fn slots(
             ));
         }
         for set in 0..2 {
+            // Master weights then m and v, in `optim.state_dtype`: counted
+            // in f32 words (bf16 moments make 2 words per parameter).
+            let words = n * config.optim.state_dtype.bytes_per_param() / 4;
             slots.push(slot(
                 format!("{}.optim{set}", group.name),
                 TensorKind::OptimizerState,
                 Dtype::F32,
-                3 * n,
+                words,
                 Some(states_home),
             ));
         }
@@ -369,12 +418,9 @@ impl Engine {
         moments: Option<(&[f32], &[f32])>,
     ) -> Result<()> {
         let n = self.groups[g].shard;
-        let mut state = vec![0.0f32; 3 * n];
-        state[..n].copy_from_slice(master);
-        if let Some((m, v)) = moments {
-            state[n..2 * n].copy_from_slice(m);
-            state[2 * n..].copy_from_slice(v);
-        }
+        let zeros = vec![0.0f32; if moments.is_none() { n } else { 0 }];
+        let (m, v) = moments.unwrap_or((&zeros, &zeros));
+        let state = encode_states(self.config.optim.state_dtype, master, m, v);
         let param: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
         for set in 0..2 {
             let current = set == self.current;
