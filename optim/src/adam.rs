@@ -215,11 +215,7 @@ pub fn adam_step_rounded(
         out,
         rounding,
     };
-    match grads {
-        Values::F32(g) => call.with_grads(g, moments),
-        Values::Bf16(g) => call.with_grads(g, moments),
-        Values::F16(g) => call.with_grads(g, moments),
-    }
+    call.run(grads, moments, None)
 }
 
 /// One Adam/AdamW step with bf16 master weights (state dtype (b): bf16
@@ -248,11 +244,7 @@ pub fn adam_step_bf16_master(
         out: None,
         rounding,
     };
-    match grads {
-        Values::F32(g) => call.with_grads(g, moments),
-        Values::Bf16(g) => call.with_grads(g, moments),
-        Values::F16(g) => call.with_grads(g, moments),
-    }
+    call.run(grads, moments, None)
 }
 
 /// One Adam/AdamW step out of place, as the training engine runs it: the
@@ -299,11 +291,7 @@ pub fn adam_step_out_of_place(
         rounding,
     };
     let src = Some((params_in, moments_in));
-    match grads {
-        Values::F32(g) => call.with_sources(g, moments_out, src),
-        Values::Bf16(g) => call.with_sources(g, moments_out, src),
-        Values::F16(g) => call.with_sources(g, moments_out, src),
-    }
+    call.run(grads, moments_out, src)
 }
 
 struct Call<'a, 'c, P> {
@@ -315,8 +303,13 @@ struct Call<'a, 'c, P> {
 }
 
 impl<'a, P: Element> Call<'a, '_, P> {
-    fn with_grads<G: Element>(self, grads: &'a [G], moments: Moments<'a>) {
-        self.with_sources(grads, moments, None)
+    /// Dispatches on the gradients' format.
+    fn run(self, grads: Values<'a>, moments: Moments<'a>, src: Option<(&'a [P], MomentsRef<'a>)>) {
+        match grads {
+            Values::F32(g) => self.with_sources(g, moments, src),
+            Values::Bf16(g) => self.with_sources(g, moments, src),
+            Values::F16(g) => self.with_sources(g, moments, src),
+        }
     }
 
     fn with_sources<G: Element>(
