@@ -417,20 +417,20 @@ pub fn zip_ranges<const R: usize, const W: usize>(
             stretch = stretch.min(at.1 / *elem);
         }
         assert!(stretch > 0, "a chunk boundary splits an element");
+        // `piece` returned addresses with at least `stretch * elem` bytes
+        // behind them in guarded copies: read guards keep theirs alive and
+        // free of writers; `outputs` holds the write guards exclusively for
+        // the call, the written ranges are apart (asserted above), and no
+        // read guard can share a tensor with a write guard.
         let read_slices = std::array::from_fn(|i| {
-            // SAFETY: `piece` returned an address with at least
-            // `stretch * elem` bytes behind it in this guarded copy, which
-            // the guard keeps alive and free of writers.
-            unsafe { std::slice::from_raw_parts(read_at[i].0, (stretch * reads[i].2) as usize) }
+            let len = (stretch * reads[i].2) as usize;
+            // SAFETY: in bounds of a live read-guarded copy (see above).
+            unsafe { std::slice::from_raw_parts(read_at[i].0, len) }
         });
         let write_slices = std::array::from_fn(|i| {
-            // SAFETY: as above, in a copy only this write guard uses, which
-            // `outputs` holds exclusively for the call; the written ranges
-            // do not overlap (asserted) and no read guard can share the
-            // tensor with a write guard.
-            unsafe {
-                std::slice::from_raw_parts_mut(write_at[i].0, (stretch * writes[i].2) as usize)
-            }
+            let len = (stretch * writes[i].2) as usize;
+            // SAFETY: in bounds of a write-guarded copy, disjoint from every other slice (see above).
+            unsafe { std::slice::from_raw_parts_mut(write_at[i].0, len) }
         });
         f(done, read_slices, write_slices);
         done += stretch;
