@@ -202,12 +202,6 @@ pub fn adam_step_rounded(
     out: Option<LowPrecisionMut<'_>>,
     rounding: Rounding,
 ) {
-    let len = params.len();
-    assert_eq!(grads.len(), len, "gradients and params differ in length");
-    moments.assert_len(len);
-    if let Some(out) = &out {
-        assert_eq!(out.len(), len, "output copy and params differ in length");
-    }
     let call = Call {
         isa,
         coefficients,
@@ -234,9 +228,6 @@ pub fn adam_step_bf16_master(
     moments: Moments<'_>,
     rounding: Rounding,
 ) {
-    let len = params.len();
-    assert_eq!(grads.len(), len, "gradients and params differ in length");
-    moments.assert_len(len);
     let call = Call {
         isa,
         coefficients,
@@ -253,8 +244,7 @@ pub fn adam_step_bf16_master(
 /// stay intact until the step is committed), `out` as in [`adam_step`].
 /// Large outputs are written with non-temporal stores: writing a buffer
 /// the step did not read otherwise costs a read for ownership of each line
-/// (about 12 more bytes per parameter with fp32 states). bf16 moments
-/// rounded stochastically are stored through the caches.
+/// (about 12 more bytes per parameter with fp32 states).
 ///
 /// # Panics
 /// If the slices differ in length, the moments in and out differ in
@@ -271,18 +261,6 @@ pub fn adam_step_out_of_place(
     out: Option<LowPrecisionMut<'_>>,
     rounding: Rounding,
 ) {
-    let len = params_out.len();
-    assert_eq!(params_in.len(), len, "params in and out differ in length");
-    assert_eq!(grads.len(), len, "gradients and params differ in length");
-    moments_out.assert_len(len);
-    assert_eq!(
-        moments_in.len(),
-        len,
-        "moments in and params differ in length"
-    );
-    if let Some(out) = &out {
-        assert_eq!(out.len(), len, "output copy and params differ in length");
-    }
     let call = Call {
         isa,
         coefficients,
@@ -303,8 +281,23 @@ struct Call<'a, 'c, P> {
 }
 
 impl<'a, P: Element> Call<'a, '_, P> {
-    /// Dispatches on the gradients' format.
+    /// Checks every length against the parameters' and dispatches on the
+    /// gradients' format.
     fn run(self, grads: Values<'a>, moments: Moments<'a>, src: Option<(&'a [P], MomentsRef<'a>)>) {
+        let len = self.params.len();
+        assert_eq!(grads.len(), len, "gradients and params differ in length");
+        moments.assert_len(len);
+        if let Some(out) = &self.out {
+            assert_eq!(out.len(), len, "output copy and params differ in length");
+        }
+        if let Some((params_in, moments_in)) = &src {
+            assert_eq!(params_in.len(), len, "params in and out differ in length");
+            assert_eq!(
+                moments_in.len(),
+                len,
+                "moments in and params differ in length"
+            );
+        }
         match grads {
             Values::F32(g) => self.with_sources(g, moments, src),
             Values::Bf16(g) => self.with_sources(g, moments, src),

@@ -867,7 +867,7 @@ impl Shared {
     fn finish_landing(&self, landing: Landing) {
         match self.device.wait(landing.fence) {
             Ok(()) => self.account_time(
-                landing.link,
+                Link::HostToDevice,
                 landing.tensor,
                 landing.bytes,
                 landing.started,
@@ -1137,7 +1137,6 @@ impl Shared {
                     self.lock().landings += 1;
                     return Ok(Some(Landing {
                         fence,
-                        link,
                         tensor: id,
                         bytes: len_bytes,
                         started,
@@ -1236,7 +1235,6 @@ enum Other {
 /// A copy to the device that is enqueued and not yet known to have landed.
 struct Landing {
     fence: Fence,
-    link: Link,
     tensor: TensorId,
     bytes: u64,
     started: Instant,

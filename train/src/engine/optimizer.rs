@@ -107,11 +107,10 @@ pub(super) fn adam_group(
     group: &Group,
     job: &OptJob,
     [grad, state_in]: &[Guard; 2],
-    outputs: [&mut Guard; 2],
+    mut outputs: [&mut Guard; 2],
 ) -> Result<()> {
     let n = group.shard as u64;
     let moment = job.state_dtype.moment_bytes() as u64;
-    let mut outputs = outputs;
     for (run, decays) in &group.runs {
         let coefficients = &job.update.coefficients[usize::from(*decays)];
         let (first, len) = (run.start as u64, run.len() as u64);
