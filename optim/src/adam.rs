@@ -246,17 +246,21 @@ pub fn adam_step_bf16_master(
 /// the step did not read otherwise costs a read for ownership of each line
 /// (about 12 more bytes per parameter with fp32 states).
 ///
+/// Master weights are f32, or bf16 (state dtype (b)): bf16 masters are
+/// rounded as `rounding` says, and the 16-bit copy `out` is then the
+/// master as stored (bit for bit when it is bf16).
+///
 /// # Panics
 /// If the slices differ in length, the moments in and out differ in
 /// format, or `isa` is not available.
 #[allow(clippy::too_many_arguments)]
-pub fn adam_step_out_of_place(
+pub fn adam_step_out_of_place<P: Element>(
     isa: Isa,
     coefficients: &AdamCoefficients,
-    params_in: &[f32],
+    params_in: &[P],
     moments_in: MomentsRef<'_>,
     grads: Values<'_>,
-    params_out: &mut [f32],
+    params_out: &mut [P],
     moments_out: Moments<'_>,
     out: Option<LowPrecisionMut<'_>>,
     rounding: Rounding,
@@ -421,10 +425,10 @@ impl<S: Simd> Splat<S> {
         }
     }
 
-    /// One vector of the update; returns the new parameters. With
-    /// `noise`, bf16 moments are rounded stochastically (m with each
-    /// word's low half, v with its high half); with `master`, bf16 master
-    /// weights too.
+    /// One vector of the update; returns the new parameters (with
+    /// `master`, as stored). With `noise`, bf16 moments are rounded
+    /// stochastically (m with each word's low half, v with its high half);
+    /// with `master`, bf16 master weights too.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn update<P: Element, G: Element, M: Element>(
@@ -466,11 +470,21 @@ impl<S: Simd> Splat<S> {
             s.mul(p0, self.decay),
         );
         match master {
-            Some(master) => P::store_sr(s, p, p1, master),
-            None if nt => P::stream(s, p, p1),
-            None => P::store(s, p, p1),
+            Some(master) => {
+                // The value returned is the master as stored, so that a
+                // 16-bit copy of it equals it.
+                P::store_sr(s, p, p1, master);
+                P::load(s, p)
+            }
+            None if nt => {
+                P::stream(s, p, p1);
+                p1
+            }
+            None => {
+                P::store(s, p, p1);
+                p1
+            }
         }
-        p1
     }
 }
 

@@ -20,7 +20,7 @@ use crate::lion::{LionCoefficients, lion_step};
 use crate::rounding::Rounding;
 use crate::topology::{CpuTopology, pin_current_thread};
 use crate::values::{LowPrecisionMut, Moments, MomentsRef, Split, Values};
-use crate::{Isa, OptimError};
+use crate::{Element, Isa, OptimError};
 
 /// Most threads a pool may have.
 pub const THREADS_MAX: usize = 256;
@@ -162,13 +162,13 @@ impl Pool {
 
     /// [`adam_step_out_of_place`] over the pool.
     #[allow(clippy::too_many_arguments)]
-    pub fn adam_step_out_of_place(
+    pub fn adam_step_out_of_place<P: Element>(
         &self,
         coefficients: &AdamCoefficients,
-        params_in: &[f32],
+        params_in: &[P],
         moments_in: MomentsRef<'_>,
         grads: Values<'_>,
-        params_out: &mut [f32],
+        params_out: &mut [P],
         moments_out: Moments<'_>,
         out: Option<LowPrecisionMut<'_>>,
         rounding: Rounding,

@@ -165,3 +165,82 @@ fn the_pool_splits_the_out_of_place_step_without_changing_it() {
     let one = run(1);
     assert!(one == run(2) && one == run(4));
 }
+
+/// bf16 masters (state dtype (b)) out of place: the same bits as the
+/// in-place bf16-master step, and the 16-bit copy equal to the master.
+#[test]
+fn bf16_masters_out_of_place_match_in_place_and_their_copy() {
+    let stochastic = Rounding::Stochastic {
+        seed: 9,
+        step: 7,
+        first: 3 << 30,
+    };
+    let c = AdamConfig::adamw(1e-3).coefficients(7, 1.0).unwrap();
+    for isa in Isa::available() {
+        for (len, offset) in [(1, 0), (17, 3), (4099, 1), ((1 << 21) + 37, 0)] {
+            let n = len + offset;
+            let r = offset..n;
+            let bf = |salt, scale: f32| -> Vec<bf16> {
+                (0..n)
+                    .map(|i| bf16::from_f32(value(i, salt, scale)))
+                    .collect()
+            };
+            let (p, g, m) = (bf(1, 1.0), bf(2, 1e-2), bf(3, 1e-3));
+            let v: Vec<bf16> = bf(4, 1e-6)
+                .iter()
+                .map(|x| bf16::from_f32(x.to_f32().abs()))
+                .collect();
+            let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+            strata_optim::adam_step_bf16_master(
+                isa,
+                &c,
+                &mut p1[r.clone()],
+                Values::Bf16(&g[r.clone()]),
+                Moments::Bf16 {
+                    m: &mut m1[r.clone()],
+                    v: &mut v1[r.clone()],
+                },
+                stochastic,
+            );
+            let (mut p2, mut m2, mut v2) = (
+                vec![bf16::ZERO; n],
+                vec![bf16::ZERO; n],
+                vec![bf16::ZERO; n],
+            );
+            let mut out = vec![bf16::ZERO; n];
+            adam_step_out_of_place(
+                isa,
+                &c,
+                &p[r.clone()],
+                MomentsRef::Bf16 {
+                    m: &m[r.clone()],
+                    v: &v[r.clone()],
+                },
+                Values::Bf16(&g[r.clone()]),
+                &mut p2[r.clone()],
+                Moments::Bf16 {
+                    m: &mut m2[r.clone()],
+                    v: &mut v2[r.clone()],
+                },
+                Some(LowPrecisionMut::Bf16(&mut out[r.clone()])),
+                stochastic,
+            );
+            let what = format!("{isa} len {len} offset {offset}");
+            assert!(p1[r.clone()] == p2[r.clone()], "masters differ: {what}");
+            assert!(
+                m1[r.clone()] == m2[r.clone()] && v1[r.clone()] == v2[r.clone()],
+                "moments differ: {what}"
+            );
+            assert!(
+                out[r.clone()] == p2[r.clone()],
+                "copy differs from the master: {what}"
+            );
+            // A step moves a bf16 master by a fraction of a place: some
+            // of a long run must have moved.
+            assert!(
+                len < 1000 || p2[r].iter().zip(&p[offset..]).any(|(a, b)| a != b),
+                "nothing moved: {what}"
+            );
+        }
+    }
+}

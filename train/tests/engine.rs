@@ -334,17 +334,29 @@ fn only_the_newest_checkpoints_are_kept_when_asked() {
 }
 
 #[test]
-fn bf16_moments_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
+fn bf16_states_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
+    for dtype in [StateDtype::Bf16Moments, StateDtype::Bf16] {
+        bf16_states(dtype);
+    }
+}
+
+/// bf16 states of `dtype`: losses close to fp32 states', the same on the
+/// state cache's path and inline, bit-identical across a resume, and a
+/// resume with fp32 states refused.
+fn bf16_states(dtype: StateDtype) {
     let dir = tempfile::tempdir().unwrap();
     let mut config = tiny(dir.path());
     config.train.steps = 6;
     let fp32 = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
-    config.optim.state_dtype = StateDtype::Bf16Moments;
+    config.optim.state_dtype = dtype;
     let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
-    // Other bits (the moments are rounded), much the same losses.
-    assert_ne!(whole.losses, fp32.losses);
+    // Other bits (the states are rounded), much the same losses.
+    assert_ne!(whole.losses, fp32.losses, "{dtype:?}");
     for (a, b) in whole.losses.iter().zip(&fp32.losses) {
-        assert!((a - b).abs() < 0.02 * b, "{a} against fp32 states' {b}");
+        assert!(
+            (a - b).abs() < 0.02 * b,
+            "{dtype:?}: {a} against fp32 states' {b}"
+        );
     }
     // The same updates on the state cache's path and inline on the device.
     let mut device = config.clone();
@@ -352,7 +364,7 @@ fn bf16_moments_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
     device.placement.optimizer = Placement::Device;
     device.device.budget = ByteSize(32 << 20);
     let inline = run(&device, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(inline.losses, whole.losses);
+    assert_eq!(inline.losses, whole.losses, "{dtype:?}");
 
     let checkpoints = dir.path().join("ckpt");
     config.train.checkpoint_dir = Some(checkpoints.clone());
@@ -365,7 +377,7 @@ fn bf16_moments_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
     let meta = strata_train::Checkpoint::open(&checkpoints).unwrap().meta;
     assert_eq!(
         (meta.state_dtype, meta.rounding.as_str()),
-        (StateDtype::Bf16Moments, "stochastic")
+        (dtype, "stochastic")
     );
     config.train.checkpoint_dir = None;
     let rest = RunOptions {
@@ -374,7 +386,7 @@ fn bf16_moments_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
     };
     let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
     let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
-    assert_eq!(resumed, whole.losses);
+    assert_eq!(resumed, whole.losses, "{dtype:?}");
 
     config.optim.state_dtype = StateDtype::Fp32;
     let err = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap_err();

@@ -424,7 +424,7 @@ impl Engine {
                 state_dtype: self.config.optim.state_dtype,
                 rounding: match self.config.optim.state_dtype {
                     StateDtype::Fp32 => nearest(),
-                    StateDtype::Bf16Moments => "stochastic".into(),
+                    StateDtype::Bf16Moments | StateDtype::Bf16 => "stochastic".into(),
                 },
                 files: Default::default(),
             };

@@ -250,20 +250,37 @@ pub enum StateDtype {
     /// bits from the run's seed, the step and each parameter's index): 8
     /// bytes per parameter, 20 read and written per step instead of 28.
     Bf16Moments,
+    /// bf16 master weights and moments, all rounded stochastically: 6
+    /// bytes per parameter. The bf16 parameter copy is the master as
+    /// stored.
+    Bf16,
 }
 
 impl StateDtype {
+    /// Bytes of one master weight.
+    pub fn master_bytes(self) -> usize {
+        match self {
+            StateDtype::Fp32 | StateDtype::Bf16Moments => 4,
+            StateDtype::Bf16 => 2,
+        }
+    }
+
     /// Bytes of one moment.
     pub fn moment_bytes(self) -> usize {
         match self {
             StateDtype::Fp32 => 4,
-            StateDtype::Bf16Moments => 2,
+            StateDtype::Bf16Moments | StateDtype::Bf16 => 2,
         }
     }
 
     /// Bytes of one parameter's states: master weight and two moments.
     pub fn bytes_per_param(self) -> usize {
-        4 + 2 * self.moment_bytes()
+        self.master_bytes() + 2 * self.moment_bytes()
+    }
+
+    /// Whether bf16 states are written with stochastic rounding.
+    pub fn stochastic(self) -> bool {
+        self != StateDtype::Fp32
     }
 
     /// The name in configs and `meta.json`.
@@ -271,6 +288,7 @@ impl StateDtype {
         match self {
             StateDtype::Fp32 => "fp32",
             StateDtype::Bf16Moments => "bf16-moments",
+            StateDtype::Bf16 => "bf16",
         }
     }
 }

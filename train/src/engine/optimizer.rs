@@ -25,6 +25,7 @@ use super::config::StateDtype;
 use super::steps::{optimizer_label, update_sets};
 use super::tensors::Group;
 use super::tensors::{grad_index, param_index, state_index};
+use half::bf16;
 
 /// An optimizer step of one group, for the CPU thread (or run inline when
 /// the optimizer states live on the device).
@@ -100,8 +101,9 @@ pub(super) fn run_optimizer(
 }
 
 /// One shard's AdamW: `[grad, states in]` to `[states out, params out]`.
-/// States are master weights (f32), then m and v (f32, or bf16 rounded
-/// stochastically), each `shard` long; params are `shard` bf16.
+/// States are master weights (f32, or bf16), then m and v (f32, or bf16),
+/// each `shard` long, in `job.state_dtype`'s formats; params are `shard`
+/// bf16. bf16 states are rounded stochastically.
 pub(super) fn adam_group(
     pool: &Pool,
     group: &Group,
@@ -110,14 +112,16 @@ pub(super) fn adam_group(
     mut outputs: [&mut Guard; 2],
 ) -> Result<()> {
     let n = group.shard as u64;
-    let moment = job.state_dtype.moment_bytes() as u64;
+    let dtype = job.state_dtype;
+    let (master, moment) = (dtype.master_bytes() as u64, dtype.moment_bytes() as u64);
     for (run, decays) in &group.runs {
         let coefficients = &job.update.coefficients[usize::from(*decays)];
         let (first, len) = (run.start as u64, run.len() as u64);
-        let (m_at, v_at) = (4 * n + moment * first, (4 + moment) * n + moment * first);
-        let rounding = match job.state_dtype {
-            StateDtype::Fp32 => Rounding::Nearest,
-            StateDtype::Bf16Moments => Rounding::Stochastic {
+        let m_at = master * n + moment * first;
+        let v_at = (master + moment) * n + moment * first;
+        let rounding = match dtype.stochastic() {
+            false => Rounding::Nearest,
+            true => Rounding::Stochastic {
                 seed: job.seed,
                 step: job.update.adam_step,
                 first: group.first + first,
@@ -126,21 +130,21 @@ pub(super) fn adam_group(
         strata_runtime::zip_ranges(
             [
                 (grad, 4 * first, 4),
-                (state_in, 4 * first, 4),
+                (state_in, master * first, master),
                 (state_in, m_at, moment),
                 (state_in, v_at, moment),
             ],
             &mut outputs,
             [
-                (0, 4 * first, 4),
+                (0, master * first, master),
                 (0, m_at, moment),
                 (0, v_at, moment),
                 (1, 2 * first, 2),
             ],
             len,
             |_, [g, p0, m0, v0], [p, m, v, out]| {
-                let (moments_in, moments_out) = match job.state_dtype {
-                    StateDtype::Fp32 => (
+                let (moments_in, moments_out) = if moment == 4 {
+                    (
                         MomentsRef::F32 {
                             m: bytemuck::cast_slice(m0),
                             v: bytemuck::cast_slice(v0),
@@ -149,8 +153,9 @@ pub(super) fn adam_group(
                             m: bytemuck::cast_slice_mut(m),
                             v: bytemuck::cast_slice_mut(v),
                         },
-                    ),
-                    StateDtype::Bf16Moments => (
+                    )
+                } else {
+                    (
                         MomentsRef::Bf16 {
                             m: bytemuck::cast_slice(m0),
                             v: bytemuck::cast_slice(v0),
@@ -159,18 +164,37 @@ pub(super) fn adam_group(
                             m: bytemuck::cast_slice_mut(m),
                             v: bytemuck::cast_slice_mut(v),
                         },
-                    ),
+                    )
                 };
-                pool.adam_step_out_of_place(
-                    coefficients,
-                    bytemuck::cast_slice(p0),
-                    moments_in,
-                    Values::F32(bytemuck::cast_slice(g)),
-                    bytemuck::cast_slice_mut(p),
-                    moments_out,
-                    Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out))),
-                    rounding,
-                );
+                let grads = Values::F32(bytemuck::cast_slice(g));
+                let out = Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out)));
+                if master == 4 {
+                    let (p0, p): (&[f32], &mut [f32]) =
+                        (bytemuck::cast_slice(p0), bytemuck::cast_slice_mut(p));
+                    pool.adam_step_out_of_place(
+                        coefficients,
+                        p0,
+                        moments_in,
+                        grads,
+                        p,
+                        moments_out,
+                        out,
+                        rounding,
+                    );
+                } else {
+                    let (p0, p): (&[bf16], &mut [bf16]) =
+                        (bytemuck::cast_slice(p0), bytemuck::cast_slice_mut(p));
+                    pool.adam_step_out_of_place(
+                        coefficients,
+                        p0,
+                        moments_in,
+                        grads,
+                        p,
+                        moments_out,
+                        out,
+                        rounding,
+                    );
+                }
             },
         )?;
     }

@@ -110,18 +110,21 @@ pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
 
 /// The parameter groups (embeddings, then each block) and this rank's
 /// shard of each.
-/// A state tensor's bytes: master weights (f32), then m and v in `dtype`
-/// (bf16 rounded to nearest: exact for values that were bf16).
+/// A state tensor's bytes: master weights, then m and v, in `dtype`'s
+/// formats (bf16 rounded to nearest: exact for values that were bf16).
 pub(super) fn encode_states(dtype: StateDtype, master: &[f32], m: &[f32], v: &[f32]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(master.len() * dtype.bytes_per_param());
-    bytes.extend_from_slice(bytemuck::cast_slice(master));
-    for moment in [m, v] {
-        match dtype {
-            StateDtype::Fp32 => bytes.extend_from_slice(bytemuck::cast_slice(moment)),
-            StateDtype::Bf16Moments => {
-                for x in moment {
-                    bytes.extend_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
-                }
+    let parts = [
+        (master, dtype.master_bytes()),
+        (m, dtype.moment_bytes()),
+        (v, dtype.moment_bytes()),
+    ];
+    for (values, width) in parts {
+        if width == 4 {
+            bytes.extend_from_slice(bytemuck::cast_slice(values));
+        } else {
+            for x in values {
+                bytes.extend_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
             }
         }
     }
@@ -137,12 +140,19 @@ pub(super) fn decode_states(dtype: StateDtype, bytes: &[u8], out: &mut [f32]) {
         n * dtype.bytes_per_param(),
         "state tensor size"
     );
-    let (master, moments) = bytes.split_at(4 * n);
-    out[..n].copy_from_slice(bytemuck::cast_slice(master));
-    match dtype {
-        StateDtype::Fp32 => out[n..].copy_from_slice(bytemuck::cast_slice(moments)),
-        StateDtype::Bf16Moments => {
-            for (x, b) in out[n..].iter_mut().zip(moments.chunks_exact(2)) {
+    let widths = [
+        dtype.master_bytes(),
+        dtype.moment_bytes(),
+        dtype.moment_bytes(),
+    ];
+    let mut rest = bytes;
+    for (out, width) in out.chunks_exact_mut(n.max(1)).zip(widths) {
+        let (part, after) = rest.split_at(width * n);
+        rest = after;
+        if width == 4 {
+            out.copy_from_slice(bytemuck::cast_slice(part));
+        } else {
+            for (x, b) in out.iter_mut().zip(part.chunks_exact(2)) {
                 *x = bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32();
             }
         }
