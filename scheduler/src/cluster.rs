@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::builder::{OpCost, StepModel, StepShape, Updates, Work, build_step};
 use crate::error::SchedulerError;
-use crate::model::{Hardware, Model, Parallelism, deepspeed_zero3_estimate};
+use crate::model::{Hardware, Model, Parallelism, StateDtype, deepspeed_zero3_estimate};
 use crate::plan::{ActionKind, Lane, Link, Links, Plan, PlanConfig, Policy, plan};
 use crate::sim::{SimConfig, SimReport, TimelinePoint, simulate};
 use crate::trace::{Access, Mode, Processor, TensorClass, TensorSpec, Tier, Trace};
@@ -294,12 +294,17 @@ impl ClusterStep<'_> {
         self.parallelism.offload_optimizer == Tier::Device
     }
 
+    /// An update of `params` parameters: memory-bound, so in proportion to
+    /// the bytes it moves per parameter (the CPU rate is fp32 states').
     fn optimizer_ns(&self, params: u64) -> u64 {
         let hardware = self.hardware;
+        let states = self.parallelism.state_dtype;
+        let traffic =
+            states.step_bytes_per_param() as f64 / StateDtype::Fp32.step_bytes_per_param() as f64;
         if self.optimizer_on_gpu() {
-            (36.0 * params as f64 / hardware.gpu_memory_bytes_per_s * 1e9) as u64
+            (36.0 * traffic * params as f64 / hardware.gpu_memory_bytes_per_s * 1e9) as u64
         } else {
-            (params as f64 * f64::from(hardware.gpus_per_node)
+            (traffic * params as f64 * f64::from(hardware.gpus_per_node)
                 / hardware.cpu_optimizer_params_per_s
                 * 1e9) as u64
         }
@@ -428,6 +433,12 @@ fn add_tensor(
     trace.tensors.len() as u32 - 1
 }
 
+/// Bytes per parameter of a unit's optimizer tensor: master weights and
+/// moments in the state dtype, and the fp32 gradient the optimizer reads.
+fn optimizer_bytes_per_param(parallelism: &Parallelism) -> u64 {
+    parallelism.state_dtype.bytes_per_param() as u64 + 4
+}
+
 /// Adds the tensors of every unit (the embedding, then each block's linear
 /// layers, tile by tile) to the trace; the units by group.
 fn add_units(
@@ -446,8 +457,8 @@ fn add_units(
         ),
         optimizer: add_tensor(
             trace,
-            format!("{name}.fp32"),
-            16 * params / shares.optimizer_shard,
+            format!("{name}.states"),
+            optimizer_bytes_per_param(parallelism) * params / shares.optimizer_shard,
             TensorClass::OptimizerState,
             Some(parallelism.offload_optimizer),
         ),
@@ -856,7 +867,7 @@ fn memory_parts(
             home_on(TensorClass::Param, parallelism.offload_param),
         ),
         part(
-            "fp32 master weights, moments and gradients (model states)",
+            "master weights, moments and fp32 gradients (model states)",
             parallelism.offload_optimizer,
             home_on(TensorClass::OptimizerState, parallelism.offload_optimizer),
         ),

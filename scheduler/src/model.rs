@@ -1,7 +1,7 @@
 //! Model, parallelism and hardware descriptions, and DeepSpeed's published
 //! memory formula for comparison.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
 use crate::trace::Tier;
@@ -174,6 +174,91 @@ impl Model {
     }
 }
 
+/// How the optimizer states are kept (`optim.state_dtype` in the
+/// engine's config, `--state-dtype` in `strata plan`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StateDtype {
+    /// fp32 master weights and moments: 12 bytes per parameter.
+    #[default]
+    Fp32,
+    /// fp32 master weights, bf16 moments rounded stochastically (random
+    /// bits from the run's seed, the step and each parameter's index): 8
+    /// bytes per parameter, 20 read and written per step instead of 28.
+    Bf16Moments,
+    /// bf16 master weights and moments, all rounded stochastically: 6
+    /// bytes per parameter. The bf16 parameter copy is the master as
+    /// stored.
+    Bf16,
+}
+
+impl StateDtype {
+    /// Bytes of one master weight.
+    pub fn master_bytes(self) -> usize {
+        match self {
+            StateDtype::Fp32 | StateDtype::Bf16Moments => 4,
+            StateDtype::Bf16 => 2,
+        }
+    }
+
+    /// Bytes of one moment.
+    pub fn moment_bytes(self) -> usize {
+        match self {
+            StateDtype::Fp32 => 4,
+            StateDtype::Bf16Moments | StateDtype::Bf16 => 2,
+        }
+    }
+
+    /// Bytes of one parameter's states: master weight and two moments.
+    pub fn bytes_per_param(self) -> usize {
+        self.master_bytes() + 2 * self.moment_bytes()
+    }
+
+    /// Whether bf16 states are written with stochastic rounding.
+    pub fn stochastic(self) -> bool {
+        self != StateDtype::Fp32
+    }
+
+    /// The name in configs and `meta.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StateDtype::Fp32 => "fp32",
+            StateDtype::Bf16Moments => "bf16-moments",
+            StateDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+impl StateDtype {
+    /// Every state dtype, in the order of their names in messages.
+    pub const ALL: [StateDtype; 3] = [StateDtype::Fp32, StateDtype::Bf16Moments, StateDtype::Bf16];
+
+    /// Bytes one out-of-place optimizer step reads and writes per
+    /// parameter: a bf16 gradient, the states in and out, and the bf16
+    /// parameter copy (28 with fp32 states, 20 with bf16 moments, 16 with
+    /// bf16 masters).
+    pub fn step_bytes_per_param(self) -> usize {
+        2 + 2 * self.bytes_per_param() + 2
+    }
+}
+
+impl std::str::FromStr for StateDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<StateDtype, String> {
+        StateDtype::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = StateDtype::ALL.iter().map(|d| d.name()).collect();
+                format!(
+                    "unknown state dtype {s:?}: choose one of {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
 /// How the model is split and where its states live.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Parallelism {
@@ -198,6 +283,10 @@ pub struct Parallelism {
     pub grad_clip: bool,
     /// Activation checkpointing (one saved input per block, recompute).
     pub checkpoint_activations: bool,
+    /// How the optimizer states are kept: their bytes, and the CPU
+    /// optimizer's time (memory-bound: in proportion to the bytes a step
+    /// reads and writes).
+    pub state_dtype: StateDtype,
 }
 
 impl Parallelism {
@@ -218,6 +307,7 @@ impl Parallelism {
             grad_accumulation: 1,
             grad_clip: true,
             checkpoint_activations: true,
+            state_dtype: StateDtype::Fp32,
         }
     }
 

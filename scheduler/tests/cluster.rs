@@ -270,3 +270,49 @@ fn strata_is_never_slower_than_the_baseline() {
     let compared = compared.into_inner();
     assert!(compared >= cases.len(), "only {compared} comparisons");
 }
+
+/// bf16 optimizer states: the states' bytes follow the state dtype (12,
+/// 8, 6 bytes per parameter, plus the 4-byte fp32 gradient), and the CPU
+/// optimizer's time its bytes per step (28, 20, 16).
+#[test]
+fn state_dtype_sets_the_states_bytes_and_the_cpu_optimizers_time() {
+    use strata_scheduler::StateDtype;
+    let hardware = Hardware::preset("dgx-a100").unwrap();
+    let model = Model::for_params(13e9).unwrap();
+    let estimate = |state_dtype| {
+        let mut parallelism = Parallelism::zero3_offload(&hardware, Tier::Host, Tier::Host);
+        parallelism.state_dtype = state_dtype;
+        cluster::estimate(&model, &parallelism, &hardware, Policies::Strata).unwrap()
+    };
+    let states = |e: &Estimate| {
+        let part = e
+            .memory
+            .iter()
+            .find(|p| p.name.starts_with("master weights"));
+        part.expect("a states part").per_node_bytes as f64
+    };
+    let cpu = |e: &Estimate| {
+        let resource = e.resources.iter().find(|r| r.name == "cpu-optimizer");
+        resource.expect("a cpu-optimizer resource").busy_s
+    };
+    let fp32 = estimate(StateDtype::Fp32);
+    for (dtype, bytes, traffic) in [
+        (StateDtype::Bf16Moments, 8.0, 20.0),
+        (StateDtype::Bf16, 6.0, 16.0),
+    ] {
+        let e = estimate(dtype);
+        let ratio = states(&e) / states(&fp32);
+        let want = (bytes + 4.0) / 16.0;
+        assert!(
+            (ratio - want).abs() < 0.01,
+            "{dtype:?}: states x{ratio}, want x{want}"
+        );
+        let ratio = cpu(&e) / cpu(&fp32);
+        let want = traffic / 28.0;
+        assert!(
+            (ratio - want).abs() < 0.01,
+            "{dtype:?}: cpu time x{ratio}, want x{want}"
+        );
+        assert!(e.step_time_s <= fp32.step_time_s, "{dtype:?}");
+    }
+}

@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use strata_scheduler::cluster::{self, Estimate};
-use strata_scheduler::{Hardware, Model, Parallelism, Policies, Tier};
+use strata_scheduler::{Hardware, Model, Parallelism, Policies, StateDtype, Tier};
 
 /// Where a model state lives.
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -98,6 +98,10 @@ pub struct PlanArgs {
     /// No activation checkpointing.
     #[arg(long)]
     no_checkpoint: bool,
+    /// Optimizer states: fp32 (12 bytes per parameter), bf16-moments (8)
+    /// or bf16 (6); the CPU optimizer's time follows its bytes per step.
+    #[arg(long, default_value = "fp32")]
+    state_dtype: StateDtype,
     /// Planning policy.
     #[arg(long, value_enum, default_value = "strata")]
     policy: PolicyChoice,
@@ -271,6 +275,7 @@ impl PlanArgs {
             grad_accumulation: self.grad_accumulation,
             grad_clip: !self.no_grad_clip,
             checkpoint_activations: !self.no_checkpoint,
+            state_dtype: self.state_dtype,
         })
     }
 
@@ -377,8 +382,11 @@ fn print_human(estimate: &Estimate, hardware: &Hardware, model: &Model, parallel
         parallelism.grad_accumulation
     );
     println!(
-        "policy:  {}; parameters on {}, optimizer on {}",
-        estimate.policy, parallelism.offload_param, parallelism.offload_optimizer
+        "policy:  {}; parameters on {}, optimizer on {} ({} states)",
+        estimate.policy,
+        parallelism.offload_param,
+        parallelism.offload_optimizer,
+        parallelism.state_dtype.name()
     );
     match &estimate.reason {
         None => println!("fits:    yes"),

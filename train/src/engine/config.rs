@@ -9,6 +9,7 @@ use strata_optim::{AdamConfig, LossScalerConfig};
 use strata_storage::{ByteSize, StorageConfig};
 
 use strata_runtime::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig};
+pub use strata_scheduler::StateDtype;
 
 use crate::error::bad;
 use crate::error::{Result, TrainError};
@@ -235,60 +236,6 @@ impl Default for OptimConfig {
         OptimConfig {
             threads: 0,
             state_dtype: StateDtype::Fp32,
-        }
-    }
-}
-
-/// [`OptimConfig::state_dtype`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum StateDtype {
-    /// fp32 master weights and moments: 12 bytes per parameter.
-    #[default]
-    Fp32,
-    /// fp32 master weights, bf16 moments rounded stochastically (random
-    /// bits from the run's seed, the step and each parameter's index): 8
-    /// bytes per parameter, 20 read and written per step instead of 28.
-    Bf16Moments,
-    /// bf16 master weights and moments, all rounded stochastically: 6
-    /// bytes per parameter. The bf16 parameter copy is the master as
-    /// stored.
-    Bf16,
-}
-
-impl StateDtype {
-    /// Bytes of one master weight.
-    pub fn master_bytes(self) -> usize {
-        match self {
-            StateDtype::Fp32 | StateDtype::Bf16Moments => 4,
-            StateDtype::Bf16 => 2,
-        }
-    }
-
-    /// Bytes of one moment.
-    pub fn moment_bytes(self) -> usize {
-        match self {
-            StateDtype::Fp32 => 4,
-            StateDtype::Bf16Moments | StateDtype::Bf16 => 2,
-        }
-    }
-
-    /// Bytes of one parameter's states: master weight and two moments.
-    pub fn bytes_per_param(self) -> usize {
-        self.master_bytes() + 2 * self.moment_bytes()
-    }
-
-    /// Whether bf16 states are written with stochastic rounding.
-    pub fn stochastic(self) -> bool {
-        self != StateDtype::Fp32
-    }
-
-    /// The name in configs and `meta.json`.
-    pub fn name(self) -> &'static str {
-        match self {
-            StateDtype::Fp32 => "fp32",
-            StateDtype::Bf16Moments => "bf16-moments",
-            StateDtype::Bf16 => "bf16",
         }
     }
 }
