@@ -636,11 +636,29 @@ impl Runtime {
         micro_batch: Option<u32>,
         started: Instant,
     ) {
+        self.record_work(what, group, micro_batch, 0, started)
+    }
+
+    /// [`Runtime::record_compute`] for an optimizer step over `params`
+    /// parameters: the trace shows their count and rate.
+    pub fn record_update(&self, what: &'static str, group: u32, params: u64, started: Instant) {
+        self.record_work(what, group, None, params, started)
+    }
+
+    fn record_work(
+        &self,
+        what: &'static str,
+        group: u32,
+        micro_batch: Option<u32>,
+        params: u64,
+        started: Instant,
+    ) {
         let event = TraceEvent {
             kind: EventKind::Compute {
                 what,
                 group,
                 micro_batch,
+                params,
             },
             tensor: None,
             bytes: 0,

@@ -81,6 +81,9 @@ pub enum EventKind {
         group: u32,
         /// The micro-batch; none for work of the whole step.
         micro_batch: Option<u32>,
+        /// Parameters it updated (an optimizer step; 0 for other work):
+        /// the trace shows them and their rate.
+        params: u64,
     },
 }
 
@@ -164,10 +167,18 @@ impl Trace {
             let args = match (event.kind, event.tensor) {
                 (
                     EventKind::Compute {
-                        group, micro_batch, ..
+                        group,
+                        micro_batch,
+                        params: 0,
+                        ..
                     },
                     _,
                 ) => serde_json::json!({ "group": group, "micro_batch": micro_batch }),
+                (EventKind::Compute { group, params, .. }, _) => serde_json::json!({
+                    "group": group,
+                    "params": params,
+                    "params_per_s": params as f64 / (event.duration_ns.max(1) as f64 / 1e9),
+                }),
                 (_, tensor) => serde_json::json!({
                     "tensor": tensor.map(|t| t.0),
                     "name": tensor.and_then(name_of),

@@ -466,7 +466,9 @@ fn trace_records_compute_spans_on_each_threads_lane() {
     let other = runtime.clone();
     std::thread::spawn(move || {
         strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
-        other.record_compute("optimizer", 2, None, std::time::Instant::now());
+        let started = std::time::Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        other.record_update("optimizer", 2, 1_000_000, started);
     })
     .join()
     .unwrap();
@@ -489,6 +491,15 @@ fn trace_records_compute_spans_on_each_threads_lane() {
     let optimizer = span("optimizer");
     assert_eq!(optimizer["tid"], strata_runtime::OPTIMIZER_LANE);
     assert!(optimizer["args"]["micro_batch"].is_null());
+    // An update shows its parameters and their rate over its span.
+    assert_eq!(optimizer["args"]["params"], 1_000_000);
+    let rate = optimizer["args"]["params_per_s"].as_f64().unwrap();
+    let span_s = optimizer["dur"].as_f64().unwrap() / 1e6;
+    assert!(
+        (rate * span_s / 1e6 - 1.0).abs() < 1e-3,
+        "{rate} over {span_s} s"
+    );
+    assert!(forward["args"]["params"].is_null());
     let lanes: Vec<&str> = events
         .iter()
         .filter(|e| e["ph"] == "M")

@@ -259,10 +259,10 @@ impl CpuWorker {
                 for job in receiver {
                     let started = Instant::now();
                     let result = run_optimizer(&runtime, &pool, &groups, &job);
-                    runtime.record_compute(
+                    runtime.record_update(
                         optimizer_label(job.late),
                         job.group as u32,
-                        None,
+                        groups[job.group].shard as u64,
                         started,
                     );
                     let busy_ns = started.elapsed().as_nanos() as u64;
