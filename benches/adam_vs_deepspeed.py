@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """strata's CPU optimizer kernels against DeepSpeed's CPUAdam and PyTorch's
-fused CPU AdamW, measured side by side in one run.
+fused CPU AdamW, side by side in one run, over a sweep of thread counts.
 
-Each round runs, in a rotated order:
-  strata      `strata bench adam --json` (one round, all threads) for
-              adamw_fp32, offload_step_bf16 and roofline_4r3w;
+For each thread count T, each round runs in a rotated order:
+  strata      `strata bench adam --threads T --rounds 1 --json` for
+              adamw_fp32, offload_step_bf16, engine_step_bf16 (the engine's
+              shape: out of place, bf16 gradient in), the bf16-state steps
+              offload_step_bf16_moments_sr and offload_step_bf16_master, and
+              roofline_4r3w;
   torch       torch.optim.AdamW(fused=True).step() on fp32;
   ds_adam     DeepSpeedCPUAdam(adamw_mode=True).step() on fp32;
   ds_offload  what DeepSpeed 0.19.8's ZeRO-1/2 offload does on the CPU per
@@ -20,12 +23,20 @@ Each round runs, in a rotated order:
               arrive as bf16, half the PCIe bytes). ZeRO-3 runs the same
               three passes, plus a temporary and a blocking copy to the GPU
               that a CPU-only bench cannot reproduce.
-Medians over rounds are reported, with the ratios the optimizer issue sets
-as bars. Needs torch and deepspeed (pip install torch deepspeed ninja; the
-first DeepSpeedCPUAdam JIT-builds its op, about a minute).
+The peers run in one worker process per thread count, started with
+OMP_NUM_THREADS=T and torch.set_num_threads(T) (DeepSpeed's op may link its
+own OpenMP runtime, which only the environment reaches). Medians over rounds
+are reported per thread count, with GB/s per thread, `lscpu`'s topology, the
+ratios the optimizer issue sets as bars, and optionally an SVG chart of
+params/s against threads. Needs torch and deepspeed (pip install torch
+deepspeed ninja; the first DeepSpeedCPUAdam JIT-builds its op, about a
+minute) unless --peers none. Memory: about 3.1 GiB per thread count for the
+peers (64M params) plus strata's buffers.
 
 Usage: python3 benches/adam_vs_deepspeed.py [--strata target/release/strata]
-       [--params 67108864] [--rounds 7] [--check] [--json]
+       [--threads 1,2,4,8,14,16] [--params 67108864] [--rounds 3]
+       [--peers torch,deepspeed|none] [--plot adam-threads.svg] [--check]
+       [--json]
 """
 
 import argparse
@@ -36,6 +47,18 @@ import subprocess
 import sys
 import time
 
+STRATA_KERNELS = [
+    "adamw_fp32",
+    "offload_step_bf16",
+    "engine_step_bf16",
+    "offload_step_bf16_moments_sr",
+    "offload_step_bf16_master",
+    "roofline_4r3w",
+]
+# Bytes each peer step reads and writes per parameter.
+PEER_BYTES = {"torch_fused_adamw": 28, "ds_cpu_adam": 28, "ds_offload_bf16": 42}
+PEERS = {"torch": ["torch_fused_adamw"], "deepspeed": ["ds_cpu_adam", "ds_offload_bf16"]}
+
 
 def steps_per_s(fn, reps):
     fn()  # warm
@@ -45,26 +68,11 @@ def steps_per_s(fn, reps):
     return reps / (time.perf_counter() - start)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--strata", default="target/release/strata")
-    ap.add_argument("--params", type=int, default=64 * 1024 * 1024)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=5, help="steps timed per system per round")
-    ap.add_argument("--check", action="store_true", help="exit 1 unless every bar holds")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+def worker(threads, n, reps, systems):
+    """Serves one thread count's peers: reads a system's name per line,
+    answers with its params/s as one JSON line."""
+    import torch
 
-    try:
-        import torch
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError as error:
-        sys.exit(f"needs torch and deepspeed: pip install torch deepspeed ninja ({error})")
-    if not os.access(args.strata, os.X_OK):
-        sys.exit(f"{args.strata} is not an executable: build it with cargo build --release")
-
-    n = args.params
-    threads = os.cpu_count()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
 
@@ -73,76 +81,251 @@ def main():
         p.grad = (torch.rand(n) * 2 - 1) * 1e-2
         return p
 
-    p_torch = param()
-    torch_opt = torch.optim.AdamW([p_torch], lr=1e-4, weight_decay=0.01, fused=True)
-    p_ds = param()
-    ds_opt = DeepSpeedCPUAdam([p_ds], lr=1e-4, weight_decay=0.01, adamw_mode=True)
-    p_off = param()
-    off_opt = DeepSpeedCPUAdam([p_off], lr=1e-4, weight_decay=0.01, adamw_mode=True)
-    params_bf16 = torch.empty(n, dtype=torch.bfloat16)
-    # bf16 training: loss scale 1 and the clip not triggered, so DeepSpeed
-    # multiplies by 1.0 - still a full pass. (A scale below 1 applied every
-    # step without refreshing the gradient would drive it into denormals.)
-    combined_scale_inv = 1.0
+    steps = {}
+    if "torch_fused_adamw" in systems:
+        p_torch = param()
+        torch_opt = torch.optim.AdamW([p_torch], lr=1e-4, weight_decay=0.01, fused=True)
+        steps["torch_fused_adamw"] = torch_opt.step
+    if "ds_cpu_adam" in systems:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    def ds_offload_step():
-        p_off.grad.mul_(combined_scale_inv)  # unscale_and_clip_grads
-        off_opt.step()  # _optimizer_step: DeepSpeedCPUAdam, no copy-out
-        params_bf16.copy_(p_off.data)  # bit16_partition_buffer.copy_(fp32 partition)
+        p_ds = param()
+        ds_opt = DeepSpeedCPUAdam([p_ds], lr=1e-4, weight_decay=0.01, adamw_mode=True)
+        steps["ds_cpu_adam"] = ds_opt.step
+        p_off = param()
+        off_opt = DeepSpeedCPUAdam([p_off], lr=1e-4, weight_decay=0.01, adamw_mode=True)
+        params_bf16 = torch.empty(n, dtype=torch.bfloat16)
+        # bf16 training: loss scale 1 and the clip not triggered, so
+        # DeepSpeed multiplies by 1.0 - still a full pass. (A scale below 1
+        # applied every step without refreshing the gradient would drive it
+        # into denormals.)
+        combined_scale_inv = 1.0
 
-    def strata_round():
-        cmd = [args.strata, "bench", "adam", "--params", str(n), "--threads", "all", "--rounds", "1",
-               "--kernels", "adamw_fp32,offload_step_bf16,roofline_4r3w", "--json"]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows = json.loads(out.strip().splitlines()[-1])["results"]
-        return {f"strata_{r['kernel']}": r["params_per_s"] for r in rows}
+        def ds_offload_step():
+            p_off.grad.mul_(combined_scale_inv)  # unscale_and_clip_grads
+            off_opt.step()  # _optimizer_step: DeepSpeedCPUAdam, no copy-out
+            params_bf16.copy_(p_off.data)  # bit16_partition_buffer.copy_(fp32 partition)
 
-    systems = {
-        "torch_fused_adamw": lambda: n * steps_per_s(torch_opt.step, args.reps),
-        "ds_cpu_adam": lambda: n * steps_per_s(ds_opt.step, args.reps),
-        "ds_offload_bf16": lambda: n * steps_per_s(ds_offload_step, args.reps),
-        "strata": strata_round,
-    }
-    samples = {}
-    names = list(systems)
+        steps["ds_offload_bf16"] = ds_offload_step
+    print(json.dumps({"ready": torch.__version__}), flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        print(json.dumps({name: n * steps_per_s(steps[name], reps)}), flush=True)
+
+
+class Worker:
+    """A peer worker process for one thread count."""
+
+    def __init__(self, threads, args, systems):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        cmd = [sys.executable, __file__, "--worker", str(threads), "--params", str(args.params),
+               "--reps", str(args.reps), "--systems", ",".join(systems)]
+        self.threads = threads
+        self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.version = self.read()["ready"]
+
+    def read(self):
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            sys.exit(f"the {self.threads}-thread peer worker exited ({code}) before answering: see its error above")
+        return json.loads(line)
+
+    def run(self, name):
+        self.process.stdin.write(name + "\n")
+        self.process.stdin.flush()
+        return self.read()[name]
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def strata_round(args, threads):
+    cmd = [args.strata, "bench", "adam", "--params", str(args.params), "--threads", str(threads),
+           "--rounds", "1", "--kernels", ",".join(STRATA_KERNELS), "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out.strip().splitlines()[-1])["results"]
+    return {f"strata_{r['kernel']}": (r["params_per_s"], r["bytes_per_s"]) for r in rows}
+
+
+def lscpu():
+    """The topology the bars depend on, from `lscpu` (empty where absent)."""
+    keys = ["Model name", "Socket(s)", "Core(s) per socket", "Thread(s) per core", "NUMA node(s)", "CPU(s)"]
+    try:
+        out = subprocess.run(["lscpu"], check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    found = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in keys:
+            found[key.strip()] = value.strip()
+    return found
+
+
+def bars(med, threads):
+    """The optimizer issue's bars that this sweep can check: name ->
+    (ratio, bar)."""
+    held = {}
+    for t, m in med.items():
+        adamw = m["strata_adamw_fp32"]
+        if t in (2, 16):
+            held[f"adamw_vs_roofline@{t}"] = (adamw / m["strata_roofline_4r3w"], 0.95)
+            peers = [m[k] for k in ("torch_fused_adamw", "ds_cpu_adam") if k in m]
+            if peers:
+                held[f"adamw_vs_best_peer@{t}"] = (adamw / max(peers), 1.0)
+        if t == 16 and "ds_offload_bf16" in m:
+            held["offload_vs_ds_offload@16"] = (m["strata_offload_step_bf16"] / m["ds_offload_bf16"], 2.0)
+        base = m["strata_offload_step_bf16"]
+        held[f"bf16_moments_vs_fp32_states@{t}"] = (m["strata_offload_step_bf16_moments_sr"] / base, 1.3)
+        held[f"bf16_master_vs_fp32_states@{t}"] = (m["strata_offload_step_bf16_master"] / base, 1.8)
+    if 14 in med and 16 in med:
+        held["adamw_14_vs_16_threads"] = (med[14]["strata_adamw_fp32"] / med[16]["strata_adamw_fp32"], 0.95)
+    return held
+
+
+def svg_chart(path, med, threads):
+    """params/s against threads, one line per system, as a small SVG."""
+    names = sorted({k for m in med.values() for k in m})
+    width, height, left, bottom, top, right = 900, 560, 70, 50, 40, 260
+    y_max = max(v for m in med.values() for v in m.values()) * 1.1 / 1e9
+    x_max = max(threads)
+
+    def x(t):
+        return left + (width - left - right) * t / x_max
+
+    def y(v):
+        return height - bottom - (height - bottom - top) * v / y_max
+
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+              "#bcbd22", "#17becf"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+             '<rect width="100%" height="100%" fill="white"/>',
+             f'<text x="{left}" y="24" font-size="16">CPU Adam: G params/s against threads (medians)</text>',
+             f'<line x1="{left}" y1="{y(0)}" x2="{x(x_max)}" y2="{y(0)}" stroke="black"/>',
+             f'<line x1="{left}" y1="{y(0)}" x2="{left}" y2="{top}" stroke="black"/>']
+    for t in threads:
+        parts.append(f'<text x="{x(t)}" y="{y(0) + 18}" text-anchor="middle">{t}</text>')
+    for k in range(6):
+        v = y_max * k / 5
+        parts.append(f'<text x="{left - 8}" y="{y(v) + 4}" text-anchor="end">{v:.1f}</text>')
+        parts.append(f'<line x1="{left}" y1="{y(v)}" x2="{x(x_max)}" y2="{y(v)}" stroke="#ddd"/>')
+    parts.append(f'<text x="{(left + x(x_max)) / 2}" y="{height - 10}" text-anchor="middle">threads</text>')
+    parts.append(f'<text x="16" y="{(top + y(0)) / 2}" text-anchor="middle" '
+                 f'transform="rotate(-90 16 {(top + y(0)) / 2})">G params/s</text>')
+    for i, name in enumerate(names):
+        color = colors[i % len(colors)]
+        points = [(x(t), y(med[t][name] / 1e9)) for t in threads if name in med[t]]
+        path_d = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
+        parts.append(f'<polyline points="{path_d}" fill="none" stroke="{color}" stroke-width="2"/>')
+        parts.extend(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{color}"/>' for px, py in points)
+        ly = top + 18 * i
+        parts.append(f'<line x1="{width - right + 16}" y1="{ly}" x2="{width - right + 36}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
+        parts.append(f'<text x="{width - right + 42}" y="{ly + 4}">{name}</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strata", default="target/release/strata")
+    ap.add_argument("--threads", default="1,2,4,8,14,16",
+                    help="thread counts, comma-separated (default 1,2,4,8,14,16; 'all' is os.cpu_count())")
+    ap.add_argument("--params", type=int, default=64 * 1024 * 1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="steps timed per peer per round")
+    ap.add_argument("--peers", default="torch,deepspeed", help="torch, deepspeed, both, or none")
+    ap.add_argument("--plot", help="also draw params/s against threads into this SVG file")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless every bar the sweep can check holds")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--systems", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        return worker(args.worker, args.params, args.reps, args.systems.split(","))
+
+    try:
+        threads = sorted({os.cpu_count() if t == "all" else int(t) for t in args.threads.split(",")})
+    except ValueError:
+        sys.exit(f"--threads {args.threads!r}: give positive integers or 'all', comma-separated (e.g. 1,2,4,8,14,16)")
+    if not threads or threads[0] < 1:
+        sys.exit(f"--threads {args.threads!r}: every thread count must be at least 1")
+    if args.params < 1 or args.rounds < 1 or args.reps < 1:
+        sys.exit("--params, --rounds and --reps must be positive")
+    peers = [] if args.peers == "none" else args.peers.split(",")
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        sys.exit(f"--peers: unknown {unknown}; choose from {sorted(PEERS)} or none")
+    if args.plot:
+        if not args.plot.endswith(".svg"):
+            sys.exit(f"--plot {args.plot}: the chart is SVG; name the file *.svg")
+        with open(args.plot, "a"):
+            pass  # writable now, not after the sweep
+    if not os.access(args.strata, os.X_OK):
+        sys.exit(f"{args.strata} is not an executable: build it with cargo build --release")
+    systems = [s for p in peers for s in PEERS[p]]
+    if systems:
+        try:
+            import torch  # noqa: F401
+            if "deepspeed" in peers:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+        except ImportError as error:
+            sys.exit(f"needs torch and deepspeed: pip install torch deepspeed ninja, or --peers none ({error})")
+
+    workers = {t: Worker(t, args, systems) for t in threads} if systems else {}
+    samples = {t: {} for t in threads}
+    names = ["strata"] + systems
     for r in range(args.rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            result = systems[name]()
-            if isinstance(result, dict):
-                for key, value in result.items():
-                    samples.setdefault(key, []).append(value)
-            else:
-                samples.setdefault(name, []).append(result)
+        for i in range(len(threads)):
+            t = threads[(r + i) % len(threads)]
+            for k in range(len(names)):
+                name = names[(r + k) % len(names)]
+                if name == "strata":
+                    for key, value in strata_round(args, t).items():
+                        samples[t].setdefault(key, []).append(value)
+                else:
+                    rate = workers[t].run(name)
+                    samples[t].setdefault(name, []).append((rate, rate * PEER_BYTES[name]))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    versions = {t: w.version for t, w in workers.items()}
+    for w in workers.values():
+        w.close()
 
-    med = {k: statistics.median(v) for k, v in samples.items()}
-    adamw = med["strata_adamw_fp32"]
-    offload = med["strata_offload_step_bf16"]
-    bars = {
-        "adamw_vs_roofline": (adamw / med["strata_roofline_4r3w"], 0.9),
-        "adamw_vs_ds_cpu_adam": (adamw / med["ds_cpu_adam"], 1.0),
-        "adamw_vs_torch_fused": (adamw / med["torch_fused_adamw"], 1.0),
-        "offload_vs_ds_offload": (offload / med["ds_offload_bf16"], 2.0),
-        "offload_vs_adamw": (offload / adamw, 0.9),
-    }
+    med = {t: {k: statistics.median(v[0] for v in vs) for k, vs in s.items()} for t, s in samples.items()}
+    gbps = {t: {k: statistics.median(v[1] for v in vs) / 1e9 for k, vs in s.items()} for t, s in samples.items()}
+    held = bars(med, threads)
     report = {
-        "params": n,
+        "params": args.params,
         "threads": threads,
         "rounds": args.rounds,
+        "lscpu": lscpu(),
         "params_per_s_median": med,
-        "ratios": {k: v for k, (v, _) in bars.items()},
-        "bars_held": {k: v >= bar for k, (v, bar) in bars.items()},
-        "torch": torch.__version__,
+        "gb_per_s_per_thread": {t: {k: v / t for k, v in g.items()} for t, g in gbps.items()},
+        "ratios": {k: v for k, (v, _) in held.items()},
+        "bars_held": {k: v >= bar for k, (v, bar) in held.items()},
+        "torch": next(iter(versions.values()), None),
     }
+    if args.plot:
+        try:
+            svg_chart(args.plot, med, threads)
+        except OSError as error:
+            print(f"could not write the chart {args.plot}: {error}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"{n} params, {threads} threads, medians of {args.rounds} interleaved rounds")
-        for k, v in sorted(med.items()):
-            print(f"  {k:<28} {v / 1e9:7.3f} G params/s")
-        for k, (v, bar) in bars.items():
-            print(f"  {k:<28} {v:7.3f}x  (bar {bar}x: {'held' if v >= bar else 'MISSED'})")
+        topo = report["lscpu"]
+        print(f"{args.params} params, medians of {args.rounds} interleaved rounds; "
+              + ", ".join(f"{k}: {v}" for k, v in topo.items()))
+        print(f"  {'system':<36}" + "".join(f"{t:>9}" for t in threads) + "   threads")
+        for name in sorted({k for m in med.values() for k in m}):
+            row = "".join(f"{med[t][name] / 1e9:9.3f}" if name in med[t] else f"{'-':>9}" for t in threads)
+            print(f"  {name:<36}{row}   G params/s")
+            row = "".join(f"{gbps[t][name] / t:9.2f}" if name in gbps[t] else f"{'-':>9}" for t in threads)
+            print(f"  {'':<36}{row}   GB/s per thread")
+        for k, (v, bar) in held.items():
+            print(f"  {k:<36} {v:7.3f}x  (bar {bar}x: {'held' if v >= bar else 'MISSED'})")
     if args.check and not all(report["bars_held"].values()):
         sys.exit(1)
 

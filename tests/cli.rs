@@ -474,16 +474,17 @@ fn bench_adam_bad_input_gets_one_line_naming_the_fix() {
 
 #[test]
 fn deepspeed_comparison_script_tiny() {
-    // The comparison needs torch and deepspeed, which CI does not install
-    // (gigabytes); point STRATA_COMPARE_PYTHON at an interpreter that has
-    // them to run it here.
+    // The peers need torch and deepspeed, which CI does not install
+    // (gigabytes): without them the sweep runs strata's kernels alone
+    // (`--peers none`); point STRATA_COMPARE_PYTHON at an interpreter that
+    // has them to run the peers too.
     let python = std::env::var("STRATA_COMPARE_PYTHON").unwrap_or_else(|_| "python3".into());
     let probe = Command::new(&python)
         .args(["-c", "import torch, deepspeed"])
         .output();
-    if !probe.is_ok_and(|p| p.status.success()) {
-        println!("skipped: benches/adam_vs_deepspeed.py ({python} lacks torch or deepspeed)");
-        return;
+    let peers = probe.is_ok_and(|p| p.status.success());
+    if !peers {
+        println!("peers skipped: {python} lacks torch or deepspeed; strata's sweep runs alone");
     }
     let mut path = std::path::PathBuf::from(&python);
     path.pop();
@@ -492,38 +493,65 @@ fn deepspeed_comparison_script_tiny() {
         path.display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("threads.svg");
     let output = Command::new(&python)
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/benches/adam_vs_deepspeed.py"
         ))
-        .args([
-            "--strata",
-            env!("CARGO_BIN_EXE_strata"),
-            "--params",
-            "65536",
-            "--rounds",
-            "1",
-            "--reps",
-            "1",
-            "--json",
-        ])
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .args(["--params", "65536", "--rounds", "1", "--reps", "1"])
+        .args(["--threads", "1,2", "--json", "--plot"])
+        .arg(&chart)
+        .args(["--peers", if peers { "torch,deepspeed" } else { "none" }])
         .env("PATH", search_path)
         .output()
         .unwrap();
     let text = stdout_text(&output);
     let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    for key in [
-        "adamw_vs_roofline",
-        "adamw_vs_ds_cpu_adam",
-        "adamw_vs_torch_fused",
-        "offload_vs_ds_offload",
-    ] {
+    let mut keys = vec![
+        "adamw_vs_roofline@2",
+        "bf16_moments_vs_fp32_states@1",
+        "bf16_master_vs_fp32_states@2",
+    ];
+    if peers {
+        keys.push("adamw_vs_best_peer@2");
+    }
+    for key in keys {
         assert!(
             report["ratios"][key].as_f64().unwrap() > 0.0,
             "{key}: {report}"
         );
     }
+    for threads in ["1", "2"] {
+        let rates = &report["params_per_s_median"][threads];
+        let per_thread = &report["gb_per_s_per_thread"][threads];
+        assert!(
+            rates["strata_engine_step_bf16"].as_f64().unwrap() > 0.0,
+            "{report}"
+        );
+        assert!(
+            per_thread["strata_adamw_fp32"].as_f64().unwrap() > 0.0,
+            "{report}"
+        );
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.matches("<polyline").count() >= 6,
+        "{svg}"
+    );
+    // A bad thread list is refused before anything runs.
+    let output = Command::new(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/adam_vs_deepspeed.py"
+        ))
+        .args(["--peers", "none", "--threads", "0,2"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--threads"));
 }
 
 #[test]
