@@ -168,33 +168,22 @@ pub(super) fn adam_group(
                 };
                 let grads = Values::F32(bytemuck::cast_slice(g));
                 let out = Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out)));
-                if master == 4 {
-                    let (p0, p): (&[f32], &mut [f32]) =
-                        (bytemuck::cast_slice(p0), bytemuck::cast_slice_mut(p));
-                    pool.adam_step_out_of_place(
-                        coefficients,
-                        p0,
-                        moments_in,
-                        grads,
-                        p,
-                        moments_out,
-                        out,
-                        rounding,
-                    );
-                } else {
-                    let (p0, p): (&[bf16], &mut [bf16]) =
-                        (bytemuck::cast_slice(p0), bytemuck::cast_slice_mut(p));
-                    pool.adam_step_out_of_place(
-                        coefficients,
-                        p0,
-                        moments_in,
-                        grads,
-                        p,
-                        moments_out,
-                        out,
-                        rounding,
-                    );
+                // The masters are f32 or bf16 by the state dtype.
+                macro_rules! step {
+                    ($master:ty) => {
+                        pool.adam_step_out_of_place::<$master>(
+                            coefficients,
+                            bytemuck::cast_slice(p0),
+                            moments_in,
+                            grads,
+                            bytemuck::cast_slice_mut(p),
+                            moments_out,
+                            out,
+                            rounding,
+                        )
+                    };
                 }
+                if master == 4 { step!(f32) } else { step!(bf16) }
             },
         )?;
     }
