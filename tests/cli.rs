@@ -157,6 +157,10 @@ fn bench_nvme_bad_input_gets_one_line_naming_the_fix() {
             ],
             ".svg",
         ),
+        (
+            vec!["--dir", d, "--size", "4MiB", "--block-size", "0"],
+            "--block-size 0B: a block must be positive",
+        ),
     ];
     for (args, expected) in cases {
         let mut full = vec!["bench", "nvme"];
@@ -277,12 +281,14 @@ fn bench_tiers_json_contract_tiny() {
 fn bench_tiers_bad_input_names_the_fix() {
     let dir = tempdir();
     let d = dir.path().to_str().unwrap();
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 5] = [
         (
             &["--dir", "/nonexistent/strata", "--size", "8MiB"],
             "does not exist",
         ),
-        (&["--dir", d, "--size", "64TiB"], "lower host.budget"),
+        (&["--dir", d, "--size", "64TiB"], "lower --size"),
+        (&["--dir", d, "--size", "0"], "--size 0B: use a positive"),
+        (&["--dir", d, "--size", "4097"], "multiple of 4 KiB"),
         (
             &["--dir", d, "--size", "8MiB", "--device", "tpu"],
             "use auto, cpu or cuda",
@@ -777,6 +783,31 @@ fn train_bad_configs_are_named_before_training() {
         stderr.contains("does not fit") && stderr.contains("bytes"),
         "{stderr}"
     );
+    // Each message names the field at fault, once, with the right number.
+    let cases = [
+        (
+            "[train]\nlr = nan\n",
+            "train.lr = NaN: use a positive, finite",
+        ),
+        (
+            "[device]\nbudget = \"0\"\n",
+            "device.budget = 0B: the device needs room",
+        ),
+        (
+            "[host]\nbudget = \"1MiB\"\n",
+            "host.budget = 1MiB: the runtime keeps room for staging",
+        ),
+    ];
+    for (text, expected) in cases {
+        std::fs::write(&config, text).unwrap();
+        let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
+        let stderr = stderr_of_failure(&output, text);
+        assert!(stderr.contains(expected), "{text}: {stderr}");
+        let error = stderr.lines().find(|l| l.starts_with("error:")).unwrap();
+        assert!(!error.contains("needs 0 bytes"), "{error}");
+        let said = &expected[expected.find(": ").unwrap() + 2..];
+        assert_eq!(error.matches(said).count(), 1, "said twice: {error}");
+    }
     // A swap directory that cannot be created is the OS's error, with its
     // errno and the path, not a configuration value's.
     std::fs::write(dir.path().join("a-file"), b"").unwrap();

@@ -44,9 +44,11 @@ pub enum RuntimeError {
     /// The NVMe tier failed (I/O error, disk full, checksum mismatch, ...).
     #[error(transparent)]
     Storage(#[from] StorageError),
-    /// Moving a tensor failed; its source copy is intact.
+    /// Moving a tensor failed; its source copy is intact, unless what failed
+    /// was its checksum.
     #[error(
-        "moving tensor {name} ({tensor}) from {source_tier} to {target_tier} failed: {cause}; the {source_tier} copy is intact"
+        "moving tensor {name} ({tensor}) from {source_tier} to {target_tier} failed: {cause}; {}",
+        source_state(*source_tier, cause)
     )]
     Move {
         /// The tensor.
@@ -57,8 +59,8 @@ pub enum RuntimeError {
         source_tier: Tier,
         /// Where it was going.
         target_tier: Tier,
-        /// Why it failed.
-        #[source]
+        /// Why it failed (in the message, so not also a source: it would
+        /// print twice).
         cause: Box<RuntimeError>,
     },
     /// The device (memory, copy engines, CUDA) failed.
@@ -167,3 +169,14 @@ pub enum RuntimeError {
 
 /// Result alias for strata-runtime.
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// What a failed move left of its source: intact, unless the source's
+/// checksum is what failed.
+fn source_state(source_tier: Tier, cause: &RuntimeError) -> String {
+    match cause {
+        RuntimeError::Storage(StorageError::ChecksumMismatch { .. }) => format!(
+            "the {source_tier} copy is corrupt and nothing was taken from it: resume from the last checkpoint"
+        ),
+        _ => format!("the {source_tier} copy is intact"),
+    }
+}

@@ -762,3 +762,46 @@ fn read_back_range(runtime: &Runtime, id: TensorId, offset: u64, n: u64) -> Vec<
         .unwrap();
     out
 }
+
+/// A swap extent whose checksum fails is reported as corrupt, never as an
+/// intact copy, and its bytes are not handed out.
+#[test]
+fn a_corrupt_swap_copy_is_named_corrupt_not_intact() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let bytes = 2 * 65536;
+    let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
+    fill(&runtime, id, Tier::Host, &pattern(3, bytes as usize));
+    runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Nvme]);
+    // Flip every bit of every swap file.
+    for entry in walk(dir.path()) {
+        let mut data = std::fs::read(&entry).unwrap();
+        data.iter_mut().for_each(|b| *b = !*b);
+        std::fs::write(&entry, data).unwrap();
+    }
+    let err = match runtime.move_to(id, Tier::Host) {
+        Ok(completion) => completion.wait().unwrap_err(),
+        Err(err) => err,
+    };
+    let text = err.to_string();
+    assert!(
+        text.contains("checksum mismatch") && text.contains("nvme copy is corrupt"),
+        "{text}"
+    );
+    assert!(!text.contains("intact"), "{text}");
+    assert_eq!(text.matches("checksum mismatch").count(), 1, "{text}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}

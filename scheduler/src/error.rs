@@ -27,7 +27,7 @@ pub enum SchedulerError {
     },
     /// A tier cannot hold what is placed on it before the step starts.
     #[error(
-        "the step starts with {placed_bytes} bytes on {tier}, more than its {capacity_bytes}; \
+        "the step starts with {placed_bytes} bytes on {tier}, more than the {capacity_bytes} bytes the plan may use there; \
          place fewer tensors there"
     )]
     InitialPlacement {

@@ -182,13 +182,16 @@ fn dedup<T: PartialEq + Copy>(items: &mut Vec<T>) {
 
 /// Runs the sweep and prints the table (or JSON) and the recommendation.
 pub fn run(args: NvmeArgs) -> anyhow::Result<()> {
+    if let Some(zero) = args.block_size.iter().find(|b| b.0 == 0) {
+        bail!("--block-size {zero}: a block must be positive (e.g. 1MiB)");
+    }
     let specs = specs(&args)?;
     for size in &args.size {
         if size.0 == 0 {
             bail!("--size must be positive (e.g. 1GiB)");
         }
         for block in &args.block_size {
-            if block.0 == 0 || size.0 % block.0 != 0 {
+            if size.0 % block.0 != 0 {
                 bail!(
                     "--size {size} is not a multiple of --block-size {block}: use a size that is"
                 );

@@ -50,6 +50,33 @@ pub fn run(args: TiersArgs) -> anyhow::Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    let size = args.size.0;
+    if size == 0 || size % 4096 != 0 {
+        bail!(
+            "--size {}: use a positive multiple of 4 KiB (e.g. 1GiB)",
+            args.size
+        );
+    }
+    // The tensor in the pinned pool and the raw path's own buffer, and
+    // unless the device is a GPU its arena: two or three times the size.
+    let copies: u64 = if args.device == DeviceChoice::Cuda {
+        2
+    } else {
+        3
+    };
+    let available = strata_storage::sys::mem_available_bytes().unwrap_or(u64::MAX);
+    if size.saturating_mul(copies) > available {
+        bail!(
+            "--size {} needs about {copies} x that in host memory (the pool, the raw path's buffer{}), more than the {} available: lower --size",
+            args.size,
+            if copies == 3 {
+                ", the CPU device's arena"
+            } else {
+                ""
+            },
+            format!("{:.1} GiB", available as f64 / f64::from(1u32 << 30))
+        );
+    }
     let spec = TiersSpec {
         nvme: args.drive.storage_config()?,
         device: DeviceConfig {

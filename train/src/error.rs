@@ -28,8 +28,8 @@ pub enum TrainError {
     /// and working tensors in the tier budgets.
     #[error("the placement does not fit: {cause}")]
     DoesNotFit {
-        /// The planner's finding, with its numbers.
-        #[source]
+        /// The planner's finding, with its numbers (in the message, so
+        /// not also a source: it would print twice).
         cause: SchedulerError,
     },
     /// Planning failed for another reason (a limit, a malformed trace).

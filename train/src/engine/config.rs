@@ -387,6 +387,13 @@ impl TrainConfig {
         if !(1..=RANKS_MAX).contains(&t.ranks) {
             return Err(bad("train.ranks", t.ranks, format!("use 1 to {RANKS_MAX}")));
         }
+        if !(t.lr > 0.0 && t.lr.is_finite()) {
+            return Err(bad(
+                "train.lr",
+                t.lr,
+                "use a positive, finite learning rate",
+            ));
+        }
         if !(t.lr_min >= 0.0 && t.lr_min <= t.lr) {
             return Err(bad("train.lr_min", t.lr_min, "use 0 to train.lr"));
         }
@@ -438,6 +445,13 @@ impl TrainConfig {
     /// uses); each rank swaps to its own subdirectory.
     pub fn rank_runtime(&self, rank: usize, workspace_bytes: u64) -> Result<RuntimeConfig> {
         let device_budget = self.device.budget.0;
+        if device_budget == 0 {
+            return Err(bad(
+                "device.budget",
+                self.device.budget,
+                "the device needs room for the compute workspace (one block's activations, gathered parameters and gradients) and the tensors the plan places there: give it a size, e.g. \"256MiB\"",
+            ));
+        }
         if workspace_bytes >= device_budget {
             return Err(bad(
                 "device.budget",

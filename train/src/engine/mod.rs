@@ -234,7 +234,7 @@ impl Engine {
         let isa = Isa::chosen();
         let slots = slots(config, &gpt, &groups, ws.acts.view().len());
         let (plan_config, cache_groups, cache_bytes) =
-            plan_config(config, &runtime, &slots, groups.len());
+            plan_config(config, &runtime, &slots, groups.len())?;
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
@@ -595,7 +595,7 @@ fn plan_config(
     runtime: &Runtime,
     slots: &[Slot],
     groups: usize,
-) -> (sched::PlanConfig, usize, u64) {
+) -> Result<(sched::PlanConfig, usize, u64)> {
     let stats = runtime.stats();
     // The plan leaves the host room for what it does not schedule:
     // staging buffers of two-tier moves and demand fetches when the run
@@ -608,7 +608,17 @@ fn plan_config(
         .unwrap_or(0);
     let mut capacity_bytes = [0, 1, 2].map(|i| stats.tiers[i].budget_bytes);
     let host = &mut capacity_bytes[Tier::Host.index()];
-    *host = host.saturating_sub((2 * largest_bytes).max(*host / 8));
+    let staging_bytes = (2 * largest_bytes).max(*host / 8);
+    if staging_bytes >= *host {
+        return Err(bad(
+            "host.budget",
+            config.host.budget,
+            format!(
+                "the runtime keeps room for staging two of the largest tensor ({largest_bytes} bytes on the host), which leaves nothing for the plan: raise host.budget well above {staging_bytes} bytes"
+            ),
+        ));
+    }
+    *host -= staging_bytes;
     let (cache_groups, cache_bytes) = state_cache(config, runtime, slots, groups);
     *host = host.saturating_sub(cache_bytes);
     let plan_config = sched::PlanConfig {
@@ -620,5 +630,5 @@ fn plan_config(
             capacity_bytes[Tier::Device.index()].saturating_add(capacity_bytes[Tier::Host.index()]),
         ),
     };
-    (plan_config, cache_groups, cache_bytes)
+    Ok((plan_config, cache_groups, cache_bytes))
 }
