@@ -51,7 +51,7 @@ pub fn run(args: TiersArgs) -> anyhow::Result<()> {
         bail!("--rounds must be at least 1");
     }
     let size = args.size.0;
-    if size == 0 || size % 4096 != 0 {
+    if size == 0 || !size.is_multiple_of(4096) {
         bail!(
             "--size {}: use a positive multiple of 4 KiB (e.g. 1GiB)",
             args.size
@@ -66,15 +66,15 @@ pub fn run(args: TiersArgs) -> anyhow::Result<()> {
     };
     let available = strata_storage::sys::mem_available_bytes().unwrap_or(u64::MAX);
     if size.saturating_mul(copies) > available {
+        let arena = if copies == 3 {
+            ", the CPU device's arena"
+        } else {
+            ""
+        };
+        let available_gib = available as f64 / f64::from(1u32 << 30);
         bail!(
-            "--size {} needs about {copies} x that in host memory (the pool, the raw path's buffer{}), more than the {} available: lower --size",
+            "--size {} needs about {copies} x that in host memory (the pool, the raw path's buffer{arena}), more than the {available_gib:.1} GiB available: lower --size",
             args.size,
-            if copies == 3 {
-                ", the CPU device's arena"
-            } else {
-                ""
-            },
-            format!("{:.1} GiB", available as f64 / f64::from(1u32 << 30))
         );
     }
     let spec = TiersSpec {
