@@ -561,6 +561,31 @@ fn deepspeed_comparison_script_tiny() {
 }
 
 #[test]
+fn state_dtype_loss_script_tiny() {
+    let output = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/state-dtype-loss.py"
+        ))
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .args(["--steps", "2", "--seeds", "1", "--json"])
+        .output()
+        .unwrap();
+    let text = stdout_text(&output);
+    let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    for dtype in ["fp32@1", "bf16-moments@1", "bf16@1"] {
+        let loss = report["final_loss"][dtype].as_f64().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{dtype}: {report}");
+    }
+    for dtype in ["bf16-moments", "bf16"] {
+        assert!(
+            report["against_fp32"][dtype]["gap_max"].as_f64().unwrap() < 0.05,
+            "{report}"
+        );
+    }
+}
+
+#[test]
 fn plan_json_contract_on_the_issue_example() {
     let output = strata(&[
         "plan",

@@ -34,6 +34,10 @@ pub struct TrainArgs {
     /// Write checkpoints here (overrides train.checkpoint_dir).
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// Start a new run in a checkpoint directory that holds another run's
+    /// checkpoints (refused without it unless --resume).
+    #[arg(long)]
+    overwrite: bool,
     /// Stop after this step (the schedule still spans train.steps): to
     /// interrupt and resume.
     #[arg(long)]
@@ -78,6 +82,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         stop_after: args.stop_after,
         resume: args.resume.clone(),
         trace: args.trace.clone(),
+        overwrite: args.overwrite,
     };
     let total = options
         .stop_after

@@ -45,6 +45,20 @@ pub enum TrainError {
         /// What to do.
         fix: String,
     },
+    /// A directory the run would own (checkpoints, swap) is another run's,
+    /// or cannot be locked.
+    #[error("{what} {dir}: {problem}; {fix}")]
+    Ownership {
+        /// The setting it came from (`train.checkpoint_dir`, an
+        /// `nvme.dirs` entry).
+        what: String,
+        /// The directory.
+        dir: PathBuf,
+        /// What stands in the way, with the holder named.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// Another rank of the data-parallel group failed.
     #[error("rank {rank} failed: {cause}")]
     Rank {

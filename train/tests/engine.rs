@@ -320,7 +320,11 @@ fn only_the_newest_checkpoints_are_kept_when_asked() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     left.sort();
-    assert_eq!(left, ["latest", "step-00000004", "step-00000005"]);
+    // The run's lock file stays (unlocked) for the next run to take.
+    assert_eq!(
+        left,
+        [".strata-lock", "latest", "step-00000004", "step-00000005"]
+    );
     let opened = strata_train::Checkpoint::open(&checkpoints).unwrap();
     assert_eq!(opened.meta.step, 5);
     // 0 keeps every one.
@@ -329,8 +333,79 @@ fn only_the_newest_checkpoints_are_kept_when_asked() {
     run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
     assert_eq!(
         std::fs::read_dir(dir.path().join("all")).unwrap().count(),
-        6
+        7,
+        "5 checkpoints, latest and the lock file"
     );
+}
+
+/// A checkpoint directory (and a swap directory) belongs to one live run:
+/// a second is refused naming the holder; a new run in a directory with
+/// another run's checkpoints is refused unless it resumes or overwrites.
+#[test]
+fn a_directory_belongs_to_one_run_and_its_checkpoints_are_not_mixed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 2;
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    config.train.checkpoint_every = 1;
+    config.train.lock_wait_s = 0.0;
+    // A live run holds the directories while the second one starts.
+    let (started, proceed) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    std::thread::scope(|scope| {
+        let first = scope.spawn(|| {
+            let mut once = true;
+            run(&config, &corpus(16), &RunOptions::default(), &mut |_| {
+                if std::mem::take(&mut once) {
+                    started.wait();
+                    proceed.wait();
+                }
+            })
+        });
+        started.wait();
+        let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("train.checkpoint_dir")
+                && text.contains(&format!("pid {}", std::process::id()))
+                && text.contains("is using it"),
+            "{text}"
+        );
+        // The swap directory alone is owned too.
+        let mut swap_only = config.clone();
+        swap_only.train.checkpoint_dir = None;
+        let text = run(&swap_only, &corpus(16), &RunOptions::default(), &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("nvme.dirs entry") && text.contains("is using it"),
+            "{text}"
+        );
+        proceed.wait();
+        first.join().unwrap().unwrap();
+    });
+    // The first run is over: its checkpoints are not a new run's to mix.
+    let text = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains("latest: step 2")
+            && text.contains("--resume")
+            && text.contains("--overwrite"),
+        "{text}"
+    );
+    let overwrite = RunOptions {
+        overwrite: true,
+        ..RunOptions::default()
+    };
+    run(&config, &corpus(16), &overwrite, &mut |_| {}).unwrap();
+    config.train.steps = 3;
+    let resume = RunOptions {
+        resume: Some(checkpoints.clone()),
+        ..RunOptions::default()
+    };
+    let resumed = run(&config, &corpus(16), &resume, &mut |_| {}).unwrap();
+    assert_eq!(resumed.steps, 1);
 }
 
 #[test]

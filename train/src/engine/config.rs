@@ -22,6 +22,8 @@ pub const HOST_BUFFER_BYTES: u64 = 256 << 10;
 pub const RANKS_MAX: usize = 64;
 /// Most micro-batches accumulated into one step.
 pub const GRAD_ACCUMULATION_MAX: usize = 1024;
+/// The longest wait for an exited run's directory lock, in seconds.
+pub const LOCK_WAIT_S_MAX: f64 = 3600.0;
 
 /// Where a class of model state lives between uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -132,6 +134,10 @@ pub struct TrainSettings {
     /// Checkpoints kept in `checkpoint_dir`, the newest; older ones are
     /// removed once a new one is whole (0: keep every one).
     pub checkpoints_kept: usize,
+    /// Seconds to wait for the lock of a run that has exited to be
+    /// released (its checkpoint or swap directory): the release can lag
+    /// the process's death while a large pinned pool is unpinned.
+    pub lock_wait_s: f64,
 }
 
 impl Default for TrainSettings {
@@ -156,6 +162,7 @@ impl Default for TrainSettings {
             checkpoint_every: 0,
             checkpoint_dir: None,
             checkpoints_kept: 0,
+            lock_wait_s: 10.0,
         }
     }
 }
@@ -396,6 +403,13 @@ impl TrainConfig {
         }
         if !(t.lr_min >= 0.0 && t.lr_min <= t.lr) {
             return Err(bad("train.lr_min", t.lr_min, "use 0 to train.lr"));
+        }
+        if !(0.0..=LOCK_WAIT_S_MAX).contains(&t.lock_wait_s) {
+            return Err(bad(
+                "train.lock_wait_s",
+                t.lock_wait_s,
+                format!("use 0 to {LOCK_WAIT_S_MAX} seconds"),
+            ));
         }
         if !(t.clip_norm >= 0.0 && t.clip_norm.is_finite()) {
             return Err(bad(

@@ -54,6 +54,7 @@ mod config;
 mod data;
 mod moves;
 mod optimizer;
+mod ownership;
 mod run;
 mod steps;
 mod tensors;

@@ -5,10 +5,11 @@
 
 use std::path::PathBuf;
 use std::sync::mpsc::channel;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::ownership::{DirLock, Holder, lock_dir};
 use super::{ByteCorpus, Checkpoint, Engine, StepReport, TrainConfig};
 use crate::error::{Result, TrainError, os};
 use strata_comm::{Collective, InProcess};
@@ -25,6 +26,9 @@ pub struct RunOptions {
     pub resume: Option<PathBuf>,
     /// Where rank 0's Chrome/Perfetto trace goes.
     pub trace: Option<PathBuf>,
+    /// Start a new run in a checkpoint directory that holds another run's
+    /// checkpoints (without it, that is refused unless resuming).
+    pub overwrite: bool,
 }
 
 /// Bytes per tier, by name.
@@ -112,6 +116,7 @@ pub fn run(
 ) -> Result<RunSummary> {
     config.validate()?;
     let world = config.train.ranks;
+    let _owned = own_directories(config, options)?;
     let resume = match &options.resume {
         Some(path) => Some(Checkpoint::open(path)?),
         None => None,
@@ -283,4 +288,40 @@ fn rank_main(
         reports,
         checkpoints,
     }))
+}
+
+/// Locks the run's checkpoint directory and swap directories for its
+/// life (see [`super::ownership`]), and refuses a checkpoint directory
+/// that already holds checkpoints unless the run resumes or overwrites.
+fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<DirLock>> {
+    let holder = Holder::this_run();
+    let wait = Duration::from_secs_f64(config.train.lock_wait_s);
+    let mut owned = Vec::new();
+    if let Some(dir) = &config.train.checkpoint_dir {
+        owned.push(lock_dir(dir, "train.checkpoint_dir", &holder, wait)?);
+        let existing = Checkpoint::open(dir)
+            .ok()
+            .filter(|_| dir.join("latest").exists());
+        if let Some(existing) = existing
+            && options.resume.is_none()
+            && !options.overwrite
+        {
+            return Err(TrainError::Ownership {
+                what: "train.checkpoint_dir".into(),
+                dir: dir.clone(),
+                problem: format!(
+                    "it holds another run's checkpoints (latest: step {}), which a new run would mix with its own",
+                    existing.meta.step
+                ),
+                fix: format!(
+                    "resume it with --resume {}, pass --overwrite to start over there, or choose another directory",
+                    dir.display()
+                ),
+            });
+        }
+    }
+    for dir in config.nvme.iter().flat_map(|nvme| &nvme.dirs) {
+        owned.push(lock_dir(dir, "nvme.dirs entry", &holder, wait)?);
+    }
+    Ok(owned)
 }
