@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Result, TrainError};
+use crate::error::{Result, TrainError, os};
 
 /// The lock file's name in each owned directory.
 pub const LOCK_FILE: &str = ".strata-lock";
@@ -91,9 +91,10 @@ pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: Duration) -> Resu
         fix: fix.to_string(),
     };
     std::fs::create_dir_all(dir).map_err(|err| {
-        fail(
-            format!("cannot create it: {err}"),
-            "choose a directory this user may write",
+        os(
+            format!("create {what} {}", dir.display()),
+            err,
+            "choose a writable directory",
         )
     })?;
     let path = dir.join(LOCK_FILE);
