@@ -422,9 +422,10 @@ impl Engine {
                 model: self.config.model,
                 loss_scaler: self.scaler.state(),
                 state_dtype: self.config.optim.state_dtype,
-                rounding: match self.config.optim.state_dtype {
-                    StateDtype::Fp32 => nearest(),
-                    StateDtype::Bf16Moments | StateDtype::Bf16 => "stochastic".into(),
+                rounding: if self.config.optim.state_dtype.stochastic() {
+                    "stochastic".into()
+                } else {
+                    nearest()
                 },
                 files: Default::default(),
             };

@@ -299,19 +299,18 @@ fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<Dir
     let mut owned = Vec::new();
     if let Some(dir) = &config.train.checkpoint_dir {
         owned.push(lock_dir(dir, "train.checkpoint_dir", &holder, wait)?);
-        let existing = Checkpoint::open(dir)
-            .ok()
-            .filter(|_| dir.join("latest").exists());
-        if let Some(existing) = existing
-            && options.resume.is_none()
-            && !options.overwrite
-        {
+        // `latest` decides, even when what it names cannot be read: a
+        // damaged checkpoint is still another run's.
+        if dir.join("latest").exists() && options.resume.is_none() && !options.overwrite {
+            let latest = Checkpoint::open(dir).map_or_else(
+                |_| "unreadable".to_string(),
+                |c| format!("step {}", c.meta.step),
+            );
             return Err(TrainError::Ownership {
                 what: "train.checkpoint_dir".into(),
                 dir: dir.clone(),
                 problem: format!(
-                    "it holds another run's checkpoints (latest: step {}), which a new run would mix with its own",
-                    existing.meta.step
+                    "it holds another run's checkpoints (latest: {latest}), which a new run would mix with its own"
                 ),
                 fix: format!(
                     "resume it with --resume {}, pass --overwrite to start over there, or choose another directory",
