@@ -36,6 +36,9 @@ pub struct AdamConfig {
     pub decoupled_weight_decay: bool,
     /// Ascend the gradient instead of descending it.
     pub maximize: bool,
+    /// Divide the moments by `1 - beta^t` (PyTorch always does; DeepSpeed's
+    /// CPUAdam lets it be turned off).
+    pub bias_correction: bool,
 }
 
 impl AdamConfig {
@@ -49,6 +52,7 @@ impl AdamConfig {
             weight_decay: 0.01,
             decoupled_weight_decay: true,
             maximize: false,
+            bias_correction: true,
         }
     }
 
@@ -93,8 +97,13 @@ impl AdamConfig {
         check_step(step, grad_scale)?;
         // Bias corrections in f64, as PyTorch computes them in Python floats.
         let exponent = i32::try_from(step).unwrap_or(i32::MAX);
-        let bias_correction1 = 1.0 - self.beta1.powi(exponent);
-        let bias_correction2 = 1.0 - self.beta2.powi(exponent);
+        let (bias_correction1, bias_correction2) = match self.bias_correction {
+            true => (
+                1.0 - self.beta1.powi(exponent),
+                1.0 - self.beta2.powi(exponent),
+            ),
+            false => (1.0, 1.0),
+        };
         let (l2, decay) = match self.decoupled_weight_decay {
             true => (0.0, 1.0 - self.lr * self.weight_decay),
             false => (self.weight_decay, 1.0),

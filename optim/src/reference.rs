@@ -31,8 +31,10 @@ pub fn adam(config: &AdamConfig, step: u64, grad_scale: f64, grad: f64, x: State
     let m = x.s1 + (1.0 - config.beta1) * (g - x.s1);
     let v = config.beta2 * x.s2 + (1.0 - config.beta2) * g * g;
     let t = step as i32;
-    let bias_correction1 = 1.0 - config.beta1.powi(t);
-    let bias_correction2 = 1.0 - config.beta2.powi(t);
+    let (bias_correction1, bias_correction2) = match config.bias_correction {
+        true => (1.0 - config.beta1.powi(t), 1.0 - config.beta2.powi(t)),
+        false => (1.0, 1.0),
+    };
     let denominator = v.sqrt() / bias_correction2.sqrt() + config.eps;
     p -= config.lr / bias_correction1 * m / denominator;
     State64 { p, s1: m, s2: v }

@@ -178,6 +178,7 @@ impl TrainSettings {
             weight_decay: self.weight_decay,
             decoupled_weight_decay: true,
             maximize: false,
+            bias_correction: true,
         }
     }
 
