@@ -9,6 +9,8 @@
 //!   resubmits short transfers and EAGAIN and types every error.
 //! - [`IoService`]: rings on worker threads with bounded queues; [`Ticket`]s
 //!   are waited on from threads or awaited from async code.
+//! - [`IoHandle`]: DeepNVMe's verbs - a whole buffer read from or written
+//!   to (path, offset) asynchronously, split over worker rings.
 //! - [`SwapStore`]: preallocated swap files striped over drives, an extent
 //!   allocator and per-chunk checksums kept apart from the data.
 //!
@@ -33,6 +35,7 @@ mod config;
 pub mod engine;
 mod error;
 mod file;
+mod handle;
 mod queue;
 mod service;
 mod size;
@@ -51,6 +54,10 @@ pub use engine::{
 };
 pub use error::{Op, Result, StorageError};
 pub use file::{AlignSource, IoFile, check_dir_writable};
+pub use handle::{
+    HANDLE_BLOCK_BYTES_MAX, HANDLE_PENDING_MAX, HANDLE_QUEUE_DEPTH_MAX, HANDLE_THREADS_MAX,
+    HandleConfig, IoHandle,
+};
 pub use queue::{Completion, IoQueue, QueueStats, RETRIES_MAX_DEFAULT, Request};
 pub use service::{EngineFactory, IoService, ServiceConfig, Ticket};
 pub use size::{ByteSize, round_up};

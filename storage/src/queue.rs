@@ -124,6 +124,19 @@ impl IoQueue {
         self.stats
     }
 
+    /// Replaces the file table (`paths[i]` names `fds[i]` in errors).
+    ///
+    /// # Panics
+    /// If a request is in flight.
+    pub fn set_files(&mut self, fds: &[std::os::fd::RawFd], paths: &[PathBuf]) -> io::Result<()> {
+        assert_eq!(self.in_flight(), 0, "set_files with requests in flight");
+        assert_eq!(fds.len(), paths.len(), "one path per descriptor");
+        self.engine.set_files(fds)?;
+        self.paths.clear();
+        self.paths.extend_from_slice(paths);
+        Ok(())
+    }
+
     /// Registers memory for fixed-buffer transfers; requests inside a region
     /// use it automatically. Returns whether the engine accepted them.
     ///

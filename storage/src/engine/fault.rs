@@ -118,6 +118,10 @@ impl<E: RawEngine> RawEngine for FaultEngine<E> {
         self.inner.depth_max()
     }
 
+    fn set_files(&mut self, fds: &[std::os::fd::RawFd]) -> io::Result<()> {
+        self.inner.set_files(fds)
+    }
+
     unsafe fn push(&mut self, req: RawRequest) {
         self.requests.insert(req.tag, req);
         // SAFETY: forwarded from our caller.

@@ -95,6 +95,11 @@ pub trait RawEngine: Send {
     unsafe fn register_buffers(&mut self, _regions: &[(*mut u8, usize)]) -> bool {
         false
     }
+
+    /// Replaces the file table (for engines that serve one file after
+    /// another, as [`crate::IoHandle`]'s do). Only while nothing is in
+    /// flight; the descriptors must stay open while requests use them.
+    fn set_files(&mut self, fds: &[RawFd]) -> io::Result<()>;
 }
 
 impl RawEngine for Box<dyn RawEngine> {
@@ -114,6 +119,9 @@ impl RawEngine for Box<dyn RawEngine> {
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> bool {
         // SAFETY: forwarded from our caller.
         unsafe { (**self).register_buffers(regions) }
+    }
+    fn set_files(&mut self, fds: &[RawFd]) -> io::Result<()> {
+        (**self).set_files(fds)
     }
 }
 

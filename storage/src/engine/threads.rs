@@ -96,6 +96,12 @@ impl RawEngine for ThreadEngine {
         self.depth_max
     }
 
+    fn set_files(&mut self, fds: &[RawFd]) -> io::Result<()> {
+        self.fds.clear();
+        self.fds.extend_from_slice(fds);
+        Ok(())
+    }
+
     unsafe fn push(&mut self, req: RawRequest) {
         let fd = self.fds[req.file as usize];
         self.staged.push(Job(req, fd));

@@ -124,6 +124,18 @@ impl RawEngine for UringEngine {
         Ok(())
     }
 
+    /// Later tables use plain descriptors: re-registering files on every
+    /// change would cost more than the lookups it saves.
+    fn set_files(&mut self, fds: &[RawFd]) -> io::Result<()> {
+        if self.fixed_files {
+            self.ring.submitter().unregister_files()?;
+            self.fixed_files = false;
+        }
+        self.fds.clear();
+        self.fds.extend_from_slice(fds);
+        Ok(())
+    }
+
     unsafe fn register_buffers(&mut self, regions: &[(*mut u8, usize)]) -> bool {
         let iovecs: Vec<libc::iovec> = regions
             .iter()
@@ -155,6 +167,19 @@ impl RawEngine for UringEngine {
 }
 
 impl UringEngine {
+    /// A ring with an empty file table, for [`RawEngine::set_files`].
+    pub fn without_files(depth: usize) -> io::Result<Self> {
+        assert!(depth > 0, "queue depth must be positive");
+        let entries = (depth as u32).next_power_of_two();
+        Ok(Self {
+            ring: IoUring::builder().setup_clamp().build(entries)?,
+            fds: Vec::new(),
+            fixed_files: false,
+            fixed_buffers: false,
+            depth_max: depth,
+        })
+    }
+
     fn reap(&mut self, out: &mut Vec<RawCompletion>) {
         for cqe in self.ring.completion() {
             out.push(RawCompletion {
