@@ -1,12 +1,13 @@
 //! Checkpoints: the fp32 weights as `model.safetensors` (GPT-2's tensor
-//! names and layouts, loadable by other tools), each rank's optimizer
-//! shard (master weights and moments) as `optimizer-rank{r}.safetensors`,
-//! and `meta.json` (step, loss-scaler state, the run's shape, a checksum
-//! of every file). A checkpoint is written into a temporary directory,
-//! every file and the directory fsynced, then renamed to `step-NNNNNNNN`,
-//! and only then does the `latest` pointer (itself replaced by rename)
-//! name it: a write killed at any point leaves the previous checkpoint
-//! whole and `latest` naming it.
+//! names and layouts) beside `config.json` (a Hugging Face `GPT2Config`),
+//! so that a step directory opens in transformers as it is, each rank's
+//! optimizer shard (master weights and moments) as
+//! `optimizer-rank{r}.safetensors`, and `meta.json` (step, loss-scaler
+//! state, the run's shape, a checksum of every file). A checkpoint is
+//! written into a temporary directory, every file and the directory
+//! fsynced, then renamed to `step-NNNNNNNN`, and only then does the
+//! `latest` pointer (itself replaced by rename) name it: a write killed at
+//! any point leaves the previous checkpoint whole and `latest` naming it.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -29,8 +30,12 @@ fn nearest() -> String {
     "nearest".into()
 }
 
-/// The layout version this code writes and reads.
+/// The layout version this code writes and reads. (`config.json` came
+/// later within format 1: checkpoints without it still resume.)
 pub const FORMAT: u32 = 1;
+
+/// The Hugging Face config beside the weights.
+const HF_CONFIG: &str = "config.json";
 
 /// `meta.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -304,7 +309,47 @@ pub(crate) fn part_names(gpt: &GptConfig, g: usize) -> Vec<(String, Vec<usize>)>
     .collect()
 }
 
-/// Serializes named f32 tensors as safetensors.
+/// A Hugging Face `GPT2Config` of `gpt` as strata computes it, for
+/// `GPT2LMHeadModel.from_pretrained(step_dir)`: the tanh GELU
+/// (`gelu_new`), the kernels' LayerNorm epsilon, attention scaled by
+/// `1/sqrt(head_dim)` alone, the LM head tied to `wte`, no dropout, and no
+/// BOS/EOS token (byte-level tokens have none; GPT-2's 50256 would lie
+/// outside the vocabulary).
+pub(crate) fn hf_config(gpt: &GptConfig) -> serde_json::Value {
+    // Through its shortest decimal form, so that 1e-5f32 is written 1e-5.
+    let epsilon: f64 = strata_kernels::cpu::ops::LN_EPS
+        .to_string()
+        .parse()
+        .expect("a float's decimal form parses");
+    serde_json::json!({
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": gpt.vocab,
+        "n_positions": gpt.seq,
+        "n_ctx": gpt.seq,
+        "n_embd": gpt.hidden,
+        "n_layer": gpt.layers,
+        "n_head": gpt.heads,
+        "n_inner": 4 * gpt.hidden,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": epsilon,
+        "scale_attn_weights": true,
+        "scale_attn_by_inverse_layer_idx": false,
+        "reorder_and_upcast_attn": false,
+        "tie_word_embeddings": true,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "use_cache": true,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    })
+}
+
+/// Serializes named f32 tensors as safetensors, with transformers'
+/// `{"format": "pt"}` header (some of its versions refuse a file without).
 pub(crate) fn safetensors_bytes(
     path: &Path,
     tensors: &[(String, Vec<usize>, Vec<f32>)],
@@ -321,7 +366,8 @@ pub(crate) fn safetensors_bytes(
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|err| problem(path, err, "this is a bug: report it"))?;
-    safetensors::serialize(views, None)
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize(views, Some(metadata))
         .map_err(|err| problem(path, err, "this is a bug: report it"))
 }
 
@@ -408,6 +454,8 @@ impl Engine {
             if rank == 0 {
                 let path = tmp.join("model.safetensors");
                 write_synced(&path, &safetensors_bytes(&path, &weights)?)?;
+                let config = serde_json::to_vec_pretty(&hf_config(&self.gpt)).expect("serializes");
+                write_synced(&tmp.join(HF_CONFIG), &config)?;
             }
             Ok(())
         })();
@@ -477,6 +525,9 @@ impl Engine {
                 meta.seed.to_string(),
                 self.config.train.seed.to_string(),
             ));
+        }
+        if meta.files.contains_key(HF_CONFIG) {
+            checkpoint.read_file(HF_CONFIG)?;
         }
         let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
         let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| {

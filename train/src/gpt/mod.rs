@@ -691,6 +691,79 @@ pub fn head_forward_backward(
     Ok(loss)
 }
 
+/// The head's forward alone: the logits (`rows x vocab`) of the last
+/// block's output `x` through the final LayerNorm and the tied LM head.
+pub fn head_logits(
+    backend: &dyn Backend,
+    config: &GptConfig,
+    embed: View<'_>,
+    x: View<'_>,
+    buffers: &mut HeadBuffers,
+    logits: ViewMut<'_>,
+) -> Result<()> {
+    let (h, v) = (config.hidden, config.vocab);
+    let layout = EmbedLayout::new(config);
+    expect_len("embedding parameters", embed.len(), layout.total)?;
+    let n = x.len() / h;
+    expect_len("head input", x.len(), n * h)?;
+    expect_len("head buffers", buffers.parts.range(0).len(), n * h)?;
+    expect_len("logits", logits.len(), n * v)?;
+    let [wte, _, gamma, beta] = layout.parts.views(embed);
+    let parts = buffers.parts;
+    let [mut hf, ln, ..] = parts.split(buffers.buffer.view_mut());
+    backend.layer_norm(x, gamma, beta, hf.reborrow(), ln)?;
+    backend.gemm(
+        Matrix::n(hf.view().matrix(n, h)?),
+        Matrix::t(wte.matrix(v, h)?),
+        1.0,
+        0.0,
+        logits.matrix(n, v)?,
+    )?;
+    Ok(())
+}
+
+/// The whole model's forward for inference: the logits (`tokens x
+/// vocab`) of `tokens` (whole sequences of `config.seq`), from the
+/// embeddings' parameters and each block's. It allocates its buffers on
+/// `backend` (one block's activations, not the model's) and returns once
+/// the backend has written `logits` (an evaluation, not a step's path).
+pub fn forward_logits(
+    backend: &dyn Backend,
+    config: &GptConfig,
+    embed: View<'_>,
+    blocks: &[View<'_>],
+    tokens: View<'_>,
+    logits: ViewMut<'_>,
+) -> Result<()> {
+    let batch = tokens.len() / config.seq;
+    expect_len("tokens", tokens.len(), batch.max(1) * config.seq)?;
+    expect_len("blocks", blocks.len(), config.layers)?;
+    let n = batch * config.seq;
+    let mut acts = BlockActivations::new(backend, config, batch)?;
+    let mut scratch = BlockScratch::new(backend, config, batch)?;
+    let mut head = HeadBuffers::new(backend, config, batch)?;
+    let mut x = backend.alloc(Dtype::F32, n * config.hidden)?;
+    let mut y = backend.alloc(Dtype::F32, n * config.hidden)?;
+    embed_forward(backend, config, embed, tokens, x.view_mut())?;
+    for &params in blocks {
+        block_forward(
+            backend,
+            config,
+            batch,
+            params,
+            x.view(),
+            &mut acts,
+            &mut scratch,
+            y.view_mut(),
+        )?;
+        std::mem::swap(&mut x, &mut y);
+    }
+    head_logits(backend, config, embed, x.view(), &mut head, logits)?;
+    // The buffers above are freed on return: the ops must be done with them.
+    backend.record()?.wait()?;
+    Ok(())
+}
+
 /// The embeddings' backward: adds `dx` to the rows of the token and
 /// position embeddings it came from.
 pub fn embed_backward(
