@@ -1,0 +1,376 @@
+//! Tensors in: `__dlpack__` objects (torch tensors, numpy arrays; bf16
+//! included) and buffer-protocol objects, checked for device (CPU), dtype
+//! and contiguity. A [`Tensor`] keeps its owner (and the DLPack capsule or
+//! the buffer view) alive, so its memory stays valid while the GIL is
+//! released; dropping it hands everything back.
+//!
+//! Raw writes bypass autograd's version counter: callers write under
+//! no_grad semantics (the Python layer steps inside `torch.no_grad()`).
+
+use std::ffi::{CStr, c_void};
+
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+/// DLPack's device, data type and tensor (dlpack.h, ABI version 0.x).
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+const DL_CPU: i32 = 1;
+const DL_CUDA_HOST: i32 = 3;
+const DL_INT: u8 = 0;
+const DL_UINT: u8 = 1;
+const DL_FLOAT: u8 = 2;
+const DL_BFLOAT: u8 = 4;
+const DL_COMPLEX: u8 = 5;
+const DL_BOOL: u8 = 6;
+
+const CAPSULE_NAME: &CStr = c"dltensor";
+
+/// The element types strata's kernels take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dtype {
+    F32,
+    Bf16,
+    F16,
+    /// 16-bit unsigned: numpy's stand-in for bf16 (`a.view(np.uint16)`).
+    U16,
+    U8,
+    /// Anything else, by DLPack type code and bits (named in errors).
+    Other(u8, u8),
+}
+
+impl Dtype {
+    fn from_dlpack(code: u8, bits: u8) -> Dtype {
+        match (code, bits) {
+            (DL_FLOAT, 32) => Dtype::F32,
+            (DL_FLOAT, 16) => Dtype::F16,
+            (DL_BFLOAT, 16) => Dtype::Bf16,
+            (DL_UINT, 16) => Dtype::U16,
+            (DL_UINT, 8) => Dtype::U8,
+            (code, bits) => Dtype::Other(code, bits),
+        }
+    }
+
+    fn from_format(format: &CStr, item_bytes: usize) -> Dtype {
+        let format = format.to_bytes();
+        let code = format
+            .iter()
+            .rev()
+            .find(|c| c.is_ascii_alphabetic() || **c == b'?')
+            .copied();
+        let bits = (item_bytes * 8).min(255) as u8;
+        let code = match code {
+            Some(b'f' | b'd' | b'e') => DL_FLOAT,
+            Some(b'B' | b'H' | b'I' | b'L' | b'Q' | b'N') => DL_UINT,
+            Some(b'?') => DL_BOOL,
+            _ => DL_INT,
+        };
+        Dtype::from_dlpack(code, bits)
+    }
+
+    pub(crate) fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 | Dtype::U16 => 2,
+            Dtype::U8 => 1,
+            Dtype::Other(_, bits) => usize::from(bits).div_ceil(8),
+        }
+    }
+
+    pub(crate) fn name(self) -> String {
+        match self {
+            Dtype::F32 => "float32".into(),
+            Dtype::Bf16 => "bfloat16".into(),
+            Dtype::F16 => "float16".into(),
+            Dtype::U16 => "uint16".into(),
+            Dtype::U8 => "uint8".into(),
+            Dtype::Other(code, bits) => {
+                let kind = match code {
+                    DL_INT => "int",
+                    DL_UINT => "uint",
+                    DL_FLOAT => "float",
+                    DL_BFLOAT => "bfloat",
+                    DL_COMPLEX => "complex",
+                    DL_BOOL => return "bool".into(),
+                    _ => "dlpack-type-",
+                };
+                format!("{kind}{bits}")
+            }
+        }
+    }
+}
+
+/// What keeps a tensor's memory alive.
+enum Keep {
+    /// The exporting object and its (unconsumed) capsule: the capsule's
+    /// destructor calls the producer's deleter when we drop it.
+    DlPack {
+        _owner: Py<PyAny>,
+        _capsule: Py<PyAny>,
+    },
+    /// A buffer view; releasing it (on drop) lets the exporter resize again.
+    Buffer(#[allow(dead_code)] PyUntypedBuffer),
+}
+
+/// A contiguous CPU tensor borrowed from Python.
+pub(crate) struct Tensor {
+    pub(crate) name: &'static str,
+    ptr: *mut u8,
+    pub(crate) elems: usize,
+    pub(crate) dtype: Dtype,
+    readonly: bool,
+    _keep: Keep,
+}
+
+// SAFETY: the memory is owned by Python objects this struct keeps alive;
+// which thread touches it is governed by the callers' rules (every use
+// happens while the owning call holds the tensor, with the GIL released
+// only around kernels that the caller is waiting on).
+unsafe impl Send for Tensor {}
+// SAFETY: as above; shared references only read the pointer and sizes.
+unsafe impl Sync for Tensor {}
+
+impl Tensor {
+    /// Borrows `obj` (named `name` in errors).
+    pub(crate) fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Tensor> {
+        if obj.hasattr("__dlpack__")? {
+            // An exporter that refuses (numpy's read-only arrays) may still
+            // offer the buffer protocol; errors of our own checks stand.
+            return match obj.call_method0("__dlpack__") {
+                Ok(capsule) => Self::from_capsule(obj, capsule, name),
+                Err(err) => match PyUntypedBuffer::get(obj) {
+                    Ok(buffer) => Self::from_buffer(buffer, name),
+                    Err(_) => Err(dlpack_refused(err, name)),
+                },
+            };
+        }
+        match PyUntypedBuffer::get(obj) {
+            Ok(buffer) => Self::from_buffer(buffer, name),
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "{name}: expected a CPU tensor (a torch.Tensor, a numpy array or any object with \
+                 __dlpack__ or the buffer protocol), got {}",
+                obj.get_type().name()?
+            ))),
+        }
+    }
+
+    fn from_capsule(
+        obj: &Bound<'_, PyAny>,
+        capsule: Bound<'_, PyAny>,
+        name: &'static str,
+    ) -> PyResult<Tensor> {
+        // SAFETY: `capsule` is a live object; GetPointer checks that it is
+        // a capsule with this name and returns null (with an exception set)
+        // otherwise.
+        let managed =
+            unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) };
+        if managed.is_null() {
+            let _ = PyErr::take(obj.py());
+            return Err(PyTypeError::new_err(format!(
+                "{name}: __dlpack__ did not return a \"dltensor\" capsule (a consumed or versioned \
+                 capsule?)"
+            )));
+        }
+        // SAFETY: a "dltensor" capsule holds a DLManagedTensor, whose first
+        // field is the DLTensor; the capsule (kept below) keeps it alive.
+        let tensor = unsafe { &*(managed as *const DlTensor) };
+        if tensor.device.device_type != DL_CPU && tensor.device.device_type != DL_CUDA_HOST {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor is on a device (DLPack device type {}), strata steps CPU \
+                 tensors: move it with .cpu() or offload the optimizer to the CPU",
+                tensor.device.device_type
+            )));
+        }
+        if tensor.dtype.lanes != 1 {
+            return Err(PyValueError::new_err(format!(
+                "{name}: vector dtypes ({} lanes) are not supported",
+                tensor.dtype.lanes
+            )));
+        }
+        let dtype = Dtype::from_dlpack(tensor.dtype.code, tensor.dtype.bits);
+        let ndim = usize::try_from(tensor.ndim).unwrap_or(0);
+        // SAFETY: DLPack guarantees `ndim` entries in shape, and in strides
+        // when strides is not null.
+        let shape = unsafe { dims(tensor.shape, ndim) };
+        // SAFETY: as above.
+        let strides = unsafe { dims(tensor.strides, ndim) };
+        let mut elems: usize = 1;
+        for &extent in shape {
+            elems = usize::try_from(extent)
+                .ok()
+                .and_then(|e| elems.checked_mul(e))
+                .ok_or_else(|| PyValueError::new_err(format!("{name}: bad shape {shape:?}")))?;
+        }
+        if !strides.is_empty() && !is_c_contiguous(shape, strides) {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor is not contiguous (shape {shape:?}, strides {strides:?}): \
+                 pass tensor.contiguous()"
+            )));
+        }
+        // SAFETY: byte_offset lies inside the allocation DLPack describes.
+        let ptr = unsafe { tensor.data.cast::<u8>().add(tensor.byte_offset as usize) };
+        Ok(Tensor {
+            name,
+            ptr,
+            elems,
+            dtype,
+            readonly: false,
+            _keep: Keep::DlPack {
+                _owner: obj.clone().unbind(),
+                _capsule: capsule.unbind(),
+            },
+        })
+    }
+
+    fn from_buffer(buffer: PyUntypedBuffer, name: &'static str) -> PyResult<Tensor> {
+        if !buffer.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the buffer is not C-contiguous: pass a contiguous copy"
+            )));
+        }
+        let dtype = Dtype::from_format(buffer.format(), buffer.item_size());
+        Ok(Tensor {
+            name,
+            ptr: buffer.buf_ptr().cast(),
+            elems: buffer.item_count(),
+            dtype,
+            readonly: buffer.readonly(),
+            _keep: Keep::Buffer(buffer),
+        })
+    }
+
+    /// Bytes the tensor spans.
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.elems * self.dtype.bytes()
+    }
+
+    /// The start of its memory.
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Errors unless the tensor may be written.
+    pub(crate) fn check_writable(&self) -> PyResult<()> {
+        if self.readonly {
+            return Err(PyValueError::new_err(format!(
+                "{}: the buffer is read-only and strata must write it",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Errors unless the tensor holds `elems` elements of one of `dtypes`.
+    pub(crate) fn expect(&self, dtypes: &[Dtype], elems: usize) -> PyResult<()> {
+        if !dtypes.contains(&self.dtype) {
+            let names: Vec<String> = dtypes.iter().map(|d| d.name()).collect();
+            return Err(PyTypeError::new_err(format!(
+                "{}: dtype {} is not supported here: use {}",
+                self.name,
+                self.dtype.name(),
+                names.join(" or ")
+            )));
+        }
+        if self.elems != elems {
+            return Err(PyValueError::new_err(format!(
+                "{}: {} elements, but the parameter has {elems}",
+                self.name, self.elems
+            )));
+        }
+        Ok(())
+    }
+
+    /// The memory as `T`s.
+    ///
+    /// # Safety
+    /// The dtype must be `T`'s (checked by [`Tensor::expect`]) and nothing
+    /// else may access the memory while the slice lives.
+    pub(crate) unsafe fn slice<T>(&self) -> &[T] {
+        // SAFETY: contiguous memory of `elems` elements of the right type,
+        // alive while `self` is; exclusivity is the caller's.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.elems) }
+    }
+
+    /// The memory as mutable `T`s.
+    ///
+    /// # Safety
+    /// As [`Tensor::slice`], and the tensor must be writable (checked by
+    /// [`Tensor::check_writable`]).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice_mut<T>(&self) -> &mut [T] {
+        // SAFETY: as for `slice`, and no other slice of this memory lives.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.elems) }
+    }
+}
+
+fn dlpack_refused(err: PyErr, name: &str) -> PyErr {
+    let hint = if err.to_string().contains("require") {
+        " (pass tensor.detach(): strata writes under no_grad)"
+    } else {
+        ""
+    };
+    PyValueError::new_err(format!("{name}: __dlpack__ failed: {err}{hint}"))
+}
+
+/// Errors if any two of `tensors` share memory (a kernel would then read
+/// what it is writing).
+pub(crate) fn check_disjoint(tensors: &[&Tensor]) -> PyResult<()> {
+    for (i, a) in tensors.iter().enumerate() {
+        for b in &tensors[i + 1..] {
+            let (a0, a1) = (a.ptr as usize, a.ptr as usize + a.len_bytes());
+            let (b0, b1) = (b.ptr as usize, b.ptr as usize + b.len_bytes());
+            if a0 < b1 && b0 < a1 && a.len_bytes() > 0 && b.len_bytes() > 0 {
+                return Err(PyValueError::new_err(format!(
+                    "{} and {} share memory: pass separate tensors",
+                    a.name, b.name
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `ptr` is null or points at `n` readable i64s that outlive the result.
+unsafe fn dims<'a>(ptr: *const i64, n: usize) -> &'a [i64] {
+    if ptr.is_null() || n == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(ptr, n) }
+    }
+}
+
+fn is_c_contiguous(shape: &[i64], strides: &[i64]) -> bool {
+    let mut expected = 1i64;
+    for (&extent, &stride) in shape.iter().zip(strides).rev() {
+        if extent != 1 && stride != expected {
+            return false;
+        }
+        expected = expected.saturating_mul(extent);
+    }
+    true
+}

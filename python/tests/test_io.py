@@ -1,0 +1,127 @@
+"""strata.io.AsyncIO with numpy: bytes written and read back match on every
+path (aligned, unaligned buffers, tails, offsets), counts, fork, errors."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import strata.io
+from strata.io import AsyncIO, LockedBuffer
+
+
+@pytest.fixture(params=["uring", "threads"])
+def handle(request):
+    try:
+        return AsyncIO(block_size=64 << 10, queue_depth=8, threads=2, engine=request.param)
+    except ValueError as err:
+        pytest.skip(f"{request.param}: {err}")
+
+
+@pytest.mark.parametrize("nbytes,misalign,offset", [
+    (1 << 20, 0, 0),
+    ((1 << 20) + 123, 0, 4096),
+    (300_001, 1, 0),
+    (100_000, 0, 17),
+    (3, 1, 5),
+])
+def test_bytes_written_and_read_back_match(handle, tmp_path, nbytes, misalign, offset):
+    rng = np.random.default_rng(nbytes)
+    raw = np.empty(nbytes + misalign, np.uint8)
+    src = raw[misalign:]
+    src[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "t.bin"
+    assert handle.async_pwrite(src, str(path), offset) == 0
+    assert handle.wait() == 1
+    assert os.path.getsize(path) == offset + nbytes
+    back_raw = np.zeros(nbytes + misalign, np.uint8)
+    back = back_raw[misalign:]
+    assert handle.sync_pread(back, path, offset) == 1
+    assert (back == src).all()
+
+
+def test_bf16_as_uint16_and_many_operations(handle, tmp_path):
+    tensors = [np.arange(i * 1000, i * 1000 + 70_000, dtype=np.uint16) for i in range(8)]
+    for i, t in enumerate(tensors):
+        handle.async_pwrite(t, str(tmp_path / f"{i}.bin"))
+    assert handle.pending() == 8
+    assert handle.wait() == 8
+    backs = [np.zeros_like(t) for t in tensors]
+    for i, b in enumerate(backs):
+        handle.async_pread(b, str(tmp_path / f"{i}.bin"))
+    assert handle.wait() == 8
+    assert all((a == b).all() for a, b in zip(tensors, backs))
+
+
+def test_locked_tensors(tmp_path):
+    h = AsyncIO()
+    like = np.zeros(1, np.float32)
+    t = h.new_cpu_locked_tensor(1 << 18, like)
+    assert t.dtype == np.float32 and t.size == 1 << 18
+    assert t.ctypes.data % 4096 == 0, "locked tensors are page-aligned for direct I/O"
+    t[:] = np.arange(t.size)
+    h.sync_pwrite(t, tmp_path / "locked.bin")
+    u = h.new_cpu_locked_tensor(1 << 18, like)
+    h.sync_pread(u, tmp_path / "locked.bin")
+    assert (t == u).all()
+    assert h.free_cpu_locked_tensor(t) and h.free_cpu_locked_tensor(u)
+    with pytest.raises(ValueError, match="did not come from new_cpu_locked_tensor"):
+        h.free_cpu_locked_tensor(np.zeros(4))
+    assert len(LockedBuffer(10)) == 10
+
+
+def test_errors_name_the_path_and_errno(tmp_path):
+    h = AsyncIO()
+    buf = np.zeros(8192, np.uint8)
+    missing = tmp_path / "absent.bin"
+    with pytest.raises(OSError) as info:
+        h.async_pread(buf, missing)
+    assert info.value.errno == errno.ENOENT and "absent.bin" in str(info.value)
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"x" * 100)
+    with pytest.raises(OSError, match="short.bin ended at offset 100 with 8092 bytes"):
+        h.sync_pread(buf, short)
+    os.chmod(tmp_path, 0o500)
+    try:
+        if os.geteuid() != 0:
+            with pytest.raises(OSError) as info:
+                h.sync_pwrite(buf, tmp_path / "new.bin")
+            assert info.value.errno == errno.EACCES
+    finally:
+        os.chmod(tmp_path, 0o700)
+    readonly = np.zeros(16, np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        h.async_pread(readonly, short)
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncIO(block_size=1000)
+    with pytest.raises(ValueError, match="engine"):
+        AsyncIO(engine="libaio")
+    assert h.wait() == 0
+
+
+def test_a_forked_child_builds_its_own_threads(tmp_path):
+    h = AsyncIO(threads=2)
+    data = np.arange(1 << 16, dtype=np.float32)
+    h.sync_pwrite(data, tmp_path / "parent.bin")
+    from strata._strata import Kernels
+
+    k = Kernels(threads=2)
+    p = np.ones(1 << 19, np.float32)
+    k.adam(p, p.copy(), np.zeros_like(p), np.zeros_like(p), step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+           eps=1e-8, weight_decay=0.0, adamw_mode=True, bias_correction=True)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            back = np.zeros_like(data)
+            h.sync_pread(back, tmp_path / "parent.bin")
+            k.adam(p, p.copy(), np.zeros_like(p), np.zeros_like(p), step=1, lr=1e-3, beta1=0.9,
+                   beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True, bias_correction=True)
+            code = 0 if (back == data).all() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert strata.io.AsyncIO is AsyncIO

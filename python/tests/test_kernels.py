@@ -1,0 +1,149 @@
+"""strata._strata.Kernels with numpy: each rule against a float64 reference,
+bf16 through uint16 views, the fused 16-bit copy, and the errors."""
+
+import numpy as np
+import pytest
+
+from strata._strata import Kernels
+
+
+def bf16_to_f32(u16):
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16_rne(x):
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16)
+
+
+def adam_reference(p, m, v, g, step, lr, b1, b2, eps, wd, adamw, bias_correction=True):
+    if adamw:
+        p = p * (1 - lr * wd)
+    else:
+        g = g + wd * p
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    bc1 = 1 - b1**step if bias_correction else 1.0
+    bc2 = 1 - b2**step if bias_correction else 1.0
+    p = p - lr / bc1 * m / (np.sqrt(v) / np.sqrt(bc2) + eps)
+    return p, m, v
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return Kernels(threads=2)
+
+
+@pytest.mark.parametrize("adamw,wd,bias_correction", [(True, 0.01, True), (False, 0.1, True), (True, 0.0, False)])
+def test_adam_tracks_the_f64_reference_for_100_steps(kernels, adamw, wd, bias_correction):
+    rng = np.random.default_rng(1)
+    n = 100_003  # odd: the vector loop's tail is exercised
+    p = rng.standard_normal(n).astype(np.float32)
+    m = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    p64, m64, v64 = p.astype(np.float64), np.zeros(n), np.zeros(n)
+    for step in range(1, 101):
+        g = rng.standard_normal(n).astype(np.float32)
+        kernels.adam(p, g, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=wd, adamw_mode=adamw, bias_correction=bias_correction)
+        p64, m64, v64 = adam_reference(p64, m64, v64, g.astype(np.float64), step, 1e-3, 0.9, 0.999,
+                                       1e-8, wd, adamw, bias_correction)
+    np.testing.assert_allclose(p, p64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(v, v64, rtol=1e-4, atol=1e-9)
+
+
+def test_bf16_gradients_and_the_fused_copy_through_uint16_views(kernels):
+    rng = np.random.default_rng(2)
+    n = 4099
+    p = rng.standard_normal(n).astype(np.float32)
+    g16 = f32_to_bf16_rne(rng.standard_normal(n).astype(np.float32))
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    copy = np.zeros(n, np.uint16)
+    expected, _, _ = adam_reference(p.astype(np.float64), 0.0, 0.0, bf16_to_f32(g16).astype(np.float64),
+                                    1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+    kernels.adam(p, g16, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                 adamw_mode=True, bias_correction=True, param_copy=copy)
+    np.testing.assert_allclose(p, expected, rtol=1e-6, atol=1e-7)
+    assert (copy == f32_to_bf16_rne(p)).all(), "the copy is the updated parameter rounded to nearest even"
+
+
+def test_adagrad_and_lion_track_their_references(kernels):
+    rng = np.random.default_rng(3)
+    n = 5001
+    p = rng.standard_normal(n).astype(np.float32)
+    s = np.zeros(n, np.float32)
+    p64, s64 = p.astype(np.float64), np.zeros(n)
+    for step in range(1, 21):
+        g = rng.standard_normal(n).astype(np.float32)
+        kernels.adagrad(p, g, s, step=step, lr=1e-2, eps=1e-10, weight_decay=0.01)
+        g64 = g.astype(np.float64) + 0.01 * p64
+        s64 = s64 + g64 * g64
+        p64 = p64 - 1e-2 * g64 / (np.sqrt(s64) + 1e-10)
+    np.testing.assert_allclose(p, p64, rtol=1e-5, atol=1e-6)
+
+    q = rng.standard_normal(n).astype(np.float32)
+    mom = np.zeros(n, np.float32)
+    q64, mom64 = q.astype(np.float64), np.zeros(n)
+    for step in range(1, 21):
+        g = rng.standard_normal(n).astype(np.float32)
+        kernels.lion(q, g, mom, step=step, lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+        c = 0.9 * mom64 + 0.1 * g
+        q64 = q64 * (1 - 1e-4 * 0.1) - 1e-4 * np.sign(c)
+        mom64 = 0.99 * mom64 + 0.01 * g
+    np.testing.assert_allclose(q, q64, rtol=1e-5, atol=1e-6)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    rng = np.random.default_rng(4)
+    n = 1 << 20
+    base = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    results = []
+    for threads in (1, 2, 3):
+        p, m, v = base.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+        Kernels(threads=threads).adam(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                      weight_decay=0.01, adamw_mode=True, bias_correction=True)
+        results.append(p)
+    assert all((r == results[0]).all() for r in results)
+
+
+def call(kernels, **override):
+    n = 64
+    args = dict(params=np.zeros(n, np.float32), grads=np.zeros(n, np.float32),
+                exp_avg=np.zeros(n, np.float32), exp_avg_sq=np.zeros(n, np.float32))
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+              bias_correction=True)
+    for key, value in override.items():
+        (args if key in args else kw)[key] = value
+    kernels.adam(args["params"], args["grads"], args["exp_avg"], args["exp_avg_sq"], **kw)
+
+
+def test_bad_arguments_are_named(kernels):
+    with pytest.raises(TypeError, match="params: dtype float64 is not supported here: use float32"):
+        call(kernels, params=np.zeros(64))
+    with pytest.raises(ValueError, match="grads: 63 elements, but the parameter has 64"):
+        call(kernels, grads=np.zeros(63, np.float32))
+    shared = np.zeros(64, np.float32)
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq share memory"):
+        call(kernels, exp_avg=shared, exp_avg_sq=shared)
+    readonly = np.zeros(64, np.float32)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="params: the buffer is read-only"):
+        call(kernels, params=readonly)
+    with pytest.raises(ValueError, match="not contiguous"):
+        call(kernels, grads=np.zeros(128, np.float32)[::2])
+    with pytest.raises(ValueError, match="invalid lr = NaN: it must be finite"):
+        call(kernels, lr=float("nan"))
+    with pytest.raises(ValueError, match="step"):
+        call(kernels, step=0)
+    with pytest.raises(TypeError, match="params: expected a CPU tensor"):
+        call(kernels, params=[0.0] * 64)
+    with pytest.raises(ValueError, match="threads = 0"):
+        Kernels(threads=0)
+
+
+def test_read_only_gradients_are_accepted(kernels):
+    g = np.ones(64, np.float32)
+    g.flags.writeable = False
+    call(kernels, grads=g)
