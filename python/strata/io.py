@@ -53,6 +53,46 @@ class AsyncIO(_AsyncIO):
     def get_intra_op_parallelism(self):
         return self.threads
 
+    def get_single_submit(self):
+        return False
+
+    def get_overlap_events(self):
+        return False
+
+    def get_alignment(self):
+        return 4096
+
+    def pread(self, buffer, filename, validate=False, async_op=False, file_offset=0, **kwargs):
+        """DeepNVMe's pread(buffer, filename, validate, async, file_offset):
+        asynchronous when ``async`` is true (then wait()), else waits and
+        returns the count. ``validate`` re-reads the range through the page
+        cache and compares."""
+        async_op = kwargs.pop("async", async_op)
+        if kwargs:
+            raise TypeError(f"pread got unexpected arguments {sorted(kwargs)}")
+        if async_op:
+            return self.async_pread(buffer, filename, file_offset)
+        count = self.sync_pread(buffer, filename, file_offset)
+        if validate:
+            _validate(buffer, filename, file_offset)
+        return count
+
+    def pwrite(self, buffer, filename, validate=False, async_op=False, file_offset=0, **kwargs):
+        """DeepNVMe's pwrite, as pread."""
+        async_op = kwargs.pop("async", async_op)
+        if kwargs:
+            raise TypeError(f"pwrite got unexpected arguments {sorted(kwargs)}")
+        if async_op:
+            return self.async_pwrite(buffer, filename, file_offset)
+        count = self.sync_pwrite(buffer, filename, file_offset)
+        if validate:
+            _validate(buffer, filename, file_offset)
+        return count
+
+    def is_pinned(self, buffer):
+        """Whether ``buffer`` came from new_cpu_locked_tensor."""
+        return _address(buffer) in self._locked
+
     def new_cpu_locked_tensor(self, num_elem, example_tensor):
         """A page-locked CPU tensor of ``num_elem`` elements of
         ``example_tensor``'s dtype (a torch tensor or a numpy array). Free it
@@ -77,6 +117,22 @@ class AsyncIO(_AsyncIO):
         if self._locked.pop(_address(tensor), None) is None:
             raise ValueError("free_cpu_locked_tensor: this tensor did not come from new_cpu_locked_tensor")
         return True
+
+
+def _validate(buffer, filename, offset):
+    data = memoryview(_bytes(buffer)).cast("B")
+    with open(filename, "rb") as f:
+        f.seek(offset)
+        if f.read(len(data)) != data:
+            raise OSError(f"validation failed: {filename} at offset {offset} differs from the buffer")
+
+
+def _bytes(buffer):
+    if hasattr(buffer, "numpy") and hasattr(buffer, "view"):
+        import torch
+
+        return buffer.detach().contiguous().view(torch.uint8).numpy()
+    return buffer
 
 
 def _itemsize(example):

@@ -125,3 +125,18 @@ def test_a_forked_child_builds_its_own_threads(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert strata.io.AsyncIO is AsyncIO
+
+
+def test_deepnvme_style_pread_pwrite_with_validate(tmp_path):
+    h = AsyncIO()
+    data = np.arange(10_000, dtype=np.float32)
+    path = str(tmp_path / "v.bin")
+    assert h.pwrite(data, path, True, False) == 1
+    back = np.zeros_like(data)
+    assert h.pread(back, path, True, False) == 1 and (back == data).all()
+    assert h.pwrite(data, path, False, True) == 0 and h.wait() == 1
+    with open(path, "r+b") as f:
+        f.write(b"\xff")
+    with pytest.raises(OSError, match="validation failed"):
+        strata.io._validate(data, path, 0)  # what validate=True runs after a transfer
+    assert h.get_block_size() == 1 << 20 and h.get_queue_depth() == 32 and h.get_intra_op_parallelism() == 1

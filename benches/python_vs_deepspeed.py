@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""strata from Python against DeepSpeed, side by side in one process.
+
+Optimizer: strata.optim.CPUAdam vs DeepSpeedCPUAdam vs torch.optim.AdamW
+(fused=True), each stepping its own copy of the same tensors (same shapes,
+same gradients) on the same number of threads; rounds interleaved, systems
+rotated, medians of params/s.
+
+I/O: strata.io.AsyncIO vs DeepNVMe's aio_handle
+(AsyncIOBuilder().load().aio_handle(...); needs libaio-dev), the same file
+size, block size, queue depth and threads, each with its own locked buffers
+(new_cpu_locked_tensor) and with ordinary tensors (torch.empty); writes then
+reads of the same files, rounds interleaved, medians of GB/s.
+
+    python3 benches/python_vs_deepspeed.py                   # 64M params, 1 GiB files in ./strata-pybench
+    python3 benches/python_vs_deepspeed.py --dir /nvme/x --threads 14 --io-threads 4
+    python3 benches/python_vs_deepspeed.py --tiny --json     # seconds; what the tests run
+
+Prints ratios (strata / peer); exits 0 whatever they are (bars are read
+off the output, not asserted). A peer that does not import or build is
+reported and skipped.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+
+def parse_size(text):
+    units = {"": 1, "K": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30}
+    text = text.strip().upper()
+    digits = text.rstrip("KMGIB")
+    unit = text[len(digits):]
+    if unit not in units or not digits:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a number with K, M or G (e.g. 64M, 1GiB)")
+    return int(float(digits) * units[unit])
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---------------------------------------------------------------- optimizers
+
+
+def adam_systems(torch, threads):
+    """(name, factory) for every optimizer that loads; reasons for those that do not."""
+    systems, skipped = [], {}
+    from strata.optim import CPUAdam
+
+    systems.append(("strata", lambda ps: CPUAdam(ps, lr=1e-3, weight_decay=0.01, threads=threads)))
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        probe = torch.nn.Parameter(torch.zeros(4))
+        DeepSpeedCPUAdam([probe])
+        systems.append(("deepspeed", lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3, weight_decay=0.01)))
+    except Exception as err:  # not installed, or its op failed to build
+        skipped["deepspeed"] = f"{type(err).__name__}: {err}"
+    systems.append(("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True)))
+    return systems, skipped
+
+
+def bench_adam(args, torch):
+    torch.set_num_threads(args.threads)
+    systems, skipped = adam_systems(torch, args.threads)
+    sizes = [args.params // args.tensors] * args.tensors
+    sizes[-1] += args.params - sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen) * 1e-2 for n in sizes]
+    states = {}
+    for name, factory in systems:
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer = factory(params)
+        optimizer.step()  # states allocated, first-touch done, JIT warm
+        states[name] = (optimizer, params)
+    times = {name: [] for name, _ in systems}
+    order = [name for name, _ in systems]
+    for round_ in range(args.rounds):
+        rotated = order[round_ % len(order):] + order[: round_ % len(order)]
+        for name in rotated:
+            optimizer = states[name][0]
+            start = time.perf_counter()
+            optimizer.step()
+            times[name].append(time.perf_counter() - start)
+    # Same tensors, same gradients, same number of steps: the parameters agree.
+    reference = states["strata"][1]
+    agreement = {}
+    for name, (_, params) in states.items():
+        agreement[name] = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(params, reference))
+    rates = {name: args.params / median(ts) / 1e9 for name, ts in times.items()}
+    result = {
+        "params": args.params,
+        "tensors": args.tensors,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "gparams_per_s": rates,
+        "max_abs_diff_from_strata": agreement,
+        "skipped": skipped,
+        "ratios": {f"strata/{name}": rates["strata"] / rate for name, rate in rates.items() if name != "strata"},
+    }
+    return result
+
+
+# ---------------------------------------------------------------------- I/O
+
+
+def io_systems(args, torch):
+    systems, skipped = [], {}
+    import strata.io
+
+    handle = strata.io.AsyncIO(
+        block_size=args.block_size, queue_depth=args.queue_depth, threads=args.io_threads
+    )
+    systems.append(("strata", handle))
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            raise RuntimeError("AsyncIOBuilder is not compatible here (install libaio-dev)")
+        ds = builder.load(verbose=False).aio_handle(args.block_size, args.queue_depth, False, False, args.io_threads)
+        systems.append(("deepnvme", ds))
+    except Exception as err:
+        skipped["deepnvme"] = f"{type(err).__name__}: {err}"
+    return systems, skipped
+
+
+def bench_io(args, torch):
+    os.makedirs(args.dir, exist_ok=True)
+    systems, skipped = io_systems(args, torch)
+    n = args.io_bytes
+    gen = torch.Generator().manual_seed(1)
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    buffers = {}
+    for name, handle in systems:
+        locked = handle.new_cpu_locked_tensor(n, payload)
+        locked.copy_(payload)
+        user = payload.clone()
+        buffers[name] = {"locked": locked, "user": user}
+    results = {f"{name}/{kind}/{op}": [] for name, _ in systems for kind in ("locked", "user") for op in ("write", "read")}
+    order = [(name, handle, kind) for name, handle in systems for kind in ("locked", "user")]
+    for round_ in range(args.rounds):
+        rotated = order[round_ % len(order):] + order[: round_ % len(order)]
+        for name, handle, kind in rotated:
+            buf = buffers[name][kind]
+            path = os.path.join(args.dir, f"{name}-{kind}.bin")
+            start = time.perf_counter()
+            handle.async_pwrite(buf, path)
+            handle.wait()
+            os.sync() if args.sync else None
+            results[f"{name}/{kind}/write"].append(n / (time.perf_counter() - start) / 1e9)
+            buf.zero_()
+            start = time.perf_counter()
+            handle.async_pread(buf, path)
+            handle.wait()
+            results[f"{name}/{kind}/read"].append(n / (time.perf_counter() - start) / 1e9)
+            if not torch.equal(buf, payload):
+                raise SystemExit(f"{name} {kind}: bytes read back differ from those written")
+    gbps = {key: median(values) for key, values in results.items()}
+    ratios = {}
+    if "deepnvme" in dict(systems):
+        for kind in ("locked", "user"):
+            for op in ("write", "read"):
+                ratios[f"{kind}/{op}"] = gbps[f"strata/{kind}/{op}"] / gbps[f"deepnvme/{kind}/{op}"]
+    for name, handle in systems:
+        for kind in ("locked",):
+            handle.free_cpu_locked_tensor(buffers[name][kind])
+    if not args.keep:
+        for name, _ in systems:
+            for kind in ("locked", "user"):
+                try:
+                    os.remove(os.path.join(args.dir, f"{name}-{kind}.bin"))
+                except FileNotFoundError:
+                    pass
+    return {
+        "bytes": n,
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "threads": args.io_threads,
+        "dir": os.path.abspath(args.dir),
+        "rounds": args.rounds,
+        "gb_per_s": gbps,
+        "skipped": skipped,
+        "ratios": {f"strata/deepnvme {k}": v for k, v in ratios.items()},
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=parse_size, default=parse_size("64M"))
+    parser.add_argument("--tensors", type=int, default=8, help="the parameters are split into this many tensors")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="optimizer threads for every system")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--io-bytes", type=parse_size, default=parse_size("1GiB"))
+    parser.add_argument("--block-size", type=parse_size, default=parse_size("1MiB"))
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--io-threads", type=int, default=1, help="DeepNVMe's intra_op_parallelism")
+    parser.add_argument("--dir", default="strata-pybench", help="where the I/O files go (an NVMe directory)")
+    parser.add_argument("--only", choices=["adam", "io"])
+    parser.add_argument("--sync", action="store_true", help="os.sync() after each write")
+    parser.add_argument("--keep", action="store_true", help="keep the I/O files")
+    parser.add_argument("--tiny", action="store_true", help="a few seconds: 1M params, 16 MiB files, 2 rounds")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.params, args.tensors, args.rounds = 1 << 20, 4, 2
+        args.io_bytes, args.block_size = 16 << 20, 1 << 20
+    if args.params < args.tensors or args.tensors < 1:
+        parser.error(f"--params {args.params} must be at least --tensors {args.tensors} (>= 1)")
+    if args.threads < 1 or args.rounds < 1 or args.queue_depth < 1 or args.io_threads < 1:
+        parser.error("--threads, --rounds, --queue-depth and --io-threads must be at least 1")
+    if args.io_bytes % 4096 or args.block_size % 4096:
+        parser.error("--io-bytes and --block-size must be multiples of 4096")
+    try:
+        import torch
+    except ImportError as err:
+        print(f"torch is not importable ({err}): both comparisons need it (pip install torch)", file=sys.stderr)
+        return 2
+    if args.only != "adam":
+        parent = os.path.dirname(os.path.abspath(args.dir)) or "."
+        if shutil.disk_usage(parent).free < 3 * args.io_bytes:
+            print(f"{parent} has less than {3 * args.io_bytes} bytes free for the I/O files: use --dir or --io-bytes",
+                  file=sys.stderr)
+            return 2
+    report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "torch": torch.__version__}
+    try:
+        import deepspeed
+
+        report["deepspeed"] = deepspeed.__version__
+    except Exception as err:
+        report["deepspeed"] = f"not importable: {err}"
+    if args.only != "io":
+        report["adam"] = bench_adam(args, torch)
+    if args.only != "adam":
+        report["io"] = bench_io(args, torch)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['date']}  {report['cpus']} CPUs  torch {report['torch']}  deepspeed {report['deepspeed']}")
+    if "adam" in report:
+        a = report["adam"]
+        print(f"\nAdamW, {a['params']} params in {a['tensors']} tensors, {a['threads']} threads, "
+              f"medians of {a['rounds']} rounds (Gparams/s):")
+        for name, rate in a["gparams_per_s"].items():
+            print(f"  {name:12} {rate:8.3f}   max |p - strata's p| {a['max_abs_diff_from_strata'][name]:.2e}")
+        for name, ratio in a["ratios"].items():
+            print(f"  {name:24} {ratio:6.2f}x")
+        for name, why in a["skipped"].items():
+            print(f"  {name} skipped: {why}")
+    if "io" in report:
+        r = report["io"]
+        print(f"\nI/O, {r['bytes']} bytes per file in {r['dir']}, block {r['block_size']}, queue depth "
+              f"{r['queue_depth']}, {r['threads']} threads, medians of {r['rounds']} rounds (GB/s):")
+        for key, value in r["gb_per_s"].items():
+            print(f"  {key:24} {value:8.3f}")
+        for name, ratio in r["ratios"].items():
+            print(f"  {name:30} {ratio:6.2f}x")
+        for name, why in r["skipped"].items():
+            print(f"  {name} skipped: {why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The Python benches and the example in their tiny modes (the numbers are
+not asserted: bars are read off real runs)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not importable here")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(*args, cwd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def test_python_vs_deepspeed_tiny(tmp_path):
+    report = run(os.path.join(ROOT, "benches", "python_vs_deepspeed.py"), "--tiny", "--json",
+                 "--dir", str(tmp_path / "io"), cwd=tmp_path)
+    adam = report["adam"]
+    assert adam["gparams_per_s"]["strata"] > 0 and "strata/torch_fused" in adam["ratios"]
+    for name, diff in adam["max_abs_diff_from_strata"].items():
+        assert diff < 1e-4, f"{name} disagrees with strata after the same steps: {diff}"
+    io = report["io"]
+    assert io["gb_per_s"]["strata/locked/read"] > 0 and io["gb_per_s"]["strata/user/write"] > 0
+    assert not os.listdir(tmp_path / "io"), "the bench removes its files"
+
+
+def test_the_example_trains_and_matches_deepspeed_when_it_loads(tmp_path):
+    example = os.path.join(ROOT, "examples", "python", "gpt2_cpu_adam.py")
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+        have_deepspeed = True
+    except Exception:
+        have_deepspeed = False
+    if have_deepspeed:
+        result = run(example, "--compare", "--steps", "10", "--json", cwd=tmp_path)
+        assert result["within_1e-5"], result
+    else:
+        result = run(example, "--optimizer", "strata", "--steps", "10", "--json", cwd=tmp_path)
+        assert result["losses"][-1] < result["losses"][0]
