@@ -338,6 +338,93 @@ fn only_the_newest_checkpoints_are_kept_when_asked() {
     );
 }
 
+/// Every file of a checkpoint is covered: the files by meta.json, meta.json
+/// by meta.json.xxh3; resume verifies them all; resuming a finished run
+/// says so instead of running nothing.
+#[test]
+fn every_checkpoint_file_and_meta_json_itself_are_verified_and_a_finished_run_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 2;
+    let root = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(root.clone());
+    config.train.checkpoint_every = 1;
+    run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    let step = root.join("step-00000002");
+    let opened = strata_train::Checkpoint::open(&step).unwrap();
+    assert!(opened.meta_checksummed());
+    let files: Vec<String> = opened
+        .verify()
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(
+        files,
+        [
+            "config.json",
+            "model.safetensors",
+            "optimizer-rank0.safetensors"
+        ]
+    );
+
+    let resume = |config: &TrainConfig, from: &std::path::Path| {
+        let options = RunOptions {
+            resume: Some(from.to_path_buf()),
+            ..RunOptions::default()
+        };
+        run(config, &corpus(16), &options, &mut |_| {})
+    };
+    let err = resume(&config, &step).unwrap_err().to_string();
+    assert!(
+        err.contains("at step 2, and this run stops at step 2: the run is finished")
+            && err.contains("raise train.steps"),
+        "{err}"
+    );
+
+    config.train.steps = 3;
+    // A flipped byte in the weights (which resume never reads) is caught.
+    let weights = step.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&weights, &bytes).unwrap();
+    let err = resume(&config, &step).unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("corrupt"),
+        "{err}"
+    );
+    bytes[last] ^= 1;
+    std::fs::write(&weights, &bytes).unwrap();
+
+    // An edited meta.json is refused by its own checksum.
+    let meta_path = step.join("meta.json");
+    let meta = std::fs::read_to_string(&meta_path).unwrap();
+    std::fs::write(&meta_path, meta.replace("\"step\": 2", "\"step\": 1")).unwrap();
+    let err = strata_train::Checkpoint::open(&step)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("meta.json is corrupt"), "{err}");
+    std::fs::write(&meta_path, &meta).unwrap();
+
+    // A file nobody listed is named.
+    std::fs::write(step.join("stray.bin"), b"x").unwrap();
+    let err = strata_train::Checkpoint::open(&step)
+        .unwrap()
+        .verify()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("stray.bin") && err.contains("lists no such file"),
+        "{err}"
+    );
+    std::fs::remove_file(step.join("stray.bin")).unwrap();
+
+    // Whole again: the run goes on from it.
+    let summary = resume(&config, &step).unwrap();
+    assert_eq!(summary.steps, 1);
+}
+
 /// A checkpoint directory (and a swap directory) belongs to one live run:
 /// a second is refused naming the holder; a new run in a directory with
 /// another run's checkpoints is refused unless it resumes or overwrites.

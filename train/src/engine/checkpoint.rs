@@ -36,6 +36,9 @@ pub const FORMAT: u32 = 1;
 
 /// The Hugging Face config beside the weights.
 const HF_CONFIG: &str = "config.json";
+/// meta.json's own checksum (xxh3-64 of its bytes, hex), beside it: every
+/// other file's checksum is in meta.json.
+pub const META_HASH: &str = "meta.json.xxh3";
 
 /// `meta.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -143,6 +146,7 @@ pub(crate) fn commit(root: &Path, tmp: &Path, mut meta: CheckpointMeta) -> Resul
     }
     let json = serde_json::to_vec_pretty(&meta).expect("meta serializes");
     write_synced(&tmp.join("meta.json"), &json)?;
+    write_synced(&tmp.join(META_HASH), hash_hex(&json).as_bytes())?;
     sync_dir(tmp)?;
     let name = format!("step-{:08}", meta.step);
     let done = root.join(&name);
@@ -198,16 +202,24 @@ pub(crate) fn prune(root: &Path, kept: usize) -> Result<()> {
         let old = root.join(&name);
         let doomed = root.join(format!(".tmp-pruned-{name}"));
         std::fs::rename(&old, &doomed)
-            .and_then(|()| std::fs::remove_dir_all(&doomed))
+            .map_err(|err| problem(&old, format!("cannot remove it: {err}"), io_fix(&err)))?;
+        // The rename is durable before the data goes: a crash never leaves
+        // a half-deleted directory under a step-NNNNNNNN name.
+        sync_dir(root)?;
+        std::fs::remove_dir_all(&doomed)
             .map_err(|err| problem(&old, format!("cannot remove it: {err}"), io_fix(&err)))?;
     }
     sync_dir(root)
 }
 
+fn hash_hex(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
 fn file_hash(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path)
         .map_err(|err| problem(path, format!("cannot read it: {err}"), io_fix(&err)))?;
-    Ok(format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)))
+    Ok(hash_hex(&bytes))
 }
 
 impl Checkpoint {
@@ -235,6 +247,31 @@ impl Checkpoint {
         let meta_path = dir.join("meta.json");
         let text = std::fs::read(&meta_path)
             .map_err(|err| problem(&meta_path, format!("cannot read it: {err}"), io_fix(&err)))?;
+        let hash_path = dir.join(META_HASH);
+        match std::fs::read_to_string(&hash_path) {
+            Ok(recorded) if recorded.trim() != hash_hex(&text) => {
+                return Err(problem(
+                    &meta_path,
+                    format!(
+                        "checksum {} does not match {}'s {}: meta.json is corrupt",
+                        hash_hex(&text),
+                        META_HASH,
+                        recorded.trim()
+                    ),
+                    "resume from another checkpoint",
+                ));
+            }
+            Ok(_) => {}
+            // Checkpoints from before meta.json's checksum was recorded.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => {
+                return Err(problem(
+                    &hash_path,
+                    format!("cannot read it: {err}"),
+                    io_fix(&err),
+                ));
+            }
+        }
         let meta: CheckpointMeta = serde_json::from_slice(&text).map_err(|err| {
             problem(
                 &meta_path,
@@ -252,6 +289,38 @@ impl Checkpoint {
         Ok(Checkpoint { dir, meta })
     }
 
+    /// Checks every file meta.json lists against its checksum (meta.json's
+    /// own was checked by [`Checkpoint::open`]) and that no other file lies
+    /// beside them. Returns the files and their sizes, in name order.
+    pub fn verify(&self) -> Result<Vec<(String, u64)>> {
+        let mut names: Vec<&String> = self.meta.files.keys().collect();
+        names.sort();
+        let mut checked = Vec::with_capacity(names.len());
+        for name in names {
+            let bytes = self.read_file(name)?;
+            checked.push((name.clone(), bytes.len() as u64));
+        }
+        let entries = std::fs::read_dir(&self.dir)
+            .map_err(|err| problem(&self.dir, format!("cannot list it: {err}"), io_fix(&err)))?;
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name != "meta.json" && name != META_HASH && !self.meta.files.contains_key(&name) {
+                return Err(problem(
+                    &entry.path(),
+                    "meta.json lists no such file: it was added after the checkpoint was written",
+                    "remove it, or resume from another checkpoint",
+                ));
+            }
+        }
+        Ok(checked)
+    }
+
+    /// Whether meta.json's own checksum was recorded (checkpoints written
+    /// before strata recorded it have none).
+    pub fn meta_checksummed(&self) -> bool {
+        self.dir.join(META_HASH).exists()
+    }
+
     /// Reads file `name`, checking it against its recorded checksum.
     pub fn read_file(&self, name: &str) -> Result<Vec<u8>> {
         let path = self.dir.join(name);
@@ -264,7 +333,7 @@ impl Checkpoint {
                 "the checkpoint is incomplete: resume from another",
             )
         })?;
-        let found = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+        let found = hash_hex(&bytes);
         if &found != expected {
             return Err(problem(
                 &path,

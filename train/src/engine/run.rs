@@ -130,6 +130,20 @@ pub fn run(
         .stop_after
         .unwrap_or(config.train.steps)
         .min(config.train.steps);
+    if let Some(checkpoint) = &resume {
+        if checkpoint.meta.step >= stop {
+            return Err(TrainError::Checkpoint {
+                path: checkpoint.dir.clone(),
+                problem: format!(
+                    "it is at step {}, and this run stops at step {stop}: the run is finished",
+                    checkpoint.meta.step
+                ),
+                fix: "raise train.steps (or --steps) to train further from it".into(),
+            });
+        }
+        // Every file, the weights included, before any rank starts.
+        checkpoint.verify()?;
+    }
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world);
         for collective in collectives {
