@@ -125,11 +125,15 @@ class Worker:
         self.version = self.read()["ready"]
 
     def read(self):
-        line = self.process.stdout.readline()
-        if not line:
-            code = self.process.wait()
-            sys.exit(f"the {self.threads}-thread peer worker exited ({code}) before answering: see its error above")
-        return json.loads(line)
+        # Libraries print to stdout too (DeepSpeed's accelerator warning):
+        # only lines that are JSON objects are answers.
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                code = self.process.wait()
+                sys.exit(f"the {self.threads}-thread peer worker exited ({code}) before answering: see its error above")
+            if line.lstrip().startswith("{"):
+                return json.loads(line)
 
     def run(self, name):
         self.process.stdin.write(name + "\n")

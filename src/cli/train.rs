@@ -21,6 +21,15 @@ pub struct TrainArgs {
     /// small model, states on NVMe under ./strata-train-swap.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A DeepSpeed config (ds_config.json) to run: its keys override the
+    /// fields of --config (or the defaults) they map to, and the flags
+    /// below override both; see docs/deepspeed-config.md.
+    #[arg(long, value_name = "FILE")]
+    deepspeed: Option<PathBuf>,
+    /// Print the strata config (TOML) the options come to, and exit
+    /// without training.
+    #[arg(long)]
+    print_config: bool,
     /// Steps to run (overrides train.steps).
     #[arg(long)]
     steps: Option<u64>,
@@ -50,8 +59,9 @@ pub struct TrainArgs {
     json: bool,
 }
 
-/// Runs `strata train`.
-pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+/// The run's config: `--config` (or the defaults), then `--deepspeed`'s
+/// keys, then the flags.
+fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
     let mut config = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -60,6 +70,23 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         None => TrainConfig::default(),
     };
+    if let Some(path) = &args.deepspeed {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read --deepspeed {}", path.display()))?;
+        let mapping = engine::from_deepspeed_json(&text, Some(&config))
+            .with_context(|| format!("--deepspeed {}", path.display()))?;
+        if !mapping.ignored.is_empty() {
+            tracing::warn!(
+                "--deepspeed {}: these keys have no strata meaning and are ignored: {} (see docs/deepspeed-config.md)",
+                path.display(),
+                mapping.ignored.join(", ")
+            );
+        }
+        for note in &mapping.notes {
+            tracing::warn!("--deepspeed {}: {note}", path.display());
+        }
+        config = mapping.config;
+    }
     if let Some(steps) = args.steps {
         if steps == 0 {
             bail!("--steps must be at least 1");
@@ -71,6 +98,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         config.train.checkpoint_dir = Some(dir.clone());
     }
     config.validate()?;
+    Ok(config)
+}
+
+/// Runs `strata train`.
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let config = load_config(&args)?;
+    if args.print_config {
+        print!("{}", config.to_toml()?);
+        return Ok(());
+    }
     let text = match &args.data {
         Some(path) => {
             std::fs::read(path).with_context(|| format!("cannot read --data {}", path.display()))?

@@ -24,6 +24,17 @@ pub enum TrainError {
         /// What to change.
         fix: String,
     },
+    /// A DeepSpeed config (`strata train --deepspeed`) sets a key to a
+    /// value strata cannot honor, or one DeepSpeed itself would refuse.
+    #[error("DeepSpeed config: {key} = {value}: {fix}")]
+    DeepSpeed {
+        /// The key, dotted (`zero_optimization.offload_optimizer.ratio`).
+        key: String,
+        /// The value given, as JSON.
+        value: String,
+        /// What to change.
+        fix: String,
+    },
     /// The training step's plan cannot place the model states, activations
     /// and working tensors in the tier budgets.
     #[error("the placement does not fit: {cause}")]

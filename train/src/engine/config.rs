@@ -93,7 +93,8 @@ impl ModelConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainSettings {
-    /// Steps to run (also the length of the cosine schedule).
+    /// Steps to run (also the length of the cosine schedule, and of a
+    /// DeepSpeed schedule whose `total_num_steps` is unset).
     pub steps: u64,
     /// Sequences per rank per micro-batch.
     pub micro_batch: usize,
@@ -106,12 +107,17 @@ pub struct TrainSettings {
     /// Keep only each block's input between forward and backward and
     /// recompute the rest (activation checkpointing).
     pub checkpoint_activations: bool,
-    /// Peak learning rate.
+    /// Peak learning rate (DeepSpeed's `warmup_max_lr`, or the optimizer
+    /// lr that `warmup_cosine_lr` scales).
     pub lr: f64,
-    /// Steps of linear warmup from 0 to `lr`.
+    /// Steps of linear warmup from 0 to `lr` (`schedule.kind = "cosine"`).
     pub warmup_steps: u64,
-    /// Learning rate at the end of the cosine decay.
+    /// Learning rate at the end of the cosine decay (`schedule.kind =
+    /// "cosine"`).
     pub lr_min: f64,
+    /// The learning-rate schedule (`[train.schedule]`): strata's warmup and
+    /// cosine decay, or one of DeepSpeed's schedulers.
+    pub schedule: Schedule,
     /// AdamW first-moment decay.
     pub beta1: f64,
     /// AdamW second-moment decay.
@@ -122,10 +128,19 @@ pub struct TrainSettings {
     pub weight_decay: f64,
     /// Clip gradients to this global L2 norm; 0 turns clipping off.
     pub clip_norm: f64,
-    /// Dynamic loss scaling: the first scale.
+    /// Loss scaling: the first scale (the only one when
+    /// `loss_scale_dynamic` is false).
     pub loss_scale: f32,
+    /// Whether the loss scale halves on overflows and doubles after
+    /// `loss_scale_growth_interval` clean steps; false: a static scale
+    /// (overflowed steps are still skipped).
+    pub loss_scale_dynamic: bool,
     /// Clean steps before the loss scale doubles.
     pub loss_scale_growth_interval: u32,
+    /// Overflows in a row before the loss scale halves.
+    pub loss_scale_hysteresis: u32,
+    /// The loss scale never falls below this.
+    pub loss_scale_min: f32,
     /// Write a checkpoint every this many steps (0: only at the end when
     /// `checkpoint_dir` is set).
     pub checkpoint_every: u64,
@@ -152,13 +167,17 @@ impl Default for TrainSettings {
             lr: 3e-3,
             warmup_steps: 20,
             lr_min: 3e-4,
+            schedule: Schedule::Cosine,
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.01,
             clip_norm: 1.0,
             loss_scale: 1024.0,
+            loss_scale_dynamic: true,
             loss_scale_growth_interval: 200,
+            loss_scale_hysteresis: 1,
+            loss_scale_min: 1.0,
             checkpoint_every: 0,
             checkpoint_dir: None,
             checkpoints_kept: 0,
@@ -182,9 +201,46 @@ impl TrainSettings {
         }
     }
 
-    /// The learning rate of step `step` (from 1): linear warmup, then
-    /// cosine decay to `lr_min` at `steps`.
+    /// The learning rate of step `step` (from 1), as [`Schedule`] defines
+    /// it.
     pub fn lr_at(&self, step: u64) -> f64 {
+        match self.schedule {
+            Schedule::Cosine => self.cosine_lr_at(step),
+            Schedule::WarmupLr {
+                warmup_min_lr,
+                warmup_num_steps,
+                warmup_type,
+            } => {
+                let warmup = Warmup::new(warmup_num_steps, warmup_type);
+                match deepspeed_iteration(step) {
+                    None => warmup_min_lr,
+                    Some(i) => warmup_min_lr + (self.lr - warmup_min_lr) * warmup.gamma(i, 1.0),
+                }
+            }
+            Schedule::WarmupDecayLr {
+                warmup_min_lr,
+                warmup_num_steps,
+                warmup_type,
+                total_num_steps,
+            } => {
+                let warmup = Warmup::new(warmup_num_steps, warmup_type);
+                let total = total_num_steps.unwrap_or(self.steps) as f64;
+                match deepspeed_iteration(step) {
+                    None => warmup_min_lr,
+                    Some(i) => {
+                        let decay = (total - i as f64) / (total - warmup.steps as f64).max(1.0);
+                        let gamma = warmup.gamma(i, decay.max(0.0));
+                        warmup_min_lr + (self.lr - warmup_min_lr) * gamma
+                    }
+                }
+            }
+            Schedule::WarmupCosineLr { .. } => self.lr * self.cosine_ratio_at(step),
+        }
+    }
+
+    /// `schedule.kind = "cosine"`: linear warmup, then cosine decay to
+    /// `lr_min` at `steps`.
+    fn cosine_lr_at(&self, step: u64) -> f64 {
         if step <= self.warmup_steps {
             return self.lr * step as f64 / self.warmup_steps.max(1) as f64;
         }
@@ -194,12 +250,250 @@ impl TrainSettings {
             + 0.5 * (self.lr - self.lr_min) * (1.0 + (std::f64::consts::PI * progress).cos())
     }
 
+    /// DeepSpeed's `WarmupCosineLR.get_lr_ratio`, the factor on `lr`.
+    fn cosine_ratio_at(&self, step: u64) -> f64 {
+        let Schedule::WarmupCosineLr {
+            warmup_min_ratio,
+            cos_min_ratio,
+            warmup_num_steps,
+            warmup_type,
+            total_num_steps,
+        } = self.schedule
+        else {
+            return 1.0;
+        };
+        let warmup = Warmup::new(warmup_num_steps, warmup_type);
+        let Some(i) = deepspeed_iteration(step) else {
+            return 0.0;
+        };
+        if i < warmup.steps {
+            let ratio = warmup.gamma(i, 1.0);
+            return warmup_min_ratio + ratio * (1.0 - warmup_min_ratio);
+        }
+        let real_last_step = (i - warmup.steps + 1) as f64;
+        let total = total_num_steps.unwrap_or(self.steps);
+        let real_total_steps = total.saturating_sub(warmup.steps).max(1) as f64;
+        let progress = (real_last_step / real_total_steps).min(1.0);
+        let ratio = (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0;
+        (cos_min_ratio + (1.0 - cos_min_ratio) * ratio).max(0.0)
+    }
+
     /// The loss scaler's settings.
     pub fn scaler(&self) -> LossScalerConfig {
+        if !self.loss_scale_dynamic {
+            // A static scale: never grows, and backing off stops at itself.
+            return LossScalerConfig {
+                init_scale: self.loss_scale,
+                growth_factor: 1.0,
+                growth_interval: u32::MAX,
+                hysteresis: 1,
+                min_scale: self.loss_scale,
+                ..LossScalerConfig::default()
+            };
+        }
         LossScalerConfig {
             init_scale: self.loss_scale,
             growth_interval: self.loss_scale_growth_interval,
+            hysteresis: self.loss_scale_hysteresis,
+            min_scale: self.loss_scale_min,
             ..LossScalerConfig::default()
+        }
+    }
+}
+
+/// The `[train.schedule]` table: how the learning rate moves over the
+/// steps. `kind = "cosine"` is strata's own schedule; the others are
+/// DeepSpeed's schedulers of the same names, step for step (see
+/// [`TrainSettings::lr_at`]): strata's step `s` runs at the learning rate
+/// DeepSpeed's scheduler holds after `s - 1` calls of `step()`, since
+/// DeepSpeed steps its scheduler after each optimizer step. (DeepSpeed does
+/// not step it after a step skipped on overflow; strata's schedule counts
+/// every step.)
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Schedule {
+    /// Linear warmup from 0 to `train.lr` over `train.warmup_steps`, then
+    /// cosine decay to `train.lr_min` at `train.steps`.
+    #[default]
+    Cosine,
+    /// DeepSpeed's `WarmupLR`: from `warmup_min_lr` to `train.lr` (its
+    /// `warmup_max_lr`) over `warmup_num_steps`, then constant.
+    WarmupLr {
+        /// The learning rate the warmup starts from.
+        #[serde(default)]
+        warmup_min_lr: f64,
+        /// Warmup steps (DeepSpeed uses at least 2).
+        #[serde(default = "warmup_num_steps_default")]
+        warmup_num_steps: u64,
+        /// `log` (DeepSpeed's default) or `linear`.
+        #[serde(default)]
+        warmup_type: WarmupType,
+    },
+    /// DeepSpeed's `WarmupDecayLR`: `WarmupLR`'s warmup, then linear decay
+    /// to 0 at `total_num_steps`.
+    WarmupDecayLr {
+        /// The learning rate the warmup starts from.
+        #[serde(default)]
+        warmup_min_lr: f64,
+        /// Warmup steps (DeepSpeed uses at least 2).
+        #[serde(default = "warmup_num_steps_default")]
+        warmup_num_steps: u64,
+        /// `log` (DeepSpeed's default) or `linear`.
+        #[serde(default)]
+        warmup_type: WarmupType,
+        /// Where the decay reaches 0; unset: `train.steps`.
+        total_num_steps: Option<u64>,
+    },
+    /// DeepSpeed's `WarmupCosineLR`: `train.lr` times a ratio that warms up
+    /// from `warmup_min_ratio` to 1 over `warmup_num_steps`, then follows a
+    /// cosine to `cos_min_ratio` at `total_num_steps`.
+    WarmupCosineLr {
+        /// The ratio the warmup starts from.
+        #[serde(default)]
+        warmup_min_ratio: f64,
+        /// The ratio at the end of the cosine.
+        #[serde(default = "cos_min_ratio_default")]
+        cos_min_ratio: f64,
+        /// Warmup steps (DeepSpeed uses at least 2).
+        #[serde(default = "warmup_num_steps_default")]
+        warmup_num_steps: u64,
+        /// `log` (DeepSpeed's default) or `linear`.
+        #[serde(default)]
+        warmup_type: WarmupType,
+        /// Where the cosine ends; unset: `train.steps`.
+        total_num_steps: Option<u64>,
+    },
+}
+
+/// DeepSpeed's default `warmup_num_steps`.
+pub const WARMUP_NUM_STEPS_DEFAULT: u64 = 1000;
+/// DeepSpeed's default `cos_min_ratio`.
+pub const COS_MIN_RATIO_DEFAULT: f64 = 0.0001;
+
+fn warmup_num_steps_default() -> u64 {
+    WARMUP_NUM_STEPS_DEFAULT
+}
+
+fn cos_min_ratio_default() -> f64 {
+    COS_MIN_RATIO_DEFAULT
+}
+
+/// How DeepSpeed's schedulers rise during warmup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WarmupType {
+    /// `ln(i + 1) / ln(warmup_num_steps)` at iteration `i` (DeepSpeed's
+    /// default).
+    #[default]
+    Log,
+    /// `i / warmup_num_steps`.
+    Linear,
+}
+
+impl Schedule {
+    /// Checks the schedule's own settings.
+    pub fn validate(&self) -> Result<()> {
+        let (warmup_num_steps, total_num_steps) = match *self {
+            Schedule::Cosine => return Ok(()),
+            Schedule::WarmupLr {
+                warmup_min_lr,
+                warmup_num_steps,
+                ..
+            }
+            | Schedule::WarmupDecayLr {
+                warmup_min_lr,
+                warmup_num_steps,
+                ..
+            } => {
+                if !(warmup_min_lr >= 0.0 && warmup_min_lr.is_finite()) {
+                    return Err(bad(
+                        "train.schedule.warmup_min_lr",
+                        warmup_min_lr,
+                        "use a finite learning rate >= 0",
+                    ));
+                }
+                (warmup_num_steps, self.total_num_steps())
+            }
+            Schedule::WarmupCosineLr {
+                warmup_min_ratio,
+                cos_min_ratio,
+                warmup_num_steps,
+                total_num_steps,
+                ..
+            } => {
+                for (key, ratio) in [
+                    ("train.schedule.warmup_min_ratio", warmup_min_ratio),
+                    ("train.schedule.cos_min_ratio", cos_min_ratio),
+                ] {
+                    if !(0.0..=1.0).contains(&ratio) {
+                        return Err(bad(key, ratio, "use a ratio of train.lr from 0 to 1"));
+                    }
+                }
+                (warmup_num_steps, total_num_steps)
+            }
+        };
+        if warmup_num_steps == 0 {
+            return Err(bad(
+                "train.schedule.warmup_num_steps",
+                0,
+                "use at least 1 step (DeepSpeed refuses 0 too)",
+            ));
+        }
+        if total_num_steps == Some(0) {
+            return Err(bad(
+                "train.schedule.total_num_steps",
+                0,
+                "use at least 1 step, or leave it unset to follow train.steps",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `total_num_steps` of the schedules that have one.
+    fn total_num_steps(&self) -> Option<u64> {
+        match *self {
+            Schedule::WarmupDecayLr {
+                total_num_steps, ..
+            }
+            | Schedule::WarmupCosineLr {
+                total_num_steps, ..
+            } => total_num_steps,
+            Schedule::Cosine | Schedule::WarmupLr { .. } => None,
+        }
+    }
+}
+
+/// DeepSpeed's `last_batch_iteration` while strata runs step `step` (from
+/// 1): `step - 2`; `None` is -1, the value before the first `step()`.
+fn deepspeed_iteration(step: u64) -> Option<u64> {
+    step.checked_sub(2)
+}
+
+/// The warmup DeepSpeed's three schedulers share.
+struct Warmup {
+    /// `max(2, warmup_num_steps)`, as DeepSpeed clamps it.
+    steps: u64,
+    kind: WarmupType,
+}
+
+impl Warmup {
+    fn new(warmup_num_steps: u64, kind: WarmupType) -> Warmup {
+        Warmup {
+            steps: warmup_num_steps.max(2),
+            kind,
+        }
+    }
+
+    /// The warmup fraction at iteration `i`, or `after` past the warmup.
+    /// The operations are DeepSpeed's, in its order, so that the values
+    /// agree to the last bit on the same libm.
+    fn gamma(&self, i: u64, after: f64) -> f64 {
+        if i >= self.steps {
+            return after;
+        }
+        match self.kind {
+            WarmupType::Log => (1.0 / (self.steps as f64).ln()) * ((i + 1) as f64).ln(),
+            WarmupType::Linear => i as f64 / self.steps as f64,
         }
     }
 }
@@ -374,6 +668,13 @@ impl TrainConfig {
         Ok(config)
     }
 
+    /// The config as a TOML file that [`TrainConfig::from_toml`] reads back
+    /// to the same config (what `strata train --print-config` shows).
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self)
+            .map_err(|err| bad("config", err, "report this: every config field serializes"))
+    }
+
     /// Checks ranges and the relations between fields (not yet whether
     /// the placement fits: [`crate::engine::Engine::new`] plans that).
     pub fn validate(&self) -> Result<()> {
@@ -402,9 +703,10 @@ impl TrainConfig {
                 "use a positive, finite learning rate",
             ));
         }
-        if !(t.lr_min >= 0.0 && t.lr_min <= t.lr) {
+        if t.schedule == Schedule::Cosine && !(t.lr_min >= 0.0 && t.lr_min <= t.lr) {
             return Err(bad("train.lr_min", t.lr_min, "use 0 to train.lr"));
         }
+        t.schedule.validate()?;
         if !(0.0..=LOCK_WAIT_S_MAX).contains(&t.lock_wait_s) {
             return Err(bad(
                 "train.lock_wait_s",
@@ -422,6 +724,23 @@ impl TrainConfig {
         t.adam(t.lr)
             .validate()
             .map_err(|err| bad("train", t.lr, err.to_string()))?;
+        if t.loss_scale_dynamic && t.loss_scale_hysteresis == 0 {
+            return Err(bad(
+                "train.loss_scale_hysteresis",
+                0,
+                "use at least 1 (back off at the first overflow)",
+            ));
+        }
+        if t.loss_scale_dynamic && !(t.loss_scale_min > 0.0 && t.loss_scale_min <= t.loss_scale) {
+            return Err(bad(
+                "train.loss_scale_min",
+                t.loss_scale_min,
+                format!(
+                    "use a scale above 0 and at most train.loss_scale ({})",
+                    t.loss_scale
+                ),
+            ));
+        }
         strata_optim::LossScaler::new(t.scaler())
             .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
         if self.device.kind == DeviceChoice::Cuda {

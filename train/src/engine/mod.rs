@@ -52,6 +52,7 @@ mod checkpoint;
 mod compute;
 mod config;
 mod data;
+pub mod deepspeed;
 mod moves;
 mod optimizer;
 mod ownership;
@@ -61,10 +62,12 @@ mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use config::{
-    GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement, PlacementConfig, RANKS_MAX,
-    StateCache, StateDtype, TrainConfig, TrainSettings,
+    COS_MIN_RATIO_DEFAULT, GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement,
+    PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype, TrainConfig, TrainSettings,
+    WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::ByteCorpus;
+pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
 pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
 
 use std::sync::Arc;
