@@ -889,3 +889,173 @@ fn train_killed_during_checkpoints_resumes_from_the_last_whole_one() {
         "resumed part-way: {summary}"
     );
 }
+
+fn deepspeed_example(name: &str) -> String {
+    format!(
+        "{}/examples/configs/deepspeed/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn train_deepspeed_print_config_shows_the_strata_toml_and_one_warning() {
+    let dir = tempdir();
+    let ds = deepspeed_example("zero3-infinity-nvme.json");
+    let output = strata_in(dir.path(), &["train", "--deepspeed", &ds, "--print-config"]);
+    let text = stdout_text(&output);
+    let config = strata::train::TrainConfig::from_toml(&text).expect("the printed TOML reads back");
+    assert_eq!(config.placement.params, strata::train::Placement::Nvme);
+    assert_eq!(config.placement.optimizer, strata::train::Placement::Nvme);
+    assert!(text.contains("kind = \"warmup_cosine_lr\""), "{text}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("no strata meaning"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(
+        warnings[0].contains("zero_optimization.stage3_prefetch_bucket_size")
+            && warnings[0].contains("steps_per_print"),
+        "{stderr}"
+    );
+    // Printing trains nothing: no swap directory appears.
+    assert!(!dir.path().join("strata-train-swap").exists());
+}
+
+#[test]
+fn train_deepspeed_precedence_config_then_deepspeed_then_flags() {
+    let dir = tempdir();
+    let base = dir.path().join("base.toml");
+    std::fs::write(
+        &base,
+        "[train]\nsteps = 50\nmicro_batch = 4\ngrad_accumulation = 3\nlr = 0.002\nclip_norm = 0.5\n",
+    )
+    .unwrap();
+    let ds = dir.path().join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
+            "gradient_clipping": 2.0, "bf16": {"enabled": true},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "total_num_steps": "auto"}}}"#,
+    )
+    .unwrap();
+    let output = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            base.to_str().unwrap(),
+            "--deepspeed",
+            ds.to_str().unwrap(),
+            "--steps",
+            "10",
+            "--print-config",
+        ],
+    );
+    let config = strata::train::TrainConfig::from_toml(&stdout_text(&output)).unwrap();
+    let t = &config.train;
+    // micro-batch: "auto" keeps --config's; accumulation and clipping: the
+    // DeepSpeed keys; steps: the flag; lr: WarmupDecayLR's default peak.
+    assert_eq!((t.micro_batch, t.grad_accumulation, t.steps), (4, 2, 10));
+    assert_eq!((t.clip_norm, t.lr), (2.0, 0.001));
+    // total_num_steps "auto" follows train.steps, so --steps: the rate
+    // reaches 0 at step 10 + 2 (DeepSpeed's scheduler lags a step).
+    assert!(t.lr_at(11) > 0.0 && t.lr_at(12) == 0.0, "{t:?}");
+}
+
+#[test]
+fn train_deepspeed_refuses_what_strata_cannot_honor_by_key() {
+    let dir = tempdir();
+    for (json, key) in [
+        (
+            r#"{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}"#,
+            "zero_optimization.offload_optimizer.ratio",
+        ),
+        (r#"{"aio": {"use_gds": true}}"#, "aio.use_gds"),
+        (
+            r#"{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}"#,
+            "train_batch_size",
+        ),
+    ] {
+        let ds = dir.path().join("ds.json");
+        std::fs::write(&ds, json).unwrap();
+        let output = strata_in(
+            dir.path(),
+            &["train", "--deepspeed", ds.to_str().unwrap(), "--steps", "1"],
+        );
+        let stderr = stderr_of_failure(&output, json);
+        assert!(stderr.contains(key), "{json}: {stderr}");
+        assert_eq!(
+            stderr.lines().filter(|l| l.starts_with("error:")).count(),
+            1,
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn train_deepspeed_zero_infinity_example_trains_tiny() {
+    let dir = tempdir();
+    let ds = deepspeed_example("zero3-infinity-nvme.json");
+    let output = strata_in(
+        dir.path(),
+        &["train", "--deepspeed", &ds, "--steps", "3", "--json"],
+    );
+    let summary = last_json_line(&output);
+    assert_eq!(summary["steps"], 3);
+    assert!(
+        summary["peak_bytes"]["nvme"].as_u64() > Some(0),
+        "{summary}"
+    );
+    assert!(dir.path().join("strata-train-swap/rank0").is_dir());
+}
+
+#[test]
+fn checkpoint_verify_exit_codes_tiny() {
+    let dir = tempdir();
+    let output = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--steps",
+            "2",
+            "--checkpoint-dir",
+            "ckpt",
+            "--json",
+        ],
+    );
+    stdout_text(&output);
+    let root = dir.path().join("ckpt");
+    let whole = strata(&["checkpoint", "verify", root.to_str().unwrap(), "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&stdout_text(&whole)).unwrap();
+    assert_eq!(report["whole"], true);
+    assert_eq!(report["meta_json_checksummed"], true);
+    assert_eq!(report["files"].as_array().unwrap().len(), 3, "{report}");
+    let text = stdout_text(&strata(&["checkpoint", "verify", root.to_str().unwrap()]));
+    assert!(
+        text.contains("ok  model.safetensors") && text.contains("whole"),
+        "{text}"
+    );
+
+    let step = root.join(report["dir"].as_str().unwrap());
+    let weights = step.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&weights, &bytes).unwrap();
+    let corrupt = strata(&["checkpoint", "verify", step.to_str().unwrap()]);
+    assert_eq!(corrupt.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&corrupt.stderr);
+    assert!(
+        stderr.contains("is not a whole checkpoint")
+            && stderr.contains("model.safetensors")
+            && stderr.contains("corrupt"),
+        "{stderr}"
+    );
+    let missing = strata(&[
+        "checkpoint",
+        "verify",
+        dir.path().join("nope").to_str().unwrap(),
+    ]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert_eq!(strata(&["checkpoint", "verify"]).status.code(), Some(2));
+}

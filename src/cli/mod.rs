@@ -2,6 +2,7 @@
 
 mod adam;
 mod chart;
+mod checkpoint;
 mod nvme;
 mod plan;
 mod swap;
@@ -37,6 +38,9 @@ enum Command {
     /// host and NVMe, ZeRO-3 sharded over ranks (no arguments: a small
     /// model on a bundled text).
     Train(Box<train::TrainArgs>),
+    /// Inspect checkpoints without training.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCommand),
 }
 
 #[derive(Subcommand, Debug)]
@@ -64,6 +68,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
         Command::Plan(args) => plan::run(*args),
         Command::Train(args) => train::run(*args),
+        Command::Checkpoint(command) => checkpoint::run(command),
     }
 }
 
