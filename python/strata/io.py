@@ -67,24 +67,19 @@ class AsyncIO(_AsyncIO):
         asynchronous when ``async`` is true (then wait()), else waits and
         returns the count. ``validate`` re-reads the range through the page
         cache and compares."""
-        async_op = kwargs.pop("async", async_op)
-        if kwargs:
-            raise TypeError(f"pread got unexpected arguments {sorted(kwargs)}")
-        if async_op:
-            return self.async_pread(buffer, filename, file_offset)
-        count = self.sync_pread(buffer, filename, file_offset)
-        if validate:
-            _validate(buffer, filename, file_offset)
-        return count
+        return self._parallel("read", buffer, filename, validate, async_op, file_offset, kwargs)
 
     def pwrite(self, buffer, filename, validate=False, async_op=False, file_offset=0, **kwargs):
         """DeepNVMe's pwrite, as pread."""
+        return self._parallel("write", buffer, filename, validate, async_op, file_offset, kwargs)
+
+    def _parallel(self, op, buffer, filename, validate, async_op, file_offset, kwargs):
         async_op = kwargs.pop("async", async_op)
         if kwargs:
-            raise TypeError(f"pwrite got unexpected arguments {sorted(kwargs)}")
+            raise TypeError(f"p{op} got unexpected arguments {sorted(kwargs)}")
         if async_op:
-            return self.async_pwrite(buffer, filename, file_offset)
-        count = self.sync_pwrite(buffer, filename, file_offset)
+            return getattr(self, f"async_p{op}")(buffer, filename, file_offset)
+        count = getattr(self, f"sync_p{op}")(buffer, filename, file_offset)
         if validate:
             _validate(buffer, filename, file_offset)
         return count

@@ -115,6 +115,14 @@ class _StrataOptimizer(torch.optim.Optimizer):
         return list(param_copies)
 
 
+def _closure(closure):
+    """The loss from ``closure`` (re-evaluated with gradients), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def _zeros(p, dtype=torch.float32):
     return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
 
@@ -153,10 +161,7 @@ class CPUAdam(_StrataOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step over every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure(closure)
         self._step(None, None, 1.0)
         return loss
 
@@ -232,10 +237,7 @@ class CPUAdagrad(_StrataOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step over every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure(closure)
         kernels = self.kernels
         for group, p, grad in self._params_with_grads(None):
             state = self.state[p]
@@ -279,10 +281,7 @@ class CPULion(_StrataOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step over every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure(closure)
         kernels = self.kernels
         for group, p, grad in self._params_with_grads(None):
             state = self.state[p]
