@@ -1059,3 +1059,39 @@ fn checkpoint_verify_exit_codes_tiny() {
     assert_eq!(missing.status.code(), Some(1));
     assert_eq!(strata(&["checkpoint", "verify"]).status.code(), Some(2));
 }
+
+#[test]
+fn plot_paths_are_checked_before_any_sweep() {
+    let dir = tempdir();
+    let missing = dir.path().join("no-such-dir/chart.svg");
+    let missing = missing.to_str().unwrap();
+    let nvme_dir = dir.path().to_str().unwrap();
+    for args in [
+        vec!["bench", "adam", "--params", "1M", "--plot", missing],
+        vec![
+            "bench", "nvme", "--dir", nvme_dir, "--size", "4MiB", "--plot", missing,
+        ],
+        vec!["plan", "--params", "1B", "--plot", missing],
+    ] {
+        let started = std::time::Instant::now();
+        let output = strata(&args);
+        let stderr = stderr_of_failure(&output, args.join(" "));
+        assert!(
+            stderr.contains("no-such-dir") && stderr.contains("does not exist"),
+            "{args:?}: {stderr}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{args:?} ran its sweep before refusing the chart path"
+        );
+    }
+    let not_svg = dir.path().join("chart.png");
+    let output = strata(&[
+        "plan",
+        "--params",
+        "1B",
+        "--plot",
+        not_svg.to_str().unwrap(),
+    ]);
+    assert!(stderr_of_failure(&output, "png").contains("ending in .svg"));
+}

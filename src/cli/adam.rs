@@ -110,6 +110,9 @@ fn parse_isas(names: &[String]) -> anyhow::Result<Vec<Isa>> {
 
 /// Runs the sweep.
 pub fn run(args: AdamArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.plot {
+        super::chart::check_plot_path(path)?;
+    }
     let mut sizes = args
         .params
         .iter()

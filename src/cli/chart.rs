@@ -24,6 +24,34 @@ fn require_svg(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Checks before any work that `--plot PATH` can be written: an `.svg`
+/// name in an existing, writable directory (probed with a temporary file),
+/// so a long sweep never ends in a chart that cannot be saved.
+pub fn check_plot_path(path: &Path) -> anyhow::Result<()> {
+    require_svg(path)?;
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        bail!(
+            "--plot {}: the directory {} does not exist: create it or give another path",
+            path.display(),
+            dir.display()
+        );
+    }
+    let probe = dir.join(format!(".strata-plot-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").with_context(|| {
+        format!(
+            "--plot {}: cannot write in {}: fix its permissions or give another path",
+            path.display(),
+            dir.display()
+        )
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 type Chart<'a, 'b> = ChartContext<
     'a,
     SVGBackend<'b>,

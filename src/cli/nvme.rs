@@ -182,6 +182,9 @@ fn dedup<T: PartialEq + Copy>(items: &mut Vec<T>) {
 
 /// Runs the sweep and prints the table (or JSON) and the recommendation.
 pub fn run(args: NvmeArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.plot {
+        super::chart::check_plot_path(path)?;
+    }
     if let Some(zero) = args.block_size.iter().find(|b| b.0 == 0) {
         bail!("--block-size {zero}: a block must be positive (e.g. 1MiB)");
     }
@@ -251,9 +254,6 @@ pub fn run(args: NvmeArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir(&dirs[0]);
     }
     let best = best(&measured).context("the sweep measured nothing")?;
-    if let Some(path) = &args.plot {
-        plot(path, &measured)?;
-    }
     let report = Report {
         results: measured.iter().map(row).collect(),
         best: best.clone(),
@@ -263,7 +263,11 @@ pub fn run(args: NvmeArgs) -> anyhow::Result<()> {
     } else {
         print_table(&report, dirs.len() > 1 || args.size.len() > 1);
         print_recommendation(&dirs, &best, measured.len());
-        if let Some(path) = &args.plot {
+    }
+    // After the results: a chart that fails loses nothing measured.
+    if let Some(path) = &args.plot {
+        plot(path, &measured)?;
+        if !args.json {
             println!("chart: {}", path.display());
         }
     }

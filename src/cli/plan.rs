@@ -304,6 +304,9 @@ struct Output<'a> {
 
 /// Plans, simulates and prints.
 pub fn run(args: PlanArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.plot {
+        super::chart::check_plot_path(path)?;
+    }
     if args.deepspeed_pipelined && args.policy == PolicyChoice::Strata && !args.compare {
         bail!("--deepspeed-pipelined applies to --policy deepspeed (or --compare)");
     }
@@ -328,10 +331,13 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
     let speedup = baseline
         .as_ref()
         .and_then(|b| Some(b.step_time_s? / estimate.step_time_s?));
-    if let Some(path) = &args.plot {
-        super::chart::plan_chart(path, &estimate)
-            .with_context(|| format!("drawing {}", path.display()))?;
-    }
+    let draw = || -> anyhow::Result<()> {
+        match &args.plot {
+            Some(path) => super::chart::plan_chart(path, &estimate)
+                .with_context(|| format!("drawing {}", path.display())),
+            None => Ok(()),
+        }
+    };
     if args.json {
         let output = Output {
             estimate: &estimate,
@@ -342,7 +348,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             speedup,
         };
         println!("{}", serde_json::to_string(&output)?);
-        return Ok(());
+        return draw();
     }
     print_human(&estimate, &hardware, &model, &parallelism);
     if let (Some(baseline), Some(speedup)) = (&baseline, speedup) {
@@ -355,6 +361,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
             estimate.policy
         );
     }
+    draw()?;
     if let Some(path) = &args.plot {
         println!("chart: {}", path.display());
     }
