@@ -554,3 +554,40 @@ fn bf16_states(dtype: StateDtype) {
     let err = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("optim.state_dtype"), "{err}");
 }
+
+/// What a run will write is checked before step 1: the trace file is
+/// created first, and the checkpoint directory must have room for one
+/// checkpoint.
+#[test]
+fn unwritable_trace_and_a_full_checkpoint_disk_fail_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny(dir.path());
+    let options = RunOptions {
+        trace: Some(dir.path().join("missing/trace.json")),
+        ..RunOptions::default()
+    };
+    let mut steps = 0;
+    let err = run(&config, &corpus(16), &options, &mut |_| steps += 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--trace") && err.contains("missing/trace.json"),
+        "{err}"
+    );
+    assert_eq!(steps, 0, "no step ran before the trace path was refused");
+
+    let mut huge = tiny(dir.path());
+    huge.model.hidden = 8192;
+    huge.model.heads = 64;
+    huge.model.layers = 32;
+    huge.train.checkpoint_dir = Some(dir.path().join("ckpt"));
+    let started = std::time::Instant::now();
+    let err = run(&huge, &corpus(16), &RunOptions::default(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("bytes free") && err.contains("one checkpoint of this model needs"),
+        "{err}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+}

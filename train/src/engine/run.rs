@@ -144,13 +144,28 @@ pub fn run(
         // Every file, the weights included, before any rank starts.
         checkpoint.verify()?;
     }
+    // The trace file is created now, so an unwritable path fails before
+    // step 1 rather than after the run.
+    let mut trace = match &options.trace {
+        Some(path) => Some((
+            path.clone(),
+            std::fs::File::create(path).map_err(|err| {
+                os(
+                    format!("create the --trace file {}", path.display()),
+                    err,
+                    "choose a writable path for --trace",
+                )
+            })?,
+        )),
+        None => None,
+    };
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world);
         for collective in collectives {
             let rank = collective.rank();
             let sender = sender.clone();
             let resume = resume.clone();
-            let trace = options.trace.clone();
+            let trace = if rank == 0 { trace.take() } else { None };
             handles.push(
                 std::thread::Builder::new()
                     .name(format!("strata-rank-{rank}"))
@@ -212,7 +227,7 @@ fn rank_main(
     corpus: &ByteCorpus,
     collective: InProcess,
     resume: Option<Checkpoint>,
-    trace: Option<PathBuf>,
+    trace: Option<(PathBuf, std::fs::File)>,
     stop: u64,
     sender: std::sync::mpsc::Sender<(StepReport, Stats)>,
 ) -> Result<Option<RunSummary>> {
@@ -259,14 +274,7 @@ fn rank_main(
     if rank != 0 {
         return Ok(None);
     }
-    if let Some(path) = trace {
-        let mut file = std::fs::File::create(&path).map_err(|err| {
-            os(
-                format!("create the --trace file {}", path.display()),
-                err,
-                "choose a writable path for --trace",
-            )
-        })?;
+    if let Some((path, mut file)) = trace {
         engine.runtime().write_trace(&mut file).map_err(|err| {
             os(
                 format!("write the --trace file {}", path.display()),
@@ -304,6 +312,36 @@ fn rank_main(
     }))
 }
 
+/// Errors unless `dir`'s filesystem has room for one checkpoint: the fp32
+/// weights (4 bytes per parameter) and every rank's shard of master
+/// weights and moments (12 bytes per parameter in all), with 5% to spare.
+fn check_checkpoint_room(config: &TrainConfig, dir: &std::path::Path) -> Result<()> {
+    let params = config.model.gpt().params() as u64;
+    let needed = params
+        .saturating_mul(16)
+        .saturating_add(params.saturating_mul(16) / 20);
+    let available = strata_storage::sys::available_bytes(dir).map_err(|err| {
+        os(
+            format!(
+                "read the free space of train.checkpoint_dir {}",
+                dir.display()
+            ),
+            err,
+            "choose another checkpoint directory",
+        )
+    })?;
+    if available < needed {
+        return Err(TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            problem: format!(
+                "its filesystem has {available} bytes free, and one checkpoint of this model needs about {needed} ({params} parameters x 16 bytes, plus 5%)"
+            ),
+            fix: "free space there or choose another train.checkpoint_dir".into(),
+        });
+    }
+    Ok(())
+}
+
 /// Locks the run's checkpoint directory and swap directories for its
 /// life (see [`super::ownership`]), and refuses a checkpoint directory
 /// that already holds checkpoints unless the run resumes or overwrites.
@@ -313,6 +351,7 @@ fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<Dir
     let mut owned = Vec::new();
     if let Some(dir) = &config.train.checkpoint_dir {
         owned.push(lock_dir(dir, "train.checkpoint_dir", &holder, wait)?);
+        check_checkpoint_room(config, dir)?;
         // `latest` decides, even when what it names cannot be read: a
         // damaged checkpoint is still another run's.
         if dir.join("latest").exists() && options.resume.is_none() && !options.overwrite {
