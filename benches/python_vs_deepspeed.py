@@ -155,7 +155,8 @@ def bench_io(args, torch):
             start = time.perf_counter()
             handle.async_pwrite(buf, path)
             handle.wait()
-            os.sync() if args.sync else None
+            if args.sync:
+                os.sync()
             results[f"{name}/{kind}/write"].append(n / (time.perf_counter() - start) / 1e9)
             buf.zero_()
             start = time.perf_counter()
@@ -171,8 +172,7 @@ def bench_io(args, torch):
             for op in ("write", "read"):
                 ratios[f"{kind}/{op}"] = gbps[f"strata/{kind}/{op}"] / gbps[f"deepnvme/{kind}/{op}"]
     for name, handle in systems:
-        for kind in ("locked",):
-            handle.free_cpu_locked_tensor(buffers[name][kind])
+        handle.free_cpu_locked_tensor(buffers[name]["locked"])
     if not args.keep:
         for name, _ in systems:
             for kind in ("locked", "user"):
@@ -251,21 +251,22 @@ def main():
               f"medians of {a['rounds']} rounds (Gparams/s):")
         for name, rate in a["gparams_per_s"].items():
             print(f"  {name:12} {rate:8.3f}   max |p - strata's p| {a['max_abs_diff_from_strata'][name]:.2e}")
-        for name, ratio in a["ratios"].items():
-            print(f"  {name:24} {ratio:6.2f}x")
-        for name, why in a["skipped"].items():
-            print(f"  {name} skipped: {why}")
+        print_ratios_and_skips(a, 24)
     if "io" in report:
         r = report["io"]
         print(f"\nI/O, {r['bytes']} bytes per file in {r['dir']}, block {r['block_size']}, queue depth "
               f"{r['queue_depth']}, {r['threads']} threads, medians of {r['rounds']} rounds (GB/s):")
         for key, value in r["gb_per_s"].items():
             print(f"  {key:24} {value:8.3f}")
-        for name, ratio in r["ratios"].items():
-            print(f"  {name:30} {ratio:6.2f}x")
-        for name, why in r["skipped"].items():
-            print(f"  {name} skipped: {why}")
+        print_ratios_and_skips(r, 30)
     return 0
+
+
+def print_ratios_and_skips(section, width):
+    for name, ratio in section["ratios"].items():
+        print(f"  {name:{width}} {ratio:6.2f}x")
+    for name, why in section["skipped"].items():
+        print(f"  {name} skipped: {why}")
 
 
 if __name__ == "__main__":

@@ -175,9 +175,7 @@ impl AsyncIO {
         if op == Op::Read {
             tensor.check_writable()?;
         }
-        // SAFETY: `tensor` keeps the memory alive in `held` until wait()
-        // (or drop, which waits first); the caller was told not to touch
-        // it meanwhile, as with DeepNVMe.
+        // SAFETY: `tensor` keeps the memory alive in `held` until wait() (or drop, which waits first); the caller was told not to touch it meanwhile, as with DeepNVMe.
         unsafe {
             self.handle
                 .start(op, tensor.ptr(), tensor.len_bytes(), &path, offset)
@@ -194,7 +192,6 @@ impl AsyncIO {
 pub(crate) struct LockedBuffer {
     buf: AlignedBuf,
     len: usize,
-    exports: usize,
 }
 
 #[pymethods]
@@ -210,11 +207,7 @@ impl LockedBuffer {
             .ok_or_else(|| PyValueError::new_err(format!("nbytes = {nbytes} is too large")))?;
         let buf = AlignedBuf::new_locked(rounded, PAGE_BYTES)
             .map_err(|err| PyValueError::new_err(err.to_string()))?;
-        Ok(LockedBuffer {
-            buf,
-            len: nbytes,
-            exports: 0,
-        })
+        Ok(LockedBuffer { buf, len: nbytes })
     }
 
     /// Whether mlock succeeded (false: RLIMIT_MEMLOCK too low; raise it
@@ -237,19 +230,11 @@ impl LockedBuffer {
     ) -> PyResult<()> {
         let ptr = slf.buf.as_mut_ptr().cast::<c_void>();
         let len = slf.len as isize;
-        // SAFETY: `view` is Python's to fill; the memory lives as long as
-        // `slf`, which the view references (FillInfo takes a reference).
+        // SAFETY: `view` is Python's to fill; the memory lives as long as `slf`, which the view references (FillInfo takes a reference).
         let rc = unsafe { pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, len, 0, flags) };
         if rc != 0 {
             return Err(PyErr::fetch(slf.py()));
         }
-        slf.exports += 1;
         Ok(())
-    }
-
-    /// # Safety
-    /// Called by Python when a view from `__getbuffer__` is released.
-    unsafe fn __releasebuffer__(mut slf: PyRefMut<'_, Self>, _view: *mut pyo3::ffi::Py_buffer) {
-        slf.exports = slf.exports.saturating_sub(1);
     }
 }

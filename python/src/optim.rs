@@ -196,9 +196,7 @@ impl Kernels {
         };
         let coefficients = config.coefficients(step, grad_scale).map_err(optim_error)?;
         self.run(py, |pool| {
-            // SAFETY: every dtype and length was checked above, the tensors
-            // are pairwise disjoint and writable where written, and they stay
-            // alive (held here) until the step returns.
+            // SAFETY: every dtype and length was checked above, the tensors are pairwise disjoint and writable where written, and they stay alive (held here) until the step returns.
             unsafe {
                 let moments = if bf16_moments {
                     Moments::Bf16 {

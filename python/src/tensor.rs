@@ -182,11 +182,9 @@ impl Tensor {
         capsule: Bound<'_, PyAny>,
         name: &'static str,
     ) -> PyResult<Tensor> {
-        // SAFETY: `capsule` is a live object; GetPointer checks that it is
-        // a capsule with this name and returns null (with an exception set)
-        // otherwise.
-        let managed =
-            unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE_NAME.as_ptr()) };
+        let capsule_name = CAPSULE_NAME.as_ptr();
+        // SAFETY: `capsule` is a live object; GetPointer checks that it is a capsule with this name and returns null (with an exception set) otherwise.
+        let managed = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), capsule_name) };
         if managed.is_null() {
             let _ = PyErr::take(obj.py());
             return Err(PyTypeError::new_err(format!(
@@ -194,8 +192,7 @@ impl Tensor {
                  capsule?)"
             )));
         }
-        // SAFETY: a "dltensor" capsule holds a DLManagedTensor, whose first
-        // field is the DLTensor; the capsule (kept below) keeps it alive.
+        // SAFETY: a "dltensor" capsule holds a DLManagedTensor, whose first field is the DLTensor; the capsule (kept below) keeps it alive.
         let tensor = unsafe { &*(managed as *const DlTensor) };
         if tensor.device.device_type != DL_CPU && tensor.device.device_type != DL_CUDA_HOST {
             return Err(PyValueError::new_err(format!(
@@ -212,8 +209,7 @@ impl Tensor {
         }
         let dtype = Dtype::from_dlpack(tensor.dtype.code, tensor.dtype.bits);
         let ndim = usize::try_from(tensor.ndim).unwrap_or(0);
-        // SAFETY: DLPack guarantees `ndim` entries in shape, and in strides
-        // when strides is not null.
+        // SAFETY: DLPack guarantees `ndim` entries in shape, and in strides when strides is not null.
         let shape = unsafe { dims(tensor.shape, ndim) };
         // SAFETY: as above.
         let strides = unsafe { dims(tensor.strides, ndim) };
@@ -309,8 +305,7 @@ impl Tensor {
     /// The dtype must be `T`'s (checked by [`Tensor::expect`]) and nothing
     /// else may access the memory while the slice lives.
     pub(crate) unsafe fn slice<T>(&self) -> &[T] {
-        // SAFETY: contiguous memory of `elems` elements of the right type,
-        // alive while `self` is; exclusivity is the caller's.
+        // SAFETY: contiguous memory of `elems` elements of the right type, alive while `self` is; exclusivity is the caller's.
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.elems) }
     }
 

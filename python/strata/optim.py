@@ -96,6 +96,15 @@ class _StrataOptimizer(torch.optim.Optimizer):
         if grads is not None and index != len(grads):
             raise ValueError(f"grads has {len(grads)} entries for {index} parameters")
 
+    def _advance(self, p, init):
+        """The state of ``p`` (created on first use: a float32 ``step`` and
+        ``init(p)``'s tensors) and the number of the step about to run."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state.update(init(p))
+        return state, self._next_step(state)
+
     def _next_step(self, state):
         """Advances the state's step (a float32 tensor, as torch keeps it;
         an int from DeepSpeed is converted) and returns it as an int."""
@@ -180,12 +189,7 @@ class CPUAdam(_StrataOptimizer):
         flat = [p for g in self.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(flat)} if copies is not None else None
         for group, p, grad in self._params_with_grads(grads):
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = _zeros(p)
-                state["exp_avg_sq"] = _zeros(p)
-            step = self._next_step(state)
+            state, step = self._advance(p, lambda p: {"exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)})
             beta1, beta2 = group["betas"]
             kernels.adam(
                 p.detach(),
@@ -240,13 +244,10 @@ class CPUAdagrad(_StrataOptimizer):
         loss = _closure(closure)
         kernels = self.kernels
         for group, p, grad in self._params_with_grads(None):
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["sum"] = torch.full_like(
-                    p, group["initial_accumulator_value"], memory_format=torch.contiguous_format
-                )
-            step = self._next_step(state)
+            initial = group["initial_accumulator_value"]
+            state, step = self._advance(
+                p, lambda p: {"sum": torch.full_like(p, initial, memory_format=torch.contiguous_format)}
+            )
             kernels.adagrad(
                 p.detach(),
                 grad,
@@ -284,11 +285,7 @@ class CPULion(_StrataOptimizer):
         loss = _closure(closure)
         kernels = self.kernels
         for group, p, grad in self._params_with_grads(None):
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = _zeros(p)
-            step = self._next_step(state)
+            state, step = self._advance(p, lambda p: {"exp_avg": _zeros(p)})
             beta1, beta2 = group["betas"]
             kernels.lion(
                 p.detach(),

@@ -511,8 +511,7 @@ fn run_part(
                     // SAFETY: each slot owns block_bytes of the bounce buffer.
                     let slot_ptr = unsafe { buf.as_mut_ptr().add(slot * config.block_bytes) };
                     if part.op == Op::Write {
-                        // SAFETY: both ranges are `len` bytes, valid, and disjoint
-                        // (the bounce buffer is ours).
+                        // SAFETY: both ranges are `len` bytes, valid, and disjoint (the bounce buffer is ours).
                         unsafe { std::ptr::copy_nonoverlapping(user, slot_ptr, len) };
                     }
                     slot_ptr
@@ -528,8 +527,7 @@ fn run_part(
                 len: len as u32,
                 tag: slot as u64,
             };
-            // SAFETY: the memory is the caller's (valid until the operation is
-            // waited for) or this slot's bounce block (held until its completion).
+            // SAFETY: the memory is the caller's (valid until the operation is waited for) or this slot's bounce block (held until its completion).
             unsafe { queue.push(request) };
             next = end;
         }
@@ -545,8 +543,7 @@ fn run_part(
                 Ok(()) => {
                     if part.bounce && part.op == Op::Read && at < part.body_end {
                         let buf = bounce.as_ref().expect("bounce buffer allocated");
-                        // SAFETY: the read filled this slot's `len` bytes; the
-                        // destination is inside the caller's buffer.
+                        // SAFETY: the read filled this slot's `len` bytes; the destination is inside the caller's buffer.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 buf.as_ptr().add(slot * config.block_bytes),
