@@ -10,7 +10,7 @@ fn main() -> ExitCode {
     let args = cli::Cli::parse();
     cli::init_logging(&args.log_level);
     match cli::run(args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE

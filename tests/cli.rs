@@ -1095,3 +1095,185 @@ fn plot_paths_are_checked_before_any_sweep() {
     ]);
     assert!(stderr_of_failure(&output, "png").contains("ending in .svg"));
 }
+
+/// A `strata train` child in `dir` whose stderr is read line by line; the
+/// lines so far are in the returned buffer.
+fn train_child(
+    dir: &std::path::Path,
+    args: &[&str],
+) -> (
+    std::process::Child,
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    use std::io::BufRead;
+    let mut child = strata_command()
+        .arg("train")
+        .args(args)
+        .current_dir(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stderr = child.stderr.take().unwrap();
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    (child, lines)
+}
+
+/// Waits (at most two minutes) until the child has reported `step`.
+fn wait_for_step(lines: &std::sync::Mutex<Vec<String>>, step: u64) {
+    let started = std::time::Instant::now();
+    let needle = format!("step {step:>5} ");
+    while !lines.lock().unwrap().iter().any(|l| l.starts_with(&needle)) {
+        assert!(started.elapsed().as_secs() < 120, "no step {step}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+fn send(child: &std::process::Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+fn swap_files(dir: &std::path::Path) -> Vec<String> {
+    let owned = dir.join("strata-train-swap/rank0/strata-swap");
+    std::fs::read_dir(owned)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+const SIGNAL_CONFIG: &str = "[model]\nseq = 32\nhidden = 64\nlayers = 2\n[train]\nsteps = 400\nmicro_batch = 4\ncheckpoint_dir = \"ckpt\"\n";
+
+#[test]
+fn train_sigterm_stops_at_a_step_boundary_checkpoints_and_resumes_bit_identical() {
+    let dir = tempdir();
+    let config = dir.path().join("run.toml");
+    std::fs::write(&config, SIGNAL_CONFIG).unwrap();
+    let config = config.to_str().unwrap();
+    let (child, lines) = train_child(dir.path(), &["--config", config]);
+    wait_for_step(&lines, 3);
+    send(&child, "TERM");
+    let output = child.wait_with_output().unwrap();
+    let stderr = lines.lock().unwrap().join("\n");
+    assert_eq!(output.status.code(), Some(143), "{stderr}");
+    let said = "stopped by SIGTERM after step ";
+    let at = stderr.find(said).unwrap_or_else(|| panic!("{stderr}")) + said.len();
+    let stopped_at: u64 = stderr[at..]
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(stopped_at >= 3, "{stderr}");
+    let latest = std::fs::read_to_string(dir.path().join("ckpt/latest")).unwrap();
+    assert_eq!(latest.trim(), format!("step-{stopped_at:08}"));
+    assert_eq!(swap_files(dir.path()), Vec::<String>::new(), "swap removed");
+
+    // Resumed to step 8, the losses are the uninterrupted run's, bit for bit.
+    let steps = (stopped_at + 3).to_string();
+    let resumed = last_json_line(&strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            config,
+            "--resume",
+            "ckpt",
+            "--stop-after",
+            &steps,
+            "--json",
+        ],
+    ));
+    let other = tempdir();
+    let whole = last_json_line(&strata_in(
+        other.path(),
+        &[
+            "train",
+            "--config",
+            config,
+            "--stop-after",
+            &steps,
+            "--json",
+        ],
+    ));
+    let tail = &whole["losses"].as_array().unwrap()[stopped_at as usize..];
+    assert_eq!(resumed["losses"].as_array().unwrap(), tail);
+}
+
+#[test]
+fn train_second_signal_or_spent_grace_stops_at_once_and_the_next_run_cleans_up() {
+    let dir = tempdir();
+    let config = dir.path().join("run.toml");
+    // Checkpoints every step, so that one is whole whenever the run dies.
+    std::fs::write(
+        &config,
+        format!("{SIGNAL_CONFIG}checkpoint_every = 1\nlock_wait_s = 5.0\n"),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    for (signals, grace, code, said) in [
+        (
+            &["TERM", "INT"][..],
+            "25",
+            130,
+            "a second signal (SIGINT) received",
+        ),
+        (
+            &["TERM"][..],
+            "0",
+            143,
+            "did not stop within --signal-grace 0 s",
+        ),
+    ] {
+        let (child, lines) = train_child(
+            dir.path(),
+            &["--config", config, "--overwrite", "--signal-grace", grace],
+        );
+        wait_for_step(&lines, 2);
+        for signal in signals {
+            send(&child, signal);
+        }
+        let started = std::time::Instant::now();
+        let output = child.wait_with_output().unwrap();
+        let stderr = lines.lock().unwrap().join("\n");
+        assert_eq!(output.status.code(), Some(code), "{stderr}");
+        assert!(started.elapsed().as_secs() < 10, "stopped at once");
+        assert!(
+            stderr.contains(said) && stderr.contains("the last whole checkpoint is"),
+            "{stderr}"
+        );
+        // The dead run's swap file stays, the last whole checkpoint too.
+        let left = swap_files(dir.path());
+        assert_eq!(left.len(), 1, "{left:?}");
+        let verify = strata_in(dir.path(), &["checkpoint", "verify", "ckpt"]);
+        assert!(verify.status.success(), "{verify:?}");
+        // The next run in the same directories removes it and trains.
+        let next = strata_in(
+            dir.path(),
+            &[
+                "train",
+                "--config",
+                config,
+                "--overwrite",
+                "--stop-after",
+                "1",
+            ],
+        );
+        stdout_text(&next);
+        assert!(!swap_files(dir.path()).contains(&left[0]));
+    }
+}

@@ -5,6 +5,7 @@ mod chart;
 mod checkpoint;
 mod nvme;
 mod plan;
+mod signals;
 mod swap;
 mod tiers;
 mod train;
@@ -59,17 +60,18 @@ enum Bench {
     Tiers(tiers::TiersArgs),
 }
 
-/// Runs the parsed command.
-pub fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {
+/// Runs the parsed command; the exit status it asks for.
+pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+    let done = match cli.command {
         Command::Bench(Bench::Nvme(args)) => nvme::run(args),
         Command::Bench(Bench::Swap(args)) => swap::run(args),
         Command::Bench(Bench::Adam(args)) => adam::run(args),
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
         Command::Plan(args) => plan::run(*args),
-        Command::Train(args) => train::run(*args),
+        Command::Train(args) => return train::run(*args),
         Command::Checkpoint(command) => checkpoint::run(command),
-    }
+    };
+    done.map(|()| std::process::ExitCode::SUCCESS)
 }
 
 /// The drive options `bench swap` and `bench tiers` share.

@@ -3,7 +3,9 @@
 //! over ranks; with no arguments, a small model on the text bundled in
 //! `examples/data/`, swapping to `./strata-train-swap`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
@@ -57,7 +59,16 @@ pub struct TrainArgs {
     /// Print a JSON summary as the last line.
     #[arg(long)]
     json: bool,
+    /// Seconds a run may take after SIGINT or SIGTERM to finish its step
+    /// and write a final checkpoint; past it (or at a second signal) it
+    /// exits at once, keeping the last whole checkpoint. Schedulers
+    /// (Slurm, Kubernetes) give about 30 s before SIGKILL.
+    #[arg(long, value_name = "SECONDS", default_value_t = SIGNAL_GRACE_DEFAULT_S)]
+    signal_grace: f64,
 }
+
+/// `--signal-grace`'s default: under the 30 s most schedulers give.
+const SIGNAL_GRACE_DEFAULT_S: f64 = 25.0;
 
 /// The run's config: `--config` (or the defaults), then `--deepspeed`'s
 /// keys, then the flags.
@@ -101,12 +112,20 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
     Ok(config)
 }
 
-/// Runs `strata train`.
-pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+/// Runs `strata train`: exits 0, or 128 + the signal that stopped it.
+pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    if !(args.signal_grace.is_finite() && args.signal_grace >= 0.0) {
+        bail!(
+            "--signal-grace {} is not a number of seconds: give one at least 0 (default {SIGNAL_GRACE_DEFAULT_S})",
+            args.signal_grace
+        );
+    }
+    // Before any thread starts, so that every one inherits the mask.
+    let blocked = super::signals::block().context("block SIGINT and SIGTERM for the run")?;
     let config = load_config(&args)?;
     if args.print_config {
         print!("{}", config.to_toml()?);
-        return Ok(());
+        return Ok(ExitCode::SUCCESS);
     }
     let text = match &args.data {
         Some(path) => {
@@ -120,7 +139,27 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         resume: args.resume.clone(),
         trace: args.trace.clone(),
         overwrite: args.overwrite,
+        stop: Default::default(),
     };
+    let grace = Duration::from_secs_f64(args.signal_grace);
+    let dir = config.train.checkpoint_dir.clone();
+    super::signals::watch(blocked, options.stop.clone(), grace, move || {
+        last_checkpoint(dir.as_deref())
+    })
+    .context("start the signal thread")?;
+    let checkpoint_bytes = (config.model.gpt().params() as u64).saturating_mul(16);
+    tracing::info!(
+        "on SIGINT or SIGTERM the run stops after its current step{}, within --signal-grace {:.0} s",
+        if config.train.checkpoint_dir.is_some() {
+            format!(
+                " and writes a checkpoint of about {}",
+                mib(checkpoint_bytes)
+            )
+        } else {
+            String::new()
+        },
+        args.signal_grace
+    );
     let total = options
         .stop_after
         .unwrap_or(config.train.steps)
@@ -140,8 +179,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         config.placement.optimizer,
     );
     let mut moved_before = [0u64; 4];
+    let mut timing = StopTiming::default();
     let summary = engine::run(&config, &corpus, &options, &mut |progress| {
         let r = progress.report;
+        timing.observe(r.seconds, progress.checkpoint_s, args.signal_grace);
         let moved: [u64; 4] = [0, 1, 2, 3].map(|i| progress.stats.links[i].bytes);
         let step_moved: Vec<String> = moved
             .iter()
@@ -183,7 +224,70 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
     })?;
     bar.finish_and_clear();
-    print_summary(&summary, args.json)
+    print_summary(&summary, args.json)?;
+    let Some(signal) = summary.stopped_by else {
+        return Ok(ExitCode::SUCCESS);
+    };
+    eprintln!(
+        "stopped by {} after step {}{}",
+        super::signals::name(signal),
+        summary.last_step,
+        match (&config.train.checkpoint_dir, summary.checkpoints.last()) {
+            (Some(dir), Some(_)) =>
+                format!("; go on with: strata train ... --resume {}", dir.display()),
+            _ => " (no checkpoint: the run writes none)".into(),
+        }
+    );
+    Ok(ExitCode::from(super::signals::exit_status(signal)))
+}
+
+/// What stays when the run is stopped mid-step: the checkpoint `latest`
+/// names in `dir`, read at that moment.
+fn last_checkpoint(dir: Option<&Path>) -> String {
+    let Some(dir) = dir else {
+        return "the run writes no checkpoints".into();
+    };
+    match std::fs::read_to_string(dir.join("latest")) {
+        Ok(name) => format!(
+            "the last whole checkpoint is {}",
+            dir.join(name.trim()).display()
+        ),
+        Err(_) => format!("no checkpoint was written in {} yet", dir.display()),
+    }
+}
+
+/// Says once how long a stop takes (a step, then a checkpoint), as soon as
+/// both were measured, and warns when that passes `--signal-grace`.
+#[derive(Default)]
+struct StopTiming {
+    step_s: Option<f64>,
+    checkpoint_s: Option<f64>,
+    said: bool,
+}
+
+impl StopTiming {
+    fn observe(&mut self, step_s: f64, checkpoint_s: Option<f64>, grace_s: f64) {
+        // The first step also warms caches: the second is the estimate.
+        self.step_s = Some(self.step_s.map_or(step_s, |first: f64| first.min(step_s)));
+        self.checkpoint_s = checkpoint_s.or(self.checkpoint_s);
+        let (Some(step), Some(checkpoint)) = (self.step_s, self.checkpoint_s) else {
+            return;
+        };
+        if self.said {
+            return;
+        }
+        self.said = true;
+        let stop = step + checkpoint;
+        if stop > grace_s {
+            tracing::warn!(
+                "a stop takes about {stop:.1} s (a step {step:.1} s, a checkpoint {checkpoint:.1} s), more than --signal-grace {grace_s:.0} s: a signal may end the run mid-step, keeping the checkpoint before"
+            );
+        } else {
+            tracing::info!(
+                "a stop takes about {stop:.1} s (a step {step:.1} s, a checkpoint {checkpoint:.1} s), within --signal-grace {grace_s:.0} s"
+            );
+        }
+    }
 }
 
 fn mib(bytes: u64) -> String {
@@ -236,6 +340,12 @@ fn print_summary(summary: &RunSummary, json: bool) -> anyhow::Result<()> {
     }
     for path in &summary.checkpoints {
         println!("checkpoint: {}", path.display());
+    }
+    for failure in &summary.checkpoint_failures {
+        println!(
+            "checkpoint of step {} NOT written (the run went on): {}",
+            failure.step, failure.cause
+        );
     }
     if json {
         println!("{}", serde_json::to_string(summary)?);

@@ -754,7 +754,7 @@ fn prepare_dir(dir: &Path) -> Result<PathBuf> {
         let Ok(file) = std::fs::OpenOptions::new().read(true).open(&path) else {
             continue;
         };
-        if crate::sys::try_lock_exclusive(&file).unwrap_or(false) {
+        if lock_stale(&file, &name) {
             let bytes = file.metadata().map(|m| m.len()).unwrap_or(0);
             std::fs::remove_file(&path).map_err(|err| StorageError::NotWritable {
                 path: path.clone(),
@@ -768,6 +768,39 @@ fn prepare_dir(dir: &Path) -> Result<PathBuf> {
         }
     }
     Ok(owned)
+}
+
+/// How long a swap file of a process that has exited may stay locked: the
+/// kernel releases a dead process's locks only after tearing down its
+/// memory (seconds for a large pinned pool).
+const STALE_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether `file` (named `swap-<pid>-...`) is a dead run's: its lock is
+/// free, or is held by a process that no longer exists and is released
+/// within [`STALE_LOCK_WAIT`]. Locks this function takes stay held until
+/// `file` is closed.
+fn lock_stale(file: &std::fs::File, name: &str) -> bool {
+    if crate::sys::try_lock_exclusive(file).unwrap_or(false) {
+        return true;
+    }
+    let pid = name
+        .strip_prefix("swap-")
+        .and_then(|rest| rest.split('-').next())
+        .and_then(|pid| pid.parse::<u32>().ok());
+    let Some(pid) = pid else {
+        return false;
+    };
+    if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+        return false;
+    }
+    let deadline = std::time::Instant::now() + STALE_LOCK_WAIT;
+    while std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        if crate::sys::try_lock_exclusive(file).unwrap_or(false) {
+            return true;
+        }
+    }
+    false
 }
 
 fn create_swap_file(path: &Path, dir: &Path, file_bytes: u64) -> Result<SwapFile> {

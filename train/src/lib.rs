@@ -19,9 +19,9 @@ mod error;
 pub mod gpt;
 
 pub use engine::{
-    ByteCorpus, Checkpoint, CheckpointMeta, DeepSpeedMapping, Engine, GRAD_ACCUMULATION_MAX,
-    ModelConfig, OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX,
-    RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, TierBytes, TrainConfig,
-    TrainSettings, WarmupType, from_deepspeed_json, run,
+    ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, DeepSpeedMapping, Engine,
+    GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement, PlacementConfig, Prediction,
+    Progress, RANKS_MAX, RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport,
+    StopRequest, TierBytes, TrainConfig, TrainSettings, WarmupType, from_deepspeed_json, run,
 };
 pub use error::{Result, TrainError};

@@ -591,3 +591,103 @@ fn unwritable_trace_and_a_full_checkpoint_disk_fail_before_training() {
     );
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
+
+#[test]
+fn a_stop_request_stops_every_rank_at_one_boundary_with_a_checkpoint_that_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 8;
+    config.train.ranks = 2;
+    let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(whole.stopped_by, None);
+
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    let options = RunOptions::default();
+    let stop = options.stop.clone();
+    // Asked during step 3's report: the ranks finish step 3 or 4 (the
+    // request races their boundary) and stop together there.
+    let head = run(&config, &corpus(16), &options, &mut |progress| {
+        if progress.report.step == 3 {
+            stop.request(15);
+        }
+    })
+    .unwrap();
+    assert_eq!(head.stopped_by, Some(15));
+    assert!((3..=4).contains(&head.last_step), "{}", head.last_step);
+    assert_eq!(head.steps, head.last_step);
+    let at = strata_train::Checkpoint::open(&checkpoints).unwrap();
+    assert_eq!(
+        at.meta.step, head.last_step,
+        "a final checkpoint at the stop"
+    );
+    let swap_files = std::fs::read_dir(dir.path().join("swap"))
+        .unwrap()
+        .flatten()
+        .flat_map(|rank| {
+            std::fs::read_dir(rank.path().join("strata-swap"))
+                .into_iter()
+                .flatten()
+        })
+        .flatten()
+        .count();
+    assert_eq!(swap_files, 0, "the stopped run removed its swap files");
+
+    config.train.checkpoint_dir = None;
+    let rest = RunOptions {
+        resume: Some(checkpoints),
+        ..RunOptions::default()
+    };
+    let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
+    let resumed: Vec<u64> = head
+        .losses
+        .iter()
+        .chain(&tail.losses)
+        .map(|l| l.to_bits())
+        .collect();
+    let uninterrupted: Vec<u64> = whole.losses.iter().map(|l| l.to_bits()).collect();
+    assert_eq!(resumed, uninterrupted);
+}
+
+#[test]
+fn a_checkpoint_that_fails_mid_run_keeps_the_one_before_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 6;
+    config.train.ranks = 2;
+    config.train.micro_batch /= 2;
+    let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    config.train.checkpoint_every = 2;
+    std::fs::create_dir(&checkpoints).unwrap();
+    // A file where step 4's temporary directory goes: that write fails
+    // (as a full or failing disk would), steps 2 and 6 do not.
+    std::fs::write(checkpoints.join(".tmp-step4"), b"in the way").unwrap();
+    let summary = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(summary.steps, 6, "the run went on");
+    assert_eq!(summary.checkpoint_failures.len(), 1);
+    assert_eq!(summary.checkpoint_failures[0].step, 4);
+    assert!(
+        summary.checkpoint_failures[0].cause.contains(".tmp-step4"),
+        "{:?}",
+        summary.checkpoint_failures
+    );
+    let written: Vec<_> = summary
+        .checkpoints
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(written, ["step-00000002", "step-00000006"]);
+    let bits = |losses: &[f64]| losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&summary.losses), bits(&whole.losses));
+
+    // The final checkpoint is the run's result: its failure is the run's.
+    std::fs::remove_dir_all(&checkpoints).unwrap();
+    std::fs::create_dir(&checkpoints).unwrap();
+    std::fs::write(checkpoints.join(".tmp-step6"), b"in the way").unwrap();
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains(".tmp-step6"), "{err}");
+    let latest = strata_train::Checkpoint::open(&checkpoints).unwrap();
+    assert_eq!(latest.meta.step, 4, "the checkpoint before stays latest");
+}

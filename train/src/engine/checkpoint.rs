@@ -477,6 +477,16 @@ impl Engine {
     /// (see [`checkpoint`](self) for the layout); every rank calls it
     /// together. Returns the checkpoint's directory.
     pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        self.try_save_checkpoint(root)?
+    }
+
+    /// [`Engine::save_checkpoint`], telling the two kinds of failure
+    /// apart. The outer error is the engine's (a state it could not read,
+    /// a broken collective): training cannot go on. The inner one is the
+    /// checkpoint's files (a full or failing disk): every rank gets it,
+    /// the checkpoint before stays whole and `latest`, this one's
+    /// temporary directory is removed, and training can go on.
+    pub fn try_save_checkpoint(&mut self, root: &Path) -> Result<Result<PathBuf>> {
         self.flush()?;
         let (rank, world) = (self.collective.rank(), self.collective.world());
         let step = self.step;
@@ -486,7 +496,9 @@ impl Engine {
         } else {
             Ok(())
         };
-        self.agree(begun)?;
+        if let Err(err) = self.agree(begun)? {
+            return Ok(Err(err));
+        }
         let mut shard = Vec::with_capacity(3 * self.groups.len());
         let mut weights = Vec::new();
         for g in 0..self.groups.len() {
@@ -528,7 +540,12 @@ impl Engine {
             }
             Ok(())
         })();
-        self.agree(written)?;
+        if let Err(err) = self.agree(written)? {
+            if rank == 0 {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            return Ok(Err(err));
+        }
         let committed = if rank == 0 {
             let meta = CheckpointMeta {
                 format: FORMAT,
@@ -546,12 +563,23 @@ impl Engine {
                 },
                 files: Default::default(),
             };
-            commit(root, &tmp, meta).and_then(|_| prune(root, self.config.train.checkpoints_kept))
+            let committed = commit(root, &tmp, meta);
+            if committed.is_err() {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            committed.map(|_| {
+                // The checkpoint is published: failing to remove old ones
+                // loses nothing, so it is reported, not fatal.
+                if let Err(err) = prune(root, self.config.train.checkpoints_kept) {
+                    tracing::warn!("could not prune old checkpoints: {err}");
+                }
+            })
         } else {
             Ok(())
         };
-        self.agree(committed)?;
-        Ok(root.join(format!("step-{step:08}")))
+        Ok(self
+            .agree(committed)?
+            .map(|()| root.join(format!("step-{step:08}"))))
     }
 
     /// Loads a checkpoint written by a run of the same model, ranks and

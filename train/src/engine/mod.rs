@@ -58,6 +58,7 @@ mod optimizer;
 mod ownership;
 mod run;
 mod steps;
+mod stop;
 mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta};
@@ -68,7 +69,8 @@ pub use config::{
 };
 pub use data::ByteCorpus;
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
-pub use run::{Progress, RunOptions, RunSummary, TierBytes, run};
+pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, TierBytes, run};
+pub use stop::StopRequest;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -530,8 +532,9 @@ impl Engine {
     }
 
     /// Every rank's outcome of a part each did: this rank's error, or one
-    /// naming the rank that failed.
-    fn agree(&self, outcome: Result<()>) -> Result<()> {
+    /// naming the rank that failed (the outer error: the collective
+    /// itself failed).
+    fn agree(&self, outcome: Result<()>) -> Result<Result<()>> {
         let world = self.collective.world();
         let rank = self.collective.rank();
         let mut failed = vec![0.0f64; world.min(strata_comm::SCALARS_MAX)];
@@ -540,14 +543,23 @@ impl Engine {
             failed[slot] = 1.0;
         }
         self.collective.all_reduce_scalars(&mut failed)?;
-        outcome?;
-        match failed.iter().position(|&f| f > 0.0) {
+        if outcome.is_err() {
+            return Ok(outcome);
+        }
+        Ok(match failed.iter().position(|&f| f > 0.0) {
             Some(other) => Err(TrainError::Rank {
                 rank: other,
                 cause: "it could not write its part of the checkpoint".into(),
             }),
             None => Ok(()),
-        }
+        })
+    }
+
+    /// Whether any rank says `flag`; every rank calls it together.
+    fn any_rank(&self, flag: bool) -> Result<bool> {
+        let mut any = [f64::from(u8::from(flag))];
+        self.collective.all_reduce_scalars(&mut any)?;
+        Ok(any[0] > 0.0)
     }
 
     /// Applies the last step's update now if it is late (else it runs

@@ -10,11 +10,16 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::ownership::{DirLock, Holder, lock_dir};
-use super::{ByteCorpus, Checkpoint, Engine, StepReport, TrainConfig};
+use super::{ByteCorpus, Checkpoint, Engine, StepReport, StopRequest, TrainConfig};
 use crate::error::{Result, TrainError, os};
 use strata_comm::{Collective, InProcess};
 use strata_runtime::Stats;
 use strata_runtime::Tier;
+
+/// The stop code of a rank that saw no request itself but stopped because
+/// a peer did (in-process ranks share the request, so only a rank of
+/// another process could see this).
+const STOPPED_BY_PEER: i32 = i32::MAX;
 
 /// What a run does besides training.
 #[derive(Clone, Debug, Default)]
@@ -29,6 +34,19 @@ pub struct RunOptions {
     /// Start a new run in a checkpoint directory that holds another run's
     /// checkpoints (without it, that is refused unless resuming).
     pub overwrite: bool,
+    /// Set from outside (a signal) to stop at the next step boundary,
+    /// with a final checkpoint when the run has a checkpoint directory.
+    pub stop: StopRequest,
+}
+
+/// A checkpoint that could not be written; the run went on from the one
+/// before.
+#[derive(Clone, Debug, Serialize)]
+pub struct CheckpointFailure {
+    /// The step it was for.
+    pub step: u64,
+    /// Why, with the fix.
+    pub cause: String,
 }
 
 /// Bytes per tier, by name.
@@ -95,8 +113,15 @@ pub struct RunSummary {
     #[serde(skip)]
     pub reports: Vec<StepReport>,
     /// Checkpoints written.
-    #[serde(skip)]
     pub checkpoints: Vec<PathBuf>,
+    /// Checkpoints that failed mid-run (the run went on).
+    pub checkpoint_failures: Vec<CheckpointFailure>,
+    /// The code of the [`StopRequest`] (the signal) that stopped the run
+    /// early, if one did.
+    pub stopped_by: Option<i32>,
+    /// The last step run (counted from the start of training, resumed
+    /// steps included).
+    pub last_step: u64,
 }
 
 /// What a rank sends the caller after each step.
@@ -105,6 +130,8 @@ pub struct Progress<'a> {
     pub report: &'a StepReport,
     /// Rank 0's runtime accounting after it.
     pub stats: &'a Stats,
+    /// Seconds the checkpoint written after the step took, if one was.
+    pub checkpoint_s: Option<f64>,
 }
 
 /// Runs `config` on `corpus`, calling `progress` after every step.
@@ -125,7 +152,7 @@ pub fn run(
         world,
         super::tensors::collective_elems_max(&config.model.gpt(), world),
     );
-    let (sender, receiver) = channel::<(StepReport, Stats)>();
+    let (sender, receiver) = channel::<(StepReport, Stats, Option<f64>)>();
     let stop = options
         .stop_after
         .unwrap_or(config.train.steps)
@@ -170,7 +197,15 @@ pub fn run(
                 std::thread::Builder::new()
                     .name(format!("strata-rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        rank_main(config, corpus, collective, resume, trace, stop, sender)
+                        rank_main(
+                            config,
+                            corpus,
+                            collective,
+                            resume,
+                            trace,
+                            (stop, &options.stop),
+                            sender,
+                        )
                     })
                     .map_err(|err| {
                         os(
@@ -182,10 +217,11 @@ pub fn run(
             );
         }
         drop(sender);
-        for (report, stats) in receiver {
+        for (report, stats, checkpoint_s) in receiver {
             progress(Progress {
                 report: &report,
                 stats: &stats,
+                checkpoint_s,
             });
         }
         let mut summary = None;
@@ -228,8 +264,8 @@ fn rank_main(
     collective: InProcess,
     resume: Option<Checkpoint>,
     trace: Option<(PathBuf, std::fs::File)>,
-    stop: u64,
-    sender: std::sync::mpsc::Sender<(StepReport, Stats)>,
+    (stop, request): (u64, &StopRequest),
+    sender: std::sync::mpsc::Sender<(StepReport, Stats, Option<f64>)>,
 ) -> Result<Option<RunSummary>> {
     let rank = collective.rank();
     let world = collective.world();
@@ -242,6 +278,8 @@ fn rank_main(
     let mut reports = Vec::new();
     let mut checkpoints = Vec::new();
     let mut timed = (0.0f64, 0u64);
+    let mut failures = Vec::new();
+    let mut stopped_by = None;
     while engine.steps_done() < stop {
         let step = engine.steps_done() + 1;
         corpus.step_tokens(
@@ -260,16 +298,49 @@ fn rank_main(
             timed.0 += started.elapsed().as_secs_f64();
             timed.1 += report.tokens;
         }
+        // Every rank stops at the same boundary: the first to see the
+        // request tells the others.
+        if engine.any_rank(request.requested().is_some())? {
+            stopped_by = Some(request.requested().unwrap_or(STOPPED_BY_PEER));
+        }
+        let mut checkpoint_s = None;
         if let Some(dir) = &t.checkpoint_dir {
             let due = t.checkpoint_every > 0 && step % t.checkpoint_every == 0;
-            if due || step == stop {
-                checkpoints.push(engine.save_checkpoint(dir)?);
+            let last = step == stop || stopped_by.is_some();
+            if due || last {
+                let started = Instant::now();
+                let saved = engine.try_save_checkpoint(dir)?;
+                checkpoint_s = Some(started.elapsed().as_secs_f64());
+                match saved {
+                    Ok(path) => checkpoints.push(path),
+                    // The last checkpoint is the run's result: its
+                    // failure is the run's.
+                    Err(err) if last => return Err(err),
+                    Err(err) => {
+                        if rank == 0 {
+                            tracing::warn!(
+                                "the checkpoint of step {step} was not written, and training goes on from {}: {err}",
+                                checkpoints.last().map_or_else(
+                                    || "the start (no checkpoint yet)".to_string(),
+                                    |p: &PathBuf| p.display().to_string()
+                                )
+                            );
+                        }
+                        failures.push(CheckpointFailure {
+                            step,
+                            cause: err.to_string(),
+                        });
+                    }
+                }
             }
         }
         if rank == 0 {
-            let _ = sender.send((report.clone(), engine.runtime().stats()));
+            let _ = sender.send((report.clone(), engine.runtime().stats(), checkpoint_s));
         }
         reports.push(report);
+        if stopped_by.is_some() {
+            break;
+        }
     }
     if rank != 0 {
         return Ok(None);
@@ -307,8 +378,11 @@ fn rank_main(
         moved_bytes: [0, 1, 2, 3].map(|i| stats.links[i].bytes),
         wait_s: stats.wait_ns as f64 / 1e9,
         losses: reports.iter().map(|r| r.loss).collect(),
+        last_step: engine.steps_done(),
         reports,
         checkpoints,
+        checkpoint_failures: failures,
+        stopped_by,
     }))
 }
 

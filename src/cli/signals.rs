@@ -1,0 +1,138 @@
+//! SIGINT and SIGTERM during `strata train`, handled on a dedicated thread
+//! with `sigwait`: the signals are blocked in every thread (the mask is
+//! set before any is started, and threads inherit it), so the kernel
+//! queues them for this thread instead of killing the process.
+//!
+//! The first signal asks the run to stop at its next step boundary (it
+//! writes a final checkpoint and removes its swap files). A second signal,
+//! or `--signal-grace` passing first, exits at once: checkpoints are only
+//! ever published whole (written under a temporary name, then renamed), so
+//! the last whole one stays, and the next run in the same directories
+//! removes the swap files this one leaves.
+
+use std::time::{Duration, Instant};
+
+use strata_train::StopRequest;
+
+/// The signals that stop a run.
+const STOP_SIGNALS: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
+
+/// The set of [`STOP_SIGNALS`], blocked in this thread and every thread it
+/// starts from now on.
+#[derive(Clone, Copy)]
+pub struct Blocked {
+    set: libc::sigset_t,
+}
+
+// SAFETY: a sigset_t is a plain bit set; the functions given it only read it.
+unsafe impl Send for Blocked {}
+
+/// Blocks SIGINT and SIGTERM in the calling thread; call it before any
+/// other thread starts, so that all inherit the mask.
+pub fn block() -> std::io::Result<Blocked> {
+    // SAFETY: sigset_t is plain data; sigemptyset initializes it fully.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid, writable sigset_t.
+    unsafe { libc::sigemptyset(&mut set) };
+    for signal in STOP_SIGNALS {
+        // SAFETY: `set` is initialized and the signal numbers are valid.
+        unsafe { libc::sigaddset(&mut set, signal) };
+    }
+    // SAFETY: `set` is initialized; a null old-set pointer is allowed.
+    let failed = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if failed != 0 {
+        return Err(std::io::Error::from_raw_os_error(failed));
+    }
+    Ok(Blocked { set })
+}
+
+impl Blocked {
+    /// Waits for one of the blocked signals, at most `timeout` (forever
+    /// without one); `None` when the time passed.
+    fn wait(&self, timeout: Option<Duration>) -> Option<libc::c_int> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            let signal = match deadline {
+                None => {
+                    let mut signal: libc::c_int = 0;
+                    // SAFETY: `self.set` is initialized; `signal` is writable.
+                    let failed = unsafe { libc::sigwait(&self.set, &mut signal) };
+                    (failed == 0).then_some(signal)
+                }
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    let timeout = libc::timespec {
+                        tv_sec: left.as_secs() as libc::time_t,
+                        tv_nsec: left.subsec_nanos() as libc::c_long,
+                    };
+                    // SAFETY: `self.set` and `timeout` are initialized; a
+                    // null siginfo pointer is allowed.
+                    let signal =
+                        unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &timeout) };
+                    (signal > 0).then_some(signal)
+                }
+            };
+            // Anything else (EINTR, EAGAIN at the deadline) goes round.
+            if let Some(signal) = signal {
+                return Some(signal);
+            }
+        }
+    }
+}
+
+/// The signal's name.
+pub fn name(signal: libc::c_int) -> &'static str {
+    match signal {
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
+        _ => "a signal",
+    }
+}
+
+/// The exit status of a process stopped by `signal`, as shells report it.
+pub fn exit_status(signal: libc::c_int) -> u8 {
+    (128 + signal).clamp(0, 255) as u8
+}
+
+/// Starts the thread that turns the first signal into `stop` and a second
+/// one, or `grace` passing after the first, into an immediate exit.
+/// `last_checkpoint` says, at that moment, what stays.
+pub fn watch(
+    blocked: Blocked,
+    stop: StopRequest,
+    grace: Duration,
+    last_checkpoint: impl Fn() -> String + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("strata-signals".into())
+        .spawn(move || {
+            let Some(first) = blocked.wait(None) else {
+                return;
+            };
+            eprintln!(
+                "\nstrata: {} received: stopping after the current step (with a checkpoint if the run writes them), within --signal-grace {:.0} s; a second signal stops at once",
+                name(first),
+                grace.as_secs_f64()
+            );
+            stop.request(first);
+            let (code, why) = match blocked.wait(Some(grace)) {
+                Some(second) => (second, format!("a second signal ({}) received", name(second))),
+                None => (
+                    first,
+                    format!(
+                        "the run did not stop within --signal-grace {:.0} s",
+                        grace.as_secs_f64()
+                    ),
+                ),
+            };
+            eprintln!(
+                "strata: {why}: stopping now, mid-step; {}. The next run in the same directories removes this one's swap files.",
+                last_checkpoint()
+            );
+            std::process::exit(i32::from(exit_status(code)));
+        })
+        .map(drop)
+}
