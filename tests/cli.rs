@@ -670,7 +670,7 @@ fn plan_table_and_chart() {
 
 #[test]
 fn plan_bad_options_are_named() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 9] = [
         (
             &["plan", "--params", "1T", "--layers", "10"],
             "--params picks the shape",
@@ -699,6 +699,24 @@ fn plan_bad_options_are_named() {
         (
             &["plan", "--params", "13B", "--offload-param", "disk"],
             "invalid value 'disk'",
+        ),
+        // Bounded: the plan's time and memory grow with these.
+        (&["plan", "--params", "1e30"], "50M to 1e15"),
+        (
+            &[
+                "plan",
+                "--layers",
+                "100000000",
+                "--hidden",
+                "128",
+                "--heads",
+                "1",
+            ],
+            "--layers 100000000 is above the most strata plans, 4096",
+        ),
+        (
+            &["plan", "--params", "13B", "--grad-accumulation", "1000"],
+            "block passes per step, above the 8192 a plan holds",
         ),
     ];
     for (args, needle) in cases {
@@ -820,7 +838,7 @@ fn train_bad_configs_are_named_before_training() {
         ),
         (
             "[host]\nbudget = \"1MiB\"\n",
-            "host.budget = 1MiB: the runtime keeps room for staging",
+            "the model does not fit: the model states placed there need at least 6674432 bytes on the host tier",
         ),
     ];
     for (text, expected) in cases {
@@ -833,10 +851,52 @@ fn train_bad_configs_are_named_before_training() {
         let said = &expected[expected.find(": ").unwrap() + 2..];
         assert_eq!(error.matches(said).count(), 1, "said twice: {error}");
     }
+    // Sizes past the limits, and a model that cannot fit, are refused by
+    // a closed-form count before anything is planned or allocated; a vocab
+    // that does not cover the data, before any rank starts.
+    let cases = [
+        (
+            "[model]\nhidden = 1000000000\nheads = 1\nlayers = 100000000\n",
+            "model.hidden = 1000000000: use at most 65536",
+        ),
+        (
+            "[model]\nhidden = 8192\nheads = 64\nlayers = 64\n",
+            "the model does not fit: the model states placed on the device and the compute workspace need at least",
+        ),
+        (
+            "[model]\nvocab = 100\n",
+            "model.vocab = 100: the data holds token 122",
+        ),
+        (
+            "[train]\nmicro_batch = 100000000\n",
+            "train.micro_batch = 100000000: use 1 to 65536",
+        ),
+    ];
+    for (text, expected) in cases {
+        std::fs::write(&config, text).unwrap();
+        let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
+        let stderr = stderr_of_failure(&output, text);
+        assert!(stderr.contains(expected), "{text}: {stderr}");
+    }
+    // A swap directory a config names must exist: not created on whatever
+    // disk holds its parent.
+    std::fs::write(&config, "[nvme]\ndirs = [\"no-such-drive\"]\n").unwrap();
+    let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
+    let stderr = stderr_of_failure(&output, "a missing swap directory");
+    assert!(
+        stderr.contains("nvme.dirs entry no-such-drive: it does not exist")
+            && stderr.contains("nvme.create_dirs = true"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("no-such-drive").exists());
     // A swap directory that cannot be created is the OS's error, with its
     // errno and the path, not a configuration value's.
     std::fs::write(dir.path().join("a-file"), b"").unwrap();
-    std::fs::write(&config, "[nvme]\ndirs = [\"a-file/swap\"]\n").unwrap();
+    std::fs::write(
+        &config,
+        "[nvme]\ndirs = [\"a-file/swap\"]\ncreate_dirs = true\n",
+    )
+    .unwrap();
     let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
     let stderr = stderr_of_failure(&output, "a swap directory under a file");
     assert!(
@@ -997,6 +1057,14 @@ fn train_deepspeed_refuses_what_strata_cannot_honor_by_key() {
 fn train_deepspeed_zero_infinity_example_trains_tiny() {
     let dir = tempdir();
     let ds = deepspeed_example("zero3-infinity-nvme.json");
+    // nvme_path must exist (DeepSpeed would create it; strata refuses).
+    let missing = strata_in(dir.path(), &["train", "--deepspeed", &ds, "--steps", "3"]);
+    let stderr = stderr_of_failure(&missing, "a missing nvme_path");
+    assert!(
+        stderr.contains("strata-train-swap: it does not exist") && stderr.contains("mkdir -p"),
+        "{stderr}"
+    );
+    std::fs::create_dir(dir.path().join("strata-train-swap")).unwrap();
     let output = strata_in(
         dir.path(),
         &["train", "--deepspeed", &ds, "--steps", "3", "--json"],

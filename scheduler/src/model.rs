@@ -23,6 +23,25 @@ pub struct Model {
     pub vocab: u64,
 }
 
+/// The most blocks a model may have.
+pub const LAYERS_MAX: u32 = 1 << 12;
+/// The largest hidden size.
+pub const HIDDEN_MAX: u64 = 1 << 20;
+/// The longest sequence.
+pub const SEQ_MAX: u64 = 1 << 22;
+/// The most sequences in one micro-batch.
+pub const MICRO_BATCH_MAX: u64 = 1 << 16;
+/// The largest vocabulary.
+pub const VOCAB_MAX: u64 = 1 << 24;
+/// The largest model `--params` shapes (a quadrillion).
+pub const PARAMS_MAX: f64 = 1e15;
+/// The most micro-batches accumulated into one step.
+pub const GRAD_ACCUMULATION_MAX: u32 = 1024;
+/// The most (block, micro-batch) pairs one rank's step may hold: the
+/// plan's ops, and so its time and memory, grow with them (at this bound
+/// a plan takes seconds and tens of MB).
+pub const MICRO_BLOCKS_MAX: u64 = 1 << 13;
+
 /// Standard shapes by size: (parameters, layers, hidden, heads), from the
 /// GPT-3 family, Megatron-Turing and the ZeRO-Infinity paper's 1T model.
 const SHAPES: [(f64, u32, u64, u32); 13] = [
@@ -47,10 +66,12 @@ impl Model {
     /// shape within 15%, else layers and hidden grown at the 1T model's
     /// aspect (hidden = 200 x layers) to match.
     pub fn for_params(params: f64) -> Result<Model, SchedulerError> {
-        if !(params.is_finite() && params >= 50e6) {
+        if !(params.is_finite() && (50e6..=PARAMS_MAX).contains(&params)) {
             return Err(SchedulerError::Config {
                 what: "model",
-                reason: format!("--params {params:e} is not a size strata can shape (50M or more)"),
+                reason: format!(
+                    "--params {params:e} is not a size strata can shape (50M to {PARAMS_MAX:e})"
+                ),
             });
         }
         let shape = SHAPES
@@ -98,6 +119,19 @@ impl Model {
                 "--hidden {} is not a multiple of --heads {}",
                 self.hidden, self.heads
             ));
+        }
+        for (flag, value, max) in [
+            ("--layers", u64::from(self.layers), u64::from(LAYERS_MAX)),
+            ("--hidden", self.hidden, HIDDEN_MAX),
+            ("--seq", self.seq, SEQ_MAX),
+            ("--micro-batch", self.micro_batch, MICRO_BATCH_MAX),
+            ("the vocabulary (--vocab)", self.vocab, VOCAB_MAX),
+        ] {
+            if value > max {
+                return bad(format!(
+                    "{flag} {value} is above the most strata plans, {max}"
+                ));
+            }
         }
         Ok(())
     }
@@ -320,19 +354,30 @@ impl Parallelism {
                 reason,
             })
         };
-        let gpus = hardware.nodes * hardware.gpus_per_node;
+        let gpus = u64::from(hardware.nodes) * u64::from(hardware.gpus_per_node);
         if self.data == 0 || self.tensor == 0 || self.pipeline == 0 || self.grad_accumulation == 0 {
             return bad("--data-parallel, --tensor-parallel, --pipeline-parallel and --grad-accumulation must be positive".into());
         }
-        if self.data * self.tensor * self.pipeline != gpus {
+        let product = u64::from(self.data) * u64::from(self.tensor) * u64::from(self.pipeline);
+        if product != gpus {
             return bad(format!(
-                "data {} x tensor {} x pipeline {} = {} GPUs, but {} nodes x {} GPUs = {gpus}; make the product match",
-                self.data,
-                self.tensor,
-                self.pipeline,
-                self.data * self.tensor * self.pipeline,
-                hardware.nodes,
-                hardware.gpus_per_node
+                "data {} x tensor {} x pipeline {} = {product} GPUs, but {} nodes x {} GPUs = {gpus}; make the product match",
+                self.data, self.tensor, self.pipeline, hardware.nodes, hardware.gpus_per_node
+            ));
+        }
+        if self.grad_accumulation > GRAD_ACCUMULATION_MAX {
+            return bad(format!(
+                "--grad-accumulation {} is above the most strata plans, {GRAD_ACCUMULATION_MAX}",
+                self.grad_accumulation
+            ));
+        }
+        let micro_blocks = u64::from(model.layers.div_ceil(self.pipeline.max(1)))
+            * u64::from(self.grad_accumulation);
+        if micro_blocks > MICRO_BLOCKS_MAX {
+            return bad(format!(
+                "{} layers per stage x --grad-accumulation {} = {micro_blocks} block passes per step, above the {MICRO_BLOCKS_MAX} a plan holds: plan with a smaller --grad-accumulation",
+                model.layers.div_ceil(self.pipeline.max(1)),
+                self.grad_accumulation
             ));
         }
         if self.zero_stage > 3 {

@@ -87,6 +87,10 @@ pub struct StorageConfig {
     pub retries_max: u32,
     /// Most live extents.
     pub extents_max: usize,
+    /// Create missing `dirs` (`strata train` does; off, a missing
+    /// directory is an error, so that swap never lands on whatever disk
+    /// holds its parent because of a typo or an unmounted drive).
+    pub create_dirs: bool,
 }
 
 impl Default for StorageConfig {
@@ -101,6 +105,7 @@ impl Default for StorageConfig {
             stripe_size: ByteSize(1 << 20),
             retries_max: crate::queue::RETRIES_MAX_DEFAULT,
             extents_max: 1 << 20,
+            create_dirs: false,
         }
     }
 }

@@ -43,6 +43,27 @@ pub enum TrainError {
         /// not also a source: it would print twice).
         cause: SchedulerError,
     },
+    /// The model and batch cannot fit a tier's budget: a closed-form
+    /// count made before any planning or allocation.
+    #[error(
+        "the model does not fit: {what} need at least {needed_bytes} bytes on the {tier} tier ({detail}), and {budget_key} is {budget_bytes} bytes; {fix}"
+    )]
+    Memory {
+        /// What needs the room.
+        what: String,
+        /// The tier.
+        tier: &'static str,
+        /// Bytes needed at the least.
+        needed_bytes: u64,
+        /// The setting that bounds the tier.
+        budget_key: &'static str,
+        /// Its value.
+        budget_bytes: u64,
+        /// How the bytes add up.
+        detail: String,
+        /// What to change.
+        fix: String,
+    },
     /// Planning failed for another reason (a limit, a malformed trace).
     #[error(transparent)]
     Scheduler(SchedulerError),

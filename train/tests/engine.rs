@@ -580,6 +580,11 @@ fn unwritable_trace_and_a_full_checkpoint_disk_fail_before_training() {
     huge.model.hidden = 8192;
     huge.model.heads = 64;
     huge.model.layers = 32;
+    // Budgets it would fit (the closed-form memory check passes), a disk
+    // it would not.
+    huge.device.budget = ByteSize(8 << 30);
+    huge.host.budget = ByteSize(1 << 40);
+    huge.nvme.as_mut().unwrap().capacity = ByteSize(1 << 40);
     huge.train.checkpoint_dir = Some(dir.path().join("ckpt"));
     let started = std::time::Instant::now();
     let err = run(&huge, &corpus(16), &RunOptions::default(), &mut |_| {})

@@ -24,6 +24,8 @@ pub const RANKS_MAX: usize = 64;
 pub const GRAD_ACCUMULATION_MAX: usize = 1024;
 /// The longest wait for an exited run's directory lock, in seconds.
 pub const LOCK_WAIT_S_MAX: f64 = 3600.0;
+/// The most sequences in one micro-batch.
+pub const MICRO_BATCH_MAX: usize = 1 << 16;
 
 /// Where a class of model state lives between uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -641,6 +643,9 @@ impl Default for TrainConfig {
             nvme: Some(StorageConfig {
                 dirs: vec![PathBuf::from("strata-train-swap")],
                 capacity: ByteSize(256 << 20),
+                // The built-in default's own directory; one a config names
+                // must exist.
+                create_dirs: true,
                 ..StorageConfig::default()
             }),
             runtime: LimitsConfig::default(),
@@ -683,8 +688,12 @@ impl TrainConfig {
         if t.steps == 0 {
             return Err(bad("train.steps", t.steps, "run at least 1 step"));
         }
-        if t.micro_batch == 0 {
-            return Err(bad("train.micro_batch", 0, "use at least 1 sequence"));
+        if !(1..=MICRO_BATCH_MAX).contains(&t.micro_batch) {
+            return Err(bad(
+                "train.micro_batch",
+                t.micro_batch,
+                format!("use 1 to {MICRO_BATCH_MAX} sequences"),
+            ));
         }
         if !(1..=GRAD_ACCUMULATION_MAX).contains(&t.grad_accumulation) {
             return Err(bad(
@@ -750,9 +759,7 @@ impl TrainConfig {
                 "the training engine computes on the CPU device for now (its CUDA kernels are not written): set device.kind = \"cpu\" or \"auto\"",
             ));
         }
-        let uses_nvme =
-            [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme);
-        if uses_nvme && self.nvme.is_none() {
+        if self.uses_nvme() && self.nvme.is_none() {
             return Err(bad(
                 "placement",
                 "nvme",
@@ -771,7 +778,105 @@ impl TrainConfig {
                 ),
             ));
         }
-        Ok(self.rank_runtime(0, 0)?.validate()?)
+        self.rank_runtime(0, 0)?.validate()?;
+        self.check_memory()
+    }
+
+    /// Refuses, by a closed-form count and before anything proportional to
+    /// the model is planned or allocated, a model and batch whose rank
+    /// cannot fit its tiers: the model states each tier holds between uses
+    /// (two bf16 parameter sets, two optimizer-state sets, the fp32
+    /// gradient) and, on the device, the least compute workspace (one
+    /// block's gathered parameters and gradient, the streams between
+    /// blocks). The counts are lower bounds: what passes may still not fit
+    /// the plan, which says so with its own numbers. Needs the limits
+    /// [`validate`](Self::validate) checks first (they keep every count
+    /// within 64 bits; the arithmetic saturates regardless).
+    fn check_memory(&self) -> Result<()> {
+        let gpt = self.model.gpt();
+        let world = self.train.ranks as u64;
+        let block = gpt.block_params() as u64;
+        let embed = gpt.embed_params() as u64;
+        let layers = gpt.layers as u64;
+        // Every group is cut into `world` equal shards (padded).
+        let shard = |params: u64| params.div_ceil(world);
+        let shard_params = shard(embed).saturating_add(layers.saturating_mul(shard(block)));
+        let state_bytes = self.optim.state_dtype.bytes_per_param() as u64;
+        let mut homed = [0u64; 3];
+        let mut add = |tier: Tier, bytes_per_param: u64| {
+            let bytes = shard_params.saturating_mul(bytes_per_param);
+            homed[tier.index()] = homed[tier.index()].saturating_add(bytes);
+        };
+        add(self.placement.params.tier(), 2 * 2);
+        add(self.placement.optimizer.tier(), 2 * state_bytes);
+        let grads = if self.placement.optimizer == Placement::Device {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        add(grads, 4);
+        let group_max = shard(block.max(embed)).saturating_mul(world);
+        let stream = [self.train.micro_batch, gpt.seq, gpt.hidden]
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(d as u64));
+        let in_flight = super::steps::in_flight(&self.train) as u64;
+        // Gathered parameters and gradient (fp32), y and dx, and each
+        // micro-batch in flight's x and dy (fp32).
+        let workspace = group_max
+            .saturating_mul(8)
+            .saturating_add(stream.saturating_mul(4).saturating_mul(2 + 2 * in_flight));
+        let states = format!(
+            "{} parameters per rank: bf16 parameters x2 sets on {:?}, {:?} optimizer states x2 on {:?}, fp32 gradients",
+            shard_params, self.placement.params, self.optim.state_dtype, self.placement.optimizer
+        );
+        let device_needed = homed[Tier::Device.index()].saturating_add(workspace);
+        if device_needed > self.device.budget.0 {
+            return Err(TrainError::Memory {
+                what: "the model states placed on the device and the compute workspace".into(),
+                tier: "device",
+                needed_bytes: device_needed,
+                budget_key: "device.budget",
+                budget_bytes: self.device.budget.0,
+                detail: format!(
+                    "{} bytes of model states ({states}) and a workspace of at least {workspace} bytes (one block's gathered fp32 parameters and gradient, {} fp32 activations per stream: micro_batch x seq x hidden)",
+                    homed[Tier::Device.index()],
+                    stream
+                ),
+                fix: "raise device.budget, place params or optimizer on cpu or nvme, use more train.ranks, or make the model or train.micro_batch smaller".into(),
+            });
+        }
+        let tiers: [(Tier, &'static str, &'static str, u64); 2] = [
+            (Tier::Host, "host", "host.budget", self.host.budget.0),
+            (
+                Tier::Nvme,
+                "nvme",
+                "nvme.capacity",
+                self.nvme.as_ref().map_or(0, |n| n.capacity.0),
+            ),
+        ];
+        for (tier, name, key, budget) in tiers {
+            let needed = homed[tier.index()];
+            if needed > budget {
+                return Err(TrainError::Memory {
+                    what: "the model states placed there".into(),
+                    tier: name,
+                    needed_bytes: needed,
+                    budget_key: key,
+                    budget_bytes: budget,
+                    detail: states,
+                    fix: format!(
+                        "raise {key}, place params or optimizer elsewhere, use more train.ranks, or make the model smaller"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a placement puts model states on NVMe: the NVMe tier is
+    /// opened (its directories locked, its swap files made) only then.
+    pub fn uses_nvme(&self) -> bool {
+        [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme)
     }
 
     /// Rank `rank`'s runtime settings with `workspace_bytes` of the device
@@ -795,14 +900,18 @@ impl TrainConfig {
                 ),
             ));
         }
-        let nvme = self.nvme.clone().map(|mut nvme| {
-            nvme.dirs = nvme
-                .dirs
-                .iter()
-                .map(|d| d.join(format!("rank{rank}")))
-                .collect();
-            nvme
-        });
+        let nvme = self
+            .nvme
+            .clone()
+            .filter(|_| self.uses_nvme())
+            .map(|mut nvme| {
+                nvme.dirs = nvme
+                    .dirs
+                    .iter()
+                    .map(|d| d.join(format!("rank{rank}")))
+                    .collect();
+                nvme
+            });
         let mut host = self.host.clone();
         if host.classes.is_empty() {
             // Shards are megabytes, not powers of two: one class of 256 KiB

@@ -9,6 +9,8 @@ use crate::error::bad;
 #[derive(Clone, Debug)]
 pub struct ByteCorpus {
     bytes: Vec<u8>,
+    /// The largest token (byte) in it.
+    max_token: u8,
 }
 
 impl ByteCorpus {
@@ -21,7 +23,26 @@ impl ByteCorpus {
                 format!("give a text longer than model.seq + 1 = {} bytes", seq + 1),
             ));
         }
-        Ok(ByteCorpus { bytes })
+        let max_token = bytes.iter().copied().max().unwrap_or(0);
+        Ok(ByteCorpus { bytes, max_token })
+    }
+
+    /// Errors unless a model of `vocab` tokens covers every token.
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        let max = usize::from(self.max_token);
+        if max >= vocab {
+            let at = self.bytes.iter().position(|&b| usize::from(b) >= vocab);
+            return Err(bad(
+                "model.vocab",
+                vocab,
+                format!(
+                    "the data holds token {max} (byte {} first at offset {}): use a vocab above {max} (256 covers every byte)",
+                    self.bytes[at.unwrap_or(0)],
+                    at.unwrap_or(0)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Bytes in the corpus.

@@ -327,7 +327,7 @@ pub static KEYS: &[KeyRule] = &[
     row(
         "zero_optimization.offload_param.nvme_path",
         "nvme.dirs",
-        "With device nvme (then required): a swap directory. The nvme_paths in use become nvme.dirs; strata stripes every tensor over them.",
+        "With device nvme (then required): a swap directory, which must exist (DeepSpeed creates a missing one; strata refuses it, so that a typo or an unmounted drive does not swap to the disk holding its parent). The nvme_paths in use become nvme.dirs; strata stripes every tensor over them.",
         "",
         Mapped,
     ),
@@ -1288,6 +1288,10 @@ impl Mapper<'_> {
         if !dirs.is_empty() {
             let nvme = self.config.nvme.get_or_insert_with(StorageConfig::default);
             nvme.dirs = dirs;
+            // A path DeepSpeed's config names must exist (DeepSpeed would
+            // create it: a typo or an unmounted drive would then swap to
+            // whatever disk holds its parent).
+            nvme.create_dirs = false;
         }
         Ok(())
     }

@@ -142,6 +142,7 @@ pub fn run(
     progress: &mut dyn FnMut(Progress<'_>),
 ) -> Result<RunSummary> {
     config.validate()?;
+    corpus.check_vocab(config.model.vocab)?;
     let world = config.train.ranks;
     let _owned = own_directories(config, options)?;
     let resume = match &options.resume {
@@ -446,8 +447,21 @@ fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<Dir
             });
         }
     }
-    for dir in config.nvme.iter().flat_map(|nvme| &nvme.dirs) {
-        owned.push(lock_dir(dir, "nvme.dirs entry", &holder, wait)?);
+    if let Some(nvme) = config.nvme.as_ref().filter(|_| config.uses_nvme()) {
+        for dir in &nvme.dirs {
+            if !nvme.create_dirs && !dir.is_dir() {
+                return Err(TrainError::Ownership {
+                    what: "nvme.dirs entry".into(),
+                    dir: dir.clone(),
+                    problem: "it does not exist (or is not a directory), and strata does not create a swap directory a config names".into(),
+                    fix: format!(
+                        "create it on the drive to swap to (mkdir -p {}), fix the path, or set nvme.create_dirs = true",
+                        dir.display()
+                    ),
+                });
+            }
+            owned.push(lock_dir(dir, "nvme.dirs entry", &holder, wait)?);
+        }
     }
     Ok(owned)
 }

@@ -35,6 +35,16 @@ use crate::error::TrainError;
 
 type Result<T> = std::result::Result<T, TrainError>;
 
+/// The largest hidden size accepted (GPT-3 175B: 12288).
+pub const HIDDEN_MAX: usize = 1 << 16;
+/// The most blocks accepted (GPT-3 175B: 96).
+pub const LAYERS_MAX: usize = 1 << 12;
+/// The longest sequence accepted.
+pub const SEQ_MAX: usize = 1 << 20;
+/// The largest vocabulary accepted. With the other limits, every
+/// parameter and activation count fits in 63 bits.
+pub const VOCAB_MAX: usize = 1 << 24;
+
 /// A model's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GptConfig {
@@ -72,8 +82,15 @@ impl GptConfig {
                 format!("it must be a multiple of model.heads ({})", self.heads),
             );
         }
-        if self.vocab > u32::MAX as usize {
-            return bad("model.vocab", self.vocab, "at most 2^32 tokens".into());
+        for (key, value, max) in [
+            ("model.vocab", self.vocab, VOCAB_MAX),
+            ("model.seq", self.seq, SEQ_MAX),
+            ("model.hidden", self.hidden, HIDDEN_MAX),
+            ("model.layers", self.layers, LAYERS_MAX),
+        ] {
+            if value > max {
+                return bad(key, value, format!("use at most {max}"));
+            }
         }
         Ok(())
     }
