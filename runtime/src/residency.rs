@@ -128,6 +128,24 @@ impl Runtime {
     /// Opens the device, allocates the pinned pool, opens the NVMe store and
     /// starts the movers.
     pub fn new(config: &RuntimeConfig) -> Result<Self> {
+        Self::open(config, None)
+    }
+
+    /// Like [`Runtime::new`] with the NVMe store's completions rewritten by
+    /// a seeded fault injector ([`SwapStore::open_faulty`]): for
+    /// simulations that drive a whole program through storage faults.
+    pub fn with_faults(
+        config: &RuntimeConfig,
+        rates: strata_storage::FaultRates,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::open(config, Some((rates, seed)))
+    }
+
+    fn open(
+        config: &RuntimeConfig,
+        faults: Option<(strata_storage::FaultRates, u64)>,
+    ) -> Result<Self> {
         config.validate()?;
         let arena_on_host = match config.device.kind {
             crate::config::DeviceChoice::Cpu => true,
@@ -137,9 +155,10 @@ impl Runtime {
         // Before the device's arena is touched.
         check_host_memory(config, arena_on_host)?;
         let device = device::open(&config.device)?;
-        let store = match &config.nvme {
-            Some(nvme) => Some(SwapStore::open(nvme)?),
-            None => None,
+        let store = match (&config.nvme, faults) {
+            (Some(nvme), None) => Some(SwapStore::open(nvme)?),
+            (Some(nvme), Some((rates, seed))) => Some(SwapStore::open_faulty(nvme, rates, seed)?),
+            (None, _) => None,
         };
         Self::assemble(config, device, store)
     }

@@ -7,7 +7,8 @@
 //!
 //! One mover, one ring and queue depth 1 keep the I/O order, and so the
 //! faults, a function of the seed. A failing seed is printed; replay it with
-//! `STRATA_SIM_SEED=<seed> cargo test -p strata-runtime --test simulation`.
+//! `STRATA_SIM_SEED=<seed> cargo test -p strata-runtime --test simulation`;
+//! run more seeds with `STRATA_SIM_SEEDS=<count>` (benches/soak.sh).
 
 use std::collections::HashMap;
 
@@ -354,7 +355,12 @@ fn run_seed(seed: u64) -> usize {
 fn seeded_simulation_with_storage_faults() {
     let seeds: Vec<u64> = match std::env::var("STRATA_SIM_SEED") {
         Ok(seed) => vec![seed.parse().expect("STRATA_SIM_SEED is a number")],
-        Err(_) => (0..SEEDS).map(|i| 0x5eed_0000 + i).collect(),
+        Err(_) => {
+            let count = std::env::var("STRATA_SIM_SEEDS")
+                .map(|n| n.parse().expect("STRATA_SIM_SEEDS is a number"))
+                .unwrap_or(SEEDS);
+            (0..count).map(|i| 0x5eed_0000 + i).collect()
+        }
     };
     let mut failures = 0;
     for seed in seeds {
@@ -369,7 +375,7 @@ fn seeded_simulation_with_storage_faults() {
             }
         }
     }
-    eprintln!("simulation: {failures} injected storage faults surfaced as errors");
+    eprintln!("simulation: {failures} injected storage faults surfaced as errors over the seeds");
     if std::env::var("STRATA_SIM_SEED").is_err() {
         assert!(
             failures > 0,

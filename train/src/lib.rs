@@ -19,7 +19,7 @@ mod error;
 pub mod gpt;
 
 pub use engine::{
-    ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, DeepSpeedMapping, Engine,
+    ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, DeepSpeedMapping, Engine, Faults,
     GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement, PlacementConfig, Prediction,
     Progress, RANKS_MAX, RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport,
     StopRequest, TierBytes, TrainConfig, TrainSettings, WarmupType, from_deepspeed_json, run,

@@ -36,12 +36,20 @@ pub struct FaultCounts {
     pub flip: u64,
 }
 
-/// Wraps a real engine and rewrites its completions from a seeded generator.
-/// Faults never claim that more was transferred than really was, so a correct
-/// caller always ends with either the right bytes or an error.
+/// Wraps a real engine and rewrites its completions. Each fault is decided
+/// by a hash of (seed, direction, file, offset, length, attempt), the
+/// attempt counting earlier requests at the same place: the same requests
+/// meet the same faults in whatever order they complete, so a failure
+/// replays from its seed under any interleaving of threads. Faults never
+/// claim that more was transferred than really was, so a correct caller
+/// always ends with either the right bytes or an error.
 pub struct FaultEngine<E> {
     inner: E,
     rates: FaultRates,
+    seed: u64,
+    /// Per (op, file, offset): requests seen so far (the attempt number).
+    attempts: HashMap<(bool, u32, u64), u32>,
+    /// The generator of the completion being rewritten (keyed by it).
     rng: SplitMix64,
     requests: HashMap<u64, RawRequest>,
     counts: FaultCounts,
@@ -58,6 +66,8 @@ impl<E: RawEngine> FaultEngine<E> {
         Self {
             inner,
             rates,
+            seed,
+            attempts: HashMap::new(),
             rng: SplitMix64(seed),
             requests: HashMap::new(),
             counts: FaultCounts::default(),
@@ -75,6 +85,21 @@ impl<E: RawEngine> FaultEngine<E> {
     }
 
     fn inject(&mut self, req: &RawRequest, result: i32) -> i32 {
+        let write = req.op == Op::Write;
+        let attempt = self
+            .attempts
+            .entry((write, req.file, req.offset))
+            .or_insert(0);
+        *attempt += 1;
+        let key = [
+            self.seed,
+            u64::from(write),
+            u64::from(req.file),
+            req.offset,
+            u64::from(req.len),
+            u64::from(*attempt),
+        ];
+        self.rng = SplitMix64(key.iter().fold(0, |h, &k| SplitMix64(h ^ k).next_u64()));
         if result < 0 {
             return result;
         }

@@ -213,6 +213,16 @@ impl Engine {
     /// initializes its shards (the same values whatever the number of
     /// ranks), plans every shape of step and fails if one does not fit.
     pub fn new(config: &TrainConfig, collective: Box<dyn Collective>) -> Result<Engine> {
+        Self::with_faults(config, collective, None)
+    }
+
+    /// [`Engine::new`] with its NVMe store's I/O run through a seeded fault
+    /// injector ([`Faults`]), for simulations.
+    pub fn with_faults(
+        config: &TrainConfig,
+        collective: Box<dyn Collective>,
+        faults: Option<Faults>,
+    ) -> Result<Engine> {
         config.validate()?;
         let gpt = config.model.gpt();
         let (world, rank) = (collective.world(), collective.rank());
@@ -236,7 +246,7 @@ impl Engine {
             in_flight(&config.train),
         )?;
         let workspace_bytes = ws.bytes();
-        let runtime = open_runtime(config, rank, workspace_bytes)?;
+        let runtime = open_runtime(config, rank, workspace_bytes, faults)?;
         let isa = Isa::chosen();
         let slots = slots(config, &gpt, &groups, ws.acts.view().len());
         let (plan_config, cache_groups, cache_bytes) =
@@ -588,7 +598,12 @@ impl Engine {
 }
 
 /// Creates the NVMe directories of rank `rank` and opens its runtime.
-fn open_runtime(config: &TrainConfig, rank: usize, workspace_bytes: u64) -> Result<Arc<Runtime>> {
+fn open_runtime(
+    config: &TrainConfig,
+    rank: usize,
+    workspace_bytes: u64,
+    faults: Option<Faults>,
+) -> Result<Arc<Runtime>> {
     let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
     if let Some(nvme) = &runtime_config.nvme {
         for dir in &nvme.dirs {
@@ -601,7 +616,26 @@ fn open_runtime(config: &TrainConfig, rank: usize, workspace_bytes: u64) -> Resu
             })?;
         }
     }
-    Ok(Arc::new(Runtime::new(&runtime_config)?))
+    let runtime = match faults {
+        // Each rank's faults are its own, and the same on every replay.
+        Some(faults) => {
+            Runtime::with_faults(&runtime_config, faults.rates, faults.seed ^ rank as u64)?
+        }
+        None => Runtime::new(&runtime_config)?,
+    };
+    Ok(Arc::new(runtime))
+}
+
+/// Storage faults to inject into a run (simulations and tests): each I/O
+/// request of each rank's NVMe store fails, comes back short or with a
+/// flipped bit with the given probabilities, decided by a hash of the seed
+/// and the request (see [`strata_storage::FaultEngine`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Faults {
+    /// Probabilities per request.
+    pub rates: strata_storage::FaultRates,
+    /// The seed.
+    pub seed: u64,
 }
 
 /// The planner's view of the rank's tiers, and the state cache (its groups

@@ -37,6 +37,8 @@ pub struct RunOptions {
     /// Set from outside (a signal) to stop at the next step boundary,
     /// with a final checkpoint when the run has a checkpoint directory.
     pub stop: StopRequest,
+    /// Storage faults to inject (simulations and tests).
+    pub faults: Option<super::Faults>,
 }
 
 /// A checkpoint that could not be written; the run went on from the one
@@ -204,7 +206,7 @@ pub fn run(
                             collective,
                             resume,
                             trace,
-                            (stop, &options.stop),
+                            (stop, &options.stop, options.faults),
                             sender,
                         )
                     })
@@ -265,12 +267,12 @@ fn rank_main(
     collective: InProcess,
     resume: Option<Checkpoint>,
     trace: Option<(PathBuf, std::fs::File)>,
-    (stop, request): (u64, &StopRequest),
+    (stop, request, faults): (u64, &StopRequest, Option<super::Faults>),
     sender: std::sync::mpsc::Sender<(StepReport, Stats, Option<f64>)>,
 ) -> Result<Option<RunSummary>> {
     let rank = collective.rank();
     let world = collective.world();
-    let mut engine = Engine::new(config, Box::new(collective))?;
+    let mut engine = Engine::with_faults(config, Box::new(collective), faults)?;
     if let Some(checkpoint) = &resume {
         engine.resume(checkpoint)?;
     }
