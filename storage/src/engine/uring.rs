@@ -109,6 +109,16 @@ impl RawEngine for UringEngine {
             match self.ring.submit_and_wait(min) {
                 Ok(_) => break,
                 Err(err) if err.raw_os_error() == Some(libc::EINTR) => continue,
+                // The kernel is short of memory for new requests: reap
+                // what finished, give it a moment, submit again.
+                Err(err) if err.raw_os_error() == Some(libc::EAGAIN) => {
+                    let before = out.len();
+                    self.reap(out);
+                    if out.len() - before >= min {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
                 // The completion queue is full: reap, then submit again.
                 Err(err) if err.raw_os_error() == Some(libc::EBUSY) => {
                     let before = out.len();
