@@ -139,7 +139,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         resume: args.resume.clone(),
         trace: args.trace.clone(),
         overwrite: args.overwrite,
-        stop: Default::default(),
+        ..RunOptions::default()
     };
     let grace = Duration::from_secs_f64(args.signal_grace);
     let dir = config.train.checkpoint_dir.clone();
