@@ -148,9 +148,26 @@ pub struct Context {
 }
 
 impl Context {
-    /// Opens device `ordinal`.
+    /// Opens device `ordinal`. cudarc loads the driver's symbols here, at
+    /// first use, and panics on one it cannot find (an older driver than
+    /// it was built for): the library is probed first, and a panic that
+    /// still comes is caught and returned as an error.
     pub fn open(ordinal: usize) -> Result<Arc<Context>> {
         probe_device().map_err(|reason| DeviceError::CudaUnavailable { reason })?;
+        std::panic::catch_unwind(|| Self::open_probed(ordinal)).unwrap_or_else(|panic| {
+            let cause = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic without a message");
+            Err(DeviceError::Cuda {
+                op: "opening the device (cudarc panicked: the driver may be older than CUDA 12)",
+                cause: cause.to_string(),
+            })
+        })
+    }
+
+    fn open_probed(ordinal: usize) -> Result<Arc<Context>> {
         let count = result::device::get_count().map_err(cuda_error("cuDeviceGetCount"))?;
         if ordinal >= count as usize {
             return Err(DeviceError::CudaUnavailable {
