@@ -49,6 +49,22 @@ struct MoveDone {
     ready: Condvar,
 }
 
+/// A job dropped before its outcome was set (its mover panicked, or the
+/// runtime stopped with it queued) completes as [`RuntimeError::Stopped`]:
+/// nobody waits forever for a mover that is gone.
+impl Drop for Job {
+    fn drop(&mut self) {
+        let mut outcome = match self.done.outcome.lock() {
+            Ok(outcome) => outcome,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if outcome.is_none() {
+            *outcome = Some(Err(RuntimeError::Stopped));
+            self.done.ready.notify_all();
+        }
+    }
+}
+
 /// The completion of a move: `wait()` for it. Dropping it does not cancel
 /// the move; a failure nobody waits for is logged.
 #[must_use = "a move's completion says whether it succeeded"]
@@ -1276,4 +1292,33 @@ struct Landing {
     bytes: u64,
     started: Instant,
     lane: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_dropped_unfinished_fails_its_waiter_and_a_finished_one_keeps_its_outcome() {
+        let (lost, finished) = (Arc::new(MoveDone::default()), Arc::new(MoveDone::default()));
+        let job = |done: &Arc<MoveDone>| Job {
+            tensor: TensorId(7),
+            target: Tier::Host,
+            release_from: Tier::Nvme,
+            done: done.clone(),
+        };
+        // As when its mover panics or the queue is dropped with it inside.
+        drop(job(&lost));
+        assert!(matches!(
+            lost.outcome.lock().unwrap().take(),
+            Some(Err(RuntimeError::Stopped))
+        ));
+        let done = job(&finished);
+        *done.done.outcome.lock().unwrap() = Some(Ok(()));
+        drop(done);
+        assert!(matches!(
+            finished.outcome.lock().unwrap().take(),
+            Some(Ok(()))
+        ));
+    }
 }
