@@ -11,6 +11,35 @@ fn corpus(seq: usize) -> ByteCorpus {
     ByteCorpus::new(text.into_bytes(), seq).unwrap()
 }
 
+/// Resumes `config` from `checkpoints` (writing none) and checks that
+/// `head`'s losses followed by the resumed run's are `whole`'s, bit for bit.
+fn assert_resumes_exactly(
+    config: &TrainConfig,
+    checkpoints: &std::path::Path,
+    head: &strata_train::RunSummary,
+    whole: &strata_train::RunSummary,
+) {
+    let mut config = config.clone();
+    config.train.checkpoint_dir = None;
+    let rest = RunOptions {
+        resume: Some(checkpoints.to_path_buf()),
+        ..RunOptions::default()
+    };
+    let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
+    let resumed: Vec<u64> = head
+        .losses
+        .iter()
+        .chain(&tail.losses)
+        .map(|l| l.to_bits())
+        .collect();
+    let uninterrupted: Vec<u64> = whole.losses.iter().map(|l| l.to_bits()).collect();
+    assert_eq!(
+        resumed, uninterrupted,
+        "{:?} then {:?} vs {:?}",
+        head.losses, tail.losses, whole.losses
+    );
+}
+
 fn tiny(dir: &std::path::Path) -> TrainConfig {
     let mut config = TrainConfig::default();
     config.model.seq = 16;
@@ -111,24 +140,7 @@ fn resume_is_bit_identical_and_a_killed_checkpoint_write_loses_nothing() {
         "latest still names the last whole checkpoint"
     );
 
-    config.train.checkpoint_dir = None;
-    let rest = RunOptions {
-        resume: Some(checkpoints.clone()),
-        ..RunOptions::default()
-    };
-    let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
-    let resumed: Vec<u64> = head
-        .losses
-        .iter()
-        .chain(&tail.losses)
-        .map(|l| l.to_bits())
-        .collect();
-    let uninterrupted: Vec<u64> = whole.losses.iter().map(|l| l.to_bits()).collect();
-    assert_eq!(
-        resumed, uninterrupted,
-        "{:?} vs {:?}",
-        head.losses, whole.losses
-    );
+    assert_resumes_exactly(&config, &checkpoints, &head, &whole);
 
     // A corrupt file is refused by name, not trained on.
     let step3 = checkpoints.join("step-00000003");
@@ -638,20 +650,7 @@ fn a_stop_request_stops_every_rank_at_one_boundary_with_a_checkpoint_that_resume
         .count();
     assert_eq!(swap_files, 0, "the stopped run removed its swap files");
 
-    config.train.checkpoint_dir = None;
-    let rest = RunOptions {
-        resume: Some(checkpoints),
-        ..RunOptions::default()
-    };
-    let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
-    let resumed: Vec<u64> = head
-        .losses
-        .iter()
-        .chain(&tail.losses)
-        .map(|l| l.to_bits())
-        .collect();
-    let uninterrupted: Vec<u64> = whole.losses.iter().map(|l| l.to_bits()).collect();
-    assert_eq!(resumed, uninterrupted);
+    assert_resumes_exactly(&config, &checkpoints, &head, &whole);
 }
 
 #[test]
