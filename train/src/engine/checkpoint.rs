@@ -10,7 +10,6 @@
 //! any point leaves the previous checkpoint whole and `latest` naming it.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -23,6 +22,7 @@ use crate::gpt::GptConfig;
 use super::Engine;
 use super::config::ModelConfig;
 use super::config::StateDtype;
+use super::durable::{Fs, RealFs, create_dir_all_durably};
 use super::moves::read_f32;
 use super::tensors::{decode_states, state_index};
 
@@ -101,95 +101,98 @@ fn io_fix(err: &std::io::Error) -> String {
 }
 
 /// Writes `bytes` to `path` and fsyncs it.
-pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let attempt = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(path)?;
-        file.write_all(bytes)?;
-        file.sync_all()
-    };
-    attempt().map_err(|err| problem(path, format!("cannot write it: {err}"), io_fix(&err)))
+pub(crate) fn write_synced(fs: &dyn Fs, path: &Path, bytes: &[u8]) -> Result<()> {
+    fs.write_synced(path, bytes)
+        .map_err(|err| problem(path, format!("cannot write it: {err}"), io_fix(&err)))
 }
 
 /// fsyncs a directory, so that the names in it last.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
+pub(crate) fn sync_dir(fs: &dyn Fs, dir: &Path) -> Result<()> {
+    fs.sync_dir(dir)
         .map_err(|err| problem(dir, format!("cannot sync it: {err}"), io_fix(&err)))
 }
 
-/// Makes `root/.tmp-step{step}` afresh, removing temporaries a killed
-/// write left behind.
-pub(crate) fn begin(root: &Path, step: u64) -> Result<PathBuf> {
-    std::fs::create_dir_all(root)
+/// Makes `root/.tmp-step{step}` afresh (and `root`, durably, if it is
+/// missing), removing temporaries a killed write left behind.
+pub(crate) fn begin(fs: &dyn Fs, root: &Path, step: u64) -> Result<PathBuf> {
+    create_dir_all_durably(fs, root)
         .map_err(|err| problem(root, format!("cannot create it: {err}"), io_fix(&err)))?;
-    let entries = std::fs::read_dir(root)
+    let names = fs
+        .list(root)
         .map_err(|err| problem(root, format!("cannot list it: {err}"), io_fix(&err)))?;
-    for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().starts_with(".tmp-") {
-            let _ = std::fs::remove_dir_all(entry.path());
+    for name in names {
+        if name.starts_with(".tmp-") {
+            let _ = fs.remove_dir_all(&root.join(name));
         }
     }
     let tmp = root.join(format!(".tmp-step{step}"));
-    std::fs::create_dir(&tmp)
+    fs.create_dir(&tmp)
         .map_err(|err| problem(&tmp, format!("cannot create it: {err}"), io_fix(&err)))?;
     Ok(tmp)
 }
 
 /// Checksums the files, writes `meta.json`, and publishes the temporary
 /// directory as `step-NNNNNNNN`, then points `latest` at it.
-pub(crate) fn commit(root: &Path, tmp: &Path, mut meta: CheckpointMeta) -> Result<PathBuf> {
-    let entries = std::fs::read_dir(tmp)
+pub(crate) fn commit(
+    fs: &dyn Fs,
+    root: &Path,
+    tmp: &Path,
+    mut meta: CheckpointMeta,
+) -> Result<PathBuf> {
+    let names = fs
+        .list(tmp)
         .map_err(|err| problem(tmp, format!("cannot list it: {err}"), io_fix(&err)))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        meta.files.insert(name, file_hash(&entry.path())?);
+    for name in names {
+        let hash = file_hash(fs, &tmp.join(&name))?;
+        meta.files.insert(name, hash);
     }
     let json = serde_json::to_vec_pretty(&meta).expect("meta serializes");
-    write_synced(&tmp.join("meta.json"), &json)?;
-    write_synced(&tmp.join(META_HASH), hash_hex(&json).as_bytes())?;
-    sync_dir(tmp)?;
+    write_synced(fs, &tmp.join("meta.json"), &json)?;
+    write_synced(fs, &tmp.join(META_HASH), hash_hex(&json).as_bytes())?;
+    sync_dir(fs, tmp)?;
     let name = format!("step-{:08}", meta.step);
     let done = root.join(&name);
-    if done.exists() {
-        std::fs::remove_dir_all(&done)
+    if fs.exists(&done) {
+        fs.remove_dir_all(&done)
             .map_err(|err| problem(&done, format!("cannot replace it: {err}"), io_fix(&err)))?;
     }
-    std::fs::rename(tmp, &done).map_err(|err| {
+    fs.rename(tmp, &done).map_err(|err| {
         problem(
             &done,
             format!("cannot rename {} to it: {err}", tmp.display()),
             io_fix(&err),
         )
     })?;
-    sync_dir(root)?;
+    sync_dir(fs, root)?;
     let pointer = root.join(".latest.tmp");
-    write_synced(&pointer, name.as_bytes())?;
-    std::fs::rename(&pointer, root.join("latest")).map_err(|err| {
+    write_synced(fs, &pointer, name.as_bytes())?;
+    fs.rename(&pointer, &root.join("latest")).map_err(|err| {
         problem(
             &root.join("latest"),
             format!("cannot replace it: {err}"),
             io_fix(&err),
         )
     })?;
-    sync_dir(root)?;
+    sync_dir(fs, root)?;
     Ok(done)
 }
 
-/// Removes all but the `kept` newest `step-NNNNNNNN` checkpoints under
-/// `root` (0: none removed), never the one `latest` names. Each goes by a
-/// rename to a temporary name first, so a kill leaves a whole checkpoint
-/// or a temporary that the next [`begin`] removes.
-pub(crate) fn prune(root: &Path, kept: usize) -> Result<()> {
+/// Removes all but the newest `kept` checkpoints under `root` (0: keep
+/// all), never the one `latest` names.
+pub(crate) fn prune(fs: &dyn Fs, root: &Path, kept: usize) -> Result<()> {
     if kept == 0 {
         return Ok(());
     }
-    let latest = std::fs::read_to_string(root.join("latest")).unwrap_or_default();
-    let entries = std::fs::read_dir(root)
+    let latest = fs
+        .read(&root.join("latest"))
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let names = fs
+        .list(root)
         .map_err(|err| problem(root, format!("cannot list it: {err}"), io_fix(&err)))?;
-    let mut steps: Vec<(u64, String)> = entries
-        .flatten()
-        .filter_map(|entry| {
-            let name = entry.file_name().to_string_lossy().into_owned();
+    let mut steps: Vec<(u64, String)> = names
+        .into_iter()
+        .filter_map(|name| {
             let step = name.strip_prefix("step-")?.parse().ok()?;
             Some((step, name))
         })
@@ -201,23 +204,24 @@ pub(crate) fn prune(root: &Path, kept: usize) -> Result<()> {
         }
         let old = root.join(&name);
         let doomed = root.join(format!(".tmp-pruned-{name}"));
-        std::fs::rename(&old, &doomed)
+        fs.rename(&old, &doomed)
             .map_err(|err| problem(&old, format!("cannot remove it: {err}"), io_fix(&err)))?;
         // The rename is durable before the data goes: a crash never leaves
         // a half-deleted directory under a step-NNNNNNNN name.
-        sync_dir(root)?;
-        std::fs::remove_dir_all(&doomed)
+        sync_dir(fs, root)?;
+        fs.remove_dir_all(&doomed)
             .map_err(|err| problem(&old, format!("cannot remove it: {err}"), io_fix(&err)))?;
     }
-    sync_dir(root)
+    sync_dir(fs, root)
 }
 
 fn hash_hex(bytes: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
-fn file_hash(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path)
+fn file_hash(fs: &dyn Fs, path: &Path) -> Result<String> {
+    let bytes = fs
+        .read(path)
         .map_err(|err| problem(path, format!("cannot read it: {err}"), io_fix(&err)))?;
     Ok(hash_hex(&bytes))
 }
@@ -492,7 +496,7 @@ impl Engine {
         let step = self.step;
         let tmp = root.join(format!(".tmp-step{step}"));
         let begun = if rank == 0 {
-            begin(root, step).map(drop)
+            begin(&RealFs, root, step).map(drop)
         } else {
             Ok(())
         };
@@ -531,12 +535,12 @@ impl Engine {
         }
         let written = (|| {
             let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
-            write_synced(&path, &safetensors_bytes(&path, &shard)?)?;
+            write_synced(&RealFs, &path, &safetensors_bytes(&path, &shard)?)?;
             if rank == 0 {
                 let path = tmp.join("model.safetensors");
-                write_synced(&path, &safetensors_bytes(&path, &weights)?)?;
+                write_synced(&RealFs, &path, &safetensors_bytes(&path, &weights)?)?;
                 let config = serde_json::to_vec_pretty(&hf_config(&self.gpt)).expect("serializes");
-                write_synced(&tmp.join(HF_CONFIG), &config)?;
+                write_synced(&RealFs, &tmp.join(HF_CONFIG), &config)?;
             }
             Ok(())
         })();
@@ -563,14 +567,14 @@ impl Engine {
                 },
                 files: Default::default(),
             };
-            let committed = commit(root, &tmp, meta);
+            let committed = commit(&RealFs, root, &tmp, meta);
             if committed.is_err() {
                 let _ = std::fs::remove_dir_all(&tmp);
             }
             committed.map(|_| {
                 // The checkpoint is published: failing to remove old ones
                 // loses nothing, so it is reported, not fatal.
-                if let Err(err) = prune(root, self.config.train.checkpoints_kept) {
+                if let Err(err) = prune(&RealFs, root, self.config.train.checkpoints_kept) {
                     tracing::warn!("could not prune old checkpoints: {err}");
                 }
             })
@@ -666,5 +670,137 @@ impl Engine {
             self.runtime.move_to(id, Tier::Nvme)?.wait()?;
         }
         Ok(())
+    }
+}
+
+/// Publishing under the crash model of [`super::durable`]: a power cut
+/// after any operation, or a failure at any operation, leaves `latest`
+/// naming a whole checkpoint, byte for byte the old one or the new one.
+#[cfg(test)]
+mod crash_tests {
+    use super::super::durable::SimFs;
+    use super::*;
+
+    const ROOT: &str = "/ckpt";
+
+    fn meta(step: u64) -> CheckpointMeta {
+        CheckpointMeta {
+            format: FORMAT,
+            step,
+            optimizer_steps: step,
+            ranks: 1,
+            seed: 7,
+            model: ModelConfig::default(),
+            loss_scaler: (1.0, 0, 0),
+            state_dtype: StateDtype::Fp32,
+            rounding: nearest(),
+            files: HashMap::new(),
+        }
+    }
+
+    /// Writes and publishes the checkpoint of `step` (its files' bytes
+    /// depend on the step), then prunes to one.
+    fn publish(fs: &SimFs, step: u64) -> Result<PathBuf> {
+        let root = Path::new(ROOT);
+        let tmp = begin(fs, root, step)?;
+        for (name, len) in [
+            ("optimizer-rank0.safetensors", 300),
+            ("model.safetensors", 500),
+        ] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i as u64 * 31 + step) as u8).collect();
+            write_synced(fs, &tmp.join(name), &bytes)?;
+        }
+        let done = commit(fs, root, &tmp, meta(step))?;
+        prune(fs, root, 1)?;
+        Ok(done)
+    }
+
+    /// The files of the checkpoint `latest` names, checked against
+    /// meta.json's checksums and meta.json against its own.
+    /// A checkpoint's step and its files (name, bytes), in name order.
+    type Published = (u64, Vec<(String, Vec<u8>)>);
+
+    fn latest(fs: &SimFs) -> std::result::Result<Published, String> {
+        let root = Path::new(ROOT);
+        let name = fs
+            .read(&root.join("latest"))
+            .map_err(|e| format!("latest: {e}"))?;
+        let dir = root.join(String::from_utf8_lossy(&name).trim());
+        let json = fs
+            .read(&dir.join("meta.json"))
+            .map_err(|e| format!("meta: {e}"))?;
+        let own = fs
+            .read(&dir.join(META_HASH))
+            .map_err(|e| format!("hash: {e}"))?;
+        if own != hash_hex(&json).as_bytes() {
+            return Err("meta.json does not match its checksum".into());
+        }
+        let meta: CheckpointMeta = serde_json::from_slice(&json).map_err(|e| e.to_string())?;
+        let mut files = Vec::new();
+        for (file, hash) in &meta.files {
+            let bytes = fs
+                .read(&dir.join(file))
+                .map_err(|e| format!("{file}: {e}"))?;
+            if &hash_hex(&bytes) != hash {
+                return Err(format!("{file} does not match its checksum"));
+            }
+            files.push((file.clone(), bytes));
+        }
+        files.sort();
+        Ok((meta.step, files))
+    }
+
+    #[test]
+    fn a_crash_or_a_failure_at_any_operation_leaves_the_old_or_the_new_checkpoint_whole() {
+        let first = SimFs::new();
+        publish(&first, 1).unwrap();
+        let old = latest(&first.crash()).expect("the first checkpoint is durable");
+        let base = first.ops();
+        let whole = first.clone();
+        publish(&whole, 2).unwrap();
+        let new = latest(&whole.crash()).expect("the second checkpoint is durable");
+        let total = whole.ops() - base;
+        assert!(total > 10, "{total} operations");
+        let (mut saw_old, mut saw_new) = (0, 0);
+        for k in 0..total {
+            let mut fs = first.clone();
+            fs.fail_at = Some(base + k);
+            let failed = publish(&fs, 2);
+            // Past the rename of `latest`, only pruning is left: the new
+            // checkpoint is published even when a later operation fails.
+            let live = latest(&fs).unwrap_or_else(|e| panic!("operation {k} failed: {e}"));
+            assert!(
+                live == old || live == new,
+                "operation {k} failed: a mixed checkpoint"
+            );
+            if failed.is_ok() {
+                panic!("operation {k} was to fail");
+            }
+            // A power cut right after the failed operation.
+            let after = latest(&fs.crash()).unwrap_or_else(|e| panic!("crash after {k}: {e}"));
+            if after == old {
+                saw_old += 1;
+            } else if after == new {
+                saw_new += 1;
+            } else {
+                panic!("crash after {k}: a mixed checkpoint");
+            }
+        }
+        eprintln!(
+            "{total} operations publish and prune; a failure or power cut after each: {saw_old} left the old checkpoint, {saw_new} the new"
+        );
+        assert!(saw_old > 0 && saw_new > 0, "{saw_old} old, {saw_new} new");
+    }
+
+    #[test]
+    fn the_crash_model_catches_a_writer_that_skips_fsync() {
+        let fs = SimFs::new();
+        publish(&fs, 1).unwrap();
+        let mut broken = fs.clone();
+        broken.skip_file_sync = true;
+        publish(&broken, 2).unwrap();
+        assert!(latest(&broken).is_ok(), "whole before the power cut");
+        let err = latest(&broken.crash()).expect_err("files never fsynced are lost");
+        assert!(err.contains("checksum") || err.contains("meta"), "{err}");
     }
 }

@@ -53,6 +53,7 @@ mod compute;
 mod config;
 mod data;
 pub mod deepspeed;
+mod durable;
 mod moves;
 mod optimizer;
 mod ownership;

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use super::durable::{RealFs, create_dir_all_durably};
 use crate::error::{Result, TrainError, os};
 
 /// The lock file's name in each owned directory.
@@ -90,7 +91,7 @@ pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: Duration) -> Resu
         problem,
         fix: fix.to_string(),
     };
-    std::fs::create_dir_all(dir).map_err(|err| {
+    create_dir_all_durably(&RealFs, dir).map_err(|err| {
         os(
             format!("create {what} {}", dir.display()),
             err,
