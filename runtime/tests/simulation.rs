@@ -73,6 +73,7 @@ impl Sim {
             eagain: 0.03,
             short: 0.03,
             flip: 0.01,
+            delay: 0.0,
         };
         let store = SwapStore::open_faulty(&nvme, rates, seed).expect("store opens");
         let config = RuntimeConfig {

@@ -22,6 +22,7 @@ fn run_seed(seed: u64, engine: EngineChoice) -> (usize, usize, usize) {
         eagain: 0.05,
         short: 0.05,
         flip: 0.02,
+        delay: 0.0,
     };
     let store = SwapStore::open_faulty(&config, rates, seed).unwrap();
     let (mut good_reads, mut detected_corruption, mut failed_writes) = (0, 0, 0);

@@ -1,7 +1,8 @@
 //! Deterministic simulation of whole training runs through storage faults:
 //! two ranks of a tiny model with optimizer states on NVMe, every I/O
 //! request of each rank's swap store subject to seeded faults (EAGAIN,
-//! short transfers, EIO, ENOSPC, flipped bits), each decided by a hash of
+//! short transfers, EIO, ENOSPC, flipped bits, delays of up to 0.5 ms),
+//! each decided by a hash of
 //! (seed, rank, direction, file, offset, length, attempt), so that a seed
 //! meets the same faults however the threads interleave.
 //!
@@ -63,6 +64,9 @@ fn rates(seed: u64) -> FaultRates {
     let soft = FaultRates {
         eagain: 0.05,
         short: 0.05,
+        // Seeded latency: the other rank's and the movers' work lands at
+        // other moments.
+        delay: 0.05,
         ..FaultRates::default()
     };
     if seed.is_multiple_of(2) {

@@ -19,7 +19,13 @@ pub struct FaultRates {
     pub short: f64,
     /// A read succeeds but one bit of the data is flipped.
     pub flip: f64,
+    /// The completion is held back for up to [`DELAY_MAX`] (seeded), so
+    /// that the other threads' work interleaves differently.
+    pub delay: f64,
 }
+
+/// The longest injected delay.
+pub const DELAY_MAX: std::time::Duration = std::time::Duration::from_micros(500);
 
 /// How many faults of each kind were injected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -100,6 +106,10 @@ impl<E: RawEngine> FaultEngine<E> {
             u64::from(*attempt),
         ];
         self.rng = SplitMix64(key.iter().fold(0, |h, &k| SplitMix64(h ^ k).next_u64()));
+        if self.roll(self.rates.delay) {
+            let micros = self.rng.next_u64() % DELAY_MAX.as_micros() as u64;
+            std::thread::sleep(std::time::Duration::from_micros(micros));
+        }
         if result < 0 {
             return result;
         }
