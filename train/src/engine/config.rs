@@ -189,6 +189,16 @@ impl Default for TrainSettings {
 }
 
 impl TrainSettings {
+    /// Micro-batches in flight at once: all of them with activation
+    /// checkpointing (their kept inputs are small), else one.
+    pub(crate) fn in_flight(&self) -> usize {
+        if self.checkpoint_activations {
+            self.grad_accumulation
+        } else {
+            1
+        }
+    }
+
     /// AdamW at `lr`.
     pub fn adam(&self, lr: f64) -> AdamConfig {
         AdamConfig {
@@ -819,7 +829,7 @@ impl TrainConfig {
         let stream = [self.train.micro_batch, gpt.seq, gpt.hidden]
             .iter()
             .fold(1u64, |n, &d| n.saturating_mul(d as u64));
-        let in_flight = super::steps::in_flight(&self.train) as u64;
+        let in_flight = self.train.in_flight() as u64;
         // Gathered parameters and gradient (fp32), y and dx, and each
         // micro-batch in flight's x and dy (fp32).
         let workspace = group_max

@@ -89,7 +89,7 @@ use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::GptConfig;
 use compute::Workspace;
 use optimizer::{CpuWorker, Update, optimizer_pool};
-use steps::{in_flight, shape_index, shape_of};
+use steps::{shape_index, shape_of};
 use tensors::{Group, Slot, groups, links, optimizer_tier, slots, specs, state_cache};
 
 /// Trace tensors per parameter group: two bf16 parameter shards, two
@@ -244,7 +244,7 @@ impl Engine {
             &groups,
             world,
             config.train.checkpoint_activations,
-            in_flight(&config.train),
+            config.train.in_flight(),
         )?;
         let workspace_bytes = ws.bytes();
         let runtime = open_runtime(config, rank, workspace_bytes, faults)?;

@@ -9,7 +9,7 @@ use strata_scheduler::{
 };
 
 use super::Engine;
-use super::config::{Placement, TrainSettings};
+use super::config::Placement;
 use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
 
 /// How the trace names an op's work: what, the group, the micro-batch.
@@ -49,16 +49,6 @@ pub(super) fn shape_index(current: usize, speculate: bool, late: bool) -> usize 
 
 pub(super) fn shape_of(index: usize) -> (usize, bool, bool) {
     (index / 4, index & 2 != 0, index & 1 != 0)
-}
-
-/// Micro-batches in flight at once: all of them with activation
-/// checkpointing (their kept inputs are small), else one.
-pub(super) fn in_flight(train: &TrainSettings) -> usize {
-    if train.checkpoint_activations {
-        train.grad_accumulation
-    } else {
-        1
-    }
 }
 
 /// One shape of the engine's step as the step builder sees it.
@@ -135,7 +125,7 @@ impl Engine {
             layers: self.gpt.layers,
             parts: 1,
             micro_batches: train.grad_accumulation,
-            in_flight: in_flight(train),
+            in_flight: train.in_flight(),
             updates: if speculate {
                 Updates::InBackward
             } else {
