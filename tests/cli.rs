@@ -1274,8 +1274,12 @@ fn train_sigterm_stops_at_a_step_boundary_checkpoints_and_resumes_bit_identical(
     assert_eq!(resumed["losses"].as_array().unwrap(), tail);
 }
 
+/// A second signal, or the grace running out, aborts the step in progress:
+/// the run returns at once, removes its swap files and keeps the last whole
+/// checkpoint. A run killed outright leaves its swap file, which the next
+/// run in the same directories removes.
 #[test]
-fn train_second_signal_or_spent_grace_stops_at_once_and_the_next_run_cleans_up() {
+fn train_second_signal_or_spent_grace_aborts_the_step_and_the_next_run_cleans_up_after_a_kill() {
     let dir = tempdir();
     let config = dir.path().join("run.toml");
     // Checkpoints every step, so that one is whole whenever the run dies.
@@ -1289,15 +1293,16 @@ fn train_second_signal_or_spent_grace_stops_at_once_and_the_next_run_cleans_up()
         (
             &["TERM", "INT"][..],
             "25",
-            130,
-            "a second signal (SIGINT) received",
+            Some(130),
+            "a second signal (SIGINT) received: aborting the step in progress",
         ),
         (
             &["TERM"][..],
             "0",
-            143,
-            "did not stop within --signal-grace 0 s",
+            Some(143),
+            "did not stop within --signal-grace 0 s: aborting the step in progress",
         ),
+        (&["KILL"][..], "25", None, ""),
     ] {
         let (child, lines) = train_child(
             dir.path(),
@@ -1310,15 +1315,26 @@ fn train_second_signal_or_spent_grace_stops_at_once_and_the_next_run_cleans_up()
         let started = std::time::Instant::now();
         let output = child.wait_with_output().unwrap();
         let stderr = lines.lock().unwrap().join("\n");
-        assert_eq!(output.status.code(), Some(code), "{stderr}");
+        assert_eq!(output.status.code(), code, "{stderr}");
         assert!(started.elapsed().as_secs() < 10, "stopped at once");
-        assert!(
-            stderr.contains(said) && stderr.contains("the last whole checkpoint is"),
-            "{stderr}"
-        );
-        // The dead run's swap file stays, the last whole checkpoint too.
         let left = swap_files(dir.path());
-        assert_eq!(left.len(), 1, "{left:?}");
+        if code.is_some() {
+            assert!(
+                stderr.contains(said)
+                    && stderr.contains("aborted mid-step by")
+                    && stderr.contains("the last whole checkpoint is"),
+                "{stderr}"
+            );
+            assert_eq!(
+                left,
+                Vec::<String>::new(),
+                "the aborted run removed its swap"
+            );
+        } else {
+            // Killed: its swap file stays.
+            assert_eq!(left.len(), 1, "{left:?}");
+        }
+        // The last whole checkpoint stays.
         let verify = strata_in(dir.path(), &["checkpoint", "verify", "ckpt"]);
         assert!(verify.status.success(), "{verify:?}");
         // The next run in the same directories removes it and trains.
@@ -1334,6 +1350,8 @@ fn train_second_signal_or_spent_grace_stops_at_once_and_the_next_run_cleans_up()
             ],
         );
         stdout_text(&next);
-        assert!(!swap_files(dir.path()).contains(&left[0]));
+        for file in &left {
+            assert!(!swap_files(dir.path()).contains(file), "{file} removed");
+        }
     }
 }

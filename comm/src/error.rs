@@ -13,6 +13,10 @@ pub enum CommError {
         /// The rank that left.
         rank: usize,
     },
+    /// The group's [`strata_device::Cancel`] was cancelled (the run is
+    /// being aborted).
+    #[error("cancelled: the run was aborted while this rank waited for its peers")]
+    Cancelled,
     /// An exchange is larger than the buffers sized at start.
     #[error("a collective of {requested} elements exceeds {what} ({max}); raise it")]
     Limit {

@@ -3,19 +3,15 @@
 //! leave).
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
 
 use half::{bf16, f16};
-use strata_device::{DeviceKind, Dtype, Fence, Raw, View, ViewMut};
+use strata_device::{Cancel, DeviceKind, Dtype, Fence, Raw, View, ViewMut};
 
 use crate::error::{CommError, Result};
 use crate::{Collective, ProcessGroups};
 
 /// Scalars one [`Collective::all_reduce_scalars`] may carry.
 pub const SCALARS_MAX: usize = 64;
-
-/// How often a rank waiting for a message looks whether its peer left.
-const PEER_POLL: Duration = Duration::from_millis(20);
 
 struct Shared {
     gate: Gate,
@@ -30,11 +26,13 @@ struct Shared {
 
 /// A barrier that a rank can leave: the ranks waiting at it, or arriving
 /// later, get [`CommError::PeerLeft`] instead of waiting forever for a
-/// rank that failed or stopped.
+/// rank that failed or stopped, and [`CommError::Cancelled`] once the
+/// group's [`Cancel`] is cancelled.
 struct Gate {
     state: Mutex<GateState>,
     turned: Condvar,
     world: usize,
+    cancel: Cancel,
 }
 
 struct GateState {
@@ -49,15 +47,19 @@ impl Gate {
         self.state.lock().expect("collective gate")
     }
 
-    fn left(&self) -> Option<usize> {
-        self.lock().left
+    fn check(&self, state: &GateState) -> Result<()> {
+        if self.cancel.is_cancelled() {
+            return Err(CommError::Cancelled);
+        }
+        match state.left {
+            Some(rank) => Err(CommError::PeerLeft { rank }),
+            None => Ok(()),
+        }
     }
 
     fn wait(&self) -> Result<()> {
         let mut state = self.lock();
-        if let Some(rank) = state.left {
-            return Err(CommError::PeerLeft { rank });
-        }
+        self.check(&state)?;
         let generation = state.generation;
         state.arrived += 1;
         if state.arrived == self.world {
@@ -68,10 +70,12 @@ impl Gate {
         }
         // Passed once the last rank arrives, even if one leaves after.
         while state.generation == generation {
-            if let Some(rank) = state.left {
-                return Err(CommError::PeerLeft { rank });
+            if let Err(err) = self.check(&state) {
+                // Not waiting any more: a later arrival must not count it.
+                state.arrived -= 1;
+                return Err(err);
             }
-            state = self.turned.wait(state).expect("collective gate");
+            state = Cancel::sleep(&self.turned, state);
         }
         Ok(())
     }
@@ -105,6 +109,7 @@ impl InProcess {
                 }),
                 turned: Condvar::new(),
                 world,
+                cancel: Cancel::new(),
             },
             slots: (0..world)
                 .map(|_| Mutex::new(Vec::with_capacity(elems_max)))
@@ -122,6 +127,13 @@ impl InProcess {
                 shared: Arc::clone(&shared),
             })
             .collect()
+    }
+
+    /// The group's cancellation token: cancelling it ends every rank's
+    /// wait in a collective or a receive within [`Cancel::POLL`] with
+    /// [`CommError::Cancelled`], and fails every later collective at once.
+    pub fn cancel_token(&self) -> Cancel {
+        self.shared.gate.cancel.clone()
     }
 
     /// Every rank's groups for `data x tensor x pipeline` ranks, in global
@@ -224,15 +236,8 @@ impl InProcess {
                 self.shared.mail_changed.notify_all();
                 return Ok(());
             }
-            if let Some(rank) = self.shared.gate.left() {
-                return Err(CommError::PeerLeft { rank });
-            }
-            held = self
-                .shared
-                .mail_changed
-                .wait_timeout(held, PEER_POLL)
-                .expect("mailbox")
-                .0;
+            self.shared.gate.check(&self.shared.gate.lock())?;
+            held = Cancel::sleep(&self.shared.mail_changed, held);
         }
     }
 }
@@ -766,6 +771,40 @@ mod tests {
             .recv(1, ViewMut::host_slice(&mut values))
             .unwrap_err();
         assert!(matches!(err, CommError::PeerLeft { rank: 1 }), "{err}");
+    }
+
+    #[test]
+    fn cancelling_ends_waits_in_collectives_and_receives_within_a_bound() {
+        // Rank 2 never joins: rank 0 waits at the gate, rank 1 for mail.
+        let ranks = InProcess::group(3, 64);
+        let cancel = ranks[2].cancel_token();
+        let bound = std::time::Duration::from_secs(1);
+        std::thread::scope(|scope| {
+            let gate = scope.spawn(|| {
+                let mut values = [1.0];
+                ranks[0].all_reduce_scalars(&mut values).map(drop)
+            });
+            let mail = scope.spawn(|| {
+                let mut values = [0.0f32; 2];
+                ranks[1].recv(2, ViewMut::host_slice(&mut values)).map(drop)
+            });
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            assert!(!gate.is_finished() && !mail.is_finished(), "both wait");
+            let cancelled_at = std::time::Instant::now();
+            cancel.cancel();
+            for outcome in [gate.join().unwrap(), mail.join().unwrap()] {
+                assert!(matches!(outcome, Err(CommError::Cancelled)), "{outcome:?}");
+            }
+            assert!(
+                cancelled_at.elapsed() < bound,
+                "{:?}",
+                cancelled_at.elapsed()
+            );
+        });
+        // Later collectives fail at once, on every rank.
+        let mut values = [1.0];
+        let err = ranks[2].all_reduce_scalars(&mut values).unwrap_err();
+        assert!(err.to_string().contains("aborted"), "{err}");
     }
 
     #[test]

@@ -18,12 +18,14 @@
 //! ```
 
 mod buffer;
+mod cancel;
 pub mod cuda;
 mod dtype;
 mod error;
 mod fence;
 
 pub use buffer::{Buffer, HOST_ALIGN_BYTES, Raw, View, ViewMut};
+pub use cancel::Cancel;
 pub use dtype::{Dtype, Element};
 pub use error::{DeviceError, Result};
 pub use fence::{Fence, HostSignal, StreamKind};

@@ -165,6 +165,12 @@ pub enum RuntimeError {
     /// The runtime has shut down.
     #[error("the runtime has stopped; no more moves can be started")]
     Stopped,
+    /// A wait was cancelled through the runtime's [`strata_device::Cancel`]
+    /// (the run is being aborted).
+    #[error(
+        "cancelled: the run was aborted mid-step (a second signal, or --signal-grace ran out); what was in flight is dropped and the last whole checkpoint stays"
+    )]
+    Cancelled,
 }
 
 /// Result alias for strata-runtime.

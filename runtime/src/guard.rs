@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use strata_device::Fence;
+use strata_device::{Cancel, Fence};
 
 use crate::error::{Result, RuntimeError};
 use crate::host_pool::{Chunk, Slot};
@@ -150,7 +150,8 @@ impl Guard {
             let read_through = access == Access::Read && entry.readable_during_move(tier);
             if entry.is_moving() && !read_through {
                 waited_since.get_or_insert_with(Instant::now);
-                state = shared.changed.wait(state).expect("runtime state lock");
+                shared.check_cancelled()?;
+                state = Cancel::sleep(&shared.changed, state);
                 continue;
             }
             if !entry.valid(tier) {

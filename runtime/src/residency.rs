@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use strata_device::Fence;
+use strata_device::{Cancel, Fence};
 use strata_storage::{Extent, ExtentAllocator, SwapStore, round_up};
 
 use crate::config::RuntimeConfig;
@@ -84,7 +84,14 @@ impl Completion {
         let mut waited = false;
         while outcome.is_none() {
             waited = true;
-            outcome = self.done.ready.wait(outcome).expect("move lock");
+            if let Err(err) = self.shared.check_cancelled() {
+                // The move goes on; its outcome is nobody's now.
+                drop(outcome);
+                self.shared
+                    .record_wait(self.tensor, self.bytes, started, caller_lane());
+                return Err(err);
+            }
+            outcome = Cancel::sleep(&self.done.ready, outcome);
         }
         let result = outcome.take().expect("checked");
         drop(outcome);
@@ -261,6 +268,7 @@ impl Runtime {
             trace: Mutex::new(Trace::new(config.runtime.trace_events_max)),
             started: Instant::now(),
             room_wait: Duration::from_millis(config.runtime.room_wait_ms),
+            cancel: strata_device::Cancel::new(),
         });
         let queue = || {
             let (sender, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
@@ -432,6 +440,7 @@ impl Runtime {
     }
 
     fn start_move(&self, id: TensorId, target: Tier, release_from: Tier) -> Result<Completion> {
+        self.shared.check_cancelled()?;
         let releasing = released_by(release_from, target);
         let (bytes, queue) = {
             let mut state = self.shared.lock();
@@ -625,6 +634,16 @@ impl Runtime {
         Ok(self.shared.lock().entry(id)?.meta.clone())
     }
 
+    /// The runtime's cancellation token: cancelling it makes every wait
+    /// on another party (a [`Completion`], an acquire of a tensor that is
+    /// moving, a mover waiting for room) end within
+    /// [`Cancel::POLL`] with [`RuntimeError::Cancelled`], and every later
+    /// one at once. Work already running (a copy, an I/O request) ends on
+    /// its own; dropping the runtime after a cancellation is bounded by it.
+    pub fn cancel_token(&self) -> Cancel {
+        self.shared.cancel.clone()
+    }
+
     /// A snapshot of the accounting.
     pub fn stats(&self) -> Stats {
         let state = self.shared.lock();
@@ -741,7 +760,12 @@ fn mover_loop(shared: &Arc<Shared>, receiver: &Mutex<Receiver<Job>>, lane: u32) 
     loop {
         let job = receiver.lock().expect("job queue lock").recv();
         let Ok(job) = job else { return };
-        let result = shared.execute_move(job.tensor, job.target, job.release_from, lane);
+        // Once cancelled, queued moves are dropped unstarted (every copy
+        // stays as it was), so a runtime being aborted drains at once.
+        let result = match shared.check_cancelled() {
+            Ok(()) => shared.execute_move(job.tensor, job.target, job.release_from, lane),
+            Err(err) => Err(err),
+        };
         shared.finish_move(job.tensor);
         let (result, landing) = match result {
             Ok(landing) => (Ok(()), landing),
@@ -835,6 +859,10 @@ impl Shared {
         drop(state);
         self.changed.notify_all();
         result.map_err(|err| {
+            // A cancellation is not the move's failure: it stays itself.
+            if matches!(err, RuntimeError::Cancelled) {
+                return err;
+            }
             let state = self.lock();
             let name = state
                 .tensors
@@ -972,6 +1000,8 @@ impl Shared {
                 Err(Unplaced::Full(shortfall)) => shortfall,
                 Err(Unplaced::Failed(err)) => return Err(err),
             };
+            // No spill starts once cancelled (a cancelled runtime drains).
+            self.check_cancelled()?;
             // Room released but still in use by enqueued work comes back
             // when that work is done: cheaper than a spill.
             if let Some((place, fence)) = state.take_fenced(tier) {
@@ -1017,7 +1047,8 @@ impl Shared {
                 continue;
             }
             if state.releasing[tier.index()] > 0 {
-                drop(self.changed.wait(state).expect("runtime state lock"));
+                self.check_cancelled()?;
+                drop(Cancel::sleep(&self.changed, state));
                 continue;
             }
             // A mover holds no guard, so the copies in use or moving on this
@@ -1028,11 +1059,8 @@ impl Shared {
             let since = *waiting_since.get_or_insert_with(Instant::now);
             let left = self.room_wait.saturating_sub(since.elapsed());
             if is_mover_lane(lane) && !left.is_zero() && state.unevictable_bytes(tier) > 0 {
-                drop(
-                    self.changed
-                        .wait_timeout(state, left)
-                        .expect("runtime state lock"),
-                );
+                self.check_cancelled()?;
+                drop(Cancel::sleep(&self.changed, state));
                 continue;
             }
             return Err(self.out_of_budget(&state, id, tier, shortfall));

@@ -161,6 +161,19 @@ pub(crate) struct Shared {
     pub(crate) started: Instant,
     /// How long a mover waits for room held by copies in use or moving.
     pub(crate) room_wait: Duration,
+    /// Cancelled: every wait on another party (a move, a tensor in use,
+    /// room on a tier) ends with [`RuntimeError::Cancelled`].
+    pub(crate) cancel: strata_device::Cancel,
+}
+
+impl Shared {
+    /// [`RuntimeError::Cancelled`] once the runtime's token is cancelled.
+    pub(crate) fn check_cancelled(&self) -> Result<()> {
+        if self.cancel.is_cancelled() {
+            return Err(RuntimeError::Cancelled);
+        }
+        Ok(())
+    }
 }
 
 pub(crate) fn moving_error(id: TensorId, entry: &Entry, target: Tier) -> RuntimeError {

@@ -268,6 +268,96 @@ fn a_move_waits_for_room_held_by_a_tensor_in_use() {
     );
 }
 
+/// A cancelled runtime ends every wait on another party (a completion, an
+/// acquire of a moving tensor, a mover waiting for room) within the
+/// cancellation's poll, refuses new moves, keeps every copy as it was,
+/// and drops at once.
+#[test]
+fn cancelling_ends_every_blocked_wait_within_a_bound_and_keeps_the_copies() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut config = config(dir.path(), 1 << 20, 4 << 20);
+    // Without cancellation the fetch below would wait a minute for room.
+    config.runtime.room_wait_ms = 60_000;
+    let runtime = Runtime::new(&config).unwrap();
+    let kib = |k: u64| k << 10;
+    let [left, middle, right, big] = [("left", 384), ("middle", 256), ("right", 384), ("big", 640)]
+        .map(|(name, k)| runtime.register(meta(name, kib(k)), Tier::Host).unwrap());
+    fill(&runtime, big, Tier::Host, &pattern(7, kib(640) as usize));
+    for id in [left, middle, right] {
+        runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    }
+    let in_use = runtime.acquire(middle, Tier::Device, Access::Read).unwrap();
+    for id in [left, right] {
+        runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
+    }
+    let fetch = runtime.move_to(big, Tier::Device).unwrap();
+    let cancel = runtime.cancel_token();
+    let bound = std::time::Duration::from_secs(1);
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(|| {
+            let started = std::time::Instant::now();
+            (fetch.wait(), started.elapsed())
+        });
+        let writer = scope.spawn(|| {
+            let started = std::time::Instant::now();
+            let acquired = runtime.acquire(big, Tier::Host, Access::Write).map(drop);
+            (acquired, started.elapsed())
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(
+            !waiter.is_finished() && !writer.is_finished(),
+            "both blocked"
+        );
+        let cancelled_at = std::time::Instant::now();
+        cancel.cancel();
+        let (fetched, waited) = waiter.join().unwrap();
+        assert!(
+            matches!(fetched, Err(RuntimeError::Cancelled)),
+            "{fetched:?}"
+        );
+        assert!(waited >= std::time::Duration::from_millis(300));
+        // The writer sees the cancellation, or the cancelled move ending
+        // first (then the tensor is its to write): either way, at once.
+        let (acquired, waited) = writer.join().unwrap();
+        assert!(
+            matches!(acquired, Ok(()) | Err(RuntimeError::Cancelled)),
+            "{acquired:?}"
+        );
+        assert!(waited >= std::time::Duration::from_millis(300));
+        assert!(
+            cancelled_at.elapsed() < bound,
+            "{:?}",
+            cancelled_at.elapsed()
+        );
+    });
+    assert!(matches!(
+        runtime.move_to(left, Tier::Device),
+        Err(RuntimeError::Cancelled)
+    ));
+    drop(in_use);
+    // The fetch never took room: the tensor in use kept its device copy
+    // (the mover may have written it down as well, as a spill would), the
+    // fetched one has none.
+    assert!(runtime.residency(middle).unwrap().contains(&Tier::Device));
+    assert!(!runtime.residency(big).unwrap().contains(&Tier::Device));
+    // Until the mover has dropped the cancelled fetch, an acquire of it is
+    // refused rather than kept waiting; it is let go within the bound.
+    let since = std::time::Instant::now();
+    let guard = loop {
+        match runtime.acquire(big, Tier::Host, Access::Read) {
+            Err(RuntimeError::Cancelled) if since.elapsed() < bound => continue,
+            other => break other.unwrap(),
+        }
+    };
+    let mut data = vec![0; kib(640) as usize];
+    guard.read_into(&mut data).unwrap();
+    drop(guard);
+    assert_eq!(data, pattern(7, kib(640) as usize));
+    let dropped = std::time::Instant::now();
+    drop(runtime);
+    assert!(dropped.elapsed() < bound, "{:?}", dropped.elapsed());
+}
+
 #[test]
 fn device_budget_spills_least_needed_and_never_the_one_in_use() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -5,14 +5,23 @@
 //!
 //! The first signal asks the run to stop at its next step boundary (it
 //! writes a final checkpoint and removes its swap files). A second signal,
-//! or `--signal-grace` passing first, exits at once: checkpoints are only
-//! ever published whole (written under a temporary name, then renamed), so
-//! the last whole one stays, and the next run in the same directories
-//! removes the swap files this one leaves.
+//! or `--signal-grace` passing first, aborts the step in progress: every
+//! wait of the run is cancelled ([`StopRequest::abort`]), the ranks return
+//! within a bounded time, the swap files go, and `strata train` exits
+//! 128 + the signal. Checkpoints are only ever published whole (written
+//! under a temporary name, then renamed), so the last whole one stays.
+//! Should the abort itself not end the process within [`ABORT_BOUND`] (a
+//! compute op or an I/O request that does not return), or a third signal
+//! come, the process exits there and then; the next run in the same
+//! directories removes the swap files it leaves.
 
 use std::time::{Duration, Instant};
 
 use strata_train::StopRequest;
+
+/// How long an aborted run may take to return before the process exits
+/// regardless.
+pub const ABORT_BOUND: Duration = Duration::from_secs(10);
 
 /// The signals that stop a run.
 const STOP_SIGNALS: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
@@ -97,9 +106,10 @@ pub fn exit_status(signal: libc::c_int) -> u8 {
     (128 + signal).clamp(0, 255) as u8
 }
 
-/// Starts the thread that turns the first signal into `stop` and a second
-/// one, or `grace` passing after the first, into an immediate exit.
-/// `last_checkpoint` says, at that moment, what stays.
+/// Starts the thread that turns the first signal into `stop`, and a second
+/// one, or `grace` passing after the first, into an abort of the step in
+/// progress (then, past [`ABORT_BOUND`] or at a third signal, an immediate
+/// exit). `last_checkpoint` says, at that moment, what stays.
 pub fn watch(
     blocked: Blocked,
     stop: StopRequest,
@@ -113,7 +123,7 @@ pub fn watch(
                 return;
             };
             eprintln!(
-                "\nstrata: {} received: stopping after the current step (with a checkpoint if the run writes them), within --signal-grace {:.0} s; a second signal stops at once",
+                "\nstrata: {} received: stopping after the current step (with a checkpoint if the run writes them), within --signal-grace {:.0} s; a second signal aborts the step in progress",
                 name(first),
                 grace.as_secs_f64()
             );
@@ -129,7 +139,20 @@ pub fn watch(
                 ),
             };
             eprintln!(
-                "strata: {why}: stopping now, mid-step; {}. The next run in the same directories removes this one's swap files.",
+                "strata: {why}: aborting the step in progress; {}",
+                last_checkpoint()
+            );
+            stop.abort(code);
+            // The run returns by itself, normally well within the bound.
+            let why = match blocked.wait(Some(ABORT_BOUND)) {
+                Some(third) => format!("a third signal ({}) received", name(third)),
+                None => format!(
+                    "the aborted run did not return within {} s",
+                    ABORT_BOUND.as_secs()
+                ),
+            };
+            eprintln!(
+                "strata: {why}: exiting now; {}. The next run in the same directories removes this one's swap files.",
                 last_checkpoint()
             );
             std::process::exit(i32::from(exit_status(code)));

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use strata_runtime::Link;
-use strata_train::{self as engine, ByteCorpus, RunOptions, RunSummary, TrainConfig};
+use strata_train::{self as engine, ByteCorpus, RunOptions, RunSummary, TrainConfig, TrainError};
 
 /// The text `strata train` learns by default (byte tokens).
 pub const DEFAULT_TEXT: &str = include_str!("../../examples/data/tiers.txt");
@@ -147,16 +147,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         last_checkpoint(dir.as_deref())
     })
     .context("start the signal thread")?;
-    let checkpoint_bytes = (config.model.gpt().params() as u64).saturating_mul(16);
     tracing::info!(
-        "on SIGINT or SIGTERM the run stops after its current step{}, within --signal-grace {:.0} s",
+        "on SIGINT or SIGTERM the run stops after its current step{}, within --signal-grace {:.0} s; past it, or at a second signal, it aborts the step",
         if config.train.checkpoint_dir.is_some() {
-            format!(
-                " and writes a checkpoint of about {}",
-                mib(checkpoint_bytes)
-            )
+            " and writes a checkpoint"
         } else {
-            String::new()
+            ""
         },
         args.signal_grace
     );
@@ -182,7 +178,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut timing = StopTiming::default();
     let summary = engine::run(&config, &corpus, &options, &mut |progress| {
         let r = progress.report;
-        timing.observe(r.seconds, progress.checkpoint_s, args.signal_grace);
+        timing.observe(
+            r.seconds,
+            progress.checkpoint_s.or(progress.checkpoint_estimate_s),
+            args.signal_grace,
+        );
         let moved: [u64; 4] = [0, 1, 2, 3].map(|i| progress.stats.links[i].bytes);
         let step_moved: Vec<String> = moved
             .iter()
@@ -222,8 +222,24 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 r.optimizer_params_per_s / 1e9,
             );
         }
-    })?;
+    });
     bar.finish_and_clear();
+    let summary = match summary {
+        Err(TrainError::Aborted { code }) => {
+            eprintln!(
+                "aborted mid-step by {}: {}{}",
+                super::signals::name(code),
+                last_checkpoint(config.train.checkpoint_dir.as_deref()),
+                match &config.train.checkpoint_dir {
+                    Some(dir) if dir.join("latest").exists() =>
+                        format!("; go on with: strata train ... --resume {}", dir.display()),
+                    _ => String::new(),
+                }
+            );
+            return Ok(ExitCode::from(super::signals::exit_status(code)));
+        }
+        other => other?,
+    };
     print_summary(&summary, args.json)?;
     let Some(signal) = summary.stopped_by else {
         return Ok(ExitCode::SUCCESS);

@@ -14,6 +14,15 @@ use strata_storage::StorageError;
 /// and the field at fault; messages say what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// The run was aborted mid-step ([`crate::StopRequest::abort`]: a
+    /// second signal, or `--signal-grace` running out).
+    #[error(
+        "aborted mid-step (stop code {code}): the step in progress was dropped unpublished; the last whole checkpoint stays"
+    )]
+    Aborted {
+        /// The stop request's code (the signal).
+        code: i32,
+    },
     /// A configuration value is out of range or inconsistent.
     #[error("invalid setting {key} = {value}: {fix}")]
     Config {
@@ -166,6 +175,15 @@ impl TrainError {
     /// that rank's own error).
     pub fn is_peer_left(&self) -> bool {
         matches!(self, TrainError::Comm(CommError::PeerLeft { .. }))
+    }
+
+    /// Whether this is a wait cancelled by an abort (see
+    /// [`crate::StopRequest::abort`]), or a peer leaving because of one.
+    pub fn is_cancelled(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Runtime(RuntimeError::Cancelled) | TrainError::Comm(CommError::Cancelled)
+        )
     }
 }
 

@@ -3,7 +3,9 @@
 
 use strata_runtime::Link;
 use strata_storage::ByteSize;
-use strata_train::{ByteCorpus, Placement, RunOptions, StateCache, StateDtype, TrainConfig, run};
+use strata_train::{
+    ByteCorpus, Placement, RunOptions, StateCache, StateDtype, TrainConfig, TrainError, run,
+};
 
 fn corpus(seq: usize) -> ByteCorpus {
     let text =
@@ -16,7 +18,7 @@ fn corpus(seq: usize) -> ByteCorpus {
 fn assert_resumes_exactly(
     config: &TrainConfig,
     checkpoints: &std::path::Path,
-    head: &strata_train::RunSummary,
+    head: &[f64],
     whole: &strata_train::RunSummary,
 ) {
     let mut config = config.clone();
@@ -27,7 +29,6 @@ fn assert_resumes_exactly(
     };
     let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
     let resumed: Vec<u64> = head
-        .losses
         .iter()
         .chain(&tail.losses)
         .map(|l| l.to_bits())
@@ -36,7 +37,7 @@ fn assert_resumes_exactly(
     assert_eq!(
         resumed, uninterrupted,
         "{:?} then {:?} vs {:?}",
-        head.losses, tail.losses, whole.losses
+        head, tail.losses, whole.losses
     );
 }
 
@@ -140,7 +141,7 @@ fn resume_is_bit_identical_and_a_killed_checkpoint_write_loses_nothing() {
         "latest still names the last whole checkpoint"
     );
 
-    assert_resumes_exactly(&config, &checkpoints, &head, &whole);
+    assert_resumes_exactly(&config, &checkpoints, &head.losses, &whole);
 
     // A corrupt file is refused by name, not trained on.
     let step3 = checkpoints.join("step-00000003");
@@ -650,7 +651,62 @@ fn a_stop_request_stops_every_rank_at_one_boundary_with_a_checkpoint_that_resume
         .count();
     assert_eq!(swap_files, 0, "the stopped run removed its swap files");
 
-    assert_resumes_exactly(&config, &checkpoints, &head, &whole);
+    assert_resumes_exactly(&config, &checkpoints, &head.losses, &whole);
+}
+
+/// An abort (a second signal, or the grace running out) ends the step in
+/// progress on every rank within a bound, publishes nothing more, removes
+/// the swap files, and leaves the last whole checkpoint resumable.
+#[test]
+fn an_abort_ends_the_step_in_progress_within_a_bound_and_keeps_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.steps = 8;
+    config.train.ranks = 2;
+    let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    let checkpoints = dir.path().join("ckpt");
+    config.train.checkpoint_dir = Some(checkpoints.clone());
+    config.train.checkpoint_every = 2;
+    let options = RunOptions::default();
+    let stop = options.stop.clone();
+    let mut aborted_at = None;
+    // Aborted as step 2's checkpoint is reported: the ranks are in step 3
+    // (or a little further).
+    let err = run(&config, &corpus(16), &options, &mut |progress| {
+        if progress.checkpoint_s.is_some() && aborted_at.is_none() {
+            aborted_at = Some(std::time::Instant::now());
+            stop.abort(2);
+        }
+    })
+    .unwrap_err();
+    let took = aborted_at.expect("a checkpoint was reported").elapsed();
+    assert!(matches!(err, TrainError::Aborted { code: 2 }), "{err}");
+    assert!(took < std::time::Duration::from_secs(2), "{took:?}");
+    // Usually step 2's; a later one if the ranks got that far before the
+    // report reached this thread. Whole either way.
+    let at = strata_train::Checkpoint::open(&checkpoints).unwrap();
+    let kept = at.meta.step as usize;
+    assert!([2, 4, 6].contains(&kept), "{kept}");
+    at.verify().unwrap();
+    assert!(
+        std::fs::read_dir(&checkpoints)
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with(".tmp")),
+        "no temporary checkpoint left"
+    );
+    let swap_files = std::fs::read_dir(dir.path().join("swap"))
+        .unwrap()
+        .flatten()
+        .flat_map(|rank| {
+            std::fs::read_dir(rank.path().join("strata-swap"))
+                .into_iter()
+                .flatten()
+        })
+        .flatten()
+        .count();
+    assert_eq!(swap_files, 0, "the aborted run removed its swap files");
+    assert_resumes_exactly(&config, &checkpoints, &whole.losses[..kept], &whole);
 }
 
 #[test]

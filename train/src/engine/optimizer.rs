@@ -245,9 +245,14 @@ impl CpuWorker {
             .name("strata-cpu-optim".into())
             .spawn(move || {
                 strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
+                let cancel = runtime.cancel_token();
                 for job in receiver {
                     let started = Instant::now();
-                    let result = run_optimizer(&runtime, &pool, &groups, &job);
+                    // An aborted run's queued updates are dropped unrun.
+                    let result = match cancel.is_cancelled() {
+                        false => run_optimizer(&runtime, &pool, &groups, &job),
+                        true => Err(RuntimeError::Cancelled.into()),
+                    };
                     runtime.record_update(
                         optimizer_label(job.late),
                         job.group as u32,

@@ -134,6 +134,9 @@ pub struct Progress<'a> {
     pub stats: &'a Stats,
     /// Seconds the checkpoint written after the step took, if one was.
     pub checkpoint_s: Option<f64>,
+    /// Seconds a checkpoint is estimated to take, from a write of a probe
+    /// file in the checkpoint directory before step 1 (None without one).
+    pub checkpoint_estimate_s: Option<f64>,
 }
 
 /// Runs `config` on `corpus`, calling `progress` after every step.
@@ -147,6 +150,10 @@ pub fn run(
     corpus.check_vocab(config.model.vocab)?;
     let world = config.train.ranks;
     let _owned = own_directories(config, options)?;
+    let checkpoint_estimate_s = match &config.train.checkpoint_dir {
+        Some(dir) => Some(estimate_checkpoint_s(config, dir)?),
+        None => None,
+    };
     let resume = match &options.resume {
         Some(path) => Some(Checkpoint::open(path)?),
         None => None,
@@ -155,6 +162,7 @@ pub fn run(
         world,
         super::tensors::collective_elems_max(&config.model.gpt(), world),
     );
+    options.stop.watch(collectives[0].cancel_token());
     let (sender, receiver) = channel::<(StepReport, Stats, Option<f64>)>();
     let stop = options
         .stop_after
@@ -225,6 +233,7 @@ pub fn run(
                 report: &report,
                 stats: &stats,
                 checkpoint_s,
+                checkpoint_estimate_s,
             });
         }
         let mut summary = None;
@@ -242,21 +251,29 @@ pub fn run(
             match outcome {
                 Ok(Some(done)) => summary = Some(done),
                 Ok(None) => {}
-                // A rank stopped by another's failure reports that one's
-                // error only if nothing better comes.
-                Err(err) if err.is_peer_left() => {
+                // A rank stopped by another's failure (or by an abort)
+                // reports that only if nothing better comes.
+                Err(err) if err.is_peer_left() || err.is_cancelled() => {
                     first_error.get_or_insert(err);
                 }
                 Err(err) => {
-                    if first_error.as_ref().is_none_or(TrainError::is_peer_left) {
+                    if first_error
+                        .as_ref()
+                        .is_none_or(|e| e.is_peer_left() || e.is_cancelled())
+                    {
                         first_error = Some(err);
                     }
                 }
             }
         }
-        match first_error {
-            Some(err) => Err(err),
-            None => Ok(summary.expect("rank 0 reports")),
+        match (first_error, options.stop.aborted()) {
+            // Waits cut short by the abort, and ranks leaving because of
+            // them, are one cause: the abort.
+            (Some(err), Some(code)) if err.is_cancelled() || err.is_peer_left() => {
+                Err(TrainError::Aborted { code })
+            }
+            (Some(err), _) => Err(err),
+            (None, _) => Ok(summary.expect("rank 0 reports")),
         }
     })
 }
@@ -273,6 +290,7 @@ fn rank_main(
     let rank = collective.rank();
     let world = collective.world();
     let mut engine = Engine::with_faults(config, Box::new(collective), faults)?;
+    request.watch(engine.runtime().cancel_token());
     if let Some(checkpoint) = &resume {
         engine.resume(checkpoint)?;
     }
@@ -389,14 +407,67 @@ fn rank_main(
     }))
 }
 
-/// Errors unless `dir`'s filesystem has room for one checkpoint: the fp32
-/// weights (4 bytes per parameter) and every rank's shard of master
-/// weights and moments (12 bytes per parameter in all), with 5% to spare.
+/// Bytes of one checkpoint, with 5% to spare: the fp32 weights (4 bytes
+/// per parameter) and every rank's shard of master weights and moments
+/// (12 bytes per parameter in all).
+fn checkpoint_bytes(config: &TrainConfig) -> u64 {
+    let params = config.model.gpt().params() as u64;
+    params
+        .saturating_mul(16)
+        .saturating_add(params.saturating_mul(16) / 20)
+}
+
+/// The largest probe [`estimate_checkpoint_s`] writes.
+const PROBE_BYTES_MAX: u64 = 64 << 20;
+
+/// Seconds one checkpoint should take to write in `dir`, from the time a
+/// probe file (the checkpoint's size, at most [`PROBE_BYTES_MAX`]) takes
+/// to write and fsync there; the probe is removed. Logged at start, so
+/// that a scheduler's grace period can be checked before step 1.
+fn estimate_checkpoint_s(config: &TrainConfig, dir: &std::path::Path) -> Result<f64> {
+    use std::io::Write;
+    let needed = checkpoint_bytes(config);
+    let probe_bytes = needed.clamp(1 << 20, PROBE_BYTES_MAX);
+    let path = dir.join(format!(".strata-write-probe-{}", std::process::id()));
+    let failed = |err| {
+        os(
+            format!(
+                "write a probe file in train.checkpoint_dir {}",
+                path.display()
+            ),
+            err,
+            "choose a writable checkpoint directory with room for a checkpoint",
+        )
+    };
+    let chunk = vec![0x5au8; 1 << 20];
+    let started = Instant::now();
+    let written = std::fs::File::create(&path).and_then(|mut file| {
+        for _ in 0..probe_bytes >> 20 {
+            file.write_all(&chunk)?;
+        }
+        file.sync_all()
+    });
+    let took = started.elapsed().as_secs_f64().max(1e-6);
+    let removed = std::fs::remove_file(&path);
+    written.map_err(failed)?;
+    removed.map_err(failed)?;
+    let rate = probe_bytes as f64 / took;
+    let estimate = needed as f64 / rate;
+    tracing::info!(
+        "a checkpoint of {:.1} MiB should take about {estimate:.1} s: {} wrote and synced a {} MiB probe at {:.0} MB/s",
+        needed as f64 / f64::from(1 << 20),
+        dir.display(),
+        probe_bytes >> 20,
+        rate / 1e6
+    );
+    Ok(estimate)
+}
+
+/// Errors unless `dir`'s filesystem has room for one checkpoint
+/// ([`checkpoint_bytes`]).
 fn check_checkpoint_room(config: &TrainConfig, dir: &std::path::Path) -> Result<()> {
     let params = config.model.gpt().params() as u64;
-    let needed = params
-        .saturating_mul(16)
-        .saturating_add(params.saturating_mul(16) / 20);
+    let needed = checkpoint_bytes(config);
     let available = strata_storage::sys::available_bytes(dir).map_err(|err| {
         os(
             format!(

@@ -5,14 +5,34 @@
 //! The run then writes a final checkpoint when it has a checkpoint
 //! directory, drops its tiers (removing its swap files) and returns a
 //! summary that says why it stopped.
+//!
+//! A request can also abort the step in progress ([`StopRequest::abort`]:
+//! a second signal, or a grace period running out). Every wait of the run
+//! on another party (a move, a tensor in use, room on a tier, a peer rank,
+//! an optimizer update) checks a [`Cancel`] token the run registered
+//! here, so the ranks return within a bounded time
+//! ([`Cancel::POLL`] plus the compute op or I/O request in progress) with
+//! [`crate::TrainError::Aborted`]; nothing is published mid-step, so the
+//! last whole checkpoint stays.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
 
-/// A request to stop at the next step boundary, shared between whoever
-/// asks and the run. Cloning shares it.
+use strata_device::Cancel;
+
+/// A request to stop at the next step boundary (or, aborted, at once),
+/// shared between whoever asks and the run. Cloning shares it.
 #[derive(Clone, Debug, Default)]
-pub struct StopRequest(Arc<AtomicI32>);
+pub struct StopRequest(Arc<Inner>);
+
+#[derive(Debug, Default)]
+struct Inner {
+    code: AtomicI32,
+    /// The code of the abort, 0 until one.
+    aborted: AtomicI32,
+    /// The tokens of the run's runtimes and collective group.
+    watched: Mutex<Vec<Cancel>>,
+}
 
 impl StopRequest {
     /// A request not yet made.
@@ -27,18 +47,55 @@ impl StopRequest {
         assert!(signal > 0, "a stop request carries a positive code");
         let _ = self
             .0
+            .code
             .compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
     }
 
     /// The code of the request, if one was made.
     pub fn requested(&self) -> Option<i32> {
-        match self.0.load(Ordering::SeqCst) {
+        match self.0.code.load(Ordering::SeqCst) {
             0 => None,
             code => Some(code),
         }
     }
-}
 
+    /// Stops the run at once, mid-step: requests a stop (with `signal`
+    /// unless one was requested already) and cancels every token the run
+    /// registered, and every one it registers later. The first abort's
+    /// `signal` is the one [`crate::TrainError::Aborted`] reports.
+    pub fn abort(&self, signal: i32) {
+        self.request(signal);
+        let watched = self.0.watched.lock().expect("stop tokens");
+        let _ = self
+            .0
+            .aborted
+            .compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst);
+        for token in watched.iter() {
+            token.cancel();
+        }
+    }
+
+    /// The code of the abort, if [`StopRequest::abort`] was called.
+    pub fn aborted(&self) -> Option<i32> {
+        match self.0.aborted.load(Ordering::SeqCst) {
+            0 => None,
+            code => Some(code),
+        }
+    }
+
+    /// Registers a token that [`StopRequest::abort`] cancels (at once if
+    /// the request is already aborted).
+    pub fn watch(&self, token: Cancel) {
+        let mut watched = self.0.watched.lock().expect("stop tokens");
+        // Checked under the lock, so an abort in between cancels it.
+        if self.aborted().is_some() {
+            token.cancel();
+        }
+        // Tokens of runs that ended are let go.
+        watched.retain(|t| t.holders() > 1);
+        watched.push(token);
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -51,5 +108,21 @@ mod tests {
         stop.request(15);
         stop.request(2);
         assert_eq!(seen.requested(), Some(15));
+        assert_eq!(seen.aborted(), None);
+    }
+
+    #[test]
+    fn an_abort_cancels_tokens_watched_before_and_after_it() {
+        let stop = StopRequest::new();
+        let (before, after) = (Cancel::new(), Cancel::new());
+        stop.watch(before.clone());
+        stop.request(15);
+        assert!(!before.is_cancelled(), "a plain request cancels nothing");
+        stop.abort(2);
+        stop.abort(9);
+        assert!(before.is_cancelled());
+        assert_eq!((stop.requested(), stop.aborted()), (Some(15), Some(2)));
+        stop.watch(after.clone());
+        assert!(after.is_cancelled(), "a late watcher is cancelled at once");
     }
 }
