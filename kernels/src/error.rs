@@ -70,6 +70,24 @@ pub enum KernelError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A CUDA C source did not compile (or compiled with warnings).
+    #[error("NVRTC could not compile {source_name}.cu for sm_{arch}: {log}")]
+    Compile {
+        /// The source's name.
+        source_name: &'static str,
+        /// The architecture (90 for sm_90).
+        arch: u32,
+        /// NVRTC's log, or the failing call.
+        log: String,
+    },
+    /// A GPU architecture strata has no kernels for.
+    #[error("no kernels are built for sm_{arch}; strata compiles for {supported}")]
+    Arch {
+        /// The architecture asked for.
+        arch: u32,
+        /// The ones strata compiles for.
+        supported: String,
+    },
     /// The device failed (errors of enqueued work surface at fences).
     #[error(transparent)]
     Failed(#[from] DeviceError),

@@ -7,6 +7,7 @@
 
 mod backend;
 pub mod cpu;
+pub mod cuda;
 mod error;
 
 pub use backend::{Attention, Backend, Matrix, Readback};

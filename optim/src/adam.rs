@@ -167,6 +167,26 @@ pub struct AdamCoefficients {
     neg_step_size: f32,
 }
 
+impl AdamCoefficients {
+    /// The constants in the order a device kernel takes them (the fields
+    /// of `AdamCoefficients` in strata-kernels' `ops.cu`): grad_scale, l2,
+    /// decay, beta2, 1 - beta1, 1 - beta2, 1 / sqrt(bias correction 2),
+    /// eps, -step size.
+    pub fn to_array(&self) -> [f32; 9] {
+        [
+            self.grad_scale,
+            self.l2,
+            self.decay,
+            self.beta2,
+            self.one_minus_beta1,
+            self.one_minus_beta2,
+            self.inv_sqrt_bias_correction2,
+            self.eps,
+            self.neg_step_size,
+        ]
+    }
+}
+
 /// One Adam/AdamW step over `params` on the calling thread: `grads` in any
 /// format, moments in fp32 or bf16, and optionally the updated parameters
 /// also written to `out` as bf16/fp16 (round to nearest even) in the same

@@ -1,0 +1,612 @@
+//! Launching `ops.cu`'s kernels: the module compiled for the device's
+//! architecture and loaded once, each kernel looked up once, and one
+//! launcher per op that takes device addresses and element counts.
+//!
+//! Launchers enqueue on the stream they are given and return: no
+//! synchronization, no allocation. Sizes are checked against the grid's
+//! limits here; that the addresses hold as many elements as the counts
+//! say is the caller's contract (the backend derives both from one view).
+
+use std::sync::Arc;
+
+use cudarc::driver::safe::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, sys};
+use cudarc::nvrtc::Ptx;
+use strata_device::{DeviceError, Dtype};
+use strata_optim::AdamCoefficients;
+
+use super::{BLOCK, OPS_NAME, OPS_PER_DTYPE, OPS_SINGLE, OPS_SOURCE, nvrtc};
+use crate::error::{KernelError, Result};
+
+/// An op of `ops.cu` defined for f32 and bf16 elements, in
+/// [`OPS_PER_DTYPE`] order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub enum Op {
+    Gelu,
+    GeluBackward,
+    Add,
+    Axpy,
+    Scale,
+    AddBias,
+    BiasGrad,
+    LayerNorm,
+    LayerNormBackwardDx,
+    LayerNormBackwardParams,
+    CrossEntropy,
+    Embedding,
+    EmbeddingBackward,
+    SumSquaresPartials,
+    NonFinite,
+}
+
+/// A kernel of `ops.cu` defined once, in [`OPS_SINGLE`] order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub enum Single {
+    CastF32Bf16,
+    CastBf16F32,
+    SumPartials,
+    MeanF32,
+    AdamwBf16,
+}
+
+/// Blocks of the first pass of a sum of squares (`ops.cu`'s SUM_BLOCKS).
+pub const SUM_BLOCKS: u32 = 256;
+
+/// The most blocks an element-wise launch uses, per multiprocessor (grid-
+/// stride loops cover the rest).
+const BLOCKS_PER_SM: u32 = 8;
+
+/// `strata_optim`'s Adam constants as the kernel takes them (`ops.cu`'s
+/// `AdamCoefficients`: nine floats).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AdamArgs([f32; 9]);
+
+// SAFETY: a #[repr(C)] array of f32, laid out as the kernel's struct of
+// nine floats; any bits are a valid value.
+unsafe impl DeviceRepr for AdamArgs {}
+
+/// `ops.cu` loaded into one context.
+pub struct Ops {
+    per_dtype: Vec<[CudaFunction; 2]>,
+    single: Vec<CudaFunction>,
+    multiprocessors: u32,
+}
+
+fn driver(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> KernelError {
+    move |err| {
+        KernelError::Failed(DeviceError::Cuda {
+            op,
+            cause: format!("{err:?}"),
+        })
+    }
+}
+
+impl Ops {
+    /// Compiles `ops.cu` for the context's device (or takes this process's
+    /// earlier compile) and loads every kernel.
+    pub fn load(context: &Arc<CudaContext>) -> Result<Ops> {
+        let attribute = |a| context.attribute(a).map_err(driver("cuDeviceGetAttribute"));
+        let major =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let multiprocessors =
+            attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let arch = (major * 10 + minor) as u32;
+        let cubin = nvrtc::compile(OPS_NAME, OPS_SOURCE, arch)?;
+        let module = context
+            .load_module(Ptx::from_binary(cubin.image.clone()))
+            .map_err(driver("cuModuleLoadData"))?;
+        let function = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(driver("cuModuleGetFunction"))
+        };
+        let per_dtype = OPS_PER_DTYPE
+            .iter()
+            .map(|op| {
+                Ok([
+                    function(&format!("{op}_f32"))?,
+                    function(&format!("{op}_bf16"))?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let single = OPS_SINGLE
+            .iter()
+            .map(|name| function(name))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Ops {
+            per_dtype,
+            single,
+            multiprocessors: multiprocessors.max(1) as u32,
+        })
+    }
+
+    fn kernel(&self, op: &'static str, which: Op, dtype: Dtype) -> Result<&CudaFunction> {
+        let column = match dtype {
+            Dtype::F32 => 0,
+            Dtype::Bf16 => 1,
+            other => {
+                return Err(KernelError::Dtype {
+                    op,
+                    backend: "cuda",
+                    operand: "its tensors",
+                    dtype: other,
+                    fix: "use f32 or bf16",
+                });
+            }
+        };
+        Ok(&self.per_dtype[which as usize][column])
+    }
+
+    /// A grid-stride launch over `n` items: enough blocks to fill the
+    /// device, no more.
+    fn spread(&self, n: u64) -> LaunchConfig {
+        let wanted = n.div_ceil(u64::from(BLOCK)).max(1);
+        let blocks = wanted.min(u64::from(self.multiprocessors * BLOCKS_PER_SM)) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// One block per row (grid-stride over rows beyond the grid).
+    fn per_row(&self, rows: u64) -> LaunchConfig {
+        let blocks = rows.clamp(1, u64::from(self.multiprocessors * 32)) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn one_block() -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// Enqueues `function` with `args` (each a `&T: DeviceRepr`).
+macro_rules! launch {
+    ($stream:expr, $function:expr, $config:expr, $op:literal, [$($arg:expr),* $(,)?]) => {{
+        let mut builder = $stream.launch_builder($function);
+        $(builder.arg($arg);)*
+        // SAFETY: the kernel's parameters are, in order, the types pushed
+        // here (ops.cu's signature); the addresses are the caller's
+        // contract (see the launcher's `# Safety`).
+        unsafe { builder.launch($config) }
+            .map(drop)
+            .map_err(driver($op))
+    }};
+}
+
+impl Ops {
+    /// `out = gelu(x)`, `n` elements of `dtype`.
+    ///
+    /// # Safety
+    /// `x` and `out` are device addresses in the stream's context holding
+    /// `n` elements of `dtype` each, live until the stream passes this
+    /// launch; `out` is not read or written by other work meanwhile.
+    pub unsafe fn gelu(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        x: u64,
+        out: u64,
+        n: u64,
+    ) -> Result<()> {
+        let f = self.kernel("gelu", Op::Gelu, dtype)?;
+        launch!(stream, f, self.spread(n), "gelu", [&x, &out, &n])
+    }
+
+    /// `dx = dout * gelu'(x)`.
+    ///
+    /// # Safety
+    /// As [`Ops::gelu`], for `dout`, `x` and `dx`.
+    pub unsafe fn gelu_backward(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (dout, x, dx): (u64, u64, u64),
+        n: u64,
+    ) -> Result<()> {
+        let f = self.kernel("gelu_backward", Op::GeluBackward, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.spread(n),
+            "gelu_backward",
+            [&dout, &x, &dx, &n]
+        )
+    }
+
+    /// `y += alpha * x` (`alpha` 1: `y += x`).
+    ///
+    /// # Safety
+    /// As [`Ops::gelu`], for `x` and `y`.
+    pub unsafe fn axpy(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        alpha: f32,
+        x: u64,
+        y: u64,
+        n: u64,
+    ) -> Result<()> {
+        if alpha == 1.0 {
+            let f = self.kernel("add", Op::Add, dtype)?;
+            return launch!(stream, f, self.spread(n), "add", [&y, &x, &n]);
+        }
+        let f = self.kernel("axpy", Op::Axpy, dtype)?;
+        launch!(stream, f, self.spread(n), "axpy", [&alpha, &x, &y, &n])
+    }
+
+    /// `x *= alpha`.
+    ///
+    /// # Safety
+    /// As [`Ops::gelu`], for `x`.
+    pub unsafe fn scale(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        alpha: f32,
+        x: u64,
+        n: u64,
+    ) -> Result<()> {
+        let f = self.kernel("scale", Op::Scale, dtype)?;
+        launch!(stream, f, self.spread(n), "scale", [&alpha, &x, &n])
+    }
+
+    /// Adds the f32 `bias` (`cols`) to every row of `x` (`rows x cols`).
+    ///
+    /// # Safety
+    /// As [`Ops::gelu`], for `x` (`rows x cols` of `dtype`) and `bias`
+    /// (`cols` f32).
+    pub unsafe fn add_bias(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        x: u64,
+        bias: u64,
+        rows: u64,
+        cols: u64,
+    ) -> Result<()> {
+        let f = self.kernel("add_bias", Op::AddBias, dtype)?;
+        let n = checked(rows, cols, "add_bias")?;
+        launch!(
+            stream,
+            f,
+            self.spread(n),
+            "add_bias",
+            [&x, &bias, &rows, &cols]
+        )
+    }
+
+    /// Adds the column sums of `dy` (`rows x cols`) to the f32 `dbias`.
+    ///
+    /// # Safety
+    /// As [`Ops::add_bias`], `dy` for `x` and `dbias` for `bias`.
+    pub unsafe fn bias_grad(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        dy: u64,
+        dbias: u64,
+        rows: u64,
+        cols: u64,
+    ) -> Result<()> {
+        let f = self.kernel("bias_grad", Op::BiasGrad, dtype)?;
+        checked(rows, cols, "bias_grad")?;
+        launch!(
+            stream,
+            f,
+            self.spread(cols),
+            "bias_grad",
+            [&dy, &dbias, &rows, &cols]
+        )
+    }
+
+    /// LayerNorm of each row of `x` into `out`; the f32 `saved` (`2 x
+    /// rows`) gets each row's mean, then each row's 1/std.
+    ///
+    /// # Safety
+    /// `x` and `out` hold `rows x cols` of `dtype`, `gamma` and `beta`
+    /// `cols` f32, `saved` `2 x rows` f32, as in [`Ops::gelu`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn layer_norm(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (x, gamma, beta, out, saved): (u64, u64, u64, u64, u64),
+        rows: u64,
+        cols: u64,
+        eps: f32,
+    ) -> Result<()> {
+        let f = self.kernel("layer_norm", Op::LayerNorm, dtype)?;
+        checked(rows, cols, "layer_norm")?;
+        let rstd = saved + rows * 4;
+        launch!(
+            stream,
+            f,
+            self.per_row(rows),
+            "layer_norm",
+            [&x, &gamma, &beta, &out, &saved, &rstd, &rows, &cols, &eps]
+        )
+    }
+
+    /// LayerNorm's backward: adds to `dx` (`rows x cols` of `dtype`) and to
+    /// the f32 `dgamma_dbeta` (`cols` of dgamma, then `cols` of dbeta).
+    ///
+    /// # Safety
+    /// As [`Ops::layer_norm`]; `dout` and `dx` like `x`, `dgamma_dbeta`
+    /// `2 x cols` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn layer_norm_backward(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (dout, x, gamma, saved, dx, dgamma_dbeta): (u64, u64, u64, u64, u64, u64),
+        rows: u64,
+        cols: u64,
+    ) -> Result<()> {
+        checked(rows, cols, "layer_norm_backward")?;
+        let (mean, rstd) = (saved, saved + rows * 4);
+        let f = self.kernel("layer_norm_backward", Op::LayerNormBackwardDx, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.per_row(rows),
+            "layer_norm_backward",
+            [&dout, &x, &gamma, &mean, &rstd, &dx, &rows, &cols]
+        )?;
+        let f = self.kernel("layer_norm_backward", Op::LayerNormBackwardParams, dtype)?;
+        let dbeta = dgamma_dbeta + cols * 4;
+        launch!(
+            stream,
+            f,
+            self.spread(cols),
+            "layer_norm_backward",
+            [&dout, &x, &mean, &rstd, &dgamma_dbeta, &dbeta, &rows, &cols]
+        )
+    }
+
+    /// Softmax cross-entropy of each row of `logits` (`rows x vocab`)
+    /// against the u32 `targets`: the gradient of the mean loss times
+    /// `grad_scale` into `dlogits`, each row's loss into the f32
+    /// `row_loss`, then their mean into the f64 at `mean`. A target outside
+    /// the vocabulary writes its row + 1 to the u64 at `bad` (zero it
+    /// first).
+    ///
+    /// # Safety
+    /// `logits` and `dlogits` hold `rows x vocab` of `dtype`, `targets`
+    /// `rows` u32, `row_loss` `rows` f32, `mean` one f64, `bad` one u64, as
+    /// in [`Ops::gelu`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn cross_entropy(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (logits, targets, dlogits, row_loss, mean, bad): (u64, u64, u64, u64, u64, u64),
+        rows: u64,
+        vocab: u64,
+        grad_scale: f32,
+    ) -> Result<()> {
+        checked(rows, vocab, "cross_entropy")?;
+        let f = self.kernel("cross_entropy", Op::CrossEntropy, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.per_row(rows),
+            "cross_entropy",
+            [
+                &logits,
+                &targets,
+                &rows,
+                &vocab,
+                &grad_scale,
+                &dlogits,
+                &row_loss,
+                &bad
+            ]
+        )?;
+        let f = &self.single[Single::MeanF32 as usize];
+        launch!(
+            stream,
+            f,
+            Self::one_block(),
+            "cross_entropy",
+            [&row_loss, &rows, &mean]
+        )
+    }
+
+    /// `out[i] = table[tokens[i]] + positions[i % seq]`, rows of `hidden`
+    /// (`table` and `positions` f32, `out` of `dtype`). A token outside the
+    /// vocabulary writes its position + 1 to the u64 at `bad`.
+    ///
+    /// # Safety
+    /// `table` holds `vocab x hidden` f32, `positions` `seq x hidden` f32,
+    /// `tokens` `count` u32, `out` `count x hidden` of `dtype`, `bad` one
+    /// u64, as in [`Ops::gelu`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn embedding(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (table, positions, tokens, out, bad): (u64, u64, u64, u64, u64),
+        count: u64,
+        seq: u64,
+        hidden: u64,
+        vocab: u64,
+    ) -> Result<()> {
+        let n = checked(count, hidden, "embedding")?;
+        checked(vocab, hidden, "embedding")?;
+        let f = self.kernel("embedding", Op::Embedding, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.spread(n),
+            "embedding",
+            [
+                &table, &positions, &tokens, &count, &seq, &hidden, &vocab, &out, &bad
+            ]
+        )
+    }
+
+    /// The embedding's backward: adds each row of `dout` to the f32 rows of
+    /// `dtable` and `dpositions` it came from, in token order.
+    ///
+    /// # Safety
+    /// As [`Ops::embedding`], `dout` for `out`, `dtable` for `table`,
+    /// `dpositions` for `positions`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn embedding_backward(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (tokens, dout, dtable, dpositions): (u64, u64, u64, u64),
+        count: u64,
+        seq: u64,
+        hidden: u64,
+        vocab: u64,
+    ) -> Result<()> {
+        checked(count, hidden, "embedding_backward")?;
+        checked(vocab, hidden, "embedding_backward")?;
+        let f = self.kernel("embedding_backward", Op::EmbeddingBackward, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.spread(hidden),
+            "embedding_backward",
+            [
+                &tokens,
+                &count,
+                &seq,
+                &hidden,
+                &vocab,
+                &dout,
+                &dtable,
+                &dpositions
+            ]
+        )
+    }
+
+    /// The sum of squares of `x` into the f64 at `out`, through `partials`
+    /// ([`SUM_BLOCKS`] f64 of scratch), in a fixed order.
+    ///
+    /// # Safety
+    /// `x` holds `n` of `dtype`, `partials` [`SUM_BLOCKS`] f64, `out` one
+    /// f64, as in [`Ops::gelu`].
+    pub unsafe fn sum_squares(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        x: u64,
+        n: u64,
+        partials: u64,
+        out: u64,
+    ) -> Result<()> {
+        let f = self.kernel("sum_squares", Op::SumSquaresPartials, dtype)?;
+        let config = LaunchConfig {
+            grid_dim: (SUM_BLOCKS, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(stream, f, config, "sum_squares", [&x, &n, &partials])?;
+        let f = &self.single[Single::SumPartials as usize];
+        launch!(
+            stream,
+            f,
+            Self::one_block(),
+            "sum_squares",
+            [&partials, &SUM_BLOCKS, &out]
+        )
+    }
+
+    /// Sets the u32 at `flag` to 1 if `x` holds an infinity or a NaN (zero
+    /// it first).
+    ///
+    /// # Safety
+    /// `x` holds `n` of `dtype`, `flag` one u32, as in [`Ops::gelu`].
+    pub unsafe fn non_finite(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        x: u64,
+        n: u64,
+        flag: u64,
+    ) -> Result<()> {
+        let f = self.kernel("non_finite", Op::NonFinite, dtype)?;
+        launch!(stream, f, self.spread(n), "non_finite", [&x, &n, &flag])
+    }
+
+    /// Converts `n` elements between f32 and bf16 (round to nearest even).
+    ///
+    /// # Safety
+    /// `x` holds `n` of `from`, `y` `n` of `to`, as in [`Ops::gelu`].
+    pub unsafe fn cast(
+        &self,
+        stream: &CudaStream,
+        (from, to): (Dtype, Dtype),
+        x: u64,
+        y: u64,
+        n: u64,
+    ) -> Result<()> {
+        let which = match (from, to) {
+            (Dtype::F32, Dtype::Bf16) => Single::CastF32Bf16,
+            (Dtype::Bf16, Dtype::F32) => Single::CastBf16F32,
+            _ => {
+                return Err(KernelError::Dtype {
+                    op: "cast",
+                    backend: "cuda",
+                    operand: "x",
+                    dtype: from,
+                    fix: "cast between f32 and bf16 (a copy for the same dtype)",
+                });
+            }
+        };
+        let f = &self.single[which as usize];
+        launch!(stream, f, self.spread(n), "cast", [&x, &y, &n])
+    }
+
+    /// One AdamW step over `n` states resident on the device: the f32
+    /// `grad` in, f32 `master`, `m`, `v` updated in place, their bf16 copy
+    /// to `param`.
+    ///
+    /// # Safety
+    /// `grad`, `master`, `m`, `v` hold `n` f32 and `param` `n` bf16, as in
+    /// [`Ops::gelu`].
+    pub unsafe fn adamw(
+        &self,
+        stream: &CudaStream,
+        coefficients: &AdamCoefficients,
+        (grad, master, m, v, param): (u64, u64, u64, u64, u64),
+        n: u64,
+    ) -> Result<()> {
+        let k = AdamArgs(coefficients.to_array());
+        let f = &self.single[Single::AdamwBf16 as usize];
+        launch!(
+            stream,
+            f,
+            self.spread(n),
+            "adamw",
+            [&k, &grad, &master, &m, &v, &param, &n]
+        )
+    }
+}
+
+/// `a x b`, or the index error naming the op.
+fn checked(a: u64, b: u64, op: &'static str) -> Result<u64> {
+    a.checked_mul(b).ok_or(KernelError::Index {
+        op,
+        what: "elements",
+        value: u64::MAX,
+        max: u64::MAX,
+    })
+}

@@ -1,0 +1,61 @@
+//! The CUDA half of strata-kernels: CUDA C kernels compiled at run time by
+//! NVRTC ([`nvrtc`]), the sources beside their Rust wrappers.
+//!
+//! Built so far: the element-wise and row kernels of a transformer step
+//! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
+//! [`nvrtc::ARCHS`] in CI (no GPU needed). Not yet built: their launches
+//! (a `CudaBackend` implementing [`crate::Backend`]), cuBLASLt GEMMs and
+//! the flash-style attention; until then the engine computes on the CPU
+//! backend.
+
+mod launch;
+pub mod nvrtc;
+
+pub use launch::{Ops, SUM_BLOCKS};
+
+/// The element-wise and row kernels (`ops.cu`).
+pub const OPS_SOURCE: &str = include_str!("ops.cu");
+
+/// The name [`nvrtc::compile`] gives `ops.cu`.
+pub const OPS_NAME: &str = "ops";
+
+/// Kernels defined for each element type (`<name>_f32`, `<name>_bf16`).
+pub const OPS_PER_DTYPE: [&str; 15] = [
+    "gelu",
+    "gelu_backward",
+    "add",
+    "axpy",
+    "scale",
+    "add_bias",
+    "bias_grad",
+    "layer_norm",
+    "layer_norm_backward_dx",
+    "layer_norm_backward_params",
+    "cross_entropy",
+    "embedding",
+    "embedding_backward",
+    "sum_squares_partials",
+    "non_finite",
+];
+
+/// Kernels defined once.
+pub const OPS_SINGLE: [&str; 5] = [
+    "cast_f32_bf16",
+    "cast_bf16_f32",
+    "sum_partials",
+    "mean_f32",
+    "adamw_bf16",
+];
+
+/// The block size the row and reduction kernels of `ops.cu` are written
+/// for (its `BLOCK`).
+pub const BLOCK: u32 = 256;
+
+/// Every kernel `ops.cu` defines.
+pub fn ops_kernels() -> Vec<String> {
+    OPS_PER_DTYPE
+        .iter()
+        .flat_map(|op| ["f32", "bf16"].map(|dtype| format!("{op}_{dtype}")))
+        .chain(OPS_SINGLE.iter().map(|op| op.to_string()))
+        .collect()
+}

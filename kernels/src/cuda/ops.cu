@@ -1,0 +1,452 @@
+// strata's element-wise and row kernels for CUDA, compiled at run time by
+// NVRTC to a cubin for the device's architecture (see nvrtc.rs). No toolkit
+// header is included: bf16 is carried as its 16 raw bits, and the only
+// device functions used are NVRTC's built-ins.
+//
+// Conventions, the same in every kernel:
+// - sizes and indices are 64-bit (`u64`): micro-batch x seq x vocab passes
+//   2^31 at realistic sizes;
+// - element-wise kernels are grid-stride loops, so any grid covers any n;
+// - every reduction has a fixed order (a fixed block size, a fixed tree,
+//   rows summed in order), so results are the same bits run to run: no
+//   floating-point atomics anywhere;
+// - arithmetic is in fp32 (sums of squares in fp64), rounded once on store;
+//   fp32 -> bf16 rounds to nearest even and keeps NaN a (quiet) NaN, as
+//   the CPU reference does;
+// - each kernel's CPU reference is the function of the same name in
+//   kernels/src/cpu/ops.rs (or strata_optim for adamw).
+
+typedef unsigned short bf16_t;
+typedef unsigned long long u64;
+
+// The block size every row and reduction kernel is launched with.
+#define BLOCK 256
+// Blocks of the first pass of a sum of squares (its partials).
+#define SUM_BLOCKS 256
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) {
+    return __uint_as_float(((unsigned)h) << 16);
+}
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float x) {
+    unsigned bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (bf16_t)((bits >> 16) | 0x40u);
+    }
+    return (bf16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float load(const float *p, u64 i) { return p[i]; }
+__device__ __forceinline__ float load(const bf16_t *p, u64 i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void store(float *p, u64 i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(bf16_t *p, u64 i, float v) { p[i] = f32_to_bf16(v); }
+
+__device__ __forceinline__ bool is_finite_f32(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+__device__ __forceinline__ u64 first_index() {
+    return (u64)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ u64 grid_stride() {
+    return (u64)gridDim.x * blockDim.x;
+}
+
+// The sum of `value` over the block, in a fixed order (a shared-memory
+// tree); every thread gets it. `scratch` holds BLOCK elements.
+template <typename A>
+__device__ A block_sum(A value, A *scratch) {
+    scratch[threadIdx.x] = value;
+    __syncthreads();
+    for (unsigned half = BLOCK / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            scratch[threadIdx.x] += scratch[threadIdx.x + half];
+        }
+        __syncthreads();
+    }
+    A total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+__device__ float block_max(float value, float *scratch) {
+    scratch[threadIdx.x] = value;
+    __syncthreads();
+    for (unsigned half = BLOCK / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            scratch[threadIdx.x] = fmaxf(scratch[threadIdx.x], scratch[threadIdx.x + half]);
+        }
+        __syncthreads();
+    }
+    float total = scratch[0];
+    __syncthreads();
+    return total;
+}
+
+#define GELU_C 0.7978846f
+
+template <typename T>
+__device__ void gelu(const T *x, T *out, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        float v = load(x, i);
+        float t = tanhf(GELU_C * (v + 0.044715f * v * v * v));
+        store(out, i, 0.5f * v * (1.0f + t));
+    }
+}
+
+template <typename T>
+__device__ void gelu_backward(const T *dout, const T *x, T *dx, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        float v = load(x, i);
+        float u = GELU_C * (v + 0.044715f * v * v * v);
+        float t = tanhf(u);
+        float du = GELU_C * (1.0f + 3.0f * 0.044715f * v * v);
+        float d = load(dout, i);
+        store(dx, i, d * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
+    }
+}
+
+template <typename T>
+__device__ void add(T *y, const T *x, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        store(y, i, load(y, i) + load(x, i));
+    }
+}
+
+template <typename T>
+__device__ void axpy(float alpha, const T *x, T *y, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        store(y, i, load(y, i) + alpha * load(x, i));
+    }
+}
+
+template <typename T>
+__device__ void scale(float alpha, T *x, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        store(x, i, alpha * load(x, i));
+    }
+}
+
+template <typename T>
+__device__ void add_bias(T *x, const float *bias, u64 rows, u64 cols) {
+    u64 n = rows * cols;
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        store(x, i, load(x, i) + bias[i % cols]);
+    }
+}
+
+// One thread per column, rows in order: the CPU's order, no atomics.
+template <typename T>
+__device__ void bias_grad(const T *dy, float *dbias, u64 rows, u64 cols) {
+    for (u64 c = first_index(); c < cols; c += grid_stride()) {
+        float sum = dbias[c];
+        for (u64 r = 0; r < rows; ++r) {
+            sum += load(dy, r * cols + c);
+        }
+        dbias[c] = sum;
+    }
+}
+
+// One block per row (grid-stride over rows), BLOCK threads.
+template <typename T>
+__device__ void layer_norm(const T *x, const float *gamma, const float *beta, T *out,
+                           float *mean, float *rstd, u64 rows, u64 cols, float eps) {
+    __shared__ float scratch[BLOCK];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const u64 base = r * cols;
+        float sum = 0.0f;
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            sum += load(x, base + c);
+        }
+        const float m = block_sum(sum, scratch) / (float)cols;
+        float squares = 0.0f;
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            float d = load(x, base + c) - m;
+            squares += d * d;
+        }
+        const float var = block_sum(squares, scratch) / (float)cols;
+        const float s = 1.0f / sqrtf(var + eps);
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            store(out, base + c, (load(x, base + c) - m) * s * gamma[c] + beta[c]);
+        }
+        if (threadIdx.x == 0) {
+            mean[r] = m;
+            rstd[r] = s;
+        }
+    }
+}
+
+// dx += ...: one block per row, as layer_norm.
+template <typename T>
+__device__ void layer_norm_backward_dx(const T *dout, const T *x, const float *gamma,
+                                       const float *mean, const float *rstd, T *dx, u64 rows,
+                                       u64 cols) {
+    __shared__ float scratch[BLOCK];
+    const float n = (float)cols;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const u64 base = r * cols;
+        const float m = mean[r], s = rstd[r];
+        float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            float xhat = (load(x, base + c) - m) * s;
+            float dxhat = load(dout, base + c) * gamma[c];
+            sum_dxhat += dxhat;
+            sum_dxhat_xhat += dxhat * xhat;
+        }
+        sum_dxhat = block_sum(sum_dxhat, scratch);
+        sum_dxhat_xhat = block_sum(sum_dxhat_xhat, scratch);
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            float xhat = (load(x, base + c) - m) * s;
+            float dxhat = load(dout, base + c) * gamma[c];
+            float g = s * (dxhat - sum_dxhat / n - xhat * sum_dxhat_xhat / n);
+            store(dx, base + c, load(dx, base + c) + g);
+        }
+    }
+}
+
+// dgamma += sum(dout * xhat), dbeta += sum(dout): one thread per column,
+// rows in order.
+template <typename T>
+__device__ void layer_norm_backward_params(const T *dout, const T *x, const float *mean,
+                                           const float *rstd, float *dgamma, float *dbeta,
+                                           u64 rows, u64 cols) {
+    for (u64 c = first_index(); c < cols; c += grid_stride()) {
+        float dg = dgamma[c], db = dbeta[c];
+        for (u64 r = 0; r < rows; ++r) {
+            float d = load(dout, r * cols + c);
+            dg += d * (load(x, r * cols + c) - mean[r]) * rstd[r];
+            db += d;
+        }
+        dgamma[c] = dg;
+        dbeta[c] = db;
+    }
+}
+
+// One block per row: the row's loss into row_loss, the gradient of the
+// mean (times grad_scale) into dlogits. A target outside the vocabulary
+// sets *bad to its row + 1 (the host checks it) and gives the row no loss.
+template <typename T>
+__device__ void cross_entropy(const T *logits, const unsigned *targets, u64 rows, u64 vocab,
+                              float grad_scale, T *dlogits, float *row_loss, u64 *bad) {
+    __shared__ float scratch[BLOCK];
+    const float per_row = grad_scale / (float)rows;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const u64 base = r * vocab;
+        const u64 target = targets[r];
+        float max = -__int_as_float(0x7f800000);
+        for (u64 c = threadIdx.x; c < vocab; c += BLOCK) {
+            max = fmaxf(max, load(logits, base + c));
+        }
+        max = block_max(max, scratch);
+        float sum = 0.0f;
+        for (u64 c = threadIdx.x; c < vocab; c += BLOCK) {
+            sum += expf(load(logits, base + c) - max);
+        }
+        const float log_sum = logf(block_sum(sum, scratch)) + max;
+        for (u64 c = threadIdx.x; c < vocab; c += BLOCK) {
+            float d = expf(load(logits, base + c) - log_sum) * per_row;
+            store(dlogits, base + c, c == target ? d - per_row : d);
+        }
+        if (threadIdx.x == 0) {
+            if (target < vocab) {
+                row_loss[r] = log_sum - load(logits, base + target);
+            } else {
+                row_loss[r] = 0.0f;
+                *bad = r + 1;
+            }
+        }
+    }
+}
+
+// out[i] = table[tokens[i]] + positions[i % seq], rows of `hidden`.
+template <typename T>
+__device__ void embedding(const float *table, const float *positions, const unsigned *tokens,
+                          u64 count, u64 seq, u64 hidden, u64 vocab, T *out, u64 *bad) {
+    u64 n = count * hidden;
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        u64 row = i / hidden, col = i % hidden;
+        u64 token = tokens[row];
+        if (token >= vocab) {
+            *bad = row + 1;
+            store(out, i, 0.0f);
+            continue;
+        }
+        store(out, i, table[token * hidden + col] + positions[(row % seq) * hidden + col]);
+    }
+}
+
+// Adds each row of dout to the table row and position row it came from:
+// one thread per column, tokens in order (the CPU's order, no atomics).
+template <typename T>
+__device__ void embedding_backward(const unsigned *tokens, u64 count, u64 seq, u64 hidden,
+                                   u64 vocab, const T *dout, float *dtable, float *dpositions) {
+    for (u64 col = first_index(); col < hidden; col += grid_stride()) {
+        for (u64 row = 0; row < count; ++row) {
+            u64 token = tokens[row];
+            if (token >= vocab) {
+                continue;
+            }
+            float d = load(dout, row * hidden + col);
+            dtable[token * hidden + col] += d;
+            dpositions[(row % seq) * hidden + col] += d;
+        }
+    }
+}
+
+// First pass of a sum of squares: launched with SUM_BLOCKS blocks of
+// BLOCK threads, one fp64 partial per block.
+template <typename T>
+__device__ void sum_squares_partials(const T *x, u64 n, double *partials) {
+    __shared__ double scratch[BLOCK];
+    double sum = 0.0;
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        double v = (double)load(x, i);
+        sum += v * v;
+    }
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = sum;
+    }
+}
+
+template <typename T>
+__device__ void non_finite(const T *x, u64 n, unsigned *flag) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        if (!is_finite_f32(load(x, i))) {
+            // Every writer stores the same value: no atomic needed.
+            *flag = 1u;
+        }
+    }
+}
+
+template <typename S, typename T>
+__device__ void cast(const S *x, T *y, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        store(y, i, load(x, i));
+    }
+}
+
+#define FOR_EACH_DTYPE(MACRO) MACRO(f32, float) MACRO(bf16, bf16_t)
+
+#define ELEMENTWISE(NAME, T)                                                                      \
+    extern "C" __global__ void gelu_##NAME(const T *x, T *out, u64 n) { gelu(x, out, n); }        \
+    extern "C" __global__ void gelu_backward_##NAME(const T *dout, const T *x, T *dx, u64 n) {    \
+        gelu_backward(dout, x, dx, n);                                                            \
+    }                                                                                             \
+    extern "C" __global__ void add_##NAME(T *y, const T *x, u64 n) { add(y, x, n); }              \
+    extern "C" __global__ void axpy_##NAME(float alpha, const T *x, T *y, u64 n) {                \
+        axpy(alpha, x, y, n);                                                                     \
+    }                                                                                             \
+    extern "C" __global__ void scale_##NAME(float alpha, T *x, u64 n) { scale(alpha, x, n); }     \
+    extern "C" __global__ void add_bias_##NAME(T *x, const float *bias, u64 rows, u64 cols) {     \
+        add_bias(x, bias, rows, cols);                                                            \
+    }                                                                                             \
+    extern "C" __global__ void bias_grad_##NAME(const T *dy, float *dbias, u64 rows, u64 cols) {  \
+        bias_grad(dy, dbias, rows, cols);                                                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK) layer_norm_##NAME(                        \
+        const T *x, const float *gamma, const float *beta, T *out, float *mean, float *rstd,      \
+        u64 rows, u64 cols, float eps) {                                                          \
+        layer_norm(x, gamma, beta, out, mean, rstd, rows, cols, eps);                             \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK) layer_norm_backward_dx_##NAME(            \
+        const T *dout, const T *x, const float *gamma, const float *mean, const float *rstd,      \
+        T *dx, u64 rows, u64 cols) {                                                              \
+        layer_norm_backward_dx(dout, x, gamma, mean, rstd, dx, rows, cols);                       \
+    }                                                                                             \
+    extern "C" __global__ void layer_norm_backward_params_##NAME(                                 \
+        const T *dout, const T *x, const float *mean, const float *rstd, float *dgamma,           \
+        float *dbeta, u64 rows, u64 cols) {                                                       \
+        layer_norm_backward_params(dout, x, mean, rstd, dgamma, dbeta, rows, cols);               \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK) cross_entropy_##NAME(                     \
+        const T *logits, const unsigned *targets, u64 rows, u64 vocab, float grad_scale,          \
+        T *dlogits, float *row_loss, u64 *bad) {                                                  \
+        cross_entropy(logits, targets, rows, vocab, grad_scale, dlogits, row_loss, bad);          \
+    }                                                                                             \
+    extern "C" __global__ void embedding_##NAME(const float *table, const float *positions,       \
+                                                const unsigned *tokens, u64 count, u64 seq,       \
+                                                u64 hidden, u64 vocab, T *out, u64 *bad) {        \
+        embedding(table, positions, tokens, count, seq, hidden, vocab, out, bad);                 \
+    }                                                                                             \
+    extern "C" __global__ void embedding_backward_##NAME(const unsigned *tokens, u64 count,       \
+                                                         u64 seq, u64 hidden, u64 vocab,          \
+                                                         const T *dout, float *dtable,            \
+                                                         float *dpositions) {                     \
+        embedding_backward(tokens, count, seq, hidden, vocab, dout, dtable, dpositions);          \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                           \
+        sum_squares_partials_##NAME(const T *x, u64 n, double *partials) {                        \
+        sum_squares_partials(x, n, partials);                                                     \
+    }                                                                                             \
+    extern "C" __global__ void non_finite_##NAME(const T *x, u64 n, unsigned *flag) {             \
+        non_finite(x, n, flag);                                                                   \
+    }
+
+FOR_EACH_DTYPE(ELEMENTWISE)
+
+extern "C" __global__ void cast_f32_bf16(const float *x, bf16_t *y, u64 n) { cast(x, y, n); }
+extern "C" __global__ void cast_bf16_f32(const bf16_t *x, float *y, u64 n) { cast(x, y, n); }
+
+// The second pass of a sum: one block of BLOCK threads sums `count`
+// partials in a fixed order into *out.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+    sum_partials(const double *partials, unsigned count, double *out) {
+    __shared__ double scratch[BLOCK];
+    double sum = 0.0;
+    for (unsigned i = threadIdx.x; i < count; i += BLOCK) {
+        sum += partials[i];
+    }
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        *out = sum;
+    }
+}
+
+// The mean of `n` fp32 values (the rows' losses) into *out, in fp64, by
+// one block of BLOCK threads in a fixed order.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+    mean_f32(const float *x, u64 n, double *out) {
+    __shared__ double scratch[BLOCK];
+    double sum = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += BLOCK) {
+        sum += (double)x[i];
+    }
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        *out = sum / (double)n;
+    }
+}
+
+// strata_optim's AdamCoefficients, field for field (#[repr(C)] there).
+struct AdamCoefficients {
+    float grad_scale;
+    float l2;
+    float decay;
+    float beta2;
+    float one_minus_beta1;
+    float one_minus_beta2;
+    float inv_sqrt_bias_correction2;
+    float eps;
+    float neg_step_size;
+};
+
+// One AdamW step over states resident on the device: fp32 gradient in,
+// fp32 master and moments updated in place, the bf16 compute copy out.
+// The arithmetic is strata_optim's vector kernel's, fused where it fuses.
+extern "C" __global__ void adamw_bf16(AdamCoefficients k, const float *grad, float *master,
+                                      float *m, float *v, bf16_t *param, u64 n) {
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        float p0 = master[i], m0 = m[i], v0 = v[i];
+        float g = __fmaf_rn(k.l2, p0, grad[i] * k.grad_scale);
+        float m1 = __fmaf_rn(k.one_minus_beta1, g - m0, m0);
+        float v1 = __fmaf_rn(g * g, k.one_minus_beta2, v0 * k.beta2);
+        float denominator = __fmaf_rn(__fsqrt_rn(v1), k.inv_sqrt_bias_correction2, k.eps);
+        float p1 = __fmaf_rn(k.neg_step_size, __fdiv_rn(m1, denominator), p0 * k.decay);
+        master[i] = p1;
+        m[i] = m1;
+        v[i] = v1;
+        param[i] = f32_to_bf16(p1);
+    }
+}

@@ -1,0 +1,611 @@
+//! Every kernel of `ops.cu` on a GPU against its CPU reference, on odd
+//! sizes, in f32 and bf16, with the tolerance stated per op; reductions
+//! run twice give the same bits; indices past 2^31 work. Skipped, saying
+//! why, where no GPU can be used (CI never has one): the GPU machine runs
+//! it (see docs/gpu-validation.md).
+
+use std::sync::Arc;
+
+use cudarc::driver::safe::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
+use half::bf16;
+use strata_device::Dtype;
+use strata_kernels::cpu::ops;
+use strata_kernels::cuda::{Ops, SUM_BLOCKS};
+use strata_optim::{AdamConfig, Isa, LowPrecisionMut, Moments, Values};
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    ops: Ops,
+}
+
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    if let Err(reason) = strata_device::cuda::probe_device() {
+        eprintln!("skipped {test}: no CUDA device ({reason})");
+        return None;
+    }
+    let context = CudaContext::new(0).expect("a context on device 0");
+    let ops = Ops::load(&context).unwrap_or_else(|err| panic!("{err}"));
+    Some(Gpu {
+        stream: context.default_stream(),
+        ops,
+    })
+}
+
+impl Gpu {
+    fn up<T: DeviceRepr>(&self, host: &[T]) -> CudaSlice<T> {
+        self.stream.clone_htod(host).unwrap()
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> CudaSlice<T> {
+        self.stream.alloc_zeros(n).unwrap()
+    }
+
+    fn down<T: DeviceRepr + Default + Clone>(&self, device: &CudaSlice<T>) -> Vec<T> {
+        self.stream.clone_dtoh(device).unwrap()
+    }
+
+    fn at<T>(&self, device: &CudaSlice<T>) -> u64 {
+        device.device_ptr(&self.stream).0
+    }
+}
+
+/// Deterministic values in about [-2, 2).
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let x = (i ^ seed)
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                .rotate_left(17);
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn to_bf16(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
+}
+
+fn from_bf16(x: &[u16]) -> Vec<f32> {
+    x.iter().map(|v| bf16::from_bits(*v).to_f32()).collect()
+}
+
+/// Every element within `atol + rtol * |expected|`.
+fn close(what: &str, got: &[f32], expected: &[f32], atol: f32, rtol: f32) {
+    assert_eq!(got.len(), expected.len(), "{what}");
+    for (i, (g, e)) in got.iter().zip(expected).enumerate() {
+        assert!(
+            (g - e).abs() <= atol + rtol * e.abs() || (g.is_nan() && e.is_nan()),
+            "{what}[{i}]: {g} vs {e}"
+        );
+    }
+}
+
+/// Element-wise ops: add, axpy and scale are the CPU's operations in the
+/// CPU's order (bit for bit); GELU differs by tanhf's few ulps.
+#[test]
+fn elementwise_ops_match_the_cpu_in_f32_and_bf16() {
+    let Some(gpu) = gpu_or_skip("elementwise_ops_match_the_cpu_in_f32_and_bf16") else {
+        return;
+    };
+    let s = &gpu.stream;
+    let n = 100_003;
+    let (x, y) = (values(1, n), values(2, n));
+
+    let mut expected = vec![0.0; n];
+    ops::gelu(&x, &mut expected);
+    let (dx, dout) = (gpu.up(&x), gpu.zeros::<f32>(n));
+    // SAFETY: both hold n f32 on this stream's context.
+    unsafe {
+        gpu.ops
+            .gelu(s, Dtype::F32, gpu.at(&dx), gpu.at(&dout), n as u64)
+    }
+    .unwrap();
+    close("gelu f32", &gpu.down(&dout), &expected, 1e-6, 1e-5);
+
+    let mut expected_dx = vec![0.0; n];
+    ops::gelu_backward(&y, &x, &mut expected_dx);
+    let (dy, dgrad) = (gpu.up(&y), gpu.zeros::<f32>(n));
+    // SAFETY: all hold n f32.
+    unsafe {
+        gpu.ops.gelu_backward(
+            s,
+            Dtype::F32,
+            (gpu.at(&dy), gpu.at(&dx), gpu.at(&dgrad)),
+            n as u64,
+        )
+    }
+    .unwrap();
+    close(
+        "gelu_backward f32",
+        &gpu.down(&dgrad),
+        &expected_dx,
+        1e-6,
+        1e-5,
+    );
+
+    for alpha in [1.0f32, 0.37] {
+        let expected: Vec<f32> = y.iter().zip(&x).map(|(b, a)| b + alpha * a).collect();
+        let target = gpu.up(&y);
+        // SAFETY: both hold n f32.
+        unsafe {
+            gpu.ops
+                .axpy(s, Dtype::F32, alpha, gpu.at(&dx), gpu.at(&target), n as u64)
+        }
+        .unwrap();
+        close("axpy f32", &gpu.down(&target), &expected, 0.0, 0.0);
+    }
+    let target = gpu.up(&x);
+    // SAFETY: n f32.
+    unsafe {
+        gpu.ops
+            .scale(s, Dtype::F32, -1.5, gpu.at(&target), n as u64)
+    }
+    .unwrap();
+    let expected: Vec<f32> = x.iter().map(|v| v * -1.5).collect();
+    close("scale f32", &gpu.down(&target), &expected, 0.0, 0.0);
+
+    // bf16 in and out: the f32 result rounded once (GELU within one place).
+    let (xb, yb) = (to_bf16(&x), to_bf16(&y));
+    let (dxb, doutb) = (gpu.up(&xb), gpu.zeros::<u16>(n));
+    // SAFETY: both hold n bf16.
+    unsafe {
+        gpu.ops
+            .gelu(s, Dtype::Bf16, gpu.at(&dxb), gpu.at(&doutb), n as u64)
+    }
+    .unwrap();
+    let mut expected = vec![0.0; n];
+    ops::gelu(&from_bf16(&xb), &mut expected);
+    close(
+        "gelu bf16",
+        &from_bf16(&gpu.down(&doutb)),
+        &expected,
+        1e-6,
+        1.0 / 128.0,
+    );
+    let target = gpu.up(&yb);
+    // SAFETY: both hold n bf16.
+    unsafe {
+        gpu.ops
+            .axpy(s, Dtype::Bf16, 1.0, gpu.at(&dxb), gpu.at(&target), n as u64)
+    }
+    .unwrap();
+    let expected: Vec<u16> = from_bf16(&yb)
+        .iter()
+        .zip(from_bf16(&xb))
+        .map(|(b, a)| bf16::from_f32(b + a).to_bits())
+        .collect();
+    assert_eq!(
+        gpu.down(&target),
+        expected,
+        "add bf16: one rounding, to nearest even"
+    );
+}
+
+#[test]
+fn bias_layer_norm_and_embedding_match_the_cpu() {
+    let Some(gpu) = gpu_or_skip("bias_layer_norm_and_embedding_match_the_cpu") else {
+        return;
+    };
+    let s = &gpu.stream;
+    let (rows, cols) = (37usize, 1001usize);
+    let x = values(3, rows * cols);
+    let bias = values(4, cols);
+
+    let mut expected = x.clone();
+    ops::add_bias(&mut expected, &bias);
+    let (dx, dbias) = (gpu.up(&x), gpu.up(&bias));
+    // SAFETY: rows x cols and cols f32.
+    unsafe {
+        gpu.ops.add_bias(
+            s,
+            Dtype::F32,
+            gpu.at(&dx),
+            gpu.at(&dbias),
+            rows as u64,
+            cols as u64,
+        )
+    }
+    .unwrap();
+    close("add_bias", &gpu.down(&dx), &expected, 0.0, 0.0);
+
+    let mut expected = bias.clone();
+    ops::bias_backward(&x, &mut expected);
+    let (dy, grad) = (gpu.up(&x), gpu.up(&bias));
+    // SAFETY: as above.
+    unsafe {
+        gpu.ops.bias_grad(
+            s,
+            Dtype::F32,
+            gpu.at(&dy),
+            gpu.at(&grad),
+            rows as u64,
+            cols as u64,
+        )
+    }
+    .unwrap();
+    close(
+        "bias_grad (rows in order)",
+        &gpu.down(&grad),
+        &expected,
+        0.0,
+        0.0,
+    );
+
+    let (gamma, beta) = (values(5, cols), values(6, cols));
+    let mut out = vec![0.0; rows * cols];
+    let (mut mean, mut rstd) = (vec![0.0; rows], vec![0.0; rows]);
+    ops::layer_norm(&x, &gamma, &beta, cols, &mut out, &mut mean, &mut rstd);
+    let (dg, db, dout, saved) = (
+        gpu.up(&gamma),
+        gpu.up(&beta),
+        gpu.zeros::<f32>(rows * cols),
+        gpu.zeros::<f32>(2 * rows),
+    );
+    // SAFETY: x and out rows x cols, gamma and beta cols, saved 2 x rows f32.
+    unsafe {
+        gpu.ops.layer_norm(
+            s,
+            Dtype::F32,
+            (
+                gpu.at(&dy),
+                gpu.at(&dg),
+                gpu.at(&db),
+                gpu.at(&dout),
+                gpu.at(&saved),
+            ),
+            rows as u64,
+            cols as u64,
+            ops::LN_EPS,
+        )
+    }
+    .unwrap();
+    close("layer_norm", &gpu.down(&dout), &out, 1e-5, 1e-4);
+    let saved_host = gpu.down(&saved);
+    close("layer_norm mean", &saved_host[..rows], &mean, 1e-6, 1e-5);
+    close("layer_norm rstd", &saved_host[rows..], &rstd, 0.0, 1e-5);
+
+    let upstream = values(7, rows * cols);
+    let (mut gx, mut dgamma, mut dbeta) =
+        (vec![0.5; rows * cols], vec![0.25; cols], vec![0.125; cols]);
+    ops::layer_norm_backward(
+        &upstream,
+        &x,
+        &gamma,
+        &mean,
+        &rstd,
+        cols,
+        &mut gx,
+        &mut dgamma,
+        &mut dbeta,
+    );
+    let dup = gpu.up(&upstream);
+    let gdx = gpu.up(&vec![0.5f32; rows * cols]);
+    let gdgb = gpu.up(&[vec![0.25f32; cols], vec![0.125f32; cols]].concat());
+    // SAFETY: as layer_norm; dgamma_dbeta 2 x cols f32.
+    unsafe {
+        gpu.ops.layer_norm_backward(
+            s,
+            Dtype::F32,
+            (
+                gpu.at(&dup),
+                gpu.at(&dy),
+                gpu.at(&dg),
+                gpu.at(&saved),
+                gpu.at(&gdx),
+                gpu.at(&gdgb),
+            ),
+            rows as u64,
+            cols as u64,
+        )
+    }
+    .unwrap();
+    close("layer_norm dx", &gpu.down(&gdx), &gx, 1e-4, 1e-4);
+    let dgb = gpu.down(&gdgb);
+    close("layer_norm dgamma", &dgb[..cols], &dgamma, 1e-4, 1e-4);
+    close(
+        "layer_norm dbeta (rows in order)",
+        &dgb[cols..],
+        &dbeta,
+        0.0,
+        0.0,
+    );
+
+    // Embedding: gather and the ordered scatter-add are exact.
+    let (vocab, seq, hidden, count) = (53usize, 7usize, 65usize, 29usize);
+    let table = values(8, vocab * hidden);
+    let positions = values(9, seq * hidden);
+    let tokens: Vec<u32> = (0..count as u32)
+        .map(|i| (i * 31 + 5) % vocab as u32)
+        .collect();
+    let mut expected = vec![0.0; count * hidden];
+    for (i, &t) in tokens.iter().enumerate() {
+        for j in 0..hidden {
+            expected[i * hidden + j] =
+                table[t as usize * hidden + j] + positions[(i % seq) * hidden + j];
+        }
+    }
+    let (dt, dp, dtok, dout, bad) = (
+        gpu.up(&table),
+        gpu.up(&positions),
+        gpu.up(&tokens),
+        gpu.zeros::<f32>(count * hidden),
+        gpu.zeros::<u64>(1),
+    );
+    // SAFETY: sizes as documented.
+    unsafe {
+        gpu.ops.embedding(
+            s,
+            Dtype::F32,
+            (
+                gpu.at(&dt),
+                gpu.at(&dp),
+                gpu.at(&dtok),
+                gpu.at(&dout),
+                gpu.at(&bad),
+            ),
+            count as u64,
+            seq as u64,
+            hidden as u64,
+            vocab as u64,
+        )
+    }
+    .unwrap();
+    close("embedding", &gpu.down(&dout), &expected, 0.0, 0.0);
+    assert_eq!(gpu.down(&bad), [0]);
+    let upstream = values(10, count * hidden);
+    let (mut etable, mut epos) = (vec![0.0f32; vocab * hidden], vec![0.0f32; seq * hidden]);
+    for (i, &t) in tokens.iter().enumerate() {
+        for j in 0..hidden {
+            etable[t as usize * hidden + j] += upstream[i * hidden + j];
+            epos[(i % seq) * hidden + j] += upstream[i * hidden + j];
+        }
+    }
+    let (dup, gt, gp) = (
+        gpu.up(&upstream),
+        gpu.zeros::<f32>(vocab * hidden),
+        gpu.zeros::<f32>(seq * hidden),
+    );
+    // SAFETY: as above.
+    unsafe {
+        gpu.ops.embedding_backward(
+            s,
+            Dtype::F32,
+            (gpu.at(&dtok), gpu.at(&dup), gpu.at(&gt), gpu.at(&gp)),
+            count as u64,
+            seq as u64,
+            hidden as u64,
+            vocab as u64,
+        )
+    }
+    .unwrap();
+    close(
+        "embedding_backward table",
+        &gpu.down(&gt),
+        &etable,
+        0.0,
+        0.0,
+    );
+    close(
+        "embedding_backward positions",
+        &gpu.down(&gp),
+        &epos,
+        0.0,
+        0.0,
+    );
+}
+
+#[test]
+fn cross_entropy_sums_casts_and_adamw_match_the_cpu() {
+    let Some(gpu) = gpu_or_skip("cross_entropy_sums_casts_and_adamw_match_the_cpu") else {
+        return;
+    };
+    let s = &gpu.stream;
+    let (rows, vocab) = (19usize, 50_257usize);
+    let logits: Vec<f32> = values(11, rows * vocab).iter().map(|v| v * 4.0).collect();
+    let targets: Vec<u32> = (0..rows as u32)
+        .map(|i| (i * 7919) % vocab as u32)
+        .collect();
+    let mut dlogits = vec![0.0; rows * vocab];
+    let loss = ops::cross_entropy(&logits, &targets, vocab, 0.5, &mut dlogits);
+    let (dl, dt, dd, row_loss, mean, bad) = (
+        gpu.up(&logits),
+        gpu.up(&targets),
+        gpu.zeros::<f32>(rows * vocab),
+        gpu.zeros::<f32>(rows),
+        gpu.zeros::<f64>(1),
+        gpu.zeros::<u64>(1),
+    );
+    // SAFETY: sizes as documented.
+    unsafe {
+        gpu.ops.cross_entropy(
+            s,
+            Dtype::F32,
+            (
+                gpu.at(&dl),
+                gpu.at(&dt),
+                gpu.at(&dd),
+                gpu.at(&row_loss),
+                gpu.at(&mean),
+                gpu.at(&bad),
+            ),
+            rows as u64,
+            vocab as u64,
+            0.5,
+        )
+    }
+    .unwrap();
+    let got = gpu.down(&mean)[0];
+    assert!(
+        (got - f64::from(loss)).abs() < 1e-5 * f64::from(loss).abs(),
+        "{got} vs {loss}"
+    );
+    close(
+        "cross_entropy dlogits",
+        &gpu.down(&dd),
+        &dlogits,
+        1e-9,
+        1e-4,
+    );
+    assert_eq!(gpu.down(&bad), [0]);
+
+    // Sum of squares: the f64 reference, and the same bits twice.
+    let n = 1_000_003usize;
+    let x = values(12, n);
+    let expected: f64 = x.iter().map(|v| f64::from(*v) * f64::from(*v)).sum();
+    let (dx, partials, out) = (
+        gpu.up(&x),
+        gpu.zeros::<f64>(SUM_BLOCKS as usize),
+        gpu.zeros::<f64>(1),
+    );
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        // SAFETY: n f32, SUM_BLOCKS f64, one f64.
+        unsafe {
+            gpu.ops.sum_squares(
+                s,
+                Dtype::F32,
+                gpu.at(&dx),
+                n as u64,
+                gpu.at(&partials),
+                gpu.at(&out),
+            )
+        }
+        .unwrap();
+        runs.push(gpu.down(&out)[0]);
+    }
+    assert!(
+        (runs[0] - expected).abs() < 1e-10 * expected,
+        "{} vs {expected}",
+        runs[0]
+    );
+    assert_eq!(runs[0].to_bits(), runs[1].to_bits(), "deterministic");
+
+    // Non-finite check: clean, then a NaN far in.
+    let flag = gpu.zeros::<u32>(1);
+    // SAFETY: n f32, one u32.
+    unsafe {
+        gpu.ops
+            .non_finite(s, Dtype::F32, gpu.at(&dx), n as u64, gpu.at(&flag))
+    }
+    .unwrap();
+    assert_eq!(gpu.down(&flag), [0]);
+    let mut poisoned = x.clone();
+    poisoned[n - 2] = f32::NAN;
+    let dpoison = gpu.up(&poisoned);
+    // SAFETY: as above.
+    unsafe {
+        gpu.ops
+            .non_finite(s, Dtype::F32, gpu.at(&dpoison), n as u64, gpu.at(&flag))
+    }
+    .unwrap();
+    assert_eq!(gpu.down(&flag), [1]);
+
+    // Casts: the CPU's round to nearest even, specials and subnormals kept.
+    let mut special = values(13, 4099);
+    special.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        0.0,
+        -0.0,
+        f32::from_bits(1),
+        f32::from_bits(0x7f7f_ffff),
+    ]);
+    let (dsrc, dbf) = (gpu.up(&special), gpu.zeros::<u16>(special.len()));
+    // SAFETY: len f32 and len bf16.
+    unsafe {
+        gpu.ops.cast(
+            s,
+            (Dtype::F32, Dtype::Bf16),
+            gpu.at(&dsrc),
+            gpu.at(&dbf),
+            special.len() as u64,
+        )
+    }
+    .unwrap();
+    let got = gpu.down(&dbf);
+    for (i, (g, x)) in got.iter().zip(&special).enumerate() {
+        let e = bf16::from_f32(*x);
+        assert!(
+            *g == e.to_bits() || (e.is_nan() && bf16::from_bits(*g).is_nan()),
+            "cast[{i}] {x}: {g:#06x} vs {:#06x}",
+            e.to_bits()
+        );
+    }
+
+    // AdamW on resident states vs strata_optim's portable kernel.
+    let n = 10_007usize;
+    let config = AdamConfig {
+        weight_decay: 0.1,
+        ..AdamConfig::adamw(1e-3)
+    };
+    let coefficients = config.coefficients(3, 0.5).unwrap();
+    let grad = values(14, n);
+    let (mut master, mut m, mut v) = (
+        values(15, n),
+        values(16, n),
+        values(17, n).iter().map(|x| x.abs()).collect::<Vec<_>>(),
+    );
+    let (gm, gmm, gv) = (gpu.up(&master), gpu.up(&m), gpu.up(&v));
+    let (gg, gparam) = (gpu.up(&grad), gpu.zeros::<u16>(n));
+    let mut param = vec![bf16::ZERO; n];
+    strata_optim::adam_step(
+        Isa::Portable,
+        &coefficients,
+        &mut master,
+        Values::F32(&grad),
+        Moments::F32 {
+            m: &mut m,
+            v: &mut v,
+        },
+        Some(LowPrecisionMut::Bf16(&mut param)),
+    );
+    // SAFETY: four n f32 and n bf16.
+    unsafe {
+        gpu.ops.adamw(
+            s,
+            &coefficients,
+            (
+                gpu.at(&gg),
+                gpu.at(&gm),
+                gpu.at(&gmm),
+                gpu.at(&gv),
+                gpu.at(&gparam),
+            ),
+            n as u64,
+        )
+    }
+    .unwrap();
+    close("adamw master", &gpu.down(&gm), &master, 1e-7, 1e-6);
+    close("adamw m", &gpu.down(&gmm), &m, 0.0, 1e-6);
+    close("adamw v", &gpu.down(&gv), &v, 0.0, 1e-6);
+    close(
+        "adamw bf16 copy",
+        &from_bf16(&gpu.down(&gparam)),
+        &param.iter().map(|p| p.to_f32()).collect::<Vec<_>>(),
+        1e-7,
+        1.0 / 128.0,
+    );
+}
+
+/// Sizes past 2^31 elements: 64-bit indices reach the last element.
+#[test]
+fn indices_past_two_to_the_31_reach_the_last_element() {
+    let Some(gpu) = gpu_or_skip("indices_past_two_to_the_31_reach_the_last_element") else {
+        return;
+    };
+    let s = &gpu.stream;
+    let n = (1usize << 31) + 4097;
+    let ones = vec![bf16::from_f32(1.0).to_bits(); n];
+    let x = gpu.up(&ones);
+    // SAFETY: n bf16 (4 GiB).
+    unsafe { gpu.ops.scale(s, Dtype::Bf16, 3.0, gpu.at(&x), n as u64) }.unwrap();
+    let back = gpu.down(&x);
+    let three = bf16::from_f32(3.0).to_bits();
+    assert!(
+        back[n - 4097..].iter().all(|v| *v == three),
+        "the tail past 2^31 was scaled"
+    );
+    assert!(back[..4096].iter().all(|v| *v == three));
+}

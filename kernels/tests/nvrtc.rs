@@ -1,0 +1,78 @@
+//! Every CUDA C kernel compiles with NVRTC, clean, for every architecture
+//! strata targets. NVRTC needs no GPU: CI installs the library (the
+//! `nvidia-cuda-nvrtc-cu12` wheel) and sets `STRATA_REQUIRE_NVRTC=1`, so
+//! there this test fails instead of skipping.
+
+use std::sync::Arc;
+
+use strata_kernels::KernelError;
+use strata_kernels::cuda::{OPS_NAME, OPS_SOURCE, nvrtc, ops_kernels};
+
+/// Whether NVRTC is here; prints why a test skips when it is not.
+fn nvrtc_present(test: &str) -> bool {
+    match strata_device::cuda::probe_library(strata_device::cuda::Library::Nvrtc) {
+        Ok(()) => true,
+        Err(err) if std::env::var_os("STRATA_REQUIRE_NVRTC").is_some() => {
+            panic!("{test}: STRATA_REQUIRE_NVRTC is set but {err}")
+        }
+        Err(err) => {
+            eprintln!("skipping {test}: {err}");
+            false
+        }
+    }
+}
+
+#[test]
+fn every_kernel_compiles_clean_to_a_cubin_for_every_architecture() {
+    if !nvrtc_present("every_kernel_compiles_clean_to_a_cubin_for_every_architecture") {
+        return;
+    }
+    let kernels = ops_kernels();
+    assert_eq!(kernels.len(), 35);
+    for arch in nvrtc::ARCHS {
+        let cubin =
+            nvrtc::compile(OPS_NAME, OPS_SOURCE, arch).unwrap_or_else(|err| panic!("{err}"));
+        // An ELF image (a cubin), not PTX text.
+        assert_eq!(&cubin.image[..4], b"\x7fELF", "sm_{arch}");
+        for kernel in &kernels {
+            assert!(cubin.defines(kernel), "sm_{arch} lacks {kernel}");
+        }
+        assert!(!cubin.defines("gelu_f16"), "the symbol check can fail");
+        // Compiled once per process.
+        let again = nvrtc::compile(OPS_NAME, OPS_SOURCE, arch).unwrap();
+        assert!(Arc::ptr_eq(&cubin, &again));
+    }
+}
+
+#[test]
+fn a_broken_source_or_a_warning_fails_with_the_log_and_an_unknown_arch_is_refused() {
+    if !nvrtc_present(
+        "a_broken_source_or_a_warning_fails_with_the_log_and_an_unknown_arch_is_refused",
+    ) {
+        return;
+    }
+    let broken = "extern \"C\" __global__ void k(float *x) { x[0] = undefined_name; }\n";
+    let err = nvrtc::compile("broken", broken, 90).unwrap_err();
+    assert!(
+        matches!(err, KernelError::Compile { arch: 90, .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("broken.cu") && text.contains("undefined_name"),
+        "{text}"
+    );
+    // An unused variable is a warning: it fails too.
+    let warned = "extern \"C\" __global__ void k(float *x) { int unused = 3; x[0] = 1.0f; }\n";
+    let err = nvrtc::compile("warned", warned, 90)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("with warnings") && err.contains("unused"),
+        "{err}"
+    );
+    let err = nvrtc::compile(OPS_NAME, OPS_SOURCE, 75)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("sm_75") && err.contains("sm_90"), "{err}");
+}
