@@ -609,3 +609,92 @@ fn indices_past_two_to_the_31_reach_the_last_element() {
     );
     assert!(back[..4096].iter().all(|v| *v == three));
 }
+
+/// cuBLASLt GEMMs, row-major, every transpose, a strided A, alpha and an
+/// accumulating beta, bf16 A and B into f32 C: within fp32 accumulation of
+/// the f64 product of the same bf16 inputs.
+#[test]
+fn gemm_matches_an_f64_reference_for_every_transpose() {
+    let Some(gpu) = gpu_or_skip("gemm_matches_an_f64_reference_for_every_transpose") else {
+        return;
+    };
+    let s = &gpu.stream;
+    let gemm = strata_kernels::cuda::Gemm::new().unwrap();
+    let workspace_bytes = 32u64 << 20;
+    let workspace = gpu.zeros::<u8>(workspace_bytes as usize);
+    for (m, k, n) in [(37usize, 129usize, 65usize), (1, 768, 3), (256, 64, 512)] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            // A stored with 3 spare columns per row (a view into a wider matrix).
+            let (a_rows, a_cols) = if ta { (k, m) } else { (m, k) };
+            let (b_rows, b_cols) = if tb { (n, k) } else { (k, n) };
+            let a_stride = a_cols + 3;
+            let a = to_bf16(&values(20, a_rows * a_stride));
+            let b = to_bf16(&values(21, b_rows * b_cols));
+            let c0 = values(22, m * n);
+            let (af, bf) = (from_bf16(&a), from_bf16(&b));
+            let at = |i: usize, p: usize| {
+                if ta {
+                    af[p * a_stride + i]
+                } else {
+                    af[i * a_stride + p]
+                }
+            };
+            let bt = |p: usize, j: usize| {
+                if tb {
+                    bf[j * b_cols + p]
+                } else {
+                    bf[p * b_cols + j]
+                }
+            };
+            let (alpha, beta) = (0.5f32, 1.0f32);
+            let (da, db, dc) = (gpu.up(&a), gpu.up(&b), gpu.up(&c0));
+            let operand = |dtype, rows: usize, cols: usize, stride: usize, transposed| {
+                strata_kernels::cuda::Operand {
+                    dtype,
+                    rows: rows as u64,
+                    cols: cols as u64,
+                    row_stride: stride as u64,
+                    transposed,
+                }
+            };
+            // SAFETY: the buffers hold the operands as described; the
+            // workspace its bytes.
+            unsafe {
+                gemm.matmul(
+                    s,
+                    (
+                        operand(Dtype::Bf16, a_rows, a_cols, a_stride, ta),
+                        gpu.at(&da),
+                    ),
+                    (
+                        operand(Dtype::Bf16, b_rows, b_cols, b_cols, tb),
+                        gpu.at(&db),
+                    ),
+                    (operand(Dtype::F32, m, n, n, false), gpu.at(&dc)),
+                    (alpha, beta),
+                    (gpu.at(&workspace), workspace_bytes),
+                )
+            }
+            .unwrap_or_else(|err| panic!("{m}x{k}x{n} ta {ta} tb {tb}: {err}"));
+            let got = gpu.down(&dc);
+            for i in 0..m {
+                for j in 0..n {
+                    let (mut exact, mut magnitude) = (0.0f64, 0.0f64);
+                    for p in 0..k {
+                        let term = f64::from(at(i, p)) * f64::from(bt(p, j));
+                        exact += term;
+                        magnitude += term.abs();
+                    }
+                    let expected =
+                        f64::from(alpha) * exact + f64::from(beta) * f64::from(c0[i * n + j]);
+                    let error = (f64::from(got[i * n + j]) - expected).abs();
+                    assert!(
+                        error <= 1e-5 * magnitude + 1e-6,
+                        "{m}x{k}x{n} ta {ta} tb {tb} [{i},{j}]: {} vs {expected}",
+                        got[i * n + j]
+                    );
+                }
+            }
+        }
+    }
+}

@@ -3,14 +3,16 @@
 //!
 //! Built so far: the element-wise and row kernels of a transformer step
 //! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
-//! [`nvrtc::ARCHS`] in CI (no GPU needed). Not yet built: their launches
-//! (a `CudaBackend` implementing [`crate::Backend`]), cuBLASLt GEMMs and
-//! the flash-style attention; until then the engine computes on the CPU
-//! backend.
+//! [`nvrtc::ARCHS`] in CI (no GPU needed), their launchers ([`Ops`]) and
+//! cuBLASLt GEMMs ([`Gemm`]). Not yet built: a `CudaBackend` implementing
+//! [`crate::Backend`] over them, GEMM epilogues and the flash-style
+//! attention; until then the engine computes on the CPU backend.
 
+mod gemm;
 mod launch;
 pub mod nvrtc;
 
+pub use gemm::{GEMM_PLANS_MAX, Gemm, Operand};
 pub use launch::{Ops, SUM_BLOCKS};
 
 /// The element-wise and row kernels (`ops.cu`).

@@ -1,0 +1,335 @@
+//! GEMMs through cuBLASLt's result layer: row-major `C = alpha op(A)
+//! op(B) + beta C` for bf16 (or f32) A and B and f32 (or bf16) C, with the
+//! matmul descriptor, the four layouts and the algorithm chosen once per
+//! shape and kept (the heuristic query is not on the step path), and a
+//! workspace the caller sizes inside the device budget.
+//!
+//! cuBLASLt is column-major. A row-major `r x c` matrix with row stride
+//! `ld` is, read column-major, its `c x r` transpose with leading dimension
+//! `ld`; so the row-major product `C = op(A) op(B)` is issued as the
+//! column-major `C^T = op(B)^T op(A)^T`, B first.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::{result, sys};
+use cudarc::driver::safe::CudaStream;
+use strata_device::cuda::{Library, probe_library};
+use strata_device::{DeviceError, Dtype};
+
+use crate::error::{KernelError, Result};
+
+/// cuBLAS's `CUBLAS_OP_N` and `CUBLAS_OP_T` (a `cublasOperation_t`, an
+/// int32, in the descriptor's TRANSA/TRANSB attributes).
+const OP_N: i32 = 0;
+const OP_T: i32 = 1;
+
+/// Shapes whose plans are kept; past it the oldest is dropped (a model has
+/// a few dozen).
+pub const GEMM_PLANS_MAX: usize = 256;
+
+/// One operand of a row-major GEMM: its dtype, stored rows and columns,
+/// row stride (elements) and whether the product uses its transpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Operand {
+    /// Element type.
+    pub dtype: Dtype,
+    /// Stored rows.
+    pub rows: u64,
+    /// Stored columns.
+    pub cols: u64,
+    /// Elements between row starts (at least `cols`).
+    pub row_stride: u64,
+    /// Use the transpose.
+    pub transposed: bool,
+}
+
+impl Operand {
+    /// Rows and columns as used in the product.
+    pub fn used(&self) -> (u64, u64) {
+        match self.transposed {
+            false => (self.rows, self.cols),
+            true => (self.cols, self.rows),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Shape {
+    a: Operand,
+    b: Operand,
+    c: Operand,
+    workspace_bytes: u64,
+}
+
+/// A shape's descriptor, layouts and algorithm.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    /// Column-major B (issued first), A, then C (also D).
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+// SAFETY: the handles are plain pointers to cuBLASLt objects that are only
+// used under the `Gemm`'s lock and destroyed once.
+unsafe impl Send for Plan {}
+
+/// A cuBLASLt handle and the plans of the shapes seen so far.
+pub struct Gemm {
+    handle: sys::cublasLtHandle_t,
+    plans: Mutex<(HashMap<Shape, Plan>, Vec<Shape>)>,
+}
+
+// SAFETY: cuBLASLt handles may be used from any thread (one call at a time
+// per stream is the caller's, through the one compute stream); the plans
+// are behind a lock.
+unsafe impl Send for Gemm {}
+// SAFETY: as above.
+unsafe impl Sync for Gemm {}
+
+fn cublas(op: &'static str) -> impl Fn(result::CublasError) -> KernelError {
+    move |err| {
+        KernelError::Failed(DeviceError::Cuda {
+            op,
+            cause: format!("{err:?}"),
+        })
+    }
+}
+
+fn data_type(op: &'static str, operand: &'static str, dtype: Dtype) -> Result<sys::cudaDataType> {
+    match dtype {
+        Dtype::F32 => Ok(sys::cudaDataType::CUDA_R_32F),
+        Dtype::Bf16 => Ok(sys::cudaDataType::CUDA_R_16BF),
+        other => Err(KernelError::Dtype {
+            op,
+            backend: "cuda",
+            operand,
+            dtype: other,
+            fix: "use bf16 (or f32) operands",
+        }),
+    }
+}
+
+impl Gemm {
+    /// A handle, after checking that cuBLASLt can be loaded.
+    pub fn new() -> Result<Gemm> {
+        probe_library(Library::CublasLt)?;
+        let handle = result::create_handle().map_err(cublas("cublasLtCreate"))?;
+        Ok(Gemm {
+            handle,
+            plans: Mutex::new((HashMap::new(), Vec::new())),
+        })
+    }
+
+    /// Enqueues `C = alpha op(A) op(B) + beta C` on `stream` (row-major
+    /// views; see [`Operand`]). `workspace` is a device address of
+    /// `workspace_bytes` bytes (32 MiB serves Hopper).
+    ///
+    /// # Safety
+    /// `a`, `b` and `c` are device addresses in `stream`'s context holding
+    /// the operands as described, `workspace` as many bytes as said; all
+    /// live, and `c` and `workspace` not used by other work, until the
+    /// stream passes this call.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul(
+        &self,
+        stream: &CudaStream,
+        (a, a_at): (Operand, u64),
+        (b, b_at): (Operand, u64),
+        (c, c_at): (Operand, u64),
+        (alpha, beta): (f32, f32),
+        (workspace, workspace_bytes): (u64, u64),
+    ) -> Result<()> {
+        const OP: &str = "gemm";
+        let (m, k) = a.used();
+        let (k2, n) = b.used();
+        if k != k2 || c.used() != (m, n) || c.transposed {
+            return Err(KernelError::Shape {
+                op: OP,
+                operand: "c",
+                actual: format!("{m} x {k} times {k2} x {n} into {:?}", c.used()),
+                expected: "op(a) m x k, op(b) k x n, c m x n (not transposed)".into(),
+            });
+        }
+        for (name, operand) in [("a", &a), ("b", &b), ("c", &c)] {
+            if operand.row_stride < operand.cols || operand.rows == 0 || operand.cols == 0 {
+                return Err(KernelError::Shape {
+                    op: OP,
+                    operand: name,
+                    actual: format!(
+                        "{} x {} with row stride {}",
+                        operand.rows, operand.cols, operand.row_stride
+                    ),
+                    expected: "non-empty, row stride at least the columns".into(),
+                });
+            }
+        }
+        let shape = Shape {
+            a,
+            b,
+            c,
+            workspace_bytes,
+        };
+        let mut plans = self.plans.lock().expect("gemm plans");
+        if !plans.0.contains_key(&shape) {
+            let plan = self.plan(&shape)?;
+            if plans.1.len() == GEMM_PLANS_MAX {
+                let oldest = plans.1.remove(0);
+                if let Some(old) = plans.0.remove(&oldest) {
+                    destroy(old);
+                }
+            }
+            plans.0.insert(shape, plan);
+            plans.1.push(shape);
+        }
+        let plan = &plans.0[&shape];
+        let [b_layout, a_layout, c_layout] = plan.layouts;
+        // SAFETY: the plan's objects are live (destroyed only on eviction
+        // or drop, under this lock); the addresses are the caller's
+        // contract; alpha and beta are f32 host scalars, the descriptor's
+        // scale type.
+        unsafe {
+            result::matmul(
+                self.handle,
+                plan.desc,
+                (&alpha as *const f32).cast::<c_void>(),
+                (&beta as *const f32).cast::<c_void>(),
+                b_at as *const c_void,
+                b_layout,
+                a_at as *const c_void,
+                a_layout,
+                c_at as *const c_void,
+                c_layout,
+                c_at as *mut c_void,
+                c_layout,
+                &plan.algo,
+                workspace as *mut c_void,
+                workspace_bytes as usize,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(cublas("cublasLtMatmul"))
+    }
+
+    /// The descriptor, layouts and best algorithm of `shape`.
+    fn plan(&self, shape: &Shape) -> Result<Plan> {
+        const OP: &str = "gemm";
+        let (a, b, c) = (shape.a, shape.b, shape.c);
+        let (a_type, b_type, c_type) = (
+            data_type(OP, "a", a.dtype)?,
+            data_type(OP, "b", b.dtype)?,
+            data_type(OP, "c", c.dtype)?,
+        );
+        // Column-major, B first: X = B read column-major (its transpose).
+        let layout = |dtype, operand: Operand| {
+            result::create_matrix_layout(
+                dtype,
+                operand.cols,
+                operand.rows,
+                operand.row_stride as i64,
+            )
+            .map_err(cublas("cublasLtMatrixLayoutCreate"))
+        };
+        let desc = result::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(cublas("cublasLtMatmulDescCreate"))?;
+        let mut plan = Plan {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        };
+        let built = (|| {
+            plan.layouts = [layout(b_type, b)?, layout(a_type, a)?, layout(c_type, c)?];
+            // Read column-major, a stored operand is already the transpose
+            // of itself: op(B)^T needs it as stored unless B is used
+            // transposed (and likewise A).
+            let (trans_x, trans_y) = (
+                if b.transposed { OP_T } else { OP_N },
+                if a.transposed { OP_T } else { OP_N },
+            );
+            for (attribute, value) in [
+                (
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    trans_x,
+                ),
+                (
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    trans_y,
+                ),
+            ] {
+                // SAFETY: `desc` is live; the attribute is an int32.
+                unsafe {
+                    result::set_matmul_desc_attribute(
+                        desc,
+                        attribute,
+                        (&value as *const i32).cast(),
+                        std::mem::size_of::<i32>(),
+                    )
+                }
+                .map_err(cublas("cublasLtMatmulDescSetAttribute"))?;
+            }
+            let preference =
+                result::create_matmul_pref().map_err(cublas("cublasLtMatmulPreferenceCreate"))?;
+            let workspace = shape.workspace_bytes;
+            // SAFETY: `preference` is live; the attribute is a u64.
+            let set = unsafe {
+                result::set_matmul_pref_attribute(
+                    preference,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    (&workspace as *const u64).cast(),
+                    std::mem::size_of::<u64>(),
+                )
+            };
+            let [x, y, d] = plan.layouts;
+            // SAFETY: every object is live.
+            let heuristic = set.and_then(|()| unsafe {
+                result::get_matmul_algo_heuristic(self.handle, desc, x, y, d, d, preference)
+            });
+            // SAFETY: created above, not used after.
+            let _ = unsafe { result::destroy_matmul_pref(preference) };
+            let heuristic = heuristic.map_err(|err| {
+                KernelError::Failed(DeviceError::Cuda {
+                    op: "cublasLtMatmulAlgoGetHeuristic",
+                    cause: format!(
+                        "{err:?} for {:?} x {:?} into {:?} with a {} byte workspace",
+                        a, b, c, shape.workspace_bytes
+                    ),
+                })
+            })?;
+            plan.algo = heuristic.algo;
+            Ok(())
+        })();
+        match built {
+            Ok(()) => Ok(plan),
+            Err(err) => {
+                destroy(plan);
+                Err(err)
+            }
+        }
+    }
+}
+
+fn destroy(plan: Plan) {
+    for layout in plan.layouts {
+        if !layout.is_null() {
+            // SAFETY: created by this plan, destroyed once.
+            let _ = unsafe { result::destroy_matrix_layout(layout) };
+        }
+    }
+    // SAFETY: as above.
+    let _ = unsafe { result::destroy_matmul_desc(plan.desc) };
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        let (plans, _) = &mut *self.plans.lock().expect("gemm plans");
+        for (_, plan) in plans.drain() {
+            destroy(plan);
+        }
+        // SAFETY: created in `new`, destroyed once; no plan is left.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
+}
