@@ -698,3 +698,162 @@ fn gemm_matches_an_f64_reference_for_every_transpose() {
         }
     }
 }
+
+/// The flash-style attention against the CPU backend's (which keeps whole
+/// probability matrices): forward and backward, a sequence that is not a
+/// multiple of the tiles, f32 and bf16.
+#[test]
+fn attention_matches_the_cpu_backend_forward_and_backward() {
+    use strata_device::{View, ViewMut};
+    use strata_kernels::{Attention, Backend, CpuBackend};
+    let Some(gpu) = gpu_or_skip("attention_matches_the_cpu_backend_forward_and_backward") else {
+        return;
+    };
+    let s = &gpu.stream;
+    for (shape, dtype) in [
+        (
+            Attention {
+                batch: 2,
+                seq: 77,
+                heads: 3,
+                head_dim: 64,
+            },
+            Dtype::F32,
+        ),
+        (
+            Attention {
+                batch: 1,
+                seq: 130,
+                heads: 2,
+                head_dim: 128,
+            },
+            Dtype::F32,
+        ),
+        (
+            Attention {
+                batch: 2,
+                seq: 33,
+                heads: 4,
+                head_dim: 16,
+            },
+            Dtype::Bf16,
+        ),
+    ] {
+        let (rows, hidden) = (shape.rows(), shape.hidden());
+        let mut qkv = values(30, rows * 3 * hidden);
+        let mut dout = values(31, rows * hidden);
+        if dtype == Dtype::Bf16 {
+            qkv = from_bf16(&to_bf16(&qkv));
+            dout = from_bf16(&to_bf16(&dout));
+        }
+        let cpu = CpuBackend;
+        let mut out = vec![0.0f32; rows * hidden];
+        let mut saved = vec![0.0f32; cpu.attention_saved_elems(shape)];
+        let mut workspace = vec![0.0f32; cpu.attention_workspace_elems(shape)];
+        cpu.attention(
+            shape,
+            View::host_slice(&qkv),
+            ViewMut::host_slice(&mut out),
+            ViewMut::host_slice(&mut saved),
+            ViewMut::host_slice(&mut workspace),
+        )
+        .unwrap();
+        let mut dqkv = vec![0.0f32; qkv.len()];
+        cpu.attention_backward(
+            shape,
+            View::host_slice(&qkv),
+            View::host_slice(&saved),
+            View::host_slice(&dout),
+            ViewMut::host_slice(&mut dqkv),
+            ViewMut::host_slice(&mut workspace),
+        )
+        .unwrap();
+
+        let per_row = shape.batch * shape.heads * shape.seq;
+        let (lse, dsum) = (gpu.zeros::<f32>(per_row), gpu.zeros::<f32>(per_row));
+        let (got_out, got_dqkv) = match dtype {
+            Dtype::F32 => {
+                let (dq, dd, dout_d, dgrad) = (
+                    gpu.up(&qkv),
+                    gpu.up(&dout),
+                    gpu.zeros::<f32>(rows * hidden),
+                    gpu.zeros::<f32>(qkv.len()),
+                );
+                // SAFETY: sizes as the launchers document.
+                unsafe {
+                    gpu.ops
+                        .attention(
+                            s,
+                            dtype,
+                            shape,
+                            (gpu.at(&dq), gpu.at(&dout_d), gpu.at(&lse)),
+                        )
+                        .unwrap();
+                    gpu.ops
+                        .attention_backward(
+                            s,
+                            dtype,
+                            shape,
+                            (
+                                gpu.at(&dq),
+                                gpu.at(&lse),
+                                gpu.at(&dd),
+                                gpu.at(&dgrad),
+                                gpu.at(&dsum),
+                            ),
+                        )
+                        .unwrap();
+                }
+                (gpu.down(&dout_d), gpu.down(&dgrad))
+            }
+            _ => {
+                let (dq, dd, dout_d, dgrad) = (
+                    gpu.up(&to_bf16(&qkv)),
+                    gpu.up(&to_bf16(&dout)),
+                    gpu.zeros::<u16>(rows * hidden),
+                    gpu.zeros::<u16>(qkv.len()),
+                );
+                // SAFETY: as above, in bf16.
+                unsafe {
+                    gpu.ops
+                        .attention(
+                            s,
+                            dtype,
+                            shape,
+                            (gpu.at(&dq), gpu.at(&dout_d), gpu.at(&lse)),
+                        )
+                        .unwrap();
+                    gpu.ops
+                        .attention_backward(
+                            s,
+                            dtype,
+                            shape,
+                            (
+                                gpu.at(&dq),
+                                gpu.at(&lse),
+                                gpu.at(&dd),
+                                gpu.at(&dgrad),
+                                gpu.at(&dsum),
+                            ),
+                        )
+                        .unwrap();
+                }
+                (from_bf16(&gpu.down(&dout_d)), from_bf16(&gpu.down(&dgrad)))
+            }
+        };
+        // fp32 throughout, sums in other orders: 1e-4; bf16 outputs: their place.
+        let rtol = if dtype == Dtype::Bf16 {
+            1.0 / 128.0
+        } else {
+            1e-4
+        };
+        close(&format!("attention {shape:?}"), &got_out, &out, 1e-4, rtol);
+        close(
+            &format!("attention_backward {shape:?}"),
+            &got_dqkv,
+            &dqkv,
+            1e-4,
+            rtol,
+        );
+    }
+}

@@ -38,6 +38,9 @@ pub enum Op {
     EmbeddingBackward,
     SumSquaresPartials,
     NonFinite,
+    AttentionForward,
+    AttentionBackwardDq,
+    AttentionBackwardDkv,
 }
 
 /// A kernel of `ops.cu` defined once, in [`OPS_SINGLE`] order.
@@ -57,6 +60,25 @@ pub const SUM_BLOCKS: u32 = 256;
 /// The most blocks an element-wise launch uses, per multiprocessor (grid-
 /// stride loops cover the rest).
 const BLOCKS_PER_SM: u32 = 8;
+
+/// The largest head the attention kernels take (`ops.cu`'s HEAD_DIM_MAX).
+pub const HEAD_DIM_MAX: usize = 128;
+
+/// Query (or key) rows per block of the attention kernels (ATTN_ROWS).
+const ATTN_ROWS: u32 = 64;
+
+/// The attention's shape as the kernels take it (`ops.cu`'s `AttnShape`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttnShape {
+    batch: u64,
+    seq: u64,
+    heads: u64,
+    head_dim: u64,
+}
+
+// SAFETY: a #[repr(C)] struct of four u64, as the kernel's struct.
+unsafe impl DeviceRepr for AttnShape {}
 
 /// `strata_optim`'s Adam constants as the kernel takes them (`ops.cu`'s
 /// `AdamCoefficients`: nine floats).
@@ -597,6 +619,94 @@ impl Ops {
             self.spread(n),
             "adamw",
             [&k, &grad, &master, &m, &v, &param, &n]
+        )
+    }
+}
+
+impl Ops {
+    /// The attention's shape and grid, checked against the kernels' limits.
+    fn attention_grid(
+        op: &'static str,
+        shape: crate::Attention,
+    ) -> Result<(AttnShape, LaunchConfig)> {
+        let limit = |what: &'static str, value: usize, max: usize| match value <= max && value > 0 {
+            true => Ok(()),
+            false => Err(KernelError::Index {
+                op,
+                what,
+                value: value as u64,
+                max: max as u64,
+            }),
+        };
+        limit("head_dim", shape.head_dim, HEAD_DIM_MAX)?;
+        limit("heads", shape.heads, 65_535)?;
+        limit("batch", shape.batch, 65_535)?;
+        limit("seq", shape.seq, (u32::MAX as usize) * ATTN_ROWS as usize)?;
+        let config = LaunchConfig {
+            grid_dim: (
+                shape.seq.div_ceil(ATTN_ROWS as usize) as u32,
+                shape.heads as u32,
+                shape.batch as u32,
+            ),
+            block_dim: (ATTN_ROWS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = AttnShape {
+            batch: shape.batch as u64,
+            seq: shape.seq as u64,
+            heads: shape.heads as u64,
+            head_dim: shape.head_dim as u64,
+        };
+        Ok((args, config))
+    }
+
+    /// Causal attention over `qkv` (`rows x 3 hidden` of `dtype`) into
+    /// `out` (`rows x hidden`), each row's log-sum-exp into the f32 `lse`
+    /// (`batch x heads x seq`, what the backward needs).
+    ///
+    /// # Safety
+    /// The addresses hold those sizes, as in [`Ops::gelu`].
+    pub unsafe fn attention(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        shape: crate::Attention,
+        (qkv, out, lse): (u64, u64, u64),
+    ) -> Result<()> {
+        let (args, config) = Self::attention_grid("attention", shape)?;
+        let f = self.kernel("attention", Op::AttentionForward, dtype)?;
+        launch!(stream, f, config, "attention", [&args, &qkv, &out, &lse])
+    }
+
+    /// Attention's backward: `dqkv` (like `qkv`) from `dout` (like `out`),
+    /// with `lse` from the forward and `dsum` (`batch x heads x seq` f32)
+    /// of scratch.
+    ///
+    /// # Safety
+    /// As [`Ops::attention`]; `dsum` holds `batch x heads x seq` f32.
+    pub unsafe fn attention_backward(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        shape: crate::Attention,
+        (qkv, lse, dout, dqkv, dsum): (u64, u64, u64, u64, u64),
+    ) -> Result<()> {
+        let (args, config) = Self::attention_grid("attention_backward", shape)?;
+        let f = self.kernel("attention_backward", Op::AttentionBackwardDq, dtype)?;
+        launch!(
+            stream,
+            f,
+            config,
+            "attention_backward",
+            [&args, &qkv, &lse, &dout, &dqkv, &dsum]
+        )?;
+        let f = self.kernel("attention_backward", Op::AttentionBackwardDkv, dtype)?;
+        launch!(
+            stream,
+            f,
+            config,
+            "attention_backward",
+            [&args, &qkv, &lse, &dout, &dsum, &dqkv]
         )
     }
 }

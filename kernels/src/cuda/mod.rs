@@ -4,16 +4,18 @@
 //! Built so far: the element-wise and row kernels of a transformer step
 //! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
 //! [`nvrtc::ARCHS`] in CI (no GPU needed), their launchers ([`Ops`]) and
-//! cuBLASLt GEMMs ([`Gemm`]). Not yet built: a `CudaBackend` implementing
-//! [`crate::Backend`] over them, GEMM epilogues and the flash-style
-//! attention; until then the engine computes on the CPU backend.
+//! cuBLASLt GEMMs ([`Gemm`]), and a causal attention that is flash-style
+//! in memory (tiles, online softmax, log-sum-exp saved) on CUDA cores. Not
+//! yet built: a `CudaBackend` implementing [`crate::Backend`] over them,
+//! GEMM epilogues and the tensor-core attention; until then the engine
+//! computes on the CPU backend.
 
 mod gemm;
 mod launch;
 pub mod nvrtc;
 
 pub use gemm::{GEMM_PLANS_MAX, Gemm, Operand};
-pub use launch::{Ops, SUM_BLOCKS};
+pub use launch::{HEAD_DIM_MAX, Ops, SUM_BLOCKS};
 
 /// The element-wise and row kernels (`ops.cu`).
 pub const OPS_SOURCE: &str = include_str!("ops.cu");
@@ -22,7 +24,7 @@ pub const OPS_SOURCE: &str = include_str!("ops.cu");
 pub const OPS_NAME: &str = "ops";
 
 /// Kernels defined for each element type (`<name>_f32`, `<name>_bf16`).
-pub const OPS_PER_DTYPE: [&str; 15] = [
+pub const OPS_PER_DTYPE: [&str; 18] = [
     "gelu",
     "gelu_backward",
     "add",
@@ -38,6 +40,9 @@ pub const OPS_PER_DTYPE: [&str; 15] = [
     "embedding_backward",
     "sum_squares_partials",
     "non_finite",
+    "attention_forward",
+    "attention_backward_dq",
+    "attention_backward_dkv",
 ];
 
 /// Kernels defined once.

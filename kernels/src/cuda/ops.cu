@@ -327,6 +327,165 @@ __device__ void cast(const S *x, T *y, u64 n) {
     }
 }
 
+// Causal self-attention over packed rows `q | k | v` (each `hidden` =
+// heads x head_dim wide; row `b * seq + t`), flash-style: key and value
+// tiles through shared memory, an online softmax, no seq x seq matrix in
+// memory. One thread per query row. What the backward needs is each row's
+// log-sum-exp (`lse`, batch x heads x seq). Scores, sums and outputs are
+// fp32 whatever T is.
+#define HEAD_DIM_MAX 128
+#define ATTN_ROWS 64
+#define ATTN_TILE 32
+
+struct AttnShape {
+    u64 batch, seq, heads, head_dim;
+};
+
+__device__ __forceinline__ u64 qkv_at(AttnShape a, u64 b, u64 t, u64 part, u64 head) {
+    const u64 hidden = a.heads * a.head_dim;
+    return (b * a.seq + t) * 3 * hidden + part * hidden + head * a.head_dim;
+}
+
+__device__ __forceinline__ u64 out_at(AttnShape a, u64 b, u64 t, u64 head) {
+    return (b * a.seq + t) * a.heads * a.head_dim + head * a.head_dim;
+}
+
+__device__ __forceinline__ u64 row_at(AttnShape a, u64 b, u64 head, u64 t) {
+    return (b * a.heads + head) * a.seq + t;
+}
+
+// grid (ceil(seq / ATTN_ROWS), heads, batch), ATTN_ROWS threads.
+template <typename T>
+__device__ void attention_forward(AttnShape a, const T *qkv, T *out, float *lse) {
+    __shared__ float keys[ATTN_TILE * HEAD_DIM_MAX];
+    __shared__ float vals[ATTN_TILE * HEAD_DIM_MAX];
+    const u64 head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+    const u64 first = (u64)blockIdx.x * ATTN_ROWS;
+    const u64 t = first + threadIdx.x;
+    const bool live = t < a.seq;
+    const float scale = 1.0f / sqrtf((float)d);
+    float q[HEAD_DIM_MAX], acc[HEAD_DIM_MAX];
+    for (u64 c = 0; c < d; ++c) {
+        q[c] = live ? load(qkv, qkv_at(a, b, t, 0, head) + c) : 0.0f;
+        acc[c] = 0.0f;
+    }
+    float max = -__int_as_float(0x7f800000), sum = 0.0f;
+    const u64 last = min(first + ATTN_ROWS, a.seq) - 1;
+    for (u64 j0 = 0; j0 <= last; j0 += ATTN_TILE) {
+        const u64 tile = min((u64)ATTN_TILE, a.seq - j0);
+        for (u64 e = threadIdx.x; e < tile * d; e += ATTN_ROWS) {
+            const u64 j = j0 + e / d, c = e % d;
+            keys[e] = load(qkv, qkv_at(a, b, j, 1, head) + c);
+            vals[e] = load(qkv, qkv_at(a, b, j, 2, head) + c);
+        }
+        __syncthreads();
+        for (u64 jj = 0; live && jj < tile && j0 + jj <= t; ++jj) {
+            float score = 0.0f;
+            for (u64 c = 0; c < d; ++c) {
+                score += q[c] * keys[jj * d + c];
+            }
+            score *= scale;
+            const float next = fmaxf(max, score);
+            const float keep = expf(max - next), weight = expf(score - next);
+            for (u64 c = 0; c < d; ++c) {
+                acc[c] = acc[c] * keep + weight * vals[jj * d + c];
+            }
+            sum = sum * keep + weight;
+            max = next;
+        }
+        __syncthreads();
+    }
+    if (live) {
+        for (u64 c = 0; c < d; ++c) {
+            store(out, out_at(a, b, t, head) + c, acc[c] / sum);
+        }
+        lse[row_at(a, b, head, t)] = max + logf(sum);
+    }
+}
+
+// The backward's first pass, one thread per query row: each row's
+// D = sum_j p_ij dp_ij into `dsum`, then dq. grid and block as forward.
+template <typename T>
+__device__ void attention_backward_dq(AttnShape a, const T *qkv, const float *lse, const T *dout,
+                                      T *dqkv, float *dsum) {
+    const u64 head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+    const u64 t = (u64)blockIdx.x * ATTN_ROWS + threadIdx.x;
+    if (t >= a.seq) {
+        return;
+    }
+    const float scale = 1.0f / sqrtf((float)d);
+    const float row_lse = lse[row_at(a, b, head, t)];
+    float q[HEAD_DIM_MAX], o[HEAD_DIM_MAX], dq[HEAD_DIM_MAX];
+    for (u64 c = 0; c < d; ++c) {
+        q[c] = load(qkv, qkv_at(a, b, t, 0, head) + c);
+        o[c] = load(dout, out_at(a, b, t, head) + c);
+        dq[c] = 0.0f;
+    }
+    float total = 0.0f;
+    for (int pass = 0; pass < 2; ++pass) {
+        for (u64 j = 0; j <= t; ++j) {
+            const u64 k_at = qkv_at(a, b, j, 1, head), v_at = qkv_at(a, b, j, 2, head);
+            float score = 0.0f, dp = 0.0f;
+            for (u64 c = 0; c < d; ++c) {
+                score += q[c] * load(qkv, k_at + c);
+                dp += o[c] * load(qkv, v_at + c);
+            }
+            const float p = expf(score * scale - row_lse);
+            if (pass == 0) {
+                total += p * dp;
+            } else {
+                const float ds = p * (dp - total) * scale;
+                for (u64 c = 0; c < d; ++c) {
+                    dq[c] += ds * load(qkv, k_at + c);
+                }
+            }
+        }
+    }
+    for (u64 c = 0; c < d; ++c) {
+        store(dqkv, qkv_at(a, b, t, 0, head) + c, dq[c]);
+    }
+    dsum[row_at(a, b, head, t)] = total;
+}
+
+// The backward's second pass, one thread per key row: dk and dv, from the
+// queries at or after it (no atomics: each thread owns its rows).
+template <typename T>
+__device__ void attention_backward_dkv(AttnShape a, const T *qkv, const float *lse,
+                                       const T *dout, const float *dsum, T *dqkv) {
+    const u64 head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+    const u64 j = (u64)blockIdx.x * ATTN_ROWS + threadIdx.x;
+    if (j >= a.seq) {
+        return;
+    }
+    const float scale = 1.0f / sqrtf((float)d);
+    float k[HEAD_DIM_MAX], v[HEAD_DIM_MAX], dk[HEAD_DIM_MAX], dv[HEAD_DIM_MAX];
+    for (u64 c = 0; c < d; ++c) {
+        k[c] = load(qkv, qkv_at(a, b, j, 1, head) + c);
+        v[c] = load(qkv, qkv_at(a, b, j, 2, head) + c);
+        dk[c] = 0.0f;
+        dv[c] = 0.0f;
+    }
+    for (u64 t = j; t < a.seq; ++t) {
+        const u64 q_at = qkv_at(a, b, t, 0, head), o_at = out_at(a, b, t, head);
+        float score = 0.0f, dp = 0.0f;
+        for (u64 c = 0; c < d; ++c) {
+            score += load(qkv, q_at + c) * k[c];
+            dp += load(dout, o_at + c) * v[c];
+        }
+        const u64 row = row_at(a, b, head, t);
+        const float p = expf(score * scale - lse[row]);
+        const float ds = p * (dp - dsum[row]) * scale;
+        for (u64 c = 0; c < d; ++c) {
+            dv[c] += p * load(dout, o_at + c);
+            dk[c] += ds * load(qkv, q_at + c);
+        }
+    }
+    for (u64 c = 0; c < d; ++c) {
+        store(dqkv, qkv_at(a, b, j, 1, head) + c, dk[c]);
+        store(dqkv, qkv_at(a, b, j, 2, head) + c, dv[c]);
+    }
+}
+
 #define FOR_EACH_DTYPE(MACRO) MACRO(f32, float) MACRO(bf16, bf16_t)
 
 #define ELEMENTWISE(NAME, T)                                                                      \
@@ -382,6 +541,18 @@ __device__ void cast(const S *x, T *y, u64 n) {
     }                                                                                             \
     extern "C" __global__ void non_finite_##NAME(const T *x, u64 n, unsigned *flag) {             \
         non_finite(x, n, flag);                                                                   \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(ATTN_ROWS)                                       \
+        attention_forward_##NAME(AttnShape a, const T *qkv, T *out, float *lse) {                 \
+        attention_forward(a, qkv, out, lse);                                                      \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(ATTN_ROWS) attention_backward_dq_##NAME(         \
+        AttnShape a, const T *qkv, const float *lse, const T *dout, T *dqkv, float *dsum) {       \
+        attention_backward_dq(a, qkv, lse, dout, dqkv, dsum);                                     \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(ATTN_ROWS) attention_backward_dkv_##NAME(        \
+        AttnShape a, const T *qkv, const float *lse, const T *dout, const float *dsum, T *dqkv) { \
+        attention_backward_dkv(a, qkv, lse, dout, dsum, dqkv);                                    \
     }
 
 FOR_EACH_DTYPE(ELEMENTWISE)
