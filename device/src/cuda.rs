@@ -262,6 +262,45 @@ impl Context {
         Ok(pinned)
     }
 
+    /// The cudarc context (for the CUDA halves of `kernels` and `comm`:
+    /// modules, launches, library handles).
+    pub fn cuda(&self) -> &Arc<CudaContext> {
+        &self.context
+    }
+
+    /// The compute stream kernels are launched on.
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    /// Enqueues a device-to-device copy on the compute stream (ordered with
+    /// the kernels around it).
+    ///
+    /// # Safety
+    /// Both ranges are allocated in this context and do not overlap; `to`
+    /// is not used by others until a fence recorded after it has passed.
+    pub unsafe fn copy_on_compute(&self, from: u64, to: u64, len_bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's contract; the context is bound.
+        unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len_bytes, self.compute.cu_stream()) }
+            .result()
+            .map_err(cuda_error("cuMemcpyDtoDAsync"))
+    }
+
+    /// Enqueues a small device-to-host copy on the compute stream (a
+    /// scalar read back after the kernel that wrote it).
+    ///
+    /// # Safety
+    /// `host` is page-locked and holds `len_bytes`, untouched until a
+    /// fence recorded after this has passed; the device range is allocated.
+    pub unsafe fn read_on_compute(&self, from: u64, host: *mut u8, len_bytes: usize) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's contract; the context is bound.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(host.cast(), from, len_bytes, self.compute.cu_stream()) }
+            .result()
+            .map_err(cuda_error("cuMemcpyDtoHAsync"))
+    }
+
     fn stream(&self, kind: StreamKind) -> &CudaStream {
         match kind {
             StreamKind::Compute => &self.compute,

@@ -83,10 +83,36 @@ impl Attention {
 
 /// A scalar computed on the device, readable once its fence passes
 /// (a loss, a norm), without synchronizing the whole device.
-#[derive(Debug)]
 pub struct Readback {
     fence: Fence,
-    value: f64,
+    value: Value,
+}
+
+enum Value {
+    Ready(f64),
+    /// In slot `slot` of a backend's host-visible readback slots, once the
+    /// fence has passed.
+    Slot(std::sync::Arc<dyn ReadbackSlots>, usize),
+}
+
+/// Where a backend's readbacks land: host-visible slots, each read once
+/// after its fence and then given back (no allocation per readback).
+pub trait ReadbackSlots: Send + Sync {
+    /// The value in `slot` (its fence has passed), or the error it holds
+    /// (a token outside the vocabulary, found on the device).
+    fn read(&self, slot: usize) -> Result<f64>;
+
+    /// Gives `slot` back.
+    fn release(&self, slot: usize);
+}
+
+impl std::fmt::Debug for Readback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.value {
+            Value::Ready(value) => write!(f, "Readback({value})"),
+            Value::Slot(_, slot) => write!(f, "Readback(slot {slot})"),
+        }
+    }
 }
 
 impl Readback {
@@ -94,14 +120,40 @@ impl Readback {
     pub fn ready(value: f64) -> Readback {
         Readback {
             fence: Fence::ready(),
-            value,
+            value: Value::Ready(value),
+        }
+    }
+
+    /// A value that lands in `slot` of `slots` once `fence` passes.
+    pub fn pending(
+        fence: Fence,
+        slots: std::sync::Arc<dyn ReadbackSlots>,
+        slot: usize,
+    ) -> Readback {
+        Readback {
+            fence,
+            value: Value::Slot(slots, slot),
         }
     }
 
     /// Waits for the fence and returns the value.
     pub fn get(self) -> Result<f64> {
         self.fence.wait()?;
-        Ok(self.value)
+        match &self.value {
+            Value::Ready(value) => Ok(*value),
+            Value::Slot(slots, slot) => slots.read(*slot),
+        }
+    }
+}
+
+impl Drop for Readback {
+    fn drop(&mut self) {
+        if let Value::Slot(slots, slot) = &self.value {
+            // A slot given back before its copy lands would be overwritten
+            // under it: wait (a dropped readback is rare, never per step).
+            let _ = self.fence.wait();
+            slots.release(*slot);
+        }
     }
 }
 

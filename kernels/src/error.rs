@@ -70,6 +70,27 @@ pub enum KernelError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A token id outside the vocabulary, found on the device (where the
+    /// id itself is not read back).
+    #[error(
+        "{op}: the token at position {position} is outside the vocabulary of {vocab}; use a model whose vocab covers the data"
+    )]
+    TokenAt {
+        /// The op.
+        op: &'static str,
+        /// Where it is.
+        position: u64,
+        /// The vocabulary size.
+        vocab: u64,
+    },
+    /// More readbacks in flight than the backend has slots for.
+    #[error(
+        "{in_flight} readbacks are in flight, the most this backend holds; read them (Readback::get) before asking for more"
+    )]
+    Readbacks {
+        /// The slots.
+        in_flight: usize,
+    },
     /// A CUDA C source did not compile (or compiled with warnings).
     #[error("NVRTC could not compile {source_name}.cu for sm_{arch}: {log}")]
     Compile {

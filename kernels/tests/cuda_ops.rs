@@ -857,3 +857,158 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
         );
     }
 }
+
+/// The `CudaBackend` through the `Backend` trait, next to the CPU backend:
+/// a GEMM, a cross-entropy readback, norms and flags, a scalar read, a bad
+/// token reported at the readback, and a bounded number of readbacks.
+#[test]
+fn the_cuda_backend_matches_the_cpu_backend_through_the_trait() {
+    use strata_device::cuda::Context;
+    use strata_device::{Buffer, StreamKind, View, ViewMut};
+    use strata_kernels::cuda::{CudaBackend, CudaLimits, READBACKS_MAX};
+    use strata_kernels::{Backend, CpuBackend, KernelError, Matrix};
+    if let Err(reason) = strata_device::cuda::probe_device() {
+        eprintln!(
+            "skipped the_cuda_backend_matches_the_cpu_backend_through_the_trait: no CUDA device ({reason})"
+        );
+        return;
+    }
+    let context = Context::open(0).unwrap();
+    let gpu = CudaBackend::new(context.clone(), CudaLimits { rows_max: 4096 }).unwrap();
+    let cpu = CpuBackend;
+    let upload = |buffer: &Buffer, host: &[u8]| {
+        let mut staged = host.to_vec();
+        gpu.record().unwrap().wait().unwrap();
+        // SAFETY: the buffer holds these bytes; synchronous on its stream.
+        unsafe {
+            context.raw_copy(
+                StreamKind::CopyToDevice,
+                staged.as_mut_ptr(),
+                buffer.view().raw().address,
+                staged.len(),
+            )
+        }
+        .unwrap();
+    };
+    let download = |buffer: &Buffer| -> Vec<u8> {
+        gpu.record().unwrap().wait().unwrap();
+        let mut host = vec![0u8; buffer.bytes() as usize];
+        // SAFETY: as above, the other way.
+        unsafe {
+            context.raw_copy(
+                StreamKind::CopyToHost,
+                host.as_mut_ptr(),
+                buffer.view().raw().address,
+                host.len(),
+            )
+        }
+        .unwrap();
+        host
+    };
+    let floats = |bytes: Vec<u8>| -> Vec<f32> { bytemuck::cast_slice(&bytes).to_vec() };
+
+    // GEMM: f32 operands through the trait (a TF32-free fp32 GEMM).
+    let (m, k, n) = (33usize, 70usize, 17usize);
+    let (a, b) = (values(40, m * k), values(41, k * n));
+    let (ga, gb, mut gc) = (
+        gpu.alloc(Dtype::F32, m * k).unwrap(),
+        gpu.alloc(Dtype::F32, k * n).unwrap(),
+        gpu.alloc(Dtype::F32, m * n).unwrap(),
+    );
+    upload(&ga, bytemuck::cast_slice(&a));
+    upload(&gb, bytemuck::cast_slice(&b));
+    gpu.gemm(
+        Matrix::n(ga.view().matrix(m, k).unwrap()),
+        Matrix::n(gb.view().matrix(k, n).unwrap()),
+        1.0,
+        0.0,
+        gc.view_mut().matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    let mut c = vec![0.0f32; m * n];
+    cpu.gemm(
+        Matrix::n(View::host_slice(&a).matrix(m, k).unwrap()),
+        Matrix::n(View::host_slice(&b).matrix(k, n).unwrap()),
+        1.0,
+        0.0,
+        ViewMut::host_slice(&mut c).matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    close(
+        "gemm through the backend",
+        &floats(download(&gc)),
+        &c,
+        1e-4,
+        1e-4,
+    );
+
+    // Cross-entropy's loss as a readback, and the norm of its gradient.
+    let (rows, vocab) = (64usize, 1000usize);
+    let logits = values(42, rows * vocab);
+    let targets: Vec<u32> = (0..rows as u32).map(|i| i * 13 % vocab as u32).collect();
+    let (gl, gt, mut gd) = (
+        gpu.alloc(Dtype::F32, rows * vocab).unwrap(),
+        gpu.alloc(Dtype::U32, rows).unwrap(),
+        gpu.alloc(Dtype::F32, rows * vocab).unwrap(),
+    );
+    upload(&gl, bytemuck::cast_slice(&logits));
+    upload(&gt, bytemuck::cast_slice(&targets));
+    let loss = gpu
+        .cross_entropy(gl.view(), gt.view(), 1.0, gd.view_mut())
+        .unwrap();
+    let mut d = vec![0.0f32; rows * vocab];
+    let expected = cpu
+        .cross_entropy(
+            View::host_slice(&logits),
+            View::host_slice(&targets),
+            1.0,
+            ViewMut::host_slice(&mut d),
+        )
+        .unwrap()
+        .get()
+        .unwrap();
+    let got = loss.get().unwrap();
+    assert!(
+        (got - expected).abs() < 1e-5 * expected.abs(),
+        "{got} vs {expected}"
+    );
+    let norm = gpu.sum_squares(gd.view()).unwrap().get().unwrap();
+    let expected_norm: f64 = d.iter().map(|x| f64::from(*x).powi(2)).sum();
+    assert!(
+        (norm - expected_norm).abs() < 1e-4 * expected_norm,
+        "{norm} vs {expected_norm}"
+    );
+    assert_eq!(gpu.non_finite(gd.view()).unwrap().get().unwrap(), 0.0);
+    assert_eq!(
+        gpu.read_scalar(gt.view(), 5).unwrap().get().unwrap(),
+        f64::from(targets[5])
+    );
+
+    // A target outside the vocabulary comes back as an error at get().
+    let mut bad = targets.clone();
+    bad[7] = vocab as u32 + 3;
+    upload(&gt, bytemuck::cast_slice(&bad));
+    let err = gpu
+        .cross_entropy(gl.view(), gt.view(), 1.0, gd.view_mut())
+        .unwrap()
+        .get()
+        .unwrap_err();
+    assert!(
+        matches!(err, KernelError::TokenAt { position: 7, .. }),
+        "{err}"
+    );
+
+    // Readbacks are bounded: the slots are given back when read or dropped.
+    let held: Vec<_> = (0..READBACKS_MAX)
+        .map(|_| gpu.non_finite(gd.view()).unwrap())
+        .collect();
+    let err = gpu.non_finite(gd.view()).unwrap_err();
+    assert!(matches!(err, KernelError::Readbacks { .. }), "{err}");
+    drop(held);
+    gpu.non_finite(gd.view()).unwrap().get().unwrap();
+
+    // Operands on the wrong device are named.
+    let host = vec![0.0f32; 4];
+    let err = gpu.sum_squares(View::host_slice(&host)).unwrap_err();
+    assert!(matches!(err, KernelError::Device { .. }), "{err}");
+}

@@ -4,16 +4,19 @@
 //! Built so far: the element-wise and row kernels of a transformer step
 //! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
 //! [`nvrtc::ARCHS`] in CI (no GPU needed), their launchers ([`Ops`]) and
-//! cuBLASLt GEMMs ([`Gemm`]), and a causal attention that is flash-style
-//! in memory (tiles, online softmax, log-sum-exp saved) on CUDA cores. Not
-//! yet built: a `CudaBackend` implementing [`crate::Backend`] over them,
-//! GEMM epilogues and the tensor-core attention; until then the engine
-//! computes on the CPU backend.
+//! cuBLASLt GEMMs ([`Gemm`]), a causal attention that is flash-style in
+//! memory (tiles, online softmax, log-sum-exp saved) on CUDA cores, and
+//! [`CudaBackend`], the [`crate::Backend`] over them. None has run on a GPU
+//! yet (`tests/cuda_ops.rs` will, where one is lent). Not yet built: the
+//! engine on the CUDA backend, GEMM epilogues and the tensor-core
+//! attention; until then the engine computes on the CPU backend.
 
+mod backend;
 mod gemm;
 mod launch;
 pub mod nvrtc;
 
+pub use backend::{CudaBackend, CudaLimits, GEMM_WORKSPACE_BYTES, READBACKS_MAX};
 pub use gemm::{GEMM_PLANS_MAX, Gemm, Operand};
 pub use launch::{HEAD_DIM_MAX, Ops, SUM_BLOCKS};
 
