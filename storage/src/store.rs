@@ -823,10 +823,16 @@ fn create_swap_file(path: &Path, dir: &Path, file_bytes: u64) -> Result<SwapFile
         path: path.to_path_buf(),
         cause,
     })? {
-        panic!(
-            "a fresh swap file {} is locked by someone else",
-            path.display()
-        );
+        // Another process opened the file between its creation and this
+        // lock: the directory is in use by another run.
+        return Err(StorageError::Os {
+            what: "lock the new swap file",
+            path: path.to_path_buf(),
+            cause: std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "another process holds a lock on it: another run is using this swap directory; give each run its own",
+            ),
+        });
     }
     crate::sys::fallocate(&file.io.file, file_bytes).map_err(|cause| {
         match cause.raw_os_error() {

@@ -751,3 +751,21 @@ fn a_checkpoint_that_fails_mid_run_keeps_the_one_before_and_the_run_goes_on() {
     let latest = strata_train::Checkpoint::open(&checkpoints).unwrap();
     assert_eq!(latest.meta.step, 4, "the checkpoint before stays latest");
 }
+
+/// A library caller who hands `Engine::step` the wrong number of tokens
+/// gets an error naming the count to give, not a panic.
+#[test]
+fn a_step_given_the_wrong_number_of_tokens_is_refused_with_the_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.nvme.as_mut().unwrap().create_dirs = true;
+    let group = strata_comm::InProcess::group(1, 1 << 16).pop().unwrap();
+    let mut engine = strata_train::Engine::new(&config, Box::new(group)).unwrap();
+    let wanted = engine.tokens_per_step();
+    let err = engine.step(&vec![0; wanted - 1]).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("{} tokens", wanted - 1)) && err.contains(&wanted.to_string()),
+        "{err}"
+    );
+    engine.step(&vec![1; wanted]).unwrap();
+}

@@ -423,7 +423,17 @@ impl Engine {
     /// Runs one step on this rank's `tokens` ([`Engine::tokens_per_step`]
     /// of them). Every rank calls it together, with its own tokens.
     pub fn step(&mut self, tokens: &[u32]) -> Result<StepReport> {
-        assert_eq!(tokens.len(), self.tokens_per_step(), "tokens for one step");
+        if tokens.len() != self.tokens_per_step() {
+            return Err(TrainError::Config {
+                key: "train.micro_batch",
+                value: self.config.train.micro_batch.to_string(),
+                fix: format!(
+                    "Engine::step was given {} tokens, and one step of this rank takes {} (grad_accumulation x micro_batch x (seq + 1)): pass Engine::tokens_per_step() of them",
+                    tokens.len(),
+                    self.tokens_per_step()
+                ),
+            });
+        }
         let started = Instant::now();
         self.step += 1;
         let step = self.step;
