@@ -10,7 +10,10 @@
 //! bit, or it stopped with a typed storage error (no panic, no hang), and
 //! the last checkpoint it published is whole and resumes to the fault-free
 //! losses; no tier's peak passed its budget. Seeds with only retryable
-//! faults must complete.
+//! faults must complete. One seed in five is also aborted mid-run (as a
+//! second signal would, through `StopRequest::abort`) after a step the
+//! seed picks: it must return `Aborted` (or a storage error that came
+//! first) within the deadline, with the same checkpoint guarantees.
 //!
 //! A failure prints its seed; replay one with
 //! `STRATA_SIM_SEED=<seed> cargo test --release -p strata-train --test simulation`,
@@ -81,16 +84,29 @@ fn rates(seed: u64) -> FaultRates {
     }
 }
 
-/// Runs on a thread, failing the test (with the seed) if it hangs.
+/// The step after whose report `seed` aborts its run, for one seed in five.
+fn abort_after(seed: u64) -> Option<u64> {
+    (seed % 5 == 4).then(|| 1 + (seed / 5) % (STEPS - 1))
+}
+
+/// Runs on a thread, failing the test (with the seed) if it hangs;
+/// aborts the run after step `abort_after` is reported.
 fn run_bounded(
     seed: u64,
     config: &TrainConfig,
     options: RunOptions,
+    abort_after: Option<u64>,
 ) -> Result<RunSummary, TrainError> {
     let (sender, receiver) = mpsc::channel();
     let config = config.clone();
     std::thread::spawn(move || {
-        let _ = sender.send(run(&config, &corpus(), &options, &mut |_| {}));
+        let stop = options.stop.clone();
+        let mut progress = |p: strata_train::Progress<'_>| {
+            if Some(p.report.step) == abort_after {
+                stop.abort(9);
+            }
+        };
+        let _ = sender.send(run(&config, &corpus(), &options, &mut progress));
     });
     receiver
         .recv_timeout(RUN_DEADLINE)
@@ -105,6 +121,7 @@ fn bits(losses: &[f64]) -> Vec<u64> {
 enum Outcome {
     Completed,
     Stopped,
+    Aborted,
 }
 
 fn simulate(seed: u64, clean: &[u64]) -> Outcome {
@@ -120,12 +137,9 @@ fn simulate(seed: u64, clean: &[u64]) -> Outcome {
         }),
         ..RunOptions::default()
     };
-    let fail = |what: String| -> ! {
-        panic!(
-            "seed {seed}: {what}\nreplay: STRATA_SIM_SEED={seed} cargo test --release -p strata-train --test simulation"
-        )
-    };
-    match run_bounded(seed, &config, options) {
+    let fail = |what: String| -> ! { fail_seed(seed, what) };
+    let abort = abort_after(seed);
+    match run_bounded(seed, &config, options, abort) {
         Ok(summary) => {
             if bits(&summary.losses) != clean {
                 fail(format!("completed with other losses: {:?}", summary.losses));
@@ -135,6 +149,13 @@ fn simulate(seed: u64, clean: &[u64]) -> Outcome {
                 fail(format!("peak {peak:?} over budget {budget:?}"));
             }
             Outcome::Completed
+        }
+        Err(TrainError::Aborted { code }) if abort.is_some() => {
+            if code != 9 {
+                fail(format!("aborted with code {code}, not the abort's 9"));
+            }
+            check_last_checkpoint(seed, &config, &checkpoints, clean);
+            Outcome::Aborted
         }
         Err(err) => {
             if seed.is_multiple_of(2) {
@@ -153,29 +174,48 @@ fn simulate(seed: u64, clean: &[u64]) -> Outcome {
             if !storage.iter().any(|s| text.contains(s)) {
                 fail(format!("stopped by something other than storage: {text}"));
             }
-            // The last published checkpoint is whole and resumes exactly.
-            if checkpoints.join("latest").exists() {
-                let last = Checkpoint::open(&checkpoints)
-                    .and_then(|c| c.verify().map(|_| c))
-                    .unwrap_or_else(|e| fail(format!("its last checkpoint is not whole: {e}")));
-                let step = last.meta.step as usize;
-                let mut resumed = config.clone();
-                resumed.train.checkpoint_dir = None;
-                let options = RunOptions {
-                    resume: Some(checkpoints.clone()),
-                    ..RunOptions::default()
-                };
-                let tail = run_bounded(seed, &resumed, options)
-                    .unwrap_or_else(|e| fail(format!("resuming its checkpoint failed: {e}")));
-                if bits(&tail.losses) != clean[step..] {
-                    fail(format!(
-                        "resumed from step {step} with other losses: {:?}",
-                        tail.losses
-                    ));
-                }
-            }
+            check_last_checkpoint(seed, &config, &checkpoints, clean);
             Outcome::Stopped
         }
+    }
+}
+
+/// Fails the test, saying how to replay `seed`.
+fn fail_seed(seed: u64, what: String) -> ! {
+    panic!(
+        "seed {seed}: {what}\nreplay: STRATA_SIM_SEED={seed} cargo test --release -p strata-train --test simulation"
+    )
+}
+
+/// The last published checkpoint (if any) is whole and resumes to the
+/// fault-free losses.
+fn check_last_checkpoint(
+    seed: u64,
+    config: &TrainConfig,
+    checkpoints: &std::path::Path,
+    clean: &[u64],
+) {
+    let fail = |what: String| -> ! { fail_seed(seed, what) };
+    if !checkpoints.join("latest").exists() {
+        return;
+    }
+    let last = Checkpoint::open(checkpoints)
+        .and_then(|c| c.verify().map(|_| c))
+        .unwrap_or_else(|e| fail(format!("its last checkpoint is not whole: {e}")));
+    let step = last.meta.step as usize;
+    let mut resumed = config.clone();
+    resumed.train.checkpoint_dir = None;
+    let options = RunOptions {
+        resume: Some(checkpoints.to_path_buf()),
+        ..RunOptions::default()
+    };
+    let tail = run_bounded(seed, &resumed, options, None)
+        .unwrap_or_else(|e| fail(format!("resuming its checkpoint failed: {e}")));
+    if bits(&tail.losses) != clean[step..] {
+        fail(format!(
+            "resumed from step {step} with other losses: {:?}",
+            tail.losses
+        ));
     }
 }
 
@@ -201,15 +241,16 @@ fn runs_through_storage_faults_complete_exactly_or_stop_typed_with_a_whole_check
         }
     };
     let started = std::time::Instant::now();
-    let (mut completed, mut stopped) = (0, 0);
+    let (mut completed, mut stopped, mut aborted) = (0, 0, 0);
     for &seed in &seeds {
         match simulate(seed, &clean) {
             Outcome::Completed => completed += 1,
             Outcome::Stopped => stopped += 1,
+            Outcome::Aborted => aborted += 1,
         }
     }
     eprintln!(
-        "{} seeds in {:.1} s: {completed} completed exactly, {stopped} stopped on a hard fault with a whole checkpoint",
+        "{} seeds in {:.1} s: {completed} completed exactly, {stopped} stopped on a hard fault and {aborted} were aborted, each with a whole checkpoint",
         seeds.len(),
         started.elapsed().as_secs_f64()
     );
@@ -217,8 +258,8 @@ fn runs_through_storage_faults_complete_exactly_or_stop_typed_with_a_whole_check
     // wrong and the test proves little.
     if seeds.len() >= 20 {
         assert!(
-            stopped > 0 && completed > seeds.len() / 2,
-            "{completed} / {stopped}"
+            stopped > 0 && aborted > 0 && completed > seeds.len() / 2,
+            "{completed} / {stopped} / {aborted}"
         );
     }
 }
