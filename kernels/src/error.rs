@@ -116,3 +116,21 @@ pub enum KernelError {
 
 /// Results of strata-kernels.
 pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// `Shape` unless an operand holds the `expected` number of elements.
+pub(crate) fn same_len<N: PartialEq + std::fmt::Display>(
+    op: &'static str,
+    operand: &'static str,
+    actual: N,
+    expected: N,
+) -> Result<()> {
+    if actual != expected {
+        return Err(KernelError::Shape {
+            op,
+            operand,
+            actual: format!("{actual} elements"),
+            expected: format!("{expected} elements"),
+        });
+    }
+    Ok(())
+}

@@ -699,6 +699,42 @@ fn gemm_matches_an_f64_reference_for_every_transpose() {
     }
 }
 
+/// The attention forward and backward on the GPU over `qkv` and `dout` in
+/// `dtype` (their element type): (out, dqkv).
+fn attention_on_gpu<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
+    gpu: &Gpu,
+    dtype: Dtype,
+    shape: strata_kernels::Attention,
+    qkv: &[T],
+    dout: &[T],
+    (lse, dsum): (&CudaSlice<f32>, &CudaSlice<f32>),
+) -> (Vec<T>, Vec<T>) {
+    let s = &gpu.stream;
+    let (dq, dd) = (gpu.up(qkv), gpu.up(dout));
+    let (out, dgrad) = (gpu.zeros::<T>(dout.len()), gpu.zeros::<T>(qkv.len()));
+    // SAFETY: sizes as the launchers document.
+    unsafe {
+        gpu.ops
+            .attention(s, dtype, shape, (gpu.at(&dq), gpu.at(&out), gpu.at(lse)))
+            .unwrap();
+        gpu.ops
+            .attention_backward(
+                s,
+                dtype,
+                shape,
+                (
+                    gpu.at(&dq),
+                    gpu.at(lse),
+                    gpu.at(&dd),
+                    gpu.at(&dgrad),
+                    gpu.at(dsum),
+                ),
+            )
+            .unwrap();
+    }
+    (gpu.down(&out), gpu.down(&dgrad))
+}
+
 /// The flash-style attention against the CPU backend's (which keeps whole
 /// probability matrices): forward and backward, a sequence that is not a
 /// multiple of the tiles, f32 and bf16.
@@ -709,7 +745,6 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
     let Some(gpu) = gpu_or_skip("attention_matches_the_cpu_backend_forward_and_backward") else {
         return;
     };
-    let s = &gpu.stream;
     for (shape, dtype) in [
         (
             Attention {
@@ -772,73 +807,17 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
         let per_row = shape.batch * shape.heads * shape.seq;
         let (lse, dsum) = (gpu.zeros::<f32>(per_row), gpu.zeros::<f32>(per_row));
         let (got_out, got_dqkv) = match dtype {
-            Dtype::F32 => {
-                let (dq, dd, dout_d, dgrad) = (
-                    gpu.up(&qkv),
-                    gpu.up(&dout),
-                    gpu.zeros::<f32>(rows * hidden),
-                    gpu.zeros::<f32>(qkv.len()),
-                );
-                // SAFETY: sizes as the launchers document.
-                unsafe {
-                    gpu.ops
-                        .attention(
-                            s,
-                            dtype,
-                            shape,
-                            (gpu.at(&dq), gpu.at(&dout_d), gpu.at(&lse)),
-                        )
-                        .unwrap();
-                    gpu.ops
-                        .attention_backward(
-                            s,
-                            dtype,
-                            shape,
-                            (
-                                gpu.at(&dq),
-                                gpu.at(&lse),
-                                gpu.at(&dd),
-                                gpu.at(&dgrad),
-                                gpu.at(&dsum),
-                            ),
-                        )
-                        .unwrap();
-                }
-                (gpu.down(&dout_d), gpu.down(&dgrad))
-            }
+            Dtype::F32 => attention_on_gpu(&gpu, dtype, shape, &qkv, &dout, (&lse, &dsum)),
             _ => {
-                let (dq, dd, dout_d, dgrad) = (
-                    gpu.up(&to_bf16(&qkv)),
-                    gpu.up(&to_bf16(&dout)),
-                    gpu.zeros::<u16>(rows * hidden),
-                    gpu.zeros::<u16>(qkv.len()),
+                let (out, dqkv) = attention_on_gpu(
+                    &gpu,
+                    dtype,
+                    shape,
+                    &to_bf16(&qkv),
+                    &to_bf16(&dout),
+                    (&lse, &dsum),
                 );
-                // SAFETY: as above, in bf16.
-                unsafe {
-                    gpu.ops
-                        .attention(
-                            s,
-                            dtype,
-                            shape,
-                            (gpu.at(&dq), gpu.at(&dout_d), gpu.at(&lse)),
-                        )
-                        .unwrap();
-                    gpu.ops
-                        .attention_backward(
-                            s,
-                            dtype,
-                            shape,
-                            (
-                                gpu.at(&dq),
-                                gpu.at(&lse),
-                                gpu.at(&dd),
-                                gpu.at(&dgrad),
-                                gpu.at(&dsum),
-                            ),
-                        )
-                        .unwrap();
-                }
-                (from_bf16(&gpu.down(&dout_d)), from_bf16(&gpu.down(&dgrad)))
+                (from_bf16(&out), from_bf16(&dqkv))
             }
         };
         // fp32 throughout, sums in other orders: 1e-4; bf16 outputs: their place.

@@ -41,6 +41,20 @@ fn assert_resumes_exactly(
     );
 }
 
+/// Swap files left in the ranks' directories under `swap`.
+fn swap_file_count(swap: &std::path::Path) -> usize {
+    std::fs::read_dir(swap)
+        .unwrap()
+        .flatten()
+        .flat_map(|rank| {
+            std::fs::read_dir(rank.path().join("strata-swap"))
+                .into_iter()
+                .flatten()
+        })
+        .flatten()
+        .count()
+}
+
 fn tiny(dir: &std::path::Path) -> TrainConfig {
     let mut config = TrainConfig::default();
     config.model.seq = 16;
@@ -639,16 +653,7 @@ fn a_stop_request_stops_every_rank_at_one_boundary_with_a_checkpoint_that_resume
         at.meta.step, head.last_step,
         "a final checkpoint at the stop"
     );
-    let swap_files = std::fs::read_dir(dir.path().join("swap"))
-        .unwrap()
-        .flatten()
-        .flat_map(|rank| {
-            std::fs::read_dir(rank.path().join("strata-swap"))
-                .into_iter()
-                .flatten()
-        })
-        .flatten()
-        .count();
+    let swap_files = swap_file_count(&dir.path().join("swap"));
     assert_eq!(swap_files, 0, "the stopped run removed its swap files");
 
     assert_resumes_exactly(&config, &checkpoints, &head.losses, &whole);
@@ -695,16 +700,7 @@ fn an_abort_ends_the_step_in_progress_within_a_bound_and_keeps_the_last_checkpoi
             .all(|e| !e.file_name().to_string_lossy().starts_with(".tmp")),
         "no temporary checkpoint left"
     );
-    let swap_files = std::fs::read_dir(dir.path().join("swap"))
-        .unwrap()
-        .flatten()
-        .flat_map(|rank| {
-            std::fs::read_dir(rank.path().join("strata-swap"))
-                .into_iter()
-                .flatten()
-        })
-        .flatten()
-        .count();
+    let swap_files = swap_file_count(&dir.path().join("swap"));
     assert_eq!(swap_files, 0, "the aborted run removed its swap files");
     assert_resumes_exactly(&config, &checkpoints, &whole.losses[..kept], &whole);
 }

@@ -9,7 +9,7 @@ use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam
 use super::gemm::{Strided, gemm_strided};
 use super::ops;
 use crate::backend::{Attention, Backend, Matrix, Readback};
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, Result, same_len};
 
 /// The CPU reference backend.
 #[derive(Clone, Copy, Debug, Default)]
@@ -55,18 +55,6 @@ fn check(
             operand,
             dtype,
             fix: "the CPU backend computes in f32 (u32 for token ids)",
-        });
-    }
-    Ok(())
-}
-
-fn same_len(op: &'static str, operand: &'static str, actual: usize, expected: usize) -> Result<()> {
-    if actual != expected {
-        return Err(KernelError::Shape {
-            op,
-            operand,
-            actual: format!("{actual} elements"),
-            expected: format!("{expected} elements"),
         });
     }
     Ok(())

@@ -15,7 +15,7 @@ use strata_optim::AdamCoefficients;
 use super::{Gemm, Operand, Ops, SUM_BLOCKS};
 use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots};
 use crate::cpu::ops::LN_EPS;
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, Result, same_len};
 
 /// Readbacks that may be in flight at once.
 pub const READBACKS_MAX: usize = 64;
@@ -154,18 +154,6 @@ fn on_device(
         });
     }
     Ok((raw.start_address(), raw.len() as u64))
-}
-
-fn same_len(op: &'static str, operand: &'static str, actual: u64, expected: u64) -> Result<()> {
-    if actual != expected {
-        return Err(KernelError::Shape {
-            op,
-            operand,
-            actual: format!("{actual} elements"),
-            expected: format!("{expected} elements"),
-        });
-    }
-    Ok(())
 }
 
 /// The compute dtype of an op's main tensors: f32 or bf16.
