@@ -235,6 +235,25 @@ fn read_back(runtime: &Runtime, id: TensorId) -> Vec<u8> {
     read(runtime, id, Tier::Host)
 }
 
+/// On a 1 MiB device: `left` and `right` (384 KiB each) moved back to the
+/// host around `middle` (256 KiB), held in use on the device, so 768 KiB
+/// are free in two pieces of 384 KiB; `big` (640 KiB, filled) waits on the
+/// host. Returns `[left, middle, big]` and the guard holding `middle`.
+fn fragmented(runtime: &Runtime) -> ([TensorId; 3], strata_runtime::Guard) {
+    let kib = |k: u64| k << 10;
+    let [left, middle, right, big] = [("left", 384), ("middle", 256), ("right", 384), ("big", 640)]
+        .map(|(name, k)| runtime.register(meta(name, kib(k)), Tier::Host).unwrap());
+    fill(runtime, big, Tier::Host, &pattern(7, kib(640) as usize));
+    for id in [left, middle, right] {
+        runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    }
+    let in_use = runtime.acquire(middle, Tier::Device, Access::Read).unwrap();
+    for id in [left, right] {
+        runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
+    }
+    ([left, middle, big], in_use)
+}
+
 /// Regression: a prefetch failed with "device budget exhausted" when the
 /// bytes were free but split around a tensor in use (a gradient being
 /// accumulated); a mover now waits for that tensor to be let go.
@@ -243,18 +262,7 @@ fn a_move_waits_for_room_held_by_a_tensor_in_use() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 4 << 20)).unwrap();
     let kib = |k: u64| k << 10;
-    let [left, middle, right, big] = [("left", 384), ("middle", 256), ("right", 384), ("big", 640)]
-        .map(|(name, k)| runtime.register(meta(name, kib(k)), Tier::Host).unwrap());
-    fill(&runtime, big, Tier::Host, &pattern(7, kib(640) as usize));
-    for id in [left, middle, right] {
-        runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
-    }
-    // The middle one in use, its neighbours gone: 768 KiB free on the
-    // device, in two pieces of 384 KiB.
-    let in_use = runtime.acquire(middle, Tier::Device, Access::Read).unwrap();
-    for id in [left, right] {
-        runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
-    }
+    let ([_, _, big], in_use) = fragmented(&runtime);
     let started = std::time::Instant::now();
     let fetch = runtime.move_to(big, Tier::Device).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(200));
@@ -280,16 +288,7 @@ fn cancelling_ends_every_blocked_wait_within_a_bound_and_keeps_the_copies() {
     config.runtime.room_wait_ms = 60_000;
     let runtime = Runtime::new(&config).unwrap();
     let kib = |k: u64| k << 10;
-    let [left, middle, right, big] = [("left", 384), ("middle", 256), ("right", 384), ("big", 640)]
-        .map(|(name, k)| runtime.register(meta(name, kib(k)), Tier::Host).unwrap());
-    fill(&runtime, big, Tier::Host, &pattern(7, kib(640) as usize));
-    for id in [left, middle, right] {
-        runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
-    }
-    let in_use = runtime.acquire(middle, Tier::Device, Access::Read).unwrap();
-    for id in [left, right] {
-        runtime.move_to(id, Tier::Host).unwrap().wait().unwrap();
-    }
+    let ([left, middle, big], in_use) = fragmented(&runtime);
     let fetch = runtime.move_to(big, Tier::Device).unwrap();
     let cancel = runtime.cancel_token();
     let bound = std::time::Duration::from_secs(1);
