@@ -29,6 +29,18 @@ pub enum RuntimeError {
         /// Bytes of tensors that may not be evicted (guards held, moving).
         unevictable_bytes: u64,
     },
+    /// The tier refused a placement although its budget had room, and
+    /// nothing could be spilled to make more: an out-of-memory fault
+    /// injected by a simulation ([`crate::MemoryFaults`]).
+    #[error(
+        "{tier} refused {needed_bytes} bytes: out of memory (an injected fault), and nothing could be spilled; retry the operation"
+    )]
+    OutOfMemory {
+        /// The tier that refused.
+        tier: Tier,
+        /// Bytes asked for.
+        needed_bytes: u64,
+    },
     /// A tier is full and there is no tier below it to spill to.
     #[error(
         "{tier} budget exhausted ({needed_bytes} bytes needed, {available_bytes} free) and no NVMe tier is configured to spill to: add [nvme] dirs or raise the {tier} budget"

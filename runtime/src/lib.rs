@@ -46,7 +46,7 @@ pub use error::{Result, RuntimeError};
 pub use guard::{Guard, RangeOf, zip_ranges};
 pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
 pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
-pub use state::Access;
+pub use state::{Access, MemoryFaults};
 pub use stats::{
     CALLER_LANE, EventKind, LinkStats, OPTIMIZER_LANE, Stats, TierStats, Trace, TraceEvent,
     set_caller_lane,

@@ -24,8 +24,8 @@ use crate::error::{Result, RuntimeError};
 use crate::guard::{Guard, View};
 use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
 use crate::state::{
-    Access, Copy, Entry, Place, Shared, State, check_size, in_use_error, moving_error,
-    not_resident, released_by,
+    Access, Copy, Entry, MemoryFaults, Place, Shared, State, check_size, in_use_error,
+    moving_error, not_resident, released_by,
 };
 use crate::stats::{EventKind, Stats, Trace, TraceEvent, caller_lane, is_mover_lane};
 use crate::tier::{Link, TensorId, TensorMeta, Tier};
@@ -165,6 +165,12 @@ impl Runtime {
         Self::open(config, Some((rates, seed)))
     }
 
+    /// Injects seeded out-of-memory faults into every later placement in the
+    /// device and host tiers (simulations; see [`MemoryFaults`]).
+    pub fn inject_memory_faults(&self, faults: MemoryFaults) {
+        self.shared.lock().memory_faults = Some(faults);
+    }
+
     fn open(
         config: &RuntimeConfig,
         faults: Option<(strata_storage::FaultRates, u64)>,
@@ -243,6 +249,7 @@ impl Runtime {
             clock: 0,
             fenced: VecDeque::with_capacity(config.runtime.tensors_max.min(1 << 16)),
             landings: 0,
+            memory_faults: None,
         };
         tracing::info!(
             "runtime: {}; pinned pool {} bytes in {} class(es) ({}); nvme {}",
@@ -360,6 +367,7 @@ impl Runtime {
                 writer: false,
                 last_use: 0,
                 next_use: u64::MAX,
+                placements: 0,
             };
             state.tensors.insert(id, entry);
             id
@@ -995,9 +1003,14 @@ impl Shared {
         loop {
             let mut state = self.lock();
             state.reclaim_fenced();
+            let mut refused = false;
             let shortfall = match self.try_place(&mut state, id, tier) {
                 Ok(()) => return Ok(()),
                 Err(Unplaced::Full(shortfall)) => shortfall,
+                Err(Unplaced::Refused) => {
+                    refused = true;
+                    None
+                }
                 Err(Unplaced::Failed(err)) => return Err(err),
             };
             // No spill starts once cancelled (a cancelled runtime drains).
@@ -1063,6 +1076,12 @@ impl Shared {
                 drop(Cancel::sleep(&self.changed, state));
                 continue;
             }
+            if refused {
+                return Err(RuntimeError::OutOfMemory {
+                    tier,
+                    needed_bytes: state.tensors[&id].len_bytes,
+                });
+            }
             return Err(self.out_of_budget(&state, id, tier, shortfall));
         }
     }
@@ -1110,6 +1129,9 @@ impl Shared {
 
     /// One attempt to place the copy.
     fn try_place(&self, state: &mut State, id: TensorId, tier: Tier) -> Result<(), Unplaced> {
+        if state.refuses_placement(id, tier) {
+            return Err(Unplaced::Refused);
+        }
         let entry = state.tensors.get(&id).expect("live tensor");
         let (len_bytes, chunks) = (entry.len_bytes, entry.chunks.clone());
         let (place, bytes) = match tier {
@@ -1304,6 +1326,8 @@ impl Shared {
 enum Unplaced {
     /// The tier is full (for the host: the class that ran short).
     Full(Option<Shortfall>),
+    /// An injected out-of-memory fault refused the placement.
+    Refused,
     /// Something other than room went wrong.
     Failed(RuntimeError),
 }

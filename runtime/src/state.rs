@@ -61,6 +61,9 @@ pub(crate) struct Entry {
     pub(crate) writer: bool,
     pub(crate) last_use: u64,
     pub(crate) next_use: u64,
+    /// Placements asked for so far (the attempt in an injected
+    /// out-of-memory fault's hash).
+    pub(crate) placements: u32,
 }
 
 impl Entry {
@@ -148,6 +151,51 @@ pub(crate) struct State {
     /// Copies to the device handed out and not yet known to have landed
     /// (their time and trace span come when they do).
     pub(crate) landings: u32,
+    /// Seeded out-of-memory faults (simulations only).
+    pub(crate) memory_faults: Option<MemoryFaults>,
+}
+
+/// Seeded out-of-memory faults, for simulations: a placement in the device
+/// or host tier is refused as if the tier were full, with probability
+/// `rate`, decided by a hash of (seed, tensor, tier, attempt), so a seed
+/// refuses the same placements however the threads interleave. The runtime
+/// answers as it does to a full tier: it spills, waits for room, or fails
+/// with [`crate::RuntimeError::OutOfMemory`]; nothing may be lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MemoryFaults {
+    /// Probability per placement.
+    pub rate: f64,
+    /// The seed.
+    pub seed: u64,
+}
+
+impl State {
+    /// Whether an injected out-of-memory fault refuses this placement of
+    /// `id` in `tier` (device and host only; counted in the stats).
+    pub(crate) fn refuses_placement(&mut self, id: TensorId, tier: Tier) -> bool {
+        let Some(faults) = self.memory_faults else {
+            return false;
+        };
+        if tier == Tier::Nvme || faults.rate <= 0.0 {
+            return false;
+        }
+        let entry = self.tensors.get_mut(&id).expect("live tensor");
+        entry.placements = entry.placements.saturating_add(1);
+        let key = [
+            faults.seed,
+            id.0,
+            tier.index() as u64,
+            u64::from(entry.placements),
+        ];
+        let hash = key.iter().fold(0, |h, &k| {
+            strata_storage::engine::SplitMix64(h ^ k).next_u64()
+        });
+        let refused = strata_storage::engine::SplitMix64(hash).next_f64() < faults.rate;
+        if refused {
+            self.stats.ooms_injected += 1;
+        }
+        refused
+    }
 }
 
 /// What the movers, guards and completions share.

@@ -49,6 +49,9 @@ pub struct Stats {
     pub spills_written: u64,
     /// Tensors registered now.
     pub tensors: usize,
+    /// Placements refused by injected out-of-memory faults
+    /// ([`crate::MemoryFaults`]; simulations only).
+    pub ooms_injected: u64,
 }
 
 impl Stats {

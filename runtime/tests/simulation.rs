@@ -1,9 +1,13 @@
 //! Deterministic simulation (seeded): random sequences of register, use,
 //! write, move and free across the tiers, with tiny budgets and injected
-//! storage faults (EIO, ENOSPC, EAGAIN, short transfers, flipped bits).
+//! storage faults (EIO, ENOSPC, EAGAIN, short transfers, flipped bits) and
+//! out-of-memory faults (a device or host placement refused as if the tier
+//! were full: the runtime must spill, or fail with `OutOfMemory`).
 //! After every operation: no budget is exceeded, no tensor is lost or
-//! changed, and a hard fault was injected exactly when an operation failed
-//! because of storage. At the end no buffer, device range or extent leaks.
+//! changed, a hard fault was injected exactly when an operation failed
+//! because of storage, and an operation failed out of memory only when an
+//! out-of-memory fault was injected. At the end no buffer, device range or
+//! extent leaks.
 //!
 //! One mover, one ring and queue depth 1 keep the I/O order, and so the
 //! faults, a function of the seed. A failing seed is printed; replay it with
@@ -14,7 +18,7 @@ use std::collections::HashMap;
 
 use strata_runtime::{
     Access, ClassConfig, CpuDevice, DeviceChoice, DeviceConfig, Dtype, HostConfig, LimitsConfig,
-    Runtime, RuntimeConfig, RuntimeError, TensorId, TensorKind, TensorMeta, Tier,
+    MemoryFaults, Runtime, RuntimeConfig, RuntimeError, TensorId, TensorKind, TensorMeta, Tier,
 };
 use strata_storage::engine::SplitMix64;
 use strata_storage::{ByteSize, EngineChoice, FaultCounts, FaultRates, StorageConfig, SwapStore};
@@ -32,10 +36,23 @@ struct Sim {
     /// Tensor -> (bytes, checksum of its data).
     model: HashMap<TensorId, (u64, u64)>,
     failures: usize,
+    /// Operations that failed out of memory.
+    ooms: usize,
 }
 
 fn hard_faults(counts: FaultCounts) -> u64 {
     counts.eio + counts.enospc + counts.flip
+}
+
+/// Placements refused by an injected out-of-memory fault, per placement.
+const OOM_RATE: f64 = 0.03;
+
+fn out_of_memory(err: &RuntimeError) -> bool {
+    match err {
+        RuntimeError::OutOfMemory { .. } => true,
+        RuntimeError::Move { cause, .. } => out_of_memory(cause),
+        _ => false,
+    }
 }
 
 fn caused_by_storage(err: &RuntimeError) -> bool {
@@ -104,6 +121,10 @@ impl Sim {
         let device = Box::new(CpuDevice::new(DEVICE_BYTES).unwrap());
         let runtime =
             Runtime::with_parts(&config, device, Some(store.clone())).expect("runtime starts");
+        runtime.inject_memory_faults(MemoryFaults {
+            rate: OOM_RATE,
+            seed,
+        });
         Self {
             seed,
             rng: SplitMix64(seed ^ 0x51_3a7a),
@@ -111,6 +132,7 @@ impl Sim {
             store,
             model: HashMap::new(),
             failures: 0,
+            ooms: 0,
         }
     }
 
@@ -257,14 +279,24 @@ impl Sim {
     fn run(&mut self) {
         for step in 0..OPS_PER_SEED {
             let before = hard_faults(self.store.fault_counts().unwrap());
+            let ooms_before = self.runtime.stats().ooms_injected;
             let errors = self.step();
             let injected = hard_faults(self.store.fault_counts().unwrap()) - before;
+            let ooms_injected = self.runtime.stats().ooms_injected - ooms_before;
+            let ooms = errors.iter().filter(|e| out_of_memory(e)).count();
+            assert!(
+                ooms == 0 || ooms_injected > 0,
+                "seed {} step {step}: out of memory with no fault injected: {errors:?}",
+                self.seed
+            );
+            self.ooms += ooms;
             let storage_errors = errors.iter().filter(|e| caused_by_storage(e)).count();
             for err in errors.iter().filter(|e| !caused_by_storage(e)) {
                 assert!(
                     matches!(
                         err,
                         RuntimeError::OutOfBudget { .. }
+                            | RuntimeError::OutOfMemory { .. }
                             | RuntimeError::Move { .. }
                             | RuntimeError::InUse { .. }
                     ),
@@ -295,7 +327,7 @@ impl Sim {
             while let Err(err) = self.runtime.move_to(id, Tier::Host).unwrap().wait() {
                 tries += 1;
                 assert!(
-                    caused_by_storage(&err) && tries < 50,
+                    (caused_by_storage(&err) || out_of_memory(&err)) && tries < 50,
                     "seed {}: tensor {id} unreadable: {err}",
                     self.seed
                 );
@@ -343,13 +375,19 @@ impl Sim {
     }
 }
 
-fn run_seed(seed: u64) -> usize {
+/// Storage faults surfaced, out-of-memory faults injected, and operations
+/// that failed out of memory.
+fn run_seed(seed: u64) -> [u64; 3] {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let mut sim = Sim::new(seed, dir.path());
     sim.run();
-    let failures = sim.failures;
+    let counts = [
+        sim.failures as u64,
+        sim.runtime.stats().ooms_injected,
+        sim.ooms as u64,
+    ];
     sim.drain();
-    failures
+    counts
 }
 
 #[test]
@@ -363,11 +401,15 @@ fn seeded_simulation_with_storage_faults() {
             (0..count).map(|i| 0x5eed_0000 + i).collect()
         }
     };
-    let mut failures = 0;
+    let [mut failures, mut ooms_injected, mut ooms_failed] = [0; 3];
     for seed in seeds {
         let outcome = std::panic::catch_unwind(|| run_seed(seed));
         match outcome {
-            Ok(count) => failures += count,
+            Ok([f, injected, failed]) => {
+                failures += f;
+                ooms_injected += injected;
+                ooms_failed += failed;
+            }
             Err(panic) => {
                 eprintln!(
                     "simulation failed for seed {seed}; replay with STRATA_SIM_SEED={seed} cargo test -p strata-runtime --test simulation"
@@ -376,10 +418,12 @@ fn seeded_simulation_with_storage_faults() {
             }
         }
     }
-    eprintln!("simulation: {failures} injected storage faults surfaced as errors over the seeds");
+    eprintln!(
+        "simulation: {failures} injected storage faults surfaced as errors; {ooms_injected} placements refused out of memory, {ooms_failed} operations failed for it (the rest were spilled around)"
+    );
     if std::env::var("STRATA_SIM_SEED").is_err() {
         assert!(
-            failures > 0,
+            failures > 0 && ooms_injected > 0,
             "the fault rates injected nothing: the test would not notice a swallowed fault"
         );
     }

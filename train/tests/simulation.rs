@@ -4,10 +4,14 @@
 //! short transfers, EIO, ENOSPC, flipped bits, delays of up to 0.5 ms),
 //! each decided by a hash of
 //! (seed, rank, direction, file, offset, length, attempt), so that a seed
-//! meets the same faults however the threads interleave.
+//! meets the same faults however the threads interleave. On odd seeds,
+//! placements in the device and host tiers are also refused out of memory
+//! (hash of seed, rank, tensor, tier, attempt): the runtime spills around
+//! them or the run stops typed.
 //!
 //! After every run: it completed with the fault-free run's losses bit for
-//! bit, or it stopped with a typed storage error (no panic, no hang), and
+//! bit (spills forced by refused placements change no sum), or it stopped
+//! with a typed storage or out-of-memory error (no panic, no hang), and
 //! the last checkpoint it published is whole and resumes to the fault-free
 //! losses; no tier's peak passed its budget. Seeds with only retryable
 //! faults must complete. One seed in five is also aborted mid-run (as a
@@ -61,6 +65,11 @@ fn config(dir: &std::path::Path) -> TrainConfig {
     nvme.queue_depth = 1;
     config
 }
+
+/// Placements in a memory tier refused as if the tier were full, on odd
+/// seeds (a hard fault: each rank's runtime must spill around it or stop
+/// typed).
+const OOM_RATE: f64 = 0.01;
 
 /// The faults of `seed`: even seeds only retryable ones.
 fn rates(seed: u64) -> FaultRates {
@@ -120,7 +129,10 @@ fn bits(losses: &[f64]) -> Vec<u64> {
 /// What one seed did.
 enum Outcome {
     Completed,
-    Stopped,
+    /// Stopped on a hard fault (out of memory or not).
+    Stopped {
+        oom: bool,
+    },
     Aborted,
 }
 
@@ -133,6 +145,11 @@ fn simulate(seed: u64, clean: &[u64]) -> Outcome {
     let options = RunOptions {
         faults: Some(Faults {
             rates: rates(seed),
+            oom: if seed.is_multiple_of(2) {
+                0.0
+            } else {
+                OOM_RATE
+            },
             seed,
         }),
         ..RunOptions::default()
@@ -170,12 +187,15 @@ fn simulate(seed: u64, clean: &[u64]) -> Outcome {
                 "No space left",
                 "checksum",
                 "os error",
+                "out of memory",
             ];
             if !storage.iter().any(|s| text.contains(s)) {
                 fail(format!("stopped by something other than storage: {text}"));
             }
             check_last_checkpoint(seed, &config, &checkpoints, clean);
-            Outcome::Stopped
+            Outcome::Stopped {
+                oom: text.contains("out of memory"),
+            }
         }
     }
 }
@@ -241,16 +261,19 @@ fn runs_through_storage_faults_complete_exactly_or_stop_typed_with_a_whole_check
         }
     };
     let started = std::time::Instant::now();
-    let (mut completed, mut stopped, mut aborted) = (0, 0, 0);
+    let (mut completed, mut stopped, mut ooms, mut aborted) = (0, 0, 0, 0);
     for &seed in &seeds {
         match simulate(seed, &clean) {
             Outcome::Completed => completed += 1,
-            Outcome::Stopped => stopped += 1,
+            Outcome::Stopped { oom } => {
+                stopped += 1;
+                ooms += usize::from(oom);
+            }
             Outcome::Aborted => aborted += 1,
         }
     }
     eprintln!(
-        "{} seeds in {:.1} s: {completed} completed exactly, {stopped} stopped on a hard fault and {aborted} were aborted, each with a whole checkpoint",
+        "{} seeds in {:.1} s: {completed} completed exactly, {stopped} stopped on a hard fault ({ooms} of them out of memory) and {aborted} were aborted, each with a whole checkpoint",
         seeds.len(),
         started.elapsed().as_secs_f64()
     );

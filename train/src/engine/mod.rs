@@ -630,21 +630,31 @@ fn open_runtime(
     let runtime = match faults {
         // Each rank's faults are its own, and the same on every replay.
         Some(faults) => {
-            Runtime::with_faults(&runtime_config, faults.rates, faults.seed ^ rank as u64)?
+            let seed = faults.seed ^ rank as u64;
+            let runtime = Runtime::with_faults(&runtime_config, faults.rates, seed)?;
+            runtime.inject_memory_faults(strata_runtime::MemoryFaults {
+                rate: faults.oom,
+                seed,
+            });
+            runtime
         }
         None => Runtime::new(&runtime_config)?,
     };
     Ok(Arc::new(runtime))
 }
 
-/// Storage faults to inject into a run (simulations and tests): each I/O
-/// request of each rank's NVMe store fails, comes back short or with a
-/// flipped bit with the given probabilities, decided by a hash of the seed
-/// and the request (see [`strata_storage::FaultEngine`]).
+/// Faults to inject into a run (simulations and tests): each I/O request of
+/// each rank's NVMe store fails, comes back short or with a flipped bit
+/// with the given probabilities, decided by a hash of the seed and the
+/// request (see [`strata_storage::FaultEngine`]); each placement in a
+/// memory tier is refused as if the tier were full with probability `oom`
+/// (see [`strata_runtime::MemoryFaults`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Faults {
     /// Probabilities per request.
     pub rates: strata_storage::FaultRates,
+    /// Probability that a placement in the device or host tier is refused.
+    pub oom: f64,
     /// The seed.
     pub seed: u64,
 }
