@@ -1190,10 +1190,14 @@ fn train_child(
 
 /// Waits (at most two minutes) until the child has reported `step`.
 fn wait_for_step(lines: &std::sync::Mutex<Vec<String>>, step: u64) {
+    wait_for_line(lines, &format!("step {step:>5} "));
+}
+
+/// Waits for a line starting with `needle` (at most 120 s).
+fn wait_for_line(lines: &std::sync::Mutex<Vec<String>>, needle: &str) {
     let started = std::time::Instant::now();
-    let needle = format!("step {step:>5} ");
-    while !lines.lock().unwrap().iter().any(|l| l.starts_with(&needle)) {
-        assert!(started.elapsed().as_secs() < 120, "no step {step}");
+    while !lines.lock().unwrap().iter().any(|l| l.starts_with(needle)) {
+        assert!(started.elapsed().as_secs() < 120, "no line {needle:?}");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
@@ -1309,8 +1313,13 @@ fn train_second_signal_or_spent_grace_aborts_the_step_and_the_next_run_cleans_up
             &["--config", config, "--overwrite", "--signal-grace", grace],
         );
         wait_for_step(&lines, 2);
-        for signal in signals {
+        for (i, signal) in signals.iter().enumerate() {
             send(&child, signal);
+            if i + 1 < signals.len() {
+                // Both pending at once, sigwait would take the lower
+                // number (INT) first: let the first be seen.
+                wait_for_line(&lines, &format!("strata: SIG{signal} received"));
+            }
         }
         let started = std::time::Instant::now();
         let output = child.wait_with_output().unwrap();
