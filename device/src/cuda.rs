@@ -352,21 +352,25 @@ impl Context {
         code.result().map_err(cuda_error("cuMemcpyAsync"))
     }
 
-    /// Enqueues zeroing `len_bytes` at `device` on `stream`.
+    /// Enqueues setting `len_bytes` at `device` to the byte `value` on
+    /// `stream`.
     ///
     /// # Safety
     /// The range is allocated and not used by others until a fence
     /// recorded after it has passed.
-    pub unsafe fn zero_async(
+    pub unsafe fn fill_async(
         &self,
         stream: StreamKind,
         device: u64,
         len_bytes: usize,
+        value: u8,
     ) -> Result<()> {
         self.bind()?;
         // SAFETY: the caller's contract.
-        unsafe { result::memset_d8_async(device, 0, len_bytes, self.stream(stream).cu_stream()) }
-            .map_err(cuda_error("cuMemsetD8Async"))
+        unsafe {
+            result::memset_d8_async(device, value, len_bytes, self.stream(stream).cu_stream())
+        }
+        .map_err(cuda_error("cuMemsetD8Async"))
     }
 
     /// A fence after the work enqueued so far on `stream`.

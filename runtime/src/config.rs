@@ -174,6 +174,13 @@ pub struct LimitsConfig {
     pub tensors_max: usize,
     /// Events kept for the Chrome trace (later ones are counted, not kept).
     pub trace_events_max: usize,
+    /// Debug mode: every released device range and host buffer is filled
+    /// with 0xFF bytes (NaN in f32, bf16 and f16) once its last use has
+    /// passed, on the GPU on the host->device copy stream, so that anything
+    /// still reading a range after its release reads NaN (a missed fence
+    /// turns into a NaN loss instead of a silently wrong one). Costs a fill
+    /// per release; off by default.
+    pub poison_released: bool,
 }
 
 impl Default for LimitsConfig {
@@ -185,6 +192,7 @@ impl Default for LimitsConfig {
             moves_queued_max: 1024,
             tensors_max: 1 << 20,
             trace_events_max: 1 << 16,
+            poison_released: false,
         }
     }
 }

@@ -91,7 +91,7 @@ impl View {
                 }
                 Ok(())
             }
-            View::Device { offset } => shared.device.zero(*offset, len_bytes),
+            View::Device { offset } => shared.device.fill(*offset, len_bytes, 0),
             View::Nvme => unreachable!("only device and host copies are registered"),
         }
     }

@@ -232,6 +232,7 @@ impl Runtime {
                 limit_bytes: memlock_limit_bytes(),
             });
         }
+        let (pool, device): (Arc<HostPool>, Arc<dyn Device>) = (Arc::new(pool), Arc::from(device));
         let mut stats = Stats::default();
         stats.tiers[Tier::Device.index()].budget_bytes = device.capacity_bytes();
         stats.tiers[Tier::Host.index()].budget_bytes = pool.capacity_bytes();
@@ -250,6 +251,13 @@ impl Runtime {
             fenced: VecDeque::with_capacity(config.runtime.tensors_max.min(1 << 16)),
             landings: 0,
             memory_faults: None,
+            poison: config
+                .runtime
+                .poison_released
+                .then(|| crate::state::Poison {
+                    pool: pool.clone(),
+                    device: device.clone(),
+                }),
         };
         tracing::info!(
             "runtime: {}; pinned pool {} bytes in {} class(es) ({}); nvme {}",
@@ -266,6 +274,11 @@ impl Runtime {
                 s.capacity_bytes()
             )),
         );
+        if config.runtime.poison_released {
+            tracing::warn!(
+                "runtime.poison_released: released memory is filled with NaN (a debug mode; it costs a fill per release)"
+            );
+        }
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
             changed: Condvar::new(),

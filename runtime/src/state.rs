@@ -153,6 +153,47 @@ pub(crate) struct State {
     pub(crate) landings: u32,
     /// Seeded out-of-memory faults (simulations only).
     pub(crate) memory_faults: Option<MemoryFaults>,
+    /// Fills released memory with NaN (`runtime.poison_released`).
+    pub(crate) poison: Option<Poison>,
+}
+
+/// What `runtime.poison_released` fills released device ranges and host
+/// buffers with: 0xFF bytes, a NaN in every float dtype.
+pub(crate) const POISON_BYTE: u8 = 0xFF;
+
+/// The memory a released place may lie in, for the poisoning debug mode.
+pub(crate) struct Poison {
+    pub(crate) pool: Arc<HostPool>,
+    pub(crate) device: Arc<dyn Device>,
+}
+
+impl Poison {
+    /// Fills a released device range or host buffers (its last use has
+    /// passed; nothing else owns it until it is freed below).
+    fn fill(&self, place: &Place) {
+        match place {
+            Place::Device { offset, bytes } => {
+                if let Err(err) = self.device.fill(*offset, *bytes, POISON_BYTE) {
+                    // The device's error surfaces at its next fence too.
+                    tracing::error!("poisoning a released device range failed: {err}");
+                }
+            }
+            Place::Host(slots) => {
+                for slot in slots.iter() {
+                    // SAFETY: the buffer is released (its last use has passed)
+                    // and not yet back in the free lists: nobody else owns it.
+                    unsafe {
+                        std::ptr::write_bytes(
+                            self.pool.ptr(*slot),
+                            POISON_BYTE,
+                            self.pool.buffer_bytes(slot.class) as usize,
+                        )
+                    }
+                }
+            }
+            Place::Nvme(_) => {}
+        }
+    }
 }
 
 /// Seeded out-of-memory faults, for simulations: a placement in the device
@@ -202,8 +243,8 @@ impl State {
 pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
     pub(crate) changed: Condvar,
-    pub(crate) pool: HostPool,
-    pub(crate) device: Box<dyn Device>,
+    pub(crate) pool: Arc<HostPool>,
+    pub(crate) device: Arc<dyn Device>,
     pub(crate) store: Option<SwapStore>,
     pub(crate) trace: Mutex<Trace>,
     pub(crate) started: Instant,
@@ -335,6 +376,9 @@ impl State {
 
     /// Frees a copy's memory and updates the accounting.
     pub(crate) fn release_place(&mut self, tier: Tier, place: Place) {
+        if let Some(poison) = &self.poison {
+            poison.fill(&place);
+        }
         let bytes = match place {
             Place::Device { offset, bytes } => {
                 self.device_space.free(offset, bytes);

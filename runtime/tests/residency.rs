@@ -722,8 +722,8 @@ impl strata_runtime::Device for HeldDevice {
         self.held.lock().unwrap().push((fence, signal));
         Ok(held)
     }
-    fn zero(&self, device_offset: u64, len_bytes: u64) -> strata_runtime::Result<()> {
-        self.inner.zero(device_offset, len_bytes)
+    fn fill(&self, device_offset: u64, len_bytes: u64, value: u8) -> strata_runtime::Result<()> {
+        self.inner.fill(device_offset, len_bytes, value)
     }
     fn host_address(&self, device_offset: u64) -> Option<*mut u8> {
         self.inner.host_address(device_offset)
@@ -893,4 +893,69 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     files
+}
+
+/// Bytes at `address`, read behind the runtime's back.
+fn raw_bytes(address: u64, len: usize) -> Vec<u8> {
+    // SAFETY: the address lies in the CPU device's arena or the pinned pool,
+    // which live as long as the runtime the caller holds, and no thread
+    // writes these bytes while the test reads them.
+    unsafe { std::slice::from_raw_parts(address as *const u8, len) }.to_vec()
+}
+
+/// `runtime.poison_released`: a released device range and released host
+/// buffers read NaN (0xFF bytes) once their last use has passed, never
+/// before, and the tensor's remaining copy keeps its bytes.
+#[test]
+fn released_memory_is_poisoned_once_its_last_use_passes_and_not_before() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut config = config(dir.path(), 64 << 10, 1 << 20);
+    config.runtime.poison_released = true;
+    let runtime = Runtime::new(&config).unwrap();
+    let data = pattern(7, 65536);
+    assert!(data.chunks(4).all(|f| f != [0xFF; 4]));
+    let id = runtime.register(meta("w", 65536), Tier::Host).unwrap();
+    fill(&runtime, id, Tier::Host, &data);
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+
+    // A device copy still read by enqueued work keeps its bytes.
+    let mut guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    let address = guard.device_address().unwrap();
+    let (fence, compute) = strata_device::Fence::host();
+    guard.used_until(fence);
+    drop(guard);
+    runtime.release(id, Tier::Device).unwrap();
+    let trigger = || {
+        // Any placement frees (and so poisons) the copies whose fences passed.
+        let other = runtime.register(meta("x", 4096), Tier::Host).unwrap();
+        runtime.free(other).unwrap();
+    };
+    trigger();
+    assert_eq!(raw_bytes(address, 65536), data, "poisoned while in use");
+    compute.finish();
+    trigger();
+    assert!(
+        raw_bytes(address, 65536).iter().all(|b| *b == 0xFF),
+        "a released device range past its last use is not poisoned"
+    );
+
+    // Host buffers: released once the data is on the device again.
+    runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
+    assert_eq!(read(&runtime, id, Tier::Device), data);
+    let mut chunks = Vec::new();
+    runtime
+        .acquire(id, Tier::Host, Access::Read)
+        .unwrap()
+        .for_each_chunk(&mut |_, bytes| chunks.push((bytes.as_ptr() as u64, bytes.len())))
+        .unwrap();
+    runtime.release(id, Tier::Host).unwrap();
+    trigger();
+    for (address, len) in chunks {
+        assert!(
+            raw_bytes(address, len).iter().all(|b| *b == 0xFF),
+            "a released host buffer is not poisoned"
+        );
+    }
+    // The copy that stays is whole.
+    assert_eq!(read(&runtime, id, Tier::Device), data);
 }

@@ -765,3 +765,51 @@ fn a_step_given_the_wrong_number_of_tokens_is_refused_with_the_count() {
     );
     engine.step(&vec![1; wanted]).unwrap();
 }
+
+/// With `runtime.poison_released` every released device range and host
+/// buffer reads NaN once its last use has passed: a read after release
+/// anywhere in the step (a missed fence, a stale range) would turn the
+/// losses into NaN or change them. They stay bit-identical.
+#[test]
+fn released_memory_filled_with_nan_changes_no_bit_of_the_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut base = tiny(dir.path());
+    base.train.steps = 6;
+    let mut offload = base.clone();
+    offload.placement.params = Placement::Cpu;
+    offload.placement.optimizer = Placement::Nvme;
+    let mut ranks = base.clone();
+    ranks.train.ranks = 2;
+    ranks.train.micro_batch = 2;
+    let mut kept = base.clone();
+    kept.train.checkpoint_activations = false;
+    kept.train.grad_accumulation = 2;
+    kept.host.budget = ByteSize(16 << 20);
+    for (name, config) in [
+        ("default", base),
+        ("offload", offload),
+        ("2 ranks", ranks),
+        ("activations kept", kept),
+    ] {
+        let mut poisoned = config.clone();
+        poisoned.runtime.poison_released = true;
+        let a = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        let b = run(&poisoned, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        assert_eq!(a.reports.len(), 6, "{name}");
+        for (x, y) in a.reports.iter().zip(&b.reports) {
+            assert!(
+                y.loss.is_finite(),
+                "{name} step {}: loss {}",
+                y.step,
+                y.loss
+            );
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{name} step {}", x.step);
+            assert_eq!(
+                x.grad_norm.to_bits(),
+                y.grad_norm.to_bits(),
+                "{name} step {}",
+                x.step
+            );
+        }
+    }
+}

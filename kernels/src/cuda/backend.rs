@@ -259,7 +259,7 @@ impl CudaBackend {
             // SAFETY: the slot is inside the scratch buffer, ours alone.
             unsafe {
                 self.context
-                    .zero_async(StreamKind::Compute, device, SLOT_BYTES)
+                    .fill_async(StreamKind::Compute, device, SLOT_BYTES, 0)
             }?;
             write(device)?;
             // SAFETY: both ranges are the slot's; the pinned one is read
@@ -311,7 +311,7 @@ impl Backend for CudaBackend {
         // SAFETY: the new allocation, ours alone.
         unsafe {
             self.context
-                .zero_async(StreamKind::Compute, address, bytes as usize)
+                .fill_async(StreamKind::Compute, address, bytes as usize, 0)
         }?;
         Ok(buffer)
     }
@@ -436,8 +436,12 @@ impl Backend for CudaBackend {
         let (x_at, n) = on_device("zero", "x", x.raw(), None)?;
         // SAFETY: a checked view on this device.
         unsafe {
-            self.context
-                .zero_async(StreamKind::Compute, x_at, (n * x.dtype().bytes()) as usize)
+            self.context.fill_async(
+                StreamKind::Compute,
+                x_at,
+                (n * x.dtype().bytes()) as usize,
+                0,
+            )
         }?;
         Ok(())
     }

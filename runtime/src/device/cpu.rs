@@ -160,15 +160,16 @@ impl Device for CpuDevice {
         Ok(fence)
     }
 
-    fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {
+    fn fill(&self, device_offset: u64, len_bytes: u64, value: u8) -> Result<()> {
         self.check_range(device_offset, len_bytes as usize);
         let start = self
             .arena
             .as_ptr()
             .wrapping_add(device_offset as usize)
             .cast_mut();
-        // SAFETY: the range is in the arena, owned by the copy being registered.
-        unsafe { std::ptr::write_bytes(start, 0, len_bytes as usize) };
+        // SAFETY: the range is in the arena, owned by the copy being registered
+        // (or released, with its last use passed).
+        unsafe { std::ptr::write_bytes(start, value, len_bytes as usize) };
         Ok(())
     }
 

@@ -119,15 +119,16 @@ impl Device for CudaDevice {
         Ok(self.context.record(on)?)
     }
 
-    fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()> {
+    fn fill(&self, device_offset: u64, len_bytes: u64, value: u8) -> Result<()> {
         self.check_range(device_offset, len_bytes as usize);
         let (device, len) = (self.base + device_offset, len_bytes as usize);
         // Uploads into the range follow on the same stream, and the other two
         // streams wait (on the device) for the fence below.
-        // SAFETY: the range is in the arena, owned by the copy being registered.
+        // SAFETY: the range is in the arena, owned by the copy being registered
+        // (or released, with its last use passed).
         unsafe {
             self.context
-                .zero_async(StreamKind::CopyToDevice, device, len)?
+                .fill_async(StreamKind::CopyToDevice, device, len, value)?
         };
         let zeroed = self.context.record(StreamKind::CopyToDevice)?;
         self.context.wait_on(StreamKind::CopyToHost, &zeroed)?;

@@ -72,11 +72,13 @@ pub trait Device: Send + Sync {
     /// then.
     unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<Fence>;
 
-    /// Fills `len_bytes` of the arena at `device_offset` with zeros (a new
-    /// tensor registered on the device): on the CPU device before
+    /// Fills `len_bytes` of the arena at `device_offset` with the byte
+    /// `value` (zeros for a new tensor registered on the device; 0xFF, a
+    /// NaN in every float dtype, for a released range in the
+    /// `runtime.poison_released` debug mode): on the CPU device before
     /// returning, on a GPU enqueued on the host->device copy stream, which
     /// every later upload or reader of the range is ordered after.
-    fn zero(&self, device_offset: u64, len_bytes: u64) -> Result<()>;
+    fn fill(&self, device_offset: u64, len_bytes: u64, value: u8) -> Result<()>;
 
     /// Blocks until a batch of copies has finished.
     fn wait(&self, fence: Fence) -> Result<()> {
