@@ -342,6 +342,18 @@ impl Runtime {
     /// Registers a tensor with a zeroed copy in `tier` (device or host),
     /// spilling other tensors if the tier is full.
     pub fn register(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
+        self.register_filled(meta, tier, true)
+    }
+
+    /// [`Runtime::register`] for a tensor the caller writes whole before
+    /// anything reads it (a saved activation, a gradient shard): its copy
+    /// holds whatever its memory held (NaN with `runtime.poison_released`),
+    /// and no fill is spent on it.
+    pub fn register_unfilled(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
+        self.register_filled(meta, tier, false)
+    }
+
+    fn register_filled(&self, meta: TensorMeta, tier: Tier, zeroed: bool) -> Result<TensorId> {
         let len_bytes = meta.len_bytes();
         if len_bytes == 0 {
             return Err(RuntimeError::Config {
@@ -388,7 +400,10 @@ impl Runtime {
         let placed = self
             .shared
             .allocate(id, tier, caller_lane())
-            .and_then(|()| self.shared.zero(id, tier));
+            .and_then(|()| match zeroed {
+                true => self.shared.zero(id, tier),
+                false => Ok(()),
+            });
         let mut state = self.shared.lock();
         match placed {
             Ok(()) => {

@@ -959,3 +959,30 @@ fn released_memory_is_poisoned_once_its_last_use_passes_and_not_before() {
     // The copy that stays is whole.
     assert_eq!(read(&runtime, id, Tier::Device), data);
 }
+
+/// `register_unfilled` spends no fill on a tensor written whole: over
+/// poisoned memory it reads NaN until written, where `register` zeroes.
+#[test]
+fn an_unfilled_registration_is_not_zeroed_and_a_filled_one_is() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut config = config(dir.path(), 64 << 10, 1 << 20);
+    config.runtime.poison_released = true;
+    let runtime = Runtime::new(&config).unwrap();
+    // The device holds one 64 KiB tensor: each registration gets the same range.
+    let first = runtime.register(meta("a", 65536), Tier::Device).unwrap();
+    fill(&runtime, first, Tier::Device, &pattern(2, 65536));
+    runtime.free(first).unwrap();
+    let unfilled = runtime
+        .register_unfilled(meta("b", 65536), Tier::Device)
+        .unwrap();
+    assert!(
+        read(&runtime, unfilled, Tier::Device)
+            .iter()
+            .all(|b| *b == 0xFF)
+    );
+    fill(&runtime, unfilled, Tier::Device, &pattern(4, 65536));
+    assert_eq!(read(&runtime, unfilled, Tier::Device), pattern(4, 65536));
+    runtime.free(unfilled).unwrap();
+    let zeroed = runtime.register(meta("c", 65536), Tier::Device).unwrap();
+    assert!(read(&runtime, zeroed, Tier::Device).iter().all(|b| *b == 0));
+}

@@ -218,9 +218,10 @@ impl Engine {
         let id = match self.slots[index].id {
             Some(id) => id,
             None => {
+                // Written whole below: no zero fill first.
                 let id = self
                     .runtime
-                    .register(self.slots[index].meta.clone(), tier)?;
+                    .register_unfilled(self.slots[index].meta.clone(), tier)?;
                 self.slots[index].id = Some(id);
                 id
             }
