@@ -76,3 +76,44 @@ fn a_broken_source_or_a_warning_fails_with_the_log_and_an_unknown_arch_is_refuse
         .to_string();
     assert!(err.contains("sm_75") && err.contains("sm_90"), "{err}");
 }
+
+/// ptxas's report for every kernel, every architecture: no register
+/// spills, static shared memory within the per-block limit (48 KiB; the
+/// kernels use no dynamic shared memory). Prints the table.
+#[test]
+fn no_kernel_spills_registers_or_passes_the_shared_memory_limit() {
+    if !nvrtc_present("no_kernel_spills_registers_or_passes_the_shared_memory_limit") {
+        return;
+    }
+    let kernels = ops_kernels();
+    for arch in nvrtc::ARCHS {
+        let cubin = nvrtc::compile(OPS_NAME, OPS_SOURCE, arch).unwrap();
+        let mut reported: Vec<&str> = cubin.resources.iter().map(|r| r.kernel.as_str()).collect();
+        reported.sort();
+        let mut expected: Vec<&str> = kernels.iter().map(|k| k.as_ref()).collect();
+        expected.sort();
+        assert_eq!(
+            reported, expected,
+            "sm_{arch}: ptxas reported other kernels"
+        );
+        for r in &cubin.resources {
+            eprintln!(
+                "sm_{arch} {:<40} {:>3} registers {:>6} B shared {:>4} B stack {} B spilled",
+                r.kernel, r.registers, r.shared_bytes, r.stack_bytes, r.spill_store_bytes
+            );
+            assert_eq!(
+                (r.spill_store_bytes, r.spill_load_bytes),
+                (0, 0),
+                "sm_{arch}: {} spills registers",
+                r.kernel
+            );
+            assert!(
+                r.shared_bytes <= nvrtc::STATIC_SHARED_BYTES_MAX,
+                "sm_{arch}: {} declares {} bytes of shared memory",
+                r.kernel,
+                r.shared_bytes
+            );
+            assert!(r.registers > 0 && r.registers <= 255, "{r:?}");
+        }
+    }
+}
