@@ -355,6 +355,25 @@ impl<'a> View<'a> {
         }
     }
 
+    /// A view of `len` elements of `dtype` at `address` on a device of
+    /// `kind`, memory someone else owns (a runtime tensor's device copy).
+    ///
+    /// # Safety
+    /// The memory must hold `len` elements of `dtype` (aligned for it), on
+    /// a device of `kind`, and stay valid and unwritten by others for `'a`
+    /// (work enqueued on it is ordered by the owner's fences).
+    pub unsafe fn from_raw_parts(
+        address: u64,
+        len: usize,
+        dtype: Dtype,
+        kind: DeviceKind,
+    ) -> View<'a> {
+        View {
+            raw: Raw::flat(address, dtype, kind, len),
+            _buffer: PhantomData,
+        }
+    }
+
     /// Its geometry.
     pub fn raw(&self) -> Raw {
         self.raw
@@ -432,6 +451,24 @@ impl<'a> ViewMut<'a> {
                 DeviceKind::Cpu,
                 slice.len(),
             ),
+            _buffer: PhantomData,
+        }
+    }
+
+    /// A writable view of `len` elements of `dtype` at `address` on a
+    /// device of `kind`, memory someone else owns.
+    ///
+    /// # Safety
+    /// As [`View::from_raw_parts`], and no one else reads or writes the
+    /// memory for `'a`.
+    pub unsafe fn from_raw_parts(
+        address: u64,
+        len: usize,
+        dtype: Dtype,
+        kind: DeviceKind,
+    ) -> ViewMut<'a> {
+        ViewMut {
+            raw: Raw::flat(address, dtype, kind, len),
             _buffer: PhantomData,
         }
     }

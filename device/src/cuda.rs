@@ -287,6 +287,26 @@ impl Context {
             .map_err(cuda_error("cuMemcpyDtoDAsync"))
     }
 
+    /// Enqueues a small host-to-device copy on the compute stream (a
+    /// step's token ids, ordered before the kernels that read them).
+    ///
+    /// # Safety
+    /// `host` is page-locked and holds `len_bytes`, unchanged until a fence
+    /// recorded after this has passed; the device range is allocated and
+    /// not used by others until then.
+    pub unsafe fn write_on_compute(
+        &self,
+        host: *const u8,
+        to: u64,
+        len_bytes: usize,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's contract; the context is bound.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(to, host.cast(), len_bytes, self.compute.cu_stream()) }
+            .result()
+            .map_err(cuda_error("cuMemcpyHtoDAsync"))
+    }
+
     /// Enqueues a small device-to-host copy on the compute stream (a
     /// scalar read back after the kernel that wrote it).
     ///

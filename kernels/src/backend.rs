@@ -205,6 +205,11 @@ pub trait Backend: Send + Sync {
     /// Copies `x` into `y` (same dtype and length; device to device).
     fn copy(&self, x: View<'_>, y: ViewMut<'_>) -> Result<()>;
 
+    /// Copies host memory `host` (a CPU view) into `y` on the backend's
+    /// device, in stream order with the ops around it: small per-step
+    /// inputs (token ids). `host` may change once this returns.
+    fn upload(&self, host: View<'_>, y: ViewMut<'_>) -> Result<()>;
+
     /// Sets every element of `x` to zero.
     fn zero(&self, x: ViewMut<'_>) -> Result<()>;
 

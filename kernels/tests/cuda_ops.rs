@@ -853,7 +853,14 @@ fn the_cuda_backend_matches_the_cpu_backend_through_the_trait() {
         return;
     }
     let context = Context::open(0).unwrap();
-    let gpu = CudaBackend::new(context.clone(), CudaLimits { rows_max: 4096 }).unwrap();
+    let gpu = CudaBackend::new(
+        context.clone(),
+        CudaLimits {
+            rows_max: 4096,
+            upload_bytes_max: 4096 * 4,
+        },
+    )
+    .unwrap();
     let cpu = CpuBackend;
     let upload = |buffer: &Buffer, host: &[u8]| {
         let mut staged = host.to_vec();
@@ -985,6 +992,29 @@ fn the_cuda_backend_matches_the_cpu_backend_through_the_trait() {
     assert!(matches!(err, KernelError::Readbacks { .. }), "{err}");
     drop(held);
     gpu.non_finite(gd.view()).unwrap().get().unwrap();
+
+    // Uploads on the compute stream, more than UPLOADS_MAX in a row (each
+    // reusing a slot), each landing before the op after it reads it; one
+    // past the slot size is refused with the numbers.
+    let mut tokens = gpu.alloc(Dtype::U32, rows).unwrap();
+    for round in 0..(2 * strata_kernels::cuda::UPLOADS_MAX as u32 + 1) {
+        let ids: Vec<u32> = (0..rows as u32)
+            .map(|i| (i * 7 + round) % vocab as u32)
+            .collect();
+        gpu.upload(View::host_slice(&ids), tokens.view_mut())
+            .unwrap();
+        let read = gpu.read_scalar(tokens.view(), 9).unwrap().get().unwrap();
+        assert_eq!(read, f64::from(ids[9]), "round {round}");
+    }
+    let mut big = gpu.alloc(Dtype::U32, 4096 * 4 / 4 + 1).unwrap();
+    let ids = vec![0u32; big.len()];
+    let err = gpu
+        .upload(View::host_slice(&ids), big.view_mut())
+        .unwrap_err();
+    assert!(
+        matches!(err, KernelError::Index { op: "upload", .. }),
+        "{err}"
+    );
 
     // Operands on the wrong device are named.
     let host = vec![0.0f32; 4];

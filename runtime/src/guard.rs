@@ -235,6 +235,48 @@ impl Guard {
         }
     }
 
+    /// The device-tier copy as `len_bytes / dtype` elements of `dtype`,
+    /// for the backend to compute on (its work ordered after
+    /// [`Guard::ready`] and handed back through [`Guard::used_until`]).
+    /// `None` for other tiers.
+    pub fn device_view(&self, dtype: strata_device::Dtype) -> Option<strata_device::View<'_>> {
+        let (address, len) = self.device_elems(dtype)?;
+        // SAFETY: the device copy holds `len` elements from `address` (the
+        // arena is aligned to DEVICE_ALIGN_BYTES) and stays allocated while
+        // the guard lives; the guard keeps writers out.
+        Some(unsafe {
+            strata_device::View::from_raw_parts(address, len, dtype, self.shared.device.kind())
+        })
+    }
+
+    /// [`Guard::device_view`] to write, through a write guard.
+    pub fn device_view_mut(
+        &mut self,
+        dtype: strata_device::Dtype,
+    ) -> Option<strata_device::ViewMut<'_>> {
+        assert_eq!(
+            self.access,
+            Access::Write,
+            "a device view to write needs a write guard"
+        );
+        let (address, len) = self.device_elems(dtype)?;
+        // SAFETY: as in `device_view`; a write guard is exclusive, and the
+        // view borrows it mutably.
+        Some(unsafe {
+            strata_device::ViewMut::from_raw_parts(address, len, dtype, self.shared.device.kind())
+        })
+    }
+
+    fn device_elems(&self, dtype: strata_device::Dtype) -> Option<(u64, usize)> {
+        let address = self.device_address()?;
+        assert!(
+            self.len_bytes.is_multiple_of(dtype.bytes()),
+            "a tensor of {} bytes viewed as {dtype}",
+            self.len_bytes
+        );
+        Some((address, (self.len_bytes / dtype.bytes()) as usize))
+    }
+
     /// Calls `f(offset_in_tensor, bytes)` for each contiguous piece of the
     /// copy, in order. Errors for copies not addressable from the host.
     pub fn for_each_chunk(&self, f: &mut dyn FnMut(u64, &[u8])) -> Result<()> {

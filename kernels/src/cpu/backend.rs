@@ -333,6 +333,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn upload(&self, host: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        self.copy(host, y)
+    }
+
     fn zero(&self, x: ViewMut<'_>) -> Result<()> {
         match x.dtype() {
             Dtype::F32 => contiguous_mut::<f32>("zero", "x", x)?.fill(0.0),
@@ -647,8 +651,11 @@ impl Backend for CpuBackend {
 
     fn sum_squares(&self, x: View<'_>) -> Result<Readback> {
         let x = contiguous::<f32>("sum_squares", "x", x)?;
+        // The optimizer's kernel (f64 sums, in its ISA's lane order), so a
+        // norm is the same bits whether the engine takes it here or there.
         Ok(Readback::ready(
-            x.iter().map(|&v| f64::from(v) * f64::from(v)).sum(),
+            strata_optim::grad_norm(strata_optim::Isa::chosen(), strata_optim::Values::F32(x))
+                .sum_squares,
         ))
     }
 

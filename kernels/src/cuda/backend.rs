@@ -24,6 +24,10 @@ pub const READBACKS_MAX: usize = 64;
 /// word (the cross-entropy's bad-token row).
 const SLOT_BYTES: usize = 16;
 
+/// Uploads (host to device, on the compute stream) in flight at once; the
+/// next one reuses the page-locked slot of the one this many before it.
+pub const UPLOADS_MAX: usize = 8;
+
 /// The cuBLASLt workspace (enough for Hopper's best algorithms).
 pub const GEMM_WORKSPACE_BYTES: u64 = 32 << 20;
 
@@ -32,6 +36,8 @@ pub const GEMM_WORKSPACE_BYTES: u64 = 32 << 20;
 pub struct CudaLimits {
     /// The most rows a cross-entropy takes (micro-batch x seq).
     pub rows_max: usize,
+    /// The most bytes one upload carries (a micro-batch's token ids).
+    pub upload_bytes_max: usize,
 }
 
 impl CudaLimits {
@@ -114,6 +120,15 @@ pub struct CudaBackend {
     /// Device scratch: GEMM workspace, sum partials, rows' losses, slots.
     scratch: Buffer,
     slots: Arc<Slots>,
+    uploads: Mutex<Uploads>,
+}
+
+/// Page-locked staging for uploads: `UPLOADS_MAX` slots used in turn,
+/// each with the fence of the copy that last read it.
+struct Uploads {
+    host: PinnedHost,
+    next: usize,
+    fences: Vec<Option<Fence>>,
 }
 
 /// A view's device address and element count, after checking that it is
@@ -199,6 +214,7 @@ impl CudaBackend {
         // SAFETY: a fresh allocation of `scratch_bytes`, a multiple of 4.
         let scratch = unsafe { adopt(&context, address, (scratch_bytes / 4) as usize, Dtype::U32) };
         let host = context.alloc_pinned(READBACKS_MAX * SLOT_BYTES, 64)?;
+        let staging = context.alloc_pinned(UPLOADS_MAX * limits.upload_bytes_max.max(64), 64)?;
         Ok(CudaBackend {
             context,
             ops,
@@ -208,6 +224,11 @@ impl CudaBackend {
             slots: Arc::new(Slots {
                 host,
                 state: Mutex::new(vec![None; READBACKS_MAX]),
+            }),
+            uploads: Mutex::new(Uploads {
+                host: staging,
+                next: 0,
+                fences: vec![None; UPLOADS_MAX],
             }),
         })
     }
@@ -429,6 +450,45 @@ impl Backend for CudaBackend {
             self.context
                 .copy_on_compute(x_at, y_at, (n * y.dtype().bytes()) as usize)
         }?;
+        Ok(())
+    }
+
+    fn upload(&self, host: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        const OP: &str = "upload";
+        let (y_at, n) = on_device(OP, "y", y.raw(), None)?;
+        let data = host.host_bytes().ok_or(KernelError::Device {
+            op: OP,
+            operand: "host",
+            actual: host.raw().kind,
+            expected: DeviceKind::Cpu,
+        })?;
+        same_len(OP, "host", host.len() as u64, n)?;
+        let slot_bytes = self.limits.upload_bytes_max.max(64);
+        if data.len() > slot_bytes {
+            return Err(KernelError::Index {
+                op: OP,
+                what: "bytes",
+                value: data.len() as u64,
+                max: slot_bytes as u64,
+            });
+        }
+        let mut uploads = self.uploads.lock().expect("upload slots");
+        let slot = uploads.next;
+        uploads.next = (slot + 1) % UPLOADS_MAX;
+        // The copy that read this slot UPLOADS_MAX uploads ago (long done).
+        if let Some(fence) = uploads.fences[slot].take() {
+            fence.wait()?;
+        }
+        // SAFETY: the slot lies in the pinned buffer (slot_bytes each) and no
+        // copy reads it now (its last one's fence passed above).
+        let staged = unsafe { uploads.host.pointer().as_ptr().add(slot * slot_bytes) };
+        // SAFETY: `data` fits the slot; the ranges are distinct allocations.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), staged, data.len()) };
+        // SAFETY: the staged bytes stay until the fence recorded below
+        // passes; `y` is a checked view on this device, written by no one
+        // else (the ViewMut contract).
+        unsafe { self.context.write_on_compute(staged, y_at, data.len()) }?;
+        uploads.fences[slot] = Some(self.context.record(StreamKind::Compute)?);
         Ok(())
     }
 

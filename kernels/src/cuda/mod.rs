@@ -16,7 +16,7 @@ mod gemm;
 mod launch;
 pub mod nvrtc;
 
-pub use backend::{CudaBackend, CudaLimits, GEMM_WORKSPACE_BYTES, READBACKS_MAX};
+pub use backend::{CudaBackend, CudaLimits, GEMM_WORKSPACE_BYTES, READBACKS_MAX, UPLOADS_MAX};
 pub use gemm::{GEMM_PLANS_MAX, Gemm, Operand};
 pub use launch::{HEAD_DIM_MAX, Ops, SUM_BLOCKS};
 

@@ -509,18 +509,20 @@ impl Engine {
             let n = self.groups[g].shard;
             let mut state = vec![0.0f32; 3 * n];
             self.read_state(g, &mut state)?;
-            let padded = self.groups[g].padded(world);
+            // On the host: the states are read there, and the weights go
+            // to a file (a checkpoint, not the step path).
+            let mut gathered = vec![0.0f32; self.groups[g].padded(world)];
             self.collective
                 .all_gather(
                     View::host_slice(&state[..n]),
-                    ViewMut::host_slice(&mut self.ws.gathered[..padded]),
+                    ViewMut::host_slice(&mut gathered),
                 )?
                 .wait()?;
             if rank == 0 {
                 let mut at = 0;
                 for (name, shape) in part_names(&self.gpt, g) {
                     let len: usize = shape.iter().product();
-                    weights.push((name, shape, self.ws.gathered[at..at + len].to_vec()));
+                    weights.push((name, shape, gathered[at..at + len].to_vec()));
                     at += len;
                 }
             }

@@ -5,11 +5,8 @@
 
 use std::time::Instant;
 
-use half::bf16;
-use strata_device::{View, ViewMut};
+use strata_device::{Buffer, Dtype, View};
 use strata_kernels::Backend;
-use strata_optim::{Values, grad_norm, widen};
-use strata_runtime::{Access, Tier};
 
 use crate::error::Result;
 use crate::gpt::{
@@ -17,7 +14,7 @@ use crate::gpt::{
     embed_backward, embed_forward, head_forward_backward,
 };
 
-use super::moves::{HOST_WORKSPACE, Kept, guard, read_f32};
+use super::moves::{with_device_view, with_device_view_mut, write_from_view};
 use strata_scheduler::{StepOp, Work};
 
 use super::optimizer::Update;
@@ -26,20 +23,25 @@ use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
 
-/// Compute buffers: one block's worth, held for the whole run, and the
-/// streams between blocks of each micro-batch in flight at once.
+/// Compute buffers on the backend's device: one block's worth, held for
+/// the whole run, and the streams between blocks of each micro-batch in
+/// flight at once.
 pub(super) struct Workspace {
-    pub(super) gathered: Vec<f32>,
-    pub(super) shard16: Vec<bf16>,
-    pub(super) shard32: Vec<f32>,
-    pub(super) grad_full: Vec<f32>,
+    /// A group's parameters, gathered whole (f32 holding bf16's values).
+    pub(super) gathered: Buffer,
+    /// This rank's shard of a group, between the collectives and the
+    /// tensors (more than one rank only).
+    pub(super) shard32: Buffer,
+    pub(super) grad_full: Buffer,
     pub(super) acts: BlockActivations,
     pub(super) scratch: BlockScratch,
     pub(super) head: HeadBuffers,
-    /// A block's kept input, read back for the recompute (checkpointing).
-    pub(super) saved: Vec<f32>,
-    pub(super) y: Vec<f32>,
-    pub(super) dx: Vec<f32>,
+    pub(super) y: Buffer,
+    pub(super) dx: Buffer,
+    /// The step's token ids of one micro-batch, cut on the host before
+    /// their upload.
+    pub(super) inputs_host: Vec<u32>,
+    pub(super) targets_host: Vec<u32>,
     /// Per micro-batch in flight: the forward stream, the backward stream,
     /// the embeddings' gradient, the input and target tokens.
     pub(super) streams: Vec<Stream>,
@@ -47,11 +49,11 @@ pub(super) struct Workspace {
 
 /// One micro-batch's buffers between ops.
 pub(super) struct Stream {
-    pub(super) x: Vec<f32>,
-    pub(super) dy: Vec<f32>,
-    pub(super) dembed: Vec<f32>,
-    pub(super) inputs: Vec<u32>,
-    pub(super) targets: Vec<u32>,
+    pub(super) x: Buffer,
+    pub(super) dy: Buffer,
+    pub(super) dembed: Buffer,
+    pub(super) inputs: Buffer,
+    pub(super) targets: Buffer,
 }
 
 impl Workspace {
@@ -61,64 +63,60 @@ impl Workspace {
         batch: usize,
         groups: &[Group],
         world: usize,
-        checkpoint: bool,
         in_flight: usize,
     ) -> Result<Self> {
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
         let padded_max = shard_max * world;
         let embed_padded = groups[0].padded(world);
         let stream = batch * gpt.seq * gpt.hidden;
-        let acts = BlockActivations::new(backend, gpt, batch)?;
-        // With checkpointing a block's backward recomputes from its input,
-        // read back here; without, the saved activations are read straight
-        // into `acts`.
-        let saved = if checkpoint { stream } else { 0 };
+        let tokens = batch * gpt.seq;
+        let f32s = |len| backend.alloc(Dtype::F32, len);
+        let streams = (0..in_flight)
+            .map(|_| -> Result<Stream> {
+                Ok(Stream {
+                    x: f32s(stream)?,
+                    dy: f32s(stream)?,
+                    dembed: f32s(embed_padded)?,
+                    inputs: backend.alloc(Dtype::U32, tokens)?,
+                    targets: backend.alloc(Dtype::U32, tokens)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Workspace {
-            gathered: vec![0.0; padded_max],
-            shard16: vec![bf16::ZERO; shard_max],
-            shard32: vec![0.0; shard_max],
-            grad_full: vec![0.0; padded_max],
-            acts,
+            gathered: f32s(padded_max)?,
+            shard32: f32s(if world > 1 { shard_max } else { 0 })?,
+            grad_full: f32s(padded_max)?,
+            acts: BlockActivations::new(backend, gpt, batch)?,
             scratch: BlockScratch::new(backend, gpt, batch)?,
             head: HeadBuffers::new(backend, gpt, batch)?,
-            saved: vec![0.0; saved],
-            y: vec![0.0; stream],
-            dx: vec![0.0; stream],
-            streams: (0..in_flight)
-                .map(|_| Stream {
-                    x: vec![0.0; stream],
-                    dy: vec![0.0; stream],
-                    dembed: vec![0.0; embed_padded],
-                    inputs: vec![0; batch * gpt.seq],
-                    targets: vec![0; batch * gpt.seq],
-                })
-                .collect(),
+            y: f32s(stream)?,
+            dx: f32s(stream)?,
+            inputs_host: vec![0; tokens],
+            targets_host: vec![0; tokens],
+            streams,
         })
     }
 
-    /// Bytes of every buffer (what they would take on a GPU).
+    /// Bytes of every buffer on the device.
     pub(super) fn bytes(&self) -> u64 {
-        let streams = self.streams.iter();
-        let floats = [
+        let streams: u64 = self
+            .streams
+            .iter()
+            .map(|s| {
+                s.x.bytes() + s.dy.bytes() + s.dembed.bytes() + s.inputs.bytes() + s.targets.bytes()
+            })
+            .sum();
+        [
             &self.gathered,
             &self.shard32,
             &self.grad_full,
-            &self.saved,
             &self.y,
             &self.dx,
         ]
         .iter()
-        .map(|v| v.len())
-        .sum::<usize>()
+        .map(|b| b.bytes())
+        .sum::<u64>()
             + streams
-                .clone()
-                .map(|s| s.x.len() + s.dy.len() + s.dembed.len())
-                .sum::<usize>();
-        let tokens = streams
-            .map(|s| s.inputs.len() + s.targets.len())
-            .sum::<usize>();
-        let bf16s = self.shard16.len();
-        (4 * floats + 2 * bf16s + 4 * tokens) as u64
             + self.acts.bytes()
             + self.scratch.bytes()
             + self.head.bytes()
@@ -182,27 +180,33 @@ impl Engine {
     }
 
     /// The embeddings' forward of micro-batch `m`: its tokens cut from the
-    /// step's, looked up.
+    /// step's, uploaded, looked up.
     fn embed_forward(&mut self, m: usize, tokens: &[u32]) -> Result<()> {
         let batch = self.config.train.micro_batch;
         let streams = self.ws.streams.len();
         self.gather(0)?;
-        let stream = &mut self.ws.streams[m % streams];
+        let ws = &mut self.ws;
         split_tokens(
             tokens,
             m,
             batch,
             self.gpt.seq,
-            &mut stream.inputs,
-            &mut stream.targets,
+            &mut ws.inputs_host,
+            &mut ws.targets_host,
         );
-        let embed = &self.ws.gathered[..self.groups[0].params];
+        let stream = &mut ws.streams[m % streams];
+        let backend = &*self.backend;
+        backend.upload(View::host_slice(&ws.inputs_host), stream.inputs.view_mut())?;
+        backend.upload(
+            View::host_slice(&ws.targets_host),
+            stream.targets.view_mut(),
+        )?;
         embed_forward(
-            &*self.backend,
+            backend,
             &self.gpt,
-            View::host_slice(embed),
-            View::host_slice(&stream.inputs),
-            ViewMut::host_slice(&mut stream.x),
+            ws.gathered.view().range(0..self.groups[0].params),
+            stream.inputs.view(),
+            stream.x.view_mut(),
         )?;
         Ok(())
     }
@@ -216,21 +220,24 @@ impl Engine {
         self.gather(b + 1)?;
         let ws = &mut self.ws;
         let stream = &mut ws.streams[m % streams];
-        let params = &ws.gathered[..self.groups[b + 1].params];
         block_forward(
             &*self.backend,
             &self.gpt,
             batch,
-            View::host_slice(params),
-            View::host_slice(&stream.x),
+            ws.gathered.view().range(0..self.groups[b + 1].params),
+            stream.x.view(),
             &mut ws.acts,
             &mut ws.scratch,
-            ViewMut::host_slice(&mut ws.y),
+            ws.y.view_mut(),
         )?;
         std::mem::swap(&mut stream.x, &mut ws.y);
-        let index = self.saved_index(m, b);
-        self.write_tensor(index, Tier::Device, Kept::Saved)?;
-        Ok(())
+        let id = self.tensor_to_write(self.saved_index(m, b))?;
+        let saved = if self.config.train.checkpoint_activations {
+            self.ws.acts.input()
+        } else {
+            self.ws.acts.view()
+        };
+        write_from_view(&self.runtime, &*self.backend, id, saved)
     }
 
     /// The head's forward and backward of micro-batch `m` (the first also
@@ -246,17 +253,17 @@ impl Engine {
         let embed_params = self.groups[0].params;
         let ws = &mut self.ws;
         let stream = &mut ws.streams[m % streams];
-        stream.dembed.fill(0.0);
+        self.backend.zero(stream.dembed.view_mut())?;
         let loss = head_forward_backward(
             &*self.backend,
             &self.gpt,
-            View::host_slice(&ws.gathered[..embed_params]),
-            View::host_slice(&stream.x),
-            View::host_slice(&stream.targets),
+            ws.gathered.view().range(0..embed_params),
+            stream.x.view(),
+            stream.targets.view(),
             scale,
             &mut ws.head,
-            ViewMut::host_slice(&mut stream.dy),
-            ViewMut::host_slice(&mut stream.dembed[..embed_params]),
+            stream.dy.view_mut(),
+            stream.dembed.view_mut().range(0..embed_params),
         )?;
         self.loss_sum += loss.get()?;
         Ok(())
@@ -273,37 +280,41 @@ impl Engine {
         let index = self.saved_index(m, b);
         let id = self.slots[index].id.expect("saved in forward");
         let ws = &mut self.ws;
-        let params = View::host_slice(&ws.gathered[..self.groups[b + 1].params]);
+        let params = ws.gathered.view().range(0..self.groups[b + 1].params);
+        let backend = &*self.backend;
         if self.config.train.checkpoint_activations {
-            read_f32(&self.runtime, id, Tier::Device, &mut ws.saved)?;
-            block_forward(
-                &*self.backend,
-                &self.gpt,
-                batch,
-                params,
-                View::host_slice(&ws.saved),
-                &mut ws.acts,
-                &mut ws.scratch,
-                ViewMut::host_slice(&mut ws.y),
-            )?;
+            // The recompute reads the kept input where it lies.
+            with_device_view(&self.runtime, backend, id, Dtype::F32, |input| {
+                block_forward(
+                    backend,
+                    &self.gpt,
+                    batch,
+                    params,
+                    input,
+                    &mut ws.acts,
+                    &mut ws.scratch,
+                    ws.y.view_mut(),
+                )
+            })?;
         } else {
-            // Read straight back into the block's activations.
-            let acts = ws.acts.view_mut().into_host::<f32>();
-            read_f32(&self.runtime, id, Tier::Device, acts.expect(HOST_WORKSPACE))?;
+            // Copied straight back into the block's activations.
+            with_device_view(&self.runtime, backend, id, Dtype::F32, |saved| {
+                Ok(backend.copy(saved, ws.acts.view_mut())?)
+            })?;
         }
         let padded = self.groups[b + 1].padded(world);
-        ws.grad_full[..padded].fill(0.0);
+        backend.zero(ws.grad_full.view_mut().range(0..padded))?;
         let stream = &mut ws.streams[m % streams];
         block_backward(
-            &*self.backend,
+            backend,
             &self.gpt,
             batch,
             params,
             &ws.acts,
-            View::host_slice(&stream.dy),
+            stream.dy.view(),
             &mut ws.scratch,
-            ViewMut::host_slice(&mut ws.dx),
-            ViewMut::host_slice(&mut ws.grad_full[..self.groups[b + 1].params]),
+            ws.dx.view_mut(),
+            ws.grad_full.view_mut().range(0..self.groups[b + 1].params),
         )?;
         std::mem::swap(&mut ws.dx, &mut stream.dy);
         self.reduce_gradient(b + 1, m)?;
@@ -319,9 +330,9 @@ impl Engine {
         embed_backward(
             &*self.backend,
             &self.gpt,
-            View::host_slice(&stream.inputs),
-            View::host_slice(&stream.dy),
-            ViewMut::host_slice(&mut stream.dembed[..embed_params]),
+            stream.inputs.view(),
+            stream.dy.view(),
+            stream.dembed.view_mut().range(0..embed_params),
         )?;
         self.reduce_gradient(0, m)?;
         Ok(())
@@ -332,70 +343,80 @@ impl Engine {
     }
 
     /// All-gathers group `g`'s current bf16 shards into the workspace (as
-    /// f32: the values are bf16's).
+    /// f32: the values are bf16's). One rank widens its device copy
+    /// straight into the gathered buffer.
     pub(super) fn gather(&mut self, g: usize) -> Result<()> {
         // A late update of the group writes the parameters read here.
         self.wait_worker(Some(g))?;
         let index = param_index(g, self.current);
         let id = self.slots[index].id.expect("parameters are registered");
         let n = self.groups[g].shard;
-        guard(&self.runtime, id, Tier::Device, Access::Read)?
-            .read_into(bytemuck::cast_slice_mut(&mut self.ws.shard16[..n]))?;
-        widen(
-            self.isa,
-            Values::Bf16(&self.ws.shard16[..n]),
-            &mut self.ws.shard32[..n],
-        );
         let padded = self.groups[g].padded(self.collective.world());
+        let (backend, ws) = (&*self.backend, &mut self.ws);
+        if self.collective.world() == 1 {
+            return with_device_view(&self.runtime, backend, id, Dtype::Bf16, |shard| {
+                Ok(backend.cast(shard, ws.gathered.view_mut().range(0..n))?)
+            });
+        }
+        with_device_view(&self.runtime, backend, id, Dtype::Bf16, |shard| {
+            Ok(backend.cast(shard, ws.shard32.view_mut().range(0..n))?)
+        })?;
         self.collective
             .all_gather(
-                View::host_slice(&self.ws.shard32[..n]),
-                ViewMut::host_slice(&mut self.ws.gathered[..padded]),
+                ws.shard32.view().range(0..n),
+                ws.gathered.view_mut().range(0..padded),
             )?
             .wait()?;
         Ok(())
     }
 
     /// Reduce-scatters the full gradient in the workspace into group `g`'s
-    /// shard: written in micro-batch 0, added to after.
+    /// shard: written in micro-batch 0, added to after; the last
+    /// micro-batch also takes the shard's sum of squares.
     pub(super) fn reduce_gradient(&mut self, g: usize, m: usize) -> Result<()> {
         let n = self.groups[g].shard;
         let padded = self.groups[g].padded(self.collective.world());
         // The embeddings' gradient gathers the head's and the embedding's
         // parts over the whole backward in its own buffer.
         let streams = self.ws.streams.len();
-        let full = if g == 0 {
-            &self.ws.streams[m % streams].dembed
-        } else {
-            &self.ws.grad_full
-        };
-        self.collective
-            .reduce_scatter(
-                View::host_slice(&full[..padded]),
-                ViewMut::host_slice(&mut self.ws.shard32[..n]),
-            )?
-            .wait()?;
         let index = grad_index(g);
         let last = m + 1 == self.config.train.grad_accumulation;
+        let id = if m == 0 {
+            self.tensor_to_write(index)?
+        } else {
+            self.slots[index].id.expect("written in micro-batch 0")
+        };
+        let (backend, ws) = (&*self.backend, &mut self.ws);
+        let full = if g == 0 {
+            ws.streams[m % streams].dembed.view()
+        } else {
+            ws.grad_full.view()
+        };
+        let shard = if self.collective.world() == 1 {
+            full.range(0..n)
+        } else {
+            self.collective
+                .reduce_scatter(full.range(0..padded), ws.shard32.view_mut().range(0..n))?
+                .wait()?;
+            ws.shard32.view().range(0..n)
+        };
         if m == 0 {
             if last {
-                self.sum_squares[g] =
-                    grad_norm(self.isa, Values::F32(&self.ws.shard32[..n])).sum_squares;
+                self.sum_squares[g] = backend.sum_squares(shard)?.get()?;
             }
-            self.write_tensor(index, Tier::Device, Kept::Shard(n))
-        } else {
-            let id = self.slots[index].id.expect("written in micro-batch 0");
-            let mut held = guard(&self.runtime, id, Tier::Device, Access::Write)?;
-            // The full gradient is reduced: its buffer is free for the sum.
-            let sum = &mut self.ws.grad_full[..n];
-            held.read_into(bytemuck::cast_slice_mut(sum))?;
-            for (sum, add) in sum.iter_mut().zip(&self.ws.shard32[..n]) {
-                *sum += add;
-            }
-            if last {
-                self.sum_squares[g] = grad_norm(self.isa, Values::F32(sum)).sum_squares;
-            }
-            Ok(held.write_from(bytemuck::cast_slice(sum))?)
+            return write_from_view(&self.runtime, backend, id, shard);
         }
+        let sum_squares =
+            with_device_view_mut(&self.runtime, backend, id, Dtype::F32, |mut sum| {
+                backend.add(sum.reborrow(), shard)?;
+                Ok(match last {
+                    true => Some(backend.sum_squares(sum.view())?),
+                    false => None,
+                })
+            })?;
+        if let Some(sum_squares) = sum_squares {
+            self.sum_squares[g] = sum_squares.get()?;
+        }
+        Ok(())
     }
 }

@@ -76,7 +76,7 @@ pub use stop::StopRequest;
 use std::sync::Arc;
 use std::time::Instant;
 
-use strata_optim::{Isa, LossScaler, StepDecision};
+use strata_optim::{LossScaler, StepDecision};
 use strata_scheduler as sched;
 use strata_scheduler::{Action, Follow, StepOp, StepTracker, Work};
 use strata_storage::ByteSize;
@@ -168,7 +168,6 @@ pub struct Engine {
     /// The inline optimizer's rate since the last step report.
     inline_rate: optimizer::LaneRate,
     worker: Option<CpuWorker>,
-    isa: Isa,
     scaler: LossScaler,
     /// Optimizer steps taken (skipped steps do not count).
     optimizer_steps: u64,
@@ -243,12 +242,10 @@ impl Engine {
             batch,
             &groups,
             world,
-            config.train.checkpoint_activations,
             config.train.in_flight(),
         )?;
         let workspace_bytes = ws.bytes();
         let runtime = open_runtime(config, rank, workspace_bytes, faults)?;
-        let isa = Isa::chosen();
         let slots = slots(config, &gpt, &groups, ws.acts.view().len());
         let (plan_config, cache_groups, cache_bytes) =
             plan_config(config, &runtime, &slots, groups.len())?;
@@ -272,7 +269,6 @@ impl Engine {
             inline: optimizer_pool(1, 1)?,
             inline_rate: optimizer::LaneRate::default(),
             worker: None,
-            isa,
             scaler: LossScaler::new(config.train.scaler())?,
             optimizer_steps: 0,
             late: None,

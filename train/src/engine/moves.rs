@@ -3,6 +3,8 @@
 //! or a move of it is in flight, retried; writes of computed tensors;
 //! deferred write-backs; every tensor returned home at the end of a step.
 
+use strata_device::{View, ViewMut};
+use strata_kernels::Backend;
 use strata_runtime::RuntimeError;
 use strata_runtime::{Access, Guard, Runtime, TensorId, Tier};
 use strata_scheduler::{Action, ActionKind, Follow, Op};
@@ -32,24 +34,68 @@ pub(super) fn read_f32(runtime: &Runtime, id: TensorId, tier: Tier, out: &mut [f
     Ok(guard(runtime, id, tier, Access::Read)?.read_into(bytemuck::cast_slice_mut(out))?)
 }
 
+/// Engine tensors the backend reads or writes in place live on the device.
+const ON_DEVICE: &str = "the engine computes on device-tier copies";
+
+/// Runs `read` on the backend over the device copy of `id` (fetched there
+/// first when it is not), ordered after the copy's arrival, and hands the
+/// copy the fence of that work.
+pub(super) fn with_device_view<R>(
+    runtime: &Runtime,
+    backend: &dyn Backend,
+    id: TensorId,
+    dtype: strata_device::Dtype,
+    read: impl FnOnce(View<'_>) -> Result<R>,
+) -> Result<R> {
+    let mut held = guard(runtime, id, Tier::Device, Access::Read)?;
+    backend.wait(held.ready())?;
+    let out = read(held.device_view(dtype).expect(ON_DEVICE))?;
+    held.used_until(backend.record()?);
+    Ok(out)
+}
+
+/// [`with_device_view`] to write: `write` changes the device copy in place
+/// (every other copy of the tensor is released as stale).
+pub(super) fn with_device_view_mut<R>(
+    runtime: &Runtime,
+    backend: &dyn Backend,
+    id: TensorId,
+    dtype: strata_device::Dtype,
+    write: impl FnOnce(ViewMut<'_>) -> Result<R>,
+) -> Result<R> {
+    let mut held = guard(runtime, id, Tier::Device, Access::Write)?;
+    backend.wait(held.ready())?;
+    let out = write(held.device_view_mut(dtype).expect(ON_DEVICE))?;
+    held.used_until(backend.record()?);
+    Ok(out)
+}
+
+/// Writes `source` (as many bytes as the tensor) whole into the tensor's
+/// device copy, device to device on the compute stream, without reading
+/// its old bytes.
+pub(super) fn write_from_view(
+    runtime: &Runtime,
+    backend: &dyn Backend,
+    id: TensorId,
+    source: View<'_>,
+) -> Result<()> {
+    runtime.overwrite_with(id, Tier::Device, |held| -> Result<()> {
+        backend.wait(held.ready())?;
+        backend.copy(
+            source,
+            held.device_view_mut(source.dtype()).expect(ON_DEVICE),
+        )?;
+        held.used_until(backend.record()?);
+        Ok(())
+    })
+}
+
 /// Whether an action releases a copy (issued after its op ran).
 pub(super) fn release(action: &Action) -> bool {
     matches!(
         action.kind,
         ActionKind::Evict { .. } | ActionKind::Drop { .. }
     )
-}
-
-/// The engine's workspace is host memory (the CPU backend's buffers).
-pub(super) const HOST_WORKSPACE: &str = "the engine's workspace is host memory";
-
-/// What a write takes from the workspace.
-#[derive(Clone, Copy)]
-pub(super) enum Kept {
-    /// What a block keeps for its backward: its input with checkpointing,
-    /// else all its activations.
-    Saved,
-    Shard(usize),
 }
 
 impl Engine {
@@ -211,29 +257,21 @@ impl Engine {
         self.issue_actions(false)
     }
 
-    /// Writes a workspace buffer whole into a tensor on `tier` (registered
-    /// first when the step has none yet); its old bytes are not read.
-    pub(super) fn write_tensor(&mut self, index: usize, tier: Tier, kept: Kept) -> Result<()> {
+    /// The tensor of slot `index`, about to be written whole on the device
+    /// (registered first, unfilled, when the step has none yet).
+    pub(super) fn tensor_to_write(&mut self, index: usize) -> Result<TensorId> {
         self.settle_pending(index)?;
-        let id = match self.slots[index].id {
+        Ok(match self.slots[index].id {
             Some(id) => id,
             None => {
-                // Written whole below: no zero fill first.
+                // Written whole by the caller: no zero fill first.
                 let id = self
                     .runtime
-                    .register_unfilled(self.slots[index].meta.clone(), tier)?;
+                    .register_unfilled(self.slots[index].meta.clone(), Tier::Device)?;
                 self.slots[index].id = Some(id);
                 id
             }
-        };
-        let data: &[u8] = match kept {
-            Kept::Saved if self.config.train.checkpoint_activations => {
-                self.ws.acts.input().host_bytes().expect(HOST_WORKSPACE)
-            }
-            Kept::Saved => self.ws.acts.view().host_bytes().expect(HOST_WORKSPACE),
-            Kept::Shard(n) => bytemuck::cast_slice(&self.ws.shard32[..n]),
-        };
-        Ok(self.runtime.overwrite(id, tier, data)?)
+        })
     }
 
     /// Waits for moves in flight, frees the step's own tensors and puts
