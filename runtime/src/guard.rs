@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use strata_device::{Cancel, Fence};
 
+use crate::device::Direction;
 use crate::error::{Result, RuntimeError};
 use crate::host_pool::{Chunk, Slot};
 use crate::state::{Access, Entry, Place, Shared, check_size, in_use_error, not_resident};
@@ -343,21 +344,59 @@ impl Guard {
         })
     }
 
-    /// Copies the tensor's bytes into `out` (exactly its size).
+    /// Copies the tensor's bytes into `out` (exactly its size). A GPU copy
+    /// is read with one synchronous copy after its last use: for setup,
+    /// checkpoints and tests, not a step's path.
     pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
         self.check_size(out.len())?;
+        if let Some(offset) = self.gpu_offset() {
+            self.ready.wait()?;
+            // SAFETY: `out` holds the tensor's bytes and is ours for the call;
+            // the device range is the guarded copy, its last use passed.
+            return unsafe {
+                self.shared
+                    .device
+                    .raw_copy(Direction::ToHost, out.as_mut_ptr(), offset, out.len())
+            };
+        }
         self.for_each_chunk(&mut |offset, bytes| {
             out[offset as usize..offset as usize + bytes.len()].copy_from_slice(bytes)
         })
     }
 
-    /// Overwrites the tensor with `data` (exactly its size).
+    /// Overwrites the tensor with `data` (exactly its size); a GPU copy as
+    /// [`Guard::read_into`] reads one.
     pub fn write_from(&mut self, data: &[u8]) -> Result<()> {
         self.check_size(data.len())?;
+        if let Some(offset) = self.gpu_offset() {
+            assert_eq!(self.access, Access::Write, "writing needs a write guard");
+            self.ready.wait()?;
+            // The copy reads `data` only; the API takes a mutable pointer.
+            // SAFETY: the device range is the guarded copy (exclusive: a write
+            // guard), its last use passed; `data` outlives the synchronous call.
+            return unsafe {
+                self.shared.device.raw_copy(
+                    Direction::ToDevice,
+                    data.as_ptr().cast_mut(),
+                    offset,
+                    data.len(),
+                )
+            };
+        }
         self.for_each_chunk_mut(&mut |offset, bytes| {
             let len = bytes.len();
             bytes.copy_from_slice(&data[offset as usize..offset as usize + len])
         })
+    }
+
+    /// The arena offset of a device copy the host cannot address (a GPU's).
+    fn gpu_offset(&self) -> Option<u64> {
+        match self.view {
+            View::Device { offset } if self.shared.device.host_address(offset).is_none() => {
+                Some(offset)
+            }
+            _ => None,
+        }
     }
 
     /// xxh3 of the tensor's bytes (for tests and integrity checks).

@@ -69,6 +69,10 @@ fn cuda_round_trip_keeps_every_byte() {
     runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
     let guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
     assert!(guard.device_address().is_some());
+    // The GPU copy read through its guard (one synchronous copy).
+    let mut direct = vec![0; bytes as usize];
+    guard.read_into(&mut direct).unwrap();
+    assert_eq!(direct, data, "a GPU copy read through its guard");
     drop(guard);
     runtime.move_to(id, Tier::Nvme).unwrap().wait().unwrap();
     runtime.move_to(id, Tier::Device).unwrap().wait().unwrap();
@@ -83,6 +87,13 @@ fn cuda_round_trip_keeps_every_byte() {
         "host -> nvme -> host -> device -> host changed bytes"
     );
     assert!(runtime.stats().link(Link::DeviceToHost).bytes >= bytes);
+    // Overwritten on the GPU from host bytes, read back there.
+    drop(guard);
+    let flipped: Vec<u8> = data.iter().map(|b| !b).collect();
+    runtime.overwrite(id, Tier::Device, &flipped).unwrap();
+    let guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    guard.read_into(&mut out).unwrap();
+    assert_eq!(out, flipped, "a GPU copy overwritten through the runtime");
 }
 
 #[test]

@@ -198,9 +198,64 @@ fn unknown_config_keys_are_named() {
 }
 
 #[test]
-fn a_cuda_device_is_refused_until_the_engine_has_cuda_kernels() {
-    let err = TrainConfig::from_toml("[device]\nkind = \"cuda\"\n").unwrap_err();
-    assert!(err.to_string().contains("device.kind"), "{err}");
+fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
+    let err =
+        TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[train]\nranks = 2\n").unwrap_err();
+    assert!(err.to_string().contains("train.ranks"), "{err}");
+    let err =
+        TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n")
+            .unwrap_err();
+    assert!(err.to_string().contains("placement.optimizer"), "{err}");
+    if let Err(reason) = strata_device::cuda::probe_device() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = tiny(dir.path());
+        config.device.kind = strata_runtime::DeviceChoice::Cuda;
+        let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+        assert!(matches!(err, TrainError::Device(_)), "{err}");
+        eprintln!("no GPU here ({reason}): {err}");
+    }
+}
+
+/// On a GPU: a 30-step run on the CUDA device follows the CPU device's
+/// loss curve (the same fp32 arithmetic in another order: within 2e-3
+/// relative at every step), and is the same bits run to run and under
+/// another device budget (so another residency). Skips without a GPU.
+#[test]
+fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
+    if let Err(reason) = strata_device::cuda::probe_device() {
+        eprintln!("skipping cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut cpu = tiny(dir.path());
+    cpu.train.steps = 30;
+    cpu.placement.params = Placement::Cpu;
+    let mut cuda = cpu.clone();
+    cuda.device.kind = strata_runtime::DeviceChoice::Cuda;
+    cuda.device.budget = ByteSize(128 << 20);
+    let mut tight = cuda.clone();
+    tight.device.budget = ByteSize(96 << 20);
+    let losses = |config: &TrainConfig| {
+        run(config, &corpus(16), &RunOptions::default(), &mut |_| {})
+            .unwrap()
+            .losses
+    };
+    let (reference, gpu, again, other) =
+        (losses(&cpu), losses(&cuda), losses(&cuda), losses(&tight));
+    for (step, (c, g)) in reference.iter().zip(&gpu).enumerate() {
+        eprintln!(
+            "step {step}: cpu {c} cuda {g} rel {:e}",
+            (g - c).abs() / c.abs()
+        );
+        assert!((g - c).abs() <= 2e-3 * c.abs(), "step {step}: {g} vs {c}");
+    }
+    let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&gpu), bits(&again), "two CUDA runs differ");
+    assert_eq!(
+        bits(&gpu),
+        bits(&other),
+        "another device budget changed the bits"
+    );
 }
 
 /// The CPU thread's updates, speculative (kept when the step is not

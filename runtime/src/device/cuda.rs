@@ -29,7 +29,12 @@ fn stream(direction: Direction) -> StreamKind {
 impl CudaDevice {
     /// Opens device `ordinal` and reserves `budget_bytes` of its memory.
     pub fn new(ordinal: usize, budget_bytes: u64) -> Result<Self> {
-        let context = Context::open(ordinal)?;
+        Self::on_context(Context::open(ordinal)?, budget_bytes)
+    }
+
+    /// Reserves `budget_bytes` on an open context, whose streams it shares
+    /// with the caller (a backend computing on the same compute stream).
+    pub fn on_context(context: Arc<Context>, budget_bytes: u64) -> Result<Self> {
         let free_bytes = context.free_bytes()?;
         if free_bytes < budget_bytes {
             return Err(DeviceError::DeviceMemory {
@@ -40,7 +45,7 @@ impl CudaDevice {
         }
         let base = context.malloc(budget_bytes)?;
         tracing::info!(
-            "device: cuda {ordinal} ({}), arena {budget_bytes} bytes",
+            "device: cuda ({}), arena {budget_bytes} bytes",
             context.name()
         );
         Ok(Self {

@@ -763,11 +763,20 @@ impl TrainConfig {
         strata_optim::LossScaler::new(t.scaler())
             .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
         if self.device.kind == DeviceChoice::Cuda {
-            return Err(bad(
-                "device.kind",
-                format!("{:?}", self.device.kind).to_lowercase(),
-                "the training engine computes on the CPU device for now (its CUDA kernels are not written): set device.kind = \"cpu\" or \"auto\"",
-            ));
+            if self.train.ranks > 1 {
+                return Err(bad(
+                    "train.ranks",
+                    self.train.ranks,
+                    "device.kind = \"cuda\" trains one rank for now (collectives between GPUs need NCCL, not built yet): set train.ranks = 1, or device.kind = \"cpu\"",
+                ));
+            }
+            if self.placement.optimizer == Placement::Device {
+                return Err(bad(
+                    "placement.optimizer",
+                    "device",
+                    "with device.kind = \"cuda\" the optimizer states go to the CPU optimizer for now (the engine's device AdamW path is not built): place them on cpu or nvme",
+                ));
+            }
         }
         if self.uses_nvme() && self.nvme.is_none() {
             return Err(bad(
@@ -935,9 +944,12 @@ impl TrainConfig {
         Ok(RuntimeConfig {
             device: DeviceConfig {
                 budget: ByteSize(device_budget - workspace_bytes),
-                // `auto` means the CPU device until the engine has CUDA
-                // kernels (`cuda` is refused by `validate`).
-                kind: DeviceChoice::Cpu,
+                // `auto` means the CPU device until the engine's CUDA path
+                // has run on a GPU; `cuda` asks for it.
+                kind: match self.device.kind {
+                    DeviceChoice::Cuda => DeviceChoice::Cuda,
+                    DeviceChoice::Cpu | DeviceChoice::Auto => DeviceChoice::Cpu,
+                },
                 ..self.device.clone()
             },
             host,

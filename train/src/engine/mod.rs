@@ -235,7 +235,24 @@ impl Engine {
         }
         let groups = Arc::new(groups(&gpt, world, rank));
         let batch = config.train.micro_batch;
-        let backend: Box<dyn Backend> = Box::new(CpuBackend);
+        // On a GPU the backend and the runtime's device share one context:
+        // one compute stream, the copy streams ordered by its events.
+        let (backend, context, backend_bytes): (Box<dyn Backend>, _, u64) = match config.device.kind
+        {
+            strata_runtime::DeviceChoice::Cuda => {
+                let context = strata_device::cuda::Context::open(config.device.ordinal)?;
+                let tokens = batch * gpt.seq;
+                let limits = strata_kernels::cuda::CudaLimits {
+                    rows_max: tokens,
+                    upload_bytes_max: tokens * 4,
+                };
+                let backend = strata_kernels::cuda::CudaBackend::new(context.clone(), limits)?;
+                (Box::new(backend), Some(context), limits.device_bytes())
+            }
+            strata_runtime::DeviceChoice::Cpu | strata_runtime::DeviceChoice::Auto => {
+                (Box::new(CpuBackend), None, 0)
+            }
+        };
         let ws = Workspace::new(
             &*backend,
             &gpt,
@@ -244,8 +261,8 @@ impl Engine {
             world,
             config.train.in_flight(),
         )?;
-        let workspace_bytes = ws.bytes();
-        let runtime = open_runtime(config, rank, workspace_bytes, faults)?;
+        let workspace_bytes = ws.bytes() + backend_bytes;
+        let runtime = open_runtime(config, rank, workspace_bytes, faults, context)?;
         let slots = slots(config, &gpt, &groups, ws.acts.view().len());
         let (plan_config, cache_groups, cache_bytes) =
             plan_config(config, &runtime, &slots, groups.len())?;
@@ -610,6 +627,7 @@ fn open_runtime(
     rank: usize,
     workspace_bytes: u64,
     faults: Option<Faults>,
+    context: Option<Arc<strata_device::cuda::Context>>,
 ) -> Result<Arc<Runtime>> {
     let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
     if let Some(nvme) = &runtime_config.nvme {
@@ -623,19 +641,35 @@ fn open_runtime(
             })?;
         }
     }
-    let runtime = match faults {
-        // Each rank's faults are its own, and the same on every replay.
-        Some(faults) => {
-            let seed = faults.seed ^ rank as u64;
-            let runtime = Runtime::with_faults(&runtime_config, faults.rates, seed)?;
-            runtime.inject_memory_faults(strata_runtime::MemoryFaults {
-                rate: faults.oom,
-                seed,
-            });
-            runtime
+    // Each rank's faults are its own, and the same on every replay.
+    let seed = faults.map(|f| f.seed ^ rank as u64);
+    let runtime = match (faults, context) {
+        (Some(faults), None) => {
+            Runtime::with_faults(&runtime_config, faults.rates, faults.seed ^ rank as u64)?
         }
-        None => Runtime::new(&runtime_config)?,
+        (None, None) => Runtime::new(&runtime_config)?,
+        (faults, Some(context)) => {
+            // The backend's context: the arena on its GPU, its streams.
+            let device =
+                strata_runtime::CudaDevice::on_context(context, runtime_config.device.budget.0)?;
+            let store = match (&runtime_config.nvme, faults) {
+                (Some(nvme), None) => Some(strata_storage::SwapStore::open(nvme)?),
+                (Some(nvme), Some(faults)) => Some(strata_storage::SwapStore::open_faulty(
+                    nvme,
+                    faults.rates,
+                    faults.seed ^ rank as u64,
+                )?),
+                (None, _) => None,
+            };
+            Runtime::with_parts(&runtime_config, Box::new(device), store)?
+        }
     };
+    if let (Some(faults), Some(seed)) = (faults, seed) {
+        runtime.inject_memory_faults(strata_runtime::MemoryFaults {
+            rate: faults.oom,
+            seed,
+        });
+    }
     Ok(Arc::new(runtime))
 }
 
