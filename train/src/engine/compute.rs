@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use strata_device::{Buffer, Dtype, View};
-use strata_kernels::Backend;
+use strata_kernels::{Backend, Readback};
 
 use crate::error::Result;
 use crate::gpt::{
@@ -22,6 +22,19 @@ use super::steps::label;
 use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
+
+/// Device scalars that may wait to be read at once (a quarter of the CUDA
+/// backend's readback slots).
+pub(super) const SCALARS_PENDING_MAX: usize = 16;
+
+/// Where a device scalar goes once read.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Scalar {
+    /// A micro-batch's mean loss, added to the step's.
+    Loss,
+    /// Group `g`'s gradient sum of squares.
+    Norm(usize),
+}
 
 /// Compute buffers on the backend's device: one block's worth, held for
 /// the whole run, and the streams between blocks of each micro-batch in
@@ -265,8 +278,7 @@ impl Engine {
             stream.dy.view_mut(),
             stream.dembed.view_mut().range(0..embed_params),
         )?;
-        self.loss_sum += loss.get()?;
-        Ok(())
+        self.defer_scalar(Scalar::Loss, loss)
     }
 
     /// Block `b`'s backward of micro-batch `m` from what its forward saved
@@ -401,10 +413,15 @@ impl Engine {
             ws.shard32.view().range(0..n)
         };
         if m == 0 {
-            if last {
-                self.sum_squares[g] = backend.sum_squares(shard)?.get()?;
-            }
-            return write_from_view(&self.runtime, backend, id, shard);
+            let norm = match last {
+                true => Some(backend.sum_squares(shard)?),
+                false => None,
+            };
+            write_from_view(&self.runtime, backend, id, shard)?;
+            return match norm {
+                Some(norm) => self.defer_scalar(Scalar::Norm(g), norm),
+                None => Ok(()),
+            };
         }
         let sum_squares =
             with_device_view_mut(&self.runtime, backend, id, Dtype::F32, |mut sum| {
@@ -414,8 +431,37 @@ impl Engine {
                     false => None,
                 })
             })?;
-        if let Some(sum_squares) = sum_squares {
-            self.sum_squares[g] = sum_squares.get()?;
+        match sum_squares {
+            Some(norm) => self.defer_scalar(Scalar::Norm(g), norm),
+            None => Ok(()),
+        }
+    }
+
+    /// Keeps a scalar the device computes, to read at the barrier; past
+    /// [`SCALARS_PENDING_MAX`] pending, reads the oldest first (long done).
+    fn defer_scalar(&mut self, into: Scalar, value: Readback) -> Result<()> {
+        if self.scalars.len() == SCALARS_PENDING_MAX {
+            self.read_oldest_scalar()?;
+        }
+        self.scalars.push_back((into, value));
+        Ok(())
+    }
+
+    fn read_oldest_scalar(&mut self) -> Result<()> {
+        let (into, value) = self.scalars.pop_front().expect("a scalar pending");
+        let value = value.get()?;
+        match into {
+            // Added in the order the micro-batches ran.
+            Scalar::Loss => self.loss_sum += value,
+            Scalar::Norm(g) => self.sum_squares[g] = value,
+        }
+        Ok(())
+    }
+
+    /// Reads every pending scalar, in the order they were computed.
+    pub(super) fn read_scalars(&mut self) -> Result<()> {
+        while !self.scalars.is_empty() {
+            self.read_oldest_scalar()?;
         }
         Ok(())
     }

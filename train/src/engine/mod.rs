@@ -201,6 +201,11 @@ pub struct Engine {
     last_use: Vec<Vec<usize>>,
     prediction: Prediction,
     loss_sum: f64,
+    /// Losses and gradient norms computed on the device and not read yet:
+    /// read at the step's barrier (the oldest sooner, past
+    /// [`compute::SCALARS_PENDING_MAX`]), so the host does not wait for the
+    /// device after every micro-batch.
+    scalars: std::collections::VecDeque<(compute::Scalar, strata_kernels::Readback)>,
     /// Write-backs of fresh cached states, issued once the late updates
     /// are done (the drive reads the other states first).
     deferred: Vec<usize>,
@@ -306,6 +311,7 @@ impl Engine {
                 ..Prediction::default()
             },
             loss_sum: 0.0,
+            scalars: std::collections::VecDeque::with_capacity(compute::SCALARS_PENDING_MAX),
             deferred: Vec::with_capacity(groups.len()),
             cache_groups: 0,
         };
@@ -454,6 +460,8 @@ impl Engine {
         let loss_scale = self.scaler.scale();
         self.loss_sum = 0.0;
         self.sum_squares.fill(0.0);
+        // Left by a step that failed part way: nothing will read them.
+        self.scalars.clear();
         self.shape = shape_index(self.current, self.speculate, self.late.is_some());
         let ops = std::mem::take(&mut self.shapes[self.shape]);
         let result = self.run_ops(&ops, tokens, lr, loss_scale);

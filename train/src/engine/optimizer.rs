@@ -423,6 +423,7 @@ impl Engine {
     /// check decide what happens to them.
     pub(super) fn decide(&mut self, step_op: &StepOp, loss_scale: f32) -> Result<StepDecision> {
         self.announce(&step_op.op)?;
+        self.read_scalars()?;
         let mut sums = [self.sum_squares.iter().sum::<f64>(), self.loss_sum];
         self.collective.all_reduce_scalars(&mut sums)?;
         self.loss_sum = sums[1];
