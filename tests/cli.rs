@@ -1364,3 +1364,37 @@ fn train_second_signal_or_spent_grace_aborts_the_step_and_the_next_run_cleans_up
         }
     }
 }
+
+/// `--tokens` trains on a file of u16 (or u32) token ids: the same file
+/// gives the same losses, and ids past the model's vocab are named before
+/// training.
+#[test]
+fn train_reads_a_token_file_tiny() {
+    let dir = tempdir();
+    let ids: Vec<u8> = (0..20_000u32)
+        .flat_map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) as u16 % 500).to_le_bytes())
+        .collect();
+    std::fs::write(dir.path().join("tokens.u16"), ids).unwrap();
+    std::fs::write(dir.path().join("vocab.toml"), "[model]\nvocab = 512\n").unwrap();
+    let args = [
+        "train",
+        "--config",
+        "vocab.toml",
+        "--tokens",
+        "tokens.u16",
+        "--steps",
+        "3",
+        "--json",
+        "--overwrite",
+    ];
+    let first = last_json_line(&strata_in(dir.path(), &args));
+    let second = last_json_line(&strata_in(dir.path(), &args));
+    assert_eq!(first["losses"].as_array().unwrap().len(), 3);
+    assert_eq!(first["losses"], second["losses"]);
+    let small = strata_in(
+        dir.path(),
+        &["train", "--tokens", "tokens.u16", "--steps", "1"],
+    );
+    let err = stderr_of_failure(&small, "model.vocab");
+    assert!(err.contains("token file holds token 499"), "{err}");
+}

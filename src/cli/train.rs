@@ -36,8 +36,16 @@ pub struct TrainArgs {
     #[arg(long)]
     steps: Option<u64>,
     /// A text to train on instead of the bundled one (byte tokens).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tokens")]
     data: Option<PathBuf>,
+    /// A file of token ids to train on (little-endian, see --token-dtype;
+    /// nanoGPT's train.bin is u16), mapped, not read into memory; the
+    /// model's vocab must cover its ids.
+    #[arg(long)]
+    tokens: Option<PathBuf>,
+    /// How --tokens stores each id: u16 or u32.
+    #[arg(long, default_value = "u16", requires = "tokens")]
+    token_dtype: engine::TokenDtype,
     /// Resume from a checkpoint (a step-* directory, or a checkpoint_dir
     /// whose `latest` names one).
     #[arg(long)]
@@ -127,13 +135,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         print!("{}", config.to_toml()?);
         return Ok(ExitCode::SUCCESS);
     }
-    let text = match &args.data {
-        Some(path) => {
-            std::fs::read(path).with_context(|| format!("cannot read --data {}", path.display()))?
-        }
-        None => DEFAULT_TEXT.as_bytes().to_vec(),
+    let corpus = match (&args.tokens, &args.data) {
+        (Some(path), _) => engine::Corpus::open_tokens(path, args.token_dtype, config.model.seq)?,
+        (None, Some(path)) => ByteCorpus::new(
+            std::fs::read(path)
+                .with_context(|| format!("cannot read --data {}", path.display()))?,
+            config.model.seq,
+        )?,
+        (None, None) => ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), config.model.seq)?,
     };
-    let corpus = ByteCorpus::new(text, config.model.seq)?;
     let options = RunOptions {
         stop_after: args.stop_after,
         resume: args.resume.clone(),

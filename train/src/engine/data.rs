@@ -1,58 +1,204 @@
-//! Byte-level training data: a text, and which windows of it each step,
-//! micro-batch and rank reads (a function of the seed and the step alone,
-//! so a resumed run reads what an uninterrupted one would).
+//! Training data: a text's bytes, or a file of token ids, and which
+//! windows of it each step, micro-batch and rank reads (a function of the
+//! seed and the step alone, so a resumed run reads what an uninterrupted
+//! one would, and a peer replaying [`window_start`] reads the same).
+
+use std::path::Path;
+use std::sync::Arc;
 
 use crate::error::Result;
-use crate::error::bad;
+use crate::error::{bad, os};
 
-/// A text as byte tokens (vocabulary 256).
-#[derive(Clone, Debug)]
-pub struct ByteCorpus {
-    bytes: Vec<u8>,
-    /// The largest token (byte) in it.
-    max_token: u8,
+/// How a token file stores each id: little-endian u16 (nanoGPT's
+/// `train.bin`; vocabularies up to 65536) or u32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenDtype {
+    /// Two bytes per token.
+    U16,
+    /// Four bytes per token.
+    U32,
 }
 
-impl ByteCorpus {
-    /// A corpus of `bytes`; it must hold more than one window.
-    pub fn new(bytes: Vec<u8>, seq: usize) -> Result<ByteCorpus> {
+impl TokenDtype {
+    /// Bytes per token.
+    pub fn bytes(self) -> usize {
+        match self {
+            TokenDtype::U16 => 2,
+            TokenDtype::U32 => 4,
+        }
+    }
+}
+
+impl std::str::FromStr for TokenDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "u16" | "uint16" => Ok(TokenDtype::U16),
+            "u32" | "uint32" => Ok(TokenDtype::U32),
+            other => Err(format!("token dtype {other:?}: use u16 or u32")),
+        }
+    }
+}
+
+impl std::fmt::Display for TokenDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TokenDtype::U16 => "u16",
+            TokenDtype::U32 => "u32",
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Tokens {
+    /// A text: each byte a token (vocabulary 256).
+    Bytes(Vec<u8>),
+    /// A token file, mapped (not read into memory).
+    File {
+        map: Arc<memmap2::Mmap>,
+        dtype: TokenDtype,
+    },
+}
+
+/// The tokens a run trains on.
+#[derive(Clone, Debug)]
+pub struct Corpus {
+    tokens: Tokens,
+    len: usize,
+    /// The largest token id in it.
+    max_token: u32,
+}
+
+/// The name the corpus had when it held only texts.
+pub type ByteCorpus = Corpus;
+
+fn too_short(len: usize, unit: &str, seq: usize) -> crate::error::TrainError {
+    bad(
+        "data",
+        format!("{len} {unit}"),
+        format!("give data longer than model.seq + 1 = {} {unit}", seq + 1),
+    )
+}
+
+impl Corpus {
+    /// A text's `bytes` as byte tokens; it must hold more than one window.
+    pub fn new(bytes: Vec<u8>, seq: usize) -> Result<Corpus> {
         if bytes.len() <= seq + 1 {
+            return Err(too_short(bytes.len(), "bytes", seq));
+        }
+        let max_token = u32::from(bytes.iter().copied().max().unwrap_or(0));
+        let len = bytes.len();
+        Ok(Corpus {
+            tokens: Tokens::Bytes(bytes),
+            len,
+            max_token,
+        })
+    }
+
+    /// A file of little-endian token ids of `dtype`, mapped read-only
+    /// (the file must not change while a run reads it). Its length must be
+    /// a whole number of tokens, more than one window.
+    pub fn open_tokens(path: &Path, dtype: TokenDtype, seq: usize) -> Result<Corpus> {
+        let file = std::fs::File::open(path).map_err(|err| {
+            os(
+                format!("open token file {}", path.display()),
+                err,
+                "check --tokens names an existing, readable file",
+            )
+        })?;
+        let bytes = file
+            .metadata()
+            .map_err(|err| os(format!("stat {}", path.display()), err, "check the file"))?
+            .len();
+        if bytes % dtype.bytes() as u64 != 0 {
             return Err(bad(
-                "data",
-                format!("{} bytes", bytes.len()),
-                format!("give a text longer than model.seq + 1 = {} bytes", seq + 1),
+                "tokens",
+                path.display(),
+                format!(
+                    "it holds {bytes} bytes, not a whole number of {dtype} tokens ({} bytes each): is --token-dtype right?",
+                    dtype.bytes()
+                ),
             ));
         }
-        let max_token = bytes.iter().copied().max().unwrap_or(0);
-        Ok(ByteCorpus { bytes, max_token })
+        let len = usize::try_from(bytes / dtype.bytes() as u64).map_err(|_| {
+            bad(
+                "tokens",
+                path.display(),
+                "the file is larger than this machine can map",
+            )
+        })?;
+        if len <= seq + 1 {
+            return Err(too_short(len, "tokens", seq));
+        }
+        // SAFETY: the map is read-only and private to this process; the
+        // documented contract is that the token file does not change while a
+        // run reads it (a truncation would fault, not corrupt silently).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|err| {
+            os(
+                format!("map token file {}", path.display()),
+                err,
+                "check the file is a regular file",
+            )
+        })?;
+        let mut corpus = Corpus {
+            tokens: Tokens::File {
+                map: Arc::new(map),
+                dtype,
+            },
+            len,
+            max_token: 0,
+        };
+        corpus.max_token = (0..len).map(|i| corpus.token(i)).max().unwrap_or(0);
+        Ok(corpus)
+    }
+
+    /// Token `i`.
+    fn token(&self, i: usize) -> u32 {
+        match &self.tokens {
+            Tokens::Bytes(bytes) => u32::from(bytes[i]),
+            Tokens::File { map, dtype } => {
+                let at = i * dtype.bytes();
+                match dtype {
+                    TokenDtype::U16 => u32::from(u16::from_le_bytes([map[at], map[at + 1]])),
+                    TokenDtype::U32 => {
+                        u32::from_le_bytes(map[at..at + 4].try_into().expect("four bytes"))
+                    }
+                }
+            }
+        }
     }
 
     /// Errors unless a model of `vocab` tokens covers every token.
     pub fn check_vocab(&self, vocab: usize) -> Result<()> {
-        let max = usize::from(self.max_token);
-        if max >= vocab {
-            let at = self.bytes.iter().position(|&b| usize::from(b) >= vocab);
-            return Err(bad(
-                "model.vocab",
-                vocab,
-                format!(
-                    "the data holds token {max} (byte {} first at offset {}): use a vocab above {max} (256 covers every byte)",
-                    self.bytes[at.unwrap_or(0)],
-                    at.unwrap_or(0)
-                ),
-            ));
+        let max = self.max_token as usize;
+        if max < vocab {
+            return Ok(());
         }
-        Ok(())
+        let at = (0..self.len)
+            .find(|&i| self.token(i) as usize >= vocab)
+            .unwrap_or(0);
+        let fix = match &self.tokens {
+            Tokens::Bytes(bytes) => format!(
+                "the data holds token {max} (byte {} first at offset {at}): use a vocab above {max} (256 covers every byte)",
+                bytes[at]
+            ),
+            Tokens::File { .. } => format!(
+                "the token file holds token {max} (token {} first at token {at}): use a vocab above {max}",
+                self.token(at)
+            ),
+        };
+        Err(bad("model.vocab", vocab, fix))
     }
 
-    /// Bytes in the corpus.
+    /// Tokens in the corpus.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.len
     }
 
-    /// Whether it is empty (never: [`ByteCorpus::new`] refuses that).
+    /// Whether it is empty (never: the constructors refuse that).
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.len == 0
     }
 
     /// Rank `rank`'s tokens for step `step`: for each of `accumulation`
@@ -76,19 +222,27 @@ impl ByteCorpus {
             accumulation * micro_batch * (seq + 1),
             "step tokens"
         );
-        let starts = (self.bytes.len() - seq - 1) as u64;
         let mut windows = out.chunks_exact_mut(seq + 1);
         for m in 0..accumulation {
             for i in 0..micro_batch {
                 let global = (m * world + rank) * micro_batch + i;
-                let start = (mix(seed, step, global as u64) % starts) as usize;
+                let start = window_start(seed, step, global as u64, self.len, seq);
                 let window = windows.next().expect("sized above");
-                for (token, &byte) in window.iter_mut().zip(&self.bytes[start..start + seq + 1]) {
-                    *token = u32::from(byte);
+                for (offset, token) in window.iter_mut().enumerate() {
+                    *token = self.token(start + offset);
                 }
             }
         }
     }
+}
+
+/// Where window `global` of `step` starts in a corpus of `len` tokens (the
+/// `(m x world + rank) x micro_batch + i`-th sequence of the step, of
+/// `seq + 1` tokens): SplitMix64's finalizer over (seed, step, window),
+/// modulo the `len - seq - 1` possible starts. Peers that train on the same
+/// tokens (`benches/gpu_vs_deepspeed.py`) compute the same.
+pub fn window_start(seed: u64, step: u64, global: u64, len: usize, seq: usize) -> usize {
+    (mix(seed, step, global) % (len - seq - 1) as u64) as usize
 }
 
 /// SplitMix64's finalizer over the three inputs.
@@ -136,5 +290,59 @@ mod tests {
     fn a_text_shorter_than_a_window_is_refused() {
         let err = ByteCorpus::new(b"short".to_vec(), 64).unwrap_err();
         assert!(err.to_string().contains("longer than model.seq"), "{err}");
+    }
+
+    #[test]
+    fn a_token_file_reads_the_windows_a_text_of_the_same_ids_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids: Vec<u8> = (0..3000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let text = Corpus::new(ids.clone(), 16).unwrap();
+        let (mut from_text, mut from_u16, mut from_u32) =
+            (vec![0; 3 * 17], vec![0; 3 * 17], vec![0; 3 * 17]);
+        text.step_tokens(5, 2, 0, 1, 1, 3, 16, &mut from_text);
+        for (dtype, out) in [
+            (TokenDtype::U16, &mut from_u16),
+            (TokenDtype::U32, &mut from_u32),
+        ] {
+            let path = dir.path().join(format!("tokens.{dtype}"));
+            let bytes: Vec<u8> = ids
+                .iter()
+                .flat_map(|&b| match dtype {
+                    TokenDtype::U16 => u16::from(b).to_le_bytes().to_vec(),
+                    TokenDtype::U32 => u32::from(b).to_le_bytes().to_vec(),
+                })
+                .collect();
+            std::fs::write(&path, bytes).unwrap();
+            let file = Corpus::open_tokens(&path, dtype, 16).unwrap();
+            assert_eq!((file.len(), file.max_token), (3000, 250));
+            file.step_tokens(5, 2, 0, 1, 1, 3, 16, out);
+        }
+        assert_eq!(from_u16, from_text);
+        assert_eq!(from_u32, from_text);
+        // Ids past the vocabulary, a ragged file, a missing one: named.
+        let path = dir.path().join("big.u16");
+        let big: Vec<u8> = (0..100u16).flat_map(|i| (i * 600).to_le_bytes()).collect();
+        std::fs::write(&path, &big).unwrap();
+        let err = Corpus::open_tokens(&path, TokenDtype::U16, 16)
+            .unwrap()
+            .check_vocab(50304)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.vocab") && err.contains("59400"),
+            "{err}"
+        );
+        std::fs::write(&path, &big[..99]).unwrap();
+        let err = Corpus::open_tokens(&path, TokenDtype::U16, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("whole number of u16 tokens"), "{err}");
+        let err = Corpus::open_tokens(&dir.path().join("none"), TokenDtype::U16, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("open token file") && err.contains("--tokens"),
+            "{err}"
+        );
     }
 }

@@ -68,7 +68,7 @@ pub use config::{
     PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype, TrainConfig, TrainSettings,
     WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
-pub use data::ByteCorpus;
+pub use data::{ByteCorpus, Corpus, TokenDtype, window_start};
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
 pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, TierBytes, run};
 pub use stop::StopRequest;
