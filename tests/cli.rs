@@ -1398,3 +1398,46 @@ fn train_reads_a_token_file_tiny() {
     let err = stderr_of_failure(&small, "model.vocab");
     assert!(err.contains("token file holds token 499"), "{err}");
 }
+
+/// `benches/gpu_vs_deepspeed.py --tiny`: strata's peers train on the shared
+/// token file and report tokens/s; peers whose libraries (torch,
+/// DeepSpeed) or GPU are missing say so instead of failing; a peer that
+/// does not exist is refused before anything runs.
+#[test]
+fn gpu_vs_deepspeed_script_tiny() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/gpu_vs_deepspeed.py");
+    let output = Command::new("python3")
+        .arg(script)
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .args(["--tiny", "--json", "--clip-all"])
+        .args([
+            "--peers",
+            "strata-offload,strata-resident,torch,ds-zero3-offload",
+        ])
+        .output()
+        .unwrap();
+    let text = stdout_text(&output);
+    let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let peers = report["peers"].as_array().unwrap();
+    assert_eq!(peers.len(), 4, "{report}");
+    for peer in &peers[..2] {
+        assert!(peer["tokens_per_s"].as_f64().unwrap() > 0.0, "{peer}");
+        assert_eq!(peer["clipped"].as_f64().unwrap(), 1.0, "--clip-all: {peer}");
+        assert_eq!(peer["losses"].as_array().unwrap().len(), 4, "{peer}");
+    }
+    // The two strata peers train on the same windows: the same losses.
+    assert_eq!(peers[0]["losses"], peers[1]["losses"]);
+    for peer in &peers[2..] {
+        assert!(
+            peer["tokens_per_s"].is_number() || peer["skipped"].is_string(),
+            "{peer}"
+        );
+    }
+    let refused = Command::new("python3")
+        .arg(script)
+        .args(["--tiny", "--peers", "strata-offload,nccl"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--peers nccl"));
+}

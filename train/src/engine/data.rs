@@ -292,6 +292,18 @@ mod tests {
         assert!(err.to_string().contains("longer than model.seq"), "{err}");
     }
 
+    /// The values `benches/gpu_vs_deepspeed.py`'s Python `window_start`
+    /// gives: the peers there read the windows strata reads.
+    #[test]
+    fn window_starts_match_the_benchs_python_replay() {
+        assert_eq!(window_start(1, 1, 0, 1_000_000, 1024), 736_099);
+        assert_eq!(window_start(7, 3, 5, 3000, 16), 541);
+        assert_eq!(
+            window_start((1 << 63) + 5, 12345, 999, 1_000_000_000, 1024),
+            88_261_132
+        );
+    }
+
     #[test]
     fn a_token_file_reads_the_windows_a_text_of_the_same_ids_reads() {
         let dir = tempfile::tempdir().unwrap();

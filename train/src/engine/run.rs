@@ -111,8 +111,8 @@ pub struct RunSummary {
     pub wait_s: f64,
     /// Every step's loss, in order.
     pub losses: Vec<f64>,
-    /// Every step's report (rank 0; values are global).
-    #[serde(skip)]
+    /// Every step's report (rank 0; values are global): its loss, norm,
+    /// clip coefficient, seconds and optimizer figures.
     pub reports: Vec<StepReport>,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
