@@ -921,6 +921,8 @@ fn released_memory_is_poisoned_once_its_last_use_passes_and_not_before() {
     // A device copy still read by enqueued work keeps its bytes.
     let mut guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
     let address = guard.device_address().unwrap();
+    // Read behind the runtime's back below: wait for the copy to land.
+    guard.ready().wait().unwrap();
     let (fence, compute) = strata_device::Fence::host();
     guard.used_until(fence);
     drop(guard);
@@ -931,7 +933,7 @@ fn released_memory_is_poisoned_once_its_last_use_passes_and_not_before() {
         runtime.free(other).unwrap();
     };
     trigger();
-    assert_eq!(raw_bytes(address, 65536), data, "poisoned while in use");
+    assert!(raw_bytes(address, 65536) == data, "poisoned while in use");
     compute.finish();
     trigger();
     assert!(
