@@ -6,10 +6,9 @@ Peers (each in a worker process of its own, one after the other):
   strata-offload    strata train, [device] kind = "cuda", parameters and
                     optimizer states on the host (the CPU optimizer
                     overlapped with backward);
-  strata-resident   strata train, parameters on the device, optimizer
-                    states with the CPU optimizer (strata's device AdamW
-                    path in the engine is not built yet: this is as
-                    resident as strata gets today);
+  strata-resident   strata train, parameters and optimizer states on the
+                    device (fp32 states, updated there by the backend's
+                    fused AdamW);
   ds-zero3-offload  DeepSpeed ZeRO-3, offload_param and offload_optimizer
                     on cpu (pinned);
   ds-zero2-offload  DeepSpeed ZeRO-2, offload_optimizer on cpu;
@@ -293,7 +292,7 @@ def strata_toml(peer, a, device_kind):
         f'budget = "{a.host_budget}"',
         "[placement]",
         f'params = "{params}"',
-        'optimizer = "cpu"',
+        f'optimizer = "{"cpu" if peer == "strata-offload" else "device"}"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -223,10 +223,13 @@ fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
     let err =
         TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[train]\nranks = 2\n").unwrap_err();
     assert!(err.to_string().contains("train.ranks"), "{err}");
-    let err =
-        TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n")
-            .unwrap_err();
-    assert!(err.to_string().contains("placement.optimizer"), "{err}");
+    let err = TrainConfig::from_toml(
+        "[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n[optim]\nstate_dtype = \"bf16\"\n",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("optim.state_dtype"), "{err}");
+    TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n")
+        .expect("fp32 states on the GPU are accepted");
     if let Err(reason) = strata_device::cuda::probe_device() {
         let dir = tempfile::tempdir().unwrap();
         let mut config = tiny(dir.path());
@@ -269,6 +272,21 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
             (g - c).abs() / c.abs()
         );
         assert!((g - c).abs() <= 2e-3 * c.abs(), "step {step}: {g} vs {c}");
+    }
+    // Everything resident, the update run on the GPU by its AdamW kernel.
+    let mut cpu_resident = cpu.clone();
+    cpu_resident.placement.params = Placement::Device;
+    cpu_resident.placement.optimizer = Placement::Device;
+    cpu_resident.device.budget = ByteSize(32 << 20);
+    let mut gpu_resident = cpu_resident.clone();
+    gpu_resident.device.kind = strata_runtime::DeviceChoice::Cuda;
+    gpu_resident.device.budget = ByteSize(128 << 20);
+    let (reference, gpu_inline) = (losses(&cpu_resident), losses(&gpu_resident));
+    for (step, (c, g)) in reference.iter().zip(&gpu_inline).enumerate() {
+        assert!(
+            (g - c).abs() <= 2e-3 * c.abs(),
+            "resident step {step}: {g} vs {c}"
+        );
     }
     let bits = |l: &[f64]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&gpu), bits(&again), "two CUDA runs differ");

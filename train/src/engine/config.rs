@@ -770,11 +770,13 @@ impl TrainConfig {
                     "device.kind = \"cuda\" trains one rank for now (collectives between GPUs need NCCL, not built yet): set train.ranks = 1, or device.kind = \"cpu\"",
                 ));
             }
-            if self.placement.optimizer == Placement::Device {
+            if self.placement.optimizer == Placement::Device
+                && self.optim.state_dtype != StateDtype::Fp32
+            {
                 return Err(bad(
-                    "placement.optimizer",
-                    "device",
-                    "with device.kind = \"cuda\" the optimizer states go to the CPU optimizer for now (the engine's device AdamW path is not built): place them on cpu or nvme",
+                    "optim.state_dtype",
+                    format!("{:?}", self.optim.state_dtype),
+                    "optimizer states on a CUDA device are fp32 for now (the device AdamW kernel keeps fp32 master weights and moments): set optim.state_dtype = \"fp32\", or place the optimizer on cpu or nvme",
                 ));
             }
         }

@@ -100,6 +100,67 @@ pub(super) fn run_optimizer(
     })
 }
 
+/// An update of a group whose fp32 states live on the device, run by the
+/// backend on the device copies (the engine's inline optimizer): the input
+/// states copied to the output set, then AdamW in place there per run of
+/// equal weight decay, writing the bf16 parameters. The same arithmetic as
+/// [`adam_group`]'s, element by element; on a GPU, one compute stream and
+/// no host copy.
+pub(super) fn run_optimizer_on_backend(
+    runtime: &Runtime,
+    backend: &dyn strata_kernels::Backend,
+    groups: &[Group],
+    job: &OptJob,
+) -> Result<()> {
+    use strata_device::Dtype;
+    const ON_DEVICE: &str = "inline updates run on device-tier copies";
+    assert_eq!(
+        job.state_dtype,
+        StateDtype::Fp32,
+        "device updates keep fp32 states"
+    );
+    let group = &groups[job.group];
+    let n = group.shard;
+    let mut grad = guard(runtime, job.grad, Tier::Device, Access::Read)?;
+    let mut state_in = guard(runtime, job.state_in, Tier::Device, Access::Read)?;
+    backend.wait(grad.ready())?;
+    backend.wait(state_in.ready())?;
+    runtime.overwrite_with(job.param_out, Tier::Device, |param_out| -> Result<()> {
+        runtime.overwrite_with(job.state_out, Tier::Device, |state_out| -> Result<()> {
+            backend.wait(param_out.ready())?;
+            backend.wait(state_out.ready())?;
+            {
+                let grads = grad.device_view(Dtype::F32).expect(ON_DEVICE);
+                let mut params = param_out.device_view_mut(Dtype::Bf16).expect(ON_DEVICE);
+                let mut states = state_out.device_view_mut(Dtype::F32).expect(ON_DEVICE);
+                backend.copy(
+                    state_in.device_view(Dtype::F32).expect(ON_DEVICE),
+                    states.reborrow(),
+                )?;
+                let [mut master, mut m, mut v] = states.split_parts([n, n, n]);
+                for (run, decays) in &group.runs {
+                    backend.adamw(
+                        &job.update.coefficients[usize::from(*decays)],
+                        grads.range(run.clone()),
+                        master.reborrow().range(run.clone()),
+                        m.reborrow().range(run.clone()),
+                        v.reborrow().range(run.clone()),
+                        params.reborrow().range(run.clone()),
+                    )?;
+                }
+            }
+            let done = backend.record()?;
+            state_out.used_until(done.clone());
+            param_out.used_until(done);
+            Ok(())
+        })
+    })?;
+    let done = backend.record()?;
+    grad.used_until(done.clone());
+    state_in.used_until(done);
+    Ok(())
+}
+
 /// One shard's AdamW: `[grad, states in]` to `[states out, params out]`.
 /// States are master weights (f32, or bf16), then m and v (f32, or bf16),
 /// each `shard` long, in `job.state_dtype`'s formats; params are `shard`
@@ -366,7 +427,15 @@ impl Engine {
             }
             None => {
                 let started = Instant::now();
-                run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?;
+                // fp32 states on the device: the backend runs the update
+                // there (on a GPU the only way; on the CPU device the same
+                // bits as the pool's kernel); bf16 states: the pool.
+                match job.state_dtype {
+                    StateDtype::Fp32 => {
+                        run_optimizer_on_backend(&self.runtime, &*self.backend, &self.groups, &job)?
+                    }
+                    _ => run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?,
+                }
                 self.inline_rate.params += self.groups[g].shard as u64;
                 self.inline_rate.busy_ns += started.elapsed().as_nanos() as u64;
                 Ok(())
