@@ -602,13 +602,8 @@ impl Runtime {
             }
             .into());
         }
-        if tier == Tier::Device && self.shared.device.host_address(0).is_none() {
-            // A GPU's memory is written through a guard once the copy is
-            // there (no copy engine path from unpinned bytes here).
-            self.move_to(id, tier)?.wait()?;
-            let mut guard = self.acquire(id, tier, Access::Write)?;
-            return guard.finish_write(write);
-        }
+        // On a GPU too: a fresh device copy is written through its guard
+        // (device views, or one synchronous copy from host bytes).
         loop {
             match self.acquire(id, tier, Access::Write) {
                 Ok(mut guard) => return guard.finish_write(write),

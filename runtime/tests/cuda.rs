@@ -87,13 +87,27 @@ fn cuda_round_trip_keeps_every_byte() {
         "host -> nvme -> host -> device -> host changed bytes"
     );
     assert!(runtime.stats().link(Link::DeviceToHost).bytes >= bytes);
-    // Overwritten on the GPU from host bytes, read back there.
+    // Overwritten on the GPU from host bytes, read back there: first with
+    // no device copy (fresh space, nothing uploaded), then over one.
     drop(guard);
+    runtime.release(id, Tier::Device).ok();
+    assert!(!runtime.residency(id).unwrap().contains(&Tier::Device));
+    let uploaded = runtime.stats().link(Link::HostToDevice).bytes;
     let flipped: Vec<u8> = data.iter().map(|b| !b).collect();
     runtime.overwrite(id, Tier::Device, &flipped).unwrap();
+    assert_eq!(
+        runtime.stats().link(Link::HostToDevice).bytes,
+        uploaded,
+        "a whole overwrite moved the old bytes up first"
+    );
     let guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
     guard.read_into(&mut out).unwrap();
     assert_eq!(out, flipped, "a GPU copy overwritten through the runtime");
+    drop(guard);
+    runtime.overwrite(id, Tier::Device, &data).unwrap();
+    let guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
+    guard.read_into(&mut out).unwrap();
+    assert_eq!(out, data, "a GPU copy overwritten in place");
 }
 
 #[test]

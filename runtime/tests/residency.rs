@@ -293,15 +293,8 @@ fn cancelling_ends_every_blocked_wait_within_a_bound_and_keeps_the_copies() {
     let cancel = runtime.cancel_token();
     let bound = std::time::Duration::from_secs(1);
     std::thread::scope(|scope| {
-        let waiter = scope.spawn(|| {
-            let started = std::time::Instant::now();
-            (fetch.wait(), started.elapsed())
-        });
-        let writer = scope.spawn(|| {
-            let started = std::time::Instant::now();
-            let acquired = runtime.acquire(big, Tier::Host, Access::Write).map(drop);
-            (acquired, started.elapsed())
-        });
+        let waiter = scope.spawn(|| fetch.wait());
+        let writer = scope.spawn(|| runtime.acquire(big, Tier::Host, Access::Write).map(drop));
         std::thread::sleep(std::time::Duration::from_millis(300));
         assert!(
             !waiter.is_finished() && !writer.is_finished(),
@@ -309,20 +302,20 @@ fn cancelling_ends_every_blocked_wait_within_a_bound_and_keeps_the_copies() {
         );
         let cancelled_at = std::time::Instant::now();
         cancel.cancel();
-        let (fetched, waited) = waiter.join().unwrap();
+        // Both were still blocked 300 ms in (checked above: no lower bound
+        // on their own clocks, which a busy machine may start late).
+        let fetched = waiter.join().unwrap();
         assert!(
             matches!(fetched, Err(RuntimeError::Cancelled)),
             "{fetched:?}"
         );
-        assert!(waited >= std::time::Duration::from_millis(300));
         // The writer sees the cancellation, or the cancelled move ending
         // first (then the tensor is its to write): either way, at once.
-        let (acquired, waited) = writer.join().unwrap();
+        let acquired = writer.join().unwrap();
         assert!(
             matches!(acquired, Ok(()) | Err(RuntimeError::Cancelled)),
             "{acquired:?}"
         );
-        assert!(waited >= std::time::Duration::from_millis(300));
         assert!(
             cancelled_at.elapsed() < bound,
             "{:?}",
