@@ -657,8 +657,7 @@ fn gemm_matches_an_f64_reference_for_every_transpose() {
                     transposed,
                 }
             };
-            // SAFETY: the buffers hold the operands as described; the
-            // workspace its bytes.
+            // SAFETY: the buffers hold the operands as described; the workspace its bytes.
             unsafe {
                 gemm.matmul(
                     s,

@@ -242,9 +242,7 @@ impl Guard {
     /// `None` for other tiers.
     pub fn device_view(&self, dtype: strata_device::Dtype) -> Option<strata_device::View<'_>> {
         let (address, len) = self.device_elems(dtype)?;
-        // SAFETY: the device copy holds `len` elements from `address` (the
-        // arena is aligned to DEVICE_ALIGN_BYTES) and stays allocated while
-        // the guard lives; the guard keeps writers out.
+        // SAFETY: the device copy holds `len` elements from `address` (the arena is aligned to DEVICE_ALIGN_BYTES) and stays allocated while the guard lives; the guard keeps writers out.
         Some(unsafe {
             strata_device::View::from_raw_parts(address, len, dtype, self.shared.device.kind())
         })
@@ -261,8 +259,7 @@ impl Guard {
             "a device view to write needs a write guard"
         );
         let (address, len) = self.device_elems(dtype)?;
-        // SAFETY: as in `device_view`; a write guard is exclusive, and the
-        // view borrows it mutably.
+        // SAFETY: as in `device_view`; a write guard is exclusive, and the view borrows it mutably.
         Some(unsafe {
             strata_device::ViewMut::from_raw_parts(address, len, dtype, self.shared.device.kind())
         })
@@ -351,8 +348,7 @@ impl Guard {
         self.check_size(out.len())?;
         if let Some(offset) = self.gpu_offset() {
             self.ready.wait()?;
-            // SAFETY: `out` holds the tensor's bytes and is ours for the call;
-            // the device range is the guarded copy, its last use passed.
+            // SAFETY: `out` holds the tensor's bytes and is ours for the call; the device range is the guarded copy, its last use passed.
             return unsafe {
                 self.shared
                     .device
@@ -372,8 +368,7 @@ impl Guard {
             assert_eq!(self.access, Access::Write, "writing needs a write guard");
             self.ready.wait()?;
             // The copy reads `data` only; the API takes a mutable pointer.
-            // SAFETY: the device range is the guarded copy (exclusive: a write
-            // guard), its last use passed; `data` outlives the synchronous call.
+            // SAFETY: the device range is the guarded copy (exclusive: a write guard), its last use passed; `data` outlives the synchronous call.
             return unsafe {
                 self.shared.device.raw_copy(
                     Direction::ToDevice,

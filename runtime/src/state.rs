@@ -180,8 +180,7 @@ impl Poison {
             }
             Place::Host(slots) => {
                 for slot in slots.iter() {
-                    // SAFETY: the buffer is released (its last use has passed)
-                    // and not yet back in the free lists: nobody else owns it.
+                    // SAFETY: the buffer is released (its last use has passed) and not yet back in the free lists: nobody else owns it.
                     unsafe {
                         std::ptr::write_bytes(
                             self.pool.ptr(*slot),

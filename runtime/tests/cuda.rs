@@ -201,8 +201,7 @@ fn tensor(runtime: &Runtime, name: &str, data: &[u8]) -> strata_runtime::TensorI
 /// `times` device copies of `len` bytes `from` -> `to` on the compute stream.
 fn busy(context: &Context, from: u64, to: u64, len: u64, times: usize) {
     for _ in 0..times {
-        // SAFETY: both ranges are live allocations of `len` bytes the test
-        // owns (or guards), distinct; they are read back only after a fence.
+        // SAFETY: both ranges are live allocations of `len` bytes the test owns (or guards), distinct; they are read back only after a fence.
         unsafe { context.copy_on_compute(from, to, len as usize) }.unwrap();
     }
 }
@@ -345,8 +344,7 @@ fn cuda_a_pinned_buffer_is_not_reused_while_a_copy_from_it_is_in_flight() {
     let pinned = context.alloc_pinned(block as usize, 4096).unwrap();
     let sink = context.malloc(block).unwrap();
     for _ in 0..10 {
-        // SAFETY: the pinned block and the sink are live for the whole test,
-        // written by no one; the context is synchronized before they go.
+        // SAFETY: the pinned block and the sink are live for the whole test, written by no one; the context is synchronized before they go.
         unsafe {
             context.copy_async(
                 StreamKind::CopyToDevice,

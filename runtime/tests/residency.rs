@@ -890,9 +890,7 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
 
 /// Bytes at `address`, read behind the runtime's back.
 fn raw_bytes(address: u64, len: usize) -> Vec<u8> {
-    // SAFETY: the address lies in the CPU device's arena or the pinned pool,
-    // which live as long as the runtime the caller holds, and no thread
-    // writes these bytes while the test reads them.
+    // SAFETY: the address lies in the CPU device's arena or the pinned pool, which live as long as the runtime the caller holds, and no thread writes these bytes while the test reads them.
     unsafe { std::slice::from_raw_parts(address as *const u8, len) }.to_vec()
 }
 

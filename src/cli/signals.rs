@@ -77,10 +77,9 @@ impl Blocked {
                         tv_sec: left.as_secs() as libc::time_t,
                         tv_nsec: left.subsec_nanos() as libc::c_long,
                     };
-                    // SAFETY: `self.set` and `timeout` are initialized; a
-                    // null siginfo pointer is allowed.
-                    let signal =
-                        unsafe { libc::sigtimedwait(&self.set, std::ptr::null_mut(), &timeout) };
+                    let (set, no_info) = (&self.set, std::ptr::null_mut());
+                    // SAFETY: `set` and `timeout` are initialized; a null siginfo pointer is allowed.
+                    let signal = unsafe { libc::sigtimedwait(set, no_info, &timeout) };
                     (signal > 0).then_some(signal)
                 }
             };

@@ -77,8 +77,7 @@ impl ReadbackSlots for Slots {
     fn read(&self, slot: usize) -> Result<f64> {
         let decode = self.state.lock().expect("readback slots")[slot].expect("a taken slot");
         let mut bytes = [0u8; SLOT_BYTES];
-        // SAFETY: the slot is inside the pinned buffer, and its copy has
-        // landed (the readback's fence passed before `read`).
+        // SAFETY: the slot is inside the pinned buffer, and its copy has landed (the readback's fence passed before `read`).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.host.pointer().as_ptr().add(slot * SLOT_BYTES),
@@ -194,8 +193,7 @@ fn compute_dtype(op: &'static str, operand: &'static str, raw: Raw) -> Result<Dt
 unsafe fn adopt(context: &Arc<Context>, address: u64, len: usize, dtype: Dtype) -> Buffer {
     let owner = context.clone();
     let release = Box::new(move |address| {
-        // SAFETY: allocated on `owner`, freed once (the buffer's release
-        // runs once), after its users (the caller's contract).
+        // SAFETY: allocated on `owner`, freed once (the buffer's release runs once), after its users (the caller's contract).
         let _ = unsafe { owner.free(address) };
     });
     // SAFETY: the caller's contract.
@@ -283,8 +281,7 @@ impl CudaBackend {
                     .fill_async(StreamKind::Compute, device, SLOT_BYTES, 0)
             }?;
             write(device)?;
-            // SAFETY: both ranges are the slot's; the pinned one is read
-            // only after the fence recorded below.
+            // SAFETY: both ranges are the slot's; the pinned one is read only after the fence recorded below.
             unsafe {
                 self.context.read_on_compute(
                     device,
@@ -377,8 +374,7 @@ impl Backend for CudaBackend {
         let a = operand("a", a.view.raw(), a.transposed)?;
         let b = operand("b", b.view.raw(), b.transposed)?;
         let c = operand("c", c.raw(), false)?;
-        // SAFETY: every address is a checked view's on this device; the
-        // workspace is the scratch's first GEMM_WORKSPACE_BYTES.
+        // SAFETY: every address is a checked view's on this device; the workspace is the scratch's first GEMM_WORKSPACE_BYTES.
         unsafe {
             self.gemm.matmul(
                 self.stream(),
@@ -444,8 +440,7 @@ impl Backend for CudaBackend {
         let (y_at, n) = on_device(OP, "y", y.raw(), None)?;
         let (x_at, len) = on_device(OP, "x", x.raw(), Some(y.dtype()))?;
         same_len(OP, "x", len, n)?;
-        // SAFETY: checked views; a view written through `y` aliases no
-        // other view (the ViewMut contract).
+        // SAFETY: checked views; a view written through `y` aliases no other view (the ViewMut contract).
         unsafe {
             self.context
                 .copy_on_compute(x_at, y_at, (n * y.dtype().bytes()) as usize)
@@ -479,14 +474,11 @@ impl Backend for CudaBackend {
         if let Some(fence) = uploads.fences[slot].take() {
             fence.wait()?;
         }
-        // SAFETY: the slot lies in the pinned buffer (slot_bytes each) and no
-        // copy reads it now (its last one's fence passed above).
+        // SAFETY: the slot lies in the pinned buffer (slot_bytes each) and no copy reads it now (its last one's fence passed above).
         let staged = unsafe { uploads.host.pointer().as_ptr().add(slot * slot_bytes) };
         // SAFETY: `data` fits the slot; the ranges are distinct allocations.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), staged, data.len()) };
-        // SAFETY: the staged bytes stay until the fence recorded below
-        // passes; `y` is a checked view on this device, written by no one
-        // else (the ViewMut contract).
+        // SAFETY: the staged bytes stay until the fence recorded below passes; `y` is a checked view on this device, written by no one else (the ViewMut contract).
         unsafe { self.context.write_on_compute(staged, y_at, data.len()) }?;
         uploads.fences[slot] = Some(self.context.record(StreamKind::Compute)?);
         Ok(())
@@ -721,8 +713,7 @@ impl Backend for CudaBackend {
             });
         }
         self.readback(Decode::Loss { vocab }, |slot| {
-            // SAFETY: checked views; the rows' losses and the slot are the
-            // scratch's, used by this op alone on the one stream.
+            // SAFETY: checked views; the rows' losses and the slot are the scratch's, used by this op alone on the one stream.
             unsafe {
                 self.ops.cross_entropy(
                     self.stream(),
@@ -859,8 +850,7 @@ impl Backend for CudaBackend {
         let dtype = compute_dtype(OP, "x", x.raw())?;
         let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
         self.readback(Decode::F64, |slot| {
-            // SAFETY: a checked view; the partials and the slot are the
-            // scratch's.
+            // SAFETY: a checked view; the partials and the slot are the scratch's.
             unsafe {
                 self.ops
                     .sum_squares(self.stream(), dtype, x_at, n, self.partials(), slot)

@@ -185,10 +185,7 @@ impl Gemm {
         }
         let plan = &plans.0[&shape];
         let [b_layout, a_layout, c_layout] = plan.layouts;
-        // SAFETY: the plan's objects are live (destroyed only on eviction
-        // or drop, under this lock); the addresses are the caller's
-        // contract; alpha and beta are f32 host scalars, the descriptor's
-        // scale type.
+        // SAFETY: the plan's objects are live (destroyed only on eviction or drop, under this lock); the addresses are the caller's contract; alpha and beta are f32 host scalars, the descriptor's scale type.
         unsafe {
             result::matmul(
                 self.handle,

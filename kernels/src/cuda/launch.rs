@@ -200,9 +200,7 @@ macro_rules! launch {
     ($stream:expr, $function:expr, $config:expr, $op:literal, [$($arg:expr),* $(,)?]) => {{
         let mut builder = $stream.launch_builder($function);
         $(builder.arg($arg);)*
-        // SAFETY: the kernel's parameters are, in order, the types pushed
-        // here (ops.cu's signature); the addresses are the caller's
-        // contract (see the launcher's `# Safety`).
+        // SAFETY: the kernel's parameters are, in order, the types pushed here (ops.cu's signature); the addresses are the caller's contract (see the launcher's `# Safety`).
         unsafe { builder.launch($config) }
             .map(drop)
             .map_err(driver($op))

@@ -167,8 +167,7 @@ impl Device for CpuDevice {
             .as_ptr()
             .wrapping_add(device_offset as usize)
             .cast_mut();
-        // SAFETY: the range is in the arena, owned by the copy being registered
-        // (or released, with its last use passed).
+        // SAFETY: the range is in the arena, owned by the copy being registered (or released, with its last use passed).
         unsafe { std::ptr::write_bytes(start, value, len_bytes as usize) };
         Ok(())
     }

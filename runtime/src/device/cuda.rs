@@ -129,8 +129,7 @@ impl Device for CudaDevice {
         let (device, len) = (self.base + device_offset, len_bytes as usize);
         // Uploads into the range follow on the same stream, and the other two
         // streams wait (on the device) for the fence below.
-        // SAFETY: the range is in the arena, owned by the copy being registered
-        // (or released, with its last use passed).
+        // SAFETY: the range is in the arena, owned by the copy being registered (or released, with its last use passed).
         unsafe {
             self.context
                 .fill_async(StreamKind::CopyToDevice, device, len, value)?

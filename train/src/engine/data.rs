@@ -131,9 +131,7 @@ impl Corpus {
         if len <= seq + 1 {
             return Err(too_short(len, "tokens", seq));
         }
-        // SAFETY: the map is read-only and private to this process; the
-        // documented contract is that the token file does not change while a
-        // run reads it (a truncation would fault, not corrupt silently).
+        // SAFETY: the map is read-only and private to this process; the documented contract is that the token file does not change while a run reads it (a truncation would fault, not corrupt silently).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|err| {
             os(
                 format!("map token file {}", path.display()),
