@@ -147,6 +147,18 @@ pub struct Runtime {
     movers: Vec<JoinHandle<()>>,
 }
 
+/// The NVMe store `config` names, if any, with `faults` injected when given.
+fn open_store(
+    config: &RuntimeConfig,
+    faults: Option<(strata_storage::FaultRates, u64)>,
+) -> Result<Option<SwapStore>> {
+    Ok(match (&config.nvme, faults) {
+        (Some(nvme), None) => Some(SwapStore::open(nvme)?),
+        (Some(nvme), Some((rates, seed))) => Some(SwapStore::open_faulty(nvme, rates, seed)?),
+        (None, _) => None,
+    })
+}
+
 impl Runtime {
     /// Opens the device, allocates the pinned pool, opens the NVMe store and
     /// starts the movers.
@@ -184,12 +196,21 @@ impl Runtime {
         // Before the device's arena is touched.
         check_host_memory(config, arena_on_host)?;
         let device = device::open(&config.device)?;
-        let store = match (&config.nvme, faults) {
-            (Some(nvme), None) => Some(SwapStore::open(nvme)?),
-            (Some(nvme), Some((rates, seed))) => Some(SwapStore::open_faulty(nvme, rates, seed)?),
-            (None, _) => None,
-        };
-        Self::assemble(config, device, store)
+        Self::assemble(config, device, open_store(config, faults)?)
+    }
+
+    /// Like [`Runtime::new`] (or [`Runtime::with_faults`], given `faults`)
+    /// on a device the caller opened: a CUDA device on a context the
+    /// caller's compute backend shares (`CudaDevice::on_context`).
+    pub fn on_device(
+        config: &RuntimeConfig,
+        device: Box<dyn Device>,
+        faults: Option<(strata_storage::FaultRates, u64)>,
+    ) -> Result<Self> {
+        config.validate()?;
+        // The caller's device already holds its arena: count the pool only.
+        check_host_memory(config, false)?;
+        Self::assemble(config, device, open_store(config, faults)?)
     }
 
     /// Like [`Runtime::new`] with a device and store built by the caller
@@ -342,7 +363,7 @@ impl Runtime {
     /// Registers a tensor with a zeroed copy in `tier` (device or host),
     /// spilling other tensors if the tier is full.
     pub fn register(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
-        self.register_filled(meta, tier, true)
+        self.register_in(meta, tier, true)
     }
 
     /// [`Runtime::register`] for a tensor the caller writes whole before
@@ -350,10 +371,10 @@ impl Runtime {
     /// holds whatever its memory held (NaN with `runtime.poison_released`),
     /// and no fill is spent on it.
     pub fn register_unfilled(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
-        self.register_filled(meta, tier, false)
+        self.register_in(meta, tier, false)
     }
 
-    fn register_filled(&self, meta: TensorMeta, tier: Tier, zeroed: bool) -> Result<TensorId> {
+    fn register_in(&self, meta: TensorMeta, tier: Tier, zeroed: bool) -> Result<TensorId> {
         let len_bytes = meta.len_bytes();
         if len_bytes == 0 {
             return Err(RuntimeError::Config {

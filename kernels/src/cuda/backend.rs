@@ -451,11 +451,19 @@ impl Backend for CudaBackend {
     fn upload(&self, host: View<'_>, y: ViewMut<'_>) -> Result<()> {
         const OP: &str = "upload";
         let (y_at, n) = on_device(OP, "y", y.raw(), None)?;
-        let data = host.host_bytes().ok_or(KernelError::Device {
+        if host.raw().kind != DeviceKind::Cpu {
+            return Err(KernelError::Device {
+                op: OP,
+                operand: "host",
+                actual: host.raw().kind,
+                expected: DeviceKind::Cpu,
+            });
+        }
+        let data = host.host_bytes().ok_or_else(|| KernelError::Shape {
             op: OP,
             operand: "host",
-            actual: host.raw().kind,
-            expected: DeviceKind::Cpu,
+            actual: format!("row stride {}", host.raw().row_stride),
+            expected: "a contiguous view".into(),
         })?;
         same_len(OP, "host", host.len() as u64, n)?;
         let slot_bytes = self.limits.upload_bytes_max.max(64);

@@ -650,29 +650,22 @@ fn open_runtime(
         }
     }
     // Each rank's faults are its own, and the same on every replay.
-    let seed = faults.map(|f| f.seed ^ rank as u64);
-    let runtime = match (faults, context) {
-        (Some(faults), None) => {
-            Runtime::with_faults(&runtime_config, faults.rates, faults.seed ^ rank as u64)?
-        }
+    let seeded = faults.map(|f| (f, f.seed ^ rank as u64));
+    let storage = seeded.map(|(f, seed)| (f.rates, seed));
+    let runtime = match (context, storage) {
         (None, None) => Runtime::new(&runtime_config)?,
-        (faults, Some(context)) => {
-            // The backend's context: the arena on its GPU, its streams.
-            let device =
-                strata_runtime::CudaDevice::on_context(context, runtime_config.device.budget.0)?;
-            let store = match (&runtime_config.nvme, faults) {
-                (Some(nvme), None) => Some(strata_storage::SwapStore::open(nvme)?),
-                (Some(nvme), Some(faults)) => Some(strata_storage::SwapStore::open_faulty(
-                    nvme,
-                    faults.rates,
-                    faults.seed ^ rank as u64,
-                )?),
-                (None, _) => None,
-            };
-            Runtime::with_parts(&runtime_config, Box::new(device), store)?
-        }
+        (None, Some((rates, seed))) => Runtime::with_faults(&runtime_config, rates, seed)?,
+        // The backend's context: the arena on its GPU, its streams.
+        (Some(context), storage) => Runtime::on_device(
+            &runtime_config,
+            Box::new(strata_runtime::CudaDevice::on_context(
+                context,
+                runtime_config.device.budget.0,
+            )?),
+            storage,
+        )?,
     };
-    if let (Some(faults), Some(seed)) = (faults, seed) {
+    if let Some((faults, seed)) = seeded {
         runtime.inject_memory_faults(strata_runtime::MemoryFaults {
             rate: faults.oom,
             seed,
