@@ -198,6 +198,14 @@ fn tensor(runtime: &Runtime, name: &str, data: &[u8]) -> strata_runtime::TensorI
     id
 }
 
+/// The tensor's bytes in `tier`, read through a guard.
+fn bytes_in(runtime: &Runtime, id: strata_runtime::TensorId, tier: Tier) -> Vec<u8> {
+    let guard = runtime.acquire(id, tier, Access::Read).unwrap();
+    let mut out = vec![0u8; guard.len_bytes() as usize];
+    guard.read_into(&mut out).unwrap();
+    out
+}
+
 /// `times` device copies of `len` bytes `from` -> `to` on the compute stream.
 fn busy(context: &Context, from: u64, to: u64, len: u64, times: usize) {
     for _ in 0..times {
@@ -267,11 +275,7 @@ fn cuda_a_device_range_is_not_reused_while_queued_work_still_reads_it() {
         download(&context, scratch, len) == a_data,
         "the range was overwritten under a queued reader"
     );
-    let guard = runtime.acquire(b, Tier::Device, Access::Read).unwrap();
-    let mut landed = vec![0u8; len as usize];
-    guard.read_into(&mut landed).unwrap();
-    assert!(landed == b_data);
-    drop(guard);
+    assert!(bytes_in(&runtime, b, Tier::Device) == b_data);
     // SAFETY: allocated above; the context is synchronized.
     unsafe { context.free(scratch) }.unwrap();
 }
@@ -315,14 +319,10 @@ fn cuda_a_gradient_is_downloaded_only_after_the_kernel_writing_it() {
         .unwrap()
         .wait()
         .unwrap();
-    let guard = runtime.acquire(gradient, Tier::Host, Access::Read).unwrap();
-    let mut downloaded = vec![0u8; len as usize];
-    guard.read_into(&mut downloaded).unwrap();
     assert!(
-        downloaded == expected,
+        bytes_in(&runtime, gradient, Tier::Host) == expected,
         "downloaded before the kernel writing it finished"
     );
-    drop(guard);
     context.synchronize().unwrap();
     // SAFETY: allocated above; the context is synchronized.
     unsafe { context.free(source) }.unwrap();
@@ -360,14 +360,10 @@ fn cuda_a_pinned_buffer_is_not_reused_while_a_copy_from_it_is_in_flight() {
     // tensor takes the only pinned buffer and writes other bytes into it.
     runtime.release(id, Tier::Host).unwrap();
     let other = tensor(&runtime, "x", &bytes_of(6, len));
-    let guard = runtime.acquire(id, Tier::Device, Access::Read).unwrap();
-    let mut landed = vec![0u8; len as usize];
-    guard.read_into(&mut landed).unwrap();
     assert!(
-        landed == first,
+        bytes_in(&runtime, id, Tier::Device) == first,
         "the pinned source was reused under its upload"
     );
-    drop(guard);
     runtime.free(other).unwrap();
     context.synchronize().unwrap();
     // SAFETY: allocated above; the context is synchronized.
