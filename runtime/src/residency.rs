@@ -28,7 +28,7 @@ use crate::state::{
     moving_error, not_resident, released_by,
 };
 use crate::stats::{EventKind, Stats, Trace, TraceEvent, caller_lane, is_mover_lane};
-use crate::tier::{Link, TensorId, TensorMeta, Tier};
+use crate::tier::{Link, TensorId, TensorKind, TensorMeta, Tier};
 
 /// Alignment of device allocations (covers every vector load and cudaMalloc's
 /// guarantee).
@@ -1178,12 +1178,21 @@ impl Shared {
         }
         let entry = state.tensors.get(&id).expect("live tensor");
         let (len_bytes, chunks) = (entry.len_bytes, entry.chunks.clone());
+        let activation = entry.meta.kind == TensorKind::Activation;
         let (place, bytes) = match tier {
             Tier::Device => {
-                let (offset, bytes) = state
-                    .device_space
-                    .allocate(round_up(len_bytes, DEVICE_ALIGN_BYTES))
-                    .map_err(|_| Unplaced::Full(None))?;
+                // Activations stack down from the top of the arena (made in
+                // forward, freed in backward in reverse), everything else
+                // best-fits from the bottom: neither cuts up the other's
+                // holes.
+                let len = round_up(len_bytes, DEVICE_ALIGN_BYTES);
+                let space = &mut state.device_space;
+                let (offset, bytes) = if activation {
+                    space.allocate_from_top(len)
+                } else {
+                    space.allocate(len)
+                }
+                .map_err(|_| Unplaced::Full(None))?;
                 (Place::Device { offset, bytes }, bytes)
             }
             Tier::Host => {

@@ -1,5 +1,10 @@
-//! [`ExtentAllocator`]: aligned extents of a linear address space, best fit,
-//! free neighbours coalesced.
+//! [`ExtentAllocator`]: aligned extents of a linear address space, best fit
+//! from the bottom or first fit from the top, free neighbours coalesced.
+//!
+//! The two ends keep two lifetimes apart: long-lived or churning tensors
+//! best-fit low, short-lived ones that are freed in the reverse order they
+//! were made (a step's activations) stack down from the top, so that the
+//! holes one kind leaves are not cut up by the other.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -54,6 +59,34 @@ impl ExtentAllocator {
             self.insert_free(offset + len, free_len - len);
         }
         Ok((offset, len))
+    }
+
+    /// Allocates `len_bytes` rounded up to the alignment at the top of the
+    /// highest free extent that fits: successive allocations stack down
+    /// from the end of the space, and one freed last-in first-out leaves
+    /// the free space as it was. Returns (offset, length).
+    pub fn allocate_from_top(&mut self, len_bytes: u64) -> Result<(u64, u64), StorageError> {
+        let len = round_up(len_bytes.max(1), self.align_bytes);
+        // Free extents are few (they are coalesced): a scan from the top.
+        let Some((offset, free_len)) = self
+            .by_offset
+            .iter()
+            .rev()
+            .map(|(&o, &l)| (o, l))
+            .find(|&(_, l)| l >= len)
+        else {
+            return Err(StorageError::OutOfSpace {
+                needed_bytes: len,
+                free_bytes: self.free_bytes,
+                largest_free_bytes: self.largest_free_bytes(),
+                capacity_bytes: self.capacity_bytes,
+            });
+        };
+        self.remove_free(offset, free_len);
+        if free_len > len {
+            self.insert_free(offset, free_len - len);
+        }
+        Ok((offset + free_len - len, len))
     }
 
     /// Returns `[offset, offset+len_bytes)` to the free space. Panics if that
@@ -194,6 +227,27 @@ mod tests {
             }
             other => panic!("expected OutOfSpace, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn the_top_stacks_down_and_unwinds_to_one_extent() {
+        let mut alloc = ExtentAllocator::new(1 << 20, 4096);
+        let low = alloc.allocate(4096).unwrap();
+        let a = alloc.allocate_from_top(8192).unwrap();
+        let b = alloc.allocate_from_top(5000).unwrap();
+        assert_eq!(a, ((1 << 20) - 8192, 8192));
+        assert_eq!(b, ((1 << 20) - 16384, 8192));
+        // Best fit from the bottom leaves the top alone.
+        assert_eq!(alloc.allocate(4096).unwrap().0, 4096);
+        alloc.free(b.0, b.1);
+        alloc.free(a.0, a.1);
+        assert_eq!(alloc.free_list().last(), Some((8192, (1 << 20) - 8192)));
+        alloc.free(low.0, low.1);
+        // A hole near the top is taken before lower room.
+        let c = alloc.allocate_from_top(4096).unwrap();
+        assert_eq!(c.0, (1 << 20) - 4096);
+        let err = alloc.allocate_from_top(2 << 20).unwrap_err().to_string();
+        assert!(err.contains(&(2u64 << 20).to_string()), "{err}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use strata_storage::ExtentAllocator;
 #[derive(Debug, Clone)]
 enum Action {
     Allocate(u64),
+    AllocateFromTop(u64),
     Free(usize),
 }
 
@@ -13,6 +14,7 @@ fn actions() -> impl Strategy<Value = Vec<Action>> {
     prop::collection::vec(
         prop_oneof![
             (1u64..200_000).prop_map(Action::Allocate),
+            (1u64..200_000).prop_map(Action::AllocateFromTop),
             any::<usize>().prop_map(Action::Free),
         ],
         1..200,
@@ -28,9 +30,20 @@ proptest! {
         let mut live: Vec<(u64, u64)> = Vec::new();
         for action in actions {
             match action {
-                Action::Allocate(len) => {
+                Action::Allocate(len) | Action::AllocateFromTop(len) => {
                     let largest = alloc.largest_free_bytes();
-                    match alloc.allocate(len) {
+                    let from_top = matches!(action, Action::AllocateFromTop(_));
+                    let highest_fit = alloc
+                        .free_list()
+                        .filter(|&(_, l)| l >= len.div_ceil(align) * align)
+                        .map(|(o, l)| o + l)
+                        .last();
+                    let placed = if from_top { alloc.allocate_from_top(len) } else { alloc.allocate(len) };
+                    if let (true, Ok((offset, got))) = (from_top, &placed) {
+                        // From the top: the end of the highest hole that fits.
+                        prop_assert_eq!(Some(offset + got), highest_fit);
+                    }
+                    match placed {
                         Ok((offset, got)) => {
                             prop_assert!(got >= len && got % align == 0 && offset % align == 0);
                             prop_assert!(offset + got <= capacity);
@@ -39,7 +52,7 @@ proptest! {
                             }
                             live.push((offset, got));
                         }
-                        // Best fit must succeed whenever a large enough hole exists.
+                        // Either end must succeed whenever a large enough hole exists.
                         Err(_) => prop_assert!(len.div_ceil(align) * align > largest),
                     }
                 }
