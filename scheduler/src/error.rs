@@ -38,6 +38,19 @@ pub enum SchedulerError {
         /// Its capacity.
         capacity_bytes: u64,
     },
+    /// Even with every block recomputed, the kept inputs fit neither the
+    /// device nor the host.
+    #[error(
+        "the blocks' kept inputs need {needed_bytes} bytes with every block recomputed, but the device has room for {device_room_bytes} and the host for {host_room_bytes} more; give the device or host more memory, or lower the micro-batch, the sequence or the micro-batches per step"
+    )]
+    ActivationsDoNotFit {
+        /// Bytes of every block's input, per micro-batch in flight.
+        needed_bytes: u64,
+        /// The device's room for them.
+        device_room_bytes: u64,
+        /// The host's.
+        host_room_bytes: u64,
+    },
     /// The trace is malformed.
     #[error("invalid trace: {0}")]
     InvalidTrace(String),

@@ -250,7 +250,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         }
         other => other?,
     };
-    print_summary(&summary, args.json)?;
+    print_summary(&summary, config.model.layers, args.json)?;
     let Some(signal) = summary.stopped_by else {
         return Ok(ExitCode::SUCCESS);
     };
@@ -320,7 +320,7 @@ fn mib(bytes: u64) -> String {
     format!("{:.1}MiB", bytes as f64 / (1 << 20) as f64)
 }
 
-fn print_summary(summary: &RunSummary, json: bool) -> anyhow::Result<()> {
+fn print_summary(summary: &RunSummary, layers: usize, json: bool) -> anyhow::Result<()> {
     println!(
         "trained {} steps: loss {:.4} -> {:.4}, {:.0} tokens/s",
         summary.steps, summary.loss_first, summary.loss_last, summary.tokens_per_s
@@ -330,6 +330,10 @@ fn print_summary(summary: &RunSummary, json: bool) -> anyhow::Result<()> {
         mib(summary.model_state_bytes),
         summary.model_state_bytes as f64 / summary.budget_bytes.device as f64,
         mib(summary.budget_bytes.device),
+    );
+    println!(
+        "activations: {} of {layers} blocks recompute their forward in backward (train.checkpoint_activations)",
+        summary.recomputed_blocks
     );
     println!("peak memory per tier (rank 0), measured against the plan's prediction:");
     println!(

@@ -4,8 +4,8 @@
 use strata_runtime::Link;
 use strata_storage::ByteSize;
 use strata_train::{
-    ByteCorpus, Placement, RunOptions, RunSummary, StateCache, StateDtype, TrainConfig, TrainError,
-    run,
+    ByteCorpus, Checkpointing, Placement, RunOptions, RunSummary, StateCache, StateDtype,
+    TrainConfig, TrainError, run,
 };
 
 fn corpus(seq: usize) -> ByteCorpus {
@@ -378,22 +378,87 @@ fn a_state_cache_is_a_size_or_auto_and_leaves_the_plans_room() {
 }
 
 #[test]
-fn micro_batches_in_flight_together_match_one_after_another_bit_for_bit() {
+fn recomputed_kept_and_auto_chosen_blocks_give_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let mut together = tiny(dir.path());
-    together.train.steps = 4;
-    together.train.grad_accumulation = 3;
-    together.train.micro_batch = 2;
-    // With activation checkpointing the micro-batches run block by block;
-    // without, one after another. The sums are the same, in the same order.
-    together.train.checkpoint_activations = true;
-    let mut apart = together.clone();
-    apart.train.checkpoint_activations = false;
-    apart.host.budget = ByteSize(16 << 20);
-    let a = run(&together, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
-    let b = run(&apart, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
-    assert_eq!(a.reports.len(), 4);
-    assert_same_steps("together vs apart", &a, &b);
+    // Blocks whose activations (~768 KiB per micro-batch) outweigh their
+    // parameters, as in real models.
+    let mut every = tiny(dir.path());
+    every.model.seq = 64;
+    every.model.hidden = 64;
+    every.model.layers = 4;
+    every.train.steps = 3;
+    every.train.grad_accumulation = 2;
+    every.train.micro_batch = 2;
+    every.device.budget = ByteSize(4 << 20);
+    every.host.budget = ByteSize(32 << 20);
+    every.train.checkpoint_activations = Checkpointing::Every;
+    // Regression: before activations stacked down from the top of the
+    // device arena, this run failed in its third step with the arena cut
+    // up (a 591872-byte activation, 761856 bytes free, the largest hole
+    // 561664).
+    let mut never = every.clone();
+    never.train.checkpoint_activations = Checkpointing::Never;
+    // Room for everything on device and host: the CPU device's copies cost
+    // far less than a block's forward, so nothing recomputes.
+    let mut roomy = every.clone();
+    roomy.train.checkpoint_activations = Checkpointing::Auto;
+    // A host that holds some blocks' activations but not all.
+    let mut tight = roomy.clone();
+    tight.host.budget = ByteSize(12 << 20);
+    // A device whose room after the workspace holds no block's whole
+    // activations beside its parameters, and no host room past the inputs.
+    let mut tiny_device = roomy.clone();
+    tiny_device.device.budget = ByteSize(3 << 20);
+    tiny_device.host.budget = ByteSize(8 << 20);
+    let corpus = corpus(64);
+    let go = |config: &TrainConfig| run(config, &corpus, &RunOptions::default(), &mut |_| {});
+    let base = go(&every).unwrap();
+    assert_eq!((base.reports.len(), base.recomputed_blocks), (3, 4));
+    let kept = go(&never).unwrap();
+    assert_eq!(kept.recomputed_blocks, 0);
+    assert_same_steps("every vs none", &base, &kept);
+    let roomy = go(&roomy).unwrap();
+    assert_eq!(roomy.recomputed_blocks, 0);
+    assert_same_steps("every vs auto, roomy", &base, &roomy);
+    let tight = go(&tight).unwrap();
+    assert!(
+        (1..4).contains(&tight.recomputed_blocks),
+        "{}",
+        tight.recomputed_blocks
+    );
+    assert_same_steps("every vs auto, tight host", &base, &tight);
+    let small = go(&tiny_device).unwrap();
+    assert_eq!(small.recomputed_blocks, 4);
+    assert_same_steps("every vs auto, small device", &base, &small);
+    // Without recompute the small device cannot run at all: the plan says
+    // what does not fit.
+    let mut never_small = tiny_device.clone();
+    never_small.train.checkpoint_activations = Checkpointing::Never;
+    let err = go(&never_small).unwrap_err().to_string();
+    assert!(
+        err.contains("does not fit") && err.contains("device"),
+        "{err}"
+    );
+}
+
+#[test]
+fn checkpoint_activations_takes_true_false_or_auto_and_names_anything_else() {
+    let parsed = |value: &str| {
+        toml::from_str::<TrainConfig>(&format!("[train]\ncheckpoint_activations = {value}\n"))
+            .map(|c| c.train.checkpoint_activations)
+    };
+    assert_eq!(parsed("true").unwrap(), Checkpointing::Every);
+    assert_eq!(parsed("false").unwrap(), Checkpointing::Never);
+    assert_eq!(parsed("\"auto\"").unwrap(), Checkpointing::Auto);
+    assert_eq!(
+        TrainConfig::default().train.checkpoint_activations,
+        Checkpointing::Auto
+    );
+    let err = parsed("\"sometimes\"").unwrap_err().to_string();
+    assert!(
+        err.contains("train.checkpoint_activations") && err.contains("\"auto\""),
+        "{err}"
+    );
 }
 
 #[test]
@@ -868,7 +933,7 @@ fn released_memory_filled_with_nan_changes_no_bit_of_the_losses() {
     ranks.train.ranks = 2;
     ranks.train.micro_batch = 2;
     let mut kept = base.clone();
-    kept.train.checkpoint_activations = false;
+    kept.train.checkpoint_activations = Checkpointing::Never;
     kept.train.grad_accumulation = 2;
     kept.host.budget = ByteSize(16 << 20);
     for (name, config) in [

@@ -225,7 +225,7 @@ impl Engine {
     }
 
     /// Block `b`'s forward of micro-batch `m`; keeps what its backward needs
-    /// (its input with checkpointing, else all its activations) in the
+    /// (its input when it recomputes, else all its activations) in the
     /// saved tensor.
     fn block_forward(&mut self, m: usize, b: usize) -> Result<()> {
         let batch = self.config.train.micro_batch;
@@ -245,7 +245,7 @@ impl Engine {
         )?;
         std::mem::swap(&mut stream.x, &mut ws.y);
         let id = self.tensor_to_write(self.saved_index(m, b))?;
-        let saved = if self.config.train.checkpoint_activations {
+        let saved = if self.recompute[b] {
             self.ws.acts.input()
         } else {
             self.ws.acts.view()
@@ -282,7 +282,7 @@ impl Engine {
     }
 
     /// Block `b`'s backward of micro-batch `m` from what its forward saved
-    /// (recomputed from its input with checkpointing); reduce-scatters the
+    /// (recomputed from its input when it recomputes); reduce-scatters the
     /// gradient.
     fn block_backward(&mut self, m: usize, b: usize) -> Result<()> {
         let batch = self.config.train.micro_batch;
@@ -294,7 +294,7 @@ impl Engine {
         let ws = &mut self.ws;
         let params = ws.gathered.view().range(0..self.groups[b + 1].params);
         let backend = &*self.backend;
-        if self.config.train.checkpoint_activations {
+        if self.recompute[b] {
             // The recompute reads the kept input where it lies.
             with_device_view(&self.runtime, backend, id, Dtype::F32, |input| {
                 block_forward(

@@ -106,9 +106,12 @@ pub struct TrainSettings {
     pub ranks: usize,
     /// Seeds initialization and data order.
     pub seed: u64,
-    /// Keep only each block's input between forward and backward and
-    /// recompute the rest (activation checkpointing).
-    pub checkpoint_activations: bool,
+    /// Which blocks keep only their input between forward and backward and
+    /// recompute the rest (activation checkpointing): `true` every block,
+    /// `false` none, `"auto"` the blocks the planner picks when not all
+    /// activations fit the device (the first ones, where a recompute costs
+    /// less than the host round trip).
+    pub checkpoint_activations: Checkpointing,
     /// Peak learning rate (DeepSpeed's `warmup_max_lr`, or the optimizer
     /// lr that `warmup_cosine_lr` scales).
     pub lr: f64,
@@ -165,7 +168,7 @@ impl Default for TrainSettings {
             grad_accumulation: 1,
             ranks: 1,
             seed: 1,
-            checkpoint_activations: true,
+            checkpoint_activations: Checkpointing::Auto,
             lr: 3e-3,
             warmup_steps: 20,
             lr_min: 3e-4,
@@ -189,14 +192,10 @@ impl Default for TrainSettings {
 }
 
 impl TrainSettings {
-    /// Micro-batches in flight at once: all of them with activation
-    /// checkpointing (their kept inputs are small), else one.
+    /// Micro-batches in flight at once: all of them, block by block, so
+    /// that each block's parameters are fetched once per pass.
     pub(crate) fn in_flight(&self) -> usize {
-        if self.checkpoint_activations {
-            self.grad_accumulation
-        } else {
-            1
-        }
+        self.grad_accumulation
     }
 
     /// AdamW at `lr`.
@@ -550,6 +549,53 @@ impl Default for OptimConfig {
         OptimConfig {
             threads: 0,
             state_dtype: StateDtype::Fp32,
+        }
+    }
+}
+
+/// [`TrainSettings::checkpoint_activations`]: `true`, `false` or `"auto"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "BoolOrWord", into = "BoolOrWord")]
+pub enum Checkpointing {
+    /// Every block recomputes its forward in backward.
+    Every,
+    /// No block does: all activations are kept (on the device, or offloaded
+    /// to the host and beyond by the plan).
+    Never,
+    /// The blocks [`strata_scheduler::recompute::choose`] picks from the
+    /// budgets and measured rates.
+    Auto,
+}
+
+/// How a [`Checkpointing`] is written.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum BoolOrWord {
+    Bool(bool),
+    Text(String),
+}
+
+impl TryFrom<BoolOrWord> for Checkpointing {
+    type Error = String;
+
+    fn try_from(value: BoolOrWord) -> std::result::Result<Self, String> {
+        match value {
+            BoolOrWord::Bool(true) => Ok(Checkpointing::Every),
+            BoolOrWord::Bool(false) => Ok(Checkpointing::Never),
+            BoolOrWord::Text(text) if text == "auto" => Ok(Checkpointing::Auto),
+            BoolOrWord::Text(text) => Err(format!(
+                "train.checkpoint_activations: {text:?} is not true, false or \"auto\""
+            )),
+        }
+    }
+}
+
+impl From<Checkpointing> for BoolOrWord {
+    fn from(checkpointing: Checkpointing) -> Self {
+        match checkpointing {
+            Checkpointing::Every => BoolOrWord::Bool(true),
+            Checkpointing::Never => BoolOrWord::Bool(false),
+            Checkpointing::Auto => BoolOrWord::Text("auto".into()),
         }
     }
 }

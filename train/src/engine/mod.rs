@@ -48,6 +48,7 @@
 //! step's decision; `checkpoint` writes and resumes; `run` drives whole
 //! runs over ranks; this module holds the `Engine` and its step loop.
 
+mod activations;
 mod checkpoint;
 mod compute;
 mod config;
@@ -64,9 +65,9 @@ mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use config::{
-    COS_MIN_RATIO_DEFAULT, GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement,
-    PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype, TrainConfig, TrainSettings,
-    WARMUP_NUM_STEPS_DEFAULT, WarmupType,
+    COS_MIN_RATIO_DEFAULT, Checkpointing, GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig,
+    Placement, PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype, TrainConfig,
+    TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{ByteCorpus, Corpus, TokenDtype, window_start};
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
@@ -144,6 +145,8 @@ pub struct Prediction {
     pub workspace_bytes: u64,
     /// The host bytes held for the state cache (in the host peak).
     pub state_cache_bytes: u64,
+    /// Blocks that recompute their forward in backward.
+    pub recomputed_blocks: usize,
 }
 
 /// One rank of a training run. Build it with [`Engine::new`], then call
@@ -158,6 +161,9 @@ pub struct Engine {
     tracker: StepTracker,
     groups: Arc<Vec<Group>>,
     slots: Vec<Slot>,
+    /// Per block, whether its backward recomputes its forward
+    /// (`train.checkpoint_activations`).
+    recompute: Vec<bool>,
     /// The ops of each shape of step, by [`shape_index`].
     shapes: Vec<Vec<StepOp>>,
     /// Which of the two parameter/state sets is current.
@@ -258,7 +264,7 @@ impl Engine {
                 (Box::new(CpuBackend), None, 0)
             }
         };
-        let ws = Workspace::new(
+        let mut ws = Workspace::new(
             &*backend,
             &gpt,
             batch,
@@ -268,14 +274,35 @@ impl Engine {
         )?;
         let workspace_bytes = ws.bytes() + backend_bytes;
         let runtime = open_runtime(config, rank, workspace_bytes, faults, context)?;
-        let slots = slots(config, &gpt, &groups, ws.acts.view().len());
-        let (plan_config, cache_groups, cache_bytes) =
+        let kept = activations::kept_elems(&gpt, batch, ws.acts.view().len());
+        // The rooms the activations may use: the plan's tiers less the
+        // model states (measured with the smallest activations, so that
+        // the host's staging reserve is not sized for the largest).
+        let every = vec![true; gpt.layers];
+        let rooms = plan_config(
+            config,
+            &runtime,
+            &slots(config, &groups, kept, &every),
+            groups.len(),
+        )?
+        .0;
+        let recompute = activations::recompute_blocks(
+            config,
+            &runtime,
+            &*backend,
+            &mut ws,
+            &groups,
+            &slots(config, &groups, kept, &every),
+            rooms.capacity_bytes,
+        )?;
+        let slots = slots(config, &groups, kept, &recompute);
+        let (mut planning, mut cache_groups, mut cache_bytes) =
             plan_config(config, &runtime, &slots, groups.len())?;
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
         // An empty stand-in: `plan_shapes` makes the real one below.
-        let tracker = StepTracker::new(plan_config.clone(), 0, 0, 1);
+        let tracker = StepTracker::new(planning.clone(), 0, 0, 1);
         let mut engine = Engine {
             config: config.clone(),
             gpt,
@@ -285,6 +312,7 @@ impl Engine {
             tracker,
             groups: groups.clone(),
             slots,
+            recompute,
             shapes: Vec::with_capacity(SHAPES),
             current: 0,
             ws,
@@ -315,7 +343,25 @@ impl Engine {
             deferred: Vec::with_capacity(groups.len()),
             cache_groups: 0,
         };
-        engine.plan_with_cache(&plan_config, cache_groups, cache_bytes)?;
+        loop {
+            match engine.plan_with_cache(&planning, cache_groups, cache_bytes) {
+                // The choice's rooms are estimates; the plans are the test.
+                Err(TrainError::DoesNotFit { cause })
+                    if config.train.checkpoint_activations == Checkpointing::Auto
+                        && activations::widen(&mut engine.recompute) =>
+                {
+                    let recomputed = engine.recompute.iter().filter(|&&r| r).count();
+                    tracing::info!(
+                        "activations: the plans do not fit ({cause}); {recomputed} blocks recompute"
+                    );
+                    engine.slots = tensors::slots(config, &groups, kept, &engine.recompute);
+                    (planning, cache_groups, cache_bytes) =
+                        plan_config(config, &runtime, &engine.slots, groups.len())?;
+                }
+                planned => break planned?,
+            }
+        }
+        engine.prediction.recomputed_blocks = engine.recompute.iter().filter(|&&r| r).count();
         engine.initialize()?;
         if config.placement.optimizer != Placement::Device {
             let pool = optimizer_pool(config.optim.threads, world)?;

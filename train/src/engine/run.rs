@@ -104,6 +104,9 @@ pub struct RunSummary {
     /// The host memory held for the state cache (`placement.state_cache`),
     /// in the host prediction.
     pub state_cache_bytes: u64,
+    /// Blocks that recompute their forward in backward (rank 0):
+    /// `train.checkpoint_activations`, or what "auto" chose.
+    pub recomputed_blocks: usize,
     /// Bytes moved per link, in [`crate::Link`] order (host->nvme,
     /// nvme->host, host->device, device->host), rank 0.
     pub moved_bytes: [u64; 4],
@@ -396,6 +399,7 @@ fn rank_main(
         predicted_peak_bytes: TierBytes::from_array(prediction.peak_bytes),
         workspace_bytes: prediction.workspace_bytes,
         state_cache_bytes: prediction.state_cache_bytes,
+        recomputed_blocks: prediction.recomputed_blocks,
         moved_bytes: [0, 1, 2, 3].map(|i| stats.links[i].bytes),
         wait_s: stats.wait_ns as f64 / 1e9,
         losses: reports.iter().map(|r| r.loss).collect(),

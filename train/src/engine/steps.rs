@@ -100,7 +100,11 @@ impl StepModel for EngineStep<'_> {
             }
             Work::Forward { .. } => OpCost::compute(gpu, block_ns),
             Work::Head { .. } => OpCost::compute(gpu, block_ns / 2),
-            Work::Backward { .. } => OpCost::compute(gpu, 3 * block_ns),
+            // Twice the forward, and the forward again when it recomputes.
+            Work::Backward { layer, .. } => {
+                let recompute = u64::from(self.engine.recompute[layer]);
+                OpCost::compute(gpu, (2 + recompute) * block_ns)
+            }
             Work::Update { group, .. } => {
                 let shard = self.engine.groups[group].shard as f64;
                 OpCost::compute(

@@ -201,14 +201,13 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
 
 /// The trace's tensors: per group two parameter sets, two state sets and
 /// the gradient; then what each block keeps for its backward, per
-/// micro-batch.
-/// `activation_elems` is what a block keeps for its backward without
-/// checkpointing.
+/// micro-batch: `kept_elems` (whole, input only) as block `b` recomputes
+/// (`recompute[b]`) or not.
 pub(super) fn slots(
     config: &TrainConfig,
-    gpt: &GptConfig,
     groups: &[Group],
-    activation_elems: usize,
+    kept_elems: (usize, usize),
+    recompute: &[bool],
 ) -> Vec<Slot> {
     let params_home = config.placement.params.tier();
     let states_home = config.placement.optimizer.tier();
@@ -254,13 +253,13 @@ pub(super) fn slots(
             Some(grads_home),
         ));
     }
-    let saved = if config.train.checkpoint_activations {
-        config.train.micro_batch * gpt.seq * gpt.hidden
-    } else {
-        activation_elems
-    };
     for m in 0..config.train.grad_accumulation {
-        for b in 0..gpt.layers {
+        for (b, &recomputed) in recompute.iter().enumerate() {
+            let saved = if recomputed {
+                kept_elems.1
+            } else {
+                kept_elems.0
+            };
             slots.push(slot(
                 format!("block{b}.saved.mb{m}"),
                 TensorKind::Activation,

@@ -1,0 +1,279 @@
+//! Which blocks recompute their forward in backward
+//! (`train.checkpoint_activations`): every one, none, or with `"auto"` the
+//! ones [`strata_scheduler::recompute::choose`] picks from this rank's
+//! budgets and two measurements taken here, one block's forward on the
+//! backend and a round trip of an activation through the runtime. Nothing
+//! is measured when every block's activations fit the device: then none
+//! recomputes.
+
+use std::time::Instant;
+
+use strata_kernels::Backend;
+use strata_runtime::{Access, Dtype, Runtime, TensorKind, TensorMeta, Tier};
+use strata_scheduler::recompute::{RecomputeInput, choose};
+
+use super::compute::Workspace;
+use super::config::{Checkpointing, Placement, TrainConfig};
+use super::tensors::{Group, Slot, links};
+use crate::error::Result;
+use crate::gpt::{GptConfig, block_forward};
+
+/// Bytes of the activation round trip measured, at most.
+const LINK_PROBE_BYTES_MAX: u64 = 64 << 20;
+
+/// Timed repetitions of each measurement (after one untimed).
+const PROBE_ROUNDS: usize = 3;
+
+/// What one block keeps per micro-batch: (whole, input only), in f32
+/// elements.
+pub(super) fn kept_elems(gpt: &GptConfig, batch: usize, activation_elems: usize) -> (usize, usize) {
+    (activation_elems, batch * gpt.seq * gpt.hidden)
+}
+
+/// The per-block choice of `config`: fixed for `true` and `false`; for
+/// `"auto"`, chosen for this rank's rooms (`capacity_bytes`: what the plan
+/// may use per tier, `slots`: the tensors with their homes).
+pub(super) fn recompute_blocks(
+    config: &TrainConfig,
+    runtime: &Runtime,
+    backend: &dyn Backend,
+    ws: &mut Workspace,
+    groups: &[Group],
+    slots: &[Slot],
+    capacity_bytes: [u64; 3],
+) -> Result<Vec<bool>> {
+    let gpt = &config.model.gpt();
+    let layers = gpt.layers;
+    match config.train.checkpoint_activations {
+        Checkpointing::Every => return Ok(vec![true; layers]),
+        Checkpointing::Never => return Ok(vec![false; layers]),
+        Checkpointing::Auto => {}
+    }
+    let batch = config.train.micro_batch;
+    let (whole, input) = kept_elems(gpt, batch, ws.acts.view().len());
+    let footprint =
+        |elems: usize, tier: Tier| runtime.footprint_bytes(elems as u64 * 4)[tier.index()];
+    let mut homed = [0u64; 3];
+    // What streams through a tier while the step runs: parameters and
+    // gradients homed off the device through the device (compute reads and
+    // adds to them there), states homed on NVMe through the host (the
+    // optimizer's). Per tier and kind, the largest: an op uses one of
+    // each, and the next op's arrive meanwhile, so twice their sum is held.
+    let mut streaming = [[0u64; 3]; 3];
+    for slot in slots
+        .iter()
+        .filter(|s| s.meta.kind != TensorKind::Activation)
+    {
+        let bytes = runtime.footprint_bytes(slot.meta.len_bytes());
+        let home = slot.home.expect("model states have a home");
+        homed[home.index()] += bytes[home.index()];
+        let kind = match slot.meta.kind {
+            TensorKind::Param => 0,
+            TensorKind::Grad => 1,
+            _ => 2,
+        };
+        let through = |tier: Tier| match tier {
+            Tier::Device => kind < 2 && home != Tier::Device,
+            Tier::Host => home == Tier::Nvme,
+            Tier::Nvme => false,
+        };
+        for tier in Tier::ALL.into_iter().filter(|&t| through(t)) {
+            let most = &mut streaming[tier.index()][kind];
+            *most = (*most).max(bytes[tier.index()]);
+        }
+    }
+    let room = |tier: Tier| {
+        let held: u64 = streaming[tier.index()].iter().sum();
+        capacity_bytes[tier.index()]
+            .saturating_sub(homed[tier.index()])
+            .saturating_sub(2 * held)
+    };
+    let mut input_model = RecomputeInput {
+        layers,
+        micro_batches: config.train.in_flight(),
+        full_bytes: footprint(whole, Tier::Device),
+        input_bytes: footprint(input, Tier::Device),
+        host_bytes: (footprint(whole, Tier::Host), footprint(input, Tier::Host)),
+        device_room_bytes: room(Tier::Device),
+        host_room_bytes: room(Tier::Host),
+        block_forward_ns: 0.0,
+        step_compute_ns: 0.0,
+        device_to_host: links().device_to_host,
+        host_to_device: links().host_to_device,
+        link_busy_ns: (0.0, 0.0),
+    };
+    let all_kept = input_model
+        .full_bytes
+        .saturating_mul((layers * input_model.micro_batches) as u64);
+    if all_kept <= input_model.device_room_bytes {
+        tracing::info!(
+            "activations: every block keeps its {} bytes per micro-batch on the device, none recomputes",
+            input_model.full_bytes
+        );
+        return Ok(vec![false; layers]);
+    }
+    let forward_ns = measure_block_forward(backend, gpt, batch, ws, groups[1].params)?;
+    let (up, down) = measure_links(runtime, input_model.full_bytes, capacity_bytes)?;
+    input_model.block_forward_ns = forward_ns;
+    // A block's forward and backward (twice the forward) per micro-batch.
+    input_model.step_compute_ns = 3.0 * forward_ns * (layers * input_model.micro_batches) as f64;
+    input_model.host_to_device.bytes_per_s = up;
+    input_model.device_to_host.bytes_per_s = down;
+    input_model.link_busy_ns = link_busy_ns(config, runtime, slots, up, down);
+    let choice = match choose(&input_model) {
+        Ok(choice) => choice,
+        // The rooms are estimates: the plans of every block recomputing
+        // decide, and say what does not fit.
+        Err(err) => {
+            tracing::info!("activations: {err}; every block recomputes");
+            return Ok(vec![true; layers]);
+        }
+    };
+    tracing::info!(
+        "activations: {} of {layers} blocks recompute (block forward {:.3} ms measured, host<->device {:.2}/{:.2} GB/s); {} bytes kept on the device, {} on the host",
+        choice.recomputed(),
+        forward_ns / 1e6,
+        up / 1e9,
+        down / 1e9,
+        choice.device_bytes,
+        choice.host_bytes
+    );
+    Ok(choice.recompute)
+}
+
+/// The parameters' and gradients' traffic each step, in ns each way: the
+/// parameters up once per pass (forward and backward) when they live off
+/// the device, the gradients down when the optimizer does.
+fn link_busy_ns(
+    config: &TrainConfig,
+    runtime: &Runtime,
+    slots: &[Slot],
+    up: f64,
+    down: f64,
+) -> (f64, f64) {
+    let mut bytes = (0u64, 0u64);
+    for slot in slots {
+        let device = runtime.footprint_bytes(slot.meta.len_bytes())[Tier::Device.index()];
+        match slot.meta.kind {
+            // Two sets are registered; the step reads one of them.
+            TensorKind::Param if config.placement.params != Placement::Device => bytes.0 += device,
+            TensorKind::Grad if config.placement.optimizer != Placement::Device => {
+                bytes.1 += device
+            }
+            _ => {}
+        }
+    }
+    (bytes.0 as f64 / up * 1e9, bytes.1 as f64 / down * 1e9)
+}
+
+/// One block's forward of one micro-batch on the workspace (its values are
+/// whatever it holds: the time is what counts), synchronized, the median
+/// of [`PROBE_ROUNDS`] after an untimed one (a GPU compiles and loads its
+/// kernels then).
+fn measure_block_forward(
+    backend: &dyn Backend,
+    gpt: &GptConfig,
+    batch: usize,
+    ws: &mut Workspace,
+    block_params: usize,
+) -> Result<f64> {
+    let mut times = [0.0; PROBE_ROUNDS];
+    for round in 0..=PROBE_ROUNDS {
+        let started = Instant::now();
+        block_forward(
+            backend,
+            gpt,
+            batch,
+            ws.gathered.view().range(0..block_params),
+            ws.streams[0].x.view(),
+            &mut ws.acts,
+            &mut ws.scratch,
+            ws.y.view_mut(),
+        )?;
+        backend.wait(&backend.record()?)?;
+        if round > 0 {
+            times[round - 1] = started.elapsed().as_nanos() as f64;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[PROBE_ROUNDS / 2])
+}
+
+/// Bytes per second host -> device and back through the runtime (pinned
+/// pool, copy engines), for a tensor of up to `bytes`: the best of
+/// [`PROBE_ROUNDS`]. The probe tensor is freed before the model's are
+/// registered.
+fn measure_links(runtime: &Runtime, bytes: u64, capacity_bytes: [u64; 3]) -> Result<(f64, f64)> {
+    let room = capacity_bytes[Tier::Device.index()].min(capacity_bytes[Tier::Host.index()]) / 4;
+    let bytes = bytes.min(LINK_PROBE_BYTES_MAX).min(room) / 4 * 4;
+    if bytes == 0 {
+        let fallback = links();
+        return Ok((
+            fallback.host_to_device.bytes_per_s,
+            fallback.device_to_host.bytes_per_s,
+        ));
+    }
+    let meta = TensorMeta::new(
+        "activation link probe",
+        TensorKind::Activation,
+        Dtype::F32,
+        &[bytes / 4],
+    );
+    let id = runtime.register_unfilled(meta, Tier::Host)?;
+    let rate = |started: Instant| bytes as f64 / started.elapsed().as_secs_f64().max(1e-9);
+    let timed = || -> Result<(f64, f64)> {
+        let mut best = (0.0f64, 0.0f64);
+        for _ in 0..PROBE_ROUNDS {
+            let started = Instant::now();
+            runtime.move_to(id, Tier::Device)?.wait()?;
+            runtime
+                .acquire(id, Tier::Device, Access::Read)?
+                .ready()
+                .wait()?;
+            best.0 = best.0.max(rate(started));
+            runtime.release(id, Tier::Host)?;
+            let started = Instant::now();
+            runtime.move_to(id, Tier::Host)?.wait()?;
+            runtime
+                .acquire(id, Tier::Host, Access::Read)?
+                .ready()
+                .wait()?;
+            // Moving down released the device copy.
+            best.1 = best.1.max(rate(started));
+        }
+        Ok(best)
+    };
+    let measured = timed();
+    runtime.free(id)?;
+    measured
+}
+
+/// Widens the recomputed prefix of blocks (1, 2, 4, ... blocks, then all)
+/// when the plans do not fit with the choice; false when every block
+/// recomputes already.
+pub(super) fn widen(recompute: &mut [bool]) -> bool {
+    let recomputed = recompute.iter().filter(|&&r| r).count();
+    if recomputed == recompute.len() {
+        return false;
+    }
+    let next = (2 * recomputed).max(1).min(recompute.len());
+    recompute[..next].fill(true);
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::widen;
+
+    #[test]
+    fn widening_doubles_the_recomputed_prefix_until_every_block_recomputes() {
+        let mut recompute = vec![false; 5];
+        let mut seen = Vec::new();
+        while widen(&mut recompute) {
+            seen.push(recompute.iter().filter(|&&r| r).count());
+            let recomputed = seen[seen.len() - 1];
+            assert!(recompute[..recomputed].iter().all(|&r| r));
+        }
+        assert_eq!(seen, [1, 2, 4, 5]);
+    }
+}
