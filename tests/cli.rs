@@ -635,6 +635,27 @@ fn plan_json_contract_on_the_issue_example() {
         "--json",
     ]));
     assert!(baseline["step_time_s"].as_f64().unwrap() >= json["step_time_s"].as_f64().unwrap());
+    // The default recomputes every block; `auto` says how many it keeps.
+    assert_eq!(json["activations"]["recomputed_layers"], 128, "{json}");
+    let auto = stdout_json(&strata(&[
+        "plan",
+        "--preset",
+        "dgx2",
+        "--params",
+        "1T",
+        "--offload-param",
+        "nvme",
+        "--offload-optimizer",
+        "nvme",
+        "--checkpoint",
+        "auto",
+        "--json",
+    ]));
+    // NVMe-bound: host memory is worth more as the states' cache than for
+    // activations, so the choice's simulated step loses to recomputing
+    // every block, and that is what `auto` reports.
+    assert_eq!(auto["activations"]["recomputed_layers"], 128, "{auto}");
+    assert_eq!(auto["step_time_s"], json["step_time_s"]);
 }
 
 #[test]
@@ -670,7 +691,22 @@ fn plan_table_and_chart() {
 
 #[test]
 fn plan_bad_options_are_named() {
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 11] = [
+        (
+            &["plan", "--params", "13B", "--checkpoint", "sometimes"],
+            "is not every (true), none (false) or auto",
+        ),
+        (
+            &[
+                "plan",
+                "--params",
+                "13B",
+                "--checkpoint",
+                "auto",
+                "--no-checkpoint",
+            ],
+            "cannot be used with",
+        ),
         (
             &["plan", "--params", "1T", "--layers", "10"],
             "--params picks the shape",

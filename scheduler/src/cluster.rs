@@ -12,6 +12,7 @@ use crate::builder::{OpCost, StepModel, StepShape, Updates, Work, build_step};
 use crate::error::SchedulerError;
 use crate::model::{Hardware, Model, Parallelism, StateDtype, deepspeed_zero3_estimate};
 use crate::plan::{ActionKind, Lane, Link, Links, Plan, PlanConfig, Policy, plan};
+use crate::recompute::{Checkpointing, RecomputeInput, choose};
 use crate::sim::{SimConfig, SimReport, TimelinePoint, simulate};
 use crate::trace::{Access, Mode, Processor, TensorClass, TensorSpec, Tier, Trace};
 
@@ -85,8 +86,11 @@ pub struct ResourceUse {
 /// How activations are kept.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ActivationPlan {
-    /// Checkpointing on: one saved input per block, recomputed in backward.
+    /// Checkpointing on for some block: one saved input, recomputed in
+    /// backward.
     pub checkpoint: bool,
+    /// Blocks (of this pipeline stage) that recompute; the first ones.
+    pub recomputed_layers: u32,
     /// Bytes saved per block per micro-batch.
     pub bytes_per_layer: u64,
     /// Blocks whose saved activations the plan moves off the device.
@@ -201,13 +205,15 @@ fn spans_nodes(hardware: &Hardware, parallelism: &Parallelism) -> bool {
     hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor
 }
 
-/// Bytes of the saved activations of one block and micro-batch.
+/// Bytes of the largest saved activations of one block and micro-batch.
 fn saved_activation_bytes(trace: &Trace) -> u64 {
     trace
         .tensors
         .iter()
-        .find(|t| t.class == TensorClass::Activation)
-        .map_or(0, |t| t.bytes)
+        .filter(|t| t.class == TensorClass::Activation)
+        .map(|t| t.bytes)
+        .max()
+        .unwrap_or(0)
 }
 
 /// The links one GPU sees.
@@ -269,6 +275,8 @@ struct ClusterStep<'a> {
     units: Vec<Unit>,
     /// Saved activations by micro-batch, then block.
     saved: Vec<u32>,
+    /// Per block: whether its backward recomputes its forward.
+    recompute: &'a [bool],
     /// Units per block.
     parts: usize,
     collective_bytes_per_s: f64,
@@ -323,10 +331,10 @@ impl ClusterStep<'_> {
         self.ring_ns(2 * unit.params, factor)
     }
 
-    /// The forward flops of block `layer`, recomputed in its backward with
-    /// checkpointing.
+    /// The forward flops of block `layer`, recomputed in its backward when
+    /// it keeps only its input.
     fn recompute_flops(&self, layer: usize) -> f64 {
-        if !self.parallelism.checkpoint_activations {
+        if !self.recompute[layer] {
             return 0.0;
         }
         let first = 1 + layer * self.parts;
@@ -514,19 +522,20 @@ fn build_trace(
     hardware: &Hardware,
     shares: &Shares,
     policy: Policies,
+    recompute: &[bool],
 ) -> Trace {
     let mut trace = Trace::default();
     let units = add_units(&mut trace, model, parallelism, shares);
     let tp = shares.tensor;
-    let saved_bytes = if parallelism.checkpoint_activations {
-        model.checkpoint_bytes()
-    } else {
-        model.block_activation_bytes() / tp
-    };
     let micro_batches = parallelism.grad_accumulation as usize;
     let mut saved = Vec::new();
     for m in 0..micro_batches {
-        for l in 0..shares.layers {
+        for (l, &recomputed) in recompute.iter().enumerate() {
+            let saved_bytes = if recomputed {
+                model.checkpoint_bytes()
+            } else {
+                model.block_activation_bytes() / tp
+            };
             saved.push(add_tensor(
                 &mut trace,
                 format!("m{m}.l{l}.saved"),
@@ -559,6 +568,7 @@ fn build_trace(
         shares,
         units,
         saved,
+        recompute,
         parts,
         collective_bytes_per_s: collective_bytes_per_s(hardware, parallelism),
     };
@@ -570,6 +580,12 @@ fn build_trace(
 }
 
 /// Plans and simulates one run.
+///
+/// With `checkpoint_activations` `Auto`, the blocks
+/// [`recompute::choose`](crate::recompute::choose) picks are simulated
+/// beside every block recomputing, and the faster that fits is reported:
+/// the choice's model sees PCIe, not the NVMe traffic that host memory
+/// kept for activations can add.
 pub fn estimate(
     model: &Model,
     parallelism: &Parallelism,
@@ -579,6 +595,28 @@ pub fn estimate(
     model.validate()?;
     hardware.validate()?;
     parallelism.validate(model, hardware)?;
+    let chosen = estimate_with(model, parallelism, hardware, policy, false)?;
+    let layers = model.layers / parallelism.pipeline;
+    if parallelism.checkpoint_activations != Checkpointing::Auto
+        || chosen.activations.recomputed_layers == layers
+    {
+        return Ok(chosen);
+    }
+    let every = estimate_with(model, parallelism, hardware, policy, true)?;
+    let time = |e: &Estimate| e.step_time_s.unwrap_or(f64::INFINITY);
+    let every_is_better = every.fits && (!chosen.fits || time(&every) < time(&chosen));
+    Ok(if every_is_better { every } else { chosen })
+}
+
+/// [`estimate`] with the blocks `parallelism` asks to recompute, or every
+/// block (`every`).
+fn estimate_with(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    policy: Policies,
+    every: bool,
+) -> Result<Estimate, SchedulerError> {
     let gpus = u64::from(hardware.gpus_per_node);
     let host_per_gpu = hardware
         .host_memory_bytes
@@ -594,13 +632,19 @@ pub fn estimate(
         working = Working::new(model, parallelism, tiles);
     }
     let shares = Shares::new(model, parallelism, tiles);
-    let trace = build_trace(model, parallelism, hardware, &shares, policy);
     let device_room = hardware
         .gpu_memory_bytes
         .saturating_sub(working.device_bytes());
     let capacity = [device_room, host_per_gpu, nvme_per_gpu];
     let links = links(hardware);
-    let horizon_layers = activation_horizon(model, parallelism, hardware, &trace, &links);
+    let recompute = if every {
+        vec![true; shares.layers as usize]
+    } else {
+        recompute_layers(model, parallelism, hardware, &shares, capacity, policy)
+    };
+    let trace = build_trace(model, parallelism, hardware, &shares, policy, &recompute);
+    let horizon_layers =
+        activation_horizon(model, parallelism, hardware, &trace, &links, &recompute);
     let ops_per_layer = 4 * tiles;
     let (steady, first) = match policy {
         Policies::Strata => (
@@ -647,7 +691,8 @@ pub fn estimate(
         memory: memory_parts(parallelism, hardware, &trace, &working, None),
         resources: Vec::new(),
         activations: ActivationPlan {
-            checkpoint: parallelism.checkpoint_activations,
+            checkpoint: recompute.contains(&true),
+            recomputed_layers: recompute.iter().filter(|&&r| r).count() as u32,
             bytes_per_layer: saved_activation_bytes(&trace),
             offloaded_layers: 0,
             horizon_layers,
@@ -750,17 +795,106 @@ pub fn estimate(
     Ok(estimate)
 }
 
+/// Which blocks recompute: fixed, or chosen by [`recompute::choose`] for
+/// one micro-batch's pass (the cluster model runs them one after another)
+/// with the device and host room left beside the model states homed there
+/// and the largest parameter and gradient streaming through, one block's
+/// forward at the GPU's rate and the parameters' (and a CPU optimizer's
+/// gradients') PCIe traffic per pass. When nothing fits, every block
+/// recomputes and the plan says what does not fit.
+fn recompute_layers(
+    model: &Model,
+    parallelism: &Parallelism,
+    hardware: &Hardware,
+    shares: &Shares,
+    capacity: [u64; 3],
+    policy: Policies,
+) -> Vec<bool> {
+    let layers = shares.layers as usize;
+    if let Some(fixed) = parallelism.checkpoint_activations.fixed(layers) {
+        return fixed;
+    }
+    let every = vec![true; layers];
+    let trace = build_trace(model, parallelism, hardware, shares, policy, &every);
+    let mut homed = [0u64; 3];
+    let (mut param_max, mut grad_max, mut nvme_max) = (0u64, 0u64, 0u64);
+    let (mut params, mut grads) = (0u64, 0u64);
+    for tensor in &trace.tensors {
+        if let Some(home) = tensor.home {
+            homed[home.index()] += tensor.bytes;
+        }
+        match tensor.class {
+            TensorClass::Param if tensor.home != Some(Tier::Device) => {
+                param_max = param_max.max(tensor.bytes);
+                params += tensor.bytes;
+            }
+            TensorClass::Grad => {
+                grad_max = grad_max.max(tensor.bytes);
+                grads += tensor.bytes;
+            }
+            _ => {}
+        }
+        if tensor.home == Some(Tier::Nvme) {
+            nvme_max = nvme_max.max(tensor.bytes);
+        }
+    }
+    let room = |tier: Tier, streaming: u64| {
+        capacity[tier.index()]
+            .saturating_sub(homed[tier.index()])
+            .saturating_sub(2 * streaming)
+    };
+    let links = links(hardware);
+    let step = ClusterStep {
+        parallelism,
+        hardware,
+        shares,
+        units: Vec::new(),
+        saved: Vec::new(),
+        recompute: &every,
+        parts: 1,
+        collective_bytes_per_s: 1.0,
+    };
+    let forward_ns =
+        step.flops_ns(model.block_forward_flops() / f64::from(parallelism.tensor)) as f64;
+    let full = model.block_activation_bytes() / shares.tensor;
+    let input = model.checkpoint_bytes();
+    let passes = f64::from(parallelism.grad_accumulation.max(1));
+    let up_ns = links.host_to_device.time_ns(2 * params);
+    let down_ns = if parallelism.offload_optimizer == Tier::Device {
+        0.0
+    } else {
+        links.device_to_host.time_ns(grads) / passes
+    };
+    let input_model = RecomputeInput {
+        layers,
+        micro_batches: 1,
+        full_bytes: full,
+        input_bytes: input.min(full),
+        host_bytes: (full, input.min(full)),
+        device_room_bytes: room(Tier::Device, param_max + grad_max),
+        host_room_bytes: room(Tier::Host, nvme_max),
+        block_forward_ns: forward_ns,
+        step_compute_ns: 3.0 * forward_ns * layers as f64,
+        device_to_host: links.device_to_host,
+        host_to_device: links.host_to_device,
+        link_busy_ns: (up_ns, down_ns),
+    };
+    choose(&input_model).map_or(every, |choice| choice.recompute)
+}
+
 /// Activation blocks to fetch ahead so that a saved input arrives before
 /// backward reaches its block: its PCIe time over one block's backward
-/// time (twice the forward, plus the recompute), plus one, between 1 and 8.
+/// time (twice the forward, plus the recompute when the blocks do), plus
+/// one, between 1 and 8.
 fn activation_horizon(
     model: &Model,
     parallelism: &Parallelism,
     hardware: &Hardware,
     trace: &Trace,
     links: &Links,
+    recompute: &[bool],
 ) -> u32 {
-    let recompute = if parallelism.checkpoint_activations {
+    let recompute = if recompute.iter().all(|&r| r) {
         1.0
     } else {
         0.0

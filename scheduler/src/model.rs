@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::recompute::Checkpointing;
+
 use crate::error::SchedulerError;
 use crate::trace::Tier;
 
@@ -315,8 +317,10 @@ pub struct Parallelism {
     /// Gradient clipping by global norm: the optimizer waits for the whole
     /// backward pass.
     pub grad_clip: bool,
-    /// Activation checkpointing (one saved input per block, recompute).
-    pub checkpoint_activations: bool,
+    /// Which blocks keep only their input and recompute the rest in
+    /// backward: every one, none, or those [`crate::recompute::choose`]
+    /// picks for the device and host room.
+    pub checkpoint_activations: Checkpointing,
     /// How the optimizer states are kept: their bytes, and the CPU
     /// optimizer's time (memory-bound: in proportion to the bytes a step
     /// reads and writes).
@@ -340,7 +344,7 @@ impl Parallelism {
             offload_optimizer,
             grad_accumulation: 1,
             grad_clip: true,
-            checkpoint_activations: true,
+            checkpoint_activations: Checkpointing::Every,
             state_dtype: StateDtype::Fp32,
         }
     }

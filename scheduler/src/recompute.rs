@@ -18,10 +18,84 @@
 //! work for the same time). When everything fits on the device, nothing is
 //! recomputed.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
 use crate::plan::Link;
+
+/// Which blocks recompute: written `true` (every block), `false` (none)
+/// or `"auto"` (those [`choose`] picks) in a config, and `every`, `none`
+/// or `auto` on a command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "BoolOrWord", into = "BoolOrWord")]
+pub enum Checkpointing {
+    /// Every block recomputes its forward in backward.
+    Every,
+    /// No block does: all activations are kept (on the device, or offloaded
+    /// to the host and beyond).
+    Never,
+    /// The blocks [`choose`] picks from the budgets and rates.
+    Auto,
+}
+
+impl Checkpointing {
+    /// Per block of `layers` when the choice is fixed; None for `Auto`.
+    pub fn fixed(self, layers: usize) -> Option<Vec<bool>> {
+        match self {
+            Checkpointing::Every => Some(vec![true; layers]),
+            Checkpointing::Never => Some(vec![false; layers]),
+            Checkpointing::Auto => None,
+        }
+    }
+}
+
+impl std::str::FromStr for Checkpointing {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "every" | "true" => Ok(Checkpointing::Every),
+            "none" | "false" => Ok(Checkpointing::Never),
+            "auto" => Ok(Checkpointing::Auto),
+            other => Err(format!(
+                "{other:?} is not every (true), none (false) or auto"
+            )),
+        }
+    }
+}
+
+/// How a [`Checkpointing`] is written in a config.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum BoolOrWord {
+    Bool(bool),
+    Text(String),
+}
+
+impl TryFrom<BoolOrWord> for Checkpointing {
+    type Error = String;
+
+    fn try_from(value: BoolOrWord) -> Result<Self, String> {
+        match value {
+            BoolOrWord::Bool(true) => Ok(Checkpointing::Every),
+            BoolOrWord::Bool(false) => Ok(Checkpointing::Never),
+            BoolOrWord::Text(text) if text == "auto" => Ok(Checkpointing::Auto),
+            BoolOrWord::Text(text) => Err(format!(
+                "checkpoint_activations: {text:?} is not true, false or \"auto\""
+            )),
+        }
+    }
+}
+
+impl From<Checkpointing> for BoolOrWord {
+    fn from(checkpointing: Checkpointing) -> Self {
+        match checkpointing {
+            Checkpointing::Every => BoolOrWord::Bool(true),
+            Checkpointing::Never => BoolOrWord::Bool(false),
+            Checkpointing::Auto => BoolOrWord::Text("auto".into()),
+        }
+    }
+}
 
 /// What the choice weighs, per step of one rank.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]

@@ -3,7 +3,8 @@
 //! DeepSpeed-like baseline where NVMe bandwidth is tight.
 
 use strata_scheduler::{
-    Estimate, Hardware, Model, Parallelism, Policies, Tier, cluster, deepspeed_zero3_estimate,
+    Checkpointing, Estimate, Hardware, Model, Parallelism, Policies, Tier, cluster,
+    deepspeed_zero3_estimate,
 };
 
 fn run(
@@ -315,4 +316,59 @@ fn state_dtype_sets_the_states_bytes_and_the_cpu_optimizers_time() {
         );
         assert!(e.step_time_s <= fp32.step_time_s, "{dtype:?}");
     }
+}
+
+/// The H100 shape (hidden 4096, seq 1024, micro-batch 8, 4
+/// micro-batches per step) on one 80 GB GPU with 512 GB of host memory,
+/// `layers` blocks, parameters and optimizer states on the host.
+fn h100(layers: u32, checkpoint: Checkpointing) -> Estimate {
+    let mut hardware = Hardware::preset("dgx-h100").unwrap();
+    hardware.gpus_per_node = 1;
+    hardware.host_memory_bytes = 512 << 30;
+    hardware.pcie_bytes_per_s = 54e9;
+    let model = Model {
+        layers,
+        hidden: 4096,
+        heads: 32,
+        seq: 1024,
+        micro_batch: 8,
+        vocab: 50304,
+    };
+    let mut parallelism = Parallelism::zero3_offload(&hardware, Tier::Host, Tier::Host);
+    parallelism.grad_accumulation = 4;
+    parallelism.checkpoint_activations = checkpoint;
+    cluster::estimate(&model, &parallelism, &hardware, Policies::Strata).unwrap()
+}
+
+#[test]
+fn auto_recompute_keeps_what_fits_and_is_never_slower_than_recomputing_every_block() {
+    // 12 blocks: every block's activations (2.5 GB each) fit the device,
+    // so none recomputes and the estimate is the one without recompute.
+    let auto = h100(12, Checkpointing::Auto);
+    let none = h100(12, Checkpointing::Never);
+    let every = h100(12, Checkpointing::Every);
+    assert!(
+        auto.fits && every.fits,
+        "{:?} {:?}",
+        auto.reason,
+        every.reason
+    );
+    assert_eq!(auto.activations.recomputed_layers, 0);
+    assert_eq!(every.activations.recomputed_layers, 12);
+    assert_eq!(auto.step_time_s, none.step_time_s);
+    assert!(auto.step_time_s.unwrap() < every.step_time_s.unwrap());
+    // 24 blocks: not all fit the device; what the choice keeps is offloaded
+    // or recomputed, and the simulated step is no slower than recomputing
+    // every block.
+    let auto = h100(24, Checkpointing::Auto);
+    let every = h100(24, Checkpointing::Every);
+    assert!(auto.fits, "{:?}", auto.reason);
+    assert!(auto.activations.recomputed_layers < 24);
+    assert!(
+        auto.step_time_s.unwrap() <= every.step_time_s.unwrap(),
+        "auto {:?} s ({} blocks recompute), every {:?} s",
+        auto.step_time_s,
+        auto.activations.recomputed_layers,
+        every.step_time_s
+    );
 }

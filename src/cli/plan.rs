@@ -8,7 +8,7 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 use strata_scheduler::cluster::{self, Estimate};
-use strata_scheduler::{Hardware, Model, Parallelism, Policies, StateDtype, Tier};
+use strata_scheduler::{Checkpointing, Hardware, Model, Parallelism, Policies, StateDtype, Tier};
 
 /// Where a model state lives.
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -95,8 +95,13 @@ pub struct PlanArgs {
     /// backward).
     #[arg(long)]
     no_grad_clip: bool,
-    /// No activation checkpointing.
-    #[arg(long)]
+    /// Which blocks recompute their forward in backward: every, none, or
+    /// auto (the last blocks keep their activations as the device and
+    /// host room and the PCIe time allow).
+    #[arg(long, default_value = "every")]
+    checkpoint: Checkpointing,
+    /// The same as `--checkpoint none`.
+    #[arg(long, conflicts_with = "checkpoint")]
     no_checkpoint: bool,
     /// Optimizer states: fp32 (12 bytes per parameter), bf16-moments (8)
     /// or bf16 (6); the CPU optimizer's time follows its bytes per step.
@@ -274,7 +279,11 @@ impl PlanArgs {
             offload_optimizer: self.offload_optimizer.tier(),
             grad_accumulation: self.grad_accumulation,
             grad_clip: !self.no_grad_clip,
-            checkpoint_activations: !self.no_checkpoint,
+            checkpoint_activations: if self.no_checkpoint {
+                Checkpointing::Never
+            } else {
+                self.checkpoint
+            },
             state_dtype: self.state_dtype,
         })
     }
@@ -439,8 +448,8 @@ fn print_human(estimate: &Estimate, hardware: &Hardware, model: &Model, parallel
     }
     let a = &estimate.activations;
     println!(
-        "\nactivations: checkpointing {}, {} per block per micro-batch, {} blocks moved off the device, prefetched {} blocks ahead; linear layers tiled {}x",
-        if a.checkpoint { "on" } else { "off" },
+        "\nactivations: {} blocks recompute their forward (the first ones), the largest keeps {} per micro-batch, {} blocks moved off the device, prefetched {} blocks ahead; linear layers tiled {}x",
+        a.recomputed_layers,
         gb(a.bytes_per_layer),
         a.offloaded_layers,
         a.horizon_layers,

@@ -456,7 +456,7 @@ fn checkpoint_activations_takes_true_false_or_auto_and_names_anything_else() {
     );
     let err = parsed("\"sometimes\"").unwrap_err().to_string();
     assert!(
-        err.contains("train.checkpoint_activations") && err.contains("\"auto\""),
+        err.contains("checkpoint_activations") && err.contains("\"auto\""),
         "{err}"
     );
 }

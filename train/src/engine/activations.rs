@@ -13,7 +13,7 @@ use strata_runtime::{Access, Dtype, Runtime, TensorKind, TensorMeta, Tier};
 use strata_scheduler::recompute::{RecomputeInput, choose};
 
 use super::compute::Workspace;
-use super::config::{Checkpointing, Placement, TrainConfig};
+use super::config::{Placement, TrainConfig};
 use super::tensors::{Group, Slot, links};
 use crate::error::Result;
 use crate::gpt::{GptConfig, block_forward};
@@ -44,10 +44,8 @@ pub(super) fn recompute_blocks(
 ) -> Result<Vec<bool>> {
     let gpt = &config.model.gpt();
     let layers = gpt.layers;
-    match config.train.checkpoint_activations {
-        Checkpointing::Every => return Ok(vec![true; layers]),
-        Checkpointing::Never => return Ok(vec![false; layers]),
-        Checkpointing::Auto => {}
+    if let Some(fixed) = config.train.checkpoint_activations.fixed(layers) {
+        return Ok(fixed);
     }
     let batch = config.train.micro_batch;
     let (whole, input) = kept_elems(gpt, batch, ws.acts.view().len());

@@ -9,7 +9,7 @@ use strata_optim::{AdamConfig, LossScalerConfig};
 use strata_storage::{ByteSize, StorageConfig};
 
 use strata_runtime::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig, RuntimeConfig};
-pub use strata_scheduler::StateDtype;
+pub use strata_scheduler::{Checkpointing, StateDtype};
 
 use crate::error::bad;
 use crate::error::{Result, TrainError};
@@ -549,53 +549,6 @@ impl Default for OptimConfig {
         OptimConfig {
             threads: 0,
             state_dtype: StateDtype::Fp32,
-        }
-    }
-}
-
-/// [`TrainSettings::checkpoint_activations`]: `true`, `false` or `"auto"`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "BoolOrWord", into = "BoolOrWord")]
-pub enum Checkpointing {
-    /// Every block recomputes its forward in backward.
-    Every,
-    /// No block does: all activations are kept (on the device, or offloaded
-    /// to the host and beyond by the plan).
-    Never,
-    /// The blocks [`strata_scheduler::recompute::choose`] picks from the
-    /// budgets and measured rates.
-    Auto,
-}
-
-/// How a [`Checkpointing`] is written.
-#[derive(Clone, Serialize, Deserialize)]
-#[serde(untagged)]
-enum BoolOrWord {
-    Bool(bool),
-    Text(String),
-}
-
-impl TryFrom<BoolOrWord> for Checkpointing {
-    type Error = String;
-
-    fn try_from(value: BoolOrWord) -> std::result::Result<Self, String> {
-        match value {
-            BoolOrWord::Bool(true) => Ok(Checkpointing::Every),
-            BoolOrWord::Bool(false) => Ok(Checkpointing::Never),
-            BoolOrWord::Text(text) if text == "auto" => Ok(Checkpointing::Auto),
-            BoolOrWord::Text(text) => Err(format!(
-                "train.checkpoint_activations: {text:?} is not true, false or \"auto\""
-            )),
-        }
-    }
-}
-
-impl From<Checkpointing> for BoolOrWord {
-    fn from(checkpointing: Checkpointing) -> Self {
-        match checkpointing {
-            Checkpointing::Every => BoolOrWord::Bool(true),
-            Checkpointing::Never => BoolOrWord::Bool(false),
-            Checkpointing::Auto => BoolOrWord::Text("auto".into()),
         }
     }
 }
