@@ -1194,12 +1194,17 @@ fn plot_paths_are_checked_before_any_sweep() {
 
 /// A `strata train` child in `dir` whose stderr is read line by line; the
 /// lines so far are in the returned buffer.
+/// `strata train` in `dir`, its stderr collected line by line into the
+/// shared list by a reader thread (join it after the child exits to have
+/// every line: regression, a line written just before exit was missed
+/// under load).
 fn train_child(
     dir: &std::path::Path,
     args: &[&str],
 ) -> (
     std::process::Child,
     std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    std::thread::JoinHandle<()>,
 ) {
     use std::io::BufRead;
     let mut child = strata_command()
@@ -1213,7 +1218,7 @@ fn train_child(
     let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let stderr = child.stderr.take().unwrap();
     let sink = lines.clone();
-    std::thread::spawn(move || {
+    let reader = std::thread::spawn(move || {
         for line in std::io::BufReader::new(stderr)
             .lines()
             .map_while(Result::ok)
@@ -1221,7 +1226,7 @@ fn train_child(
             sink.lock().unwrap().push(line);
         }
     });
-    (child, lines)
+    (child, lines, reader)
 }
 
 /// Waits (at most two minutes) until the child has reported `step`.
@@ -1264,10 +1269,11 @@ fn train_sigterm_stops_at_a_step_boundary_checkpoints_and_resumes_bit_identical(
     let config = dir.path().join("run.toml");
     std::fs::write(&config, SIGNAL_CONFIG).unwrap();
     let config = config.to_str().unwrap();
-    let (child, lines) = train_child(dir.path(), &["--config", config]);
+    let (child, lines, reader) = train_child(dir.path(), &["--config", config]);
     wait_for_step(&lines, 3);
     send(&child, "TERM");
     let output = child.wait_with_output().unwrap();
+    reader.join().unwrap();
     let stderr = lines.lock().unwrap().join("\n");
     assert_eq!(output.status.code(), Some(143), "{stderr}");
     let said = "stopped by SIGTERM after step ";
@@ -1344,7 +1350,7 @@ fn train_second_signal_or_spent_grace_aborts_the_step_and_the_next_run_cleans_up
         ),
         (&["KILL"][..], "25", None, ""),
     ] {
-        let (child, lines) = train_child(
+        let (child, lines, reader) = train_child(
             dir.path(),
             &["--config", config, "--overwrite", "--signal-grace", grace],
         );
@@ -1359,6 +1365,7 @@ fn train_second_signal_or_spent_grace_aborts_the_step_and_the_next_run_cleans_up
         }
         let started = std::time::Instant::now();
         let output = child.wait_with_output().unwrap();
+        reader.join().unwrap();
         let stderr = lines.lock().unwrap().join("\n");
         assert_eq!(output.status.code(), code, "{stderr}");
         assert!(started.elapsed().as_secs() < 10, "stopped at once");
