@@ -514,6 +514,16 @@ fn add_units(
     units
 }
 
+/// Micro-batches run block by block together: all of a step's under
+/// strata's policy (the engine's schedule: each block's parameters fetched
+/// once per pass), one at a time under DeepSpeed's.
+fn in_flight(parallelism: &Parallelism, policy: Policies) -> usize {
+    match policy {
+        Policies::Strata => parallelism.grad_accumulation as usize,
+        Policies::DeepSpeed { .. } => 1,
+    }
+}
+
 /// Builds one GPU's trace of one optimizer step (its ops by the step
 /// builder).
 fn build_trace(
@@ -551,7 +561,7 @@ fn build_trace(
         layers: shares.layers as usize,
         parts,
         micro_batches,
-        in_flight: 1,
+        in_flight: in_flight(parallelism, policy),
         updates: if overlap_optimizer {
             Updates::InBackward
         } else {
@@ -581,11 +591,13 @@ fn build_trace(
 
 /// Plans and simulates one run.
 ///
-/// With `checkpoint_activations` `Auto`, the blocks
-/// [`recompute::choose`](crate::recompute::choose) picks are simulated
-/// beside every block recomputing, and the faster that fits is reported:
-/// the choice's model sees PCIe, not the NVMe traffic that host memory
-/// kept for activations can add.
+/// With `checkpoint_activations` `Auto`, three sets of blocks are
+/// simulated and the fastest that fits is reported: the ones
+/// [`recompute::choose`](crate::recompute::choose) picks, the ones it
+/// picks with no activation offloaded to the host, and every block. The
+/// choice's model is a bound on PCIe and compute; the plan's transfers
+/// (evictions, refetches, the activation horizon) and the NVMe traffic that
+/// host memory kept for activations adds are what the simulation sees.
 pub fn estimate(
     model: &Model,
     parallelism: &Parallelism,
@@ -595,27 +607,39 @@ pub fn estimate(
     model.validate()?;
     hardware.validate()?;
     parallelism.validate(model, hardware)?;
-    let chosen = estimate_with(model, parallelism, hardware, policy, false)?;
-    let layers = model.layers / parallelism.pipeline;
-    if parallelism.checkpoint_activations != Checkpointing::Auto
-        || chosen.activations.recomputed_layers == layers
-    {
-        return Ok(chosen);
+    let mut best = estimate_with(model, parallelism, hardware, policy, Pick::Asked)?;
+    if parallelism.checkpoint_activations != Checkpointing::Auto {
+        return Ok(best);
     }
-    let every = estimate_with(model, parallelism, hardware, policy, true)?;
     let time = |e: &Estimate| e.step_time_s.unwrap_or(f64::INFINITY);
-    let every_is_better = every.fits && (!chosen.fits || time(&every) < time(&chosen));
-    Ok(if every_is_better { every } else { chosen })
+    for pick in [Pick::OnDevice, Pick::Every] {
+        let other = estimate_with(model, parallelism, hardware, policy, pick)?;
+        if other.fits && (!best.fits || time(&other) < time(&best)) {
+            best = other;
+        }
+    }
+    Ok(best)
 }
 
-/// [`estimate`] with the blocks `parallelism` asks to recompute, or every
-/// block (`every`).
+/// Which blocks an estimate recomputes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pick {
+    /// As `checkpoint_activations` says (for `Auto`, `recompute::choose`'s).
+    Asked,
+    /// `recompute::choose`'s with no room on the host: only what the
+    /// device holds is kept whole.
+    OnDevice,
+    /// Every block.
+    Every,
+}
+
+/// [`estimate`] with the blocks `pick` recomputes.
 fn estimate_with(
     model: &Model,
     parallelism: &Parallelism,
     hardware: &Hardware,
     policy: Policies,
-    every: bool,
+    pick: Pick,
 ) -> Result<Estimate, SchedulerError> {
     let gpus = u64::from(hardware.gpus_per_node);
     let host_per_gpu = hardware
@@ -637,10 +661,16 @@ fn estimate_with(
         .saturating_sub(working.device_bytes());
     let capacity = [device_room, host_per_gpu, nvme_per_gpu];
     let links = links(hardware);
-    let recompute = if every {
-        vec![true; shares.layers as usize]
-    } else {
-        recompute_layers(model, parallelism, hardware, &shares, capacity, policy)
+    let recompute = match pick {
+        Pick::Every => vec![true; shares.layers as usize],
+        Pick::Asked | Pick::OnDevice => {
+            let host_room = pick == Pick::Asked;
+            let mut capacity = capacity;
+            if !host_room {
+                capacity[Tier::Host.index()] = 0;
+            }
+            recompute_layers(model, parallelism, hardware, &shares, capacity, policy)
+        }
     };
     let trace = build_trace(model, parallelism, hardware, &shares, policy, &recompute);
     let horizon_layers =
@@ -796,11 +826,11 @@ fn estimate_with(
 }
 
 /// Which blocks recompute: fixed, or chosen by [`recompute::choose`] for
-/// one micro-batch's pass (the cluster model runs them one after another)
-/// with the device and host room left beside the model states homed there
-/// and the largest parameter and gradient streaming through, one block's
-/// forward at the GPU's rate and the parameters' (and a CPU optimizer's
-/// gradients') PCIe traffic per pass. When nothing fits, every block
+/// one pass of the micro-batches in flight with the device and host room
+/// left beside the model states homed there and the largest parameter and
+/// gradient streaming through, one block's forward at the GPU's rate and
+/// the parameters' (and a CPU optimizer's gradients') PCIe traffic per
+/// pass. When nothing fits, every block
 /// recomputes and the plan says what does not fit.
 fn recompute_layers(
     model: &Model,
@@ -858,7 +888,8 @@ fn recompute_layers(
         step.flops_ns(model.block_forward_flops() / f64::from(parallelism.tensor)) as f64;
     let full = model.block_activation_bytes() / shares.tensor;
     let input = model.checkpoint_bytes();
-    let passes = f64::from(parallelism.grad_accumulation.max(1));
+    let in_flight = in_flight(parallelism, policy);
+    let passes = f64::from(parallelism.grad_accumulation.max(1)) / in_flight as f64;
     let up_ns = links.host_to_device.time_ns(2 * params);
     let down_ns = if parallelism.offload_optimizer == Tier::Device {
         0.0
@@ -867,14 +898,14 @@ fn recompute_layers(
     };
     let input_model = RecomputeInput {
         layers,
-        micro_batches: 1,
+        micro_batches: in_flight,
         full_bytes: full,
         input_bytes: input.min(full),
         host_bytes: (full, input.min(full)),
         device_room_bytes: room(Tier::Device, param_max + grad_max),
         host_room_bytes: room(Tier::Host, nvme_max),
         block_forward_ns: forward_ns,
-        step_compute_ns: 3.0 * forward_ns * layers as f64,
+        step_compute_ns: 3.0 * forward_ns * (layers * in_flight) as f64,
         device_to_host: links.device_to_host,
         host_to_device: links.host_to_device,
         link_busy_ns: (up_ns, down_ns),
