@@ -585,9 +585,10 @@ fn state_dtype_loss_script_tiny() {
     }
 }
 
-#[test]
-fn plan_json_contract_on_the_issue_example() {
-    let output = strata(&[
+/// `strata plan` of the issue's example (1T on one DGX-2, parameters and
+/// optimizer states on NVMe) with `extra` options, as JSON.
+fn plan_1t_on_nvme(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
         "plan",
         "--preset",
         "dgx2",
@@ -599,11 +600,15 @@ fn plan_json_contract_on_the_issue_example() {
         "nvme",
         "--offload-optimizer",
         "nvme",
-        "--policy",
-        "strata",
         "--json",
-    ]);
-    let json = stdout_json(&output);
+    ];
+    args.extend_from_slice(extra);
+    stdout_json(&strata(&args))
+}
+
+#[test]
+fn plan_json_contract_on_the_issue_example() {
+    let json = plan_1t_on_nvme(&["--policy", "strata"]);
     assert_eq!(json["fits"], true, "{json}");
     for key in [
         "device_bytes_per_gpu",
@@ -620,37 +625,11 @@ fn plan_json_contract_on_the_issue_example() {
     }
     assert!(json["device_bytes_per_gpu"].as_f64().unwrap() <= 32e9);
     assert_eq!(json["bottleneck"], "nvme");
-    let baseline = stdout_json(&strata(&[
-        "plan",
-        "--preset",
-        "dgx2",
-        "--params",
-        "1T",
-        "--offload-param",
-        "nvme",
-        "--offload-optimizer",
-        "nvme",
-        "--policy",
-        "deepspeed",
-        "--json",
-    ]));
+    let baseline = plan_1t_on_nvme(&["--policy", "deepspeed"]);
     assert!(baseline["step_time_s"].as_f64().unwrap() >= json["step_time_s"].as_f64().unwrap());
     // The default recomputes every block; `auto` says how many it keeps.
     assert_eq!(json["activations"]["recomputed_layers"], 128, "{json}");
-    let auto = stdout_json(&strata(&[
-        "plan",
-        "--preset",
-        "dgx2",
-        "--params",
-        "1T",
-        "--offload-param",
-        "nvme",
-        "--offload-optimizer",
-        "nvme",
-        "--checkpoint",
-        "auto",
-        "--json",
-    ]));
+    let auto = plan_1t_on_nvme(&["--checkpoint", "auto"]);
     // NVMe-bound: host memory is worth more as the states' cache than for
     // activations, so the choice's simulated step loses to recomputing
     // every block, and that is what `auto` reports.

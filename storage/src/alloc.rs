@@ -47,12 +47,7 @@ impl ExtentAllocator {
     pub fn allocate(&mut self, len_bytes: u64) -> Result<(u64, u64), StorageError> {
         let len = round_up(len_bytes.max(1), self.align_bytes);
         let Some(&(free_len, offset)) = self.by_size.range((len, 0)..).next() else {
-            return Err(StorageError::OutOfSpace {
-                needed_bytes: len,
-                free_bytes: self.free_bytes,
-                largest_free_bytes: self.largest_free_bytes(),
-                capacity_bytes: self.capacity_bytes,
-            });
+            return Err(self.out_of_space(len));
         };
         self.remove_free(offset, free_len);
         if free_len > len {
@@ -75,18 +70,22 @@ impl ExtentAllocator {
             .map(|(&o, &l)| (o, l))
             .find(|&(_, l)| l >= len)
         else {
-            return Err(StorageError::OutOfSpace {
-                needed_bytes: len,
-                free_bytes: self.free_bytes,
-                largest_free_bytes: self.largest_free_bytes(),
-                capacity_bytes: self.capacity_bytes,
-            });
+            return Err(self.out_of_space(len));
         };
         self.remove_free(offset, free_len);
         if free_len > len {
             self.insert_free(offset, free_len - len);
         }
         Ok((offset + free_len - len, len))
+    }
+
+    fn out_of_space(&self, needed_bytes: u64) -> StorageError {
+        StorageError::OutOfSpace {
+            needed_bytes,
+            free_bytes: self.free_bytes,
+            largest_free_bytes: self.largest_free_bytes(),
+            capacity_bytes: self.capacity_bytes,
+        }
     }
 
     /// Returns `[offset, offset+len_bytes)` to the free space. Panics if that
