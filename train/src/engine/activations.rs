@@ -10,12 +10,14 @@ use std::time::Instant;
 
 use strata_kernels::Backend;
 use strata_runtime::{Access, Dtype, Runtime, TensorKind, TensorMeta, Tier};
+use strata_scheduler as sched;
 use strata_scheduler::recompute::{RecomputeInput, choose};
 
 use super::compute::Workspace;
-use super::config::{Placement, TrainConfig};
-use super::tensors::{Group, Slot, links};
-use crate::error::Result;
+use super::config::{Checkpointing, Placement, TrainConfig};
+use super::tensors::{Group, Slot, links, slots, specs};
+use super::{Engine, plan_config};
+use crate::error::{Result, TrainError};
 use crate::gpt::{GptConfig, block_forward};
 
 /// Bytes of the activation round trip measured, at most.
@@ -30,9 +32,47 @@ pub(super) fn kept_elems(gpt: &GptConfig, batch: usize, activation_elems: usize)
     (activation_elems, batch * gpt.seq * gpt.hidden)
 }
 
-/// The per-block choice of `config`: fixed for `true` and `false`; for
-/// `"auto"`, chosen for this rank's rooms (`capacity_bytes`: what the plan
-/// may use per tier, `slots`: the tensors with their homes).
+/// What the engine's plans are costed with when they were measured: one
+/// block's forward of one micro-batch, and the host <-> device rates.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Rates {
+    pub(super) block_forward_ns: f64,
+    pub(super) host_to_device_bytes_per_s: f64,
+    pub(super) device_to_host_bytes_per_s: f64,
+}
+
+/// The blocks that may recompute, per candidate, best guess first: one
+/// for `true` and `false` and when every block's activations fit the
+/// device; else, with the rates measured for them, `recompute::choose`'s
+/// pick, its pick with nothing kept on the host, and every block, for the
+/// engine to simulate and pick from.
+pub(super) struct Candidates {
+    pub(super) recompute: Vec<Vec<bool>>,
+    pub(super) rates: Option<Rates>,
+}
+
+impl Rates {
+    /// The engine's links with host <-> device as measured.
+    pub(super) fn links(&self) -> sched::Links {
+        let mut links = links();
+        links.host_to_device.bytes_per_s = self.host_to_device_bytes_per_s;
+        links.device_to_host.bytes_per_s = self.device_to_host_bytes_per_s;
+        links
+    }
+}
+
+impl Candidates {
+    fn one(recompute: Vec<bool>) -> Candidates {
+        Candidates {
+            recompute: vec![recompute],
+            rates: None,
+        }
+    }
+}
+
+/// The per-block candidates of `config`: fixed for `true` and `false`;
+/// for `"auto"`, chosen for this rank's rooms (`capacity_bytes`: what the
+/// plan may use per tier, `slots`: the tensors with their homes).
 pub(super) fn recompute_blocks(
     config: &TrainConfig,
     runtime: &Runtime,
@@ -41,11 +81,11 @@ pub(super) fn recompute_blocks(
     groups: &[Group],
     slots: &[Slot],
     capacity_bytes: [u64; 3],
-) -> Result<Vec<bool>> {
+) -> Result<Candidates> {
     let gpt = &config.model.gpt();
     let layers = gpt.layers;
     if let Some(fixed) = config.train.checkpoint_activations.fixed(layers) {
-        return Ok(fixed);
+        return Ok(Candidates::one(fixed));
     }
     let batch = config.train.micro_batch;
     let (whole, input) = kept_elems(gpt, batch, ws.acts.view().len());
@@ -108,7 +148,7 @@ pub(super) fn recompute_blocks(
             "activations: every block keeps its {} bytes per micro-batch on the device, none recomputes",
             input_model.full_bytes
         );
-        return Ok(vec![false; layers]);
+        return Ok(Candidates::one(vec![false; layers]));
     }
     let forward_ns = measure_block_forward(backend, gpt, batch, ws, groups[1].params)?;
     let (up, down) = measure_links(runtime, input_model.full_bytes, capacity_bytes)?;
@@ -118,25 +158,40 @@ pub(super) fn recompute_blocks(
     input_model.host_to_device.bytes_per_s = up;
     input_model.device_to_host.bytes_per_s = down;
     input_model.link_busy_ns = link_busy_ns(config, runtime, slots, up, down);
-    let choice = match choose(&input_model) {
-        Ok(choice) => choice,
-        // The rooms are estimates: the plans of every block recomputing
-        // decide, and say what does not fit.
-        Err(err) => {
-            tracing::info!("activations: {err}; every block recomputes");
-            return Ok(vec![true; layers]);
-        }
+    let rates = Rates {
+        block_forward_ns: forward_ns,
+        host_to_device_bytes_per_s: up,
+        device_to_host_bytes_per_s: down,
     };
     tracing::info!(
-        "activations: {} of {layers} blocks recompute (block forward {:.3} ms measured, host<->device {:.2}/{:.2} GB/s); {} bytes kept on the device, {} on the host",
-        choice.recomputed(),
+        "activations: not all fit the device; block forward {:.3} ms, host<->device {:.2}/{:.2} GB/s measured",
         forward_ns / 1e6,
         up / 1e9,
         down / 1e9,
-        choice.device_bytes,
-        choice.host_bytes
     );
-    Ok(choice.recompute)
+    let on_device = RecomputeInput {
+        host_room_bytes: 0,
+        ..input_model
+    };
+    let mut recompute = Vec::with_capacity(3);
+    // The rooms are estimates: when nothing fits them, the plans of every
+    // block recomputing decide, and say what does not fit.
+    for choice in [choose(&input_model), choose(&on_device)]
+        .into_iter()
+        .flatten()
+    {
+        if !recompute.contains(&choice.recompute) {
+            recompute.push(choice.recompute);
+        }
+    }
+    let every = vec![true; layers];
+    if !recompute.contains(&every) {
+        recompute.push(every);
+    }
+    Ok(Candidates {
+        recompute,
+        rates: Some(rates),
+    })
 }
 
 /// The parameters' and gradients' traffic each step, in ns each way: the
@@ -244,6 +299,103 @@ fn measure_links(runtime: &Runtime, bytes: u64, capacity_bytes: [u64; 3]) -> Res
     let measured = timed();
     runtime.free(id)?;
     measured
+}
+
+impl Engine {
+    /// Settles which blocks recompute and plans every shape of step: with
+    /// several candidates, each one's steady step is planned and simulated
+    /// at the measured rates and the fastest whose plan fits is kept
+    /// (`recompute::choose`'s model sees compute and PCIe, not the plan's
+    /// own transfers); then, with `"auto"`, the recomputed blocks widen
+    /// while the plans of every shape do not fit.
+    pub(super) fn plan_activations(
+        &mut self,
+        candidates: Vec<Vec<bool>>,
+        kept: (usize, usize),
+    ) -> Result<()> {
+        if candidates.len() > 1 {
+            let mut best: Option<(f64, Vec<bool>)> = None;
+            for recompute in candidates {
+                let Some(step_s) = self.simulated_step_s(&recompute, kept)? else {
+                    continue;
+                };
+                tracing::info!(
+                    "activations: {} of {} blocks recomputing, the plan simulates a step in {:.3} s",
+                    recompute.iter().filter(|&&r| r).count(),
+                    recompute.len(),
+                    step_s
+                );
+                if best.as_ref().is_none_or(|(fastest, _)| step_s < *fastest) {
+                    best = Some((step_s, recompute));
+                }
+            }
+            let layers = self.gpt.layers;
+            let recompute = best.map_or_else(|| vec![true; layers], |(_, r)| r);
+            self.use_recompute(recompute, kept);
+        }
+        loop {
+            let (planning, cache_groups, cache_bytes) = self.planning()?;
+            match self.plan_with_cache(&planning, cache_groups, cache_bytes) {
+                // The choice's rooms are estimates; the plans are the test.
+                Err(TrainError::DoesNotFit { cause })
+                    if self.config.train.checkpoint_activations == Checkpointing::Auto
+                        && widen(&mut self.recompute) =>
+                {
+                    let recomputed = self.recompute.iter().filter(|&&r| r).count();
+                    tracing::info!(
+                        "activations: the plans do not fit ({cause}); {recomputed} blocks recompute"
+                    );
+                    let recompute = std::mem::take(&mut self.recompute);
+                    self.use_recompute(recompute, kept);
+                }
+                planned => return planned,
+            }
+        }
+    }
+
+    /// Makes `recompute` the blocks that recompute, and the slots follow.
+    fn use_recompute(&mut self, recompute: Vec<bool>, kept: (usize, usize)) {
+        self.slots = slots(&self.config, &self.groups, kept, &recompute);
+        self.recompute = recompute;
+    }
+
+    /// The plan's config for the slots as they are.
+    fn planning(&self) -> Result<(sched::PlanConfig, usize, u64)> {
+        plan_config(
+            &self.config,
+            &self.runtime,
+            &self.slots,
+            self.groups.len(),
+            self.links,
+        )
+    }
+
+    /// The simulated time of a steady step (the first shape) with
+    /// `recompute`, or None when its plan does not fit.
+    fn simulated_step_s(&mut self, recompute: &[bool], kept: (usize, usize)) -> Result<Option<f64>> {
+        self.use_recompute(recompute.to_vec(), kept);
+        let planning = self.planning()?.0;
+        let ops = self.step_ops(0, self.speculate, false);
+        let trace = sched::Trace {
+            tensors: specs(&self.runtime, &self.slots),
+            ops: ops.into_iter().map(|s| s.op).collect(),
+        };
+        let plan = match sched::plan(&trace, &planning) {
+            Ok(plan) => plan,
+            Err(
+                sched::SchedulerError::DoesNotFit { .. }
+                | sched::SchedulerError::InitialPlacement { .. },
+            ) => return Ok(None),
+            Err(err) => return Err(err.into()),
+        };
+        let simulated = sched::SimConfig {
+            capacity_bytes: planning.capacity_bytes,
+            links: planning.links,
+            gathers_ahead_max: 2,
+            timeline_points_max: 2,
+        };
+        Ok(Some(sched::simulate(&trace, &plan, &simulated)?.step_time_s))
+    }
 }
 
 /// Widens the recomputed prefix of blocks (1, 2, 4, ... blocks, then all)

@@ -90,7 +90,7 @@ use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::GptConfig;
 use compute::Workspace;
 use optimizer::{CpuWorker, Update, optimizer_pool};
-use steps::{shape_index, shape_of};
+use steps::{estimated_block_ns, shape_index, shape_of};
 use tensors::{Group, Slot, groups, links, optimizer_tier, slots, specs, state_cache};
 
 /// Trace tensors per parameter group: two bf16 parameter shards, two
@@ -164,6 +164,12 @@ pub struct Engine {
     /// Per block, whether its backward recomputes its forward
     /// (`train.checkpoint_activations`).
     recompute: Vec<bool>,
+    /// What the plans take one block's forward of one micro-batch to cost:
+    /// measured when the activations' choice measured it, else estimated.
+    block_ns: u64,
+    /// The links the plans are costed with (host <-> device measured with
+    /// the block's forward).
+    links: sched::Links,
     /// The ops of each shape of step, by [`shape_index`].
     shapes: Vec<Vec<StepOp>>,
     /// Which of the two parameter/state sets is current.
@@ -284,9 +290,10 @@ impl Engine {
             &runtime,
             &slots(config, &groups, kept, &every),
             groups.len(),
+            links(),
         )?
         .0;
-        let recompute = activations::recompute_blocks(
+        let candidates = activations::recompute_blocks(
             config,
             &runtime,
             &*backend,
@@ -295,9 +302,14 @@ impl Engine {
             &slots(config, &groups, kept, &every),
             rooms.capacity_bytes,
         )?;
+        // Measured rates, when the choice measured them, cost the plans.
+        let (block_ns, links) = match candidates.rates {
+            Some(rates) => (rates.block_forward_ns as u64, rates.links()),
+            None => (estimated_block_ns(config, &gpt), links()),
+        };
+        let recompute = candidates.recompute[0].clone();
         let slots = slots(config, &groups, kept, &recompute);
-        let (mut planning, mut cache_groups, mut cache_bytes) =
-            plan_config(config, &runtime, &slots, groups.len())?;
+        let planning = plan_config(config, &runtime, &slots, groups.len(), links)?.0;
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
@@ -313,6 +325,8 @@ impl Engine {
             groups: groups.clone(),
             slots,
             recompute,
+            block_ns,
+            links,
             shapes: Vec::with_capacity(SHAPES),
             current: 0,
             ws,
@@ -343,24 +357,7 @@ impl Engine {
             deferred: Vec::with_capacity(groups.len()),
             cache_groups: 0,
         };
-        loop {
-            match engine.plan_with_cache(&planning, cache_groups, cache_bytes) {
-                // The choice's rooms are estimates; the plans are the test.
-                Err(TrainError::DoesNotFit { cause })
-                    if config.train.checkpoint_activations == Checkpointing::Auto
-                        && activations::widen(&mut engine.recompute) =>
-                {
-                    let recomputed = engine.recompute.iter().filter(|&&r| r).count();
-                    tracing::info!(
-                        "activations: the plans do not fit ({cause}); {recomputed} blocks recompute"
-                    );
-                    engine.slots = tensors::slots(config, &groups, kept, &engine.recompute);
-                    (planning, cache_groups, cache_bytes) =
-                        plan_config(config, &runtime, &engine.slots, groups.len())?;
-                }
-                planned => break planned?,
-            }
-        }
+        engine.plan_activations(candidates.recompute, kept)?;
         engine.prediction.recomputed_blocks = engine.recompute.iter().filter(|&&r| r).count();
         engine.initialize()?;
         if config.placement.optimizer != Placement::Device {
@@ -743,6 +740,7 @@ fn plan_config(
     runtime: &Runtime,
     slots: &[Slot],
     groups: usize,
+    links: sched::Links,
 ) -> Result<(sched::PlanConfig, usize, u64)> {
     let stats = runtime.stats();
     // The plan leaves the host room for what it does not schedule:
@@ -771,7 +769,7 @@ fn plan_config(
     *host = host.saturating_sub(cache_bytes);
     let plan_config = sched::PlanConfig {
         capacity_bytes,
-        links: links(),
+        links,
         policy: sched::Policy::strata(
             config.placement.prefetch_ops,
             config.placement.activation_horizon_ops,

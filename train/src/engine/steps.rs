@@ -9,7 +9,8 @@ use strata_scheduler::{
 };
 
 use super::Engine;
-use super::config::Placement;
+use super::config::{Placement, TrainConfig};
+use crate::gpt::GptConfig;
 use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
 
 /// How the trace names an op's work: what, the group, the micro-batch.
@@ -117,6 +118,14 @@ impl StepModel for EngineStep<'_> {
     }
 }
 
+/// One block's forward of one micro-batch from its matrix FLOPs at
+/// [`FLOPS_PER_S`]: the plans' cost when nothing was measured.
+pub(super) fn estimated_block_ns(config: &TrainConfig, gpt: &GptConfig) -> u64 {
+    (24.0 * (config.train.micro_batch * gpt.seq) as f64 * (gpt.hidden * gpt.hidden) as f64
+        / FLOPS_PER_S
+        * 1e9) as u64
+}
+
 impl Engine {
     /// The ops of one shape of step: `current` set, updates `speculate`d
     /// in backward or not (then late, in the next step's forward), the last
@@ -140,11 +149,7 @@ impl Engine {
             commit: true,
             head_writes_embed_grad: false,
         };
-        let block_ns = (24.0
-            * (train.micro_batch * self.gpt.seq) as f64
-            * (self.gpt.hidden * self.gpt.hidden) as f64
-            / FLOPS_PER_S
-            * 1e9) as u64;
+        let block_ns = self.block_ns;
         let optimizer = match self.config.placement.optimizer {
             Placement::Device => Processor::Gpu,
             _ => Processor::Cpu,
