@@ -322,7 +322,7 @@ def worker_strata(peer, a, tokens_path):
     seconds = [r["seconds"] for r in reports[a.warmup :]]
     losses = [r["loss"] for r in reports]
     norms = [r["grad_norm"] for r in reports]
-    return seconds, losses, norms
+    return seconds, losses, norms, {"recomputed_blocks": summary["recomputed_blocks"]}
 
 
 def worker(a):
@@ -344,8 +344,9 @@ def worker(a):
             print(json.dumps({"peer": peer, "skipped": "DeepSpeed's offload needs a GPU"}))
             return
     tokens = open_tokens(a.tokens)
+    extra = {}
     if peer.startswith("strata"):
-        seconds, losses, norms = worker_strata(peer, a, a.tokens)
+        seconds, losses, norms, extra = worker_strata(peer, a, a.tokens)
     elif peer == "torch":
         seconds, losses, norms = worker_torch(a, tokens)
     else:
@@ -358,6 +359,7 @@ def worker(a):
                 "seconds": seconds,
                 "losses": losses,
                 "clipped": sum(1 for n in timed_norms if n > clip_norm(a)) / max(1, len(timed_norms)),
+                **extra,
             }
         )
     )
@@ -499,9 +501,12 @@ def main():
         if "skipped" in r:
             print(f"{r['peer']:<18} skipped: {r['skipped']}")
             continue
+        recomputed = (
+            f"  ({r['recomputed_blocks']} of {a.layers} blocks recompute)" if "recomputed_blocks" in r else ""
+        )
         print(
             f"{r['peer']:<18} {r['s_per_step']:>8.3f} {r['tokens_per_s']:>10.0f} "
-            f"{r['tflops']:>8.1f} {r['clipped']:>8.0%} {r['losses'][-1]:>10.4f}"
+            f"{r['tflops']:>8.1f} {r['clipped']:>8.0%} {r['losses'][-1]:>10.4f}{recomputed}"
         )
     bars = {
         "strata_offload_vs_ds_zero3_offload": 2.0,

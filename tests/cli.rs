@@ -1446,6 +1446,7 @@ fn gpu_vs_deepspeed_script_tiny() {
         assert!(peer["tokens_per_s"].as_f64().unwrap() > 0.0, "{peer}");
         assert_eq!(peer["clipped"].as_f64().unwrap(), 1.0, "--clip-all: {peer}");
         assert_eq!(peer["losses"].as_array().unwrap().len(), 4, "{peer}");
+        assert!(peer["recomputed_blocks"].is_u64(), "{peer}");
     }
     // The two strata peers train on the same windows: the same losses.
     assert_eq!(peers[0]["losses"], peers[1]["losses"]);
