@@ -1,10 +1,11 @@
 //! Which blocks recompute their forward in backward
 //! (`train.checkpoint_activations`): every one, none, or with `"auto"` the
-//! ones [`strata_scheduler::recompute::choose`] picks from this rank's
-//! budgets and two measurements taken here, one block's forward on the
-//! backend and a round trip of an activation through the runtime. Nothing
-//! is measured when every block's activations fit the device: then none
-//! recomputes.
+//! fastest in a simulation of the plans of a few candidates:
+//! [`strata_scheduler::recompute::choose`]'s picks from this rank's
+//! budgets and two measurements taken here (one block's forward on the
+//! backend, a round trip of an activation through the runtime), and every
+//! block. Nothing is measured when every block's activations fit the
+//! device: then none recomputes.
 
 use std::time::Instant;
 
@@ -208,7 +209,8 @@ fn link_busy_ns(
     for slot in slots {
         let device = runtime.footprint_bytes(slot.meta.len_bytes())[Tier::Device.index()];
         match slot.meta.kind {
-            // Two sets are registered; the step reads one of them.
+            // Both sets counted: the step fetches its own twice (forward
+            // and backward).
             TensorKind::Param if config.placement.params != Placement::Device => bytes.0 += device,
             TensorKind::Grad if config.placement.optimizer != Placement::Device => {
                 bytes.1 += device
@@ -372,7 +374,11 @@ impl Engine {
 
     /// The simulated time of a steady step (the first shape) with
     /// `recompute`, or None when its plan does not fit.
-    fn simulated_step_s(&mut self, recompute: &[bool], kept: (usize, usize)) -> Result<Option<f64>> {
+    fn simulated_step_s(
+        &mut self,
+        recompute: &[bool],
+        kept: (usize, usize),
+    ) -> Result<Option<f64>> {
         self.use_recompute(recompute.to_vec(), kept);
         let planning = self.planning()?.0;
         let ops = self.step_ops(0, self.speculate, false);
@@ -394,7 +400,9 @@ impl Engine {
             gathers_ahead_max: 2,
             timeline_points_max: 2,
         };
-        Ok(Some(sched::simulate(&trace, &plan, &simulated)?.step_time_s))
+        Ok(Some(
+            sched::simulate(&trace, &plan, &simulated)?.step_time_s,
+        ))
     }
 }
 

@@ -10,8 +10,8 @@ use strata_scheduler::{
 
 use super::Engine;
 use super::config::{Placement, TrainConfig};
-use crate::gpt::GptConfig;
 use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
+use crate::gpt::GptConfig;
 
 /// How the trace names an op's work: what, the group, the micro-batch.
 pub(super) fn label(work: Work) -> (&'static str, usize, Option<usize>) {
