@@ -152,7 +152,14 @@ pub(super) fn recompute_blocks(
         return Ok(Candidates::one(vec![false; layers]));
     }
     let forward_ns = measure_block_forward(backend, gpt, batch, ws, groups[1].params)?;
-    let (up, down) = measure_links(runtime, input_model.full_bytes, capacity_bytes)?;
+    // A measurement, not the run: when the runtime refuses the probe (no
+    // room, an injected fault), the links' estimates stand in.
+    let (up, down) = measure_links(runtime, input_model.full_bytes, capacity_bytes)
+        .unwrap_or_else(|err| {
+            tracing::warn!("activations: the host<->device rates could not be measured ({err}); using the estimates");
+            let estimate = links();
+            (estimate.host_to_device.bytes_per_s, estimate.device_to_host.bytes_per_s)
+        });
     input_model.block_forward_ns = forward_ns;
     // A block's forward and backward (twice the forward) per micro-batch.
     input_model.step_compute_ns = 3.0 * forward_ns * (layers * input_model.micro_batches) as f64;
@@ -299,8 +306,11 @@ fn measure_links(runtime: &Runtime, bytes: u64, capacity_bytes: [u64; 3]) -> Res
         Ok(best)
     };
     let measured = timed();
-    runtime.free(id)?;
-    measured
+    // Freed whatever the measurement did; its error first.
+    let freed = runtime.free(id);
+    let measured = measured?;
+    freed?;
+    Ok(measured)
 }
 
 impl Engine {
