@@ -5,15 +5,15 @@
 //!
 //! Every group of parameters (the embeddings, then each block) is cut into
 //! one shard per rank. A step: gather the embeddings, run each block's
-//! forward (all-gather its bf16 shards, keep its input, or all its
-//! activations without checkpointing), the head and loss, then each
-//! block's backward (recompute from the kept input, reduce-scatter the
-//! gradients into this rank's fp32 gradient shard). With activation
-//! checkpointing every micro-batch of the step is in flight at once and
-//! each op runs for all of them in turn, so a block's parameters are
-//! fetched once per pass and its gradient is summed while it is on the
-//! device; without, micro-batches run one after another (only one's
-//! activations alive). The sums are the same either way. Updates write the new
+//! forward (all-gather its bf16 shards, keep its input when it
+//! recomputes, else all its activations), the head and loss, then each
+//! block's backward (recompute from the kept input where it does,
+//! reduce-scatter the gradients into this rank's fp32 gradient shard).
+//! Which blocks recompute is `train.checkpoint_activations`: every one,
+//! none, or what `activations.rs` picks. Every micro-batch of the step is
+//! in flight at once and each op runs for all of them in turn, so a
+//! block's parameters are fetched once per pass and its gradient is summed
+//! while it is on the device. The sums are the same whatever recomputes. Updates write the new
 //! master weights, moments and bf16 copy into a second set of tensors, so
 //! the first stays whole until the global norm decides, and run on the CPU
 //! thread overlapped with compute in one of two ways:
