@@ -12,7 +12,7 @@ use crate::builder::{OpCost, StepModel, StepShape, Updates, Work, build_step};
 use crate::error::SchedulerError;
 use crate::model::{Hardware, Model, Parallelism, StateDtype, deepspeed_zero3_estimate};
 use crate::plan::{ActionKind, Lane, Link, Links, Plan, PlanConfig, Policy, plan};
-use crate::recompute::{Checkpointing, RecomputeInput, choose};
+use crate::recompute::{Checkpointing, Held, RecomputeInput, choose, rooms};
 use crate::sim::{SimConfig, SimReport, TimelinePoint, simulate};
 use crate::trace::{Access, Mode, Processor, TensorClass, TensorSpec, Tier, Trace};
 
@@ -295,7 +295,7 @@ impl ClusterStep<'_> {
     }
 
     fn flops_ns(&self, flops: f64) -> u64 {
-        (flops / (self.hardware.gpu_flops * self.hardware.gpu_efficiency) * 1e9) as u64
+        gpu_ns(self.hardware, flops) as u64
     }
 
     fn optimizer_on_gpu(&self) -> bool {
@@ -825,6 +825,11 @@ fn estimate_with(
     Ok(estimate)
 }
 
+/// Nanoseconds the GPU takes for `flops` at its sustained rate.
+fn gpu_ns(hardware: &Hardware, flops: f64) -> f64 {
+    flops / (hardware.gpu_flops * hardware.gpu_efficiency) * 1e9
+}
+
 /// Which blocks recompute: fixed, or chosen by [`recompute::choose`] for
 /// one pass of the micro-batches in flight with the device and host room
 /// left beside the model states homed there and the largest parameter and
@@ -844,48 +849,25 @@ fn recompute_layers(
     if let Some(fixed) = parallelism.checkpoint_activations.fixed(layers) {
         return fixed;
     }
-    let every = vec![true; layers];
-    let trace = build_trace(model, parallelism, hardware, shares, policy, &every);
-    let mut homed = [0u64; 3];
-    let (mut param_max, mut grad_max, mut nvme_max) = (0u64, 0u64, 0u64);
-    let (mut params, mut grads) = (0u64, 0u64);
-    for tensor in &trace.tensors {
-        if let Some(home) = tensor.home {
-            homed[home.index()] += tensor.bytes;
-        }
-        match tensor.class {
-            TensorClass::Param if tensor.home != Some(Tier::Device) => {
-                param_max = param_max.max(tensor.bytes);
-                params += tensor.bytes;
-            }
-            TensorClass::Grad => {
-                grad_max = grad_max.max(tensor.bytes);
-                grads += tensor.bytes;
-            }
-            _ => {}
-        }
-        if tensor.home == Some(Tier::Nvme) {
-            nvme_max = nvme_max.max(tensor.bytes);
-        }
-    }
-    let room = |tier: Tier, streaming: u64| {
-        capacity[tier.index()]
-            .saturating_sub(homed[tier.index()])
-            .saturating_sub(2 * streaming)
+    // The model states alone: the units' tensors.
+    let mut states = Trace::default();
+    add_units(&mut states, model, parallelism, shares);
+    let bytes_of = |class| -> u64 {
+        let moved = |t: &&TensorSpec| t.class == class && t.home != Some(Tier::Device);
+        states.tensors.iter().filter(moved).map(|t| t.bytes).sum()
     };
+    let (params, grads) = (bytes_of(TensorClass::Param), bytes_of(TensorClass::Grad));
+    let held = states.tensors.iter().map(|t| Held {
+        class: t.class,
+        home: t.home,
+        bytes: [t.bytes; 3],
+    });
+    let (device_room, host_room) = rooms(held, capacity);
     let links = links(hardware);
-    let step = ClusterStep {
-        parallelism,
+    let forward_ns = gpu_ns(
         hardware,
-        shares,
-        units: Vec::new(),
-        saved: Vec::new(),
-        recompute: &every,
-        parts: 1,
-        collective_bytes_per_s: 1.0,
-    };
-    let forward_ns =
-        step.flops_ns(model.block_forward_flops() / f64::from(parallelism.tensor)) as f64;
+        model.block_forward_flops() / f64::from(parallelism.tensor),
+    );
     let full = model.block_activation_bytes() / shares.tensor;
     let input = model.checkpoint_bytes();
     let in_flight = in_flight(parallelism, policy);
@@ -902,15 +884,15 @@ fn recompute_layers(
         full_bytes: full,
         input_bytes: input.min(full),
         host_bytes: (full, input.min(full)),
-        device_room_bytes: room(Tier::Device, param_max + grad_max),
-        host_room_bytes: room(Tier::Host, nvme_max),
+        device_room_bytes: device_room,
+        host_room_bytes: host_room,
         block_forward_ns: forward_ns,
         step_compute_ns: 3.0 * forward_ns * (layers * in_flight) as f64,
         device_to_host: links.device_to_host,
         host_to_device: links.host_to_device,
         link_busy_ns: (up_ns, down_ns),
     };
-    choose(&input_model).map_or(every, |choice| choice.recompute)
+    choose(&input_model).map_or_else(|_| vec![true; layers], |choice| choice.recompute)
 }
 
 /// Activation blocks to fetch ahead so that a saved input arrives before
@@ -932,7 +914,7 @@ fn activation_horizon(
     };
     let backward_flops =
         (2.0 + recompute) * model.block_forward_flops() / f64::from(parallelism.tensor);
-    let backward_ns = backward_flops / (hardware.gpu_flops * hardware.gpu_efficiency) * 1e9;
+    let backward_ns = gpu_ns(hardware, backward_flops);
     let fetch_ns = links.host_to_device.time_ns(saved_activation_bytes(trace));
     ((fetch_ns / backward_ns.max(1.0)).ceil() as u32 + 1).clamp(1, 8)
 }

@@ -40,7 +40,7 @@ pub use plan::{
     Action, ActionKind, ClassRule, Eviction, Lane, Link, Links, Plan, PlanConfig, Policy, plan,
     replay_peak_bytes, verify,
 };
-pub use recompute::{Checkpointing, RecomputeChoice, RecomputeInput};
+pub use recompute::{Checkpointing, Held, RecomputeChoice, RecomputeInput};
 pub use sim::{SimConfig, SimReport, TimelinePoint, simulate};
 pub use step::{Follow, PlanCache, StepTracker};
 pub use trace::{Access, Mode, Op, Processor, TensorClass, TensorSpec, Tier, Trace, TraceRecorder};

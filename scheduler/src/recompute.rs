@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::SchedulerError;
 use crate::plan::Link;
+use crate::trace::{TensorClass, Tier};
 
 /// Which blocks recompute: written `true` (every block), `false` (none)
 /// or `"auto"` (those [`choose`] picks) in a config, and `every`, `none`
@@ -126,6 +127,54 @@ pub struct RecomputeInput {
     /// What else crosses each direction per step (parameters up, gradients
     /// down): ns of (host -> device, device -> host).
     pub link_busy_ns: (f64, f64),
+}
+
+/// One model state as [`rooms`] sees it: its class, its home, and the
+/// bytes a copy takes on each tier ([`Tier::ALL`] order).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Held {
+    /// What it is.
+    pub class: TensorClass,
+    /// Where it lives between uses; None: nowhere (made and used in a
+    /// step, as a GPU's 16-bit gradient).
+    pub home: Option<Tier>,
+    /// Bytes of a copy per tier.
+    pub bytes: [u64; 3],
+}
+
+/// The device and host bytes left for kept activations: each tier's
+/// capacity less the model states homed there, less twice what streams
+/// through it at once (parameters and gradients homed off the device pass
+/// through the device, where compute reads and adds to them; states homed
+/// on NVMe pass through the host), counted per class as the largest
+/// tensor: an op uses one of each and the next op's arrive meanwhile.
+pub fn rooms(states: impl IntoIterator<Item = Held>, capacity_bytes: [u64; 3]) -> (u64, u64) {
+    let mut homed = [0u64; 3];
+    let mut streaming = [[0u64; TensorClass::ALL.len()]; 3];
+    for held in states {
+        if let Some(home) = held.home {
+            homed[home.index()] += held.bytes[home.index()];
+        }
+        let through = |tier: Tier| match tier {
+            Tier::Device => {
+                matches!(held.class, TensorClass::Param | TensorClass::Grad)
+                    && held.home != Some(Tier::Device)
+            }
+            Tier::Host => held.home == Some(Tier::Nvme),
+            Tier::Nvme => false,
+        };
+        for tier in Tier::ALL.into_iter().filter(|&t| through(t)) {
+            let most = &mut streaming[tier.index()][held.class.index()];
+            *most = (*most).max(held.bytes[tier.index()]);
+        }
+    }
+    let room = |tier: Tier| {
+        let held: u64 = streaming[tier.index()].iter().sum();
+        capacity_bytes[tier.index()]
+            .saturating_sub(homed[tier.index()])
+            .saturating_sub(2 * held)
+    };
+    (room(Tier::Device), room(Tier::Host))
 }
 
 /// The blocks that recompute, and what the model predicts for that.
@@ -318,6 +367,28 @@ mod tests {
         // Room for one: the rest go to the host as the link allows.
         input.device_room_bytes = 100 << 20;
         assert!(choose(&input).unwrap().recomputed() < 12);
+    }
+
+    #[test]
+    fn rooms_leave_out_homed_states_and_twice_the_largest_streaming_ones() {
+        let held = |class, home, bytes| Held {
+            class,
+            home: Some(home),
+            bytes: [bytes; 3],
+        };
+        let states = [
+            // Parameters on the host stream through the device.
+            held(TensorClass::Param, Tier::Host, 10),
+            held(TensorClass::Param, Tier::Host, 30),
+            // Optimizer states on NVMe stream through the host.
+            held(TensorClass::OptimizerState, Tier::Nvme, 50),
+            // Homed on the device: counted whole there, never streaming.
+            held(TensorClass::Grad, Tier::Device, 7),
+        ];
+        let (device, host) = rooms(states, [1000, 1000, 1000]);
+        assert_eq!(device, 1000 - 7 - 2 * 30);
+        assert_eq!(host, 1000 - 40 - 2 * 50);
+        assert_eq!(rooms(states, [10, 10, 10]), (0, 0));
     }
 
     #[test]

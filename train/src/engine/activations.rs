@@ -12,11 +12,11 @@ use std::time::Instant;
 use strata_kernels::Backend;
 use strata_runtime::{Access, Dtype, Runtime, TensorKind, TensorMeta, Tier};
 use strata_scheduler as sched;
-use strata_scheduler::recompute::{RecomputeInput, choose};
+use strata_scheduler::recompute::{Held, RecomputeInput, choose, rooms};
 
 use super::compute::Workspace;
 use super::config::{Checkpointing, Placement, TrainConfig};
-use super::tensors::{Group, Slot, links, slots, specs};
+use super::tensors::{Group, Slot, class_of, links, sched_tier, slots, specs};
 use super::{Engine, plan_config};
 use crate::error::{Result, TrainError};
 use crate::gpt::{GptConfig, block_forward};
@@ -92,49 +92,23 @@ pub(super) fn recompute_blocks(
     let (whole, input) = kept_elems(gpt, batch, ws.acts.view().len());
     let footprint =
         |elems: usize, tier: Tier| runtime.footprint_bytes(elems as u64 * 4)[tier.index()];
-    let mut homed = [0u64; 3];
-    // What streams through a tier while the step runs: parameters and
-    // gradients homed off the device through the device (compute reads and
-    // adds to them there), states homed on NVMe through the host (the
-    // optimizer's). Per tier and kind, the largest: an op uses one of
-    // each, and the next op's arrive meanwhile, so twice their sum is held.
-    let mut streaming = [[0u64; 3]; 3];
-    for slot in slots
+    let states = slots
         .iter()
         .filter(|s| s.meta.kind != TensorKind::Activation)
-    {
-        let bytes = runtime.footprint_bytes(slot.meta.len_bytes());
-        let home = slot.home.expect("model states have a home");
-        homed[home.index()] += bytes[home.index()];
-        let kind = match slot.meta.kind {
-            TensorKind::Param => 0,
-            TensorKind::Grad => 1,
-            _ => 2,
-        };
-        let through = |tier: Tier| match tier {
-            Tier::Device => kind < 2 && home != Tier::Device,
-            Tier::Host => home == Tier::Nvme,
-            Tier::Nvme => false,
-        };
-        for tier in Tier::ALL.into_iter().filter(|&t| through(t)) {
-            let most = &mut streaming[tier.index()][kind];
-            *most = (*most).max(bytes[tier.index()]);
-        }
-    }
-    let room = |tier: Tier| {
-        let held: u64 = streaming[tier.index()].iter().sum();
-        capacity_bytes[tier.index()]
-            .saturating_sub(homed[tier.index()])
-            .saturating_sub(2 * held)
-    };
+        .map(|slot| Held {
+            class: class_of(slot.meta.kind),
+            home: slot.home.map(sched_tier),
+            bytes: runtime.footprint_bytes(slot.meta.len_bytes()),
+        });
+    let (device_room, host_room) = rooms(states, capacity_bytes);
     let mut input_model = RecomputeInput {
         layers,
         micro_batches: config.train.in_flight(),
         full_bytes: footprint(whole, Tier::Device),
         input_bytes: footprint(input, Tier::Device),
         host_bytes: (footprint(whole, Tier::Host), footprint(input, Tier::Host)),
-        device_room_bytes: room(Tier::Device),
-        host_room_bytes: room(Tier::Host),
+        device_room_bytes: device_room,
+        host_room_bytes: host_room,
         block_forward_ns: 0.0,
         step_compute_ns: 0.0,
         device_to_host: links().device_to_host,
@@ -324,10 +298,13 @@ impl Engine {
     /// while the plans of every shape do not fit.
     pub(super) fn plan_activations(
         &mut self,
-        candidates: Vec<Vec<bool>>,
+        mut candidates: Vec<Vec<bool>>,
         kept: (usize, usize),
     ) -> Result<()> {
-        if candidates.len() > 1 {
+        if candidates.len() == 1 {
+            let only = candidates.pop().expect("one candidate");
+            self.use_recompute(only, kept);
+        } else {
             let mut best: Option<(f64, Vec<bool>)> = None;
             for recompute in candidates {
                 let Some(step_s) = self.simulated_step_s(&recompute, kept)? else {

@@ -284,22 +284,15 @@ impl Engine {
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that
         // the host's staging reserve is not sized for the largest).
-        let every = vec![true; gpt.layers];
-        let rooms = plan_config(
-            config,
-            &runtime,
-            &slots(config, &groups, kept, &every),
-            groups.len(),
-            links(),
-        )?
-        .0;
+        let every = slots(config, &groups, kept, &vec![true; gpt.layers]);
+        let rooms = plan_config(config, &runtime, &every, groups.len(), links())?.0;
         let candidates = activations::recompute_blocks(
             config,
             &runtime,
             &*backend,
             &mut ws,
             &groups,
-            &slots(config, &groups, kept, &every),
+            &every,
             rooms.capacity_bytes,
         )?;
         // Measured rates, when the choice measured them, cost the plans.
@@ -307,14 +300,11 @@ impl Engine {
             Some(rates) => (rates.block_forward_ns as u64, rates.links()),
             None => (estimated_block_ns(config, &gpt), links()),
         };
-        let recompute = candidates.recompute[0].clone();
-        let slots = slots(config, &groups, kept, &recompute);
-        let planning = plan_config(config, &runtime, &slots, groups.len(), links)?.0;
         let layers = gpt.layers;
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
         // An empty stand-in: `plan_shapes` makes the real one below.
-        let tracker = StepTracker::new(planning.clone(), 0, 0, 1);
+        let tracker = StepTracker::new(rooms, 0, 0, 1);
         let mut engine = Engine {
             config: config.clone(),
             gpt,
@@ -323,8 +313,9 @@ impl Engine {
             collective,
             tracker,
             groups: groups.clone(),
-            slots,
-            recompute,
+            // Set by `plan_activations` below.
+            slots: Vec::new(),
+            recompute: Vec::new(),
             block_ns,
             links,
             shapes: Vec::with_capacity(SHAPES),
