@@ -55,8 +55,9 @@ pub(super) struct Workspace {
     /// their upload.
     pub(super) inputs_host: Vec<u32>,
     pub(super) targets_host: Vec<u32>,
-    /// Per micro-batch in flight: the forward stream, the backward stream,
-    /// the embeddings' gradient, the input and target tokens.
+    /// Per micro-batch of the step (all are in flight at once): the forward
+    /// stream, the backward stream, the embeddings' gradient, the input and
+    /// target tokens.
     pub(super) streams: Vec<Stream>,
 }
 
@@ -196,7 +197,6 @@ impl Engine {
     /// step's, uploaded, looked up.
     fn embed_forward(&mut self, m: usize, tokens: &[u32]) -> Result<()> {
         let batch = self.config.train.micro_batch;
-        let streams = self.ws.streams.len();
         self.gather(0)?;
         let ws = &mut self.ws;
         split_tokens(
@@ -207,7 +207,7 @@ impl Engine {
             &mut ws.inputs_host,
             &mut ws.targets_host,
         );
-        let stream = &mut ws.streams[m % streams];
+        let stream = &mut ws.streams[m];
         let backend = &*self.backend;
         backend.upload(View::host_slice(&ws.inputs_host), stream.inputs.view_mut())?;
         backend.upload(
@@ -229,10 +229,9 @@ impl Engine {
     /// saved tensor.
     fn block_forward(&mut self, m: usize, b: usize) -> Result<()> {
         let batch = self.config.train.micro_batch;
-        let streams = self.ws.streams.len();
         self.gather(b + 1)?;
         let ws = &mut self.ws;
-        let stream = &mut ws.streams[m % streams];
+        let stream = &mut ws.streams[m];
         block_forward(
             &*self.backend,
             &self.gpt,
@@ -257,7 +256,6 @@ impl Engine {
     /// issues the deferred write-backs); adds its loss.
     fn head(&mut self, m: usize) -> Result<()> {
         let world = self.collective.world();
-        let streams = self.ws.streams.len();
         if m == 0 {
             self.write_back_deferred()?;
         }
@@ -265,7 +263,7 @@ impl Engine {
         let scale = self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
         let embed_params = self.groups[0].params;
         let ws = &mut self.ws;
-        let stream = &mut ws.streams[m % streams];
+        let stream = &mut ws.streams[m];
         self.backend.zero(stream.dembed.view_mut())?;
         let loss = head_forward_backward(
             &*self.backend,
@@ -287,7 +285,6 @@ impl Engine {
     fn block_backward(&mut self, m: usize, b: usize) -> Result<()> {
         let batch = self.config.train.micro_batch;
         let world = self.collective.world();
-        let streams = self.ws.streams.len();
         self.gather(b + 1)?;
         let index = self.saved_index(m, b);
         let id = self.slots[index].id.expect("saved in forward");
@@ -316,7 +313,7 @@ impl Engine {
         }
         let padded = self.groups[b + 1].padded(world);
         backend.zero(ws.grad_full.view_mut().range(0..padded))?;
-        let stream = &mut ws.streams[m % streams];
+        let stream = &mut ws.streams[m];
         block_backward(
             backend,
             &self.gpt,
@@ -336,9 +333,8 @@ impl Engine {
     /// The embeddings' backward of micro-batch `m`; reduce-scatters the
     /// gradient.
     fn embed_backward(&mut self, m: usize) -> Result<()> {
-        let streams = self.ws.streams.len();
         let embed_params = self.groups[0].params;
-        let stream = &mut self.ws.streams[m % streams];
+        let stream = &mut self.ws.streams[m];
         embed_backward(
             &*self.backend,
             &self.gpt,
@@ -390,7 +386,6 @@ impl Engine {
         let padded = self.groups[g].padded(self.collective.world());
         // The embeddings' gradient gathers the head's and the embedding's
         // parts over the whole backward in its own buffer.
-        let streams = self.ws.streams.len();
         let index = grad_index(g);
         let last = m + 1 == self.config.train.grad_accumulation;
         let id = if m == 0 {
@@ -400,7 +395,7 @@ impl Engine {
         };
         let (backend, ws) = (&*self.backend, &mut self.ws);
         let full = if g == 0 {
-            ws.streams[m % streams].dembed.view()
+            ws.streams[m].dembed.view()
         } else {
             ws.grad_full.view()
         };
