@@ -1464,3 +1464,55 @@ fn gpu_vs_deepspeed_script_tiny() {
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--peers nccl"));
 }
+
+#[test]
+fn bench_kernels_json_contract_tiny_and_bad_input_names_the_fix() {
+    let args = [
+        "bench",
+        "kernels",
+        "--device",
+        "cpu",
+        "--batch",
+        "1",
+        "--seq",
+        "33",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--gemm",
+        "64x48x32",
+        "--rounds",
+        "2",
+        "--round-ms",
+        "1",
+    ];
+    let report = stdout_json(&strata(&[&args[..], &["--json"]].concat()));
+    assert_eq!(report["device"], "cpu");
+    let ops: Vec<&str> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            assert!(row["ms"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(row["tflops"].as_f64().unwrap() > 0.0, "{row}");
+            assert_eq!(row["dtype"], "f32");
+            row["op"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(ops, ["attention_forward", "attention_backward", "gemm"]);
+    assert_eq!(report["results"][2]["shape"], "64 x 48 x 32");
+    let table = stdout_text(&strata(&args));
+    assert!(table.contains("attention_backward") && table.contains("TFLOPS"));
+    let cases: [(&[&str], &str); 4] = [
+        (&["--gemm", "3x4"], "MxNxK"),
+        (&["--dtype", "f16"], "is not bf16 or f32"),
+        (&["--dtype", "bf16"], "the CPU backend computes in f32 only"),
+        (&["--rounds", "0"], "--rounds must be at least 1"),
+    ];
+    for (extra, expected) in cases {
+        let full = [&args[..6], extra].concat();
+        let text = stderr_of_failure(&strata(&full), &full);
+        assert!(text.contains(expected), "{full:?}: {text}");
+    }
+}

@@ -262,11 +262,14 @@ pub trait Backend: Send + Sync {
         workspace: ViewMut<'_>,
     ) -> Result<()>;
 
-    /// Attention's backward: writes `dqkv` from `dout`.
+    /// Attention's backward: writes `dqkv` from `dout`, given the
+    /// forward's `qkv`, `out` and `saved`.
+    #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
         shape: Attention,
         qkv: View<'_>,
+        out: View<'_>,
         saved: View<'_>,
         dout: View<'_>,
         dqkv: ViewMut<'_>,

@@ -6,6 +6,7 @@
 //! rank: they read and write the views they are given.
 
 mod backend;
+pub mod bench;
 pub mod cpu;
 pub mod cuda;
 mod error;

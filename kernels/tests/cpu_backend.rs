@@ -142,6 +142,7 @@ fn attention_matches_the_f64_reference_and_its_backward_the_finite_differences()
         .attention_backward(
             shape,
             View::host_slice(&qkv),
+            View::host_slice(&out),
             saved.view(),
             View::host_slice(&dout),
             ViewMut::host_slice(&mut dqkv),

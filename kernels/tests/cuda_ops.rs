@@ -11,7 +11,7 @@ use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use strata_device::Dtype;
 use strata_kernels::cpu::ops;
-use strata_kernels::cuda::{Ops, SUM_BLOCKS};
+use strata_kernels::cuda::{FLASH_HEAD_DIMS, Ops, SUM_BLOCKS};
 use strata_optim::{AdamConfig, Isa, LowPrecisionMut, Moments, Values};
 
 struct Gpu {
@@ -711,6 +711,12 @@ fn attention_on_gpu<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
     let s = &gpu.stream;
     let (dq, dd) = (gpu.up(qkv), gpu.up(dout));
     let (out, dgrad) = (gpu.zeros::<T>(dout.len()), gpu.zeros::<T>(qkv.len()));
+    let addresses = [gpu.at(&dq), gpu.at(&out), gpu.at(&dd), gpu.at(&dgrad)];
+    assert_eq!(
+        gpu.ops.attention_on_tensor_cores(dtype, shape, &addresses),
+        dtype == Dtype::Bf16 && FLASH_HEAD_DIMS.contains(&shape.head_dim),
+        "{shape:?} {dtype:?}"
+    );
     // SAFETY: sizes as the launchers document.
     unsafe {
         gpu.ops
@@ -723,6 +729,7 @@ fn attention_on_gpu<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
                 shape,
                 (
                     gpu.at(&dq),
+                    gpu.at(&out),
                     gpu.at(lse),
                     gpu.at(&dd),
                     gpu.at(&dgrad),
@@ -735,8 +742,9 @@ fn attention_on_gpu<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
 }
 
 /// The flash-style attention against the CPU backend's (which keeps whole
-/// probability matrices): forward and backward, a sequence that is not a
-/// multiple of the tiles, f32 and bf16.
+/// probability matrices): forward and backward, sequences that are not a
+/// multiple of the tiles, f32 and bf16 on CUDA cores (head dim 16), and
+/// bf16 on tensor cores (`attention.cu`, head dims 64 and 128).
 #[test]
 fn attention_matches_the_cpu_backend_forward_and_backward() {
     use strata_device::{View, ViewMut};
@@ -772,6 +780,33 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
             },
             Dtype::Bf16,
         ),
+        (
+            Attention {
+                batch: 2,
+                seq: 77,
+                heads: 3,
+                head_dim: 64,
+            },
+            Dtype::Bf16,
+        ),
+        (
+            Attention {
+                batch: 1,
+                seq: 200,
+                heads: 2,
+                head_dim: 128,
+            },
+            Dtype::Bf16,
+        ),
+        (
+            Attention {
+                batch: 1,
+                seq: 64,
+                heads: 1,
+                head_dim: 128,
+            },
+            Dtype::Bf16,
+        ),
     ] {
         let (rows, hidden) = (shape.rows(), shape.hidden());
         let mut qkv = values(30, rows * 3 * hidden);
@@ -796,6 +831,7 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
         cpu.attention_backward(
             shape,
             View::host_slice(&qkv),
+            View::host_slice(&out),
             View::host_slice(&saved),
             View::host_slice(&dout),
             ViewMut::host_slice(&mut dqkv),
@@ -819,18 +855,21 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
                 (from_bf16(&out), from_bf16(&dqkv))
             }
         };
-        // fp32 throughout, sums in other orders: 1e-4; bf16 outputs: their place.
-        let rtol = if dtype == Dtype::Bf16 {
-            1.0 / 128.0
-        } else {
-            1e-4
+        // fp32 throughout, sums in other orders: 1e-4; bf16 outputs: their
+        // place; on tensor cores the probabilities and dscores also enter
+        // their products as bf16: 2e-2 + 2^-6 relative.
+        let flash = dtype == Dtype::Bf16 && FLASH_HEAD_DIMS.contains(&shape.head_dim);
+        let (atol, rtol) = match (dtype, flash) {
+            (_, true) => (2e-2, 1.0 / 64.0),
+            (Dtype::Bf16, false) => (1e-4, 1.0 / 128.0),
+            _ => (1e-4, 1e-4),
         };
-        close(&format!("attention {shape:?}"), &got_out, &out, 1e-4, rtol);
+        close(&format!("attention {shape:?}"), &got_out, &out, atol, rtol);
         close(
             &format!("attention_backward {shape:?}"),
             &got_dqkv,
             &dqkv,
-            1e-4,
+            atol,
             rtol,
         );
     }

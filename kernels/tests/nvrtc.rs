@@ -6,7 +6,18 @@
 use std::sync::Arc;
 
 use strata_kernels::KernelError;
-use strata_kernels::cuda::{OPS_NAME, OPS_SOURCE, nvrtc, ops_kernels};
+use strata_kernels::cuda::{
+    ATTENTION_NAME, ATTENTION_SOURCE, FLASH_HEAD_DIMS, FLASH_PER_HEAD_DIM, OPS_NAME, OPS_SOURCE,
+    attention_kernels, flash_shared_bytes, nvrtc, ops_kernels,
+};
+
+/// Each CUDA C source with the kernels it must define.
+fn sources() -> [(&'static str, &'static str, Vec<String>); 2] {
+    [
+        (OPS_NAME, OPS_SOURCE, ops_kernels()),
+        (ATTENTION_NAME, ATTENTION_SOURCE, attention_kernels()),
+    ]
+}
 
 /// Whether NVRTC is here; prints why a test skips when it is not.
 fn nvrtc_present(test: &str) -> bool {
@@ -27,20 +38,21 @@ fn every_kernel_compiles_clean_to_a_cubin_for_every_architecture() {
     if !nvrtc_present("every_kernel_compiles_clean_to_a_cubin_for_every_architecture") {
         return;
     }
-    let kernels = ops_kernels();
-    assert_eq!(kernels.len(), 41);
-    for arch in nvrtc::ARCHS {
-        let cubin =
-            nvrtc::compile(OPS_NAME, OPS_SOURCE, arch).unwrap_or_else(|err| panic!("{err}"));
-        // An ELF image (a cubin), not PTX text.
-        assert_eq!(&cubin.image[..4], b"\x7fELF", "sm_{arch}");
-        for kernel in &kernels {
-            assert!(cubin.defines(kernel), "sm_{arch} lacks {kernel}");
+    assert_eq!(ops_kernels().len(), 41);
+    assert_eq!(attention_kernels().len(), 7);
+    for (name, source, kernels) in sources() {
+        for arch in nvrtc::ARCHS {
+            let cubin = nvrtc::compile(name, source, arch).unwrap_or_else(|err| panic!("{err}"));
+            // An ELF image (a cubin), not PTX text.
+            assert_eq!(&cubin.image[..4], b"\x7fELF", "{name} sm_{arch}");
+            for kernel in &kernels {
+                assert!(cubin.defines(kernel), "{name} sm_{arch} lacks {kernel}");
+            }
+            assert!(!cubin.defines("gelu_f16"), "the symbol check can fail");
+            // Compiled once per process.
+            let again = nvrtc::compile(name, source, arch).unwrap();
+            assert!(Arc::ptr_eq(&cubin, &again));
         }
-        assert!(!cubin.defines("gelu_f16"), "the symbol check can fail");
-        // Compiled once per process.
-        let again = nvrtc::compile(OPS_NAME, OPS_SOURCE, arch).unwrap();
-        assert!(Arc::ptr_eq(&cubin, &again));
     }
 }
 
@@ -78,16 +90,35 @@ fn a_broken_source_or_a_warning_fails_with_the_log_and_an_unknown_arch_is_refuse
 }
 
 /// ptxas's report for every kernel, every architecture: no register
-/// spills, static shared memory within the per-block limit (48 KiB; the
-/// kernels use no dynamic shared memory). Prints the table.
+/// spills, static shared memory within the per-block limit (48 KiB), and
+/// the tensor-core attention's dynamic shared memory within the
+/// architecture's opt-in limit. Prints the table.
 #[test]
 fn no_kernel_spills_registers_or_passes_the_shared_memory_limit() {
     if !nvrtc_present("no_kernel_spills_registers_or_passes_the_shared_memory_limit") {
         return;
     }
-    let kernels = ops_kernels();
     for arch in nvrtc::ARCHS {
-        let cubin = nvrtc::compile(OPS_NAME, OPS_SOURCE, arch).unwrap();
+        let limit = nvrtc::shared_bytes_max(arch).unwrap();
+        for kernel in FLASH_PER_HEAD_DIM {
+            for d in FLASH_HEAD_DIMS {
+                let bytes = u64::from(flash_shared_bytes(kernel, d));
+                assert!(
+                    bytes <= limit,
+                    "sm_{arch}: {kernel}_d{d} takes {bytes} bytes of shared memory"
+                );
+            }
+        }
+    }
+    assert_eq!(nvrtc::shared_bytes_max(75), None);
+    for (name, source, kernels) in sources() {
+        check_resources(name, source, &kernels);
+    }
+}
+
+fn check_resources(name: &'static str, source: &str, kernels: &[String]) {
+    for arch in nvrtc::ARCHS {
+        let cubin = nvrtc::compile(name, source, arch).unwrap();
         let mut reported: Vec<&str> = cubin.resources.iter().map(|r| r.kernel.as_str()).collect();
         reported.sort();
         let mut expected: Vec<&str> = kernels.iter().map(|k| k.as_ref()).collect();

@@ -3,6 +3,7 @@
 mod adam;
 mod chart;
 mod checkpoint;
+mod kernels;
 mod nvme;
 mod plan;
 mod signals;
@@ -58,6 +59,9 @@ enum Bench {
     /// Every path through the runtime (host<->nvme, host<->device, both
     /// directions) next to the raw path in the same run.
     Tiers(tiers::TiersArgs),
+    /// The compute backend's attention (forward, backward) and a GEMM in
+    /// TFLOPS.
+    Kernels(kernels::KernelsArgs),
 }
 
 /// Runs the parsed command; the exit status it asks for.
@@ -67,6 +71,7 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Bench(Bench::Swap(args)) => swap::run(args),
         Command::Bench(Bench::Adam(args)) => adam::run(args),
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
+        Command::Bench(Bench::Kernels(args)) => kernels::run(args),
         Command::Plan(args) => plan::run(*args),
         Command::Train(args) => return train::run(*args),
         Command::Checkpoint(command) => checkpoint::run(command),

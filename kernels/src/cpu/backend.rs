@@ -488,6 +488,7 @@ impl Backend for CpuBackend {
         &self,
         shape: Attention,
         qkv: View<'_>,
+        out: View<'_>,
         saved: View<'_>,
         dout: View<'_>,
         dqkv: ViewMut<'_>,
@@ -496,6 +497,8 @@ impl Backend for CpuBackend {
         const OP: &str = "attention_backward";
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
         let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
+        // The saved probabilities give everything `out` would.
+        sized::<f32>(OP, "out", out, shape.rows() * h)?;
         let probs_all = sized::<f32>(OP, "saved", saved, self.attention_saved_elems(shape))?;
         let dout = sized::<f32>(OP, "dout", dout, shape.rows() * h)?;
         let dqkv = sized_mut::<f32>(OP, "dqkv", dqkv, qkv.len())?;

@@ -656,6 +656,7 @@ impl Backend for CudaBackend {
         &self,
         shape: Attention,
         qkv: View<'_>,
+        out: View<'_>,
         saved: View<'_>,
         dout: View<'_>,
         dqkv: ViewMut<'_>,
@@ -666,6 +667,8 @@ impl Backend for CudaBackend {
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
         let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), None)?;
         same_len(OP, "qkv", n, rows * 3 * hidden)?;
+        let (out_at, out_len) = on_device(OP, "out", out.raw(), Some(dtype))?;
+        same_len(OP, "out", out_len, rows * hidden)?;
         let (lse_at, lse_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
         same_len(
             OP,
@@ -692,7 +695,7 @@ impl Backend for CudaBackend {
                 self.stream(),
                 dtype,
                 shape,
-                (qkv_at, lse_at, dout_at, dqkv_at, dsum_at),
+                (qkv_at, out_at, lse_at, dout_at, dqkv_at, dsum_at),
             )
         }
     }

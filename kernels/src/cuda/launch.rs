@@ -1,6 +1,7 @@
-//! Launching `ops.cu`'s kernels: the module compiled for the device's
-//! architecture and loaded once, each kernel looked up once, and one
-//! launcher per op that takes device addresses and element counts.
+//! Launching `ops.cu`'s and `attention.cu`'s kernels: the modules compiled
+//! for the device's architecture and loaded once, each kernel looked up
+//! once (those with over 48 KiB of dynamic shared memory opted in then),
+//! and one launcher per op that takes device addresses and element counts.
 //!
 //! Launchers enqueue on the stream they are given and return: no
 //! synchronization, no allocation. Sizes are checked against the grid's
@@ -15,7 +16,10 @@ use cudarc::nvrtc::Ptx;
 use strata_device::{DeviceError, Dtype};
 use strata_optim::AdamCoefficients;
 
-use super::{BLOCK, OPS_NAME, OPS_PER_DTYPE, OPS_SINGLE, OPS_SOURCE, nvrtc};
+use super::{
+    ATTENTION_NAME, ATTENTION_SOURCE, BLOCK, FLASH_HEAD_DIMS, FLASH_PER_HEAD_DIM, OPS_NAME,
+    OPS_PER_DTYPE, OPS_SINGLE, OPS_SOURCE, flash_shared_bytes, nvrtc,
+};
 use crate::error::{KernelError, Result};
 
 /// An op of `ops.cu` defined for f32 and bf16 elements, in
@@ -67,6 +71,13 @@ pub const HEAD_DIM_MAX: usize = 128;
 /// Query (or key) rows per block of the attention kernels (ATTN_ROWS).
 const ATTN_ROWS: u32 = 64;
 
+/// Query rows (and keys) per block of the tensor-core attention
+/// (`attention.cu`'s FLASH_ROWS, FLASH_KEYS).
+pub const FLASH_ROWS: usize = 64;
+
+/// Threads per block of the tensor-core attention (FLASH_THREADS).
+const FLASH_THREADS: u32 = 128;
+
 /// The attention's shape as the kernels take it (`ops.cu`'s `AttnShape`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -94,6 +105,9 @@ unsafe impl DeviceRepr for AdamArgs {}
 pub struct Ops {
     per_dtype: Vec<[CudaFunction; 2]>,
     single: Vec<CudaFunction>,
+    /// `attention.cu`'s forward, dq and dkv per [`FLASH_HEAD_DIMS`] entry.
+    flash: Vec<[CudaFunction; 3]>,
+    flash_dsum: CudaFunction,
     multiprocessors: u32,
 }
 
@@ -140,9 +154,38 @@ impl Ops {
             .iter()
             .map(|name| function(name))
             .collect::<Result<Vec<_>>>()?;
+        let cubin = nvrtc::compile(ATTENTION_NAME, ATTENTION_SOURCE, arch)?;
+        let module = context
+            .load_module(Ptx::from_binary(cubin.image.clone()))
+            .map_err(driver("cuModuleLoadData"))?;
+        let function = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(driver("cuModuleGetFunction"))
+        };
+        let flash = FLASH_HEAD_DIMS
+            .iter()
+            .map(|&d| {
+                let kernels = FLASH_PER_HEAD_DIM.map(|k| (k, function(&format!("{k}_d{d}"))));
+                let [forward, dq, dkv] = kernels.map(|(name, f)| {
+                    let f = f?;
+                    // Past 48 KiB a kernel must opt in to its dynamic
+                    // shared memory before it is launched.
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        flash_shared_bytes(name, d) as i32,
+                    )
+                    .map_err(driver("cuFuncSetAttribute"))?;
+                    Ok::<_, KernelError>(f)
+                });
+                Ok([forward?, dq?, dkv?])
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Ops {
             per_dtype,
             single,
+            flash,
+            flash_dsum: function("flash_dsum")?,
             multiprocessors: multiprocessors.max(1) as u32,
         })
     }
@@ -672,13 +715,54 @@ impl Ops {
         (qkv, out, lse): (u64, u64, u64),
     ) -> Result<()> {
         let (args, config) = Self::attention_grid("attention", shape)?;
+        if let Some(flash) = self.flash_for(dtype, shape, &[qkv, out]) {
+            let config = Self::flash_config(&config, "flash_forward", shape);
+            let f = &flash[0];
+            return launch!(stream, f, config, "attention", [&args, &qkv, &out, &lse]);
+        }
         let f = self.kernel("attention", Op::AttentionForward, dtype)?;
         launch!(stream, f, config, "attention", [&args, &qkv, &out, &lse])
     }
 
+    /// Whether [`Ops::attention`] and [`Ops::attention_backward`] run this
+    /// attention on tensor cores (`attention.cu`) with these addresses.
+    pub fn attention_on_tensor_cores(
+        &self,
+        dtype: Dtype,
+        shape: crate::Attention,
+        addresses: &[u64],
+    ) -> bool {
+        self.flash_for(dtype, shape, addresses).is_some()
+    }
+
+    /// The tensor-core kernels for this attention, when they take it: bf16,
+    /// a head dim they are built for, every address 16-byte aligned (their
+    /// copies move 16 bytes).
+    fn flash_for(
+        &self,
+        dtype: Dtype,
+        shape: crate::Attention,
+        addresses: &[u64],
+    ) -> Option<&[CudaFunction; 3]> {
+        let at = FLASH_HEAD_DIMS.iter().position(|&d| d == shape.head_dim)?;
+        let aligned = addresses.iter().all(|a| a % 16 == 0);
+        (dtype == Dtype::Bf16 && aligned).then(|| &self.flash[at])
+    }
+
+    /// The CUDA-core attention's grid, as the tensor-core kernels take it:
+    /// FLASH_THREADS threads and `kernel`'s dynamic shared memory.
+    fn flash_config(config: &LaunchConfig, kernel: &str, shape: crate::Attention) -> LaunchConfig {
+        const _: () = assert!(FLASH_ROWS == ATTN_ROWS as usize);
+        LaunchConfig {
+            grid_dim: config.grid_dim,
+            block_dim: (FLASH_THREADS, 1, 1),
+            shared_mem_bytes: flash_shared_bytes(kernel, shape.head_dim),
+        }
+    }
+
     /// Attention's backward: `dqkv` (like `qkv`) from `dout` (like `out`),
-    /// with `lse` from the forward and `dsum` (`batch x heads x seq` f32)
-    /// of scratch.
+    /// with the forward's `out` and `lse` and `dsum` (`batch x heads x seq`
+    /// f32) of scratch.
     ///
     /// # Safety
     /// As [`Ops::attention`]; `dsum` holds `batch x heads x seq` f32.
@@ -687,9 +771,46 @@ impl Ops {
         stream: &CudaStream,
         dtype: Dtype,
         shape: crate::Attention,
-        (qkv, lse, dout, dqkv, dsum): (u64, u64, u64, u64, u64),
+        (qkv, out, lse, dout, dqkv, dsum): (u64, u64, u64, u64, u64, u64),
     ) -> Result<()> {
         let (args, config) = Self::attention_grid("attention_backward", shape)?;
+        if let Some(flash) = self.flash_for(dtype, shape, &[qkv, out, dout, dqkv]) {
+            // D = rowsum(dout * out) first, one warp per (row, head).
+            let rows = checked(
+                shape.rows() as u64,
+                shape.heads as u64,
+                "attention_backward",
+            )?;
+            let warps_per_block = u64::from(BLOCK / 32);
+            let blocks = rows
+                .div_ceil(warps_per_block)
+                .min(u64::from(self.multiprocessors * BLOCKS_PER_SM * 4))
+                as u32;
+            let dsum_config = LaunchConfig {
+                grid_dim: (blocks.max(1), 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = &self.flash_dsum;
+            launch!(
+                stream,
+                f,
+                dsum_config,
+                "attention_backward",
+                [&args, &out, &dout, &dsum]
+            )?;
+            for (f, kernel) in flash[1..].iter().zip(&FLASH_PER_HEAD_DIM[1..]) {
+                let config = Self::flash_config(&config, kernel, shape);
+                launch!(
+                    stream,
+                    f,
+                    config,
+                    "attention_backward",
+                    [&args, &qkv, &dout, &lse, &dsum, &dqkv]
+                )?;
+            }
+            return Ok(());
+        }
         let f = self.kernel("attention_backward", Op::AttentionBackwardDq, dtype)?;
         launch!(
             stream,

@@ -5,11 +5,12 @@
 //! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
 //! [`nvrtc::ARCHS`] in CI (no GPU needed), their launchers ([`Ops`]) and
 //! cuBLASLt GEMMs ([`Gemm`]), a causal attention that is flash-style in
-//! memory (tiles, online softmax, log-sum-exp saved) on CUDA cores, and
-//! [`CudaBackend`], the [`crate::Backend`] over them. None has run on a GPU
-//! yet (`tests/cuda_ops.rs` will, where one is lent). Not yet built: the
-//! engine on the CUDA backend, GEMM epilogues and the tensor-core
-//! attention; until then the engine computes on the CPU backend.
+//! memory (tiles, online softmax, log-sum-exp saved) on CUDA cores, the
+//! same on tensor cores for bf16 and head dims 64 and 128
+//! ([`ATTENTION_SOURCE`], `attention.cu`: `ldmatrix`, `mma.sync`,
+//! `cp.async`), and [`CudaBackend`], the [`crate::Backend`] over them.
+//! None has run on a GPU yet (`tests/cuda_ops.rs` will, where one is
+//! lent). Not yet built: GEMM epilogues.
 
 mod backend;
 mod gemm;
@@ -18,13 +19,56 @@ pub mod nvrtc;
 
 pub use backend::{CudaBackend, CudaLimits, GEMM_WORKSPACE_BYTES, READBACKS_MAX, UPLOADS_MAX};
 pub use gemm::{GEMM_PLANS_MAX, Gemm, Operand};
-pub use launch::{HEAD_DIM_MAX, Ops, SUM_BLOCKS};
+pub use launch::{FLASH_ROWS, HEAD_DIM_MAX, Ops, SUM_BLOCKS};
 
 /// The element-wise and row kernels (`ops.cu`).
 pub const OPS_SOURCE: &str = include_str!("ops.cu");
 
 /// The name [`nvrtc::compile`] gives `ops.cu`.
 pub const OPS_NAME: &str = "ops";
+
+/// The tensor-core flash attention (`attention.cu`).
+pub const ATTENTION_SOURCE: &str = include_str!("attention.cu");
+
+/// The name [`nvrtc::compile`] gives `attention.cu`.
+pub const ATTENTION_NAME: &str = "attention";
+
+/// The head dims `attention.cu` is instantiated for (bf16 only); other
+/// shapes and f32 take `ops.cu`'s attention on CUDA cores.
+pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// `attention.cu`'s kernels per head dim (`<name>_d<head_dim>`).
+pub const FLASH_PER_HEAD_DIM: [&str; 3] =
+    ["flash_forward", "flash_backward_dq", "flash_backward_dkv"];
+
+/// Every kernel `attention.cu` defines.
+pub fn attention_kernels() -> Vec<String> {
+    FLASH_PER_HEAD_DIM
+        .iter()
+        .flat_map(|k| FLASH_HEAD_DIMS.map(|d| format!("{k}_d{d}")))
+        .chain(["flash_dsum".to_string()])
+        .collect()
+}
+
+/// Bytes of dynamic shared memory `kernel` (a [`FLASH_PER_HEAD_DIM`]
+/// name) takes at `head_dim`, as `attention.cu` lays its tiles out: rows of
+/// `head_dim + 8` bf16 (64 query rows, 64 keys per tile).
+pub fn flash_shared_bytes(kernel: &str, head_dim: usize) -> u32 {
+    let row = (head_dim as u32 + 8) * 2;
+    match kernel {
+        // The query tile and two stages of key and value tiles.
+        "flash_forward" => (64 + 4 * 64) * row,
+        // Query, dout, key and value tiles.
+        "flash_backward_dq" => 4 * 64 * row,
+        // Key and value tiles, query and dout tiles of 64 rows (32 at head
+        // dim 128) and those rows' lse and D.
+        "flash_backward_dkv" => {
+            let rows = if head_dim == 128 { 32 } else { 64 };
+            2 * 64 * row + 2 * rows * row + 2 * rows * 4
+        }
+        other => panic!("{other} is not one of attention.cu's per-head-dim kernels"),
+    }
+}
 
 /// Kernels defined for each element type (`<name>_f32`, `<name>_bf16`).
 pub const OPS_PER_DTYPE: [&str; 18] = [

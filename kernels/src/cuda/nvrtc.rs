@@ -56,6 +56,19 @@ pub struct KernelResources {
 /// targets (more needs dynamic shared memory and an opt-in attribute).
 pub const STATIC_SHARED_BYTES_MAX: u64 = 48 << 10;
 
+/// Shared memory a block may use on `arch` once its kernel opts in
+/// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`): the CUDA
+/// programming guide's per-architecture limit. None for an architecture
+/// strata does not compile for.
+pub fn shared_bytes_max(arch: u32) -> Option<u64> {
+    match arch {
+        80 => Some(163 << 10),
+        89 => Some(99 << 10),
+        90 => Some(227 << 10),
+        _ => None,
+    }
+}
+
 /// Splits a verbose compile log into ptxas's per-kernel reports and the
 /// other lines (warnings), which it returns joined.
 pub fn parse_log(log: &str) -> (Vec<KernelResources>, String) {

@@ -583,6 +583,7 @@ pub fn block_backward(
     backend.attention_backward(
         attention_shape(config, batch),
         qkv,
+        att,
         saved,
         datt.view(),
         dqkv.reborrow(),
