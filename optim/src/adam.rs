@@ -502,8 +502,7 @@ impl<S: Simd> Splat<S> {
             Some(master) => {
                 // The value returned is the master as stored, so that a
                 // 16-bit copy of it equals it.
-                P::store_sr(s, p, p1, master);
-                P::load(s, p)
+                P::store_sr_value(s, p, p1, master)
             }
             None if nt => {
                 P::stream(s, p, p1);

@@ -64,9 +64,26 @@ pub trait Simd: Copy + Send + Sync {
     fn load_u32(self, src: &[u32]) -> Self::U;
     /// Each lane's high 16 bits, shifted down.
     fn high_half(self, u: Self::U) -> Self::U;
+    /// f32 lanes rounded to bf16 stochastically with each lane's low 16
+    /// bits of `noise`, as `rounding::round_bf16_stochastic`, and returned
+    /// as f32 (exactly the bf16 values: low halves zero, NaN quieted).
+    fn round_bf16_sr(self, v: Self::V, noise: Self::U) -> Self::V;
+    /// Stores lanes that hold bf16 values exactly (as [`Simd::round_bf16_sr`]
+    /// returns them) as bf16: their high halves, no rounding.
+    fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V);
     /// f32 to bf16, rounding stochastically with each lane's low 16 bits
     /// of `noise`, as `rounding::round_bf16_stochastic`.
-    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U);
+    #[inline(always)]
+    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U) {
+        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise))
+    }
+    /// [`Simd::store_bf16_sr`], returning the values stored (as f32).
+    #[inline(always)]
+    fn store_bf16_sr_value(self, dst: &mut [bf16], v: Self::V, noise: Self::U) -> Self::V {
+        let rounded = self.round_bf16_sr(v, noise);
+        self.store_bf16_exact(dst, rounded);
+        rounded
+    }
 
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
     fn sub(self, a: Self::V, b: Self::V) -> Self::V;
@@ -112,10 +129,17 @@ pub trait Lanes: Sized {
         let _ = noise;
         Self::store(s, dst, v)
     }
+    /// [`Lanes::store_sr`], returning the values as stored (widened to f32
+    /// exactly): what a load of `dst` would give.
+    #[inline(always)]
+    fn store_sr_value<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) -> S::V {
+        Self::store_sr(s, dst, v, noise);
+        Self::load(s, dst)
+    }
 }
 
 macro_rules! element {
-    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident)?) => {
+    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident, $store_sr_value:ident)?) => {
         impl Element for $t {
             fn to_f32(self) -> f32 {
                 $to(self)
@@ -142,6 +166,10 @@ macro_rules! element {
             fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) {
                 s.$store_sr(dst, v, noise)
             }
+            #[inline(always)]
+            fn store_sr_value<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) -> S::V {
+                s.$store_sr_value(dst, v, noise)
+            }
             )?
         }
     };
@@ -155,7 +183,8 @@ element!(
     stream_bf16,
     portable::widen_bf16,
     bf16::from_f32,
-    store_bf16_sr
+    store_bf16_sr,
+    store_bf16_sr_value
 );
 element!(
     f16,

@@ -52,9 +52,13 @@ impl Simd for Portable {
         u.map(|w| w >> 16)
     }
     #[inline(always)]
-    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U) {
-        for ((d, x), n) in dst[..LANES].iter_mut().zip(v).zip(noise) {
-            *d = round_bf16_stochastic(x, n);
+    fn round_bf16_sr(self, v: Self::V, noise: Self::U) -> Self::V {
+        std::array::from_fn(|i| widen_bf16(round_bf16_stochastic(v[i], noise[i])))
+    }
+    #[inline(always)]
+    fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V) {
+        for (d, x) in dst[..LANES].iter_mut().zip(v) {
+            *d = bf16::from_bits((x.to_bits() >> 16) as u16);
         }
     }
 

@@ -99,18 +99,6 @@ macro_rules! hash32_lanes {
     }};
 }
 
-/// f32 bits to bf16 bits in 32-bit lanes, rounding stochastically (the low
-/// 16 bits of `noise` added below bf16's last place), NaN made quiet:
-/// (rounded, quiet, magnitude) as [`bf16_round_bits`] gives them.
-macro_rules! bf16_stochastic_bits {
-    ($bits:expr, $noise:expr, $set1:ident, $and:ident, $add:ident, $srli:ident, $or:ident) => {{
-        let bits = $bits;
-        let rounded = $srli::<16>($add(bits, $and($noise, $set1(0xffff))));
-        let quiet = $or($srli::<16>(bits), $set1(0x40));
-        (rounded, quiet, $and(bits, $set1(0x7fff_ffff)))
-    }};
-}
-
 impl Avx2 {
     /// 8 lanes holding values <= 0xffff to 8 words.
     #[inline(always)]
@@ -178,21 +166,29 @@ impl Simd for Avx2 {
         unsafe { _mm256_srli_epi32::<16>(u) }
     }
     #[inline(always)]
-    fn store_bf16_sr(self, dst: &mut [bf16], v: __m256, noise: __m256i) {
+    fn round_bf16_sr(self, v: __m256, noise: __m256i) -> __m256 {
+        // SAFETY: the token.
+        unsafe {
+            let bits = _mm256_castps_si256(v);
+            let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+            let sum = _mm256_add_epi32(bits, _mm256_and_si256(noise, _mm256_set1_epi32(0xffff)));
+            let rounded = _mm256_castsi256_ps(_mm256_and_si256(sum, high));
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            if _mm256_movemask_ps(nan) == 0 {
+                return rounded;
+            }
+            // Rare: NaN lanes keep their bits, quieted.
+            let quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
+            let quiet = _mm256_castsi256_ps(_mm256_and_si256(quiet, high));
+            _mm256_blendv_ps(rounded, quiet, nan)
+        }
+    }
+    #[inline(always)]
+    fn store_bf16_exact(self, dst: &mut [bf16], v: __m256) {
         assert!(dst.len() >= 8);
         // SAFETY: the token; 8 bf16 (16 bytes) are in bounds (asserted).
         unsafe {
-            let (rounded, quiet, magnitude) = bf16_stochastic_bits!(
-                _mm256_castps_si256(v),
-                noise,
-                _mm256_set1_epi32,
-                _mm256_and_si256,
-                _mm256_add_epi32,
-                _mm256_srli_epi32,
-                _mm256_or_si256
-            );
-            let nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f80_0000));
-            let words = self.pack_words(_mm256_blendv_epi8(rounded, quiet, nan));
+            let words = self.pack_words(_mm256_srli_epi32::<16>(_mm256_castps_si256(v)));
             _mm_storeu_si128(dst.as_mut_ptr().cast(), words)
         }
     }
@@ -415,21 +411,29 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         unsafe { _mm512_srli_epi32::<16>(u) }
     }
     #[inline(always)]
-    fn store_bf16_sr(self, dst: &mut [bf16], v: __m512, noise: __m512i) {
+    fn round_bf16_sr(self, v: __m512, noise: __m512i) -> __m512 {
+        // SAFETY: the token.
+        unsafe {
+            let bits = _mm512_castps_si512(v);
+            let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+            let sum = _mm512_add_epi32(bits, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff)));
+            let rounded = _mm512_and_si512(sum, high);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            if nan == 0 {
+                return _mm512_castsi512_ps(rounded);
+            }
+            // Rare: NaN lanes keep their bits, quieted.
+            let quiet =
+                _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000)), high);
+            _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet))
+        }
+    }
+    #[inline(always)]
+    fn store_bf16_exact(self, dst: &mut [bf16], v: __m512) {
         assert!(dst.len() >= 16);
         // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
         unsafe {
-            let (rounded, quiet, magnitude) = bf16_stochastic_bits!(
-                _mm512_castps_si512(v),
-                noise,
-                _mm512_set1_epi32,
-                _mm512_and_si512,
-                _mm512_add_epi32,
-                _mm512_srli_epi32,
-                _mm512_or_si512
-            );
-            let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
-            let words = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+            let words = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_castps_si512(v)));
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
         }
     }
