@@ -190,6 +190,51 @@ pub trait Backend: Send + Sync {
     /// Adds `bias` to every row of `x` (`rows x bias.len()`).
     fn add_bias(&self, x: ViewMut<'_>, bias: View<'_>) -> Result<()>;
 
+    /// `c = a b + bias` (the bias added to every row): a linear layer's
+    /// forward, one fused GEMM where the backend can; by default
+    /// [`Backend::gemm`] then [`Backend::add_bias`].
+    fn gemm_bias(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        bias: View<'_>,
+        mut c: ViewMut<'_>,
+    ) -> Result<()> {
+        self.gemm(a, b, 1.0, 0.0, c.reborrow())?;
+        self.add_bias(c, bias)
+    }
+
+    /// `pre = a b + bias`, `out = gelu(pre)`: a linear layer and its GELU,
+    /// keeping the pre-activation for the backward; fused where the backend
+    /// can. By default [`Backend::gemm_bias`] then [`Backend::gelu`].
+    fn gemm_bias_gelu(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        bias: View<'_>,
+        mut pre: ViewMut<'_>,
+        out: ViewMut<'_>,
+    ) -> Result<()> {
+        self.gemm_bias(a, b, bias, pre.reborrow())?;
+        self.gelu(pre.view(), out)
+    }
+
+    /// `dx = (a b) * gelu'(pre)`: the gradient through a GELU of the
+    /// product that feeds it (`pre` the GELU's input); fused where the
+    /// backend can, else through `product` (scratch of `dx`'s shape) with
+    /// [`Backend::gemm`] then [`Backend::gelu_backward`].
+    fn gemm_dgelu(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        pre: View<'_>,
+        mut product: ViewMut<'_>,
+        dx: ViewMut<'_>,
+    ) -> Result<()> {
+        self.gemm(a, b, 1.0, 0.0, product.reborrow())?;
+        self.gelu_backward(product.view(), pre, dx)
+    }
+
     /// Adds the column sums of `dy` (`rows x dbias.len()`) to `dbias`.
     fn bias_grad(&self, dy: View<'_>, dbias: ViewMut<'_>) -> Result<()>;
 

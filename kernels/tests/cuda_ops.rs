@@ -966,6 +966,102 @@ fn the_cuda_backend_matches_the_cpu_backend_through_the_trait() {
         1e-4,
     );
 
+    // The fused epilogues (cuBLASLt's, or the unfused ops where it has no
+    // algorithm) against the CPU's unfused ops: bias; bias and GELU with
+    // the pre-activation kept; GELU's backward. n = 24: aux rows a
+    // multiple of 8 elements apart.
+    let (m, k, n) = (37usize, 64usize, 24usize);
+    let (a, b, bias) = (values(50, m * k), values(51, k * n), values(52, n));
+    let up = |host: &[f32]| {
+        let buffer = gpu.alloc(Dtype::F32, host.len()).unwrap();
+        upload(&buffer, bytemuck::cast_slice(host));
+        buffer
+    };
+    let (ga, gb, gbias) = (up(&a), up(&b), up(&bias));
+    let (ha, hb) = (
+        Matrix::n(View::host_slice(&a).matrix(m, k).unwrap()),
+        Matrix::n(View::host_slice(&b).matrix(k, n).unwrap()),
+    );
+    let (da, db) = (
+        Matrix::n(ga.view().matrix(m, k).unwrap()),
+        Matrix::n(gb.view().matrix(k, n).unwrap()),
+    );
+    let mut outs = [0; 3].map(|_| gpu.alloc(Dtype::F32, m * n).unwrap());
+    let [gpre, gout, gscratch] = &mut outs;
+    gpu.gemm_bias(da, db, gbias.view(), gout.view_mut().matrix(m, n).unwrap())
+        .unwrap();
+    let mut want = vec![0.0f32; m * n];
+    cpu.gemm_bias(
+        ha,
+        hb,
+        View::host_slice(&bias),
+        ViewMut::host_slice(&mut want).matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    close("gemm_bias", &floats(download(gout)), &want, 1e-4, 1e-4);
+    gpu.gemm_bias_gelu(
+        da,
+        db,
+        gbias.view(),
+        gpre.view_mut().matrix(m, n).unwrap(),
+        gout.view_mut().matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    let (mut pre, mut out) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+    cpu.gemm_bias_gelu(
+        ha,
+        hb,
+        View::host_slice(&bias),
+        ViewMut::host_slice(&mut pre).matrix(m, n).unwrap(),
+        ViewMut::host_slice(&mut out).matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    close(
+        "gemm_bias_gelu pre",
+        &floats(download(gpre)),
+        &pre,
+        1e-4,
+        1e-4,
+    );
+    // cuBLASLt's GELU is its own tanh approximation: a looser bound.
+    close(
+        "gemm_bias_gelu out",
+        &floats(download(gout)),
+        &out,
+        1e-3,
+        1e-3,
+    );
+    gpu.gemm_dgelu(
+        da,
+        db,
+        gpre.view().matrix(m, n).unwrap(),
+        gscratch.view_mut().matrix(m, n).unwrap(),
+        gout.view_mut().matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    let mut scratch = vec![0.0f32; m * n];
+    cpu.gemm_dgelu(
+        ha,
+        hb,
+        View::host_slice(&pre).matrix(m, n).unwrap(),
+        ViewMut::host_slice(&mut scratch).matrix(m, n).unwrap(),
+        ViewMut::host_slice(&mut out).matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    close("gemm_dgelu", &floats(download(gout)), &out, 1e-3, 1e-3);
+    // A pre-activation of another shape is refused, naming it.
+    let err = gpu
+        .gemm_dgelu(
+            da,
+            db,
+            gbias.view().matrix(1, n).unwrap(),
+            gscratch.view_mut().matrix(m, n).unwrap(),
+            gout.view_mut().matrix(m, n).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("gemm_dgelu") && err.contains("pre"), "{err}");
+
     // Cross-entropy's loss as a readback, and the norm of its gradient.
     let (rows, vocab) = (64usize, 1000usize);
     let logits = values(42, rows * vocab);

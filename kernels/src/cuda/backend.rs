@@ -12,7 +12,7 @@ use strata_device::cuda::{Context, PinnedHost};
 use strata_device::{Buffer, DeviceKind, Dtype, Fence, Raw, StreamKind, View, ViewMut};
 use strata_optim::AdamCoefficients;
 
-use super::{Gemm, Operand, Ops, SUM_BLOCKS};
+use super::{Epilogue, Gemm, Operand, Ops, SUM_BLOCKS};
 use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots};
 use crate::cpu::ops::LN_EPS;
 use crate::error::{KernelError, Result, same_len};
@@ -132,6 +132,47 @@ struct Uploads {
 
 /// A view's device address and element count, after checking that it is
 /// on the GPU, contiguous and of `dtype` (when given).
+/// A GEMM operand's shape and first address, checked to be on a GPU.
+fn gemm_operand(
+    op: &'static str,
+    name: &'static str,
+    raw: Raw,
+    transposed: bool,
+) -> Result<(Operand, u64)> {
+    if raw.kind != DeviceKind::Cuda {
+        return Err(KernelError::Device {
+            op,
+            operand: name,
+            actual: raw.kind,
+            expected: DeviceKind::Cuda,
+        });
+    }
+    Ok((
+        Operand {
+            dtype: raw.dtype,
+            rows: raw.rows as u64,
+            cols: raw.cols as u64,
+            row_stride: raw.row_stride as u64,
+            transposed,
+        },
+        raw.start_address(),
+    ))
+}
+
+/// An epilogue's aux operand: on this device, C's rows, columns and dtype.
+fn aux_like(op: &'static str, name: &'static str, aux: Raw, c: Raw) -> Result<(u64, Operand)> {
+    let (operand, at) = gemm_operand(op, name, aux, false)?;
+    if (aux.rows, aux.cols, aux.dtype) != (c.rows, c.cols, c.dtype) {
+        return Err(KernelError::Shape {
+            op,
+            operand: name,
+            actual: format!("{} x {} {}", aux.rows, aux.cols, aux.dtype),
+            expected: format!("the output's {} x {} {}", c.rows, c.cols, c.dtype),
+        });
+    }
+    Ok((at, operand))
+}
+
 fn on_device(
     op: &'static str,
     operand: &'static str,
@@ -233,6 +274,32 @@ impl CudaBackend {
 
     fn stream(&self) -> &cudarc::driver::safe::CudaStream {
         self.context.compute_stream()
+    }
+
+    /// `c = a b` with `epilogue` fused (its bias and aux at the addresses
+    /// given); false, with nothing enqueued, where cuBLASLt has no
+    /// algorithm for it (the caller runs the ops unfused).
+    fn fused(
+        &self,
+        op: &'static str,
+        (a, b, c): (Matrix<'_>, Matrix<'_>, Raw),
+        epilogue: (Epilogue, u64, u64),
+    ) -> Result<bool> {
+        let a = gemm_operand(op, "a", a.view.raw(), a.transposed)?;
+        let b = gemm_operand(op, "b", b.view.raw(), b.transposed)?;
+        let c = gemm_operand(op, "c", c, false)?;
+        // SAFETY: every address is a checked view's on this device (the bias and aux by the caller); the workspace is the scratch's first GEMM_WORKSPACE_BYTES.
+        unsafe {
+            self.gemm.matmul_fused(
+                self.stream(),
+                a,
+                b,
+                c,
+                (1.0, 0.0),
+                (self.workspace(), GEMM_WORKSPACE_BYTES),
+                epilogue,
+            )
+        }
     }
 
     /// Device addresses of the scratch's parts.
@@ -351,29 +418,9 @@ impl Backend for CudaBackend {
         c: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "gemm";
-        let operand = |name: &'static str, raw: Raw, transposed: bool| -> Result<(Operand, u64)> {
-            if raw.kind != DeviceKind::Cuda {
-                return Err(KernelError::Device {
-                    op: OP,
-                    operand: name,
-                    actual: raw.kind,
-                    expected: DeviceKind::Cuda,
-                });
-            }
-            Ok((
-                Operand {
-                    dtype: raw.dtype,
-                    rows: raw.rows as u64,
-                    cols: raw.cols as u64,
-                    row_stride: raw.row_stride as u64,
-                    transposed,
-                },
-                raw.start_address(),
-            ))
-        };
-        let a = operand("a", a.view.raw(), a.transposed)?;
-        let b = operand("b", b.view.raw(), b.transposed)?;
-        let c = operand("c", c.raw(), false)?;
+        let a = gemm_operand(OP, "a", a.view.raw(), a.transposed)?;
+        let b = gemm_operand(OP, "b", b.view.raw(), b.transposed)?;
+        let c = gemm_operand(OP, "c", c.raw(), false)?;
         // SAFETY: every address is a checked view's on this device; the workspace is the scratch's first GEMM_WORKSPACE_BYTES.
         unsafe {
             self.gemm.matmul(
@@ -385,6 +432,73 @@ impl Backend for CudaBackend {
                 (self.workspace(), GEMM_WORKSPACE_BYTES),
             )
         }
+    }
+
+    fn gemm_bias(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        bias: View<'_>,
+        mut c: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "gemm_bias";
+        let (bias_at, bias_len) = on_device(OP, "bias", bias.raw(), Some(Dtype::F32))?;
+        same_len(OP, "bias", bias_len, c.raw().cols as u64)?;
+        let fused = self.fused(
+            OP,
+            (a, b, c.raw()),
+            (Epilogue::Bias { bias: Dtype::F32 }, bias_at, 0),
+        )?;
+        if !fused {
+            self.gemm(a, b, 1.0, 0.0, c.reborrow())?;
+            self.add_bias(c, bias)?;
+        }
+        Ok(())
+    }
+
+    fn gemm_bias_gelu(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        bias: View<'_>,
+        mut pre: ViewMut<'_>,
+        mut out: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "gemm_bias_gelu";
+        let (bias_at, bias_len) = on_device(OP, "bias", bias.raw(), Some(Dtype::F32))?;
+        let (out_raw, pre_raw) = (out.raw(), pre.raw());
+        same_len(OP, "bias", bias_len, out_raw.cols as u64)?;
+        let (pre_at, _) = aux_like(OP, "pre", pre_raw, out_raw)?;
+        let epilogue = Epilogue::GeluAuxBias {
+            bias: Dtype::F32,
+            aux_ld: pre_raw.row_stride as u64,
+        };
+        if !self.fused(OP, (a, b, out_raw), (epilogue, bias_at, pre_at))? {
+            self.gemm_bias(a, b, bias, pre.reborrow())?;
+            self.gelu(pre.view(), out.reborrow())?;
+        }
+        Ok(())
+    }
+
+    fn gemm_dgelu(
+        &self,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        pre: View<'_>,
+        mut product: ViewMut<'_>,
+        mut dx: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "gemm_dgelu";
+        let dx_raw = dx.raw();
+        let (pre_at, _) = aux_like(OP, "pre", pre.raw(), dx_raw)?;
+        let epilogue = Epilogue::DGelu {
+            aux_ld: pre.raw().row_stride as u64,
+        };
+        if !self.fused(OP, (a, b, dx_raw), (epilogue, 0, pre_at))? {
+            self.gemm(a, b, 1.0, 0.0, product.reborrow())?;
+            self.gelu_backward(product.view(), pre, dx.reborrow())?;
+        }
+        Ok(())
     }
 
     fn add_bias(&self, x: ViewMut<'_>, bias: View<'_>) -> Result<()> {

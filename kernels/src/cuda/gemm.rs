@@ -2,7 +2,10 @@
 //! op(B) + beta C` for bf16 (or f32) A and B and f32 (or bf16) C, with the
 //! matmul descriptor, the four layouts and the algorithm chosen once per
 //! shape and kept (the heuristic query is not on the step path), and a
-//! workspace the caller sizes inside the device budget.
+//! workspace the caller sizes inside the device budget. Optionally with a
+//! fused [`Epilogue`] (bias; bias, GELU and the pre-activation kept; GELU's
+//! derivative): where cuBLASLt has no algorithm for one, the call says so
+//! and the caller runs the unfused ops.
 //!
 //! cuBLASLt is column-major. A row-major `r x c` matrix with row stride
 //! `ld` is, read column-major, its `c x r` transpose with leading dimension
@@ -28,6 +31,59 @@ const OP_T: i32 = 1;
 /// Shapes whose plans are kept; past it the oldest is dropped (a model has
 /// a few dozen).
 pub const GEMM_PLANS_MAX: usize = 256;
+
+/// What a GEMM does to its product on the way out, fused (cuBLASLt's
+/// epilogues). Row-major: a bias has one element per column of C and is
+/// added to every row; `aux` has C's shape with `aux_ld` elements between
+/// row starts (a multiple of 8), in C's dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Epilogue {
+    /// C as computed.
+    None,
+    /// `C = AB + bias`.
+    Bias {
+        /// The bias vector's dtype.
+        bias: Dtype,
+    },
+    /// `aux = AB + bias`, `C = gelu(aux)` (tanh form).
+    GeluAuxBias {
+        /// The bias vector's dtype.
+        bias: Dtype,
+        /// Elements between `aux`'s row starts.
+        aux_ld: u64,
+    },
+    /// `C = AB * gelu'(aux)`, `aux` the GELU's input (its backward).
+    DGelu {
+        /// Elements between `aux`'s row starts.
+        aux_ld: u64,
+    },
+}
+
+impl Epilogue {
+    fn code(self) -> u32 {
+        use sys::cublasLtEpilogue_t as E;
+        (match self {
+            Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias { .. } => E::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::GeluAuxBias { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            Epilogue::DGelu { .. } => E::CUBLASLT_EPILOGUE_DGELU,
+        }) as u32
+    }
+
+    fn bias(self) -> Option<Dtype> {
+        match self {
+            Epilogue::Bias { bias } | Epilogue::GeluAuxBias { bias, .. } => Some(bias),
+            Epilogue::None | Epilogue::DGelu { .. } => None,
+        }
+    }
+
+    fn aux_ld(self) -> Option<u64> {
+        match self {
+            Epilogue::GeluAuxBias { aux_ld, .. } | Epilogue::DGelu { aux_ld } => Some(aux_ld),
+            Epilogue::None | Epilogue::Bias { .. } => None,
+        }
+    }
+}
 
 /// One operand of a row-major GEMM: its dtype, stored rows and columns,
 /// row stride (elements) and whether the product uses its transpose.
@@ -61,6 +117,7 @@ struct Shape {
     b: Operand,
     c: Operand,
     workspace_bytes: u64,
+    epilogue: Epilogue,
 }
 
 /// A shape's descriptor, layouts and algorithm.
@@ -75,10 +132,14 @@ struct Plan {
 // used under the `Gemm`'s lock and destroyed once.
 unsafe impl Send for Plan {}
 
+/// Each shape's plan (None: a fused epilogue cuBLASLt has no algorithm for
+/// at that shape), and the shapes in the order they were first seen.
+type Plans = (HashMap<Shape, Option<Plan>>, Vec<Shape>);
+
 /// A cuBLASLt handle and the plans of the shapes seen so far.
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
-    plans: Mutex<(HashMap<Shape, Plan>, Vec<Shape>)>,
+    plans: Mutex<Plans>,
 }
 
 // SAFETY: cuBLASLt handles may be used from any thread (one call at a time
@@ -135,12 +196,41 @@ impl Gemm {
     pub unsafe fn matmul(
         &self,
         stream: &CudaStream,
+        a: (Operand, u64),
+        b: (Operand, u64),
+        c: (Operand, u64),
+        scales: (f32, f32),
+        workspace: (u64, u64),
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on; no epilogue operand.
+        let done = unsafe {
+            self.matmul_fused(stream, a, b, c, scales, workspace, (Epilogue::None, 0, 0))
+        }?;
+        assert!(done, "a GEMM without an epilogue always has a plan");
+        Ok(())
+    }
+
+    /// [`Gemm::matmul`] with `epilogue` fused, its bias at `bias_at` and
+    /// its aux at `aux_at` (device addresses; 0 where it has none).
+    /// Returns false, having enqueued nothing, where cuBLASLt has no
+    /// algorithm for that epilogue at this shape (the caller then runs the
+    /// unfused ops).
+    ///
+    /// # Safety
+    /// As [`Gemm::matmul`]; the bias holds one element of its dtype per
+    /// column of C, and aux C's rows at its row stride, both live until
+    /// the stream passes this call (aux not used by other work).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul_fused(
+        &self,
+        stream: &CudaStream,
         (a, a_at): (Operand, u64),
         (b, b_at): (Operand, u64),
         (c, c_at): (Operand, u64),
         (alpha, beta): (f32, f32),
         (workspace, workspace_bytes): (u64, u64),
-    ) -> Result<()> {
+        (epilogue, bias_at, aux_at): (Epilogue, u64, u64),
+    ) -> Result<bool> {
         const OP: &str = "gemm";
         let (m, k) = a.used();
         let (k2, n) = b.used();
@@ -165,25 +255,69 @@ impl Gemm {
                 });
             }
         }
+        if let Some(aux_ld) = epilogue.aux_ld()
+            && (aux_ld < c.cols || !aux_ld.is_multiple_of(8))
+        {
+            return Err(KernelError::Shape {
+                op: OP,
+                operand: "aux",
+                actual: format!("row stride {aux_ld} for {} columns", c.cols),
+                expected: "a row stride of at least the columns, a multiple of 8".into(),
+            });
+        }
         let shape = Shape {
             a,
             b,
             c,
             workspace_bytes,
+            epilogue,
         };
         let mut plans = self.plans.lock().expect("gemm plans");
         if !plans.0.contains_key(&shape) {
-            let plan = self.plan(&shape)?;
+            let plan = match self.plan(&shape) {
+                Ok(plan) => Some(plan),
+                Err(Unplanned::NoAlgorithm) if epilogue != Epilogue::None => None,
+                Err(Unplanned::NoAlgorithm) => {
+                    return Err(KernelError::Failed(DeviceError::Cuda {
+                        op: "cublasLtMatmulAlgoGetHeuristic",
+                        cause: format!(
+                            "no algorithm for {a:?} x {b:?} into {c:?} with a {workspace_bytes} byte workspace"
+                        ),
+                    }));
+                }
+                Err(Unplanned::Failed(err)) => return Err(err),
+            };
             if plans.1.len() == GEMM_PLANS_MAX {
                 let oldest = plans.1.remove(0);
-                if let Some(old) = plans.0.remove(&oldest) {
+                if let Some(Some(old)) = plans.0.remove(&oldest) {
                     destroy(old);
                 }
             }
             plans.0.insert(shape, plan);
             plans.1.push(shape);
         }
-        let plan = &plans.0[&shape];
+        let Some(plan) = &plans.0[&shape] else {
+            return Ok(false);
+        };
+        // The operands' addresses live in the descriptor: set for this
+        // call (under the lock; cuBLASLt reads them when the call is
+        // enqueued).
+        for (attribute, address) in [
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                epilogue.bias().map(|_| bias_at),
+            ),
+            (
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                epilogue.aux_ld().map(|_| aux_at),
+            ),
+        ] {
+            if let Some(address) = address {
+                // SAFETY: the descriptor is live; the attribute is a pointer (8 bytes).
+                unsafe { set_desc(plan.desc, attribute, &address) }
+                    .map_err(cublas("cublasLtMatmulDescSetAttribute"))?;
+            }
+        }
         let [b_layout, a_layout, c_layout] = plan.layouts;
         // SAFETY: the plan's objects are live (destroyed only on eviction or drop, under this lock); the addresses are the caller's contract; alpha and beta are f32 host scalars, the descriptor's scale type.
         unsafe {
@@ -206,11 +340,12 @@ impl Gemm {
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(cublas("cublasLtMatmul"))
+        .map_err(cublas("cublasLtMatmul"))?;
+        Ok(true)
     }
 
     /// The descriptor, layouts and best algorithm of `shape`.
-    fn plan(&self, shape: &Shape) -> Result<Plan> {
+    fn plan(&self, shape: &Shape) -> std::result::Result<Plan, Unplanned> {
         const OP: &str = "gemm";
         let (a, b, c) = (shape.a, shape.b, shape.c);
         let (a_type, b_type, c_type) = (
@@ -247,26 +382,41 @@ impl Gemm {
                 if b.transposed { OP_T } else { OP_N },
                 if a.transposed { OP_T } else { OP_N },
             );
+            use sys::cublasLtMatmulDescAttributes_t as A;
+            let set_failed = cublas("cublasLtMatmulDescSetAttribute");
             for (attribute, value) in [
+                (A::CUBLASLT_MATMUL_DESC_TRANSA, trans_x),
+                (A::CUBLASLT_MATMUL_DESC_TRANSB, trans_y),
                 (
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    trans_x,
-                ),
-                (
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    trans_y,
+                    A::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    shape.epilogue.code() as i32,
                 ),
             ] {
-                // SAFETY: `desc` is live; the attribute is an int32.
+                // SAFETY: `desc` is live; the attribute is an int32 (an enum).
+                unsafe { set_desc(desc, attribute, &value) }.map_err(&set_failed)?;
+            }
+            if let Some(bias) = shape.epilogue.bias() {
+                let bias_type = data_type(OP, "bias", bias)? as i32;
+                // SAFETY: as above; a cudaDataType (int32).
+                unsafe { set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type) }
+                    .map_err(&set_failed)?;
+            }
+            if let Some(aux_ld) = shape.epilogue.aux_ld() {
+                let aux_ld = aux_ld as i64;
+                let aux_type = c_type as i32;
+                // SAFETY: as above; an int64 and a cudaDataType (int32).
                 unsafe {
-                    result::set_matmul_desc_attribute(
-                        desc,
-                        attribute,
-                        (&value as *const i32).cast(),
-                        std::mem::size_of::<i32>(),
+                    set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld).and_then(
+                        |()| {
+                            set_desc(
+                                desc,
+                                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                &aux_type,
+                            )
+                        },
                     )
                 }
-                .map_err(cublas("cublasLtMatmulDescSetAttribute"))?;
+                .map_err(&set_failed)?;
             }
             let preference =
                 result::create_matmul_pref().map_err(cublas("cublasLtMatmulPreferenceCreate"))?;
@@ -287,14 +437,15 @@ impl Gemm {
             });
             // SAFETY: created above, not used after.
             let _ = unsafe { result::destroy_matmul_pref(preference) };
-            let heuristic = heuristic.map_err(|err| {
-                KernelError::Failed(DeviceError::Cuda {
+            let heuristic = heuristic.map_err(|err| match err.0 {
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Unplanned::NoAlgorithm,
+                _ => Unplanned::Failed(KernelError::Failed(DeviceError::Cuda {
                     op: "cublasLtMatmulAlgoGetHeuristic",
                     cause: format!(
-                        "{err:?} for {:?} x {:?} into {:?} with a {} byte workspace",
-                        a, b, c, shape.workspace_bytes
+                        "{err:?} for {:?} x {:?} into {:?} with a {} byte workspace and {:?}",
+                        a, b, c, shape.workspace_bytes, shape.epilogue
                     ),
-                })
+                })),
             })?;
             plan.algo = heuristic.algo;
             Ok(())
@@ -306,6 +457,41 @@ impl Gemm {
                 Err(err)
             }
         }
+    }
+}
+
+/// Why a shape has no plan.
+enum Unplanned {
+    /// cuBLASLt has no algorithm for it.
+    NoAlgorithm,
+    /// Anything else.
+    Failed(KernelError),
+}
+
+impl From<KernelError> for Unplanned {
+    fn from(err: KernelError) -> Self {
+        Unplanned::Failed(err)
+    }
+}
+
+/// Sets one of `desc`'s attributes to `value`.
+///
+/// # Safety
+/// `desc` is a live descriptor and `T` the attribute's type in cuBLASLt's
+/// documentation.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attribute: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> std::result::Result<(), result::CublasError> {
+    // SAFETY: the caller's contract; `value` is `size_of::<T>()` readable bytes.
+    unsafe {
+        result::set_matmul_desc_attribute(
+            desc,
+            attribute,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>(),
+        )
     }
 }
 
@@ -323,7 +509,7 @@ fn destroy(plan: Plan) {
 impl Drop for Gemm {
     fn drop(&mut self) {
         let (plans, _) = &mut *self.plans.lock().expect("gemm plans");
-        for (_, plan) in plans.drain() {
+        for plan in plans.drain().filter_map(|(_, plan)| plan) {
             destroy(plan);
         }
         // SAFETY: created in `new`, destroyed once; no plan is left.

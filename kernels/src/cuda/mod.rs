@@ -10,7 +10,9 @@
 //! ([`ATTENTION_SOURCE`], `attention.cu`: `ldmatrix`, `mma.sync`,
 //! `cp.async`), and [`CudaBackend`], the [`crate::Backend`] over them.
 //! None has run on a GPU yet (`tests/cuda_ops.rs` will, where one is
-//! lent). Not yet built: GEMM epilogues.
+//! lent). cuBLASLt's epilogues fuse a linear layer's bias, fc1's bias and
+//! GELU, and the GELU's backward into their GEMMs where it has an
+//! algorithm for them (the ops run unfused otherwise).
 
 mod backend;
 mod gemm;
@@ -18,7 +20,7 @@ mod launch;
 pub mod nvrtc;
 
 pub use backend::{CudaBackend, CudaLimits, GEMM_WORKSPACE_BYTES, READBACKS_MAX, UPLOADS_MAX};
-pub use gemm::{GEMM_PLANS_MAX, Gemm, Operand};
+pub use gemm::{Epilogue, GEMM_PLANS_MAX, Gemm, Operand};
 pub use launch::{FLASH_ROWS, HEAD_DIM_MAX, Ops, SUM_BLOCKS};
 
 /// The element-wise and row kernels (`ops.cu`).

@@ -390,24 +390,45 @@ impl BlockScratch {
     }
 }
 
-/// A linear layer: `y = x w + b`, with `x` `rows x inputs`.
+/// A linear layer: `y = x w + b`, with `x` `rows x inputs` (one fused
+/// GEMM where the backend has the epilogue).
 fn linear(
     backend: &dyn Backend,
     x: View<'_>,
     w: View<'_>,
     b: View<'_>,
     rows: usize,
-    mut y: ViewMut<'_>,
+    y: ViewMut<'_>,
 ) -> Result<()> {
     let (inputs, outputs) = (x.len() / rows.max(1), b.len());
-    backend.gemm(
+    backend.gemm_bias(
         Matrix::n(x.matrix(rows, inputs)?),
         Matrix::n(w.matrix(inputs, outputs)?),
-        1.0,
-        0.0,
-        y.reborrow().matrix(rows, outputs)?,
+        b,
+        y.matrix(rows, outputs)?,
     )?;
-    backend.add_bias(y, b)?;
+    Ok(())
+}
+
+/// A linear layer's parameter gradients: `dw += x^T dy`, `db +=
+/// colsum(dy)`, with `x` `rows x inputs`.
+fn linear_param_grads(
+    backend: &dyn Backend,
+    x: View<'_>,
+    dy: View<'_>,
+    rows: usize,
+    dw: ViewMut<'_>,
+    db: ViewMut<'_>,
+) -> Result<()> {
+    let (inputs, outputs) = (x.len() / rows.max(1), db.len());
+    backend.gemm(
+        Matrix::t(x.matrix(rows, inputs)?),
+        Matrix::n(dy.matrix(rows, outputs)?),
+        1.0,
+        1.0,
+        dw.matrix(inputs, outputs)?,
+    )?;
+    backend.bias_grad(dy, db)?;
     Ok(())
 }
 
@@ -425,17 +446,9 @@ fn linear_backward(
     dx: ViewMut<'_>,
 ) -> Result<()> {
     let (inputs, outputs) = (x.len() / rows.max(1), db.len());
-    let dy_matrix = dy.matrix(rows, outputs)?;
+    linear_param_grads(backend, x, dy, rows, dw, db)?;
     backend.gemm(
-        Matrix::t(x.matrix(rows, inputs)?),
-        Matrix::n(dy_matrix),
-        1.0,
-        1.0,
-        dw.matrix(inputs, outputs)?,
-    )?;
-    backend.bias_grad(dy, db)?;
-    backend.gemm(
-        Matrix::n(dy_matrix),
+        Matrix::n(dy.matrix(rows, outputs)?),
         Matrix::t(w.matrix(inputs, outputs)?),
         1.0,
         0.0,
@@ -502,8 +515,15 @@ pub fn block_forward(
     linear(backend, att.view(), p[PROJ_W], p[PROJ_B], n, x1.reborrow())?;
     backend.add(x1.reborrow(), x)?;
     backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
-    linear(backend, c.view(), p[FC1_W], p[FC1_B], n, f.reborrow())?;
-    backend.gelu(f.view(), g.reborrow())?;
+    // fc1 and its GELU in one fused GEMM where the backend can, keeping
+    // the pre-activation for the backward.
+    backend.gemm_bias_gelu(
+        Matrix::n(c.view().matrix(n, h)?),
+        Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
+        p[FC1_B],
+        f.reborrow().matrix(n, 4 * h)?,
+        g.reborrow().matrix(n, 4 * h)?,
+    )?;
     linear(backend, g.view(), p[FC2_W], p[FC2_B], n, out.reborrow())?;
     backend.add(out, x1.view())?;
     Ok(())
@@ -554,9 +574,16 @@ pub fn block_backward(
         mut df,
         mut da,
     ] = scratch_parts.split(scratch.buffer.view_mut());
-    // MLP.
-    linear_backward(backend, g, p[FC2_W], dout, n, dwfc2, dbfc2, dg.reborrow())?;
-    backend.gelu_backward(dg.view(), f, df.reborrow())?;
+    // MLP: fc2's parameter gradients, then the gradient through fc2 and
+    // the GELU in one fused GEMM where the backend can (`dg` its scratch).
+    linear_param_grads(backend, g, dout, n, dwfc2, dbfc2)?;
+    backend.gemm_dgelu(
+        Matrix::n(dout.matrix(n, h)?),
+        Matrix::t(p[FC2_W].matrix(4 * h, h)?),
+        f.matrix(n, 4 * h)?,
+        dg.reborrow().matrix(n, 4 * h)?,
+        df.reborrow().matrix(n, 4 * h)?,
+    )?;
     linear_backward(
         backend,
         c,
