@@ -100,8 +100,9 @@ pub struct StepShape {
     /// A commit op after the norm.
     pub commit: bool,
     /// The head's backward writes the tied embedding's gradient tensor
-    /// (a GPU's weight-gradient GEMM into it); otherwise the head sums it
-    /// in a workspace and the embedding's backward writes it.
+    /// (a GPU's weight-gradient GEMM into it); otherwise every micro-batch's
+    /// head and embedding backward sum it in one workspace and the last
+    /// micro-batch's embedding backward writes the tensor, once.
     pub head_writes_embed_grad: bool,
 }
 
@@ -268,8 +269,13 @@ impl Builder<'_> {
             }
         }
         for m in micro_batches {
-            let first = m == 0 && !shape.head_writes_embed_grad;
-            let accesses = vec![access(model.grad(0), grad_mode(first))];
+            let accesses = match shape.head_writes_embed_grad {
+                true => vec![access(model.grad(0), grad_mode(false))],
+                false if m + 1 == shape.micro_batches => {
+                    vec![access(model.grad(0), Mode::Write)]
+                }
+                false => Vec::new(),
+            };
             let name = format!("m{m}.bwd.{}", model.name(0));
             self.push(Work::EmbedBackward { m }, name, accesses);
         }
@@ -471,10 +477,12 @@ mod tests {
                 "commit",
             ]
         );
-        // Without the head writing it, the embedding's first backward does.
+        // Without the head writing it, the micro-batches sum the
+        // embedding's gradient in a workspace and the last one's embedding
+        // backward writes the tensor, once.
         assert_eq!(ops[9].op.accesses, [read(0)]);
-        assert_eq!(ops[15].op.accesses, [access(100, Mode::Write)]);
-        assert_eq!(ops[16].op.accesses, [access(100, Mode::Update)]);
+        assert_eq!(ops[15].op.accesses, []);
+        assert_eq!(ops[16].op.accesses, [access(100, Mode::Write)]);
     }
 
     #[test]

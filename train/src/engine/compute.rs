@@ -56,16 +56,18 @@ pub(super) struct Workspace {
     pub(super) inputs_host: Vec<u32>,
     pub(super) targets_host: Vec<u32>,
     /// Per micro-batch of the step (all are in flight at once): the forward
-    /// stream, the backward stream, the embeddings' gradient, the input and
-    /// target tokens.
+    /// stream, the backward stream, the input and target tokens.
     pub(super) streams: Vec<Stream>,
+    /// The embeddings' gradient, summed over the step's micro-batches (the
+    /// heads' and the embeddings' backward) and reduced once, after the
+    /// last.
+    pub(super) dembed: Buffer,
 }
 
 /// One micro-batch's buffers between ops.
 pub(super) struct Stream {
     pub(super) x: Buffer,
     pub(super) dy: Buffer,
-    pub(super) dembed: Buffer,
     pub(super) inputs: Buffer,
     pub(super) targets: Buffer,
 }
@@ -90,7 +92,6 @@ impl Workspace {
                 Ok(Stream {
                     x: f32s(stream)?,
                     dy: f32s(stream)?,
-                    dembed: f32s(embed_padded)?,
                     inputs: backend.alloc(Dtype::U32, tokens)?,
                     targets: backend.alloc(Dtype::U32, tokens)?,
                 })
@@ -108,6 +109,7 @@ impl Workspace {
             inputs_host: vec![0; tokens],
             targets_host: vec![0; tokens],
             streams,
+            dembed: f32s(embed_padded)?,
         })
     }
 
@@ -116,11 +118,10 @@ impl Workspace {
         let streams: u64 = self
             .streams
             .iter()
-            .map(|s| {
-                s.x.bytes() + s.dy.bytes() + s.dembed.bytes() + s.inputs.bytes() + s.targets.bytes()
-            })
+            .map(|s| s.x.bytes() + s.dy.bytes() + s.inputs.bytes() + s.targets.bytes())
             .sum();
         [
+            &self.dembed,
             &self.gathered,
             &self.shard32,
             &self.grad_full,
@@ -263,8 +264,10 @@ impl Engine {
         let scale = self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
         let embed_params = self.groups[0].params;
         let ws = &mut self.ws;
+        if m == 0 {
+            self.backend.zero(ws.dembed.view_mut())?;
+        }
         let stream = &mut ws.streams[m];
-        self.backend.zero(stream.dembed.view_mut())?;
         let loss = head_forward_backward(
             &*self.backend,
             &self.gpt,
@@ -274,7 +277,7 @@ impl Engine {
             scale,
             &mut ws.head,
             stream.dy.view_mut(),
-            stream.dembed.view_mut().range(0..embed_params),
+            ws.dembed.view_mut().range(0..embed_params),
         )?;
         self.defer_scalar(Scalar::Loss, loss)
     }
@@ -330,19 +333,22 @@ impl Engine {
         Ok(())
     }
 
-    /// The embeddings' backward of micro-batch `m`; reduce-scatters the
-    /// gradient.
+    /// The embeddings' backward of micro-batch `m`; after the last,
+    /// reduce-scatters the gradient the step's micro-batches summed.
     fn embed_backward(&mut self, m: usize) -> Result<()> {
         let embed_params = self.groups[0].params;
-        let stream = &mut self.ws.streams[m];
+        let ws = &mut self.ws;
+        let stream = &ws.streams[m];
         embed_backward(
             &*self.backend,
             &self.gpt,
             stream.inputs.view(),
             stream.dy.view(),
-            stream.dembed.view_mut().range(0..embed_params),
+            ws.dembed.view_mut().range(0..embed_params),
         )?;
-        self.reduce_gradient(0, m)?;
+        if m + 1 == self.config.train.grad_accumulation {
+            self.reduce_gradient(0, m)?;
+        }
         Ok(())
     }
 
@@ -380,22 +386,22 @@ impl Engine {
 
     /// Reduce-scatters the full gradient in the workspace into group `g`'s
     /// shard: written in micro-batch 0, added to after; the last
-    /// micro-batch also takes the shard's sum of squares.
+    /// micro-batch also takes the shard's sum of squares. The embeddings'
+    /// gradient is reduced once, from the sum of every micro-batch's.
     pub(super) fn reduce_gradient(&mut self, g: usize, m: usize) -> Result<()> {
         let n = self.groups[g].shard;
         let padded = self.groups[g].padded(self.collective.world());
-        // The embeddings' gradient gathers the head's and the embedding's
-        // parts over the whole backward in its own buffer.
         let index = grad_index(g);
         let last = m + 1 == self.config.train.grad_accumulation;
-        let id = if m == 0 {
+        let first = m == 0 || g == 0;
+        let id = if first {
             self.tensor_to_write(index)?
         } else {
             self.slots[index].id.expect("written in micro-batch 0")
         };
         let (backend, ws) = (&*self.backend, &mut self.ws);
         let full = if g == 0 {
-            ws.streams[m].dembed.view()
+            ws.dembed.view()
         } else {
             ws.grad_full.view()
         };
@@ -407,7 +413,7 @@ impl Engine {
                 .wait()?;
             ws.shard32.view().range(0..n)
         };
-        if m == 0 {
+        if first {
             let norm = match last {
                 true => Some(backend.sum_squares(shard)?),
                 false => None,
