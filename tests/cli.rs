@@ -1516,3 +1516,76 @@ fn bench_kernels_json_contract_tiny_and_bad_input_names_the_fix() {
         assert!(text.contains(expected), "{full:?}: {text}");
     }
 }
+
+#[test]
+fn plan_takes_measured_rates_from_bench_kernels_json_and_names_a_bad_file() {
+    let dir = tempdir();
+    let report = strata(&[
+        "bench",
+        "kernels",
+        "--device",
+        "cpu",
+        "--batch",
+        "1",
+        "--seq",
+        "32",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--gemm",
+        "64x64x64",
+        "--rounds",
+        "1",
+        "--round-ms",
+        "1",
+        "--json",
+    ]);
+    let kernels = dir.path().join("kernels.json");
+    std::fs::write(&kernels, stdout_text(&report)).unwrap();
+    let kernels = kernels.to_str().unwrap();
+    let plan = [
+        "plan",
+        "--preset",
+        "dgx-h100",
+        "--gpus-per-node",
+        "1",
+        "--layers",
+        "2",
+        "--hidden",
+        "512",
+        "--heads",
+        "8",
+        "--seq",
+        "256",
+        "--micro-batch",
+        "2",
+        "--json",
+    ];
+    let base = stdout_json(&strata(&plan));
+    let measured = stdout_json(&strata(&[&plan[..], &["--kernels", kernels]].concat()));
+    let rates = &measured["hardware"]["attention_flops_per_s"];
+    assert!(
+        rates[0].as_f64().unwrap() > 0.0 && rates[1].as_f64().unwrap() > 0.0,
+        "{rates}"
+    );
+    assert!(base["hardware"]["attention_flops_per_s"].is_null());
+    // The CPU's rates are far below an H100's: the same step takes longer.
+    let step = |v: &serde_json::Value| v["step_time_s"].as_f64().unwrap();
+    assert!(
+        step(&measured) > 10.0 * step(&base),
+        "{} vs {}",
+        step(&measured),
+        step(&base)
+    );
+    let empty = dir.path().join("empty.json");
+    std::fs::write(&empty, r#"{"results": []}"#).unwrap();
+    let cases = [
+        (empty.to_str().unwrap(), "has no gemm result"),
+        ("/nonexistent/kernels.json", "strata bench kernels --json"),
+    ];
+    for (file, expected) in cases {
+        let text = stderr_of_failure(&strata(&[&plan[..], &["--kernels", file]].concat()), file);
+        assert!(text.contains(expected), "{file}: {text}");
+    }
+}

@@ -260,7 +260,11 @@ fn collective_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64
 struct Unit {
     name: String,
     params: u64,
+    /// Forward FLOPs of its matrix products.
     forward_flops: f64,
+    /// Forward FLOPs of the causal attention it runs (FlashAttention's
+    /// count; the attention unit only).
+    attention_flops: f64,
     param: u32,
     optimizer: u32,
     grad: u32,
@@ -298,6 +302,12 @@ impl ClusterStep<'_> {
         gpu_ns(self.hardware, flops) as u64
     }
 
+    /// A unit's forward, or its backward (twice its products, 2.5x its
+    /// attention).
+    fn unit_ns(&self, u: &Unit, backward: bool) -> f64 {
+        compute_ns(self.hardware, u.forward_flops, u.attention_flops, backward)
+    }
+
     fn optimizer_on_gpu(&self) -> bool {
         self.parallelism.offload_optimizer == Tier::Device
     }
@@ -331,16 +341,16 @@ impl ClusterStep<'_> {
         self.ring_ns(2 * unit.params, factor)
     }
 
-    /// The forward flops of block `layer`, recomputed in its backward when
-    /// it keeps only its input.
-    fn recompute_flops(&self, layer: usize) -> f64 {
+    /// The forward of block `layer`, recomputed in its backward when it
+    /// keeps only its input.
+    fn recompute_ns(&self, layer: usize) -> f64 {
         if !self.recompute[layer] {
             return 0.0;
         }
         let first = 1 + layer * self.parts;
         self.units[first..first + self.parts]
             .iter()
-            .map(|u| u.forward_flops)
+            .map(|u| self.unit_ns(u, false))
             .sum()
     }
 }
@@ -385,7 +395,7 @@ impl StepModel for ClusterStep<'_> {
                 let u = unit(layer, part);
                 OpCost {
                     gather_ns: self.gather_ns(u),
-                    ..OpCost::compute(gpu, self.flops_ns(u.forward_flops))
+                    ..OpCost::compute(gpu, self.unit_ns(u, false) as u64)
                 }
             }
             Work::Head { .. } => OpCost {
@@ -394,13 +404,13 @@ impl StepModel for ClusterStep<'_> {
             },
             Work::Backward { layer, part, .. } => {
                 let u = unit(layer, part);
-                let mut flops = 2.0 * u.forward_flops;
+                let mut ns = self.unit_ns(u, true);
                 if part + 1 == self.parts {
-                    flops += self.recompute_flops(layer);
+                    ns += self.recompute_ns(layer);
                 }
                 OpCost {
                     processor: gpu,
-                    compute_ns: self.flops_ns(flops),
+                    compute_ns: ns as u64,
                     gather_ns: self.gather_ns(u),
                     reduce_ns: self.reduce_ns(u),
                 }
@@ -455,46 +465,52 @@ fn add_units(
     parallelism: &Parallelism,
     shares: &Shares,
 ) -> Vec<Unit> {
-    let unit = |trace: &mut Trace, name: String, params: u64, forward_flops: f64| Unit {
-        param: add_tensor(
-            trace,
-            format!("{name}.param16"),
-            2 * params / shares.param_shard,
-            TensorClass::Param,
-            Some(parallelism.offload_param),
-        ),
-        optimizer: add_tensor(
-            trace,
-            format!("{name}.states"),
-            optimizer_bytes_per_param(parallelism) * params / shares.optimizer_shard,
-            TensorClass::OptimizerState,
-            Some(parallelism.offload_optimizer),
-        ),
-        grad: add_tensor(
-            trace,
-            format!("{name}.grad16"),
-            2 * params / shares.grad_shard,
-            TensorClass::Grad,
-            None,
-        ),
-        name,
-        params,
-        forward_flops,
-    };
+    let unit =
+        |trace: &mut Trace, name: String, params: u64, (forward_flops, attention_flops)| Unit {
+            param: add_tensor(
+                trace,
+                format!("{name}.param16"),
+                2 * params / shares.param_shard,
+                TensorClass::Param,
+                Some(parallelism.offload_param),
+            ),
+            optimizer: add_tensor(
+                trace,
+                format!("{name}.states"),
+                optimizer_bytes_per_param(parallelism) * params / shares.optimizer_shard,
+                TensorClass::OptimizerState,
+                Some(parallelism.offload_optimizer),
+            ),
+            grad: add_tensor(
+                trace,
+                format!("{name}.grad16"),
+                2 * params / shares.grad_shard,
+                TensorClass::Grad,
+                None,
+            ),
+            name,
+            params,
+            forward_flops,
+            attention_flops,
+        };
     let tp = shares.tensor;
     let tokens = model.tokens() as f64;
     let mut units = vec![unit(
         trace,
         "embed".into(),
         model.embedding_params() / tp,
-        2.0 * tokens * (model.vocab * model.hidden) as f64 / tp as f64,
+        (
+            2.0 * tokens * (model.vocab * model.hidden) as f64 / tp as f64,
+            0.0,
+        ),
     )];
     for l in 0..shares.layers {
         for (j, (name, params)) in model.block_params().into_iter().enumerate() {
-            let mut flops = 2.0 * tokens * params as f64;
-            if j == 1 {
-                flops += 4.0 * tokens * model.seq as f64 * model.hidden as f64;
-            }
+            let flops = 2.0 * tokens * params as f64;
+            let attention = match j {
+                1 => model.block_attention_flops(),
+                _ => 0.0,
+            };
             let params = params + if j == 0 { model.block_norm_params() } else { 0 };
             for t in 0..shares.tiles {
                 let tile = if shares.tiles > 1 {
@@ -506,7 +522,10 @@ fn add_units(
                     trace,
                     format!("l{l}.{name}{tile}"),
                     params / tp / u64::from(shares.tiles),
-                    flops / (tp * u64::from(shares.tiles)) as f64,
+                    (
+                        flops / (tp * u64::from(shares.tiles)) as f64,
+                        attention / (tp * u64::from(shares.tiles)) as f64,
+                    ),
                 ));
             }
         }
@@ -830,6 +849,33 @@ fn gpu_ns(hardware: &Hardware, flops: f64) -> f64 {
     flops / (hardware.gpu_flops * hardware.gpu_efficiency) * 1e9
 }
 
+/// Nanoseconds of a forward (or backward: twice the products, the
+/// attention's backward) of `linear` FLOPs of matrix products and
+/// `attention` FLOPs of causal attention (FlashAttention's count), at the
+/// measured attention rates when the hardware has them, else as products
+/// of the full (unmasked) count.
+fn compute_ns(hardware: &Hardware, linear: f64, attention: f64, backward: bool) -> f64 {
+    let factor = if backward { 2.0 } else { 1.0 };
+    let attention_ns = match hardware.attention_flops_per_s {
+        Some((_, rate)) if backward => 2.5 * attention / rate * 1e9,
+        Some((rate, _)) => attention / rate * 1e9,
+        None => gpu_ns(hardware, factor * 2.0 * attention),
+    };
+    gpu_ns(hardware, factor * linear) + attention_ns
+}
+
+/// Nanoseconds of one block's forward (or backward), tensor-parallel
+/// over `tensor` GPUs.
+fn block_ns(model: &Model, hardware: &Hardware, tensor: u32, backward: bool) -> f64 {
+    let tensor = f64::from(tensor);
+    compute_ns(
+        hardware,
+        model.block_linear_flops() / tensor,
+        model.block_attention_flops() / tensor,
+        backward,
+    )
+}
+
 /// Which blocks recompute: fixed, or chosen by [`recompute::choose`] for
 /// one pass of the micro-batches in flight with the device and host room
 /// left beside the model states homed there and the largest parameter and
@@ -864,10 +910,7 @@ fn recompute_layers(
     });
     let (device_room, host_room) = rooms(held, capacity);
     let links = links(hardware);
-    let forward_ns = gpu_ns(
-        hardware,
-        model.block_forward_flops() / f64::from(parallelism.tensor),
-    );
+    let forward_ns = block_ns(model, hardware, parallelism.tensor, false);
     let full = model.block_activation_bytes() / shares.tensor;
     let input = model.checkpoint_bytes();
     let in_flight = in_flight(parallelism, policy);
@@ -907,14 +950,13 @@ fn activation_horizon(
     links: &Links,
     recompute: &[bool],
 ) -> u32 {
-    let recompute = if recompute.iter().all(|&r| r) {
-        1.0
-    } else {
-        0.0
-    };
-    let backward_flops =
-        (2.0 + recompute) * model.block_forward_flops() / f64::from(parallelism.tensor);
-    let backward_ns = gpu_ns(hardware, backward_flops);
+    let recompute = recompute.iter().all(|&r| r);
+    let backward_ns = block_ns(model, hardware, parallelism.tensor, true)
+        + if recompute {
+            block_ns(model, hardware, parallelism.tensor, false)
+        } else {
+            0.0
+        };
     let fetch_ns = links.host_to_device.time_ns(saved_activation_bytes(trace));
     ((fetch_ns / backward_ns.max(1.0)).ceil() as u32 + 1).clamp(1, 8)
 }

@@ -185,9 +185,20 @@ impl Model {
     /// Forward FLOPs of one block per micro-batch: matrix products plus
     /// attention scores and their use of values.
     pub fn block_forward_flops(&self) -> f64 {
+        self.block_linear_flops() + 2.0 * self.block_attention_flops()
+    }
+
+    /// Forward FLOPs of one block's matrix products per micro-batch.
+    pub fn block_linear_flops(&self) -> f64 {
         let linear: u64 = self.block_params().iter().map(|p| p.1).sum();
-        let tokens = self.tokens() as f64;
-        2.0 * tokens * linear as f64 + 4.0 * tokens * self.seq as f64 * self.hidden as f64
+        2.0 * self.tokens() as f64 * linear as f64
+    }
+
+    /// Forward FLOPs of one block's causal attention per micro-batch, as
+    /// FlashAttention counts them (`4 b h s^2 d / 2`: the masked half not
+    /// counted; its backward 2.5x).
+    pub fn block_attention_flops(&self) -> f64 {
+        2.0 * self.tokens() as f64 * self.seq as f64 * self.hidden as f64
     }
 
     /// Model FLOPs of one micro-batch (forward and backward, no recompute):
@@ -466,6 +477,11 @@ pub struct Hardware {
     pub nvme_bytes: u64,
     /// CPU optimizer (Adam) throughput per node.
     pub cpu_optimizer_params_per_s: f64,
+    /// Measured causal attention rates, forward and backward, FLOP/s in
+    /// FlashAttention's count (`strata bench kernels`); None: attention is
+    /// costed as matrix products, its full (unmasked) count at
+    /// `gpu_flops x gpu_efficiency`.
+    pub attention_flops_per_s: Option<(f64, f64)>,
 }
 
 const GB: f64 = 1e9;
@@ -516,6 +532,7 @@ impl Hardware {
             nvme_write_bytes_per_s: write,
             nvme_bytes: (3.84 * 1e12) as u64,
             cpu_optimizer_params_per_s: adam,
+            attention_flops_per_s: None,
         })
     }
 
@@ -531,6 +548,14 @@ impl Hardware {
             ("--nvme-write-gbps", self.nvme_write_bytes_per_s),
             ("--cpu-adam-params-per-s", self.cpu_optimizer_params_per_s),
             ("HBM bandwidth", self.gpu_memory_bytes_per_s),
+            (
+                "the attention's forward rate",
+                self.attention_flops_per_s.map_or(1.0, |r| r.0),
+            ),
+            (
+                "the attention's backward rate",
+                self.attention_flops_per_s.map_or(1.0, |r| r.1),
+            ),
         ];
         for (name, value) in speeds {
             if !(value.is_finite() && value > 0.0) {
@@ -578,7 +603,15 @@ impl Hardware {
             self.nvme_drives,
             self.nvme_read_bytes_per_s * f64::from(self.nvme_drives) / GB,
             self.nvme_write_bytes_per_s * f64::from(self.nvme_drives) / GB
-        )
+        ) + &match self.attention_flops_per_s {
+            Some((forward, backward)) => format!(
+                "; measured: GEMMs {:.0} TFLOP/s, attention {:.0}/{:.0} TFLOP/s forward/backward",
+                self.gpu_flops * self.gpu_efficiency / 1e12,
+                forward / 1e12,
+                backward / 1e12
+            ),
+            None => String::new(),
+        }
     }
 }
 

@@ -128,6 +128,12 @@ pub struct PlanArgs {
     /// Fraction of peak large matrix products reach (0-1).
     #[arg(long)]
     gpu_efficiency: Option<f64>,
+    /// Compute rates measured on the GPU: the JSON of `strata bench
+    /// kernels --json` (its GEMM's TFLOP/s for matrix products, its
+    /// attention's forward and backward for attention, at their measured
+    /// rates instead of --gpu-tflops x --gpu-efficiency).
+    #[arg(long, conflicts_with_all = ["gpu_tflops", "gpu_efficiency"])]
+    kernels: Option<PathBuf>,
     /// Host RAM per node, GB.
     #[arg(long)]
     host_memory_gb: Option<f64>,
@@ -161,6 +167,43 @@ pub struct PlanArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+/// The GEMM's, the attention forward's and its backward's FLOP/s from a
+/// `strata bench kernels --json` report.
+fn measured_rates(path: &std::path::Path) -> anyhow::Result<[f64; 3]> {
+    let fix = "write it on the GPU with `strata bench kernels --json > FILE`";
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --kernels {}: {fix}", path.display()))?;
+    let report: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "--kernels {} is not a JSON report of strata bench kernels: {fix}",
+            path.display()
+        )
+    })?;
+    let rows = report["results"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    let rate = |op: &str| -> anyhow::Result<f64> {
+        let tflops = rows
+            .iter()
+            .find(|row| row["op"] == op)
+            .and_then(|row| row["tflops"].as_f64());
+        match tflops {
+            Some(t) if t.is_finite() && t > 0.0 => Ok(t * 1e12),
+            Some(t) => bail!("--kernels {}: {op} has {t} TFLOP/s; {fix}", path.display()),
+            None => bail!(
+                "--kernels {} has no {op} result with its TFLOP/s; {fix}",
+                path.display()
+            ),
+        }
+    };
+    Ok([
+        rate("gemm")?,
+        rate("attention_forward")?,
+        rate("attention_backward")?,
+    ])
 }
 
 /// "1T", "175B", "350M", "13e9" -> a count.
@@ -197,6 +240,12 @@ impl PlanArgs {
         }
         if let Some(v) = self.gpu_efficiency {
             hardware.gpu_efficiency = v;
+        }
+        if let Some(path) = &self.kernels {
+            let [gemm, forward, backward] = measured_rates(path)?;
+            hardware.gpu_flops = gemm;
+            hardware.gpu_efficiency = 1.0;
+            hardware.attention_flops_per_s = Some((forward, backward));
         }
         if let Some(v) = self.host_memory_gb {
             hardware.host_memory_bytes = gb(v) as u64;
