@@ -315,6 +315,31 @@ impl Raw {
         })
     }
 
+    /// The same bytes as elements of `dtype` (every dtype takes any bits):
+    /// contiguous, with a whole number of them from an address aligned for
+    /// them.
+    fn as_dtype(self, dtype: Dtype) -> Result<Raw> {
+        let bytes = self.len() as u64 * self.dtype.bytes();
+        let address = self.start_address();
+        if !self.is_contiguous()
+            || !bytes.is_multiple_of(dtype.bytes())
+            || !address.is_multiple_of(dtype.bytes())
+        {
+            return Err(DeviceError::ViewDtype {
+                from: self.dtype,
+                to: dtype,
+                bytes,
+                address,
+            });
+        }
+        Ok(Raw::flat(
+            address,
+            dtype,
+            self.kind,
+            (bytes / dtype.bytes()) as usize,
+        ))
+    }
+
     fn host_pointer<T: Element>(&self) -> Option<*mut T> {
         assert_eq!(
             self.dtype,
@@ -402,6 +427,13 @@ impl<'a> View<'a> {
     /// Elements `range` of this contiguous view.
     pub fn range(self, range: Range<usize>) -> View<'a> {
         self.with(self.raw.range(range))
+    }
+
+    /// The same bytes read as `dtype` (a buffer holding parts of several
+    /// types); fails unless the view is contiguous and its bytes and
+    /// address are multiples of `dtype`'s size.
+    pub fn as_dtype(self, dtype: Dtype) -> Result<View<'a>> {
+        Ok(self.with(self.raw.as_dtype(dtype)?))
     }
 
     /// Columns `columns` of every row (strided).
@@ -521,6 +553,12 @@ impl<'a> ViewMut<'a> {
         self.with(raw)
     }
 
+    /// As [`View::as_dtype`], to write.
+    pub fn as_dtype(self, dtype: Dtype) -> Result<ViewMut<'a>> {
+        let raw = self.raw.as_dtype(dtype)?;
+        Ok(self.with(raw))
+    }
+
     /// Columns `columns` of every row (strided).
     pub fn columns(self, columns: Range<usize>) -> ViewMut<'a> {
         let raw = self.raw.columns(columns);
@@ -625,6 +663,46 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_view_reads_its_bytes_as_another_dtype_when_they_divide_and_align() {
+        let mut buffer = Buffer::host(Dtype::Bf16, 10).unwrap();
+        {
+            // Elements 2..6 of bf16 are two f32 at byte 4.
+            let mut floats = buffer.view_mut().range(2..6).as_dtype(Dtype::F32).unwrap();
+            assert_eq!(floats.len(), 2);
+            floats.host::<f32>().unwrap().copy_from_slice(&[1.0, -2.0]);
+        }
+        let halves = buffer.view().range(2..6);
+        let words: Vec<u16> = halves
+            .host::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|h| h.to_bits())
+            .collect();
+        // Little-endian: each f32's low half first; 1.0 = 0x3f80_0000.
+        assert_eq!(words, [0x0000, 0x3f80, 0x0000, 0xc000]);
+        let back = halves.as_dtype(Dtype::F32).unwrap();
+        assert_eq!(back.host::<f32>().unwrap(), &[1.0, -2.0]);
+        // An odd number of halves, or an address not 4-byte aligned, is not
+        // a whole number of aligned f32.
+        for range in [2..5, 1..5] {
+            let err = buffer.view().range(range.clone()).as_dtype(Dtype::F32);
+            assert!(
+                matches!(err, Err(DeviceError::ViewDtype { to: Dtype::F32, .. })),
+                "{range:?}: {err:?}"
+            );
+        }
+        let text = buffer
+            .view()
+            .range(1..5)
+            .as_dtype(Dtype::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(text.contains("cannot be read as f32"), "{text}");
+        let strided = buffer.view().matrix(2, 4).unwrap().columns(0..2);
+        assert!(strided.as_dtype(Dtype::F32).is_err());
     }
 
     #[test]

@@ -103,6 +103,20 @@ pub enum DeviceError {
         /// The buffer's type.
         dtype: Dtype,
     },
+    /// A view cannot be read as another element type.
+    #[error(
+        "{bytes} bytes of {from} at address {address:#x} cannot be read as {to}: the bytes and the address must be multiples of its size, and the view contiguous"
+    )]
+    ViewDtype {
+        /// The view's type.
+        from: Dtype,
+        /// The type asked for.
+        to: Dtype,
+        /// Bytes in the view.
+        bytes: u64,
+        /// Its first byte's address.
+        address: u64,
+    },
     /// Enqueued work failed; the device may be lost.
     #[error("work enqueued on the {stream} stream failed: {cause}; the device may be lost")]
     Enqueued {

@@ -395,3 +395,275 @@ fn fused_adamw_matches_the_f64_reference_for_ten_steps() {
     );
     assert_eq!(master, before);
 }
+
+/// bf16 values as bf16, and the same values as f32.
+fn bf16s(values: &[f32]) -> (Vec<half::bf16>, Vec<f32>) {
+    let h: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+    let f = h.iter().map(|x| x.to_f32()).collect();
+    (h, f)
+}
+
+fn rounded(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_bits())
+        .collect()
+}
+
+fn bits(values: &[half::bf16]) -> Vec<u16> {
+    values.iter().map(|x| x.to_bits()).collect()
+}
+
+/// bf16 activations: each op computes in f32 on the widened values and
+/// rounds what it writes once, so it equals the f32 op on the same values
+/// with its output rounded, bit for bit (strided and transposed operands
+/// included); f32 operands beside bf16 ones (parameters, statistics,
+/// gradients) stay f32.
+#[test]
+fn bf16_operands_compute_in_f32_and_round_once_on_store() {
+    let cpu = CpuBackend;
+    // GEMM: a transposed bf16 `a`, a strided bf16 `b`, into bf16 and into
+    // f32 (accumulating, beta = 1).
+    let (m, k, n) = (6, 5, 4);
+    let (a16, a32) = bf16s(&values(k * m, 20));
+    let (b16, b32) = bf16s(&values(k * 7, 21));
+    let a = |v| Matrix::t(v);
+    let (av16, av32) = (
+        View::host_slice(&a16).matrix(k, m).unwrap(),
+        View::host_slice(&a32).matrix(k, m).unwrap(),
+    );
+    let (bv16, bv32) = (
+        View::host_slice(&b16).matrix(k, 7).unwrap().columns(1..5),
+        View::host_slice(&b32).matrix(k, 7).unwrap().columns(1..5),
+    );
+    let mut want = vec![0.0f32; m * n];
+    fn w(c: &mut [f32], m: usize, n: usize) -> ViewMut<'_> {
+        ViewMut::host_slice(c).matrix(m, n).unwrap()
+    }
+    cpu.gemm(a(av32), Matrix::n(bv32), 1.0, 0.0, w(&mut want, m, n))
+        .unwrap();
+    let mut got16 = vec![half::bf16::ZERO; m * n];
+    cpu.gemm(
+        a(av16),
+        Matrix::n(bv16),
+        1.0,
+        0.0,
+        ViewMut::host_slice(&mut got16).matrix(m, n).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(bits(&got16), rounded(&want));
+    let start = values(m * n, 22);
+    let (mut got32, mut want32) = (start.clone(), start);
+    cpu.gemm(a(av16), Matrix::n(bv16), 1.0, 1.0, w(&mut got32, m, n))
+        .unwrap();
+    cpu.gemm(a(av32), Matrix::n(bv32), 1.0, 1.0, w(&mut want32, m, n))
+        .unwrap();
+    assert_eq!(got32, want32);
+
+    // LayerNorm forward and backward, GELU, a residual add.
+    let (rows, cols) = (3, 8);
+    let (x16, x32) = bf16s(&values(rows * cols, 23));
+    let (gamma, beta) = (values(cols, 24), values(cols, 25));
+    let (mut out16, mut out32) = (vec![half::bf16::ZERO; rows * cols], vec![0.0; rows * cols]);
+    let (mut saved16, mut saved32) = (vec![0.0f32; 2 * rows], vec![0.0f32; 2 * rows]);
+    let ln = |x: View, out: ViewMut, saved: &mut [f32]| {
+        cpu.layer_norm(
+            x,
+            View::host_slice(&gamma),
+            View::host_slice(&beta),
+            out,
+            ViewMut::host_slice(saved),
+        )
+        .unwrap()
+    };
+    ln(
+        View::host_slice(&x16),
+        ViewMut::host_slice(&mut out16),
+        &mut saved16,
+    );
+    ln(
+        View::host_slice(&x32),
+        ViewMut::host_slice(&mut out32),
+        &mut saved32,
+    );
+    assert_eq!(bits(&out16), rounded(&out32));
+    assert_eq!(saved16, saved32);
+    let (dout16, dout32) = bf16s(&values(rows * cols, 26));
+    let (dx_start16, dx_start32) = bf16s(&values(rows * cols, 27));
+    let (mut dx16, mut dx32) = (dx_start16, dx_start32);
+    let (mut dgb16, mut dgb32) = (vec![0.0f32; 2 * cols], vec![0.0f32; 2 * cols]);
+    cpu.layer_norm_backward(
+        View::host_slice(&dout16),
+        View::host_slice(&x16),
+        View::host_slice(&gamma),
+        View::host_slice(&saved16),
+        ViewMut::host_slice(&mut dx16),
+        ViewMut::host_slice(&mut dgb16),
+    )
+    .unwrap();
+    cpu.layer_norm_backward(
+        View::host_slice(&dout32),
+        View::host_slice(&x32),
+        View::host_slice(&gamma),
+        View::host_slice(&saved32),
+        ViewMut::host_slice(&mut dx32),
+        ViewMut::host_slice(&mut dgb32),
+    )
+    .unwrap();
+    assert_eq!(bits(&dx16), rounded(&dx32), "dx adds to what it held");
+    assert_eq!(dgb16, dgb32);
+    cpu.gelu(View::host_slice(&x16), ViewMut::host_slice(&mut out16))
+        .unwrap();
+    cpu.gelu(View::host_slice(&x32), ViewMut::host_slice(&mut out32))
+        .unwrap();
+    assert_eq!(bits(&out16), rounded(&out32));
+    cpu.add(ViewMut::host_slice(&mut out16), View::host_slice(&x16))
+        .unwrap();
+    let sum: Vec<f32> = out16.iter().map(|v| v.to_f32()).collect();
+    let expected: Vec<f32> = rounded(&out32)
+        .iter()
+        .zip(&x32)
+        .map(|(o, x)| half::bf16::from_bits(*o).to_f32() + x)
+        .collect();
+    assert_eq!(rounded(&sum), rounded(&expected));
+
+    // Attention forward and backward.
+    let shape = Attention {
+        batch: 1,
+        seq: 5,
+        heads: 2,
+        head_dim: 4,
+    };
+    let h = shape.hidden();
+    let (qkv16, qkv32) = bf16s(&values(shape.rows() * 3 * h, 28));
+    let mut saved = vec![0.0f32; cpu.attention_saved_elems(shape)];
+    let mut workspace = vec![0.0f32; cpu.attention_workspace_elems(shape)];
+    let (mut att16, mut att32) = (
+        vec![half::bf16::ZERO; shape.rows() * h],
+        vec![0.0f32; shape.rows() * h],
+    );
+    cpu.attention(
+        shape,
+        View::host_slice(&qkv16),
+        ViewMut::host_slice(&mut att16),
+        ViewMut::host_slice(&mut saved),
+        ViewMut::host_slice(&mut workspace),
+    )
+    .unwrap();
+    let saved16 = saved.clone();
+    cpu.attention(
+        shape,
+        View::host_slice(&qkv32),
+        ViewMut::host_slice(&mut att32),
+        ViewMut::host_slice(&mut saved),
+        ViewMut::host_slice(&mut workspace),
+    )
+    .unwrap();
+    assert_eq!(bits(&att16), rounded(&att32));
+    assert_eq!(saved16, saved);
+    let (d16, d32) = bf16s(&values(shape.rows() * h, 29));
+    let att16_as32: Vec<f32> = att16.iter().map(|v| v.to_f32()).collect();
+    let (mut dqkv16, mut dqkv32) = (
+        vec![half::bf16::ZERO; qkv16.len()],
+        vec![0.0f32; qkv16.len()],
+    );
+    cpu.attention_backward(
+        shape,
+        View::host_slice(&qkv16),
+        View::host_slice(&att16),
+        View::host_slice(&saved),
+        View::host_slice(&d16),
+        ViewMut::host_slice(&mut dqkv16),
+        ViewMut::host_slice(&mut workspace),
+    )
+    .unwrap();
+    cpu.attention_backward(
+        shape,
+        View::host_slice(&qkv32),
+        View::host_slice(&att16_as32),
+        View::host_slice(&saved),
+        View::host_slice(&d32),
+        ViewMut::host_slice(&mut dqkv32),
+        ViewMut::host_slice(&mut workspace),
+    )
+    .unwrap();
+    assert_eq!(bits(&dqkv16), rounded(&dqkv32));
+
+    // Cross-entropy over bf16 logits, and the embeddings.
+    let (tokens, vocab) = (4usize, 6usize);
+    let (l16, l32) = bf16s(&values(tokens * vocab, 30));
+    let targets: Vec<u32> = vec![0, 5, 2, 3];
+    let (mut dl16, mut dl32) = (
+        vec![half::bf16::ZERO; tokens * vocab],
+        vec![0.0f32; tokens * vocab],
+    );
+    let loss16 = cpu
+        .cross_entropy(
+            View::host_slice(&l16),
+            View::host_slice(&targets),
+            0.5,
+            ViewMut::host_slice(&mut dl16),
+        )
+        .unwrap()
+        .get()
+        .unwrap();
+    let loss32 = cpu
+        .cross_entropy(
+            View::host_slice(&l32),
+            View::host_slice(&targets),
+            0.5,
+            ViewMut::host_slice(&mut dl32),
+        )
+        .unwrap()
+        .get()
+        .unwrap();
+    assert_eq!(loss16, loss32);
+    assert_eq!(bits(&dl16), rounded(&dl32));
+    let hidden = 3;
+    let (table, positions) = (values(vocab * hidden, 31), values(2 * hidden, 32));
+    let (mut e16, mut e32) = (
+        vec![half::bf16::ZERO; tokens * hidden],
+        vec![0.0f32; tokens * hidden],
+    );
+    for out in [ViewMut::host_slice(&mut e16), ViewMut::host_slice(&mut e32)] {
+        cpu.embedding(
+            View::host_slice(&table),
+            View::host_slice(&positions),
+            View::host_slice(&targets),
+            2,
+            out,
+        )
+        .unwrap();
+    }
+    assert_eq!(bits(&e16), rounded(&e32));
+    let (mut dt16, mut dt32) = (vec![0.0f32; vocab * hidden], vec![0.0f32; vocab * hidden]);
+    let (mut dp16, mut dp32) = (vec![0.0f32; 2 * hidden], vec![0.0f32; 2 * hidden]);
+    cpu.embedding_backward(
+        View::host_slice(&targets),
+        2,
+        View::host_slice(&e16),
+        ViewMut::host_slice(&mut dt16),
+        ViewMut::host_slice(&mut dp16),
+    )
+    .unwrap();
+    let e16_as32: Vec<f32> = e16.iter().map(|v| v.to_f32()).collect();
+    cpu.embedding_backward(
+        View::host_slice(&targets),
+        2,
+        View::host_slice(&e16_as32),
+        ViewMut::host_slice(&mut dt32),
+        ViewMut::host_slice(&mut dp32),
+    )
+    .unwrap();
+    assert_eq!((dt16, dp16), (dt32, dp32));
+    // A dtype the backend does not compute in is still named.
+    let f16s = [half::f16::ZERO; 4];
+    let err = cpu
+        .gelu(
+            View::host_slice(&f16s),
+            ViewMut::host_slice(&mut [0.0f32; 4]),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("f32 or bf16"), "{err}");
+}

@@ -1,6 +1,13 @@
 //! [`CpuBackend`]: every op on the calling thread, through the free
 //! functions of [`super::gemm`] and [`super::ops`], so the model's numbers
 //! on the CPU device are theirs bit for bit.
+//!
+//! Activations may be bf16 where the CUDA kernels take them: such an op
+//! widens its bf16 operands into f32 copies, runs the f32 op on them, and
+//! rounds what it wrote back to bf16 once (to nearest even), as the GPU's
+//! kernels compute in fp32 and round once on store. That path allocates
+//! per call: it is the reference for the bf16 kernels and for the engine's
+//! bf16 compute on a small CPU run, not the CPU's fast path.
 
 use half::bf16;
 use strata_device::{Buffer, DeviceKind, Dtype, Element, Fence, Raw, View, ViewMut};
@@ -54,7 +61,7 @@ fn check(
             backend: "cpu",
             operand,
             dtype,
-            fix: "the CPU backend computes in f32 (u32 for token ids)",
+            fix: "the CPU backend computes in f32 or bf16 (u32 for token ids)",
         });
     }
     Ok(())
@@ -113,6 +120,81 @@ fn sized_mut<'a, T: Element>(
     let slice = contiguous_mut(op, operand, view)?;
     same_len(op, operand, slice.len(), len)?;
     Ok(slice)
+}
+
+/// Whether any of these views is bf16 (the op then runs widened).
+fn any_bf16(raws: &[Raw]) -> bool {
+    raws.iter().any(|r| r.dtype == Dtype::Bf16)
+}
+
+/// A contiguous f32 copy (`rows x cols`) of a host view of f32 or bf16.
+fn wide(op: &'static str, operand: &'static str, view: View<'_>) -> Result<Buffer> {
+    let raw = view.raw();
+    let mut copy = Buffer::host(Dtype::F32, raw.len())?;
+    let dst = copy.as_mut_slice::<f32>().expect("a host f32 buffer");
+    let rows = |f: &mut dyn FnMut(usize, usize)| {
+        for r in 0..raw.rows {
+            for c in 0..raw.cols {
+                f(r * raw.cols + c, r * raw.row_stride + c);
+            }
+        }
+    };
+    match raw.dtype {
+        Dtype::Bf16 => {
+            let src = slice::<bf16>(op, operand, view)?;
+            rows(&mut |to, from| dst[to] = src[from].to_f32());
+        }
+        _ => {
+            let src = slice::<f32>(op, operand, view)?;
+            rows(&mut |to, from| dst[to] = src[from]);
+        }
+    }
+    Ok(copy)
+}
+
+/// [`wide`] of an operand the op writes (its current values, which some
+/// ops add to).
+fn wide_mut(op: &'static str, operand: &'static str, view: &ViewMut<'_>) -> Result<Buffer> {
+    wide(op, operand, view.view())
+}
+
+/// `copy` (from [`wide`]) shaped like the view it came from.
+fn shaped(copy: &Buffer, like: Raw) -> View<'_> {
+    copy.view()
+        .matrix(like.rows, like.cols)
+        .expect("a copy holds its view's elements")
+}
+
+/// [`shaped`], to write.
+fn shaped_mut(copy: &mut Buffer, like: Raw) -> ViewMut<'_> {
+    copy.view_mut()
+        .matrix(like.rows, like.cols)
+        .expect("a copy holds its view's elements")
+}
+
+/// Writes an f32 copy back into the view it was widened from, rounding to
+/// bf16 (nearest even, NaN kept) where the view is bf16.
+fn narrow(op: &'static str, operand: &'static str, copy: &Buffer, into: ViewMut<'_>) -> Result<()> {
+    let raw = into.raw();
+    let src = copy.as_slice::<f32>().expect("a host f32 buffer");
+    match raw.dtype {
+        Dtype::Bf16 => {
+            let dst = slice_mut::<bf16>(op, operand, into)?;
+            for r in 0..raw.rows {
+                for c in 0..raw.cols {
+                    dst[r * raw.row_stride + c] = bf16::from_f32(src[r * raw.cols + c]);
+                }
+            }
+        }
+        _ => {
+            let dst = slice_mut::<f32>(op, operand, into)?;
+            for r in 0..raw.rows {
+                dst[r * raw.row_stride..][..raw.cols]
+                    .copy_from_slice(&src[r * raw.cols..][..raw.cols]);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn operand<'a>(op: &'static str, name: &'static str, m: Matrix<'a>) -> Result<Strided<'a>> {
@@ -255,6 +337,24 @@ impl Backend for CpuBackend {
         c: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "gemm";
+        if any_bf16(&[a.view.raw(), b.view.raw(), c.raw()]) {
+            let (wa, wb, mut wc) = (
+                wide(OP, "a", a.view)?,
+                wide(OP, "b", b.view)?,
+                wide_mut(OP, "c", &c)?,
+            );
+            let (a_raw, b_raw, c_raw) = (a.view.raw(), b.view.raw(), c.raw());
+            let a = Matrix {
+                view: shaped(&wa, a_raw),
+                transposed: a.transposed,
+            };
+            let b = Matrix {
+                view: shaped(&wb, b_raw),
+                transposed: b.transposed,
+            };
+            self.gemm(a, b, alpha, beta, shaped_mut(&mut wc, c_raw))?;
+            return narrow(OP, "c", &wc, c);
+        }
         let ((m, k), (kb, n)) = (a.shape(), b.shape());
         let (c_rows, c_cols, c_stride) = (c.raw().rows, c.raw().cols, c.raw().row_stride);
         if kb != k || c_rows != m || c_cols != n {
@@ -272,6 +372,11 @@ impl Backend for CpuBackend {
     }
 
     fn add_bias(&self, x: ViewMut<'_>, bias: View<'_>) -> Result<()> {
+        if any_bf16(&[x.raw()]) {
+            let mut wx = wide_mut("add_bias", "x", &x)?;
+            self.add_bias(shaped_mut(&mut wx, x.raw()), bias)?;
+            return narrow("add_bias", "x", &wx, x);
+        }
         let bias = contiguous::<f32>("add_bias", "bias", bias)?;
         let x = contiguous_mut::<f32>("add_bias", "x", x)?;
         same_len("add_bias", "x", x.len() % bias.len().max(1), 0)?;
@@ -280,6 +385,10 @@ impl Backend for CpuBackend {
     }
 
     fn bias_grad(&self, dy: View<'_>, dbias: ViewMut<'_>) -> Result<()> {
+        if any_bf16(&[dy.raw()]) {
+            let wdy = wide("bias_grad", "dy", dy)?;
+            return self.bias_grad(shaped(&wdy, dy.raw()), dbias);
+        }
         let dy = contiguous::<f32>("bias_grad", "dy", dy)?;
         let dbias = contiguous_mut::<f32>("bias_grad", "dbias", dbias)?;
         same_len("bias_grad", "dy", dy.len() % dbias.len().max(1), 0)?;
@@ -292,6 +401,11 @@ impl Backend for CpuBackend {
     }
 
     fn axpy(&self, alpha: f32, x: View<'_>, y: ViewMut<'_>) -> Result<()> {
+        if any_bf16(&[x.raw(), y.raw()]) {
+            let (wx, mut wy) = (wide("axpy", "x", x)?, wide_mut("axpy", "y", &y)?);
+            self.axpy(alpha, shaped(&wx, x.raw()), shaped_mut(&mut wy, y.raw()))?;
+            return narrow("axpy", "y", &wy, y);
+        }
         let x = contiguous::<f32>("axpy", "x", x)?;
         let y = contiguous_mut::<f32>("axpy", "y", y)?;
         same_len("axpy", "x", x.len(), y.len())?;
@@ -309,6 +423,11 @@ impl Backend for CpuBackend {
     }
 
     fn scale(&self, alpha: f32, x: ViewMut<'_>) -> Result<()> {
+        if any_bf16(&[x.raw()]) {
+            let mut wx = wide_mut("scale", "x", &x)?;
+            self.scale(alpha, shaped_mut(&mut wx, x.raw()))?;
+            return narrow("scale", "x", &wx, x);
+        }
         for v in contiguous_mut::<f32>("scale", "x", x)? {
             *v *= alpha;
         }
@@ -384,6 +503,17 @@ impl Backend for CpuBackend {
         saved: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "layer_norm";
+        if any_bf16(&[x.raw(), out.raw()]) {
+            let (wx, mut wout) = (wide(OP, "x", x)?, wide_mut(OP, "out", &out)?);
+            self.layer_norm(
+                shaped(&wx, x.raw()),
+                gamma,
+                beta,
+                shaped_mut(&mut wout, out.raw()),
+                saved,
+            )?;
+            return narrow(OP, "out", &wout, out);
+        }
         let (gamma, beta) = (
             contiguous::<f32>(OP, "gamma", gamma)?,
             contiguous::<f32>(OP, "beta", beta)?,
@@ -410,6 +540,22 @@ impl Backend for CpuBackend {
         dgamma_dbeta: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "layer_norm_backward";
+        if any_bf16(&[dout.raw(), x.raw(), dx.raw()]) {
+            let (wdout, wx, mut wdx) = (
+                wide(OP, "dout", dout)?,
+                wide(OP, "x", x)?,
+                wide_mut(OP, "dx", &dx)?,
+            );
+            self.layer_norm_backward(
+                shaped(&wdout, dout.raw()),
+                shaped(&wx, x.raw()),
+                gamma,
+                saved,
+                shaped_mut(&mut wdx, dx.raw()),
+                dgamma_dbeta,
+            )?;
+            return narrow(OP, "dx", &wdx, dx);
+        }
         let gamma = contiguous::<f32>(OP, "gamma", gamma)?;
         let cols = gamma.len();
         let (dout, x) = (
@@ -428,6 +574,11 @@ impl Backend for CpuBackend {
     }
 
     fn gelu(&self, x: View<'_>, out: ViewMut<'_>) -> Result<()> {
+        if any_bf16(&[x.raw(), out.raw()]) {
+            let (wx, mut wout) = (wide("gelu", "x", x)?, wide_mut("gelu", "out", &out)?);
+            self.gelu(shaped(&wx, x.raw()), shaped_mut(&mut wout, out.raw()))?;
+            return narrow("gelu", "out", &wout, out);
+        }
         let x = contiguous::<f32>("gelu", "x", x)?;
         let out = sized_mut::<f32>("gelu", "out", out, x.len())?;
         ops::gelu(x, out);
@@ -435,6 +586,20 @@ impl Backend for CpuBackend {
     }
 
     fn gelu_backward(&self, dout: View<'_>, x: View<'_>, dx: ViewMut<'_>) -> Result<()> {
+        const OP: &str = "gelu_backward";
+        if any_bf16(&[dout.raw(), x.raw(), dx.raw()]) {
+            let (wdout, wx, mut wdx) = (
+                wide(OP, "dout", dout)?,
+                wide(OP, "x", x)?,
+                wide_mut(OP, "dx", &dx)?,
+            );
+            self.gelu_backward(
+                shaped(&wdout, dout.raw()),
+                shaped(&wx, x.raw()),
+                shaped_mut(&mut wdx, dx.raw()),
+            )?;
+            return narrow(OP, "dx", &wdx, dx);
+        }
         let (dout, x) = (
             contiguous::<f32>("gelu_backward", "dout", dout)?,
             contiguous::<f32>("gelu_backward", "x", x)?,
@@ -466,6 +631,17 @@ impl Backend for CpuBackend {
         workspace: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "attention";
+        if any_bf16(&[qkv.raw(), out.raw()]) {
+            let (wqkv, mut wout) = (wide(OP, "qkv", qkv)?, wide_mut(OP, "out", &out)?);
+            self.attention(
+                shape,
+                shaped(&wqkv, qkv.raw()),
+                shaped_mut(&mut wout, out.raw()),
+                saved,
+                workspace,
+            )?;
+            return narrow(OP, "out", &wout, out);
+        }
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
         let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
         let out = sized_mut::<f32>(OP, "out", out, shape.rows() * h)?;
@@ -495,6 +671,24 @@ impl Backend for CpuBackend {
         workspace: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
+        if any_bf16(&[qkv.raw(), out.raw(), dout.raw(), dqkv.raw()]) {
+            let (wqkv, wout, wdout, mut wdqkv) = (
+                wide(OP, "qkv", qkv)?,
+                wide(OP, "out", out)?,
+                wide(OP, "dout", dout)?,
+                wide_mut(OP, "dqkv", &dqkv)?,
+            );
+            self.attention_backward(
+                shape,
+                shaped(&wqkv, qkv.raw()),
+                shaped(&wout, out.raw()),
+                saved,
+                shaped(&wdout, dout.raw()),
+                shaped_mut(&mut wdqkv, dqkv.raw()),
+                workspace,
+            )?;
+            return narrow(OP, "dqkv", &wdqkv, dqkv);
+        }
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
         let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
         // The saved probabilities give everything `out` would.
@@ -529,6 +723,20 @@ impl Backend for CpuBackend {
         dlogits: ViewMut<'_>,
     ) -> Result<Readback> {
         const OP: &str = "cross_entropy";
+        if any_bf16(&[logits.raw(), dlogits.raw()]) {
+            let (wlogits, mut wdlogits) = (
+                wide(OP, "logits", logits)?,
+                wide_mut(OP, "dlogits", &dlogits)?,
+            );
+            let loss = self.cross_entropy(
+                shaped(&wlogits, logits.raw()),
+                targets,
+                grad_scale,
+                shaped_mut(&mut wdlogits, dlogits.raw()),
+            )?;
+            narrow(OP, "dlogits", &wdlogits, dlogits)?;
+            return Ok(loss);
+        }
         let targets = contiguous::<u32>(OP, "targets", targets)?;
         let logits = contiguous::<f32>(OP, "logits", logits)?;
         let vocab = logits.len() / targets.len().max(1);
@@ -559,6 +767,17 @@ impl Backend for CpuBackend {
         out: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "embedding";
+        if any_bf16(&[out.raw()]) {
+            let mut wout = wide_mut(OP, "out", &out)?;
+            self.embedding(
+                table,
+                positions,
+                tokens,
+                seq,
+                shaped_mut(&mut wout, out.raw()),
+            )?;
+            return narrow(OP, "out", &wout, out);
+        }
         let (table, positions) = (
             contiguous::<f32>(OP, "table", table)?,
             contiguous::<f32>(OP, "positions", positions)?,
@@ -598,6 +817,16 @@ impl Backend for CpuBackend {
         dpositions: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "embedding_backward";
+        if any_bf16(&[dout.raw()]) {
+            let wdout = wide(OP, "dout", dout)?;
+            return self.embedding_backward(
+                tokens,
+                seq,
+                shaped(&wdout, dout.raw()),
+                dtable,
+                dpositions,
+            );
+        }
         let tokens = contiguous::<u32>(OP, "tokens", tokens)?;
         let dout = contiguous::<f32>(OP, "dout", dout)?;
         let hidden = dout.len() / tokens.len().max(1);
