@@ -19,7 +19,7 @@ mod error;
 pub mod gpt;
 
 pub use engine::{
-    ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, Corpus,
+    ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
     DeepSpeedMapping, Engine, Faults, GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement,
     PlacementConfig, Prediction, Progress, RANKS_MAX, RunOptions, RunSummary, Schedule, StateCache,
     StateDtype, StepReport, StopRequest, TierBytes, TokenDtype, TrainConfig, TrainSettings,

@@ -4,8 +4,8 @@
 use strata_runtime::Link;
 use strata_storage::ByteSize;
 use strata_train::{
-    ByteCorpus, Checkpointing, Placement, RunOptions, RunSummary, StateCache, StateDtype,
-    TrainConfig, TrainError, run,
+    ByteCorpus, Checkpointing, ComputeDtype, Placement, RunOptions, RunSummary, StateCache,
+    StateDtype, TrainConfig, TrainError, run,
 };
 
 fn corpus(seq: usize) -> ByteCorpus {
@@ -240,10 +240,13 @@ fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
     }
 }
 
-/// On a GPU: a 30-step run on the CUDA device follows the CPU device's
-/// loss curve (the same fp32 arithmetic in another order: within 2e-3
-/// relative at every step), and is the same bits run to run and under
-/// another device budget (so another residency). Skips without a GPU.
+/// On a GPU: a 30-step run on the CUDA device in f32 follows the CPU
+/// device's loss curve (the same fp32 arithmetic in another order: within
+/// 2e-3 relative at every step), and is the same bits run to run and under
+/// another device budget (so another residency); in bf16 (the default on a
+/// GPU), with head dim 64 so that attention runs on tensor cores, it
+/// follows the CPU's bf16 reference within 2e-2 and repeats its bits.
+/// Skips without a GPU.
 #[test]
 fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
     if let Err(reason) = strata_device::cuda::probe_device() {
@@ -254,6 +257,7 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
     let mut cpu = tiny(dir.path());
     cpu.train.steps = 30;
     cpu.placement.params = Placement::Cpu;
+    cpu.train.compute_dtype = ComputeDtype::F32;
     let mut cuda = cpu.clone();
     cuda.device.kind = strata_runtime::DeviceChoice::Cuda;
     cuda.device.budget = ByteSize(128 << 20);
@@ -294,6 +298,32 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
         bits(&gpu),
         bits(&other),
         "another device budget changed the bits"
+    );
+    // bf16 compute, attention on tensor cores (head dim 64).
+    let mut cpu_bf16 = cpu.clone();
+    cpu_bf16.train.compute_dtype = ComputeDtype::Bf16;
+    cpu_bf16.model.hidden = 128;
+    cpu_bf16.device.budget = ByteSize(16 << 20);
+    cpu_bf16.host.budget = ByteSize(32 << 20);
+    let mut gpu_bf16 = cpu_bf16.clone();
+    gpu_bf16.device.kind = strata_runtime::DeviceChoice::Cuda;
+    gpu_bf16.device.budget = ByteSize(256 << 20);
+    gpu_bf16.train.compute_dtype = ComputeDtype::Auto;
+    let (reference, gpu) = (losses(&cpu_bf16), losses(&gpu_bf16));
+    for (step, (c, g)) in reference.iter().zip(&gpu).enumerate() {
+        eprintln!(
+            "bf16 step {step}: cpu {c} cuda {g} rel {:e}",
+            (g - c).abs() / c.abs()
+        );
+        assert!(
+            (g - c).abs() <= 2e-2 * c.abs(),
+            "bf16 step {step}: {g} vs {c}"
+        );
+    }
+    assert_eq!(
+        bits(&gpu),
+        bits(&losses(&gpu_bf16)),
+        "two bf16 CUDA runs differ"
     );
 }
 
@@ -954,4 +984,48 @@ fn released_memory_filled_with_nan_changes_no_bit_of_the_losses() {
         );
         assert_same_steps(name, &a, &b);
     }
+}
+
+/// bf16 compute on the CPU device (the CPU backend's bf16 path, the
+/// reference for the GPU's): activations and matrix operands in bf16,
+/// parameter gradients and statistics in f32. The losses follow f32
+/// compute's within bf16's precision (2% at every step), fall as they do,
+/// repeat their bits run to run and whether blocks recompute or keep
+/// their activations (over two micro-batches in flight).
+#[test]
+fn bf16_compute_follows_f32_and_repeats_its_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut f32s = tiny(dir.path());
+    f32s.train.grad_accumulation = 2;
+    f32s.placement.params = Placement::Cpu;
+    f32s.train.checkpoint_activations = Checkpointing::Never;
+    let mut bf16s = f32s.clone();
+    bf16s.train.compute_dtype = ComputeDtype::Bf16;
+    let mut recomputing = bf16s.clone();
+    recomputing.train.checkpoint_activations = Checkpointing::Every;
+    let corpus = corpus(16);
+    let go = |config: &TrainConfig| run(config, &corpus, &RunOptions::default(), &mut |_| {});
+    let reference = go(&f32s).unwrap();
+    let bf16 = go(&bf16s).unwrap();
+    for (a, b) in reference.reports.iter().zip(&bf16.reports) {
+        let gap = (a.loss - b.loss).abs() / a.loss;
+        assert!(
+            gap < 0.02,
+            "step {}: f32 {} bf16 {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    assert_ne!(
+        reference.reports[5].loss.to_bits(),
+        bf16.reports[5].loss.to_bits(),
+        "bf16 compute rounds: the losses are not f32's bits"
+    );
+    assert!(bf16.loss_last < bf16.loss_first - 0.5, "{bf16:?}");
+    assert_same_steps("bf16 run to run", &bf16, &go(&bf16s).unwrap());
+    assert_same_steps("bf16 kept vs recomputed", &bf16, &go(&recomputing).unwrap());
+    // The config says so, and a bad value is named.
+    let err = TrainConfig::from_toml("[train]\ncompute_dtype = \"fp8\"\n").unwrap_err();
+    assert!(err.to_string().contains("compute_dtype"), "{err}");
 }

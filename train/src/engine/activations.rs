@@ -16,10 +16,11 @@ use strata_scheduler::recompute::{Held, RecomputeInput, choose, rooms};
 
 use super::compute::Workspace;
 use super::config::{Checkpointing, Placement, TrainConfig};
+use super::tensors::Kept;
 use super::tensors::{Group, Slot, class_of, links, sched_tier, slots, specs};
 use super::{Engine, plan_config};
 use crate::error::{Result, TrainError};
-use crate::gpt::{GptConfig, block_forward};
+use crate::gpt::{BlockActivations, GptConfig, block_forward};
 
 /// Bytes of the activation round trip measured, at most.
 const LINK_PROBE_BYTES_MAX: u64 = 64 << 20;
@@ -27,10 +28,14 @@ const LINK_PROBE_BYTES_MAX: u64 = 64 << 20;
 /// Timed repetitions of each measurement (after one untimed).
 const PROBE_ROUNDS: usize = 3;
 
-/// What one block keeps per micro-batch: (whole, input only), in f32
-/// elements.
-pub(super) fn kept_elems(gpt: &GptConfig, batch: usize, activation_elems: usize) -> (usize, usize) {
-    (activation_elems, batch * gpt.seq * gpt.hidden)
+/// What one block keeps per micro-batch.
+pub(super) fn kept_bytes(gpt: &GptConfig, batch: usize, acts: &BlockActivations) -> Kept {
+    let dtype = acts.dtype();
+    Kept {
+        whole: acts.bytes(),
+        input: (batch * gpt.seq * gpt.hidden) as u64 * dtype.bytes(),
+        dtype,
+    }
 }
 
 /// What the engine's plans are costed with when they were measured: one
@@ -89,9 +94,8 @@ pub(super) fn recompute_blocks(
         return Ok(Candidates::one(fixed));
     }
     let batch = config.train.micro_batch;
-    let (whole, input) = kept_elems(gpt, batch, ws.acts.view().len());
-    let footprint =
-        |elems: usize, tier: Tier| runtime.footprint_bytes(elems as u64 * 4)[tier.index()];
+    let Kept { whole, input, .. } = kept_bytes(gpt, batch, &ws.acts);
+    let footprint = |bytes: u64, tier: Tier| runtime.footprint_bytes(bytes)[tier.index()];
     let states = slots
         .iter()
         .filter(|s| s.meta.kind != TensorKind::Activation)
@@ -220,7 +224,7 @@ fn measure_block_forward(
             backend,
             gpt,
             batch,
-            ws.gathered.view().range(0..block_params),
+            super::compute::weights(&ws.gathered, &ws.gathered16, ws.dtype, block_params),
             ws.streams[0].x.view(),
             &mut ws.acts,
             &mut ws.scratch,
@@ -299,7 +303,7 @@ impl Engine {
     pub(super) fn plan_activations(
         &mut self,
         mut candidates: Vec<Vec<bool>>,
-        kept: (usize, usize),
+        kept: Kept,
     ) -> Result<()> {
         if candidates.len() == 1 {
             let only = candidates.pop().expect("one candidate");
@@ -345,7 +349,7 @@ impl Engine {
     }
 
     /// Makes `recompute` the blocks that recompute, and the slots follow.
-    fn use_recompute(&mut self, recompute: Vec<bool>, kept: (usize, usize)) {
+    fn use_recompute(&mut self, recompute: Vec<bool>, kept: Kept) {
         self.slots = slots(&self.config, &self.groups, kept, &recompute);
         self.recompute = recompute;
     }
@@ -363,11 +367,7 @@ impl Engine {
 
     /// The simulated time of a steady step (the first shape) with
     /// `recompute`, or None when its plan does not fit.
-    fn simulated_step_s(
-        &mut self,
-        recompute: &[bool],
-        kept: (usize, usize),
-    ) -> Result<Option<f64>> {
+    fn simulated_step_s(&mut self, recompute: &[bool], kept: Kept) -> Result<Option<f64>> {
         self.use_recompute(recompute.to_vec(), kept);
         let planning = self.planning()?.0;
         let ops = self.step_ops(0, self.speculate, false);

@@ -10,7 +10,7 @@ use strata_kernels::{Backend, Readback};
 
 use crate::error::Result;
 use crate::gpt::{
-    BlockActivations, BlockScratch, GptConfig, HeadBuffers, block_backward, block_forward,
+    BlockActivations, BlockScratch, GptConfig, HeadBuffers, Weights, block_backward, block_forward,
     embed_backward, embed_forward, head_forward_backward,
 };
 
@@ -62,6 +62,11 @@ pub(super) struct Workspace {
     /// heads' and the embeddings' backward) and reduced once, after the
     /// last.
     pub(super) dembed: Buffer,
+    /// With bf16 compute, the gathered parameters again in bf16 (what the
+    /// matrix products read); empty with f32.
+    pub(super) gathered16: Buffer,
+    /// The activations' dtype.
+    pub(super) dtype: Dtype,
 }
 
 /// One micro-batch's buffers between ops.
@@ -80,6 +85,7 @@ impl Workspace {
         groups: &[Group],
         world: usize,
         in_flight: usize,
+        dtype: Dtype,
     ) -> Result<Self> {
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
         let padded_max = shard_max * world;
@@ -87,11 +93,12 @@ impl Workspace {
         let stream = batch * gpt.seq * gpt.hidden;
         let tokens = batch * gpt.seq;
         let f32s = |len| backend.alloc(Dtype::F32, len);
+        let acts = |len| backend.alloc(dtype, len);
         let streams = (0..in_flight)
             .map(|_| -> Result<Stream> {
                 Ok(Stream {
-                    x: f32s(stream)?,
-                    dy: f32s(stream)?,
+                    x: acts(stream)?,
+                    dy: acts(stream)?,
                     inputs: backend.alloc(Dtype::U32, tokens)?,
                     targets: backend.alloc(Dtype::U32, tokens)?,
                 })
@@ -101,15 +108,17 @@ impl Workspace {
             gathered: f32s(padded_max)?,
             shard32: f32s(if world > 1 { shard_max } else { 0 })?,
             grad_full: f32s(padded_max)?,
-            acts: BlockActivations::new(backend, gpt, batch)?,
-            scratch: BlockScratch::new(backend, gpt, batch)?,
-            head: HeadBuffers::new(backend, gpt, batch)?,
-            y: f32s(stream)?,
-            dx: f32s(stream)?,
+            acts: BlockActivations::with_dtype(backend, gpt, batch, dtype)?,
+            scratch: BlockScratch::with_dtype(backend, gpt, batch, dtype)?,
+            head: HeadBuffers::with_dtype(backend, gpt, batch, dtype)?,
+            y: acts(stream)?,
+            dx: acts(stream)?,
             inputs_host: vec![0; tokens],
             targets_host: vec![0; tokens],
             streams,
             dembed: f32s(embed_padded)?,
+            gathered16: acts(if dtype == Dtype::F32 { 0 } else { padded_max })?,
+            dtype,
         })
     }
 
@@ -122,6 +131,7 @@ impl Workspace {
             .sum();
         [
             &self.dembed,
+            &self.gathered16,
             &self.gathered,
             &self.shard32,
             &self.grad_full,
@@ -135,6 +145,24 @@ impl Workspace {
             + self.acts.bytes()
             + self.scratch.bytes()
             + self.head.bytes()
+    }
+}
+
+/// The first `n` gathered parameters as the model reads them: f32, and the
+/// bf16 copy for the matrix products when the compute dtype is bf16.
+pub(super) fn weights<'a>(
+    gathered: &'a Buffer,
+    gathered16: &'a Buffer,
+    dtype: Dtype,
+    n: usize,
+) -> Weights<'a> {
+    let f32 = gathered.view().range(0..n);
+    match dtype {
+        Dtype::F32 => f32.into(),
+        _ => Weights {
+            f32,
+            compute: gathered16.view().range(0..n),
+        },
     }
 }
 
@@ -237,7 +265,12 @@ impl Engine {
             &*self.backend,
             &self.gpt,
             batch,
-            ws.gathered.view().range(0..self.groups[b + 1].params),
+            weights(
+                &ws.gathered,
+                &ws.gathered16,
+                ws.dtype,
+                self.groups[b + 1].params,
+            ),
             stream.x.view(),
             &mut ws.acts,
             &mut ws.scratch,
@@ -271,7 +304,7 @@ impl Engine {
         let loss = head_forward_backward(
             &*self.backend,
             &self.gpt,
-            ws.gathered.view().range(0..embed_params),
+            weights(&ws.gathered, &ws.gathered16, ws.dtype, embed_params),
             stream.x.view(),
             stream.targets.view(),
             scale,
@@ -292,11 +325,17 @@ impl Engine {
         let index = self.saved_index(m, b);
         let id = self.slots[index].id.expect("saved in forward");
         let ws = &mut self.ws;
-        let params = ws.gathered.view().range(0..self.groups[b + 1].params);
+        let params = weights(
+            &ws.gathered,
+            &ws.gathered16,
+            ws.dtype,
+            self.groups[b + 1].params,
+        );
         let backend = &*self.backend;
+        let dtype = ws.dtype;
         if self.recompute[b] {
             // The recompute reads the kept input where it lies.
-            with_device_view(&self.runtime, backend, id, Dtype::F32, |input| {
+            with_device_view(&self.runtime, backend, id, dtype, |input| {
                 block_forward(
                     backend,
                     &self.gpt,
@@ -310,7 +349,7 @@ impl Engine {
             })?;
         } else {
             // Copied straight back into the block's activations.
-            with_device_view(&self.runtime, backend, id, Dtype::F32, |saved| {
+            with_device_view(&self.runtime, backend, id, dtype, |saved| {
                 Ok(backend.copy(saved, ws.acts.view_mut())?)
             })?;
         }
@@ -367,9 +406,14 @@ impl Engine {
         let n = self.groups[g].shard;
         let padded = self.groups[g].padded(self.collective.world());
         let (backend, ws) = (&*self.backend, &mut self.ws);
+        let bf16 = ws.dtype == Dtype::Bf16;
         if self.collective.world() == 1 {
             return with_device_view(&self.runtime, backend, id, Dtype::Bf16, |shard| {
-                Ok(backend.cast(shard, ws.gathered.view_mut().range(0..n))?)
+                backend.cast(shard, ws.gathered.view_mut().range(0..n))?;
+                if bf16 {
+                    backend.copy(shard, ws.gathered16.view_mut().range(0..n))?;
+                }
+                Ok(())
             });
         }
         with_device_view(&self.runtime, backend, id, Dtype::Bf16, |shard| {
@@ -381,6 +425,13 @@ impl Engine {
                 ws.gathered.view_mut().range(0..padded),
             )?
             .wait()?;
+        if bf16 {
+            // The values are bf16's: the cast is exact.
+            backend.cast(
+                ws.gathered.view().range(0..padded),
+                ws.gathered16.view_mut().range(0..padded),
+            )?;
+        }
         Ok(())
     }
 

@@ -50,6 +50,47 @@ impl Placement {
     }
 }
 
+/// The element type of activations and the matrix products' operands on
+/// the device (`[train] compute_dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", try_from = "String")]
+pub enum ComputeDtype {
+    /// bf16 on a GPU (tensor cores), f32 on the CPU device.
+    #[default]
+    Auto,
+    /// f32 everywhere.
+    F32,
+    /// bf16 activations and matrix operands, fp32 accumulation; parameter
+    /// gradients, biases, LayerNorm parameters and statistics stay f32.
+    Bf16,
+}
+
+impl TryFrom<String> for ComputeDtype {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        match text.as_str() {
+            "auto" => Ok(ComputeDtype::Auto),
+            "f32" | "fp32" => Ok(ComputeDtype::F32),
+            "bf16" => Ok(ComputeDtype::Bf16),
+            _ => Err(format!(
+                "compute_dtype: {text:?} is not \"auto\", \"f32\" or \"bf16\""
+            )),
+        }
+    }
+}
+
+impl ComputeDtype {
+    /// The dtype on a device of `kind`.
+    pub fn resolve(self, kind: strata_device::DeviceKind) -> strata_device::Dtype {
+        use strata_device::{DeviceKind, Dtype};
+        match (self, kind) {
+            (ComputeDtype::F32, _) | (ComputeDtype::Auto, DeviceKind::Cpu) => Dtype::F32,
+            (ComputeDtype::Bf16, _) | (ComputeDtype::Auto, DeviceKind::Cuda) => Dtype::Bf16,
+        }
+    }
+}
+
 /// The `[model]` table: a GPT-2-style model's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -112,6 +153,9 @@ pub struct TrainSettings {
     /// activations fit the device (the first ones, where a recompute costs
     /// less than the host round trip).
     pub checkpoint_activations: Checkpointing,
+    /// Activations and matrix operands on the device: `"auto"` (bf16 on a
+    /// GPU, f32 on the CPU device), `"f32"` or `"bf16"`.
+    pub compute_dtype: ComputeDtype,
     /// Peak learning rate (DeepSpeed's `warmup_max_lr`, or the optimizer
     /// lr that `warmup_cosine_lr` scales).
     pub lr: f64,
@@ -169,6 +213,7 @@ impl Default for TrainSettings {
             ranks: 1,
             seed: 1,
             checkpoint_activations: Checkpointing::Auto,
+            compute_dtype: ComputeDtype::Auto,
             lr: 3e-3,
             warmup_steps: 20,
             lr_min: 3e-4,

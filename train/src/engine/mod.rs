@@ -65,9 +65,9 @@ mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta};
 pub use config::{
-    COS_MIN_RATIO_DEFAULT, Checkpointing, GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig,
-    Placement, PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype, TrainConfig,
-    TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
+    COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, GRAD_ACCUMULATION_MAX, ModelConfig,
+    OptimConfig, Placement, PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype,
+    TrainConfig, TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{ByteCorpus, Corpus, TokenDtype, window_start};
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
@@ -270,6 +270,7 @@ impl Engine {
                 (Box::new(CpuBackend), None, 0)
             }
         };
+        let compute_dtype = config.train.compute_dtype.resolve(backend.kind());
         let mut ws = Workspace::new(
             &*backend,
             &gpt,
@@ -277,10 +278,11 @@ impl Engine {
             &groups,
             world,
             config.train.in_flight(),
+            compute_dtype,
         )?;
         let workspace_bytes = ws.bytes() + backend_bytes;
         let runtime = open_runtime(config, rank, workspace_bytes, faults, context)?;
-        let kept = activations::kept_elems(&gpt, batch, ws.acts.view().len());
+        let kept = activations::kept_bytes(&gpt, batch, &ws.acts);
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that
         // the host's staging reserve is not sized for the largest).

@@ -199,14 +199,23 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
     groups
 }
 
+/// What one block keeps for its backward per micro-batch: all its
+/// activations, or its input only (when it recomputes), in bytes of the
+/// activations' dtype.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Kept {
+    pub(super) whole: u64,
+    pub(super) input: u64,
+    pub(super) dtype: Dtype,
+}
+
 /// The trace's tensors: per group two parameter sets, two state sets and
 /// the gradient; then what each block keeps for its backward, per
-/// micro-batch: `kept_elems` (whole, input only) as block `b` recomputes
-/// (`recompute[b]`) or not.
+/// micro-batch: `kept` as block `b` recomputes (`recompute[b]`) or not.
 pub(super) fn slots(
     config: &TrainConfig,
     groups: &[Group],
-    kept_elems: (usize, usize),
+    kept: Kept,
     recompute: &[bool],
 ) -> Vec<Slot> {
     let params_home = config.placement.params.tier();
@@ -255,16 +264,12 @@ pub(super) fn slots(
     }
     for m in 0..config.train.grad_accumulation {
         for (b, &recomputed) in recompute.iter().enumerate() {
-            let saved = if recomputed {
-                kept_elems.1
-            } else {
-                kept_elems.0
-            };
+            let saved = if recomputed { kept.input } else { kept.whole };
             slots.push(slot(
                 format!("block{b}.saved.mb{m}"),
                 TensorKind::Activation,
-                Dtype::F32,
-                saved,
+                kept.dtype,
+                (saved / kept.dtype.bytes()) as usize,
                 None,
             ));
         }

@@ -9,9 +9,14 @@
 //! code runs on every backend (on the CPU backend the numbers are those of
 //! `strata_kernels::cpu`, bit for bit). Parameters of a block are one flat
 //! `f32` view ([`BlockLayout`]); so are the embeddings ([`EmbedLayout`]).
-//! What a block keeps for its backward is one buffer ([`BlockActivations`]):
-//! saving it between passes is one copy, and its size is the backend's to
-//! say (a flash-style attention keeps less than the CPU's probabilities).
+//! Activations are in a compute dtype, f32 or bf16: with bf16 the matrix
+//! products read a bf16 copy of the weights ([`Weights`]) and write bf16,
+//! biases, LayerNorm parameters and statistics, log-sum-exps and every
+//! gradient of a parameter stay f32. What a block keeps for its backward
+//! is one buffer of the compute dtype ([`BlockActivations`], its f32 parts
+//! read through `as_dtype`): saving it between passes is one copy, and its
+//! size is the backend's to say (a flash-style attention keeps less than
+//! the CPU's probabilities).
 //!
 //! ```
 //! use strata_device::{View, ViewMut};
@@ -150,6 +155,88 @@ impl<const N: usize> Parts<N> {
     }
 }
 
+/// Parts of one buffer of a compute dtype, some of them of another dtype
+/// (f32 statistics in a bf16 buffer), each starting 4-byte aligned.
+#[derive(Debug, Clone, Copy)]
+struct TypedParts<const N: usize> {
+    /// Each part's elements, of its own dtype.
+    lens: [usize; N],
+    dtypes: [Dtype; N],
+    /// The parts in the buffer's elements.
+    parts: Parts<N>,
+    /// The buffer's dtype.
+    dtype: Dtype,
+}
+
+impl<const N: usize> TypedParts<N> {
+    fn new(dtype: Dtype, parts: [(usize, Dtype); N]) -> Self {
+        let unit = dtype.bytes() as usize;
+        let in_buffer = parts.map(|(len, d)| (len * d.bytes() as usize).div_ceil(4) * 4 / unit);
+        TypedParts {
+            lens: parts.map(|p| p.0),
+            dtypes: parts.map(|p| p.1),
+            parts: Parts::new(in_buffer),
+            dtype,
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.parts.total()
+    }
+
+    fn split<'a>(&self, view: ViewMut<'a>) -> [ViewMut<'a>; N] {
+        let mut parts = self.parts.split(view).into_iter();
+        std::array::from_fn(|i| {
+            let part = parts.next().expect("N parts");
+            let part = part
+                .as_dtype(self.dtypes[i])
+                .expect("parts start 4-byte aligned");
+            part.range(0..self.lens[i])
+        })
+    }
+
+    fn views<'a>(&self, view: View<'a>) -> [View<'a>; N] {
+        std::array::from_fn(|i| self.view(view, i))
+    }
+
+    fn view<'a>(&self, view: View<'a>, i: usize) -> View<'a> {
+        let part = view.range(self.parts.range(i));
+        let part = part
+            .as_dtype(self.dtypes[i])
+            .expect("parts start 4-byte aligned");
+        part.range(0..self.lens[i])
+    }
+}
+
+/// A group's parameters as the ops read them: all of them in f32 (biases,
+/// LayerNorm parameters, the embedding tables), and the same values in the
+/// compute dtype for the matrix products (the same view when it is f32).
+#[derive(Debug, Clone, Copy)]
+pub struct Weights<'a> {
+    /// Every parameter, f32.
+    pub f32: View<'a>,
+    /// Every parameter in the compute dtype (only its weight matrices are
+    /// read).
+    pub compute: View<'a>,
+}
+
+impl<'a> From<View<'a>> for Weights<'a> {
+    /// f32 compute: one view serves both.
+    fn from(view: View<'a>) -> Self {
+        Weights {
+            f32: view,
+            compute: view,
+        }
+    }
+}
+
+impl<'a> Weights<'a> {
+    fn check(&self, what: &'static str, total: usize) -> Result<()> {
+        expect_len(what, self.f32.len(), total)?;
+        expect_len(what, self.compute.len(), total)
+    }
+}
+
 // A block's parameters, in layout order (weights stored input-major:
 // `y = x W + b`).
 const LN1_GAMMA: usize = 0;
@@ -226,6 +313,19 @@ impl BlockLayout {
             .iter()
             .any(|&i| self.range(i).contains(&index))
     }
+
+    /// Each tensor's view: weight matrices in the compute dtype, the rest
+    /// f32.
+    fn views<'a>(&self, weights: Weights<'a>) -> [View<'a>; 12] {
+        let (f32s, compute) = (
+            self.parts.views(weights.f32),
+            self.parts.views(weights.compute),
+        );
+        std::array::from_fn(|i| match i {
+            QKV_W | PROJ_W | FC1_W | FC2_W => compute[i],
+            _ => f32s[i],
+        })
+    }
 }
 
 /// Where each tensor of the embeddings sits: token embedding (`vocab x
@@ -283,22 +383,31 @@ fn attention_shape(config: &GptConfig, batch: usize) -> Attention {
 /// output and saved statistics, qkv, what attention saves, attention's
 /// output, the residual after it, ln2's output and statistics, fc1's
 /// output, GELU's output.
-fn activation_parts(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Parts<11> {
+fn activation_parts(
+    backend: &dyn Backend,
+    config: &GptConfig,
+    batch: usize,
+    dtype: Dtype,
+) -> TypedParts<11> {
     let (n, h) = (batch * config.seq, config.hidden);
     let attention = backend.attention_saved_elems(attention_shape(config, batch));
-    Parts::new([
-        n * h,
-        n * h,
-        2 * n,
-        n * 3 * h,
-        attention,
-        n * h,
-        n * h,
-        n * h,
-        2 * n,
-        n * 4 * h,
-        n * 4 * h,
-    ])
+    let f32 = Dtype::F32;
+    TypedParts::new(
+        dtype,
+        [
+            (n * h, dtype),
+            (n * h, dtype),
+            (2 * n, f32),
+            (n * 3 * h, dtype),
+            (attention, f32),
+            (n * h, dtype),
+            (n * h, dtype),
+            (n * h, dtype),
+            (2 * n, f32),
+            (n * 4 * h, dtype),
+            (n * 4 * h, dtype),
+        ],
+    )
 }
 
 /// What a block's forward keeps for its backward, for `batch` sequences,
@@ -308,15 +417,26 @@ fn activation_parts(backend: &dyn Backend, config: &GptConfig, batch: usize) -> 
 #[derive(Debug)]
 pub struct BlockActivations {
     buffer: Buffer,
-    parts: Parts<11>,
+    parts: TypedParts<11>,
 }
 
 impl BlockActivations {
-    /// Buffers for `batch` sequences of `config.seq` tokens on `backend`.
+    /// f32 buffers for `batch` sequences of `config.seq` tokens on
+    /// `backend`.
     pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
-        let parts = activation_parts(backend, config, batch);
+        Self::with_dtype(backend, config, batch, Dtype::F32)
+    }
+
+    /// Buffers whose activations are `dtype` (f32 or bf16).
+    pub fn with_dtype(
+        backend: &dyn Backend,
+        config: &GptConfig,
+        batch: usize,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let parts = activation_parts(backend, config, batch, dtype);
         Ok(BlockActivations {
-            buffer: backend.alloc(Dtype::F32, parts.total())?,
+            buffer: backend.alloc(dtype, parts.total())?,
             parts,
         })
     }
@@ -339,41 +459,64 @@ impl BlockActivations {
 
     /// The forward's input (what activation checkpointing keeps).
     pub fn input(&self) -> View<'_> {
-        self.buffer.view().range(self.parts.range(0))
+        self.parts.view(self.buffer.view(), 0)
+    }
+
+    /// The activations' dtype (what the saved views are read as).
+    pub fn dtype(&self) -> Dtype {
+        self.parts.dtype
     }
 }
 
 /// The parts of [`BlockScratch`]: the attention ops' workspace, then the
 /// gradients of attention's output, qkv, the first residual, ln2's
 /// output, GELU's output, fc1's output and ln1's output.
-fn scratch_parts(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Parts<8> {
+fn scratch_parts(
+    backend: &dyn Backend,
+    config: &GptConfig,
+    batch: usize,
+    dtype: Dtype,
+) -> TypedParts<8> {
     let (n, h) = (batch * config.seq, config.hidden);
     let workspace = backend.attention_workspace_elems(attention_shape(config, batch));
-    Parts::new([
-        workspace,
-        n * h,
-        n * 3 * h,
-        n * h,
-        n * h,
-        n * 4 * h,
-        n * 4 * h,
-        n * h,
-    ])
+    TypedParts::new(
+        dtype,
+        [
+            (workspace, Dtype::F32),
+            (n * h, dtype),
+            (n * 3 * h, dtype),
+            (n * h, dtype),
+            (n * h, dtype),
+            (n * 4 * h, dtype),
+            (n * 4 * h, dtype),
+            (n * h, dtype),
+        ],
+    )
 }
 
 /// Working buffers of a block, sized once, in one buffer.
 #[derive(Debug)]
 pub struct BlockScratch {
     buffer: Buffer,
-    parts: Parts<8>,
+    parts: TypedParts<8>,
 }
 
 impl BlockScratch {
-    /// Buffers for `batch` sequences on `backend`.
+    /// f32 buffers for `batch` sequences on `backend`.
     pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
-        let parts = scratch_parts(backend, config, batch);
+        Self::with_dtype(backend, config, batch, Dtype::F32)
+    }
+
+    /// Buffers whose activation gradients are `dtype` (f32 or bf16).
+    pub fn with_dtype(
+        backend: &dyn Backend,
+        config: &GptConfig,
+        batch: usize,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let parts = scratch_parts(backend, config, batch, dtype);
         Ok(BlockScratch {
-            buffer: backend.alloc(Dtype::F32, parts.total())?,
+            buffer: backend.alloc(dtype, parts.total())?,
             parts,
         })
     }
@@ -385,8 +528,8 @@ impl BlockScratch {
 
     /// The attention ops' workspace.
     fn workspace(&mut self) -> ViewMut<'_> {
-        let range = self.parts.range(0);
-        self.buffer.view_mut().range(range)
+        let [workspace, ..] = self.parts.split(self.buffer.view_mut());
+        workspace
     }
 }
 
@@ -472,11 +615,11 @@ fn expect_len(what: &'static str, view_len: usize, expected: usize) -> Result<()
 /// One block's forward for `batch` sequences: `out = block(x)`, keeping
 /// what the backward needs in `acts`.
 #[allow(clippy::too_many_arguments)]
-pub fn block_forward(
+pub fn block_forward<'w>(
     backend: &dyn Backend,
     config: &GptConfig,
     batch: usize,
-    params: View<'_>,
+    params: impl Into<Weights<'w>>,
     x: View<'_>,
     acts: &mut BlockActivations,
     scratch: &mut BlockScratch,
@@ -484,10 +627,11 @@ pub fn block_forward(
 ) -> Result<()> {
     let (n, h) = (batch * config.seq, config.hidden);
     let layout = BlockLayout::new(h);
-    expect_len("block parameters", params.len(), layout.total)?;
+    let params = params.into();
+    params.check("block parameters", layout.total)?;
     expect_len("block input", x.len(), n * h)?;
     expect_len("block output", out.len(), n * h)?;
-    let p = layout.parts.views(params);
+    let p = layout.views(params);
     let parts = acts.parts;
     let [
         input,
@@ -532,11 +676,11 @@ pub fn block_forward(
 /// One block's backward from the activations of its forward: writes `dx`
 /// and adds the parameter gradients to `dparams`.
 #[allow(clippy::too_many_arguments)]
-pub fn block_backward(
+pub fn block_backward<'w>(
     backend: &dyn Backend,
     config: &GptConfig,
     batch: usize,
-    params: View<'_>,
+    params: impl Into<Weights<'w>>,
     acts: &BlockActivations,
     dout: View<'_>,
     scratch: &mut BlockScratch,
@@ -545,11 +689,12 @@ pub fn block_backward(
 ) -> Result<()> {
     let (n, h) = (batch * config.seq, config.hidden);
     let layout = BlockLayout::new(h);
-    expect_len("block parameters", params.len(), layout.total)?;
+    let params = params.into();
+    params.check("block parameters", layout.total)?;
     expect_len("block gradients", dparams.len(), layout.total)?;
     expect_len("block output gradient", dout.len(), n * h)?;
     expect_len("block input gradient", dx.len(), n * h)?;
-    let p = layout.parts.views(params);
+    let p = layout.views(params);
     let [x, a, ln1, qkv, saved, att, x1, c, ln2, f, g] = acts.parts.views(acts.buffer.view());
     let [
         dln1,
@@ -649,9 +794,18 @@ pub fn embed_forward(
 /// The parts of [`HeadBuffers`]: the final LayerNorm's output and saved
 /// statistics, the logits, their gradient, and the final LayerNorm
 /// output's gradient.
-fn head_parts(config: &GptConfig, batch: usize) -> Parts<5> {
-    let (n, h) = (batch * config.seq, config.hidden);
-    Parts::new([n * h, 2 * n, n * config.vocab, n * config.vocab, n * h])
+fn head_parts(config: &GptConfig, batch: usize, dtype: Dtype) -> TypedParts<5> {
+    let (n, h, v) = (batch * config.seq, config.hidden, config.vocab);
+    TypedParts::new(
+        dtype,
+        [
+            (n * h, dtype),
+            (2 * n, Dtype::F32),
+            (n * v, dtype),
+            (n * v, dtype),
+            (n * h, dtype),
+        ],
+    )
 }
 
 /// Buffers of the head (final LayerNorm, tied LM head, loss), in one
@@ -659,15 +813,25 @@ fn head_parts(config: &GptConfig, batch: usize) -> Parts<5> {
 #[derive(Debug)]
 pub struct HeadBuffers {
     buffer: Buffer,
-    parts: Parts<5>,
+    parts: TypedParts<5>,
 }
 
 impl HeadBuffers {
-    /// Buffers for `batch` sequences on `backend`.
+    /// f32 buffers for `batch` sequences on `backend`.
     pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
-        let parts = head_parts(config, batch);
+        Self::with_dtype(backend, config, batch, Dtype::F32)
+    }
+
+    /// Buffers whose activations and logits are `dtype` (f32 or bf16).
+    pub fn with_dtype(
+        backend: &dyn Backend,
+        config: &GptConfig,
+        batch: usize,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let parts = head_parts(config, batch, dtype);
         Ok(HeadBuffers {
-            buffer: backend.alloc(Dtype::F32, parts.total())?,
+            buffer: backend.alloc(dtype, parts.total())?,
             parts,
         })
     }
@@ -684,10 +848,10 @@ impl HeadBuffers {
 /// multiplied by `grad_scale`. The loss is read back without waiting for
 /// the device.
 #[allow(clippy::too_many_arguments)]
-pub fn head_forward_backward(
+pub fn head_forward_backward<'w>(
     backend: &dyn Backend,
     config: &GptConfig,
-    embed: View<'_>,
+    embed: impl Into<Weights<'w>>,
     x: View<'_>,
     targets: View<'_>,
     grad_scale: f32,
@@ -698,11 +862,12 @@ pub fn head_forward_backward(
     let (h, v) = (config.hidden, config.vocab);
     let n = targets.len();
     let layout = EmbedLayout::new(config);
-    expect_len("embedding parameters", embed.len(), layout.total)?;
+    let embed = embed.into();
+    embed.check("embedding parameters", layout.total)?;
     expect_len("embedding gradients", dembed.len(), layout.total)?;
     expect_len("head input", x.len(), n * h)?;
-    let [wte, _, gamma, beta] = layout.parts.views(embed);
-    let wte = wte.matrix(v, h)?;
+    let [_, _, gamma, beta] = layout.parts.views(embed.f32);
+    let wte = embed.compute.range(layout.range(0)).matrix(v, h)?;
     let parts = buffers.parts;
     let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] = parts.split(buffers.buffer.view_mut());
     backend.layer_norm(x, gamma, beta, hf.reborrow(), ln.reborrow())?;
@@ -738,22 +903,24 @@ pub fn head_forward_backward(
 
 /// The head's forward alone: the logits (`rows x vocab`) of the last
 /// block's output `x` through the final LayerNorm and the tied LM head.
-pub fn head_logits(
+pub fn head_logits<'w>(
     backend: &dyn Backend,
     config: &GptConfig,
-    embed: View<'_>,
+    embed: impl Into<Weights<'w>>,
     x: View<'_>,
     buffers: &mut HeadBuffers,
     logits: ViewMut<'_>,
 ) -> Result<()> {
     let (h, v) = (config.hidden, config.vocab);
     let layout = EmbedLayout::new(config);
-    expect_len("embedding parameters", embed.len(), layout.total)?;
+    let embed = embed.into();
+    embed.check("embedding parameters", layout.total)?;
     let n = x.len() / h;
     expect_len("head input", x.len(), n * h)?;
-    expect_len("head buffers", buffers.parts.range(0).len(), n * h)?;
+    expect_len("head buffers", buffers.parts.lens[0], n * h)?;
     expect_len("logits", logits.len(), n * v)?;
-    let [wte, _, gamma, beta] = layout.parts.views(embed);
+    let [_, _, gamma, beta] = layout.parts.views(embed.f32);
+    let wte = embed.compute.range(layout.range(0));
     let parts = buffers.parts;
     let [mut hf, ln, ..] = parts.split(buffers.buffer.view_mut());
     backend.layer_norm(x, gamma, beta, hf.reborrow(), ln)?;
