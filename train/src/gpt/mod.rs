@@ -156,7 +156,8 @@ impl<const N: usize> Parts<N> {
 }
 
 /// Parts of one buffer of a compute dtype, some of them of another dtype
-/// (f32 statistics in a bf16 buffer), each starting 4-byte aligned.
+/// (f32 statistics in a bf16 buffer), each starting 16-byte aligned (what
+/// the tensor-core kernels' 16-byte copies need).
 #[derive(Debug, Clone, Copy)]
 struct TypedParts<const N: usize> {
     /// Each part's elements, of its own dtype.
@@ -171,7 +172,7 @@ struct TypedParts<const N: usize> {
 impl<const N: usize> TypedParts<N> {
     fn new(dtype: Dtype, parts: [(usize, Dtype); N]) -> Self {
         let unit = dtype.bytes() as usize;
-        let in_buffer = parts.map(|(len, d)| (len * d.bytes() as usize).div_ceil(4) * 4 / unit);
+        let in_buffer = parts.map(|(len, d)| (len * d.bytes() as usize).div_ceil(16) * 16 / unit);
         TypedParts {
             lens: parts.map(|p| p.0),
             dtypes: parts.map(|p| p.1),
@@ -190,7 +191,7 @@ impl<const N: usize> TypedParts<N> {
             let part = parts.next().expect("N parts");
             let part = part
                 .as_dtype(self.dtypes[i])
-                .expect("parts start 4-byte aligned");
+                .expect("parts start 16-byte aligned");
             part.range(0..self.lens[i])
         })
     }
@@ -203,7 +204,7 @@ impl<const N: usize> TypedParts<N> {
         let part = view.range(self.parts.range(i));
         let part = part
             .as_dtype(self.dtypes[i])
-            .expect("parts start 4-byte aligned");
+            .expect("parts start 16-byte aligned");
         part.range(0..self.lens[i])
     }
 }
