@@ -198,10 +198,9 @@ pub trait Backend: Send + Sync {
         a: Matrix<'_>,
         b: Matrix<'_>,
         bias: View<'_>,
-        mut c: ViewMut<'_>,
+        c: ViewMut<'_>,
     ) -> Result<()> {
-        self.gemm(a, b, 1.0, 0.0, c.reborrow())?;
-        self.add_bias(c, bias)
+        unfused::gemm_bias(self, a, b, bias, c)
     }
 
     /// `pre = a b + bias`, `out = gelu(pre)`: a linear layer and its GELU,
@@ -212,11 +211,10 @@ pub trait Backend: Send + Sync {
         a: Matrix<'_>,
         b: Matrix<'_>,
         bias: View<'_>,
-        mut pre: ViewMut<'_>,
+        pre: ViewMut<'_>,
         out: ViewMut<'_>,
     ) -> Result<()> {
-        self.gemm_bias(a, b, bias, pre.reborrow())?;
-        self.gelu(pre.view(), out)
+        unfused::gemm_bias_gelu(self, a, b, bias, pre, out)
     }
 
     /// `dx = (a b) * gelu'(pre)`: the gradient through a GELU of the
@@ -228,11 +226,10 @@ pub trait Backend: Send + Sync {
         a: Matrix<'_>,
         b: Matrix<'_>,
         pre: View<'_>,
-        mut product: ViewMut<'_>,
+        product: ViewMut<'_>,
         dx: ViewMut<'_>,
     ) -> Result<()> {
-        self.gemm(a, b, 1.0, 0.0, product.reborrow())?;
-        self.gelu_backward(product.view(), pre, dx)
+        unfused::gemm_dgelu(self, a, b, pre, product, dx)
     }
 
     /// Adds the column sums of `dy` (`rows x dbias.len()`) to `dbias`.
@@ -381,4 +378,52 @@ pub trait Backend: Send + Sync {
 
     /// Element `index` of `x` as f64, without a device-wide sync.
     fn read_scalar(&self, x: View<'_>, index: usize) -> Result<Readback>;
+}
+
+/// The fused GEMMs as their ops one after another: the trait's defaults,
+/// and a backend's fallback where it cannot fuse.
+pub(crate) mod unfused {
+    use strata_device::{View, ViewMut};
+
+    use super::{Backend, Matrix};
+    use crate::error::Result;
+
+    /// [`Backend::gemm_bias`]: the product, then the bias.
+    pub(crate) fn gemm_bias<B: Backend + ?Sized>(
+        backend: &B,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        bias: View<'_>,
+        mut c: ViewMut<'_>,
+    ) -> Result<()> {
+        backend.gemm(a, b, 1.0, 0.0, c.reborrow())?;
+        backend.add_bias(c, bias)
+    }
+
+    /// [`Backend::gemm_bias_gelu`]: [`Backend::gemm_bias`], then the GELU.
+    pub(crate) fn gemm_bias_gelu<B: Backend + ?Sized>(
+        backend: &B,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        bias: View<'_>,
+        mut pre: ViewMut<'_>,
+        out: ViewMut<'_>,
+    ) -> Result<()> {
+        backend.gemm_bias(a, b, bias, pre.reborrow())?;
+        backend.gelu(pre.view(), out)
+    }
+
+    /// [`Backend::gemm_dgelu`]: the product into `product`, then GELU's
+    /// backward.
+    pub(crate) fn gemm_dgelu<B: Backend + ?Sized>(
+        backend: &B,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        pre: View<'_>,
+        mut product: ViewMut<'_>,
+        dx: ViewMut<'_>,
+    ) -> Result<()> {
+        backend.gemm(a, b, 1.0, 0.0, product.reborrow())?;
+        backend.gelu_backward(product.view(), pre, dx)
+    }
 }

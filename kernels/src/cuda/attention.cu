@@ -153,6 +153,60 @@ __device__ __forceinline__ void accumulators_to_a(const float (&left)[4], const 
     a[3] = pack(right[2], right[3]);
 }
 
+// s = A1 B1^T and dp = A2 B2^T for the warp's 16 rows `row0 ..` of the
+// shared tiles `a1`, `a2` against the K rows of `b1`, `b2` (D columns each):
+// the backward's scores and dP, from the same loop over D.
+template <int D, int K>
+__device__ __forceinline__ void two_products(float (&s)[K / 8][4], float (&dp)[K / 8][4],
+                                             const bf16_t *a1, const bf16_t *a2, int row0,
+                                             const bf16_t *b1, const bf16_t *b2) {
+#pragma unroll
+    for (int n = 0; n < K / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            s[n][i] = 0.0f;
+            dp[n][i] = 0.0f;
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+        u32 f1[4], f2[4];
+        load_a<D>(a1, row0, c, f1);
+        load_a<D>(a2, row0, c, f2);
+#pragma unroll
+        for (int n = 0; n < K / 16; ++n) {
+            u32 b[4];
+            load_b_rows<D>(b1, n * 16, c, b);
+            mma(s[2 * n], f1, b[0], b[1]);
+            mma(s[2 * n + 1], f1, b[2], b[3]);
+            load_b_rows<D>(b2, n * 16, c, b);
+            mma(dp[2 * n], f2, b[0], b[1]);
+            mma(dp[2 * n + 1], f2, b[2], b[3]);
+        }
+    }
+}
+
+// out += bf16(a) tile for the warp's 16 rows: `a` their K columns of fp32
+// accumulators (K / 8 tiles of 16x8), `tile` K rows x D columns of shared
+// memory whose rows are the product's k.
+template <int D, int K>
+__device__ __forceinline__ void accumulate_times_tile(float (&out)[D / 8][4],
+                                                      const float (&a)[K / 8][4],
+                                                      const bf16_t *tile) {
+#pragma unroll
+    for (int c = 0; c < K / 16; ++c) {
+        u32 fragment[4];
+        accumulators_to_a(a[2 * c], a[2 * c + 1], fragment);
+#pragma unroll
+        for (int n = 0; n < D / 16; ++n) {
+            u32 b[4];
+            load_b_columns<D>(tile, c * 16, n * 16, b);
+            mma(out[2 * n], fragment, b[0], b[1]);
+            mma(out[2 * n + 1], fragment, b[2], b[3]);
+        }
+    }
+}
+
 // grid (ceil(seq / FLASH_ROWS), heads, batch), FLASH_THREADS threads,
 // (FLASH_ROWS + 4 FLASH_KEYS) x (D + FLASH_PAD) bf16 of dynamic shared
 // memory: the query tile and two stages of key and value tiles.
@@ -266,18 +320,7 @@ __device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float
                 }
             }
         }
-        #pragma unroll
-        for (int c = 0; c < FLASH_KEYS / 16; ++c) {
-            u32 p[4];
-            accumulators_to_a(s[2 * c], s[2 * c + 1], p);
-            #pragma unroll
-            for (int n = 0; n < D / 16; ++n) {
-                u32 bv[4];
-                load_b_columns<D>(v, c * 16, n * 16, bv);
-                mma(o[2 * n], p, bv[0], bv[1]);
-                mma(o[2 * n + 1], p, bv[2], bv[3]);
-            }
-        }
+        accumulate_times_tile<D, FLASH_KEYS>(o, s, v);
         // The stage just read is the next iteration's copy target.
         __syncthreads();
     }
@@ -375,27 +418,7 @@ __device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *
         copy_wait<0>();
         __syncthreads();
         float s[FLASH_KEYS / 8][4], dp[FLASH_KEYS / 8][4];
-        #pragma unroll
-        for (int n = 0; n < FLASH_KEYS / 8; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.0f;
-        }
-        #pragma unroll
-        for (int c = 0; c < D / 16; ++c) {
-            u32 fq[4], fo[4];
-            load_a<D>(tile_q, warp * 16, c, fq);
-            load_a<D>(tile_do, warp * 16, c, fo);
-            #pragma unroll
-            for (int n = 0; n < FLASH_KEYS / 16; ++n) {
-                u32 bk[4], bv[4];
-                load_b_rows<D>(tile_k, n * 16, c, bk);
-                mma(s[2 * n], fq, bk[0], bk[1]);
-                mma(s[2 * n + 1], fq, bk[2], bk[3]);
-                load_b_rows<D>(tile_v, n * 16, c, bv);
-                mma(dp[2 * n], fo, bv[0], bv[1]);
-                mma(dp[2 * n + 1], fo, bv[2], bv[3]);
-            }
-        }
+        two_products<D, FLASH_KEYS>(s, dp, tile_q, tile_do, warp * 16, tile_k, tile_v);
         // P and then dS = P (dP - D), in place of dp. Rows past the end
         // have an lse of infinity (p = 0); keys past it come after every
         // row before it, so the causal mask (only in the diagonal tile:
@@ -413,18 +436,7 @@ __device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *
                 dp[n][i] = p * (dp[n][i] - row_dsum[h]);
             }
         }
-        #pragma unroll
-        for (int c = 0; c < FLASH_KEYS / 16; ++c) {
-            u32 ds[4];
-            accumulators_to_a(dp[2 * c], dp[2 * c + 1], ds);
-            #pragma unroll
-            for (int n = 0; n < D / 16; ++n) {
-                u32 bk[4];
-                load_b_columns<D>(tile_k, c * 16, n * 16, bk);
-                mma(dq[2 * n], ds, bk[0], bk[1]);
-                mma(dq[2 * n + 1], ds, bk[2], bk[3]);
-            }
-        }
+        accumulate_times_tile<D, FLASH_KEYS>(dq, dp, tile_k);
         __syncthreads();
     }
     const float softmax_scale = 1.0f / sqrtf((float)D);
@@ -499,30 +511,7 @@ __device__ void flash_backward_dkv(AttnShape a, const bf16_t *qkv, const bf16_t 
         // Transposed scores and dP: rows are this warp's 16 keys, columns
         // the tile's queries.
         float s[KV / 8][4], dp[KV / 8][4];
-        #pragma unroll
-        for (int n = 0; n < KV / 8; ++n) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                s[n][i] = 0.0f;
-                dp[n][i] = 0.0f;
-            }
-        }
-        #pragma unroll
-        for (int c = 0; c < D / 16; ++c) {
-            u32 fk[4], fv[4];
-            load_a<D>(tile_k, warp * 16, c, fk);
-            load_a<D>(tile_v, warp * 16, c, fv);
-            #pragma unroll
-            for (int n = 0; n < KV / 16; ++n) {
-                u32 bq[4], bo[4];
-                load_b_rows<D>(tile_q, n * 16, c, bq);
-                mma(s[2 * n], fk, bq[0], bq[1]);
-                mma(s[2 * n + 1], fk, bq[2], bq[3]);
-                load_b_rows<D>(tile_do, n * 16, c, bo);
-                mma(dp[2 * n], fv, bo[0], bo[1]);
-                mma(dp[2 * n + 1], fv, bo[2], bo[3]);
-            }
-        }
+        two_products<D, KV>(s, dp, tile_k, tile_v, warp * 16, tile_q, tile_do);
         // P^T into s, dS^T into dp. Rows past the end have an lse of
         // infinity (p = 0); only tiles that reach the diagonal mask.
         const bool diagonal = i0 < k0 + FLASH_KEYS;
@@ -540,22 +529,8 @@ __device__ void flash_backward_dkv(AttnShape a, const bf16_t *qkv, const bf16_t 
                 dp[n][i] = p * (dp[n][i] - tile_dsum[r]);
             }
         }
-        #pragma unroll
-        for (int c = 0; c < KV / 16; ++c) {
-            u32 p[4], ds[4];
-            accumulators_to_a(s[2 * c], s[2 * c + 1], p);
-            accumulators_to_a(dp[2 * c], dp[2 * c + 1], ds);
-            #pragma unroll
-            for (int n = 0; n < D / 16; ++n) {
-                u32 bo[4], bq[4];
-                load_b_columns<D>(tile_do, c * 16, n * 16, bo);
-                mma(dv[2 * n], p, bo[0], bo[1]);
-                mma(dv[2 * n + 1], p, bo[2], bo[3]);
-                load_b_columns<D>(tile_q, c * 16, n * 16, bq);
-                mma(dk[2 * n], ds, bq[0], bq[1]);
-                mma(dk[2 * n + 1], ds, bq[2], bq[3]);
-            }
-        }
+        accumulate_times_tile<D, KV>(dv, s, tile_do);
+        accumulate_times_tile<D, KV>(dk, dp, tile_q);
         __syncthreads();
     }
     const float softmax_scale = 1.0f / sqrtf((float)D);

@@ -13,7 +13,7 @@ use strata_device::{Buffer, DeviceKind, Dtype, Fence, Raw, StreamKind, View, Vie
 use strata_optim::AdamCoefficients;
 
 use super::{Epilogue, Gemm, Operand, Ops, SUM_BLOCKS};
-use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots};
+use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots, unfused};
 use crate::cpu::ops::LN_EPS;
 use crate::error::{KernelError, Result, same_len};
 
@@ -439,21 +439,16 @@ impl Backend for CudaBackend {
         a: Matrix<'_>,
         b: Matrix<'_>,
         bias: View<'_>,
-        mut c: ViewMut<'_>,
+        c: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "gemm_bias";
         let (bias_at, bias_len) = on_device(OP, "bias", bias.raw(), Some(Dtype::F32))?;
         same_len(OP, "bias", bias_len, c.raw().cols as u64)?;
-        let fused = self.fused(
-            OP,
-            (a, b, c.raw()),
-            (Epilogue::Bias { bias: Dtype::F32 }, bias_at, 0),
-        )?;
-        if !fused {
-            self.gemm(a, b, 1.0, 0.0, c.reborrow())?;
-            self.add_bias(c, bias)?;
+        let epilogue = (Epilogue::Bias { bias: Dtype::F32 }, bias_at, 0);
+        match self.fused(OP, (a, b, c.raw()), epilogue)? {
+            true => Ok(()),
+            false => unfused::gemm_bias(self, a, b, bias, c),
         }
-        Ok(())
     }
 
     fn gemm_bias_gelu(
@@ -461,8 +456,8 @@ impl Backend for CudaBackend {
         a: Matrix<'_>,
         b: Matrix<'_>,
         bias: View<'_>,
-        mut pre: ViewMut<'_>,
-        mut out: ViewMut<'_>,
+        pre: ViewMut<'_>,
+        out: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "gemm_bias_gelu";
         let (bias_at, bias_len) = on_device(OP, "bias", bias.raw(), Some(Dtype::F32))?;
@@ -473,11 +468,10 @@ impl Backend for CudaBackend {
             bias: Dtype::F32,
             aux_ld: pre_raw.row_stride as u64,
         };
-        if !self.fused(OP, (a, b, out_raw), (epilogue, bias_at, pre_at))? {
-            self.gemm_bias(a, b, bias, pre.reborrow())?;
-            self.gelu(pre.view(), out.reborrow())?;
+        match self.fused(OP, (a, b, out_raw), (epilogue, bias_at, pre_at))? {
+            true => Ok(()),
+            false => unfused::gemm_bias_gelu(self, a, b, bias, pre, out),
         }
-        Ok(())
     }
 
     fn gemm_dgelu(
@@ -485,8 +479,8 @@ impl Backend for CudaBackend {
         a: Matrix<'_>,
         b: Matrix<'_>,
         pre: View<'_>,
-        mut product: ViewMut<'_>,
-        mut dx: ViewMut<'_>,
+        product: ViewMut<'_>,
+        dx: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "gemm_dgelu";
         let dx_raw = dx.raw();
@@ -494,11 +488,10 @@ impl Backend for CudaBackend {
         let epilogue = Epilogue::DGelu {
             aux_ld: pre.raw().row_stride as u64,
         };
-        if !self.fused(OP, (a, b, dx_raw), (epilogue, 0, pre_at))? {
-            self.gemm(a, b, 1.0, 0.0, product.reborrow())?;
-            self.gelu_backward(product.view(), pre, dx.reborrow())?;
+        match self.fused(OP, (a, b, dx_raw), (epilogue, 0, pre_at))? {
+            true => Ok(()),
+            false => unfused::gemm_dgelu(self, a, b, pre, product, dx),
         }
-        Ok(())
     }
 
     fn add_bias(&self, x: ViewMut<'_>, bias: View<'_>) -> Result<()> {

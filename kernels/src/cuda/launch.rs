@@ -132,15 +132,7 @@ impl Ops {
         let multiprocessors =
             attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let arch = (major * 10 + minor) as u32;
-        let cubin = nvrtc::compile(OPS_NAME, OPS_SOURCE, arch)?;
-        let module = context
-            .load_module(Ptx::from_binary(cubin.image.clone()))
-            .map_err(driver("cuModuleLoadData"))?;
-        let function = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(driver("cuModuleGetFunction"))
-        };
+        let function = module(context, OPS_NAME, OPS_SOURCE, arch)?;
         let per_dtype = OPS_PER_DTYPE
             .iter()
             .map(|op| {
@@ -154,15 +146,7 @@ impl Ops {
             .iter()
             .map(|name| function(name))
             .collect::<Result<Vec<_>>>()?;
-        let cubin = nvrtc::compile(ATTENTION_NAME, ATTENTION_SOURCE, arch)?;
-        let module = context
-            .load_module(Ptx::from_binary(cubin.image.clone()))
-            .map_err(driver("cuModuleLoadData"))?;
-        let function = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(driver("cuModuleGetFunction"))
-        };
+        let function = module(context, ATTENTION_NAME, ATTENTION_SOURCE, arch)?;
         let flash = FLASH_HEAD_DIMS
             .iter()
             .map(|&d| {
@@ -236,6 +220,25 @@ impl Ops {
             shared_mem_bytes: 0,
         }
     }
+}
+
+/// `source` compiled for `arch` (or this process's earlier compile) and
+/// loaded into `context`: its kernels by name.
+fn module(
+    context: &Arc<CudaContext>,
+    name: &'static str,
+    source: &str,
+    arch: u32,
+) -> Result<impl Fn(&str) -> Result<CudaFunction>> {
+    let cubin = nvrtc::compile(name, source, arch)?;
+    let module = context
+        .load_module(Ptx::from_binary(cubin.image.clone()))
+        .map_err(driver("cuModuleLoadData"))?;
+    Ok(move |kernel: &str| {
+        module
+            .load_function(kernel)
+            .map_err(driver("cuModuleGetFunction"))
+    })
 }
 
 /// Enqueues `function` with `args` (each a `&T: DeviceRepr`).

@@ -185,6 +185,11 @@ impl<const N: usize> TypedParts<N> {
         self.parts.total()
     }
 
+    /// A buffer for these parts on `backend`.
+    fn alloc(&self, backend: &dyn Backend) -> Result<Buffer> {
+        Ok(backend.alloc(self.dtype, self.total())?)
+    }
+
     fn split<'a>(&self, view: ViewMut<'a>) -> [ViewMut<'a>; N] {
         let mut parts = self.parts.split(view).into_iter();
         std::array::from_fn(|i| {
@@ -437,7 +442,7 @@ impl BlockActivations {
     ) -> Result<Self> {
         let parts = activation_parts(backend, config, batch, dtype);
         Ok(BlockActivations {
-            buffer: backend.alloc(dtype, parts.total())?,
+            buffer: parts.alloc(backend)?,
             parts,
         })
     }
@@ -517,7 +522,7 @@ impl BlockScratch {
     ) -> Result<Self> {
         let parts = scratch_parts(backend, config, batch, dtype);
         Ok(BlockScratch {
-            buffer: backend.alloc(dtype, parts.total())?,
+            buffer: parts.alloc(backend)?,
             parts,
         })
     }
@@ -832,7 +837,7 @@ impl HeadBuffers {
     ) -> Result<Self> {
         let parts = head_parts(config, batch, dtype);
         Ok(HeadBuffers {
-            buffer: backend.alloc(dtype, parts.total())?,
+            buffer: parts.alloc(backend)?,
             parts,
         })
     }
