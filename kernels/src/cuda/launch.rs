@@ -108,6 +108,10 @@ pub struct Ops {
     /// `attention.cu`'s forward, dq and dkv per [`FLASH_HEAD_DIMS`] entry.
     flash: Vec<[CudaFunction; 3]>,
     flash_dsum: CudaFunction,
+    /// False when `STRATA_FLASH_ATTENTION=0` was set at load: every
+    /// attention takes the CUDA-core kernels (to tell a tensor-core fault
+    /// from another).
+    flash_enabled: bool,
     multiprocessors: u32,
 }
 
@@ -170,6 +174,7 @@ impl Ops {
             single,
             flash,
             flash_dsum: function("flash_dsum")?,
+            flash_enabled: std::env::var_os("STRATA_FLASH_ATTENTION").is_none_or(|v| v != "0"),
             multiprocessors: multiprocessors.max(1) as u32,
         })
     }
@@ -740,7 +745,7 @@ impl Ops {
 
     /// The tensor-core kernels for this attention, when they take it: bf16,
     /// a head dim they are built for, every address 16-byte aligned (their
-    /// copies move 16 bytes).
+    /// copies move 16 bytes), and not turned off.
     fn flash_for(
         &self,
         dtype: Dtype,
@@ -749,7 +754,7 @@ impl Ops {
     ) -> Option<&[CudaFunction; 3]> {
         let at = FLASH_HEAD_DIMS.iter().position(|&d| d == shape.head_dim)?;
         let aligned = addresses.iter().all(|a| a % 16 == 0);
-        (dtype == Dtype::Bf16 && aligned).then(|| &self.flash[at])
+        (self.flash_enabled && dtype == Dtype::Bf16 && aligned).then(|| &self.flash[at])
     }
 
     /// The CUDA-core attention's grid, as the tensor-core kernels take it:
