@@ -99,11 +99,12 @@ pub struct StepShape {
     pub norm: bool,
     /// A commit op after the norm.
     pub commit: bool,
-    /// The head's backward writes the tied embedding's gradient tensor
-    /// (a GPU's weight-gradient GEMM into it); otherwise every micro-batch's
-    /// head and embedding backward sum it in one workspace and the last
-    /// micro-batch's embedding backward writes the tensor, once.
-    pub head_writes_embed_grad: bool,
+    /// Every group's gradient is summed over the step's micro-batches in a
+    /// workspace on the device and written to its tensor once, by the last
+    /// micro-batch's backward (strata's engine: all micro-batches in one
+    /// pass). Otherwise each micro-batch's backward updates the tensor (the
+    /// first writes it; the head's writes the tied embedding's).
+    pub workspace_grads: bool,
 }
 
 impl StepShape {
@@ -238,7 +239,7 @@ impl Builder<'_> {
         }
         for m in micro_batches {
             let mut accesses = vec![read(model.param(0))];
-            if shape.head_writes_embed_grad {
+            if !shape.workspace_grads {
                 accesses.push(access(model.grad(0), grad_mode(m == 0)));
             }
             self.push(Work::Head { m }, format!("m{m}.head"), accesses);
@@ -253,10 +254,14 @@ impl Builder<'_> {
             for part in (0..shape.parts).rev() {
                 let group = shape.group(layer, part);
                 for m in micro_batches.clone() {
-                    let mut accesses = vec![
-                        read(model.param(group)),
-                        access(model.grad(group), grad_mode(m == 0)),
-                    ];
+                    let mut accesses = vec![read(model.param(group))];
+                    match shape.workspace_grads {
+                        true if m + 1 == shape.micro_batches => {
+                            accesses.push(access(model.grad(group), Mode::Write));
+                        }
+                        true => {}
+                        false => accesses.push(access(model.grad(group), grad_mode(m == 0))),
+                    }
                     if part + 1 == shape.parts {
                         accesses.push(read(model.saved(m, layer)));
                     }
@@ -269,12 +274,12 @@ impl Builder<'_> {
             }
         }
         for m in micro_batches {
-            let accesses = match shape.head_writes_embed_grad {
-                true => vec![access(model.grad(0), grad_mode(false))],
-                false if m + 1 == shape.micro_batches => {
+            let accesses = match shape.workspace_grads {
+                false => vec![access(model.grad(0), grad_mode(false))],
+                true if m + 1 == shape.micro_batches => {
                     vec![access(model.grad(0), Mode::Write)]
                 }
-                false => Vec::new(),
+                true => Vec::new(),
             };
             let name = format!("m{m}.bwd.{}", model.name(0));
             self.push(Work::EmbedBackward { m }, name, accesses);
@@ -294,6 +299,10 @@ pub fn build_step(shape: &StepShape, model: &dyn StepModel) -> Vec<StepOp> {
         shape.micro_batches
     );
     assert!(shape.parts > 0, "a block has at least one part");
+    assert!(
+        !shape.workspace_grads || shape.in_flight == shape.micro_batches,
+        "gradients summed in a workspace need every micro-batch in one pass"
+    );
     let mut builder = Builder {
         shape,
         model,
@@ -364,7 +373,7 @@ mod tests {
             late: false,
             norm: false,
             commit: false,
-            head_writes_embed_grad: true,
+            workspace_grads: false,
         }
     }
 
@@ -449,7 +458,7 @@ mod tests {
             late: true,
             norm: true,
             commit: true,
-            head_writes_embed_grad: false,
+            workspace_grads: true,
             ..shape()
         };
         let ops = build_step(&shape, &Toy);
@@ -483,6 +492,14 @@ mod tests {
         assert_eq!(ops[9].op.accesses, [read(0)]);
         assert_eq!(ops[15].op.accesses, []);
         assert_eq!(ops[16].op.accesses, [access(100, Mode::Write)]);
+        // So is every block's: only the last micro-batch writes its tensor.
+        let grad2 = access(102, Mode::Write);
+        assert!(
+            !ops[11].op.accesses.iter().any(|a| a.tensor == 102),
+            "{:?}",
+            ops[11].op
+        );
+        assert!(ops[12].op.accesses.contains(&grad2), "{:?}", ops[12].op);
     }
 
     #[test]

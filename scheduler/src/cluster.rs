@@ -589,7 +589,7 @@ fn build_trace(
         late: false,
         norm: parallelism.grad_clip,
         commit: false,
-        head_writes_embed_grad: true,
+        workspace_grads: false,
     };
     let step = ClusterStep {
         parallelism,

@@ -14,7 +14,7 @@ use crate::gpt::{
     embed_backward, embed_forward, head_forward_backward,
 };
 
-use super::moves::{with_device_view, with_device_view_mut, write_from_view};
+use super::moves::{with_device_view, write_from_view};
 use strata_scheduler::{StepOp, Work};
 
 use super::optimizer::Update;
@@ -353,8 +353,12 @@ impl Engine {
                 Ok(backend.copy(saved, ws.acts.view_mut())?)
             })?;
         }
+        // The block's gradient is summed over the step's micro-batches
+        // (they run one after another here) and leaves after the last.
         let padded = self.groups[b + 1].padded(world);
-        backend.zero(ws.grad_full.view_mut().range(0..padded))?;
+        if m == 0 {
+            backend.zero(ws.grad_full.view_mut().range(0..padded))?;
+        }
         let stream = &mut ws.streams[m];
         block_backward(
             backend,
@@ -368,7 +372,9 @@ impl Engine {
             ws.grad_full.view_mut().range(0..self.groups[b + 1].params),
         )?;
         std::mem::swap(&mut ws.dx, &mut stream.dy);
-        self.reduce_gradient(b + 1, m)?;
+        if m + 1 == self.config.train.grad_accumulation {
+            self.reduce_gradient(b + 1)?;
+        }
         Ok(())
     }
 
@@ -386,7 +392,7 @@ impl Engine {
             ws.dembed.view_mut().range(0..embed_params),
         )?;
         if m + 1 == self.config.train.grad_accumulation {
-            self.reduce_gradient(0, m)?;
+            self.reduce_gradient(0)?;
         }
         Ok(())
     }
@@ -435,21 +441,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Reduce-scatters the full gradient in the workspace into group `g`'s
-    /// shard: written in micro-batch 0, added to after; the last
-    /// micro-batch also takes the shard's sum of squares. The embeddings'
-    /// gradient is reduced once, from the sum of every micro-batch's.
-    pub(super) fn reduce_gradient(&mut self, g: usize, m: usize) -> Result<()> {
+    /// Reduce-scatters group `g`'s full gradient, summed in the workspace
+    /// over the step's micro-batches, into its shard's tensor, and takes
+    /// the shard's sum of squares.
+    pub(super) fn reduce_gradient(&mut self, g: usize) -> Result<()> {
         let n = self.groups[g].shard;
         let padded = self.groups[g].padded(self.collective.world());
-        let index = grad_index(g);
-        let last = m + 1 == self.config.train.grad_accumulation;
-        let first = m == 0 || g == 0;
-        let id = if first {
-            self.tensor_to_write(index)?
-        } else {
-            self.slots[index].id.expect("written in micro-batch 0")
-        };
+        let id = self.tensor_to_write(grad_index(g))?;
         let (backend, ws) = (&*self.backend, &mut self.ws);
         let full = if g == 0 {
             ws.dembed.view()
@@ -464,29 +462,9 @@ impl Engine {
                 .wait()?;
             ws.shard32.view().range(0..n)
         };
-        if first {
-            let norm = match last {
-                true => Some(backend.sum_squares(shard)?),
-                false => None,
-            };
-            write_from_view(&self.runtime, backend, id, shard)?;
-            return match norm {
-                Some(norm) => self.defer_scalar(Scalar::Norm(g), norm),
-                None => Ok(()),
-            };
-        }
-        let sum_squares =
-            with_device_view_mut(&self.runtime, backend, id, Dtype::F32, |mut sum| {
-                backend.add(sum.reborrow(), shard)?;
-                Ok(match last {
-                    true => Some(backend.sum_squares(sum.view())?),
-                    false => None,
-                })
-            })?;
-        match sum_squares {
-            Some(norm) => self.defer_scalar(Scalar::Norm(g), norm),
-            None => Ok(()),
-        }
+        let norm = backend.sum_squares(shard)?;
+        write_from_view(&self.runtime, backend, id, shard)?;
+        self.defer_scalar(Scalar::Norm(g), norm)
     }
 
     /// Keeps a scalar the device computes, to read at the barrier; past

@@ -3,7 +3,7 @@
 //! or a move of it is in flight, retried; writes of computed tensors;
 //! deferred write-backs; every tensor returned home at the end of a step.
 
-use strata_device::{View, ViewMut};
+use strata_device::View;
 use strata_kernels::Backend;
 use strata_runtime::RuntimeError;
 use strata_runtime::{Access, Guard, Runtime, TensorId, Tier};
@@ -50,22 +50,6 @@ pub(super) fn with_device_view<R>(
     let mut held = guard(runtime, id, Tier::Device, Access::Read)?;
     backend.wait(held.ready())?;
     let out = read(held.device_view(dtype).expect(ON_DEVICE))?;
-    held.used_until(backend.record()?);
-    Ok(out)
-}
-
-/// [`with_device_view`] to write: `write` changes the device copy in place
-/// (every other copy of the tensor is released as stale).
-pub(super) fn with_device_view_mut<R>(
-    runtime: &Runtime,
-    backend: &dyn Backend,
-    id: TensorId,
-    dtype: strata_device::Dtype,
-    write: impl FnOnce(ViewMut<'_>) -> Result<R>,
-) -> Result<R> {
-    let mut held = guard(runtime, id, Tier::Device, Access::Write)?;
-    backend.wait(held.ready())?;
-    let out = write(held.device_view_mut(dtype).expect(ON_DEVICE))?;
     held.used_until(backend.record()?);
     Ok(out)
 }

@@ -147,7 +147,7 @@ impl Engine {
             late,
             norm: true,
             commit: true,
-            head_writes_embed_grad: false,
+            workspace_grads: true,
         };
         let block_ns = self.block_ns;
         let optimizer = match self.config.placement.optimizer {
