@@ -19,7 +19,7 @@ use strata_scheduler::{StepOp, Work};
 
 use super::optimizer::Update;
 use super::steps::label;
-use super::tensors::{Group, processor_tier};
+use super::tensors::{Group, grad_dtype, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
 
@@ -283,7 +283,7 @@ impl Engine {
         } else {
             self.ws.acts.view()
         };
-        write_from_view(&self.runtime, &*self.backend, id, saved)
+        write_from_view(&self.runtime, &*self.backend, id, saved, saved.dtype())
     }
 
     /// The head's forward and backward of micro-batch `m` (the first also
@@ -462,8 +462,11 @@ impl Engine {
                 .wait()?;
             ws.shard32.view().range(0..n)
         };
+        // The norm of the f32 sum; the tensor keeps it in the gradients'
+        // dtype (bf16 with bf16 compute: half the bytes to the optimizer).
         let norm = backend.sum_squares(shard)?;
-        write_from_view(&self.runtime, backend, id, shard)?;
+        let dtype = grad_dtype(&self.config, ws.dtype);
+        write_from_view(&self.runtime, backend, id, shard, dtype)?;
         self.defer_scalar(Scalar::Norm(g), norm)
     }
 

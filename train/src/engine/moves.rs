@@ -54,21 +54,24 @@ pub(super) fn with_device_view<R>(
     Ok(out)
 }
 
-/// Writes `source` (as many bytes as the tensor) whole into the tensor's
-/// device copy, device to device on the compute stream, without reading
-/// its old bytes.
+/// Writes `source` (as many elements as the tensor holds of `dtype`) whole
+/// into the tensor's device copy, device to device on the compute stream,
+/// without reading its old bytes: copied, or cast (rounded to nearest
+/// even) where `dtype` is not the source's.
 pub(super) fn write_from_view(
     runtime: &Runtime,
     backend: &dyn Backend,
     id: TensorId,
     source: View<'_>,
+    dtype: strata_device::Dtype,
 ) -> Result<()> {
     runtime.overwrite_with(id, Tier::Device, |held| -> Result<()> {
         backend.wait(held.ready())?;
-        backend.copy(
-            source,
-            held.device_view_mut(source.dtype()).expect(ON_DEVICE),
-        )?;
+        let target = held.device_view_mut(dtype).expect(ON_DEVICE);
+        match source.dtype() == dtype {
+            true => backend.copy(source, target)?,
+            false => backend.cast(source, target)?,
+        }
         held.used_until(backend.record()?);
         Ok(())
     })

@@ -44,6 +44,8 @@ pub(super) struct OptJob {
     /// How the states are kept, and the seed of their rounding.
     pub(super) state_dtype: StateDtype,
     pub(super) seed: u64,
+    /// The gradients' dtype (f32, or bf16 into the fused step).
+    pub(super) grad_dtype: strata_device::Dtype,
 }
 
 /// One optimizer step's coefficients (without and with weight decay) and
@@ -175,6 +177,7 @@ pub(super) fn adam_group(
     let n = group.shard as u64;
     let dtype = job.state_dtype;
     let (master, moment) = (dtype.master_bytes() as u64, dtype.moment_bytes() as u64);
+    let grad_bytes = job.grad_dtype.bytes();
     for (run, decays) in &group.runs {
         let coefficients = &job.update.coefficients[usize::from(*decays)];
         let (first, len) = (run.start as u64, run.len() as u64);
@@ -190,7 +193,7 @@ pub(super) fn adam_group(
         };
         strata_runtime::zip_ranges(
             [
-                (grad, 4 * first, 4),
+                (grad, grad_bytes * first, grad_bytes),
                 (state_in, master * first, master),
                 (state_in, m_at, moment),
                 (state_in, v_at, moment),
@@ -227,7 +230,10 @@ pub(super) fn adam_group(
                         },
                     )
                 };
-                let grads = Values::F32(bytemuck::cast_slice(g));
+                let grads = match grad_bytes {
+                    4 => Values::F32(bytemuck::cast_slice(g)),
+                    _ => Values::Bf16(bytemuck::cast_slice(g)),
+                };
                 let out = Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out)));
                 // The masters are f32 or bf16 by the state dtype.
                 macro_rules! step {
@@ -405,6 +411,7 @@ impl Engine {
             update: *update,
             state_dtype: self.config.optim.state_dtype,
             seed: self.config.train.seed,
+            grad_dtype: super::tensors::grad_dtype(&self.config, self.ws.dtype),
         };
         match &mut self.worker {
             Some(worker) => {

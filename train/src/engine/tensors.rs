@@ -209,6 +209,16 @@ pub(super) struct Kept {
     pub(super) dtype: Dtype,
 }
 
+/// The gradients' dtype as they leave the device: bf16 with bf16 compute
+/// (the CPU optimizer's fused step takes them), unless the optimizer runs
+/// on the device (its AdamW takes f32); f32 otherwise.
+pub(super) fn grad_dtype(config: &TrainConfig, compute: Dtype) -> Dtype {
+    match (compute, config.placement.optimizer) {
+        (Dtype::Bf16, Placement::Cpu | Placement::Nvme) => Dtype::Bf16,
+        _ => Dtype::F32,
+    }
+}
+
 /// The trace's tensors: per group two parameter sets, two state sets and
 /// the gradient; then what each block keeps for its backward, per
 /// micro-batch: `kept` as block `b` recomputes (`recompute[b]`) or not.
@@ -257,7 +267,7 @@ pub(super) fn slots(
         slots.push(slot(
             format!("{}.grad", group.name),
             TensorKind::Grad,
-            Dtype::F32,
+            grad_dtype(config, kept.dtype),
             n,
             Some(grads_home),
         ));
@@ -472,5 +482,42 @@ impl Engine {
             self.runtime.move_to(id, home)?.wait()?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gradients_leave_in_bf16_only_with_bf16_compute_and_the_optimizer_off_the_device() {
+        let mut config = TrainConfig::default();
+        let groups = [Group {
+            name: "g".into(),
+            params: 10,
+            shard: 10,
+            first: 0,
+            runs: vec![(0..10, true)],
+        }];
+        let kept = |dtype| Kept {
+            whole: 64,
+            input: 16,
+            dtype,
+        };
+        let grad = |config: &TrainConfig, dtype| {
+            let slots = slots(config, &groups, kept(dtype), &[]);
+            let grad = slots
+                .iter()
+                .find(|s| s.meta.kind == TensorKind::Grad)
+                .unwrap();
+            (grad.meta.dtype, grad.meta.len_bytes())
+        };
+        for placement in [Placement::Cpu, Placement::Nvme] {
+            config.placement.optimizer = placement;
+            assert_eq!(grad(&config, Dtype::Bf16), (Dtype::Bf16, 20));
+            assert_eq!(grad(&config, Dtype::F32), (Dtype::F32, 40));
+        }
+        config.placement.optimizer = Placement::Device;
+        assert_eq!(grad(&config, Dtype::Bf16), (Dtype::F32, 40));
     }
 }
