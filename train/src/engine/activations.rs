@@ -28,12 +28,13 @@ const LINK_PROBE_BYTES_MAX: u64 = 64 << 20;
 /// Timed repetitions of each measurement (after one untimed).
 const PROBE_ROUNDS: usize = 3;
 
-/// What one block keeps per micro-batch.
-pub(super) fn kept_bytes(gpt: &GptConfig, batch: usize, acts: &BlockActivations) -> Kept {
+/// What one block keeps per micro-batch: its activation buffer, or its
+/// input part.
+pub(super) fn kept_bytes(acts: &BlockActivations) -> Kept {
     let dtype = acts.dtype();
     Kept {
         whole: acts.bytes(),
-        input: (batch * gpt.seq * gpt.hidden) as u64 * dtype.bytes(),
+        input: acts.input().len() as u64 * dtype.bytes(),
         dtype,
     }
 }
@@ -94,7 +95,7 @@ pub(super) fn recompute_blocks(
         return Ok(Candidates::one(fixed));
     }
     let batch = config.train.micro_batch;
-    let Kept { whole, input, .. } = kept_bytes(gpt, batch, &ws.acts);
+    let Kept { whole, input, .. } = kept_bytes(&ws.acts);
     let footprint = |bytes: u64, tier: Tier| runtime.footprint_bytes(bytes)[tier.index()];
     let states = slots
         .iter()
@@ -224,7 +225,7 @@ fn measure_block_forward(
             backend,
             gpt,
             batch,
-            super::compute::weights(&ws.gathered, &ws.gathered16, ws.dtype, block_params),
+            super::compute::weights(&ws.gathered, &ws.gathered16, block_params),
             ws.streams[0].x.view(),
             &mut ws.acts,
             &mut ws.scratch,

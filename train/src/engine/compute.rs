@@ -10,8 +10,8 @@ use strata_kernels::{Backend, Readback};
 
 use crate::error::Result;
 use crate::gpt::{
-    BlockActivations, BlockScratch, GptConfig, HeadBuffers, Weights, block_backward, block_forward,
-    embed_backward, embed_forward, head_forward_backward,
+    BlockActivations, BlockLayout, BlockScratch, GptConfig, HeadBuffers, Weights, block_backward,
+    block_forward, embed_backward, embed_forward, head_forward_backward,
 };
 
 use super::moves::{with_device_view, write_from_view};
@@ -19,7 +19,7 @@ use strata_scheduler::{StepOp, Work};
 
 use super::optimizer::Update;
 use super::steps::label;
-use super::tensors::{Group, grad_dtype, processor_tier};
+use super::tensors::{Group, processor_tier};
 use super::tensors::{grad_index, param_index};
 use super::{Engine, PER_GROUP};
 
@@ -63,10 +63,8 @@ pub(super) struct Workspace {
     /// last.
     pub(super) dembed: Buffer,
     /// With bf16 compute, the gathered parameters again in bf16 (what the
-    /// matrix products read); empty with f32.
+    /// matrix products read); an empty f32 buffer with f32 compute.
     pub(super) gathered16: Buffer,
-    /// The activations' dtype.
-    pub(super) dtype: Dtype,
 }
 
 /// One micro-batch's buffers between ops.
@@ -117,8 +115,10 @@ impl Workspace {
             targets_host: vec![0; tokens],
             streams,
             dembed: f32s(embed_padded)?,
-            gathered16: acts(if dtype == Dtype::F32 { 0 } else { padded_max })?,
-            dtype,
+            gathered16: match dtype {
+                Dtype::F32 => f32s(0)?,
+                _ => acts(padded_max)?,
+            },
         })
     }
 
@@ -149,15 +149,10 @@ impl Workspace {
 }
 
 /// The first `n` gathered parameters as the model reads them: f32, and the
-/// bf16 copy for the matrix products when the compute dtype is bf16.
-pub(super) fn weights<'a>(
-    gathered: &'a Buffer,
-    gathered16: &'a Buffer,
-    dtype: Dtype,
-    n: usize,
-) -> Weights<'a> {
+/// bf16 copy for the matrix products when there is one (bf16 compute).
+pub(super) fn weights<'a>(gathered: &'a Buffer, gathered16: &'a Buffer, n: usize) -> Weights<'a> {
     let f32 = gathered.view().range(0..n);
-    match dtype {
+    match gathered16.dtype() {
         Dtype::F32 => f32.into(),
         _ => Weights {
             f32,
@@ -265,12 +260,7 @@ impl Engine {
             &*self.backend,
             &self.gpt,
             batch,
-            weights(
-                &ws.gathered,
-                &ws.gathered16,
-                ws.dtype,
-                self.groups[b + 1].params,
-            ),
+            weights(&ws.gathered, &ws.gathered16, self.groups[b + 1].params),
             stream.x.view(),
             &mut ws.acts,
             &mut ws.scratch,
@@ -304,7 +294,7 @@ impl Engine {
         let loss = head_forward_backward(
             &*self.backend,
             &self.gpt,
-            weights(&ws.gathered, &ws.gathered16, ws.dtype, embed_params),
+            weights(&ws.gathered, &ws.gathered16, embed_params),
             stream.x.view(),
             stream.targets.view(),
             scale,
@@ -325,14 +315,9 @@ impl Engine {
         let index = self.saved_index(m, b);
         let id = self.slots[index].id.expect("saved in forward");
         let ws = &mut self.ws;
-        let params = weights(
-            &ws.gathered,
-            &ws.gathered16,
-            ws.dtype,
-            self.groups[b + 1].params,
-        );
+        let params = weights(&ws.gathered, &ws.gathered16, self.groups[b + 1].params);
         let backend = &*self.backend;
-        let dtype = ws.dtype;
+        let dtype = ws.acts.dtype();
         if self.recompute[b] {
             // The recompute reads the kept input where it lies.
             with_device_view(&self.runtime, backend, id, dtype, |input| {
@@ -402,8 +387,11 @@ impl Engine {
     }
 
     /// All-gathers group `g`'s current bf16 shards into the workspace (as
-    /// f32: the values are bf16's). One rank widens its device copy
-    /// straight into the gathered buffer.
+    /// f32: the values are bf16's), and with bf16 compute into the bf16
+    /// copy the products read. One rank widens its device copy straight
+    /// into the gathered buffer: with bf16 compute only what is read in f32
+    /// (a block's vectors; the whole embeddings, whose tables are looked up
+    /// in f32), the rest copied as it is.
     pub(super) fn gather(&mut self, g: usize) -> Result<()> {
         // A late update of the group writes the parameters read here.
         self.wait_worker(Some(g))?;
@@ -412,10 +400,18 @@ impl Engine {
         let n = self.groups[g].shard;
         let padded = self.groups[g].padded(self.collective.world());
         let (backend, ws) = (&*self.backend, &mut self.ws);
-        let bf16 = ws.dtype == Dtype::Bf16;
+        let bf16 = ws.gathered16.dtype() == Dtype::Bf16;
         if self.collective.world() == 1 {
+            let layout = BlockLayout::new(self.gpt.hidden);
             return with_device_view(&self.runtime, backend, id, Dtype::Bf16, |shard| {
-                backend.cast(shard, ws.gathered.view_mut().range(0..n))?;
+                if !bf16 || g == 0 {
+                    backend.cast(shard, ws.gathered.view_mut().range(0..n))?;
+                } else {
+                    for range in layout.vectors() {
+                        let gathered = ws.gathered.view_mut().range(range.clone());
+                        backend.cast(shard.range(range), gathered)?;
+                    }
+                }
                 if bf16 {
                     backend.copy(shard, ws.gathered16.view_mut().range(0..n))?;
                 }
@@ -465,7 +461,7 @@ impl Engine {
         // The norm of the f32 sum; the tensor keeps it in the gradients'
         // dtype (bf16 with bf16 compute: half the bytes to the optimizer).
         let norm = backend.sum_squares(shard)?;
-        let dtype = grad_dtype(&self.config, ws.dtype);
+        let dtype = self.slots[grad_index(g)].meta.dtype;
         write_from_view(&self.runtime, backend, id, shard, dtype)?;
         self.defer_scalar(Scalar::Norm(g), norm)
     }

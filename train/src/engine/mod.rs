@@ -282,7 +282,7 @@ impl Engine {
         )?;
         let workspace_bytes = ws.bytes() + backend_bytes;
         let runtime = open_runtime(config, rank, workspace_bytes, faults, context)?;
-        let kept = activations::kept_bytes(&gpt, batch, &ws.acts);
+        let kept = activations::kept_bytes(&ws.acts);
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that
         // the host's staging reserve is not sized for the largest).

@@ -411,7 +411,7 @@ impl Engine {
             update: *update,
             state_dtype: self.config.optim.state_dtype,
             seed: self.config.train.seed,
-            grad_dtype: super::tensors::grad_dtype(&self.config, self.ws.dtype),
+            grad_dtype: self.slots[grad_index(g)].meta.dtype,
         };
         match &mut self.worker {
             Some(worker) => {

@@ -257,6 +257,8 @@ const FC1_W: usize = 8;
 const FC1_B: usize = 9;
 const FC2_W: usize = 10;
 const FC2_B: usize = 11;
+/// The weight matrices among them.
+const MATRICES: [usize; 4] = [QKV_W, PROJ_W, FC1_W, FC2_W];
 
 /// Where each tensor of a block sits in its flat parameter view.
 #[derive(Debug, Clone, Copy)]
@@ -315,9 +317,15 @@ impl BlockLayout {
     /// Whether parameter `index` is a weight matrix (decayed by AdamW),
     /// not a bias or a LayerNorm scale.
     pub fn is_matrix(&self, index: usize) -> bool {
-        [QKV_W, PROJ_W, FC1_W, FC2_W]
-            .iter()
-            .any(|&i| self.range(i).contains(&index))
+        MATRICES.iter().any(|&i| self.range(i).contains(&index))
+    }
+
+    /// The tensors a block reads in f32 whatever the compute dtype: its
+    /// biases and LayerNorm parameters (a small part of it).
+    pub fn vectors(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..12)
+            .filter(|i| !MATRICES.contains(i))
+            .map(|i| self.range(i))
     }
 
     /// Each tensor's view: weight matrices in the compute dtype, the rest
@@ -327,9 +335,9 @@ impl BlockLayout {
             self.parts.views(weights.f32),
             self.parts.views(weights.compute),
         );
-        std::array::from_fn(|i| match i {
-            QKV_W | PROJ_W | FC1_W | FC2_W => compute[i],
-            _ => f32s[i],
+        std::array::from_fn(|i| match MATRICES.contains(&i) {
+            true => compute[i],
+            false => f32s[i],
         })
     }
 }
