@@ -131,9 +131,10 @@ pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
         };
         let backend = strata_kernels::cuda::CudaBackend::new(context.clone(), limits)?;
         let rows = run_bench(&backend, &bench)?;
-        let flash = dtype == Dtype::Bf16
-            && strata_kernels::cuda::FLASH_HEAD_DIMS.contains(&attention.head_dim);
-        let path = if flash { "tensor cores" } else { "cuda cores" };
+        let path = match backend.attention_on_tensor_cores(dtype, attention) {
+            true => "tensor cores",
+            false => "cuda cores",
+        };
         (
             rows,
             format!("cuda:{} ({})", args.ordinal, backend.name()),

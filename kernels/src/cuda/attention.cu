@@ -207,6 +207,37 @@ __device__ __forceinline__ void accumulate_times_tile(float (&out)[D / 8][4],
     }
 }
 
+// What a thread of a block of FLASH_ROWS query rows of one (sequence,
+// head) works from: the sizes, its rows (the longest, the last blocks
+// under the causal mask, start first), where its head's q | k | v start,
+// its warp and place in the warp, the key tiles its rows see, and the
+// score scale in log2 units.
+struct QueryBlock {
+    u64 seq, hidden, stride, head, b, q0;
+    const bf16_t *base;
+    int warp, group, quad, tiles;
+    float scale;
+};
+
+template <int D> __device__ __forceinline__ QueryBlock query_block(AttnShape a, const bf16_t *qkv) {
+    QueryBlock q;
+    q.seq = a.seq;
+    q.hidden = a.heads * D;
+    q.stride = 3 * q.hidden;
+    q.head = blockIdx.y;
+    q.b = blockIdx.z;
+    q.q0 = (u64)(gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
+    q.base = qkv + q.b * q.seq * q.stride + q.head * D;
+    const int lane = threadIdx.x % 32;
+    q.warp = threadIdx.x / 32;
+    q.group = lane / 4;
+    q.quad = lane % 4;
+    const u64 keys = min(q.q0 + FLASH_ROWS, q.seq);
+    q.tiles = (int)((keys + FLASH_KEYS - 1) / FLASH_KEYS);
+    q.scale = LOG2E / sqrtf((float)D);
+    return q;
+}
+
 // grid (ceil(seq / FLASH_ROWS), heads, batch), FLASH_THREADS threads,
 // (FLASH_ROWS + 4 FLASH_KEYS) x (D + FLASH_PAD) bf16 of dynamic shared
 // memory: the query tile and two stages of key and value tiles.
@@ -217,16 +248,8 @@ __device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float
     bf16_t *tile_q = shared;
     bf16_t *tile_k = tile_q + FLASH_ROWS * LD;
     bf16_t *tile_v = tile_k + 2 * FLASH_KEYS * LD;
-    const u64 seq = a.seq, hidden = a.heads * D, stride = 3 * hidden;
-    const u64 head = blockIdx.y, b = blockIdx.z;
-    // The longest rows (the last blocks, causal) start first.
-    const u64 q0 = (u64)(gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
-    const bf16_t *base = qkv + b * seq * stride + head * D;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int group = lane / 4, quad = lane % 4;
-    const u64 keys = min(q0 + FLASH_ROWS, seq);
-    const int tiles = (int)((keys + FLASH_KEYS - 1) / FLASH_KEYS);
-    const float scale = LOG2E / sqrtf((float)D);
+    const auto [seq, hidden, stride, head, b, q0, base, warp, group, quad, tiles, scale] =
+        query_block<D>(a, qkv);
 
     load_tile<D, FLASH_ROWS>(tile_q, base, stride, q0, seq);
     load_tile<D, FLASH_KEYS>(tile_k, base + hidden, stride, 0, seq);
@@ -383,15 +406,8 @@ __device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *
     bf16_t *tile_do = tile_q + FLASH_ROWS * LD;
     bf16_t *tile_k = tile_do + FLASH_ROWS * LD;
     bf16_t *tile_v = tile_k + FLASH_KEYS * LD;
-    const u64 seq = a.seq, hidden = a.heads * D, stride = 3 * hidden;
-    const u64 head = blockIdx.y, b = blockIdx.z;
-    const u64 q0 = (u64)(gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
-    const bf16_t *base = qkv + b * seq * stride + head * D;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int group = lane / 4, quad = lane % 4;
-    const u64 keys = min(q0 + FLASH_ROWS, seq);
-    const int tiles = (int)((keys + FLASH_KEYS - 1) / FLASH_KEYS);
-    const float scale = LOG2E / sqrtf((float)D);
+    const auto [seq, hidden, stride, head, b, q0, base, warp, group, quad, tiles, scale] =
+        query_block<D>(a, qkv);
 
     load_tile<D, FLASH_ROWS>(tile_q, base, stride, q0, seq);
     load_tile<D, FLASH_ROWS>(tile_do, dout + b * seq * hidden + head * D, hidden, q0, seq);

@@ -276,6 +276,12 @@ impl CudaBackend {
         self.context.compute_stream()
     }
 
+    /// Whether this attention runs on the tensor-core kernels, for operands
+    /// the backend allocated (every allocation is 16-byte aligned).
+    pub fn attention_on_tensor_cores(&self, dtype: Dtype, shape: Attention) -> bool {
+        self.ops.attention_on_tensor_cores(dtype, shape, &[])
+    }
+
     /// `c = a b` with `epilogue` fused (its bias and aux at the addresses
     /// given); false, with nothing enqueued, where cuBLASLt has no
     /// algorithm for it (the caller runs the ops unfused).

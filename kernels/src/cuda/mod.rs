@@ -54,19 +54,23 @@ pub fn attention_kernels() -> Vec<String> {
 
 /// Bytes of dynamic shared memory `kernel` (a [`FLASH_PER_HEAD_DIM`]
 /// name) takes at `head_dim`, as `attention.cu` lays its tiles out: rows of
-/// `head_dim + 8` bf16 (64 query rows, 64 keys per tile).
+/// `head_dim + FLASH_PAD` bf16, [`FLASH_ROWS`] query rows and as many keys
+/// per tile.
 pub fn flash_shared_bytes(kernel: &str, head_dim: usize) -> u32 {
-    let row = (head_dim as u32 + 8) * 2;
+    /// `attention.cu`'s FLASH_PAD.
+    const FLASH_PAD: u32 = 8;
+    let row = (head_dim as u32 + FLASH_PAD) * 2;
+    let tile = FLASH_ROWS as u32 * row;
     match kernel {
         // The query tile and two stages of key and value tiles.
-        "flash_forward" => (64 + 4 * 64) * row,
+        "flash_forward" => 5 * tile,
         // Query, dout, key and value tiles.
-        "flash_backward_dq" => 4 * 64 * row,
-        // Key and value tiles, query and dout tiles of 64 rows (32 at head
-        // dim 128) and those rows' lse and D.
+        "flash_backward_dq" => 4 * tile,
+        // Key and value tiles, query and dout tiles of FLASH_KV_ROWS(D)
+        // rows (half as many at head dim 128) and those rows' lse and D.
         "flash_backward_dkv" => {
             let rows = if head_dim == 128 { 32 } else { 64 };
-            2 * 64 * row + 2 * rows * row + 2 * rows * 4
+            2 * tile + 2 * rows * row + 2 * rows * 4
         }
         other => panic!("{other} is not one of attention.cu's per-head-dim kernels"),
     }

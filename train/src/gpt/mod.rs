@@ -435,14 +435,9 @@ pub struct BlockActivations {
 }
 
 impl BlockActivations {
-    /// f32 buffers for `batch` sequences of `config.seq` tokens on
-    /// `backend`.
-    pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
-        Self::with_dtype(backend, config, batch, Dtype::F32)
-    }
-
-    /// Buffers whose activations are `dtype` (f32 or bf16).
-    pub fn with_dtype(
+    /// Buffers for `batch` sequences of `config.seq` tokens on `backend`,
+    /// the activations `dtype` (f32 or bf16).
+    pub fn new(
         backend: &dyn Backend,
         config: &GptConfig,
         batch: usize,
@@ -516,13 +511,9 @@ pub struct BlockScratch {
 }
 
 impl BlockScratch {
-    /// f32 buffers for `batch` sequences on `backend`.
-    pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
-        Self::with_dtype(backend, config, batch, Dtype::F32)
-    }
-
-    /// Buffers whose activation gradients are `dtype` (f32 or bf16).
-    pub fn with_dtype(
+    /// Buffers for `batch` sequences on `backend`, the activation
+    /// gradients `dtype` (f32 or bf16).
+    pub fn new(
         backend: &dyn Backend,
         config: &GptConfig,
         batch: usize,
@@ -831,13 +822,9 @@ pub struct HeadBuffers {
 }
 
 impl HeadBuffers {
-    /// f32 buffers for `batch` sequences on `backend`.
-    pub fn new(backend: &dyn Backend, config: &GptConfig, batch: usize) -> Result<Self> {
-        Self::with_dtype(backend, config, batch, Dtype::F32)
-    }
-
-    /// Buffers whose activations and logits are `dtype` (f32 or bf16).
-    pub fn with_dtype(
+    /// Buffers for `batch` sequences on `backend`, the activations and
+    /// logits `dtype` (f32 or bf16).
+    pub fn new(
         backend: &dyn Backend,
         config: &GptConfig,
         batch: usize,
@@ -965,9 +952,9 @@ pub fn forward_logits(
     expect_len("tokens", tokens.len(), batch.max(1) * config.seq)?;
     expect_len("blocks", blocks.len(), config.layers)?;
     let n = batch * config.seq;
-    let mut acts = BlockActivations::new(backend, config, batch)?;
-    let mut scratch = BlockScratch::new(backend, config, batch)?;
-    let mut head = HeadBuffers::new(backend, config, batch)?;
+    let mut acts = BlockActivations::new(backend, config, batch, Dtype::F32)?;
+    let mut scratch = BlockScratch::new(backend, config, batch, Dtype::F32)?;
+    let mut head = HeadBuffers::new(backend, config, batch, Dtype::F32)?;
     let mut x = backend.alloc(Dtype::F32, n * config.hidden)?;
     let mut y = backend.alloc(Dtype::F32, n * config.hidden)?;
     embed_forward(backend, config, embed, tokens, x.view_mut())?;

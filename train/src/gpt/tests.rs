@@ -72,9 +72,9 @@ fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
     let mut acts: Vec<BlockActivations> = (0..CONFIG.layers)
-        .map(|_| BlockActivations::new(CPU, &CONFIG, BATCH).unwrap())
+        .map(|_| BlockActivations::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap())
         .collect();
-    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH).unwrap();
+    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
     let mut x = vec![0.0; n * h];
     let tokens = View::host_slice(&tokens);
     embed_forward(CPU, &CONFIG, v(&m.embed), tokens, w(&mut x)).unwrap();
@@ -93,7 +93,7 @@ fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
         .unwrap();
         std::mem::swap(&mut x, &mut next);
     }
-    let mut head = HeadBuffers::new(CPU, &CONFIG, BATCH).unwrap();
+    let mut head = HeadBuffers::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
     let mut dembed = vec![0.0; CONFIG.embed_params()];
     let mut dx = vec![0.0; n * h];
     let loss = head_forward_backward(
@@ -195,7 +195,7 @@ fn recomputed_forward_gives_the_same_gradients() {
         w(&mut x),
     )
     .unwrap();
-    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH).unwrap();
+    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
     let mut out = vec![0.0; n * h];
     let dout = values(n * h, 2.0, 1.0);
     let mut grads = [
@@ -204,7 +204,7 @@ fn recomputed_forward_gives_the_same_gradients() {
     ];
     let mut dx = [vec![0.0; n * h], vec![0.0; n * h]];
     for (grads, dx) in grads.iter_mut().zip(&mut dx) {
-        let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH).unwrap();
+        let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
         let p = v(&m.blocks[0]);
         block_forward(
             CPU,
@@ -240,8 +240,8 @@ fn buffers_of_the_wrong_size_are_named_errors() {
     let m = model();
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
-    let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH).unwrap();
-    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH).unwrap();
+    let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
+    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
     let (x, mut out) = (vec![0.0; n * h - 1], vec![0.0; n * h]);
     let p = v(&m.blocks[0]);
     let error = block_forward(
