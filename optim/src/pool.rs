@@ -1,12 +1,19 @@
 //! A persistent thread pool, one thread per physical core and pinned to it,
-//! that splits large tensors into one contiguous piece per thread. Small
+//! that splits large tensors into a few contiguous pieces per thread, which
+//! the threads share out as they go (so a thread slowed by a neighbour on
+//! its core does not hold the others up). Small
 //! tensors stay on the calling thread: waking workers costs more than it
-//! saves below [`PoolConfig::parallel_elems_min`].
+//! saves below [`PoolConfig::parallel_elems_min`]. The `*_many` steps take
+//! a whole list of tensors (a model's parameters) and cut all their
+//! elements into one run per thread, so the threads wake once per step
+//! rather than once per tensor.
 //!
 //! Splits fall on multiples of [`SPLIT_ALIGN_ELEMS`], a whole number of
 //! vectors on every back end, so results do not depend on the thread count.
 
 use std::sync::Arc;
+
+use rayon::prelude::*;
 
 use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +37,33 @@ pub const THREADS_MAX: usize = 256;
 pub const SPLIT_ALIGN_ELEMS: usize = 64;
 
 const _: () = assert!(SPLIT_ALIGN_ELEMS.is_multiple_of(crate::simd::LANES_MAX));
+
+/// One tensor of [`Pool::adam_step_many`]: parameters, gradients,
+/// moments and the optional 16-bit copy of the updated parameters.
+pub type AdamShard<'a> = (
+    &'a mut [f32],
+    Values<'a>,
+    Moments<'a>,
+    Option<LowPrecisionMut<'a>>,
+);
+
+/// One tensor of [`Pool::adagrad_step_many`] or [`Pool::lion_step_many`]:
+/// parameters, gradients, the one fp32 state and the optional 16-bit copy.
+pub type StateShard<'a> = (
+    &'a mut [f32],
+    Values<'a>,
+    &'a mut [f32],
+    Option<LowPrecisionMut<'a>>,
+);
+
+/// Pieces per thread a large call is cut into: the threads share them out
+/// as they go (work stealing), so one slowed thread delays the call by a
+/// piece, not by half of it.
+pub const PIECES_PER_THREAD: usize = 4;
+
+/// The shortest piece worth cutting off (a quarter of a MiB per f32
+/// stream): shorter ones cost more in hand-offs than they balance.
+pub const PIECE_ELEMS_MIN: usize = 1 << 16;
 
 /// How to build a [`Pool`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -249,6 +283,38 @@ impl Pool {
         });
     }
 
+    /// [`adam_step`] over many tensors in one call (a model's parameters):
+    /// the threads wake once for all of them. Each tensor ends as
+    /// [`Pool::adam_step`] would leave it, bit for bit.
+    pub fn adam_step_many(&self, coefficients: &AdamCoefficients, shards: Vec<AdamShard<'_>>) {
+        let isa = self.isa;
+        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o)| {
+            adam_step(isa, coefficients, p, g, m, o)
+        });
+    }
+
+    /// [`adagrad_step`] over many tensors in one call, as
+    /// [`Pool::adam_step_many`].
+    pub fn adagrad_step_many(
+        &self,
+        coefficients: &AdagradCoefficients,
+        shards: Vec<StateShard<'_>>,
+    ) {
+        let isa = self.isa;
+        self.split_many(shards, |s| s.0.len(), &|(p, g, s, o)| {
+            adagrad_step(isa, coefficients, p, g, s, o)
+        });
+    }
+
+    /// [`lion_step`] over many tensors in one call, as
+    /// [`Pool::adam_step_many`] (the state is the momentum).
+    pub fn lion_step_many(&self, coefficients: &LionCoefficients, shards: Vec<StateShard<'_>>) {
+        let isa = self.isa;
+        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o)| {
+            lion_step(isa, coefficients, p, g, m, o)
+        });
+    }
+
     /// [`grads::grad_norm`] over the pool, summed over every shard given.
     pub fn grad_norm(&self, shards: &[Values<'_>]) -> GradNorm {
         let isa = self.isa;
@@ -295,11 +361,45 @@ impl Pool {
         });
     }
 
+    /// How many pieces `len` elements are cut into: [`PIECES_PER_THREAD`]
+    /// per thread, so that threads which finish early take over pieces
+    /// from one slowed down (by a core it shares with torch's OpenMP
+    /// threads spinning after their last parallel region, say), but none
+    /// shorter than [`PIECE_ELEMS_MIN`], and at least one per thread.
+    fn pieces(&self, len: usize) -> usize {
+        (self.threads * PIECES_PER_THREAD)
+            .min(len / PIECE_ELEMS_MIN)
+            .max(self.threads)
+    }
+
+    /// Runs `kernel` over every shard, the elements of all of them cut
+    /// into runs of about equal length ([`Pool::pieces`]; a shard may be
+    /// cut, at a multiple of [`SPLIT_ALIGN_ELEMS`]): the threads wake once
+    /// for the whole list, and small shards share the threads too.
+    fn split_many<A: Split + Send>(
+        &self,
+        shards: Vec<A>,
+        len: fn(&A) -> usize,
+        kernel: &(dyn Fn(A) + Sync),
+    ) {
+        let total = shards.iter().map(len).sum::<usize>();
+        match &self.workers {
+            Some(workers) if total >= self.parallel_elems_min => {
+                let runs = cut_runs(shards, len, total, self.pieces(total));
+                workers.install(|| {
+                    runs.into_par_iter()
+                        .for_each(|run| run.into_iter().for_each(kernel))
+                })
+            }
+            _ => shards.into_iter().for_each(kernel),
+        }
+    }
+
     fn split<A: Split + Send>(&self, len: usize, args: A, kernel: &(dyn Fn(A) + Sync)) {
         self.split_reduce(len, args, kernel, |(), ()| ())
     }
 
-    /// Runs `kernel` on one piece per thread and folds the results.
+    /// Runs `kernel` on [`Pool::pieces`] pieces and folds the results.
     fn split_reduce<A: Split + Send, R: Send>(
         &self,
         len: usize,
@@ -309,7 +409,7 @@ impl Pool {
     ) -> R {
         match &self.workers {
             Some(workers) if len >= self.parallel_elems_min => {
-                workers.install(|| split_into(args, len, self.threads, kernel, combine))
+                workers.install(|| split_into(args, len, self.pieces(len), kernel, combine))
             }
             _ => kernel(args),
         }
@@ -317,7 +417,8 @@ impl Pool {
 }
 
 /// Halves `args` until there are `pieces` pieces, each half on its own
-/// rayon task (join runs on the stack; nothing is allocated).
+/// rayon task (join runs on the stack; nothing is allocated); idle threads
+/// steal the halves not yet started.
 fn split_into<A: Split + Send, R: Send>(
     args: A,
     len: usize,
@@ -338,6 +439,38 @@ fn split_into<A: Split + Send, R: Send>(
     combine(a, b)
 }
 
+/// Deals `shards` (`total` elements) into `runs` runs in order, each ending
+/// at about `total * (i + 1) / runs` elements; a shard that crosses a run's
+/// end is cut there (rounded down to [`SPLIT_ALIGN_ELEMS`]).
+fn cut_runs<A: Split>(
+    shards: Vec<A>,
+    len: fn(&A) -> usize,
+    total: usize,
+    runs: usize,
+) -> Vec<Vec<A>> {
+    let mut out: Vec<Vec<A>> = (0..runs).map(|_| Vec::new()).collect();
+    let (mut run, mut dealt) = (0, 0);
+    for mut shard in shards {
+        let mut left = len(&shard);
+        loop {
+            let room = (total * (run + 1) / runs).saturating_sub(dealt);
+            if left <= room || run + 1 == runs {
+                out[run].push(shard);
+                dealt += left;
+                break;
+            }
+            let take = room / SPLIT_ALIGN_ELEMS * SPLIT_ALIGN_ELEMS;
+            if take > 0 {
+                let (head, tail) = shard.split_at(take);
+                out[run].push(head);
+                (shard, dealt, left) = (tail, dealt + take, left - take);
+            }
+            run += 1;
+        }
+    }
+    out
+}
+
 fn start_workers(threads: usize, cpus: Vec<usize>) -> Result<rayon::ThreadPool, OptimError> {
     let warned = Arc::new(AtomicBool::new(false));
     rayon::ThreadPoolBuilder::new()
@@ -355,4 +488,84 @@ fn start_workers(threads: usize, cpus: Vec<usize>) -> Result<rayon::ThreadPool, 
         .map_err(|error| OptimError::Pool {
             reason: error.to_string(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The runs of `cut_runs` over slices of the given lengths: (start
+    /// address offset, length) of each piece, per run.
+    fn runs(lens: &[usize], threads: usize) -> Vec<Vec<(usize, usize)>> {
+        let data = vec![0u8; lens.iter().sum()];
+        let mut shards = Vec::new();
+        let mut rest = &data[..];
+        for &n in lens {
+            let (shard, tail) = rest.split_at(n);
+            shards.push(shard);
+            rest = tail;
+        }
+        let total = data.len();
+        let base = data.as_ptr() as usize;
+        cut_runs(shards, |s| s.len(), total, threads)
+            .into_iter()
+            .map(|run| {
+                run.iter()
+                    .map(|s| (s.as_ptr() as usize - base, s.len()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn runs_cover_every_element_once_in_order_and_about_evenly() {
+        for (lens, threads) in [
+            (vec![1 << 20; 8], 2),
+            (vec![1 << 20; 8], 3),
+            (vec![5_000_000, 3, 0, 700_001, 64, 1 << 18], 4),
+            (vec![100; 50], 7),
+            (vec![10], 4),
+            (vec![], 2),
+        ] {
+            let runs = runs(&lens, threads);
+            assert_eq!(runs.len(), threads);
+            let pieces: Vec<(usize, usize)> = runs.iter().flatten().copied().collect();
+            let mut next = 0;
+            for &(at, len) in &pieces {
+                assert_eq!(
+                    at, next,
+                    "{lens:?} on {threads}: pieces in order, no gap or overlap"
+                );
+                next += len;
+            }
+            let total: usize = lens.iter().sum();
+            assert_eq!(next, total);
+            for run in &runs {
+                let len: usize = run.iter().map(|p| p.1).sum();
+                // Each run ends within one alignment step of its share.
+                assert!(
+                    len.abs_diff(total / threads) <= 2 * SPLIT_ALIGN_ELEMS,
+                    "{lens:?} on {threads}: a run of {len}"
+                );
+            }
+            // A shard is cut only at aligned points inside it.
+            for &(at, len) in &pieces {
+                let shard_start = lens
+                    .iter()
+                    .scan(0, |s, &n| {
+                        let a = *s;
+                        *s += n;
+                        Some(a)
+                    })
+                    .filter(|&s| s <= at)
+                    .last()
+                    .unwrap_or(0);
+                assert_eq!(
+                    (at - shard_start) % SPLIT_ALIGN_ELEMS,
+                    0,
+                    "{lens:?}: piece at {at}+{len}"
+                );
+            }
+        }
+    }
 }

@@ -4,7 +4,7 @@
 use proptest::prelude::*;
 use strata_optim::{
     AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, PoolConfig,
-    THREADS_MAX, Values, adam_step, bf16, grad_norm,
+    THREADS_MAX, Values, adagrad_step, adam_step, bf16, grad_norm, lion_step,
 };
 
 fn pool(threads: usize) -> Pool {
@@ -50,6 +50,148 @@ proptest! {
         let norm = pool.grad_norm(&[Values::Bf16(&grads), Values::Bf16(&grads)]);
         let expected = 2.0 * grad_norm(isa, Values::Bf16(&grads)).sum_squares;
         prop_assert!((norm.sum_squares - expected).abs() <= 1e-12 * expected.max(1e-300));
+    }
+}
+
+/// One parameter tensor of a multi-tensor step: params, bf16 or f32
+/// gradients, two states (bf16 moments for Adam when `bf16_moments`).
+#[derive(Clone, Debug, PartialEq)]
+struct Tensors {
+    p: Vec<f32>,
+    g: Vec<f32>,
+    g16: Option<Vec<bf16>>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    m16: Option<(Vec<bf16>, Vec<bf16>)>,
+    copy: Option<Vec<bf16>>,
+}
+
+fn tensors(lens: &[(usize, u8)], seed: u32) -> Vec<Tensors> {
+    lens.iter()
+        .enumerate()
+        .map(|(i, &(n, kind))| {
+            let seed = seed.wrapping_add(i as u32 * 7919);
+            let to16 = |x: Vec<f32>| x.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+            Tensors {
+                p: data(n, seed),
+                g: data(n, seed ^ 1),
+                g16: (kind & 1 != 0).then(|| to16(data(n, seed ^ 1))),
+                m: data(n, seed ^ 2),
+                v: vec![0.25; n],
+                m16: (kind & 2 != 0)
+                    .then(|| (to16(data(n, seed ^ 2)), vec![bf16::from_f32(0.25); n])),
+                copy: (kind & 4 != 0).then(|| vec![bf16::ZERO; n]),
+            }
+        })
+        .collect()
+}
+
+impl Tensors {
+    fn adam_parts(&mut self) -> strata_optim::AdamShard<'_> {
+        let grads = match &self.g16 {
+            Some(g) => Values::Bf16(g),
+            None => Values::F32(&self.g),
+        };
+        let moments = match &mut self.m16 {
+            Some((m, v)) => Moments::Bf16 { m, v },
+            None => Moments::F32 {
+                m: &mut self.m,
+                v: &mut self.v,
+            },
+        };
+        (
+            &mut self.p,
+            grads,
+            moments,
+            self.copy.as_deref_mut().map(LowPrecisionMut::Bf16),
+        )
+    }
+
+    fn state_parts(&mut self) -> strata_optim::StateShard<'_> {
+        let grads = match &self.g16 {
+            Some(g) => Values::Bf16(g),
+            None => Values::F32(&self.g),
+        };
+        (
+            &mut self.p,
+            grads,
+            &mut self.v,
+            self.copy.as_deref_mut().map(LowPrecisionMut::Bf16),
+        )
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// A step over many tensors in one call leaves each as the one-tensor
+    /// kernel on the calling thread does, whatever the lengths, formats and
+    /// thread count (tensors are cut across threads mid-way).
+    #[test]
+    fn many_tensor_steps_match_one_tensor_at_a_time(
+        lens in prop::collection::vec((0usize..3000, 0u8..8), 0..8),
+        threads in 1usize..5,
+        seed in any::<u32>(),
+    ) {
+        let pool = pool(threads);
+        let isa = pool.isa();
+        let adam = AdamConfig::adamw(1e-2).coefficients(3, 0.5).unwrap();
+        let adagrad = AdagradConfig::new(1e-2).coefficients(2, 1.0).unwrap();
+        let lion = LionConfig::new(1e-3).coefficients(1, 1.0).unwrap();
+
+        let mut expected = tensors(&lens, seed);
+        for t in &mut expected {
+            let (p, g, m, o) = t.adam_parts();
+            adam_step(isa, &adam, p, g, m, o);
+        }
+        let mut got = tensors(&lens, seed);
+        pool.adam_step_many(&adam, got.iter_mut().map(Tensors::adam_parts).collect());
+        prop_assert_eq!(&got, &expected);
+
+        for t in &mut expected {
+            let (p, g, s, o) = t.state_parts();
+            adagrad_step(isa, &adagrad, p, g, s, o);
+        }
+        pool.adagrad_step_many(&adagrad, got.iter_mut().map(Tensors::state_parts).collect());
+        prop_assert_eq!(&got, &expected);
+
+        for t in &mut expected {
+            let (p, g, s, o) = t.state_parts();
+            lion_step(isa, &lion, p, g, s, o);
+        }
+        pool.lion_step_many(&lion, got.iter_mut().map(Tensors::state_parts).collect());
+        prop_assert_eq!(&got, &expected);
+    }
+}
+
+/// Large calls are cut into several pieces per thread (shared out as the
+/// threads go): still the calling thread's bits, for one tensor and many.
+#[test]
+fn calls_cut_into_many_pieces_per_thread_keep_the_bits() {
+    let lens = [
+        (700_001, 0),
+        (3, 1),
+        (300_000, 3),
+        (65_537, 5),
+        (0, 0),
+        (1 << 18, 6),
+    ];
+    let isa = pool(1).isa();
+    let adam = AdamConfig::adamw(1e-2).coefficients(7, 0.25).unwrap();
+    let mut expected = tensors(&lens, 11);
+    for t in &mut expected {
+        let (p, g, m, o) = t.adam_parts();
+        adam_step(isa, &adam, p, g, m, o);
+    }
+    for threads in [2, 3] {
+        let pool = pool(threads);
+        let mut got = tensors(&lens, 11);
+        pool.adam_step_many(&adam, got.iter_mut().map(Tensors::adam_parts).collect());
+        assert_eq!(got, expected, "{threads} threads, many tensors");
+        let mut one = tensors(&lens[..1], 11);
+        let (p, g, m, o) = one[0].adam_parts();
+        pool.adam_step(&adam, p, g, m, o);
+        assert_eq!(one[0], expected[0], "{threads} threads, one tensor");
     }
 }
 
