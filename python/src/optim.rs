@@ -1,17 +1,19 @@
 //! `strata._strata.Kernels`: strata-optim's pool behind three calls (Adam,
-//! Adagrad, Lion), each stepping one parameter's tensors in place with the
-//! GIL released. The Python optimizers in `strata/optim.py` drive it.
+//! Adagrad, Lion), each stepping one parameter's tensors, or a whole list
+//! of parameters at once, in place with the GIL released. The Python optimizers in `strata/optim.py` drive it.
 
 use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use strata_optim::{
-    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, PoolConfig,
-    Values, bf16, f16,
+    AdagradConfig, AdamConfig, AdamShard, LionConfig, LowPrecisionMut, Moments, OptimError, Pool,
+    PoolConfig, StateShard, Values, bf16, f16,
 };
 
-use crate::tensor::{Dtype, Tensor, check_disjoint};
+use crate::tensor::{
+    Dtype, Tensor, check_disjoint, expect_count, optional_tensor_list, tensor_list,
+};
 
 fn optim_error(err: OptimError) -> PyErr {
     PyValueError::new_err(err.to_string())
@@ -60,27 +62,106 @@ unsafe fn low_precision(t: &Tensor) -> LowPrecisionMut<'_> {
     }
 }
 
-/// Checks a parameter, its gradient and its optional 16-bit copy.
-fn check_common(
-    params: &Tensor,
-    grads: &Tensor,
-    copy: Option<&Tensor>,
-    states: &[&Tensor],
-) -> PyResult<()> {
-    params.expect(&[Dtype::F32], params.elems)?;
-    params.check_writable()?;
-    grads.expect(GRADS, params.elems)?;
-    let mut all = vec![params, grads];
-    for state in states {
-        state.check_writable()?;
-        all.push(state);
+/// One call's tensors, checked: for each parameter its fp32 values, its
+/// gradient, its states (`states[k][i]` is state `k` of parameter `i`) and
+/// an optional 16-bit copy of the update. Every argument is a tensor or a
+/// list with one entry per parameter.
+struct Batch {
+    params: Vec<Tensor>,
+    grads: Vec<Tensor>,
+    states: Vec<Vec<Tensor>>,
+    copies: Vec<Option<Tensor>>,
+}
+
+impl Batch {
+    fn new(
+        params: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+        states: &[(&Bound<'_, PyAny>, &str)],
+        copies: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Batch> {
+        let params = tensor_list(params, "params")?;
+        let n = params.len();
+        let grads = tensor_list(grads, "grads")?;
+        expect_count(grads.len(), "grads", n)?;
+        let states = states
+            .iter()
+            .map(|&(obj, name)| {
+                let list = tensor_list(obj, name)?;
+                expect_count(list.len(), name, n)?;
+                Ok(list)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let copies = match copies {
+            Some(copies) => optional_tensor_list(copies, "param_copy", n)?,
+            None => (0..n).map(|_| None).collect(),
+        };
+        for (i, p) in params.iter().enumerate() {
+            p.expect(&[Dtype::F32], p.elems)?;
+            p.check_writable()?;
+            grads[i].expect(GRADS, p.elems)?;
+            for state in &states {
+                state[i].check_writable()?;
+            }
+            if let Some(copy) = &copies[i] {
+                copy.expect(COPY, p.elems)?;
+                copy.check_writable()?;
+            }
+        }
+        let all: Vec<&Tensor> = params
+            .iter()
+            .chain(&grads)
+            .chain(states.iter().flatten())
+            .chain(copies.iter().flatten())
+            .collect();
+        check_disjoint(&all)?;
+        Ok(Batch {
+            params,
+            grads,
+            states,
+            copies,
+        })
     }
-    if let Some(copy) = copy {
-        copy.expect(COPY, params.elems)?;
-        copy.check_writable()?;
-        all.push(copy);
+
+    /// Errors unless state `k` of every parameter has one of `dtypes`.
+    fn expect_state(&self, k: usize, dtypes: &[Dtype]) -> PyResult<()> {
+        for (state, p) in self.states[k].iter().zip(&self.params) {
+            state.expect(dtypes, p.elems)?;
+        }
+        Ok(())
     }
-    check_disjoint(&all)
+
+    /// Parameter `i`'s params, gradients and 16-bit copy as slices.
+    ///
+    /// # Safety
+    /// The checks of [`Batch::new`] hold (they did when it returned) and
+    /// nothing else touches the tensors while the slices live.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn common(&self, i: usize) -> (&mut [f32], Values<'_>, Option<LowPrecisionMut<'_>>) {
+        // SAFETY: dtypes, lengths, writability and disjointness were checked in `new`; exclusivity is the caller's.
+        unsafe {
+            (
+                self.params[i].slice_mut(),
+                values(&self.grads[i]),
+                self.copies[i].as_ref().map(|c| low_precision(c)),
+            )
+        }
+    }
+
+    /// Every parameter's slices with its one fp32 state (Adagrad, Lion).
+    ///
+    /// # Safety
+    /// As [`Batch::common`], and state 0 is fp32 ([`Batch::expect_state`]).
+    unsafe fn with_one_state(&self) -> Vec<StateShard<'_>> {
+        (0..self.params.len())
+            .map(|i| {
+                // SAFETY: the caller's contract.
+                let (p, g, copy) = unsafe { self.common(i) };
+                // SAFETY: checked fp32 and writable, disjoint from the rest.
+                (p, g, unsafe { self.states[0][i].slice_mut() }, copy)
+            })
+            .collect()
+    }
 }
 
 impl Kernels {
@@ -141,7 +222,9 @@ impl Kernels {
         self.run(py, |pool| pool.isa().name())
     }
 
-    /// One Adam/AdamW step of one parameter, in place. `grads`: fp32, bf16
+    /// One Adam/AdamW step, in place, of one parameter or of a list of them
+    /// (each argument then a list with one entry per parameter; one call
+    /// for a whole param group wakes the threads once). `grads`: fp32, bf16
     /// (or uint16 holding bf16) or fp16; moments fp32 or bf16;
     /// `param_copy`: an optional bf16/fp16 tensor that receives the updated
     /// parameters (the fused offload step).
@@ -166,24 +249,20 @@ impl Kernels {
         grad_scale: f32,
         param_copy: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let params = Tensor::from_py(params, "params")?;
-        let grads = Tensor::from_py(grads, "grads")?;
-        let m = Tensor::from_py(exp_avg, "exp_avg")?;
-        let v = Tensor::from_py(exp_avg_sq, "exp_avg_sq")?;
-        let copy = param_copy
-            .map(|c| Tensor::from_py(c, "param_copy"))
-            .transpose()?;
-        check_common(&params, &grads, copy.as_ref(), &[&m, &v])?;
-        m.expect(&[Dtype::F32, Dtype::Bf16, Dtype::U16], params.elems)?;
-        let bf16_moments = m.dtype != Dtype::F32;
-        v.expect(
-            if bf16_moments {
-                &[Dtype::Bf16, Dtype::U16]
-            } else {
-                &[Dtype::F32]
-            },
-            params.elems,
+        let batch = Batch::new(
+            params,
+            grads,
+            &[(exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")],
+            param_copy,
         )?;
+        batch.expect_state(0, &[Dtype::F32, Dtype::Bf16, Dtype::U16])?;
+        for (i, m) in batch.states[0].iter().enumerate() {
+            let v = &batch.states[1][i];
+            match m.dtype {
+                Dtype::F32 => v.expect(&[Dtype::F32], m.elems)?,
+                _ => v.expect(&[Dtype::Bf16, Dtype::U16], m.elems)?,
+            }
+        }
         let config = AdamConfig {
             lr,
             beta1,
@@ -196,31 +275,32 @@ impl Kernels {
         };
         let coefficients = config.coefficients(step, grad_scale).map_err(optim_error)?;
         self.run(py, |pool| {
-            // SAFETY: every dtype and length was checked above, the tensors are pairwise disjoint and writable where written, and they stay alive (held here) until the step returns.
-            unsafe {
-                let moments = if bf16_moments {
-                    Moments::Bf16 {
-                        m: m.slice_mut(),
-                        v: v.slice_mut(),
+            let shards: Vec<AdamShard<'_>> = (0..batch.params.len())
+                .map(|i| {
+                    let (m, v) = (&batch.states[0][i], &batch.states[1][i]);
+                    // SAFETY: every dtype and length was checked above, the tensors are pairwise disjoint and writable where written, and they stay alive (held by `batch`) until the step returns.
+                    unsafe {
+                        let (p, g, copy) = batch.common(i);
+                        let moments = match m.dtype {
+                            Dtype::F32 => Moments::F32 {
+                                m: m.slice_mut(),
+                                v: v.slice_mut(),
+                            },
+                            _ => Moments::Bf16 {
+                                m: m.slice_mut(),
+                                v: v.slice_mut(),
+                            },
+                        };
+                        (p, g, moments, copy)
                     }
-                } else {
-                    Moments::F32 {
-                        m: m.slice_mut(),
-                        v: v.slice_mut(),
-                    }
-                };
-                pool.adam_step(
-                    &coefficients,
-                    params.slice_mut(),
-                    values(&grads),
-                    moments,
-                    copy.as_ref().map(|c| low_precision(c)),
-                );
-            }
+                })
+                .collect();
+            pool.adam_step_many(&coefficients, shards);
         })
     }
 
-    /// One Adagrad step (PyTorch's rule) of one parameter, in place.
+    /// One Adagrad step (PyTorch's rule), in place, of one parameter or a
+    /// list of them (as `adam`).
     #[pyo3(signature = (params, grads, state_sum, *, step, lr, eps, weight_decay, lr_decay=0.0,
         grad_scale=1.0, param_copy=None))]
     #[allow(clippy::too_many_arguments)]
@@ -238,14 +318,8 @@ impl Kernels {
         grad_scale: f32,
         param_copy: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let params = Tensor::from_py(params, "params")?;
-        let grads = Tensor::from_py(grads, "grads")?;
-        let sum = Tensor::from_py(state_sum, "state_sum")?;
-        let copy = param_copy
-            .map(|c| Tensor::from_py(c, "param_copy"))
-            .transpose()?;
-        check_common(&params, &grads, copy.as_ref(), &[&sum])?;
-        sum.expect(&[Dtype::F32], params.elems)?;
+        let batch = Batch::new(params, grads, &[(state_sum, "state_sum")], param_copy)?;
+        batch.expect_state(0, &[Dtype::F32])?;
         let config = AdagradConfig {
             lr,
             lr_decay,
@@ -255,20 +329,14 @@ impl Kernels {
         };
         let coefficients = config.coefficients(step, grad_scale).map_err(optim_error)?;
         self.run(py, |pool| {
-            // SAFETY: as in `adam`.
-            unsafe {
-                pool.adagrad_step(
-                    &coefficients,
-                    params.slice_mut(),
-                    values(&grads),
-                    sum.slice_mut(),
-                    copy.as_ref().map(|c| low_precision(c)),
-                );
-            }
+            // SAFETY: checked by `Batch::new` and `expect_state`; the tensors stay alive (held by `batch`) until the step returns.
+            let shards = unsafe { batch.with_one_state() };
+            pool.adagrad_step_many(&coefficients, shards);
         })
     }
 
-    /// One Lion step of one parameter, in place.
+    /// One Lion step, in place, of one parameter or a list of them (as
+    /// `adam`).
     #[pyo3(signature = (params, grads, exp_avg, *, step, lr, beta1, beta2, weight_decay,
         grad_scale=1.0, param_copy=None))]
     #[allow(clippy::too_many_arguments)]
@@ -286,14 +354,8 @@ impl Kernels {
         grad_scale: f32,
         param_copy: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let params = Tensor::from_py(params, "params")?;
-        let grads = Tensor::from_py(grads, "grads")?;
-        let momentum = Tensor::from_py(exp_avg, "exp_avg")?;
-        let copy = param_copy
-            .map(|c| Tensor::from_py(c, "param_copy"))
-            .transpose()?;
-        check_common(&params, &grads, copy.as_ref(), &[&momentum])?;
-        momentum.expect(&[Dtype::F32], params.elems)?;
+        let batch = Batch::new(params, grads, &[(exp_avg, "exp_avg")], param_copy)?;
+        batch.expect_state(0, &[Dtype::F32])?;
         let config = LionConfig {
             lr,
             beta1,
@@ -302,16 +364,9 @@ impl Kernels {
         };
         let coefficients = config.coefficients(step, grad_scale).map_err(optim_error)?;
         self.run(py, |pool| {
-            // SAFETY: as in `adam`.
-            unsafe {
-                pool.lion_step(
-                    &coefficients,
-                    params.slice_mut(),
-                    values(&grads),
-                    momentum.slice_mut(),
-                    copy.as_ref().map(|c| low_precision(c)),
-                );
-            }
+            // SAFETY: as in `adagrad`.
+            let shards = unsafe { batch.with_one_state() };
+            pool.lion_step_many(&coefficients, shards);
         })
     }
 }

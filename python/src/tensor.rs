@@ -11,7 +11,10 @@ use std::ffi::{CStr, c_void};
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyList, PyTuple, PyType};
 
 /// DLPack's device, data type and tensor (dlpack.h, ABI version 0.x).
 #[repr(C)]
@@ -131,13 +134,88 @@ enum Keep {
         _owner: Py<PyAny>,
         _capsule: Py<PyAny>,
     },
+    /// A torch tensor and its storage: the storage keeps the memory even
+    /// if the tensor is pointed elsewhere meanwhile (`set_`, `resize_`).
+    Storage {
+        _owner: Py<PyAny>,
+        _storage: Py<PyAny>,
+    },
     /// A buffer view; releasing it (on drop) lets the exporter resize again.
     Buffer(#[allow(dead_code)] PyUntypedBuffer),
 }
 
+/// `torch.Tensor` and the dtypes strata takes, looked up once, when the
+/// first object from torch arrives (torch is imported by then).
+struct Torch {
+    tensor: Py<PyType>,
+    is_grad_enabled: Py<PyAny>,
+    dtypes: Vec<(Py<PyAny>, Dtype)>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+impl Torch {
+    /// torch's lookups when `obj` is a torch tensor (a type from a torch
+    /// module; subclasses elsewhere take the DLPack path).
+    fn of<'a>(obj: &Bound<'a, PyAny>) -> PyResult<Option<&'a Torch>> {
+        let py = obj.py();
+        if let Some(torch) = TORCH.get(py) {
+            return Ok(obj.is_instance(torch.tensor.bind(py))?.then_some(torch));
+        }
+        let module = obj.get_type().module()?;
+        if !module.to_str()?.starts_with("torch") {
+            return Ok(None);
+        }
+        let torch = TORCH.get_or_try_init(py, || -> PyResult<Torch> {
+            let module = py.import("torch")?;
+            let mut dtypes = Vec::new();
+            for (name, dtype) in [
+                ("float32", Dtype::F32),
+                ("bfloat16", Dtype::Bf16),
+                ("float16", Dtype::F16),
+                ("uint16", Dtype::U16),
+                ("uint8", Dtype::U8),
+            ] {
+                // uint16 arrived in torch 2.3.
+                if let Ok(object) = module.getattr(name) {
+                    dtypes.push((object.unbind(), dtype));
+                }
+            }
+            Ok(Torch {
+                tensor: module.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+                is_grad_enabled: module.getattr("is_grad_enabled")?.unbind(),
+                dtypes,
+            })
+        })?;
+        Ok(obj.is_instance(torch.tensor.bind(py))?.then_some(torch))
+    }
+
+    /// The dtype of a `torch.dtype` (others by kind and width, for errors).
+    fn dtype(&self, dtype: &Bound<'_, PyAny>) -> PyResult<Dtype> {
+        for (known, ours) in &self.dtypes {
+            if dtype.is(known) {
+                return Ok(*ours);
+            }
+        }
+        let bits = dtype.getattr("itemsize")?.extract::<usize>()? * 8;
+        let code = match (
+            dtype.getattr("is_floating_point")?.is_truthy()?,
+            dtype.getattr("is_complex")?.is_truthy()?,
+            dtype.getattr("is_signed")?.is_truthy()?,
+        ) {
+            (true, _, _) => DL_FLOAT,
+            (_, true, _) => DL_COMPLEX,
+            (_, _, true) => DL_INT,
+            _ if bits == 8 && dtype.str()?.to_str()? == "torch.bool" => DL_BOOL,
+            _ => DL_UINT,
+        };
+        Ok(Dtype::from_dlpack(code, bits.min(255) as u8))
+    }
+}
+
 /// A contiguous CPU tensor borrowed from Python.
 pub(crate) struct Tensor {
-    pub(crate) name: &'static str,
+    pub(crate) name: String,
     ptr: *mut u8,
     pub(crate) elems: usize,
     pub(crate) dtype: Dtype,
@@ -155,7 +233,10 @@ unsafe impl Sync for Tensor {}
 
 impl Tensor {
     /// Borrows `obj` (named `name` in errors).
-    pub(crate) fn from_py(obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<Tensor> {
+    pub(crate) fn from_py(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Tensor> {
+        if let Some(torch) = Torch::of(obj)? {
+            return Self::from_torch(obj, torch, name);
+        }
         if obj.hasattr("__dlpack__")? {
             // An exporter that refuses (numpy's read-only arrays) may still
             // offer the buffer protocol; errors of our own checks stand.
@@ -180,7 +261,7 @@ impl Tensor {
     fn from_capsule(
         obj: &Bound<'_, PyAny>,
         capsule: Bound<'_, PyAny>,
-        name: &'static str,
+        name: &str,
     ) -> PyResult<Tensor> {
         let capsule_name = CAPSULE_NAME.as_ptr();
         // SAFETY: `capsule` is a live object; GetPointer checks that it is a capsule with this name and returns null (with an exception set) otherwise.
@@ -229,7 +310,7 @@ impl Tensor {
         // SAFETY: byte_offset lies inside the allocation DLPack describes.
         let ptr = unsafe { tensor.data.cast::<u8>().add(tensor.byte_offset as usize) };
         Ok(Tensor {
-            name,
+            name: name.to_string(),
             ptr,
             elems,
             dtype,
@@ -241,7 +322,65 @@ impl Tensor {
         })
     }
 
-    fn from_buffer(buffer: PyUntypedBuffer, name: &'static str) -> PyResult<Tensor> {
+    /// A torch tensor read through its own accessors (a tenth of the cost
+    /// of `__dlpack__`, which matters for a model's hundreds of tensors per
+    /// step), with the same checks as the DLPack path; its storage is held
+    /// like the capsule would hold it.
+    fn from_torch(obj: &Bound<'_, PyAny>, torch: &Torch, name: &str) -> PyResult<Tensor> {
+        let py = obj.py();
+        if !obj.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor is on {}, strata steps CPU tensors: move it with .cpu() or \
+                 offload the optimizer to the CPU",
+                obj.getattr("device")?.str()?
+            )));
+        }
+        // Raw writes bypass autograd, as torch's own in-place updates do
+        // under no_grad: a tensor that requires grad is taken only there.
+        if obj.getattr(intern!(py, "requires_grad"))?.is_truthy()?
+            && torch.is_grad_enabled.call0(py)?.is_truthy(py)?
+        {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor requires grad and autograd is on (call under \
+                 torch.no_grad(), or pass tensor.detach(): strata writes under no_grad)"
+            )));
+        }
+        // A negative view holds -x lazily (complex dtypes, whose conjugate
+        // bit is the other lazy flag, are refused by dtype).
+        if obj.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor is a lazy view (is_neg): pass tensor.resolve_neg()"
+            )));
+        }
+        if !obj
+            .call_method0(intern!(py, "is_contiguous"))?
+            .is_truthy()?
+        {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor is not contiguous (shape {}, strides {}): pass \
+                 tensor.contiguous()",
+                obj.getattr("shape")?.str()?,
+                obj.call_method0("stride")?.str()?
+            )));
+        }
+        let dtype = torch.dtype(&obj.getattr(intern!(py, "dtype"))?)?;
+        let elems: usize = obj.call_method0(intern!(py, "numel"))?.extract()?;
+        let address: usize = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let storage = obj.call_method0(intern!(py, "untyped_storage"))?;
+        Ok(Tensor {
+            name: name.to_string(),
+            ptr: address as *mut u8,
+            elems,
+            dtype,
+            readonly: false,
+            _keep: Keep::Storage {
+                _owner: obj.clone().unbind(),
+                _storage: storage.unbind(),
+            },
+        })
+    }
+
+    fn from_buffer(buffer: PyUntypedBuffer, name: &str) -> PyResult<Tensor> {
         if !buffer.is_c_contiguous() {
             return Err(PyValueError::new_err(format!(
                 "{name}: the buffer is not C-contiguous: pass a contiguous copy"
@@ -249,7 +388,7 @@ impl Tensor {
         }
         let dtype = Dtype::from_format(buffer.format(), buffer.item_size());
         Ok(Tensor {
-            name,
+            name: name.to_string(),
             ptr: buffer.buf_ptr().cast(),
             elems: buffer.item_count(),
             dtype,
@@ -331,21 +470,80 @@ fn dlpack_refused(err: PyErr, name: &str) -> PyErr {
 }
 
 /// Errors if any two of `tensors` share memory (a kernel would then read
-/// what it is writing).
+/// what it is writing). Sorted by address, so a model's hundreds of tensors
+/// cost n log n, not n squared.
 pub(crate) fn check_disjoint(tensors: &[&Tensor]) -> PyResult<()> {
-    for (i, a) in tensors.iter().enumerate() {
-        for b in &tensors[i + 1..] {
-            let (a0, a1) = (a.ptr as usize, a.ptr as usize + a.len_bytes());
-            let (b0, b1) = (b.ptr as usize, b.ptr as usize + b.len_bytes());
-            if a0 < b1 && b0 < a1 && a.len_bytes() > 0 && b.len_bytes() > 0 {
-                return Err(PyValueError::new_err(format!(
-                    "{} and {} share memory: pass separate tensors",
-                    a.name, b.name
-                )));
-            }
+    // (start, argument order, end, name): equal starts keep the order given.
+    let mut spans: Vec<(usize, usize, usize, &str)> = tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.len_bytes() > 0)
+        .map(|(i, t)| {
+            let start = t.ptr as usize;
+            (start, i, start + t.len_bytes(), t.name.as_str())
+        })
+        .collect();
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        let ((_, _, a_end, a), (b_start, _, _, b)) = (pair[0], pair[1]);
+        if b_start < a_end {
+            return Err(PyValueError::new_err(format!(
+                "{a} and {b} share memory: pass separate tensors"
+            )));
         }
     }
     Ok(())
+}
+
+/// A tensor, or each tensor of a list or tuple (named `name[i]` in errors).
+pub(crate) fn tensor_list(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<Tensor>> {
+    match items(obj) {
+        Some(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| Tensor::from_py(item, &format!("{name}[{i}]")))
+            .collect(),
+        None => Ok(vec![Tensor::from_py(obj, name)?]),
+    }
+}
+
+/// As [`tensor_list`], where an entry may be None (no tensor there); `n`
+/// entries are expected, one per parameter.
+pub(crate) fn optional_tensor_list(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    n: usize,
+) -> PyResult<Vec<Option<Tensor>>> {
+    let tensors: Vec<Option<Tensor>> = match items(obj) {
+        Some(items) => items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| match item.is_none() {
+                true => Ok(None),
+                false => Tensor::from_py(item, &format!("{name}[{i}]")).map(Some),
+            })
+            .collect::<PyResult<_>>()?,
+        None => vec![Some(Tensor::from_py(obj, name)?)],
+    };
+    expect_count(tensors.len(), name, n)?;
+    Ok(tensors)
+}
+
+/// Errors unless a list holds one entry per parameter.
+pub(crate) fn expect_count(got: usize, name: &str, params: usize) -> PyResult<()> {
+    if got != params {
+        return Err(PyValueError::new_err(format!(
+            "{name}: {got} tensors for {params} parameters: pass one per parameter"
+        )));
+    }
+    Ok(())
+}
+
+fn items<'py>(obj: &Bound<'py, PyAny>) -> Option<Vec<Bound<'py, PyAny>>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Some(list.iter().collect());
+    }
+    obj.cast::<PyTuple>().ok().map(|t| t.iter().collect())
 }
 
 /// # Safety
@@ -360,6 +558,11 @@ unsafe fn dims<'a>(ptr: *const i64, n: usize) -> &'a [i64] {
 }
 
 fn is_c_contiguous(shape: &[i64], strides: &[i64]) -> bool {
+    // An empty tensor touches no memory, whatever strides it reports
+    // (numpy exports zero strides for them).
+    if shape.contains(&0) {
+        return true;
+    }
     let mut expected = 1i64;
     for (&extent, &stride) in shape.iter().zip(strides).rev() {
         if extent != 1 && stride != expected {

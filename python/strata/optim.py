@@ -10,7 +10,8 @@ Parameters, gradients and states are CPU tensors stepped in place, with no
 copies and the GIL released; the fp32 parameter update is bit-for-bit the
 same on any number of threads. ``state_dict()`` follows
 ``torch.optim.AdamW``'s layout (``step`` a float32 tensor; DeepSpeed's int
-steps load too), so checkpoints move between the two.
+steps load too), so checkpoints move between the two; the live
+``state[p]["step"]`` is an int, as in DeepSpeed.
 
 ``step_fused(param_copies)`` is ZeRO-Offload's step in one pass over
 memory: gradients in fp32, bf16 or fp16, the update, and the updated
@@ -73,47 +74,99 @@ class _StrataOptimizer(torch.optim.Optimizer):
             self._kernels, self._kernels_pid = kernels, os.getpid()
         return kernels
 
-    def _params_with_grads(self, grads):
-        """(group, param, grad) for every parameter with a gradient, in order."""
-        index = 0
+    def _batches(self, grads, init):
+        """The parameters with gradients (``p.grad``, or ``grads[i]`` in
+        param_groups order), their steps advanced and their states created
+        on first use from ``init(group, p)``, batched for one kernel call
+        each: per param group and step number (a parameter added later, or
+        skipped while it had no gradient, is at another step), in order.
+        Each batch is (group, step, indices, params, grads, states).
+
+        The live ``step`` is a Python int (as DeepSpeed keeps it): adding to
+        a tensor per parameter per step cost more than the rest of the
+        step's Python. ``state_dict()`` writes it as torch's float32 tensor,
+        and a tensor step loaded from torch is read back as an int. This
+        loop runs once per parameter per step, so it is kept lean."""
+        if grads is not None:
+            count = sum(len(g["params"]) for g in self.param_groups)
+            if len(grads) != count:
+                raise ValueError(f"grads has {len(grads)} entries for {count} parameters")
+        batches = {}
+        try:
+            self._gather(grads, init, batches)
+        except BaseException:
+            _rewind(batches.values())
+            raise
+        return list(batches.values())
+
+    def _gather(self, grads, init, batches):
+        """_batches' loop: fills ``batches`` (kept by the caller, which puts
+        the steps back if this raises half way)."""
+        states = self.state
+        index = -1
         for group in self.param_groups:
             for p in group["params"]:
-                grad = p.grad if grads is None else grads[index]
                 index += 1
+                grad = p.grad if grads is None else grads[index]
                 if grad is None:
                     continue
-                if p.device.type != "cpu":
+                if not p.is_cpu:
                     raise RuntimeError(
                         f"{type(self).__name__} param is on {p.device} and must be on the CPU: "
                         "offload the optimizer (DeepSpeed: zero_optimization.offload_optimizer.device = 'cpu')"
                     )
-                if p.dtype != torch.float32:
+                if p.dtype is not torch.float32:
                     raise TypeError(
                         f"{type(self).__name__} steps float32 parameters, got {p.dtype}: keep fp32 "
                         "master weights on the CPU and pass their 16-bit copies to step_fused"
                     )
-                yield group, p, grad.detach()
-        if grads is not None and index != len(grads):
-            raise ValueError(f"grads has {len(grads)} entries for {index} parameters")
+                state = states[p]
+                if not state:
+                    created = init(group, p)
+                    state["step"] = 0
+                    state.update(created)
+                step = state["step"]
+                if type(step) is not int:
+                    step = int(step.item() if torch.is_tensor(step) else step)
+                step += 1
+                key = (id(group), step)
+                batch = batches.get(key)
+                if batch is None:
+                    batch = batches[key] = (group, step, [], [], [], [])
+                batch[2].append(index)
+                # Under step's no_grad the kernels take parameters that
+                # require grad as they are (a detach per tensor costs more).
+                batch[3].append(p)
+                batch[4].append(grad)
+                # Advanced and recorded together: _rewind puts back exactly these.
+                state["step"] = step
+                batch[5].append(state)
 
-    def _advance(self, p, init):
-        """The state of ``p`` (created on first use: a float32 ``step`` and
-        ``init(p)``'s tensors) and the number of the step about to run."""
-        state = self.state[p]
-        if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state.update(init(p))
-        return state, self._next_step(state)
+    def _run(self, grads, init, call):
+        """Calls ``call(group, step, indices, params, grads, states)`` for
+        each of :meth:`_batches`. A kernel checks every tensor before it
+        touches any, so when a call raises, the steps of that batch and of
+        those not yet run are put back: a failed step leaves the optimizer
+        as it found it, but for the batches it finished."""
+        batches = self._batches(grads, init)
+        for done, batch in enumerate(batches):
+            try:
+                call(*batch)
+            except BaseException:
+                _rewind(batches[done:])
+                raise
 
-    def _next_step(self, state):
-        """Advances the state's step (a float32 tensor, as torch keeps it;
-        an int from DeepSpeed is converted) and returns it as an int."""
-        step = state["step"]
-        if not torch.is_tensor(step):
-            step = torch.tensor(float(step), dtype=torch.float32)
-            state["step"] = step
-        step += 1
-        return int(step.item())
+    def state_dict(self):
+        """torch.optim.AdamW's layout: each ``step`` a float32 tensor (the
+        live states are not changed)."""
+        packed = super().state_dict()
+        packed["state"] = {
+            key: {**value, "step": torch.tensor(float(value["step"]), dtype=torch.float32)}
+            if "step" in value and not torch.is_tensor(value["step"])
+            else value
+            for key, value in packed["state"].items()
+        }
+        return packed
 
     def _copies(self, param_copies):
         if param_copies is None:
@@ -130,6 +183,13 @@ def _closure(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def _rewind(batches):
+    """Puts back the steps _batches advanced."""
+    for batch in batches:
+        for state in batch[5]:
+            state["step"] -= 1
 
 
 def _zeros(p, dtype=torch.float32):
@@ -186,16 +246,17 @@ class CPUAdam(_StrataOptimizer):
 
     def _step(self, copies, grads, grad_scale):
         kernels = self.kernels
-        flat = [p for g in self.param_groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(flat)} if copies is not None else None
-        for group, p, grad in self._params_with_grads(grads):
-            state, step = self._advance(p, lambda p: {"exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)})
+
+        def init(group, p):
+            return {"exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
+
+        def adam(group, step, indices, params, grads, states):
             beta1, beta2 = group["betas"]
             kernels.adam(
-                p.detach(),
-                grad,
-                state["exp_avg"],
-                state["exp_avg_sq"],
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
                 step=step,
                 lr=group["lr"],
                 beta1=beta1,
@@ -205,8 +266,10 @@ class CPUAdam(_StrataOptimizer):
                 adamw_mode=self.adam_w_mode,
                 bias_correction=group["bias_correction"],
                 grad_scale=grad_scale,
-                param_copy=None if copies is None else copies[index[id(p)]],
+                param_copy=None if copies is None else [copies[i] for i in indices],
             )
+
+        self._run(grads, init, adam)
 
 
 class CPUAdagrad(_StrataOptimizer):
@@ -243,21 +306,24 @@ class CPUAdagrad(_StrataOptimizer):
         """One step over every parameter with a gradient."""
         loss = _closure(closure)
         kernels = self.kernels
-        for group, p, grad in self._params_with_grads(None):
+
+        def init(group, p):
             initial = group["initial_accumulator_value"]
-            state, step = self._advance(
-                p, lambda p: {"sum": torch.full_like(p, initial, memory_format=torch.contiguous_format)}
-            )
+            return {"sum": torch.full_like(p, initial, memory_format=torch.contiguous_format)}
+
+        def adagrad(group, step, indices, params, grads, states):
             kernels.adagrad(
-                p.detach(),
-                grad,
-                state["sum"],
+                params,
+                grads,
+                [s["sum"] for s in states],
                 step=step,
                 lr=group["lr"],
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
                 lr_decay=group["lr_decay"],
             )
+
+        self._run(None, init, adagrad)
         return loss
 
 
@@ -284,17 +350,18 @@ class CPULion(_StrataOptimizer):
         """One step over every parameter with a gradient."""
         loss = _closure(closure)
         kernels = self.kernels
-        for group, p, grad in self._params_with_grads(None):
-            state, step = self._advance(p, lambda p: {"exp_avg": _zeros(p)})
+        def lion(group, step, indices, params, grads, states):
             beta1, beta2 = group["betas"]
             kernels.lion(
-                p.detach(),
-                grad,
-                state["exp_avg"],
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
                 step=step,
                 lr=group["lr"],
                 beta1=beta1,
                 beta2=beta2,
                 weight_decay=group["weight_decay"],
             )
+
+        self._run(None, lambda group, p: {"exp_avg": _zeros(p)}, lion)
         return loss

@@ -108,6 +108,61 @@ def test_results_do_not_depend_on_the_thread_count():
     assert all((r == results[0]).all() for r in results)
 
 
+def test_a_list_of_parameters_in_one_call_steps_each_as_alone():
+    """One call over many tensors (cut across the threads mid-tensor) gives
+    each the bits of a call of its own, for every rule and the 16-bit copy."""
+    rng = np.random.default_rng(5)
+    sizes = [300_001, 17, 0, 1 << 18, 5000]
+    kernels = Kernels(threads=2)
+    kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+              bias_correction=True)
+
+    def fresh():
+        return [dict(p=rng_p.standard_normal(n).astype(np.float32), g=rng_p.standard_normal(n).astype(np.float32),
+                     m=np.full(n, 0.1, np.float32), v=np.full(n, 0.2, np.float32), c=np.zeros(n, np.uint16))
+                for n in sizes]
+
+    rng_p = np.random.default_rng(6)
+    alone = fresh()
+    rng_p = np.random.default_rng(6)
+    together = fresh()
+    copies = [t["c"] if i % 2 == 0 else None for i, t in enumerate(together)]
+    for i, t in enumerate(alone):
+        kernels.adam(t["p"], t["g"], t["m"], t["v"], param_copy=t["c"] if i % 2 == 0 else None, **kw)
+    kernels.adam([t["p"] for t in together], [t["g"] for t in together], [t["m"] for t in together],
+                 tuple(t["v"] for t in together), param_copy=copies, **kw)
+    for a, b in zip(alone, together):
+        for key in "pmvc":
+            assert (a[key] == b[key]).all()
+    for a in alone:
+        kernels.adagrad(a["p"], a["g"], a["v"], step=2, lr=1e-2, eps=1e-10, weight_decay=0.01)
+        kernels.lion(a["p"], a["g"], a["m"], step=2, lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    kernels.adagrad([t["p"] for t in together], [t["g"] for t in together], [t["v"] for t in together],
+                    step=2, lr=1e-2, eps=1e-10, weight_decay=0.01)
+    kernels.lion([t["p"] for t in together], [t["g"] for t in together], [t["m"] for t in together],
+                 step=2, lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    for a, b in zip(alone, together):
+        for key in "pmv":
+            assert (a[key] == b[key]).all()
+    del rng
+
+
+def test_lists_that_do_not_line_up_are_named(kernels):
+    z = [np.zeros(64, np.float32) for _ in range(8)]
+    with pytest.raises(ValueError, match="grads: 1 tensors for 2 parameters: pass one per parameter"):
+        call(kernels, params=[z[0], z[1]], grads=[z[2]], exp_avg=[z[3], z[4]], exp_avg_sq=[z[5], z[6]])
+    with pytest.raises(ValueError, match="param_copy: 3 tensors for 2 parameters"):
+        call(kernels, params=[z[0], z[1]], grads=[z[2], z[3]], exp_avg=[z[4], z[5]], exp_avg_sq=[z[6], z[7]],
+             param_copy=[None] * 3)
+    with pytest.raises(ValueError, match=r"exp_avg\[1\]: 32 elements, but the parameter has 64"):
+        call(kernels, params=[z[0], z[1]], grads=[z[2], z[3]], exp_avg=[z[4], np.zeros(32, np.float32)],
+             exp_avg_sq=[z[6], z[7]])
+    whole = np.zeros(128, np.float32)
+    with pytest.raises(ValueError, match=r"params\[1\] and exp_avg_sq\[0\] share memory"):
+        call(kernels, params=[z[0], whole[:64]], grads=[z[2], z[3]], exp_avg=[z[4], z[5]],
+             exp_avg_sq=[whole[32:96], z[7]])
+
+
 def call(kernels, **override):
     n = 64
     args = dict(params=np.zeros(n, np.float32), grads=np.zeros(n, np.float32),
@@ -138,6 +193,8 @@ def test_bad_arguments_are_named(kernels):
     with pytest.raises(ValueError, match="step"):
         call(kernels, step=0)
     with pytest.raises(TypeError, match="params: expected a CPU tensor"):
+        call(kernels, params=0.0)
+    with pytest.raises(TypeError, match=r"params\[0\]: expected a CPU tensor"):
         call(kernels, params=[0.0] * 64)
     with pytest.raises(ValueError, match="threads = 0"):
         Kernels(threads=0)

@@ -66,6 +66,31 @@ def test_cpuadam_matches_deepspeed_cpuadam():
     assert_close(ours, theirs)
 
 
+def test_a_refused_step_changes_nothing():
+    """A fused step whose copies are refused (checked before any tensor is
+    touched) leaves parameters, states and steps as they were; the next
+    good step is the first."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = CPUAdam(net.parameters(), lr=1e-2)
+    net(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    states = copy.deepcopy(opt.state_dict())
+    copies = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in net.parameters()]
+    copies[-1] = torch.empty(copies[-1].numel() + 1, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"param_copy\[3\]: 5 elements, but the parameter has 4"):
+        opt.step_fused(copies)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    after = opt.state_dict()
+    for key, state in states["state"].items():
+        assert float(after["state"][key]["step"]) == float(state["step"]) == 1.0
+        assert torch.equal(after["state"][key]["exp_avg"], state["exp_avg"])
+    with pytest.raises(ValueError, match="grads has 1 entries for 4 parameters"):
+        opt.step_fused(copies, grads=[None])
+    assert float(opt.state_dict()["state"][0]["step"]) == 1.0
+
+
 def test_state_dicts_move_between_cpuadam_and_torch_adamw():
     a, b = model(), model()
     opt_a = CPUAdam(a.parameters(), lr=1e-3, weight_decay=0.01)
@@ -151,8 +176,18 @@ def test_tensor_errors_say_what_to_do():
     z = torch.zeros(64)
     kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
               bias_correction=True)
-    with pytest.raises(ValueError, match=r"params: __dlpack__ failed: .*pass tensor.detach\(\)"):
+    with pytest.raises(ValueError, match=r"params: the tensor requires grad and autograd is on \(call under "
+                       r"torch.no_grad\(\), or pass tensor.detach\(\)"):
         k.adam(p, z, z.clone(), z.clone(), **kw)
+    with torch.no_grad():
+        k.adam(p, z + 1, z.clone(), z.clone(), **kw)  # as torch's in-place updates: allowed here
+    assert (p.detach() < 0).all()
+    with pytest.raises(ValueError, match="exp_avg: the tensor is on meta, strata steps CPU tensors"):
+        k.adam(z.clone(), z.clone(), torch.zeros(64, device="meta"), z.clone(), **kw)
+    with pytest.raises(ValueError, match=r"grads: the tensor is a lazy view \(is_neg\): pass tensor.resolve_neg\(\)"):
+        k.adam(z.clone(), torch.zeros(64, dtype=torch.complex64).conj().imag, z.clone(), z.clone(), **kw)
+    with pytest.raises(TypeError, match="exp_avg_sq: dtype float64 is not supported here"):
+        k.adam(z.clone(), z.clone(), z.clone(), z.double(), **kw)
     with pytest.raises(ValueError, match="grads: the tensor is not contiguous"):
         k.adam(z.clone(), torch.zeros(8, 8).t(), z.clone(), z.clone(), **kw)
     with pytest.raises(TypeError, match="params: dtype bfloat16 is not supported here: use float32"):
