@@ -6,6 +6,11 @@ Optimizer: strata.optim.CPUAdam vs DeepSpeedCPUAdam vs torch.optim.AdamW
 gradients and moments in memory) on the same number of threads; rounds
 interleaved, systems rotated, medians of params/s. That their updates
 agree is checked apart, each on its own copy of a 1M-parameter slice.
+Each step starts after `--settle` seconds idle (default 0.05): DeepSpeed's
+op and torch share one OpenMP pool whose threads spin for milliseconds
+after a parallel region, so without it whichever system runs next competes
+with them for the cores (and DeepSpeed or torch, running after each other,
+find that pool already awake); `--settle 0` measures back to back.
 
 I/O: strata.io.AsyncIO vs DeepNVMe's aio_handle
 (AsyncIOBuilder().load().aio_handle(...); needs libaio-dev), the same file
@@ -97,6 +102,7 @@ def bench_adam(args, torch):
     for round_ in range(args.rounds):
         rotated = order[round_ % len(order):] + order[: round_ % len(order)]
         for name in rotated:
+            time.sleep(args.settle)
             start = time.perf_counter()
             optimizers[name].step()
             times[name].append(time.perf_counter() - start)
@@ -226,6 +232,8 @@ def main():
     parser.add_argument("--tensors", type=int, default=8, help="the parameters are split into this many tensors")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="optimizer threads for every system")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--settle", type=float, default=0.05,
+                        help="seconds of idle before each optimizer step (see the module docstring)")
     parser.add_argument("--io-bytes", type=parse_size, default=parse_size("1GiB"))
     parser.add_argument("--block-size", type=parse_size, default=parse_size("1MiB"))
     parser.add_argument("--queue-depth", type=int, default=32)
@@ -242,6 +250,8 @@ def main():
         args.io_bytes, args.block_size = 16 << 20, 1 << 20
     if args.params < args.tensors or args.tensors < 1:
         parser.error(f"--params {args.params} must be at least --tensors {args.tensors} (>= 1)")
+    if not 0 <= args.settle <= 10:
+        parser.error(f"--settle {args.settle}: use 0 to 10 seconds")
     if args.threads < 1 or args.rounds < 1 or args.queue_depth < 1 or args.io_threads < 1:
         parser.error("--threads, --rounds, --queue-depth and --io-threads must be at least 1")
     if args.io_bytes % 4096 or args.block_size % 4096:

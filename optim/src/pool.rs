@@ -11,9 +11,7 @@
 //! Splits fall on multiples of [`SPLIT_ALIGN_ELEMS`], a whole number of
 //! vectors on every back end, so results do not depend on the thread count.
 
-use std::sync::Arc;
-
-use rayon::prelude::*;
+use std::sync::{Arc, Mutex};
 
 use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -385,11 +383,25 @@ impl Pool {
         let total = shards.iter().map(len).sum::<usize>();
         match &self.workers {
             Some(workers) if total >= self.parallel_elems_min => {
-                let runs = cut_runs(shards, len, total, self.pieces(total));
-                workers.install(|| {
-                    runs.into_par_iter()
-                        .for_each(|run| run.into_iter().for_each(kernel))
-                })
+                // The caller takes runs too, beside threads - 1 workers (as
+                // an OpenMP master does): it would only wait otherwise, and
+                // no wake-up chain stands between the call and the work.
+                let queue =
+                    Mutex::new(cut_runs(shards, len, total, self.pieces(total)).into_iter());
+                let drain = || loop {
+                    // The lock is released before the run starts.
+                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                    match next {
+                        Some(run) => run.into_iter().for_each(kernel),
+                        None => break,
+                    }
+                };
+                workers.in_place_scope(|scope| {
+                    for _ in 1..self.threads {
+                        scope.spawn(|_| drain());
+                    }
+                    drain();
+                });
             }
             _ => shards.into_iter().for_each(kernel),
         }
