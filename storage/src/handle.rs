@@ -534,7 +534,11 @@ fn run_part(
         if queue.in_flight() == 0 {
             break;
         }
-        queue.submit_and_wait(1, done);
+        // Refill a quarter of the queue at a time: three quarters stay in
+        // flight, and the worker wakes (and enters the kernel) once per
+        // quarter instead of once per request, which at several GB/s of
+        // 1 MiB requests is a few percent of the time.
+        queue.submit_and_wait((config.queue_depth / 4).max(1), done);
         for completion in done.drain(..) {
             let slot = completion.tag as usize;
             let (at, len) = slots[slot].take().expect("a completion for a live slot");
