@@ -65,7 +65,10 @@ pub use grads::{
 pub use half::{bf16, f16};
 pub use isa::Isa;
 pub use lion::{LionCoefficients, LionConfig, lion_step};
-pub use pool::{AdamShard, Pool, PoolConfig, SPLIT_ALIGN_ELEMS, StateShard, THREADS_MAX};
+pub use pool::{
+    AdamShard, PIECE_ELEMS_MIN, PIECES_PER_THREAD, Pool, PoolConfig, SPLIT_ALIGN_ELEMS, StateShard,
+    THREADS_MAX,
+};
 pub use rounding::{Rounding, narrow_stochastic, round_bf16_stochastic};
 pub use scaler::{LossScaler, LossScalerConfig};
 pub use simd::Element;

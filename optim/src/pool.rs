@@ -5,7 +5,7 @@
 //! tensors stay on the calling thread: waking workers costs more than it
 //! saves below [`PoolConfig::parallel_elems_min`]. The `*_many` steps take
 //! a whole list of tensors (a model's parameters) and cut all their
-//! elements into one run per thread, so the threads wake once per step
+//! elements into one set of pieces, so the threads wake once per step
 //! rather than once per tensor.
 //!
 //! Splits fall on multiples of [`SPLIT_ALIGN_ELEMS`], a whole number of
@@ -59,9 +59,13 @@ pub type StateShard<'a> = (
 /// piece, not by half of it.
 pub const PIECES_PER_THREAD: usize = 4;
 
-/// The shortest piece worth cutting off (a quarter of a MiB per f32
-/// stream): shorter ones cost more in hand-offs than they balance.
-pub const PIECE_ELEMS_MIN: usize = 1 << 16;
+/// The default [`PoolConfig::piece_elems_min`]: 3M elements (12 MiB per
+/// f32 stream), above the length from which the kernels stream their
+/// outputs past the caches (2M), so cutting a call finer never turns that
+/// off, and long enough that hand-offs cost nothing.
+pub const PIECE_ELEMS_MIN: usize = 3 << 20;
+
+const _: () = assert!(PIECE_ELEMS_MIN > crate::simd::STREAM_ELEMS_MIN + SPLIT_ALIGN_ELEMS);
 
 /// How to build a [`Pool`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +76,9 @@ pub struct PoolConfig {
     pub pin: bool,
     /// Tensors shorter than this run on the calling thread.
     pub parallel_elems_min: usize,
+    /// No call is cut into pieces shorter than this, beyond one per thread
+    /// ([`PIECE_ELEMS_MIN`] by default).
+    pub piece_elems_min: usize,
     /// Instruction set; `None` means [`Isa::chosen`].
     pub isa: Option<Isa>,
 }
@@ -82,6 +89,7 @@ impl Default for PoolConfig {
             threads: None,
             pin: true,
             parallel_elems_min: 1 << 18,
+            piece_elems_min: PIECE_ELEMS_MIN,
             isa: None,
         }
     }
@@ -92,6 +100,7 @@ pub struct Pool {
     isa: Isa,
     threads: usize,
     parallel_elems_min: usize,
+    piece_elems_min: usize,
     /// `None` with one thread: everything runs on the caller.
     workers: Option<rayon::ThreadPool>,
     cpus: Vec<usize>,
@@ -132,6 +141,7 @@ impl Pool {
             isa,
             threads,
             parallel_elems_min: config.parallel_elems_min,
+            piece_elems_min: config.piece_elems_min.max(1),
             workers,
             cpus,
         })
@@ -363,10 +373,11 @@ impl Pool {
     /// per thread, so that threads which finish early take over pieces
     /// from one slowed down (by a core it shares with torch's OpenMP
     /// threads spinning after their last parallel region, say), but none
-    /// shorter than [`PIECE_ELEMS_MIN`], and at least one per thread.
+    /// shorter than [`PoolConfig::piece_elems_min`], and at least one per
+    /// thread.
     fn pieces(&self, len: usize) -> usize {
         (self.threads * PIECES_PER_THREAD)
-            .min(len / PIECE_ELEMS_MIN)
+            .min(len / self.piece_elems_min)
             .max(self.threads)
     }
 

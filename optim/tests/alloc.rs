@@ -71,6 +71,8 @@ fn steps_do_not_allocate() {
     let pool = Pool::new(PoolConfig {
         threads: Some(2),
         parallel_elems_min: 0,
+        // Cut into several pieces per thread, as large calls are.
+        piece_elems_min: 256,
         ..PoolConfig::default()
     })
     .unwrap();

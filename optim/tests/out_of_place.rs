@@ -138,6 +138,7 @@ fn the_pool_splits_the_out_of_place_step_without_changing_it() {
             threads: Some(threads),
             pin: false,
             parallel_elems_min: 1024,
+            piece_elems_min: 1024,
             isa: None,
         })
         .unwrap();

@@ -11,6 +11,8 @@ fn pool(threads: usize) -> Pool {
     Pool::new(PoolConfig {
         threads: Some(threads),
         parallel_elems_min: 0,
+        // Several pieces per thread even at these lengths, as large calls.
+        piece_elems_min: 256,
         ..PoolConfig::default()
     })
     .unwrap()

@@ -115,6 +115,7 @@ fn results_do_not_depend_on_threads_or_split() {
             threads: Some(threads),
             pin: false,
             parallel_elems_min: 1024,
+            piece_elems_min: 1024,
             isa: None,
         })
         .unwrap()
@@ -144,6 +145,7 @@ fn every_isa_agrees_within_one_bf16_place() {
                 threads: Some(1),
                 pin: false,
                 parallel_elems_min: usize::MAX,
+                piece_elems_min: strata_optim::PIECE_ELEMS_MIN,
                 isa: Some(isa),
             })
             .unwrap();
@@ -242,6 +244,7 @@ fn bf16_masters_do_not_depend_on_threads() {
             threads: Some(threads),
             pin: false,
             parallel_elems_min: 1024,
+            piece_elems_min: 1024,
             isa: None,
         })
         .unwrap();

@@ -114,7 +114,9 @@ impl Batch {
             .chain(states.iter().flatten())
             .chain(copies.iter().flatten())
             .collect();
-        check_disjoint(&all)?;
+        // Only the gradients are read alone (two parameters may share one).
+        let written: Vec<bool> = (0..all.len()).map(|i| i < n || i >= 2 * n).collect();
+        check_disjoint(&all, &written)?;
         Ok(Batch {
             params,
             grads,

@@ -134,8 +134,11 @@ enum Keep {
         _owner: Py<PyAny>,
         _capsule: Py<PyAny>,
     },
-    /// A torch tensor and its storage: the storage keeps the memory even
-    /// if the tensor is pointed elsewhere meanwhile (`set_`, `resize_`).
+    /// A torch tensor and its storage: the storage keeps the memory even if
+    /// the tensor is pointed elsewhere meanwhile (`set_`, `.data =`). A
+    /// storage resized in place (`resize_` growing it, or to 0 as FSDP
+    /// does) would still free it: as with DLPack, nothing may touch the
+    /// tensors while the GIL is released.
     Storage {
         _owner: Py<PyAny>,
         _storage: Py<PyAny>,
@@ -144,60 +147,68 @@ enum Keep {
     Buffer(#[allow(dead_code)] PyUntypedBuffer),
 }
 
-/// `torch.Tensor` and the dtypes strata takes, looked up once, when the
-/// first object from torch arrives (torch is imported by then).
+/// `torch.Tensor` and the dtypes strata takes, looked up once torch has
+/// been imported (strata never imports it itself).
 struct Torch {
     tensor: Py<PyType>,
     is_grad_enabled: Py<PyAny>,
+    strided: Py<PyAny>,
+    bool_: Py<PyAny>,
     dtypes: Vec<(Py<PyAny>, Dtype)>,
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 
 impl Torch {
-    /// torch's lookups when `obj` is a torch tensor (a type from a torch
-    /// module; subclasses elsewhere take the DLPack path).
+    /// torch's lookups when `obj` is a `torch.Tensor` (subclasses
+    /// included); None for anything else, or while torch is not imported.
     fn of<'a>(obj: &Bound<'a, PyAny>) -> PyResult<Option<&'a Torch>> {
         let py = obj.py();
-        if let Some(torch) = TORCH.get(py) {
-            return Ok(obj.is_instance(torch.tensor.bind(py))?.then_some(torch));
-        }
-        let module = obj.get_type().module()?;
-        if !module.to_str()?.starts_with("torch") {
-            return Ok(None);
-        }
-        let torch = TORCH.get_or_try_init(py, || -> PyResult<Torch> {
-            let module = py.import("torch")?;
-            let mut dtypes = Vec::new();
-            for (name, dtype) in [
-                ("float32", Dtype::F32),
-                ("bfloat16", Dtype::Bf16),
-                ("float16", Dtype::F16),
-                ("uint16", Dtype::U16),
-                ("uint8", Dtype::U8),
-            ] {
-                // uint16 arrived in torch 2.3.
-                if let Ok(object) = module.getattr(name) {
-                    dtypes.push((object.unbind(), dtype));
-                }
+        let torch = match TORCH.get(py) {
+            Some(torch) => torch,
+            None => {
+                let modules = py.import("sys")?.getattr("modules")?;
+                let Ok(module) = modules.get_item("torch") else {
+                    return Ok(None);
+                };
+                TORCH.get_or_try_init(py, || Torch::new(&module))?
             }
-            Ok(Torch {
-                tensor: module.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
-                is_grad_enabled: module.getattr("is_grad_enabled")?.unbind(),
-                dtypes,
-            })
-        })?;
+        };
         Ok(obj.is_instance(torch.tensor.bind(py))?.then_some(torch))
     }
 
-    /// The dtype of a `torch.dtype` (others by kind and width, for errors).
-    fn dtype(&self, dtype: &Bound<'_, PyAny>) -> PyResult<Dtype> {
+    fn new(module: &Bound<'_, PyAny>) -> PyResult<Torch> {
+        let mut dtypes = Vec::new();
+        for (name, dtype) in [
+            ("float32", Dtype::F32),
+            ("bfloat16", Dtype::Bf16),
+            ("float16", Dtype::F16),
+            ("uint16", Dtype::U16),
+            ("uint8", Dtype::U8),
+        ] {
+            // uint16 arrived in torch 2.3.
+            if let Ok(object) = module.getattr(name) {
+                dtypes.push((object.unbind(), dtype));
+            }
+        }
+        Ok(Torch {
+            tensor: module.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+            is_grad_enabled: module.getattr("is_grad_enabled")?.unbind(),
+            strided: module.getattr("strided")?.unbind(),
+            bool_: module.getattr("bool")?.unbind(),
+            dtypes,
+        })
+    }
+
+    /// The dtype of tensor `obj` (others by kind and width, for errors).
+    fn dtype(&self, obj: &Bound<'_, PyAny>) -> PyResult<Dtype> {
+        let dtype = obj.getattr(intern!(obj.py(), "dtype"))?;
         for (known, ours) in &self.dtypes {
             if dtype.is(known) {
                 return Ok(*ours);
             }
         }
-        let bits = dtype.getattr("itemsize")?.extract::<usize>()? * 8;
+        let bits = obj.call_method0("element_size")?.extract::<usize>()? * 8;
         let code = match (
             dtype.getattr("is_floating_point")?.is_truthy()?,
             dtype.getattr("is_complex")?.is_truthy()?,
@@ -206,7 +217,7 @@ impl Torch {
             (true, _, _) => DL_FLOAT,
             (_, true, _) => DL_COMPLEX,
             (_, _, true) => DL_INT,
-            _ if bits == 8 && dtype.str()?.to_str()? == "torch.bool" => DL_BOOL,
+            _ if dtype.is(&self.bool_) => DL_BOOL,
             _ => DL_UINT,
         };
         Ok(Dtype::from_dlpack(code, bits.min(255) as u8))
@@ -352,6 +363,14 @@ impl Tensor {
                 "{name}: the tensor is a lazy view (is_neg): pass tensor.resolve_neg()"
             )));
         }
+        let layout = obj.getattr(intern!(py, "layout"))?;
+        if !layout.is(&torch.strided) {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor's layout is {}, strata takes dense (strided) tensors: pass \
+                 tensor.to_dense()",
+                layout.str()?
+            )));
+        }
         if !obj
             .call_method0(intern!(py, "is_contiguous"))?
             .is_truthy()?
@@ -363,9 +382,15 @@ impl Tensor {
                 obj.call_method0("stride")?.str()?
             )));
         }
-        let dtype = torch.dtype(&obj.getattr(intern!(py, "dtype"))?)?;
+        let dtype = torch.dtype(obj)?;
         let elems: usize = obj.call_method0(intern!(py, "numel"))?.extract()?;
         let address: usize = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        if address == 0 && elems > 0 {
+            return Err(PyValueError::new_err(format!(
+                "{name}: the tensor has no memory of its own (a lazy zero tensor or a wrapper \
+                 subclass): pass tensor.clone()"
+            )));
+        }
         let storage = obj.call_method0(intern!(py, "untyped_storage"))?;
         Ok(Tensor {
             name: name.to_string(),
@@ -435,6 +460,14 @@ impl Tensor {
                 self.name, self.elems
             )));
         }
+        let align = self.dtype.bytes();
+        if self.elems > 0 && !(self.ptr as usize).is_multiple_of(align) {
+            return Err(PyValueError::new_err(format!(
+                "{}: its memory starts at an address that is not a multiple of its \
+                 {align}-byte elements: pass an aligned copy",
+                self.name
+            )));
+        }
         Ok(())
     }
 
@@ -444,8 +477,8 @@ impl Tensor {
     /// The dtype must be `T`'s (checked by [`Tensor::expect`]) and nothing
     /// else may access the memory while the slice lives.
     pub(crate) unsafe fn slice<T>(&self) -> &[T] {
-        // SAFETY: contiguous memory of `elems` elements of the right type, alive while `self` is; exclusivity is the caller's.
-        unsafe { std::slice::from_raw_parts(self.ptr.cast::<T>(), self.elems) }
+        // SAFETY: contiguous, aligned memory of `elems` elements of the right type (checked by `expect`), alive while `self` is, or no element at all (a dangling pointer then: torch hands out null for empty tensors); exclusivity is the caller's.
+        unsafe { std::slice::from_raw_parts(self.typed_ptr::<T>(), self.elems) }
     }
 
     /// The memory as mutable `T`s.
@@ -456,7 +489,15 @@ impl Tensor {
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn slice_mut<T>(&self) -> &mut [T] {
         // SAFETY: as for `slice`, and no other slice of this memory lives.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<T>(), self.elems) }
+        unsafe { std::slice::from_raw_parts_mut(self.typed_ptr::<T>(), self.elems) }
+    }
+
+    /// The start as `T`s; dangling (never read) when there are none.
+    fn typed_ptr<T>(&self) -> *mut T {
+        match self.elems {
+            0 => std::ptr::NonNull::<T>::dangling().as_ptr(),
+            _ => self.ptr.cast::<T>(),
+        }
     }
 }
 
@@ -469,27 +510,43 @@ fn dlpack_refused(err: PyErr, name: &str) -> PyErr {
     PyValueError::new_err(format!("{name}: __dlpack__ failed: {err}{hint}"))
 }
 
-/// Errors if any two of `tensors` share memory (a kernel would then read
-/// what it is writing). Sorted by address, so a model's hundreds of tensors
-/// cost n log n, not n squared.
-pub(crate) fn check_disjoint(tensors: &[&Tensor]) -> PyResult<()> {
-    // (start, argument order, end, name): equal starts keep the order given.
-    let mut spans: Vec<(usize, usize, usize, &str)> = tensors
+/// Errors if a tensor written (`written[i]`) shares memory with any other
+/// of `tensors` (a kernel would then read what it is writing; two that are
+/// only read may overlap). Sorted by address, so a model's hundreds of
+/// tensors cost n log n, not n squared.
+pub(crate) fn check_disjoint(tensors: &[&Tensor], written: &[bool]) -> PyResult<()> {
+    assert_eq!(tensors.len(), written.len(), "one flag per tensor");
+    // (start, argument order, end): equal starts keep the order given.
+    let mut spans: Vec<(usize, usize, usize)> = tensors
         .iter()
         .enumerate()
         .filter(|(_, t)| t.len_bytes() > 0)
-        .map(|(i, t)| {
-            let start = t.ptr as usize;
-            (start, i, start + t.len_bytes(), t.name.as_str())
-        })
+        .map(|(i, t)| (t.ptr as usize, i, t.ptr as usize + t.len_bytes()))
         .collect();
     spans.sort_unstable();
-    for pair in spans.windows(2) {
-        let ((_, _, a_end, a), (b_start, _, _, b)) = (pair[0], pair[1]);
-        if b_start < a_end {
+    // The furthest-reaching span so far, and the furthest written one: a
+    // span overlaps an earlier one exactly when it starts before that
+    // one's end.
+    let mut any: Option<(usize, usize)> = None;
+    let mut any_written: Option<(usize, usize)> = None;
+    for &(start, i, end) in &spans {
+        let earlier = match written[i] {
+            true => any,
+            false => any_written,
+        };
+        if let Some((earlier_end, j)) = earlier
+            && start < earlier_end
+        {
             return Err(PyValueError::new_err(format!(
-                "{a} and {b} share memory: pass separate tensors"
+                "{} and {} share memory: pass separate tensors",
+                tensors[j].name, tensors[i].name
             )));
+        }
+        if any.is_none_or(|(e, _)| end > e) {
+            any = Some((end, i));
+        }
+        if written[i] && any_written.is_none_or(|(e, _)| end > e) {
+            any_written = Some((end, i));
         }
     }
     Ok(())

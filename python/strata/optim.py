@@ -38,7 +38,8 @@ __all__ = ["CPUAdam", "CPUAdagrad", "CPULion"]
 
 class _StrataOptimizer(torch.optim.Optimizer):
     """Shared plumbing: the kernels (built lazily, rebuilt after fork),
-    parameter checks, and steps kept as float32 tensors like torch's."""
+    parameter checks, batching into one kernel call per param group and
+    step, and ``state_dict()`` in torch's layout."""
 
     def __init__(self, params, defaults, threads, pin_threads):
         if defaults.get("amsgrad"):
@@ -186,10 +187,13 @@ def _closure(closure):
 
 
 def _rewind(batches):
-    """Puts back the steps _batches advanced."""
+    """Puts back the steps _batches advanced; a state back at step 0 (made
+    for this step) is dropped, as if it had never been created."""
     for batch in batches:
         for state in batch[5]:
             state["step"] -= 1
+            if state["step"] == 0:
+                state.clear()
 
 
 def _zeros(p, dtype=torch.float32):

@@ -157,6 +157,10 @@ def test_lists_that_do_not_line_up_are_named(kernels):
     with pytest.raises(ValueError, match=r"exp_avg\[1\]: 32 elements, but the parameter has 64"):
         call(kernels, params=[z[0], z[1]], grads=[z[2], z[3]], exp_avg=[z[4], np.zeros(32, np.float32)],
              exp_avg_sq=[z[6], z[7]])
+    misaligned = np.frombuffer(bytearray(260), np.float32, count=64, offset=1)
+    with pytest.raises(ValueError, match=r"grads: its memory starts at an address that is not a multiple of its "
+                                         r"4-byte elements"):
+        call(kernels, grads=misaligned)
     whole = np.zeros(128, np.float32)
     with pytest.raises(ValueError, match=r"params\[1\] and exp_avg_sq\[0\] share memory"):
         call(kernels, params=[z[0], whole[:64]], grads=[z[2], z[3]], exp_avg=[z[4], z[5]],

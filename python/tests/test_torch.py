@@ -66,6 +66,28 @@ def test_cpuadam_matches_deepspeed_cpuadam():
     assert_close(ours, theirs)
 
 
+def test_empty_shared_and_odd_tensors():
+    """Empty parameters (torch gives them a null data pointer) step like any
+    other; two parameters may share one gradient (read only); sparse and
+    memory-less tensors are refused by name."""
+    empty = torch.nn.Parameter(torch.empty(0))
+    a, b = torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(64))
+    shared = torch.full((64,), 0.5)
+    empty.grad, a.grad, b.grad = torch.empty(0), shared, shared
+    opt = CPUAdam([empty, a, b], lr=1e-2)
+    opt.step()
+    assert torch.equal(a, b) and (a < 1).all() and empty.numel() == 0
+    assert float(opt.state_dict()["state"][0]["step"]) == 1.0
+    k = Kernels(threads=1)
+    kw = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+              bias_correction=True)
+    z = torch.zeros(64)
+    with pytest.raises(ValueError, match="grads: the tensor's layout is torch.sparse_coo, strata takes dense"):
+        k.adam(z.clone(), z.to_sparse(), z.clone(), z.clone(), **kw)
+    with pytest.raises(ValueError, match="exp_avg and exp_avg_sq share memory"):
+        k.adam(z.clone(), z.clone(), z, z, **kw)
+
+
 def test_a_refused_step_changes_nothing():
     """A fused step whose copies are refused (checked before any tensor is
     touched) leaves parameters, states and steps as they were; the next
@@ -89,6 +111,10 @@ def test_a_refused_step_changes_nothing():
     with pytest.raises(ValueError, match="grads has 1 entries for 4 parameters"):
         opt.step_fused(copies, grads=[None])
     assert float(opt.state_dict()["state"][0]["step"]) == 1.0
+    fresh = CPUAdam(net.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"param_copy\[3\]"):
+        fresh.step_fused(copies)
+    assert not any(fresh.state.values()), "a refused first step leaves no state behind"
 
 
 def test_state_dicts_move_between_cpuadam_and_torch_adamw():
