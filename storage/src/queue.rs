@@ -223,10 +223,7 @@ impl IoQueue {
         let want = min.min(self.in_flight());
         let mut got = 0;
         loop {
-            // At least `want - got` requests are still out (resubmitted
-            // short transfers stay out), so waiting for that many cannot
-            // hang, and the wait costs one kernel entry, not one each.
-            let wait_for = want.saturating_sub(got);
+            let wait_for = if got >= want { 0 } else { 1 };
             self.raw.clear();
             self.staged = 0;
             let mut raw = std::mem::take(&mut self.raw);
