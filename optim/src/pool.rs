@@ -394,9 +394,12 @@ impl Pool {
         let total = shards.iter().map(len).sum::<usize>();
         match &self.workers {
             Some(workers) if total >= self.parallel_elems_min => {
-                // The caller takes runs too, beside threads - 1 workers (as
-                // an OpenMP master does): it would only wait otherwise, and
-                // no wake-up chain stands between the call and the work.
+                // An unpinned pool's caller takes runs too, beside threads - 1
+                // workers (as an OpenMP master does): it would only wait
+                // otherwise, and no wake-up chain stands between the call and
+                // the work. A pinned pool keeps one thread per core: every
+                // worker takes runs and the caller waits.
+                let caller_works = self.cpus.is_empty();
                 let queue =
                     Mutex::new(cut_runs(shards, len, total, self.pieces(total)).into_iter());
                 let drain = || loop {
@@ -408,10 +411,12 @@ impl Pool {
                     }
                 };
                 workers.in_place_scope(|scope| {
-                    for _ in 1..self.threads {
+                    for _ in usize::from(caller_works)..self.threads {
                         scope.spawn(|_| drain());
                     }
-                    drain();
+                    if caller_works {
+                        drain();
+                    }
                 });
             }
             _ => shards.into_iter().for_each(kernel),
