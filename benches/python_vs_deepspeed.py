@@ -71,6 +71,13 @@ def adam_systems(torch, threads):
     return systems, skipped
 
 
+def tensor_sizes(params, tensors):
+    """`params` elements cut into `tensors` sizes (the last takes the rest)."""
+    sizes = [params // tensors] * tensors
+    sizes[-1] += params - sum(sizes)
+    return sizes
+
+
 def bench_adam(args, torch):
     """Every optimizer steps the very same tensors (parameters, gradients
     and, after each one's first step, the same moment tensors), so where the
@@ -79,8 +86,7 @@ def bench_adam(args, torch):
     compared apart, on separate copies of a small slice (`agreement`)."""
     torch.set_num_threads(args.threads)
     systems, skipped = adam_systems(torch, args.threads)
-    sizes = [args.params // args.tensors] * args.tensors
-    sizes[-1] += args.params - sum(sizes)
+    sizes = tensor_sizes(args.params, args.tensors)
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
     for p in params:
@@ -122,8 +128,7 @@ def bench_adam(args, torch):
 def agreement(torch, systems, params, tensors):
     """Largest difference from strata's parameters after 3 steps, each
     system on its own copy of the same `params` values and gradients."""
-    sizes = [params // tensors] * tensors
-    sizes[-1] += params - sum(sizes)
+    sizes = tensor_sizes(params, tensors)
     gen = torch.Generator().manual_seed(1)
     init = [torch.randn(n, generator=gen) for n in sizes]
     grads = [torch.randn(n, generator=gen) * 1e-2 for n in sizes]

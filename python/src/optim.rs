@@ -108,15 +108,13 @@ impl Batch {
                 copy.check_writable()?;
             }
         }
-        let all: Vec<&Tensor> = params
-            .iter()
-            .chain(&grads)
-            .chain(states.iter().flatten())
-            .chain(copies.iter().flatten())
-            .collect();
         // Only the gradients are read alone (two parameters may share one).
-        let written: Vec<bool> = (0..all.len()).map(|i| i < n || i >= 2 * n).collect();
-        check_disjoint(&all, &written)?;
+        let all: Vec<(&Tensor, bool)> = (params.iter().map(|t| (t, true)))
+            .chain(grads.iter().map(|t| (t, false)))
+            .chain(states.iter().flatten().map(|t| (t, true)))
+            .chain(copies.iter().flatten().map(|t| (t, true)))
+            .collect();
+        check_disjoint(&all)?;
         Ok(Batch {
             params,
             grads,

@@ -510,18 +510,17 @@ fn dlpack_refused(err: PyErr, name: &str) -> PyErr {
     PyValueError::new_err(format!("{name}: __dlpack__ failed: {err}{hint}"))
 }
 
-/// Errors if a tensor written (`written[i]`) shares memory with any other
-/// of `tensors` (a kernel would then read what it is writing; two that are
-/// only read may overlap). Sorted by address, so a model's hundreds of
-/// tensors cost n log n, not n squared.
-pub(crate) fn check_disjoint(tensors: &[&Tensor], written: &[bool]) -> PyResult<()> {
-    assert_eq!(tensors.len(), written.len(), "one flag per tensor");
+/// Errors if a tensor marked written (`(tensor, true)`) shares memory with
+/// any other of `tensors` (a kernel would then read what it is writing; two
+/// that are only read may overlap). Sorted by address, so a model's
+/// hundreds of tensors cost n log n, not n squared.
+pub(crate) fn check_disjoint(tensors: &[(&Tensor, bool)]) -> PyResult<()> {
     // (start, argument order, end): equal starts keep the order given.
     let mut spans: Vec<(usize, usize, usize)> = tensors
         .iter()
         .enumerate()
-        .filter(|(_, t)| t.len_bytes() > 0)
-        .map(|(i, t)| (t.ptr as usize, i, t.ptr as usize + t.len_bytes()))
+        .filter(|(_, (t, _))| t.len_bytes() > 0)
+        .map(|(i, (t, _))| (t.ptr as usize, i, t.ptr as usize + t.len_bytes()))
         .collect();
     spans.sort_unstable();
     // The furthest-reaching span so far, and the furthest written one: a
@@ -530,7 +529,8 @@ pub(crate) fn check_disjoint(tensors: &[&Tensor], written: &[bool]) -> PyResult<
     let mut any: Option<(usize, usize)> = None;
     let mut any_written: Option<(usize, usize)> = None;
     for &(start, i, end) in &spans {
-        let earlier = match written[i] {
+        let written = tensors[i].1;
+        let earlier = match written {
             true => any,
             false => any_written,
         };
@@ -539,13 +539,13 @@ pub(crate) fn check_disjoint(tensors: &[&Tensor], written: &[bool]) -> PyResult<
         {
             return Err(PyValueError::new_err(format!(
                 "{} and {} share memory: pass separate tensors",
-                tensors[j].name, tensors[i].name
+                tensors[j].0.name, tensors[i].0.name
             )));
         }
         if any.is_none_or(|(e, _)| end > e) {
             any = Some((end, i));
         }
-        if written[i] && any_written.is_none_or(|(e, _)| end > e) {
+        if written && any_written.is_none_or(|(e, _)| end > e) {
             any_written = Some((end, i));
         }
     }
