@@ -4,7 +4,7 @@
 Optimizer: strata.optim.CPUAdam vs DeepSpeedCPUAdam vs torch.optim.AdamW
 (fused=True), each stepping the same tensors (the same parameters,
 gradients and moments in memory) on the same number of threads; rounds
-interleaved, systems rotated, medians of params/s. That their updates
+interleaved, systems in a fresh order each round, medians of params/s. That their updates
 agree is checked apart, each on its own copy of a 1M-parameter slice.
 Each step starts after `--settle` seconds idle (default 0.05): DeepSpeed's
 op and torch share one OpenMP pool whose threads spin for milliseconds
@@ -15,8 +15,12 @@ find that pool already awake); `--settle 0` measures back to back.
 I/O: strata.io.AsyncIO vs DeepNVMe's aio_handle
 (AsyncIOBuilder().load().aio_handle(...); needs libaio-dev), the same file
 size, block size, queue depth and threads, each with its own locked buffers
-(new_cpu_locked_tensor) and with ordinary tensors (torch.empty); writes then
-reads of the same files, rounds interleaved, medians of GB/s.
+(new_cpu_locked_tensor) and with ordinary tensors (torch.empty), every
+turn starting after os.sync() (untimed) so that no dirty pages left by
+the previous turn are written back during this one; writes then
+reads of the same files (one per buffer kind, shared by both systems, so
+neither gains from where its file's blocks happen to lie), rounds
+interleaved, medians of GB/s.
 
     python3 benches/python_vs_deepspeed.py                   # 64M params, 1 GiB files in ./strata-pybench
     python3 benches/python_vs_deepspeed.py --dir /nvme/x --threads 14 --io-threads 4
@@ -30,6 +34,7 @@ reported and skipped.
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -48,6 +53,16 @@ def parse_size(text):
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def round_order(order, round_):
+    """`order` shuffled afresh each round (seeded by the round): a fixed
+    rotation would keep every system behind the same predecessor, and
+    what one leaves behind (spinning OpenMP threads, dirty pages being
+    written back) would always land on the same one."""
+    shuffled = list(order)
+    random.Random(round_).shuffle(shuffled)
+    return shuffled
 
 
 # ---------------------------------------------------------------- optimizers
@@ -106,8 +121,7 @@ def bench_adam(args, torch):
     times = {name: [] for name, _ in systems}
     order = [name for name, _ in systems]
     for round_ in range(args.rounds):
-        rotated = order[round_ % len(order):] + order[: round_ % len(order)]
-        for name in rotated:
+        for name in round_order(order, round_):
             time.sleep(args.settle)
             start = time.perf_counter()
             optimizers[name].step()
@@ -186,10 +200,10 @@ def bench_io(args, torch):
     results = {f"{name}/{kind}/{op}": [] for name, _ in systems for kind in ("locked", "user") for op in ("write", "read")}
     order = [(name, handle, kind) for name, handle in systems for kind in ("locked", "user")]
     for round_ in range(args.rounds):
-        rotated = order[round_ % len(order):] + order[: round_ % len(order)]
-        for name, handle, kind in rotated:
+        for name, handle, kind in round_order(order, round_):
             buf = buffers[name][kind]
-            path = os.path.join(args.dir, f"{name}-{kind}.bin")
+            path = os.path.join(args.dir, f"{kind}.bin")
+            os.sync()  # no write-back left from the previous system's turn
             start = time.perf_counter()
             handle.async_pwrite(buf, path)
             handle.wait()
@@ -212,12 +226,11 @@ def bench_io(args, torch):
     for name, handle in systems:
         handle.free_cpu_locked_tensor(buffers[name]["locked"])
     if not args.keep:
-        for name, _ in systems:
-            for kind in ("locked", "user"):
-                try:
-                    os.remove(os.path.join(args.dir, f"{name}-{kind}.bin"))
-                except FileNotFoundError:
-                    pass
+        for kind in ("locked", "user"):
+            try:
+                os.remove(os.path.join(args.dir, f"{kind}.bin"))
+            except FileNotFoundError:
+                pass
     return {
         "bytes": n,
         "block_size": args.block_size,
