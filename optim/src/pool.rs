@@ -67,6 +67,14 @@ pub const PIECE_ELEMS_MIN: usize = 3 << 20;
 
 const _: () = assert!(PIECE_ELEMS_MIN > crate::simd::STREAM_ELEMS_MIN + SPLIT_ALIGN_ELEMS);
 
+/// The shortest piece of a many-tensor call that writes no 16-bit copies
+/// (nothing it stores is streamed, so only the hand-off bounds the cut):
+/// 64K elements, some 20 us of one core's work. Fine pieces let the caller
+/// start at once and take over pieces while a sleeping worker wakes (tens
+/// of microseconds on a VM): a 1M-parameter step cut into one piece per
+/// thread waits for that wake-up with half the work still to do.
+pub const PIECE_ELEMS_MIN_IN_PLACE: usize = 1 << 16;
+
 /// How to build a [`Pool`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -296,7 +304,8 @@ impl Pool {
     /// [`Pool::adam_step`] would leave it, bit for bit.
     pub fn adam_step_many(&self, coefficients: &AdamCoefficients, shards: Vec<AdamShard<'_>>) {
         let isa = self.isa;
-        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o)| {
+        let streams = shards.iter().any(|s| s.3.is_some());
+        self.split_many(shards, streams, |s| s.0.len(), &|(p, g, m, o)| {
             adam_step(isa, coefficients, p, g, m, o)
         });
     }
@@ -309,7 +318,8 @@ impl Pool {
         shards: Vec<StateShard<'_>>,
     ) {
         let isa = self.isa;
-        self.split_many(shards, |s| s.0.len(), &|(p, g, s, o)| {
+        let streams = shards.iter().any(|s| s.3.is_some());
+        self.split_many(shards, streams, |s| s.0.len(), &|(p, g, s, o)| {
             adagrad_step(isa, coefficients, p, g, s, o)
         });
     }
@@ -318,7 +328,8 @@ impl Pool {
     /// [`Pool::adam_step_many`] (the state is the momentum).
     pub fn lion_step_many(&self, coefficients: &LionCoefficients, shards: Vec<StateShard<'_>>) {
         let isa = self.isa;
-        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o)| {
+        let streams = shards.iter().any(|s| s.3.is_some());
+        self.split_many(shards, streams, |s| s.0.len(), &|(p, g, m, o)| {
             lion_step(isa, coefficients, p, g, m, o)
         });
     }
@@ -375,19 +386,33 @@ impl Pool {
     /// threads spinning after their last parallel region, say), but none
     /// shorter than [`PoolConfig::piece_elems_min`], and at least one per
     /// thread.
-    fn pieces(&self, len: usize) -> usize {
+    /// The shortest piece of a call whose kernel does (or does not) stream
+    /// an output past the caches.
+    fn piece_elems_min_for(&self, streams: bool) -> usize {
+        if streams {
+            self.piece_elems_min
+        } else {
+            self.piece_elems_min.min(PIECE_ELEMS_MIN_IN_PLACE)
+        }
+    }
+
+    fn pieces(&self, len: usize, piece_elems_min: usize) -> usize {
         (self.threads * PIECES_PER_THREAD)
-            .min(len / self.piece_elems_min)
+            .min(len / piece_elems_min)
             .max(self.threads)
     }
 
     /// Runs `kernel` over every shard, the elements of all of them cut
     /// into runs of about equal length ([`Pool::pieces`]; a shard may be
     /// cut, at a multiple of [`SPLIT_ALIGN_ELEMS`]): the threads wake once
-    /// for the whole list, and small shards share the threads too.
+    /// for the whole list, and small shards share the threads too. Pieces
+    /// are no shorter than [`PoolConfig::piece_elems_min`] where the kernel
+    /// `streams` an output past the caches, else than
+    /// [`PIECE_ELEMS_MIN_IN_PLACE`] (or the configured length, if shorter).
     fn split_many<A: Split + Send>(
         &self,
         shards: Vec<A>,
+        streams: bool,
         len: fn(&A) -> usize,
         kernel: &(dyn Fn(A) + Sync),
     ) {
@@ -400,8 +425,8 @@ impl Pool {
                 // the work. A pinned pool keeps one thread per core: every
                 // worker takes runs and the caller waits.
                 let caller_works = self.cpus.is_empty();
-                let queue =
-                    Mutex::new(cut_runs(shards, len, total, self.pieces(total)).into_iter());
+                let pieces = self.pieces(total, self.piece_elems_min_for(streams));
+                let queue = Mutex::new(cut_runs(shards, len, total, pieces).into_iter());
                 let drain = || loop {
                     // The lock is released before the run starts.
                     let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
@@ -436,9 +461,15 @@ impl Pool {
         combine: fn(R, R) -> R,
     ) -> R {
         match &self.workers {
-            Some(workers) if len >= self.parallel_elems_min => {
-                workers.install(|| split_into(args, len, self.pieces(len), kernel, combine))
-            }
+            Some(workers) if len >= self.parallel_elems_min => workers.install(|| {
+                split_into(
+                    args,
+                    len,
+                    self.pieces(len, self.piece_elems_min),
+                    kernel,
+                    combine,
+                )
+            }),
             _ => kernel(args),
         }
     }
@@ -543,6 +574,38 @@ mod tests {
                     .collect()
             })
             .collect()
+    }
+
+    #[test]
+    fn only_calls_that_stream_keep_long_pieces() {
+        let pool = Pool::new(PoolConfig {
+            threads: Some(2),
+            pin: false,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        let (streaming, in_place) = (
+            pool.piece_elems_min_for(true),
+            pool.piece_elems_min_for(false),
+        );
+        assert_eq!(
+            (streaming, in_place),
+            (PIECE_ELEMS_MIN, PIECE_ELEMS_MIN_IN_PLACE)
+        );
+        // A 1M-element in-place step: four pieces per thread; with 16-bit
+        // copies streamed out, one per thread.
+        assert_eq!(pool.pieces(1 << 20, in_place), 2 * PIECES_PER_THREAD);
+        assert_eq!(pool.pieces(1 << 20, streaming), 2);
+        assert_eq!(pool.pieces(64 << 20, streaming), 2 * PIECES_PER_THREAD);
+        // A configured minimum shorter than the in-place one is kept.
+        let fine = Pool::new(PoolConfig {
+            threads: Some(2),
+            pin: false,
+            piece_elems_min: 256,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        assert_eq!(fine.piece_elems_min_for(false), 256);
     }
 
     #[test]
