@@ -2,10 +2,11 @@
 """strata from Python against DeepSpeed, side by side in one process.
 
 Optimizer: strata.optim.CPUAdam vs DeepSpeedCPUAdam vs torch.optim.AdamW
-(fused=True), each stepping the same tensors (the same parameters,
-gradients and moments in memory) on the same number of threads; rounds
-interleaved, systems in a fresh order each round, medians of params/s. That their updates
-agree is checked apart, each on its own copy of a 1M-parameter slice.
+(fused=True), each stepping the same parameters and gradients in memory
+(with its own moments, or with `--states shared` the same moments too) on
+the same number of threads; rounds interleaved, systems in a fresh order
+each round, medians of params/s. That their updates agree is checked
+apart, each on its own copy of a 1M-parameter slice.
 Each step starts after `--settle` seconds idle (default 0.05): DeepSpeed's
 op and torch share one OpenMP pool whose threads spin for milliseconds
 after a parallel region, so without it whichever system runs next competes
@@ -94,11 +95,16 @@ def tensor_sizes(params, tensors):
 
 
 def bench_adam(args, torch):
-    """Every optimizer steps the very same tensors (parameters, gradients
-    and, after each one's first step, the same moment tensors), so where the
-    memory landed cannot favour one of them: on a VM two allocations of the
-    same size can differ by several percent in bandwidth. Their results are
-    compared apart, on separate copies of a small slice (`agreement`)."""
+    """Every optimizer steps the very same parameters and gradients, so
+    where their memory landed cannot favour one of them: on a VM two
+    allocations of the same size can differ by several percent in
+    bandwidth. With `--states own` (the default) each keeps the moments it
+    allocates itself, as it would in a trainer (strata's lie on transparent
+    huge pages, DeepSpeed's and torch's wherever torch's allocator puts
+    them); with `--states shared` every optimizer steps the first one's
+    moments after its own first step, so only the kernels differ. Their
+    results are compared apart, on separate copies of a small slice
+    (`agreement`)."""
     torch.set_num_threads(args.threads)
     systems, skipped = adam_systems(torch, args.threads)
     sizes = tensor_sizes(args.params, args.tensors)
@@ -113,7 +119,7 @@ def bench_adam(args, torch):
         optimizer.step()  # states allocated, first-touch done, JIT warm
         if shared is None:
             shared = [optimizer.state[p] for p in params]
-        else:
+        elif args.states == "shared":
             for p, first in zip(params, shared):
                 for key in ("exp_avg", "exp_avg_sq"):
                     optimizer.state[p][key] = first[key]
@@ -130,6 +136,7 @@ def bench_adam(args, torch):
     return {
         "params": args.params,
         "tensors": args.tensors,
+        "states": args.states,
         "threads": args.threads,
         "rounds": args.rounds,
         "gparams_per_s": rates,
@@ -250,6 +257,9 @@ def main():
     parser.add_argument("--tensors", type=int, default=8, help="the parameters are split into this many tensors")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="optimizer threads for every system")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--states", choices=["own", "shared"], default="own",
+                        help="each optimizer's moments as it allocates them (as in a trainer), or the first's "
+                             "handed to all (only the kernels differ)")
     parser.add_argument("--settle", type=float, default=0.05,
                         help="seconds of idle before each optimizer step (see the module docstring)")
     parser.add_argument("--io-bytes", type=parse_size, default=parse_size("1GiB"))
@@ -302,7 +312,7 @@ def main():
     print(f"{report['date']}  {report['cpus']} CPUs  torch {report['torch']}  deepspeed {report['deepspeed']}")
     if "adam" in report:
         a = report["adam"]
-        print(f"\nAdamW, {a['params']} params in {a['tensors']} tensors, {a['threads']} threads, "
+        print(f"\nAdamW, {a['params']} params in {a['tensors']} tensors, {a['states']} states, {a['threads']} threads, "
               f"medians of {a['rounds']} rounds (Gparams/s):")
         for name, rate in a["gparams_per_s"].items():
             print(f"  {name:12} {rate:8.3f}   max |p - strata's p| {a['max_abs_diff_from_strata'][name]:.2e}")

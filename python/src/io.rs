@@ -188,6 +188,9 @@ impl AsyncIO {
 
 /// Page-locked, page-aligned host memory for direct I/O, exposed through
 /// the buffer protocol (wrap it with torch.frombuffer or numpy.frombuffer).
+/// From 2 MiB up it lies on transparent huge pages where the kernel has
+/// them; `lock=False` gives that memory without locking it (the optimizers'
+/// states).
 #[pyclass(module = "strata._strata")]
 pub(crate) struct LockedBuffer {
     buf: AlignedBuf,
@@ -196,17 +199,22 @@ pub(crate) struct LockedBuffer {
 
 #[pymethods]
 impl LockedBuffer {
-    /// `nbytes` of zeroed memory; page-locked when RLIMIT_MEMLOCK allows
-    /// (see `locked`).
+    /// `nbytes` of zeroed memory; page-locked (with `lock`) when
+    /// RLIMIT_MEMLOCK allows (see `locked`).
     #[new]
-    fn new(nbytes: usize) -> PyResult<Self> {
+    #[pyo3(signature = (nbytes, lock = true))]
+    fn new(nbytes: usize, lock: bool) -> PyResult<Self> {
         let rounded = nbytes
             .max(1)
             .checked_next_multiple_of(PAGE_BYTES)
             .filter(|&n| n <= isize::MAX as usize)
             .ok_or_else(|| PyValueError::new_err(format!("nbytes = {nbytes} is too large")))?;
-        let buf = AlignedBuf::new_locked(rounded, PAGE_BYTES)
-            .map_err(|err| PyValueError::new_err(err.to_string()))?;
+        let buf = if lock {
+            AlignedBuf::new_locked(rounded, PAGE_BYTES)
+        } else {
+            AlignedBuf::new(rounded, PAGE_BYTES)
+        }
+        .map_err(|err| PyValueError::new_err(err.to_string()))?;
         Ok(LockedBuffer { buf, len: nbytes })
     }
 

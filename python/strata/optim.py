@@ -25,13 +25,20 @@ threads on its first step.
 
 Raw writes bypass autograd's version counter: steps run under
 ``torch.no_grad()``, like every optimizer's.
+
+States of 2 MiB or more are allocated on transparent huge pages (where the
+kernel has them, even when THP is ``madvise``-only), loaded ones included:
+a step streams several arrays at once, and on 4 KiB pages TLB misses cost
+it a large share of its memory bandwidth, most of all on a VM. For the
+parameters and gradients torch allocates, ``THP_MEM_ALLOC_ENABLE=1`` in the
+environment asks torch's allocator for the same.
 """
 
 import os
 
 import torch
 
-from ._strata import Kernels
+from ._strata import Kernels, LockedBuffer
 
 __all__ = ["CPUAdam", "CPUAdagrad", "CPULion"]
 
@@ -54,6 +61,20 @@ class _StrataOptimizer(torch.optim.Optimizer):
         if param_group.get("amsgrad", self.defaults.get("amsgrad", False)):
             raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant.")
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        """torch's loader, then each large state moved onto huge pages
+        (torch's loader casts every state into a fresh tensor of its own)."""
+        super().load_state_dict(state_dict)
+        for p, state in self.state.items():
+            for key, value in state.items():
+                if (
+                    torch.is_tensor(value)
+                    and value.dtype is torch.float32
+                    and value.shape == p.shape
+                    and value.numel() * 4 >= _HUGE_PAGE_BYTES
+                ):
+                    state[key] = _zeros(p).copy_(value)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -196,8 +217,20 @@ def _rewind(batches):
                 state.clear()
 
 
-def _zeros(p, dtype=torch.float32):
-    return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+_HUGE_PAGE_BYTES = 2 << 20
+
+
+def _zeros(p, fill=0.0):
+    """A float32 state shaped like ``p``, filled with ``fill``: from 2 MiB up
+    on memory of strata's own, advised onto huge pages before its first
+    touch (the tensor holds the buffer)."""
+    numel = p.numel()
+    if numel * 4 < _HUGE_PAGE_BYTES:
+        return torch.full_like(p, fill, dtype=torch.float32, memory_format=torch.contiguous_format)
+    state = torch.frombuffer(LockedBuffer(numel * 4, lock=False), dtype=torch.float32, count=numel)
+    if fill != 0.0:
+        state.fill_(fill)
+    return state.view(p.shape)
 
 
 class CPUAdam(_StrataOptimizer):
@@ -313,7 +346,7 @@ class CPUAdagrad(_StrataOptimizer):
 
         def init(group, p):
             initial = group["initial_accumulator_value"]
-            return {"sum": torch.full_like(p, initial, memory_format=torch.contiguous_format)}
+            return {"sum": _zeros(p, initial)}
 
         def adagrad(group, step, indices, params, grads, states):
             kernels.adagrad(

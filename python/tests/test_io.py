@@ -69,6 +69,12 @@ def test_locked_tensors(tmp_path):
     with pytest.raises(ValueError, match="did not come from new_cpu_locked_tensor"):
         h.free_cpu_locked_tensor(np.zeros(4))
     assert len(LockedBuffer(10)) == 10
+    # Unlocked (the optimizers' states): zeroed, writable, page-aligned.
+    plain = np.frombuffer(LockedBuffer(3 << 20, lock=False), dtype=np.float32)
+    assert plain.size == (3 << 20) // 4 and plain.ctypes.data % 4096 == 0
+    assert not plain.any()
+    plain[-1] = 7
+    assert plain[-1] == 7 and not LockedBuffer(4096, lock=False).locked
 
 
 def test_errors_name_the_path_and_errno(tmp_path):

@@ -2,6 +2,7 @@
 imports), state dicts both ways, the fused step, and dlpack errors."""
 
 import copy
+import os
 
 import pytest
 
@@ -145,6 +146,68 @@ def test_state_dicts_move_between_cpuadam_and_torch_adamw():
     opt_d = CPUAdam(d.parameters(), lr=1e-3, weight_decay=0.01)
     opt_d.load_state_dict(ds_style)
     assert_close(train(d, opt_d, steps=3, seed=7), train(c, opt_c, steps=3, seed=7))
+
+
+def huge_page_advised(tensor):
+    """Whether the mapping holding ``tensor`` was advised onto transparent
+    huge pages (the ``hg`` flag in /proc/self/smaps)."""
+    address = tensor.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(" ", 1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()[1:]
+    return False
+
+
+def test_large_states_live_on_huge_pages_and_step_as_torch():
+    """States of 2 MiB or more are strata's own huge-page mappings, made at
+    the first step and again when a state dict is loaded; the updates still
+    match torch's (AdamW and Adagrad with a nonzero initial accumulator)."""
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("this kernel has no transparent huge pages")
+
+    def params(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(3, 200_003, generator=gen)),
+                torch.nn.Parameter(torch.randn(100, generator=gen))]
+
+    def run(ps, opt, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+            opt.step()
+
+    ours, theirs = params(0), params(0)
+    opt = CPUAdam(ours, lr=1e-3, weight_decay=0.01)
+    ref = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.01, foreach=False)
+    run(ours, opt, 5, 1)
+    run(theirs, ref, 5, 1)
+    assert_close(ours, theirs)
+    big, small = opt.state[ours[0]], opt.state[ours[1]]
+    assert huge_page_advised(big["exp_avg"]) and huge_page_advised(big["exp_avg_sq"])
+    assert big["exp_avg"].shape == ours[0].shape and big["exp_avg"].is_contiguous()
+    assert not huge_page_advised(small["exp_avg"])
+    # A loaded state dict (torch's loader makes fresh tensors) is moved back.
+    again = [p.detach().clone().requires_grad_() for p in ours]
+    loaded = CPUAdam(again, lr=1e-3, weight_decay=0.01)
+    loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert huge_page_advised(loaded.state[again[0]]["exp_avg_sq"])
+    run(again, loaded, 3, 2)
+    run(ours, opt, 3, 2)
+    assert_close(again, ours, rtol=0, atol=0)
+
+    ours, theirs = params(3), params(3)
+    opt = CPUAdagrad(ours, lr=1e-2, initial_accumulator_value=0.1)
+    run(ours, opt, 4, 4)
+    run(theirs, torch.optim.Adagrad(theirs, lr=1e-2, initial_accumulator_value=0.1, foreach=False), 4, 4)
+    assert_close(ours, theirs)
+    assert huge_page_advised(opt.state[ours[0]]["sum"])
 
 
 def test_amsgrad_is_refused_as_in_deepspeed():
