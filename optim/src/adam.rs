@@ -596,12 +596,13 @@ fn stream_out<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [T]) {
     }
 }
 
-/// Random words for stochastic rounding: the moments' stream, the master
-/// weights' (bf16 masters only) and the global index of the call's first
-/// element.
+/// Random words for stochastic rounding: one word per element from the
+/// moments' stream (m rounds with its low half, v with its high half, a bf16
+/// master with the two halves xored: pairwise independent of each, for no
+/// second hash), and the global index of the call's first element.
 struct Words {
     moments: Noise,
-    master: Option<Noise>,
+    master: bool,
     first: u64,
 }
 
@@ -613,9 +614,8 @@ impl Words {
         match words {
             None => (None, None),
             Some(w) => {
-                let index = w.first + offset as u64;
-                let master = w.master.as_mut().map(|n| n.lanes(s, index));
-                (Some(w.moments.lanes(s, index)), master)
+                let word = w.moments.lanes(s, w.first + offset as u64);
+                (Some(word), w.master.then(|| s.fold_halves(word)))
             }
         }
     }
@@ -632,8 +632,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             Rounding::Stochastic { seed, step, first } => Some(Words {
                 moments: Noise::new(seed, step, Stream::Moments),
                 // fp32 masters are stored as they are.
-                master: (std::mem::size_of::<P>() < 4)
-                    .then(|| Noise::new(seed, step, Stream::Master)),
+                master: std::mem::size_of::<P>() < 4,
                 first,
             }),
         };

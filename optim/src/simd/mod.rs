@@ -64,6 +64,9 @@ pub trait Simd: Copy + Send + Sync {
     fn load_u32(self, src: &[u32]) -> Self::U;
     /// Each lane's high 16 bits, shifted down.
     fn high_half(self, u: Self::U) -> Self::U;
+    /// Each lane xor its high 16 bits shifted down: the low 16 bits hold
+    /// the two halves xored, a third word pairwise independent of each half.
+    fn fold_halves(self, u: Self::U) -> Self::U;
     /// f32 lanes rounded to bf16 stochastically with each lane's low 16
     /// bits of `noise`, as `rounding::round_bf16_stochastic`, and returned
     /// as f32 (exactly the bf16 values: low halves zero, NaN quieted).

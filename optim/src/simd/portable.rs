@@ -52,6 +52,10 @@ impl Simd for Portable {
         u.map(|w| w >> 16)
     }
     #[inline(always)]
+    fn fold_halves(self, u: Self::U) -> Self::U {
+        u.map(|w| w ^ (w >> 16))
+    }
+    #[inline(always)]
     fn round_bf16_sr(self, v: Self::V, noise: Self::U) -> Self::V {
         std::array::from_fn(|i| widen_bf16(round_bf16_stochastic(v[i], noise[i])))
     }

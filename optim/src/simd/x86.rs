@@ -166,6 +166,11 @@ impl Simd for Avx2 {
         unsafe { _mm256_srli_epi32::<16>(u) }
     }
     #[inline(always)]
+    fn fold_halves(self, u: __m256i) -> __m256i {
+        // SAFETY: the token.
+        unsafe { _mm256_xor_si256(u, _mm256_srli_epi32::<16>(u)) }
+    }
+    #[inline(always)]
     fn round_bf16_sr(self, v: __m256, noise: __m256i) -> __m256 {
         // SAFETY: the token.
         unsafe {
@@ -409,6 +414,11 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     fn high_half(self, u: __m512i) -> __m512i {
         // SAFETY: the token.
         unsafe { _mm512_srli_epi32::<16>(u) }
+    }
+    #[inline(always)]
+    fn fold_halves(self, u: __m512i) -> __m512i {
+        // SAFETY: the token.
+        unsafe { _mm512_xor_si512(u, _mm512_srli_epi32::<16>(u)) }
     }
     #[inline(always)]
     fn round_bf16_sr(self, v: __m512, noise: __m512i) -> __m512 {
