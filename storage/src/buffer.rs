@@ -30,7 +30,8 @@ pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 /// How a buffer's memory is returned when it is dropped.
 enum Release {
     Global(Layout),
-    Mapped(memmap2::MmapMut),
+    /// A mapping of our own (`munmap` of the buffer's range).
+    Mapped,
     Foreign(Box<dyn FnOnce(NonNull<u8>, usize) + Send + Sync>),
 }
 
@@ -60,20 +61,25 @@ impl AlignedBuf {
             align.is_power_of_two() && align >= 512,
             "alignment {align} must be a power of two >= 512"
         );
-        let len = len_bytes.max(1).div_ceil(align) * align;
+        let refused = |cause: &str| StorageError::HostAlloc {
+            len_bytes,
+            align_bytes: align,
+            cause: cause.to_string(),
+        };
+        let len = len_bytes
+            .max(1)
+            .div_ceil(align)
+            .checked_mul(align)
+            .filter(|&len| len <= isize::MAX as usize - HUGE_PAGE_BYTES)
+            .ok_or_else(|| refused("larger than an address space"))?;
         if len >= HUGE_PAGE_BYTES && align <= PAGE_BYTES {
             return Self::mapped(len, align);
         }
-        let layout = Layout::from_size_align(len, align).map_err(|_| StorageError::HostAlloc {
-            len_bytes: len,
-            align_bytes: align,
-        })?;
+        let layout = Layout::from_size_align(len, align)
+            .map_err(|_| refused("not a valid allocation layout"))?;
         // SAFETY: layout has non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or(StorageError::HostAlloc {
-            len_bytes: len,
-            align_bytes: align,
-        })?;
+        let ptr = NonNull::new(raw).ok_or_else(|| refused("the allocator returned null"))?;
         Ok(Self {
             ptr,
             len,
@@ -83,26 +89,66 @@ impl AlignedBuf {
         })
     }
 
-    /// A fresh anonymous mapping (zeroed and page-aligned by the kernel),
-    /// advised to use huge pages before its first touch. The advice is a
-    /// hint: a kernel without THP, or with it off, maps 4 KiB pages.
+    /// A fresh anonymous mapping (zeroed by the kernel) starting on a
+    /// [`HUGE_PAGE_BYTES`] boundary (an unaligned start would leave its
+    /// first and last huge-page windows partial), advised to use huge
+    /// pages, then populated: the memory is committed here, so a shortage
+    /// is this call's error rather than an out-of-memory kill later, in the
+    /// middle of a step. The advice is a hint: a kernel without THP, or with
+    /// it off, maps 4 KiB pages; one older than Linux 5.14 (no
+    /// `MADV_POPULATE_WRITE`) commits on first touch instead.
     fn mapped(len: usize, align: usize) -> Result<Self> {
-        let mut map = memmap2::MmapOptions::new()
-            .len(len)
-            .map_anon()
-            .map_err(|_| StorageError::HostAlloc {
-                len_bytes: len,
-                align_bytes: align,
-            })?;
-        let _ = map.advise(memmap2::Advice::HugePage);
-        let ptr = NonNull::new(map.as_mut_ptr()).expect("a mapping is never at address zero");
-        Ok(Self {
+        let refused = |what: &str| StorageError::HostAlloc {
+            len_bytes: len,
+            align_bytes: align,
+            cause: format!("{what}: {}", std::io::Error::last_os_error()),
+        };
+        let span = len + HUGE_PAGE_BYTES;
+        // SAFETY: a new private anonymous mapping; no existing memory is touched.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(refused("mmap"));
+        }
+        let start = (raw as usize).next_multiple_of(HUGE_PAGE_BYTES);
+        let (head, tail) = (start - raw as usize, span - (start - raw as usize) - len);
+        // SAFETY: both ranges lie inside the mapping just made and outside
+        // `start..start + len`, which stays mapped.
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
+        let ptr = NonNull::new(start as *mut u8).expect("a mapping is never at address zero");
+        let buf = Self {
             ptr,
             len,
             align,
             locked: false,
-            release: Some(Release::Mapped(map)),
-        })
+            release: Some(Release::Mapped),
+        };
+        // SAFETY: the range is the mapping just made, ours alone.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+            if libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) != 0
+                && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
+            {
+                // `buf` unmaps the range as it drops.
+                return Err(refused("committing the memory"));
+            }
+        }
+        Ok(buf)
     }
 
     /// Like [`AlignedBuf::new`], then page-locks the memory with mlock. If the
@@ -235,12 +281,10 @@ impl Drop for AlignedBuf {
                 // SAFETY: allocated with this exact layout in `new`.
                 unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
             }
-            Some(Release::Mapped(map)) => {
-                if self.locked {
-                    // SAFETY: the range is our own mapping, locked by us.
-                    unsafe { libc::munlock(self.ptr.as_ptr().cast(), self.len) };
-                }
-                drop(map);
+            Some(Release::Mapped) => {
+                // SAFETY: the range is our own mapping (made in `mapped`),
+                // unmapped once, here; unmapping also unlocks it.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
             }
             Some(Release::Foreign(release)) => release(self.ptr, self.len),
             None => {}
@@ -264,8 +308,8 @@ mod tests {
     fn large_buffers_are_mappings_advised_onto_huge_pages() {
         let mut buf = AlignedBuf::new(HUGE_PAGE_BYTES * 3 + 5, 4096).unwrap();
         assert_eq!(buf.len(), HUGE_PAGE_BYTES * 3 + 4096);
-        assert_eq!(buf.as_ptr() as usize % 4096, 0);
-        assert!(matches!(buf.release, Some(Release::Mapped(_))));
+        assert_eq!(buf.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
+        assert!(matches!(buf.release, Some(Release::Mapped)));
         assert!(buf.iter().all(|&b| b == 0));
         let last = buf.len() - 1;
         buf[last] = 9;
@@ -274,6 +318,35 @@ mod tests {
         let big_align = AlignedBuf::new(HUGE_PAGE_BYTES, HUGE_PAGE_BYTES).unwrap();
         assert_eq!(big_align.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
         assert!(matches!(big_align.release, Some(Release::Global(_))));
+        // Where the kernel has THP, the mapping carries the advice.
+        if std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|mode| !mode.contains("[never]"))
+        {
+            // The entry whose range holds the buffer (an adjacent mapping
+            // with the same flags may have merged with it).
+            let address = buf.as_ptr() as usize;
+            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+            let holds = |line: &str| {
+                let range = line.split(' ').next().unwrap_or("");
+                let mut ends = range.split('-').map(|x| usize::from_str_radix(x, 16));
+                matches!((ends.next(), ends.next()), (Some(Ok(a)), Some(Ok(b))) if a <= address && address < b)
+            };
+            let flags = smaps
+                .lines()
+                .skip_while(|line| !holds(line))
+                .find(|line| line.starts_with("VmFlags:"))
+                .expect("the mapping is listed in smaps");
+            assert!(flags.split_whitespace().any(|f| f == "hg"), "{flags}");
+        }
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_with_the_reason() {
+        let error = AlignedBuf::new(usize::MAX - 10, 4096).unwrap_err();
+        assert!(
+            error.to_string().contains("larger than an address space"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -192,13 +192,15 @@ pub enum StorageError {
     ServiceStopped,
     /// Host memory could not be allocated.
     #[error(
-        "could not allocate {len_bytes} bytes of host memory aligned to {align_bytes}: lower the buffer or pool size"
+        "could not allocate {len_bytes} bytes of host memory aligned to {align_bytes} ({cause}): lower the buffer or pool size"
     )]
     HostAlloc {
         /// Bytes asked for.
         len_bytes: usize,
         /// Alignment asked for.
         align_bytes: usize,
+        /// What refused: the allocator, or the kernel's errno.
+        cause: String,
     },
     /// A configuration value is out of range or inconsistent.
     #[error("invalid storage setting {key} = {value}: {fix}")]
