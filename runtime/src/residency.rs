@@ -558,8 +558,25 @@ impl Runtime {
     }
 
     /// Drops the copy in `tier` when another tier holds a valid one (free:
-    /// nothing is written).
+    /// nothing is written); the only copy is an error.
     pub fn release(&self, id: TensorId, tier: Tier) -> Result<()> {
+        if self.release_duplicate(id, tier)? {
+            return Ok(());
+        }
+        let name = self.shared.lock().entry(id)?.meta.name.clone();
+        Err(RuntimeError::Config {
+            key: "release",
+            value: format!("{name} in {tier}"),
+            fix: "that is the tensor's only copy: move it to another tier instead".into(),
+        })
+    }
+
+    /// [`Runtime::release`] in one look: drops the copy in `tier` and
+    /// returns true when another tier holds a valid one, or keeps it and
+    /// returns false when it is the only copy. Checking the residency first
+    /// and releasing after is a race: a mover may spill the other copy in
+    /// between.
+    pub fn release_duplicate(&self, id: TensorId, tier: Tier) -> Result<bool> {
         let mut state = self.shared.lock();
         let entry = state.entry(id)?;
         if let Some(target) = entry.moving {
@@ -568,20 +585,16 @@ impl Runtime {
         if !entry.valid(tier) {
             return Err(not_resident(id, entry, tier));
         }
+        if !Tier::ALL.iter().any(|&t| t != tier && entry.valid(t)) {
+            return Ok(false);
+        }
         if entry.readers[tier.index()] > 0 || entry.writer {
             return Err(in_use_error(id, entry));
-        }
-        if !Tier::ALL.iter().any(|&t| t != tier && entry.valid(t)) {
-            return Err(RuntimeError::Config {
-                key: "release",
-                value: format!("{} in {tier}", entry.meta.name),
-                fix: "that is the tensor's only copy: move it to another tier instead".into(),
-            });
         }
         state.drop_copy(id, tier);
         drop(state);
         self.shared.changed.notify_all();
-        Ok(())
+        Ok(true)
     }
 
     /// Takes a guard on the tensor's copy in `tier`, waiting for a move in

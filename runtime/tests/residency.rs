@@ -202,6 +202,30 @@ fn overwrite_with_writes_ranges_and_a_failed_write_keeps_the_old_bytes() {
 }
 
 #[test]
+fn releasing_a_duplicate_keeps_the_only_copy_in_one_look() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();
+    let id = runtime.register(meta("g", 65536), Tier::Host).unwrap();
+    fill(&runtime, id, Tier::Host, &pattern(8, 65536));
+    runtime.copy_to(id, Tier::Device).unwrap().wait().unwrap();
+    // Two copies: the host's goes.
+    assert!(runtime.release_duplicate(id, Tier::Host).unwrap());
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Device]);
+    // The only copy stays, untouched, and plain `release` names it.
+    assert!(!runtime.release_duplicate(id, Tier::Device).unwrap());
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Device]);
+    let error = runtime.release(id, Tier::Device).unwrap_err().to_string();
+    assert!(error.contains("g in device") && error.contains("only copy"), "{error}");
+    // A copy in use is not dropped, a missing one is named.
+    runtime.copy_to(id, Tier::Host).unwrap().wait().unwrap();
+    let reader = runtime.acquire(id, Tier::Host, Access::Read).unwrap();
+    assert!(runtime.release_duplicate(id, Tier::Host).is_err());
+    drop(reader);
+    assert!(runtime.release_duplicate(id, Tier::Nvme).is_err());
+    assert_eq!(read(&runtime, id, Tier::Device), pattern(8, 65536));
+}
+
+#[test]
 fn copy_to_and_evict_keep_the_copies_above() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let runtime = Runtime::new(&config(dir.path(), 1 << 20, 1 << 20)).unwrap();

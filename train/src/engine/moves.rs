@@ -161,16 +161,19 @@ impl Engine {
             }
             ActionKind::Drop { tier } => {
                 let tier = runtime_tier(tier);
-                let only_copy = self.runtime.residency(id)?.iter().all(|&t| t == tier);
-                let dead = self.last_use[self.shape][index] <= self.position;
-                if only_copy && self.slots[index].home.is_none() && dead {
-                    // A tensor of the step after its last use.
-                    self.slots[index].id = None;
-                    self.runtime.free(id)
-                } else if only_copy {
-                    Ok(())
-                } else {
-                    self.runtime.release(id, tier)
+                // One look: the other copy may be spilled by a mover between
+                // a residency check and a release.
+                match self.runtime.release_duplicate(id, tier) {
+                    Ok(false)
+                        if self.slots[index].home.is_none()
+                            && self.last_use[self.shape][index] <= self.position =>
+                    {
+                        // A tensor of the step after its last use.
+                        self.slots[index].id = None;
+                        self.runtime.free(id)
+                    }
+                    // The only copy otherwise stays.
+                    outcome => outcome.map(|_| ()),
                 }
             }
             ActionKind::Alloc { .. } => Ok(()),
