@@ -598,8 +598,10 @@ fn stream_out<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [T]) {
 
 /// Random words for stochastic rounding: one word per element from the
 /// moments' stream (m rounds with its low half, v with its high half, a bf16
-/// master with the two halves xored: pairwise independent of each, for no
-/// second hash), and the global index of the call's first element.
+/// master with the two halves xored, for no second hash), and the global
+/// index of the call's first element. The three 16-bit words are pairwise
+/// independent, not mutually (they xor to zero): each rounding is unbiased
+/// on its own, which is what the states need.
 struct Words {
     moments: Noise,
     master: bool,

@@ -73,7 +73,7 @@ const _: () = assert!(PIECE_ELEMS_MIN > crate::simd::STREAM_ELEMS_MIN + SPLIT_AL
 /// start at once and take over pieces while a sleeping worker wakes (tens
 /// of microseconds on a VM): a 1M-parameter step cut into one piece per
 /// thread waits for that wake-up with half the work still to do.
-pub const PIECE_ELEMS_MIN_IN_PLACE: usize = 1 << 16;
+pub const IN_PLACE_PIECE_ELEMS_MIN: usize = 1 << 16;
 
 /// How to build a [`Pool`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,7 +85,8 @@ pub struct PoolConfig {
     /// Tensors shorter than this run on the calling thread.
     pub parallel_elems_min: usize,
     /// No call is cut into pieces shorter than this, beyond one per thread
-    /// ([`PIECE_ELEMS_MIN`] by default).
+    /// ([`PIECE_ELEMS_MIN`] by default); a many-tensor call that streams no
+    /// output takes the shorter of this and [`IN_PLACE_PIECE_ELEMS_MIN`].
     pub piece_elems_min: usize,
     /// Instruction set; `None` means [`Isa::chosen`].
     pub isa: Option<Isa>,
@@ -380,22 +381,21 @@ impl Pool {
         });
     }
 
-    /// How many pieces `len` elements are cut into: [`PIECES_PER_THREAD`]
-    /// per thread, so that threads which finish early take over pieces
-    /// from one slowed down (by a core it shares with torch's OpenMP
-    /// threads spinning after their last parallel region, say), but none
-    /// shorter than [`PoolConfig::piece_elems_min`], and at least one per
-    /// thread.
     /// The shortest piece of a call whose kernel does (or does not) stream
     /// an output past the caches.
     fn piece_elems_min_for(&self, streams: bool) -> usize {
         if streams {
             self.piece_elems_min
         } else {
-            self.piece_elems_min.min(PIECE_ELEMS_MIN_IN_PLACE)
+            self.piece_elems_min.min(IN_PLACE_PIECE_ELEMS_MIN)
         }
     }
 
+    /// How many pieces `len` elements are cut into: [`PIECES_PER_THREAD`]
+    /// per thread, so that threads which finish early take over pieces
+    /// from one slowed down (by a core it shares with torch's OpenMP
+    /// threads spinning after their last parallel region, say), but none
+    /// shorter than `piece_elems_min`, and at least one per thread.
     fn pieces(&self, len: usize, piece_elems_min: usize) -> usize {
         (self.threads * PIECES_PER_THREAD)
             .min(len / piece_elems_min)
@@ -408,7 +408,7 @@ impl Pool {
     /// for the whole list, and small shards share the threads too. Pieces
     /// are no shorter than [`PoolConfig::piece_elems_min`] where the kernel
     /// `streams` an output past the caches, else than
-    /// [`PIECE_ELEMS_MIN_IN_PLACE`] (or the configured length, if shorter).
+    /// [`IN_PLACE_PIECE_ELEMS_MIN`] (or the configured length, if shorter).
     fn split_many<A: Split + Send>(
         &self,
         shards: Vec<A>,
@@ -590,7 +590,7 @@ mod tests {
         );
         assert_eq!(
             (streaming, in_place),
-            (PIECE_ELEMS_MIN, PIECE_ELEMS_MIN_IN_PLACE)
+            (PIECE_ELEMS_MIN, IN_PLACE_PIECE_ELEMS_MIN)
         );
         // A 1M-element in-place step: four pieces per thread; with 16-bit
         // copies streamed out, one per thread.

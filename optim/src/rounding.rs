@@ -328,8 +328,13 @@ mod tests {
         const N: usize = 1 << 18;
         let (mut sums, mut both_up) = ([[0f64; 3]; 3], [[0usize; 3]; 3]);
         let mut means = [0f64; 3];
-        for i in (0..N).step_by(crate::simd::Portable::LANES) {
-            let words = Noise::new(5, 11, Stream::Moments).lanes(s, i as u64);
+        // Neighbouring indices under several seeds and steps.
+        let keys = [(5, 11), (6, 11), (5, 12), (1 << 40, 1)];
+        let lanes = crate::simd::Portable::LANES;
+        for vector in 0..N / lanes {
+            let (seed, step) = keys[vector % keys.len()];
+            let first = (vector / keys.len() * lanes) as u64;
+            let words = Noise::new(seed, step, Stream::Moments).lanes(s, first);
             let folded = s.fold_halves(words);
             for (w, f) in words.iter().zip(folded.iter()) {
                 let x = [w & 0xffff, w >> 16, f & 0xffff].map(|h| (f64::from(h) + 0.5) / 65536.0);
