@@ -5,7 +5,7 @@
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
 use pyo3::prelude::*;
 use strata_storage::{
     AlignedBuf, EngineKind, HandleConfig, IoHandle, Op, PAGE_BYTES, StorageError,
@@ -189,9 +189,10 @@ impl AsyncIO {
 /// Page-locked, page-aligned host memory for direct I/O, exposed through
 /// the buffer protocol (wrap it with torch.frombuffer or numpy.frombuffer).
 /// From 2 MiB up it lies on transparent huge pages where the kernel has
-/// them; `lock=False` gives that memory without locking it (the optimizers'
-/// states).
-#[pyclass(module = "strata._strata")]
+/// them, committed when made (a shortage is a MemoryError here, not a kill
+/// later); `lock=False` gives that memory without locking it (the
+/// optimizers' states), despite the class's name.
+#[pyclass(module = "strata._strata", weakref)]
 pub(crate) struct LockedBuffer {
     buf: AlignedBuf,
     len: usize,
@@ -214,7 +215,10 @@ impl LockedBuffer {
         } else {
             AlignedBuf::new(rounded, PAGE_BYTES)
         }
-        .map_err(|err| PyValueError::new_err(err.to_string()))?;
+        .map_err(|err| match err {
+            StorageError::HostAlloc { .. } => PyMemoryError::new_err(err.to_string()),
+            _ => PyValueError::new_err(err.to_string()),
+        })?;
         Ok(LockedBuffer { buf, len: nbytes })
     }
 

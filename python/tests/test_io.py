@@ -75,6 +75,8 @@ def test_locked_tensors(tmp_path):
     assert not plain.any()
     plain[-1] = 7
     assert plain[-1] == 7 and not LockedBuffer(4096, lock=False).locked
+    with pytest.raises(MemoryError, match="could not allocate"):
+        LockedBuffer(1 << 62, lock=False)
 
 
 def test_errors_name_the_path_and_errno(tmp_path):

@@ -196,8 +196,16 @@ def test_large_states_live_on_huge_pages_and_step_as_torch():
     # A loaded state dict (torch's loader makes fresh tensors) is moved back.
     again = [p.detach().clone().requires_grad_() for p in ours]
     loaded = CPUAdam(again, lr=1e-3, weight_decay=0.01)
-    loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
-    assert huge_page_advised(loaded.state[again[0]]["exp_avg_sq"])
+    source = copy.deepcopy(opt.state_dict())
+    loaded.load_state_dict(source)
+    moved = loaded.state[again[0]]["exp_avg_sq"]
+    assert huge_page_advised(moved)
+    # The caller's tensor was re-pointed, not copied beside: one copy lives.
+    assert source["state"][0]["exp_avg_sq"].data_ptr() == moved.data_ptr()
+    # States already on strata's pages stay where they are.
+    before = opt.state[ours[0]]["exp_avg"].data_ptr()
+    opt.load_state_dict(opt.state_dict())
+    assert opt.state[ours[0]]["exp_avg"].data_ptr() == before
     run(again, loaded, 3, 2)
     run(ours, opt, 3, 2)
     assert_close(again, ours, rtol=0, atol=0)
