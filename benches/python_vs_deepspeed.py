@@ -16,7 +16,7 @@ find that pool already awake); `--settle 0` measures back to back.
 I/O: strata.io.AsyncIO vs DeepNVMe's aio_handle
 (AsyncIOBuilder().load().aio_handle(...); needs libaio-dev), the same file
 size, block size, queue depth and threads, each with its own locked buffers
-(new_cpu_locked_tensor) and with ordinary tensors (torch.empty), every
+(new_cpu_locked_tensor) and with ordinary torch-allocated tensors, every
 turn starting after os.sync() (untimed) so that no dirty pages left by
 the previous turn are written back during this one; writes then
 reads of the same files (one per buffer kind, shared by both systems, so
@@ -206,10 +206,17 @@ def bench_io(args, torch):
         buffers[name] = {"locked": locked, "user": user}
     results = {f"{name}/{kind}/{op}": [] for name, _ in systems for kind in ("locked", "user") for op in ("write", "read")}
     order = [(name, handle, kind) for name, handle in systems for kind in ("locked", "user")]
+    turn = 0
     for round_ in range(args.rounds):
         for name, handle, kind in round_order(order, round_):
             buf = buffers[name][kind]
             path = os.path.join(args.dir, f"{kind}.bin")
+            # Every 4 KiB block carries this turn's stamp (untimed): the
+            # systems share the files, so a write that did nothing would
+            # otherwise still read back an earlier turn's equal bytes.
+            turn += 1
+            payload.view(-1, 4096)[:, 0] = turn % 255 + 1
+            buf.view(-1, 4096)[:, 0] = turn % 255 + 1
             os.sync()  # no write-back left from the previous system's turn
             start = time.perf_counter()
             handle.async_pwrite(buf, path)
