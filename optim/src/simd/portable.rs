@@ -164,3 +164,65 @@ impl Simd for Portable {
         acc.iter().sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simd::Simd;
+
+    /// A bf16 master rounds with its word's halves xored, m and v with the
+    /// halves themselves: each pair of the three 16-bit words must look
+    /// independent (uniform, uncorrelated, rounding up together a quarter
+    /// of the time at one half).
+    #[test]
+    fn the_folded_word_is_pairwise_independent_of_the_halves() {
+        let s = Portable;
+        const N: usize = 1 << 18;
+        let (mut sums, mut both_up) = ([[0f64; 3]; 3], [[0usize; 3]; 3]);
+        let mut means = [0f64; 3];
+        // Neighbouring indices under several seeds and steps.
+        let keys = [(5, 11), (6, 11), (5, 12), (1 << 40, 1)];
+        let lanes = Portable::LANES;
+        for vector in 0..N / lanes {
+            let (seed, step) = keys[vector % keys.len()];
+            let first = (vector / keys.len() * lanes) as u64;
+            let words = crate::rounding::Noise::new(seed, step, crate::rounding::Stream::Moments)
+                .lanes(s, first);
+            let folded = s.fold_halves(words);
+            for (w, f) in words.iter().zip(folded.iter()) {
+                let x = [w & 0xffff, w >> 16, f & 0xffff].map(|h| (f64::from(h) + 0.5) / 65536.0);
+                for a in 0..3 {
+                    means[a] += x[a] / N as f64;
+                    for b in 0..3 {
+                        sums[a][b] += (x[a] - 0.5) * (x[b] - 0.5) / N as f64;
+                        both_up[a][b] += usize::from(x[a] < 0.5 && x[b] < 0.5);
+                    }
+                }
+            }
+        }
+        for a in 0..3 {
+            assert!(
+                (means[a] - 0.5).abs() < 0.005,
+                "word {a}: mean {}",
+                means[a]
+            );
+            assert!(
+                (sums[a][a] - 1.0 / 12.0).abs() < 0.002,
+                "word {a}: variance {}",
+                sums[a][a]
+            );
+            for b in (a + 1)..3 {
+                let correlation = sums[a][b] * 12.0;
+                assert!(
+                    correlation.abs() < 0.01,
+                    "words {a}, {b}: correlation {correlation}"
+                );
+                let joint = both_up[a][b] as f64 / N as f64;
+                assert!(
+                    (joint - 0.25).abs() < 0.005,
+                    "words {a}, {b}: both below one half {joint}"
+                );
+            }
+        }
+    }
+}
