@@ -215,7 +215,10 @@ fn releasing_a_duplicate_keeps_the_only_copy_in_one_look() {
     assert!(!runtime.release_duplicate(id, Tier::Device).unwrap());
     assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Device]);
     let error = runtime.release(id, Tier::Device).unwrap_err().to_string();
-    assert!(error.contains("g in device") && error.contains("only copy"), "{error}");
+    assert!(
+        error.contains("g in device") && error.contains("only copy"),
+        "{error}"
+    );
     // A copy in use is not dropped, a missing one is named.
     runtime.copy_to(id, Tier::Host).unwrap().wait().unwrap();
     let reader = runtime.acquire(id, Tier::Host, Access::Read).unwrap();
