@@ -305,8 +305,7 @@ impl Pool {
     /// [`Pool::adam_step`] would leave it, bit for bit.
     pub fn adam_step_many(&self, coefficients: &AdamCoefficients, shards: Vec<AdamShard<'_>>) {
         let isa = self.isa;
-        let streams = shards.iter().any(|s| s.3.is_some());
-        self.split_many(shards, streams, |s| s.0.len(), &|(p, g, m, o)| {
+        self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, m, o)| {
             adam_step(isa, coefficients, p, g, m, o)
         });
     }
@@ -319,8 +318,7 @@ impl Pool {
         shards: Vec<StateShard<'_>>,
     ) {
         let isa = self.isa;
-        let streams = shards.iter().any(|s| s.3.is_some());
-        self.split_many(shards, streams, |s| s.0.len(), &|(p, g, s, o)| {
+        self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, s, o)| {
             adagrad_step(isa, coefficients, p, g, s, o)
         });
     }
@@ -329,8 +327,7 @@ impl Pool {
     /// [`Pool::adam_step_many`] (the state is the momentum).
     pub fn lion_step_many(&self, coefficients: &LionCoefficients, shards: Vec<StateShard<'_>>) {
         let isa = self.isa;
-        let streams = shards.iter().any(|s| s.3.is_some());
-        self.split_many(shards, streams, |s| s.0.len(), &|(p, g, m, o)| {
+        self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, m, o)| {
             lion_step(isa, coefficients, p, g, m, o)
         });
     }
@@ -405,18 +402,19 @@ impl Pool {
     /// Runs `kernel` over every shard, the elements of all of them cut
     /// into runs of about equal length ([`Pool::pieces`]; a shard may be
     /// cut, at a multiple of [`SPLIT_ALIGN_ELEMS`]): the threads wake once
-    /// for the whole list, and small shards share the threads too. Pieces
-    /// are no shorter than [`PoolConfig::piece_elems_min`] where the kernel
-    /// `streams` an output past the caches, else than
+    /// for the whole list, and small shards share the threads too.
+    /// `shape` gives a shard's length and whether it has a 16-bit output,
+    /// which the kernel streams past the caches: then pieces are no shorter
+    /// than [`PoolConfig::piece_elems_min`], else than
     /// [`IN_PLACE_PIECE_ELEMS_MIN`] (or the configured length, if shorter).
     fn split_many<A: Split + Send>(
         &self,
         shards: Vec<A>,
-        streams: bool,
-        len: fn(&A) -> usize,
+        shape: fn(&A) -> (usize, bool),
         kernel: &(dyn Fn(A) + Sync),
     ) {
-        let total = shards.iter().map(len).sum::<usize>();
+        let total = shards.iter().map(|s| shape(s).0).sum::<usize>();
+        let streams = shards.iter().any(|s| shape(s).1);
         match &self.workers {
             Some(workers) if total >= self.parallel_elems_min => {
                 // An unpinned pool's caller takes runs too, beside threads - 1
@@ -426,7 +424,8 @@ impl Pool {
                 // worker takes runs and the caller waits.
                 let caller_works = self.cpus.is_empty();
                 let pieces = self.pieces(total, self.piece_elems_min_for(streams));
-                let queue = Mutex::new(cut_runs(shards, len, total, pieces).into_iter());
+                let runs = cut_runs(shards, |s| shape(s).0, total, pieces);
+                let queue = Mutex::new(runs.into_iter());
                 let drain = || loop {
                     // The lock is released before the run starts.
                     let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
@@ -503,7 +502,7 @@ fn split_into<A: Split + Send, R: Send>(
 /// end is cut there (rounded down to [`SPLIT_ALIGN_ELEMS`]).
 fn cut_runs<A: Split>(
     shards: Vec<A>,
-    len: fn(&A) -> usize,
+    len: impl Fn(&A) -> usize,
     total: usize,
     runs: usize,
 ) -> Vec<Vec<A>> {
