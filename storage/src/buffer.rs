@@ -98,10 +98,10 @@ impl AlignedBuf {
     /// it off, maps 4 KiB pages; one older than Linux 5.14 (no
     /// `MADV_POPULATE_WRITE`) commits on first touch instead.
     fn mapped(len: usize, align: usize) -> Result<Self> {
-        let refused = |what: &str| StorageError::HostAlloc {
+        let refused = |what: &str, err: std::io::Error| StorageError::HostAlloc {
             len_bytes: len,
             align_bytes: align,
-            cause: format!("{what}: {}", std::io::Error::last_os_error()),
+            cause: format!("{what}: {err}"),
         };
         let span = len + HUGE_PAGE_BYTES;
         // SAFETY: a new private anonymous mapping; no existing memory is touched.
@@ -116,7 +116,7 @@ impl AlignedBuf {
             )
         };
         if raw == libc::MAP_FAILED {
-            return Err(refused("mmap"));
+            return Err(refused("mmap", std::io::Error::last_os_error()));
         }
         let start = (raw as usize).next_multiple_of(HUGE_PAGE_BYTES);
         let (head, tail) = (start - raw as usize, span - (start - raw as usize) - len);
@@ -139,13 +139,15 @@ impl AlignedBuf {
             release: Some(Release::Mapped),
         };
         // SAFETY: the range is the mapping just made, ours alone.
-        unsafe {
+        let populated = unsafe {
             libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            if libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) != 0
-                && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL)
-            {
+            libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE)
+        };
+        if populated != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.raw_os_error() != Some(libc::EINVAL) {
                 // `buf` unmaps the range as it drops.
-                return Err(refused("committing the memory"));
+                return Err(refused("committing the memory", err));
             }
         }
         Ok(buf)
