@@ -74,16 +74,15 @@ class _StrataOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for p, state in self.state.items():
-                for key, value in state.items():
+                for value in state.values():
                     if (
                         torch.is_tensor(value)
                         and value.dtype is torch.float32
                         and value.shape == p.shape
-                        and value.numel() * 4 >= _HUGE_PAGE_BYTES
+                        and _on_huge_pages(value.numel())
                         and _HOMES.get(value.data_ptr()) is None
                     ):
-                        home = _zeros(p).copy_(value)
-                        value.set_(home)
+                        value.set_(_state_like(p).copy_(value))
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -233,12 +232,17 @@ _HUGE_PAGE_BYTES = 2 << 20
 _HOMES = weakref.WeakValueDictionary()
 
 
-def _zeros(p, fill=0.0):
+def _on_huge_pages(numel):
+    """Whether a float32 state of ``numel`` elements gets strata's memory."""
+    return numel * 4 >= _HUGE_PAGE_BYTES
+
+
+def _state_like(p, fill=0.0):
     """A float32 state shaped like ``p``, filled with ``fill``: from 2 MiB up
     on memory of strata's own, advised onto huge pages before its first
     touch (the tensor holds the buffer)."""
     numel = p.numel()
-    if numel * 4 < _HUGE_PAGE_BYTES:
+    if not _on_huge_pages(numel):
         return torch.full_like(p, fill, dtype=torch.float32, memory_format=torch.contiguous_format)
     buffer = LockedBuffer(numel * 4, lock=False)
     state = torch.frombuffer(buffer, dtype=torch.float32, count=numel)
@@ -300,7 +304,7 @@ class CPUAdam(_StrataOptimizer):
         kernels = self.kernels
 
         def init(group, p):
-            return {"exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
+            return {"exp_avg": _state_like(p), "exp_avg_sq": _state_like(p)}
 
         def adam(group, step, indices, params, grads, states):
             beta1, beta2 = group["betas"]
@@ -361,7 +365,7 @@ class CPUAdagrad(_StrataOptimizer):
 
         def init(group, p):
             initial = group["initial_accumulator_value"]
-            return {"sum": _zeros(p, initial)}
+            return {"sum": _state_like(p, initial)}
 
         def adagrad(group, step, indices, params, grads, states):
             kernels.adagrad(
@@ -415,5 +419,5 @@ class CPULion(_StrataOptimizer):
                 weight_decay=group["weight_decay"],
             )
 
-        self._run(None, lambda group, p: {"exp_avg": _zeros(p)}, lion)
+        self._run(None, lambda group, p: {"exp_avg": _state_like(p)}, lion)
         return loss
