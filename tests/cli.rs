@@ -568,12 +568,18 @@ fn state_dtype_loss_script_tiny() {
             "/benches/state-dtype-loss.py"
         ))
         .args(["--strata", env!("CARGO_BIN_EXE_strata")])
-        .args(["--steps", "2", "--seeds", "1", "--json"])
+        .args(["--steps", "3", "--seeds", "1", "--null", "bf16-moments"])
+        .arg("--json")
         .output()
         .unwrap();
     let text = stdout_text(&output);
     let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    for dtype in ["fp32@1", "bf16-moments@1", "bf16@1"] {
+    for dtype in [
+        "fp32@1",
+        "bf16-moments@1",
+        "bf16@1",
+        "bf16-moments/reseeded@1",
+    ] {
         let loss = report["final_loss"][dtype].as_f64().unwrap();
         assert!(loss.is_finite() && loss > 0.0, "{dtype}: {report}");
     }
@@ -583,6 +589,11 @@ fn state_dtype_loss_script_tiny() {
             "{report}"
         );
     }
+    // The third step's loss already sees the other rounding.
+    let floor = report["rounding_seed_only"]["bf16-moments"]["gap_max"]
+        .as_f64()
+        .unwrap();
+    assert!(floor > 0.0 && floor < 0.05, "{report}");
 }
 
 /// `strata plan` of the example (1T on one DGX-2, parameters and

@@ -758,9 +758,23 @@ fn bf16_states(dtype: StateDtype) {
     let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
     assert_eq!(resumed, whole.losses, "{dtype:?}");
 
+    // Another rounding seed: other bits from the same data and start, and
+    // a resume with it refused.
+    config.optim.rounding_seed = Some(config.train.seed + 1);
+    let reseeded = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_ne!(reseeded.losses[1..], whole.losses[1..], "{dtype:?}");
+    assert_eq!(reseeded.losses[0], whole.losses[0], "{dtype:?}");
+    let err = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("optim.rounding_seed"), "{err}");
+    config.optim.rounding_seed = None;
+
     config.optim.state_dtype = StateDtype::Fp32;
     let err = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("optim.state_dtype"), "{err}");
+    // A rounding seed with nothing to round is a mistake, said before a step.
+    config.optim.rounding_seed = Some(5);
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("optim.rounding_seed"), "{err}");
 }
 
 /// What a run will write is checked before step 1: the trace file is

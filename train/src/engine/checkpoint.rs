@@ -63,10 +63,14 @@ pub struct CheckpointMeta {
     #[serde(default)]
     pub state_dtype: StateDtype,
     /// How bf16 states were rounded: "nearest" (no bf16 state) or
-    /// "stochastic" (random bits keyed by `seed`, the Adam step and each
-    /// parameter's index).
+    /// "stochastic" (random bits keyed by the rounding seed, the Adam step
+    /// and each parameter's index).
     #[serde(default = "nearest")]
     pub rounding: String,
+    /// The stochastic rounding's seed (`optim.rounding_seed`), when it is
+    /// not `seed`; absent in checkpoints from before it could differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounding_seed: Option<u64>,
     /// xxh3-64 of each file, by name.
     pub files: HashMap<String, String>,
 }
@@ -567,6 +571,7 @@ impl Engine {
                 } else {
                     nearest()
                 },
+                rounding_seed: self.config.optim.rounding_seed,
                 files: Default::default(),
             };
             let committed = commit(&RealFs, root, &tmp, meta);
@@ -627,6 +632,16 @@ impl Engine {
                 "train.seed",
                 meta.seed.to_string(),
                 self.config.train.seed.to_string(),
+            ));
+        }
+        let rounding_seed = meta.rounding_seed.unwrap_or(meta.seed);
+        if self.config.optim.state_dtype.stochastic()
+            && rounding_seed != self.config.rounding_seed()
+        {
+            return Err(mismatch(
+                "optim.rounding_seed",
+                rounding_seed.to_string(),
+                self.config.rounding_seed().to_string(),
             ));
         }
         if meta.files.contains_key(HF_CONFIG) {
@@ -696,6 +711,7 @@ mod crash_tests {
             loss_scaler: (1.0, 0, 0),
             state_dtype: StateDtype::Fp32,
             rounding: nearest(),
+            rounding_seed: None,
             files: HashMap::new(),
         }
     }

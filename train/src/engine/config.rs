@@ -587,6 +587,10 @@ pub struct OptimConfig {
     pub threads: u32,
     /// How the optimizer states are kept.
     pub state_dtype: StateDtype,
+    /// Seeds the stochastic rounding of bf16 states; absent: `train.seed`.
+    /// Runs that differ only here differ only by their rounding, which is
+    /// how to measure what rounding noise alone does to a loss curve.
+    pub rounding_seed: Option<u64>,
 }
 
 impl Default for OptimConfig {
@@ -594,6 +598,7 @@ impl Default for OptimConfig {
         OptimConfig {
             threads: 0,
             state_dtype: StateDtype::Fp32,
+            rounding_seed: None,
         }
     }
 }
@@ -727,6 +732,12 @@ impl TrainConfig {
         Ok(config)
     }
 
+    /// The seed of the bf16 states' stochastic rounding: `optim.rounding_seed`,
+    /// or `train.seed` without it.
+    pub fn rounding_seed(&self) -> u64 {
+        self.optim.rounding_seed.unwrap_or(self.train.seed)
+    }
+
     /// The config as a TOML file that [`TrainConfig::from_toml`] reads back
     /// to the same config (what `strata train --print-config` shows).
     pub fn to_toml(&self) -> Result<String> {
@@ -823,6 +834,19 @@ impl TrainConfig {
                     "optimizer states on a CUDA device are fp32 for now (the device AdamW kernel keeps fp32 master weights and moments): set optim.state_dtype = \"fp32\", or place the optimizer on cpu or nvme",
                 ));
             }
+        }
+        if let (Some(seed), false) = (
+            self.optim.rounding_seed,
+            self.optim.state_dtype.stochastic(),
+        ) {
+            return Err(bad(
+                "optim.rounding_seed",
+                seed,
+                format!(
+                    "optim.state_dtype = {:?} rounds nothing stochastically: remove optim.rounding_seed, or set optim.state_dtype = \"bf16-moments\" or \"bf16\"",
+                    self.optim.state_dtype.name()
+                ),
+            ));
         }
         if self.uses_nvme() && self.nvme.is_none() {
             return Err(bad(

@@ -410,7 +410,7 @@ impl Engine {
             param_out: id(param_index(g, to)),
             update: *update,
             state_dtype: self.config.optim.state_dtype,
-            seed: self.config.train.seed,
+            seed: self.config.rounding_seed(),
             grad_dtype: self.slots[grad_index(g)].meta.dtype,
         };
         match &mut self.worker {
