@@ -67,8 +67,8 @@ pub const PIECE_ELEMS_MIN: usize = 3 << 20;
 
 const _: () = assert!(PIECE_ELEMS_MIN > crate::simd::STREAM_ELEMS_MIN + SPLIT_ALIGN_ELEMS);
 
-/// The shortest piece of a many-tensor call that writes no 16-bit copies
-/// (nothing it stores is streamed, so only the hand-off bounds the cut):
+/// The shortest piece of a call that streams no output (nothing it stores
+/// bypasses the caches, so only the hand-off bounds the cut):
 /// 64K elements, some 20 us of one core's work. Fine pieces let the caller
 /// start at once and take over pieces while a sleeping worker wakes (tens
 /// of microseconds on a VM): a 1M-parameter step cut into one piece per
@@ -85,8 +85,8 @@ pub struct PoolConfig {
     /// Tensors shorter than this run on the calling thread.
     pub parallel_elems_min: usize,
     /// No call is cut into pieces shorter than this, beyond one per thread
-    /// ([`PIECE_ELEMS_MIN`] by default); a many-tensor call that streams no
-    /// output takes the shorter of this and [`IN_PLACE_PIECE_ELEMS_MIN`].
+    /// ([`PIECE_ELEMS_MIN`] by default); a call that streams no output
+    /// takes the shorter of this and [`IN_PLACE_PIECE_ELEMS_MIN`].
     pub piece_elems_min: usize,
     /// Instruction set; `None` means [`Isa::chosen`].
     pub isa: Option<Isa>,
@@ -181,14 +181,13 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
     ) {
         let isa = self.isa;
-        self.split(params.len(), (params, grads, moments, out), &|(
-            p,
-            g,
-            m,
-            o,
-        )| {
-            adam_step(isa, coefficients, p, g, m, o)
-        });
+        let streams = out.is_some();
+        self.split(
+            params.len(),
+            streams,
+            (params, grads, moments, out),
+            &|(p, g, m, o)| adam_step(isa, coefficients, p, g, m, o),
+        );
     }
 
     /// [`adam_step_rounded`] over the pool: each piece's random words come
@@ -206,6 +205,7 @@ impl Pool {
         let isa = self.isa;
         self.split(
             params.len(),
+            out.is_some(),
             (params, grads, moments, out, rounding),
             &|(p, g, m, o, r)| adam_step_rounded(isa, coefficients, p, g, m, o, r),
         );
@@ -225,8 +225,10 @@ impl Pool {
         rounding: Rounding,
     ) {
         let isa = self.isa;
+        // The states go out streamed.
         self.split(
             params_out.len(),
+            true,
             (
                 params_in,
                 moments_in,
@@ -255,6 +257,7 @@ impl Pool {
         let isa = self.isa;
         self.split(
             params.len(),
+            false,
             (params, grads, moments, rounding),
             &|(p, g, m, r)| adam_step_bf16_master(isa, coefficients, p, g, m, r),
         );
@@ -270,14 +273,13 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
     ) {
         let isa = self.isa;
-        self.split(params.len(), (params, grads, state, out), &|(
-            p,
-            g,
-            s,
-            o,
-        )| {
-            adagrad_step(isa, coefficients, p, g, s, o)
-        });
+        let streams = out.is_some();
+        self.split(
+            params.len(),
+            streams,
+            (params, grads, state, out),
+            &|(p, g, s, o)| adagrad_step(isa, coefficients, p, g, s, o),
+        );
     }
 
     /// [`lion_step`] over the pool.
@@ -290,14 +292,13 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
     ) {
         let isa = self.isa;
-        self.split(params.len(), (params, grads, momentum, out), &|(
-            p,
-            g,
-            m,
-            o,
-        )| {
-            lion_step(isa, coefficients, p, g, m, o)
-        });
+        let streams = out.is_some();
+        self.split(
+            params.len(),
+            streams,
+            (params, grads, momentum, out),
+            &|(p, g, m, o)| lion_step(isa, coefficients, p, g, m, o),
+        );
     }
 
     /// [`adam_step`] over many tensors in one call (a model's parameters):
@@ -339,6 +340,7 @@ impl Pool {
             total
                 + (self.split_reduce(
                     shard.len(),
+                    self.piece_elems_min,
                     shard,
                     &|g| grads::grad_norm(isa, g),
                     std::ops::Add::add,
@@ -349,7 +351,7 @@ impl Pool {
     /// [`grads::accumulate`] over the pool.
     pub fn accumulate(&self, acc: &mut [f32], incoming: Values<'_>) {
         let isa = self.isa;
-        self.split(acc.len(), (acc, incoming), &|(a, x)| {
+        self.split(acc.len(), false, (acc, incoming), &|(a, x)| {
             grads::accumulate(isa, a, x)
         });
     }
@@ -357,7 +359,7 @@ impl Pool {
     /// [`grads::narrow`] over the pool.
     pub fn narrow(&self, source: &[f32], target: LowPrecisionMut<'_>) {
         let isa = self.isa;
-        self.split(source.len(), (source, target), &|(s, t)| {
+        self.split(source.len(), false, (source, target), &|(s, t)| {
             grads::narrow(isa, s, t)
         });
     }
@@ -365,7 +367,7 @@ impl Pool {
     /// [`grads::widen`] over the pool.
     pub fn widen(&self, source: Values<'_>, target: &mut [f32]) {
         let isa = self.isa;
-        self.split(target.len(), (source, target), &|(s, t)| {
+        self.split(target.len(), false, (source, target), &|(s, t)| {
             grads::widen(isa, s, t)
         });
     }
@@ -373,7 +375,7 @@ impl Pool {
     /// [`grads::roofline_4r3w`] over the pool.
     pub fn roofline_4r3w(&self, a: &mut [f32], b: &[f32], c: &mut [f32], d: &mut [f32]) {
         let isa = self.isa;
-        self.split(a.len(), (a, b, c, d), &|(a, b, c, d)| {
+        self.split(a.len(), false, (a, b, c, d), &|(a, b, c, d)| {
             grads::roofline_4r3w(isa, a, b, c, d)
         });
     }
@@ -447,14 +449,26 @@ impl Pool {
         }
     }
 
-    fn split<A: Split + Send>(&self, len: usize, args: A, kernel: &(dyn Fn(A) + Sync)) {
-        self.split_reduce(len, args, kernel, |(), ()| ())
+    /// Runs `kernel` over one shard of `len` elements in pieces; `streams`:
+    /// the kernel streams an output past the caches (see
+    /// [`Pool::piece_elems_min_for`]).
+    fn split<A: Split + Send>(
+        &self,
+        len: usize,
+        streams: bool,
+        args: A,
+        kernel: &(dyn Fn(A) + Sync),
+    ) {
+        let piece_elems_min = self.piece_elems_min_for(streams);
+        self.split_reduce(len, piece_elems_min, args, kernel, |(), ()| ())
     }
 
-    /// Runs `kernel` on [`Pool::pieces`] pieces and folds the results.
+    /// Runs `kernel` on [`Pool::pieces`] pieces, none shorter than
+    /// `piece_elems_min` beyond one per thread, and folds the results.
     fn split_reduce<A: Split + Send, R: Send>(
         &self,
         len: usize,
+        piece_elems_min: usize,
         args: A,
         kernel: &(dyn Fn(A) -> R + Sync),
         combine: fn(R, R) -> R,
@@ -464,7 +478,7 @@ impl Pool {
                 split_into(
                     args,
                     len,
-                    self.pieces(len, self.piece_elems_min),
+                    self.pieces(len, piece_elems_min),
                     kernel,
                     combine,
                 )
