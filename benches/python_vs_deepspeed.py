@@ -56,13 +56,14 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def round_order(order, round_):
-    """`order` shuffled afresh each round (seeded by the round): a fixed
-    rotation would keep every system behind the same predecessor, and
-    what one leaves behind (spinning OpenMP threads, dirty pages being
-    written back) would always land on the same one."""
+def round_order(order, round_, seed):
+    """`order` shuffled afresh each round (seeded by `--order-seed` and the
+    round): a fixed rotation would keep every system behind the same
+    predecessor, and what one leaves behind (spinning OpenMP threads, dirty
+    pages being written back) would always land on the same one. Another
+    seed gives other orders, to check a result does not hang on them."""
     shuffled = list(order)
-    random.Random(round_).shuffle(shuffled)
+    random.Random(f"{seed}:{round_}").shuffle(shuffled)
     return shuffled
 
 
@@ -127,7 +128,7 @@ def bench_adam(args, torch):
     times = {name: [] for name, _ in systems}
     order = [name for name, _ in systems]
     for round_ in range(args.rounds):
-        for name in round_order(order, round_):
+        for name in round_order(order, round_, args.order_seed):
             time.sleep(args.settle)
             start = time.perf_counter()
             optimizers[name].step()
@@ -139,6 +140,7 @@ def bench_adam(args, torch):
         "states": args.states,
         "threads": args.threads,
         "rounds": args.rounds,
+        "order_seed": args.order_seed,
         "gparams_per_s": rates,
         "max_abs_diff_from_strata": agreement(torch, systems, min(args.params, 1 << 20), args.tensors),
         "skipped": skipped,
@@ -208,7 +210,7 @@ def bench_io(args, torch):
     order = [(name, handle, kind) for name, handle in systems for kind in ("locked", "user")]
     turn = 0
     for round_ in range(args.rounds):
-        for name, handle, kind in round_order(order, round_):
+        for name, handle, kind in round_order(order, round_, args.order_seed):
             buf = buffers[name][kind]
             path = os.path.join(args.dir, f"{kind}.bin")
             # Every 4 KiB block carries this turn's stamp (untimed): the
@@ -252,6 +254,7 @@ def bench_io(args, torch):
         "threads": args.io_threads,
         "dir": os.path.abspath(args.dir),
         "rounds": args.rounds,
+        "order_seed": args.order_seed,
         "gb_per_s": gbps,
         "skipped": skipped,
         "ratios": {f"strata/deepnvme {k}": v for k, v in ratios.items()},
@@ -264,6 +267,7 @@ def main():
     parser.add_argument("--tensors", type=int, default=8, help="the parameters are split into this many tensors")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="optimizer threads for every system")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--order-seed", type=int, default=0, help="seeds each round's order of the systems")
     parser.add_argument("--states", choices=["own", "shared"], default="own",
                         help="each optimizer's moments as it allocates them (as in a trainer), or the first's "
                              "handed to all (only the kernels differ)")
