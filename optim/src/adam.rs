@@ -234,6 +234,7 @@ pub fn adam_step_rounded(
     let call = Call {
         isa,
         coefficients,
+        whole_len: params.len(),
         params,
         out,
         rounding,
@@ -260,6 +261,7 @@ pub fn adam_step_bf16_master(
     let call = Call {
         isa,
         coefficients,
+        whole_len: params.len(),
         params,
         out: None,
         rounding,
@@ -294,20 +296,97 @@ pub fn adam_step_out_of_place<P: Element>(
     out: Option<LowPrecisionMut<'_>>,
     rounding: Rounding,
 ) {
-    let call = Call {
-        isa,
+    let shard = OutOfPlaceShard {
         coefficients,
-        params: params_out,
+        params_in,
+        moments_in,
+        grads,
+        params_out,
+        moments_out,
         out,
         rounding,
     };
-    let src = Some((params_in, moments_in));
-    call.run(grads, moments_out, src)
+    let whole_len = shard.params_out.len();
+    adam_step_out_of_place_part(isa, shard, whole_len)
+}
+
+/// One tensor, or one stretch of a tensor in host memory, of an
+/// out-of-place step: the arguments of [`adam_step_out_of_place`], for
+/// [`crate::Pool::adam_step_out_of_place_many`].
+pub struct OutOfPlaceShard<'a, P> {
+    /// Its coefficients (a group's runs differ by weight decay).
+    pub coefficients: &'a AdamCoefficients,
+    /// Master weights read.
+    pub params_in: &'a [P],
+    /// Moments read.
+    pub moments_in: MomentsRef<'a>,
+    /// Gradients.
+    pub grads: Values<'a>,
+    /// Master weights written.
+    pub params_out: &'a mut [P],
+    /// Moments written.
+    pub moments_out: Moments<'a>,
+    /// The 16-bit copy written, if any.
+    pub out: Option<LowPrecisionMut<'a>>,
+    /// How bf16 states are rounded (keyed by the shard's first element).
+    pub rounding: Rounding,
+}
+
+impl<P> Split for OutOfPlaceShard<'_, P> {
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (first, rest) = (
+            self.params_in,
+            self.moments_in,
+            self.grads,
+            self.params_out,
+            self.moments_out,
+            self.out,
+            self.rounding,
+        )
+            .split_at(mid);
+        let part = |(params_in, moments_in, grads, params_out, moments_out, out, rounding)| {
+            OutOfPlaceShard {
+                coefficients: self.coefficients,
+                params_in,
+                moments_in,
+                grads,
+                params_out,
+                moments_out,
+                out,
+                rounding,
+            }
+        };
+        (part(first), part(rest))
+    }
+}
+
+/// [`adam_step_out_of_place`] of `shard`, a part of an update `whole_len`
+/// elements long: whether its outputs are streamed past the caches follows
+/// the whole update's length, so a large update walked stretch by stretch
+/// (host chunks of a few hundred KiB) is streamed like one call.
+pub(crate) fn adam_step_out_of_place_part<P: Element>(
+    isa: Isa,
+    shard: OutOfPlaceShard<'_, P>,
+    whole_len: usize,
+) {
+    let call = Call {
+        isa,
+        coefficients: shard.coefficients,
+        whole_len,
+        params: shard.params_out,
+        out: shard.out,
+        rounding: shard.rounding,
+    };
+    let src = Some((shard.params_in, shard.moments_in));
+    call.run(shard.grads, shard.moments_out, src)
 }
 
 struct Call<'a, 'c, P> {
     isa: Isa,
     coefficients: &'c AdamCoefficients,
+    /// The length of the update this call is part of (see
+    /// [`adam_step_out_of_place_part`]).
+    whole_len: usize,
     params: &'a mut [P],
     out: Option<LowPrecisionMut<'a>>,
     rounding: Rounding,
@@ -364,13 +443,19 @@ impl<'a, P: Element> Call<'a, '_, P> {
         v: &'a mut [M],
         src: Option<Sources<'a, P, M>>,
     ) {
-        let (isa, coefficients, params, rounding) =
-            (self.isa, self.coefficients, self.params, self.rounding);
+        let (isa, coefficients, whole_len, params, rounding) = (
+            self.isa,
+            self.coefficients,
+            self.whole_len,
+            self.params,
+            self.rounding,
+        );
         match self.out {
             None => simd::dispatch(
                 isa,
                 AdamKernel::<P, G, M, bf16> {
                     coefficients,
+                    whole_len,
                     params,
                     grads,
                     m,
@@ -384,6 +469,7 @@ impl<'a, P: Element> Call<'a, '_, P> {
                 isa,
                 AdamKernel {
                     coefficients,
+                    whole_len,
                     params,
                     grads,
                     m,
@@ -397,6 +483,7 @@ impl<'a, P: Element> Call<'a, '_, P> {
                 isa,
                 AdamKernel::<P, G, M, f16> {
                     coefficients,
+                    whole_len,
                     params,
                     grads,
                     m,
@@ -412,6 +499,9 @@ impl<'a, P: Element> Call<'a, '_, P> {
 
 struct AdamKernel<'a, P, G, M, O> {
     coefficients: &'a AdamCoefficients,
+    /// Outputs are streamed past the caches when this is long (see
+    /// [`adam_step_out_of_place_part`]).
+    whole_len: usize,
     params: &'a mut [P],
     grads: &'a [G],
     m: &'a mut [M],
@@ -646,7 +736,8 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         // too: when one head cannot align both, the output is stored
         // normally.
         let head = simd::align_head::<S, P>(self.params);
-        let stream = len >= simd::STREAM_ELEMS_MIN
+        let long = self.whole_len >= simd::STREAM_ELEMS_MIN;
+        let stream = long
             && self
                 .out
                 .as_ref()
@@ -654,7 +745,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         // Out of place, the states go out non-temporally too when every
         // output is aligned like the parameters.
         let nt = self.src.is_some()
-            && len >= simd::STREAM_ELEMS_MIN
+            && long
             && simd::align_head::<S, M>(self.m) == head
             && simd::align_head::<S, M>(self.v) == head
             && self

@@ -12,9 +12,13 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use crate::{
-    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, MomentsRef, OptimError, Pool,
-    Rounding, Values,
+    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, MomentsRef, OptimError,
+    OutOfPlaceShard, Pool, Rounding, Values,
 };
+
+/// The stretch [`BenchKernel::EngineStepBf16`] walks its buffers in: a
+/// 256 KiB host chunk of fp32 (the training engine's default host buffer).
+pub const ENGINE_STRETCH_ELEMS: usize = 64 << 10;
 
 /// A benchmarked kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -37,7 +41,9 @@ pub enum BenchKernel {
     OffloadStepBf16Master,
     /// The offload step as the training engine runs it: out of place from
     /// one fp32 state set into the other (alternating each step, states
-    /// streamed past the caches), bf16 gradients in, bf16 params out.
+    /// streamed past the caches), bf16 gradients in, bf16 params out, the
+    /// buffers walked in host chunks ([`ENGINE_STRETCH_ELEMS`]) handed to
+    /// the pool in one call.
     EngineStepBf16,
     /// Adam with L2 weight decay, fp32.
     AdamL2Fp32,
@@ -415,19 +421,31 @@ impl BenchBuffers {
                 } else {
                     ((p2.get(), m2.get(), v2.get()), (p1, m1, v1))
                 };
-                pool.adam_step_out_of_place(
-                    &c,
-                    p_in,
-                    MomentsRef::F32 { m: m_in, v: v_in },
-                    Values::Bf16(self.g_bf16.get()),
-                    p_out.get_mut(),
-                    Moments::F32 {
-                        m: m_out.get_mut(),
-                        v: v_out.get_mut(),
-                    },
-                    Some(LowPrecisionMut::Bf16(self.out_bf16.get_mut())),
-                    Rounding::Nearest,
-                );
+                // Walked in host chunks, as the engine walks a group's
+                // states, in one pool call.
+                let chunk = ENGINE_STRETCH_ELEMS;
+                let shards = p_in
+                    .chunks(chunk)
+                    .zip(m_in.chunks(chunk).zip(v_in.chunks(chunk)))
+                    .zip(self.g_bf16.get().chunks(chunk))
+                    .zip(p_out.get_mut().chunks_mut(chunk))
+                    .zip(m_out.get_mut().chunks_mut(chunk))
+                    .zip(v_out.get_mut().chunks_mut(chunk))
+                    .zip(self.out_bf16.get_mut().chunks_mut(chunk))
+                    .map(
+                        |((((((p0, (m0, v0)), g), p), m), v), out)| OutOfPlaceShard {
+                            coefficients: &c,
+                            params_in: p0,
+                            moments_in: MomentsRef::F32 { m: m0, v: v0 },
+                            grads: Values::Bf16(g),
+                            params_out: p,
+                            moments_out: Moments::F32 { m, v },
+                            out: Some(LowPrecisionMut::Bf16(out)),
+                            rounding: Rounding::Nearest,
+                        },
+                    )
+                    .collect();
+                pool.adam_step_out_of_place_many(shards);
             }
             BenchKernel::AdagradFp32 => {
                 let c = AdagradConfig::new(1e-4).coefficients(step, 1.0)?;

@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::adagrad::{AdagradCoefficients, adagrad_step};
 use crate::adam::{
-    AdamCoefficients, adam_step, adam_step_bf16_master, adam_step_out_of_place, adam_step_rounded,
+    AdamCoefficients, OutOfPlaceShard, adam_step, adam_step_bf16_master, adam_step_out_of_place,
+    adam_step_out_of_place_part, adam_step_rounded,
 };
 use crate::grads::{self, GradNorm};
 use crate::lion::{LionCoefficients, lion_step};
@@ -308,6 +309,21 @@ impl Pool {
         let isa = self.isa;
         self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, m, o)| {
             adam_step(isa, coefficients, p, g, m, o)
+        });
+    }
+
+    /// [`adam_step_out_of_place`] over many tensors, or many stretches of
+    /// host memory, in one call, as [`Pool::adam_step_many`]: the training
+    /// engine's update of a group whose states lie in host chunks of a few
+    /// hundred KiB. Whether the outputs are streamed past the caches
+    /// follows the whole call's length, not a stretch's, so the pieces may
+    /// be as short as [`IN_PLACE_PIECE_ELEMS_MIN`].
+    pub fn adam_step_out_of_place_many<P: Element>(&self, shards: Vec<OutOfPlaceShard<'_, P>>) {
+        let isa = self.isa;
+        let whole_len = shards.iter().map(|s| s.params_out.len()).sum();
+        // No piece's cut changes what is streamed: fine pieces.
+        self.split_many(shards, |s| (s.params_out.len(), false), &|s| {
+            adam_step_out_of_place_part(isa, s, whole_len)
         });
     }
 

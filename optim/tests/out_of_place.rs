@@ -3,8 +3,8 @@
 //! bit for bit, at any alignment, on every instruction set and thread count.
 
 use strata_optim::{
-    AdamConfig, Isa, LowPrecisionMut, Moments, MomentsRef, Pool, PoolConfig, Rounding, Values,
-    adam_step_out_of_place, adam_step_rounded, bf16,
+    AdamConfig, Isa, LowPrecisionMut, Moments, MomentsRef, OutOfPlaceShard, Pool, PoolConfig,
+    Rounding, Values, adam_step_out_of_place, adam_step_rounded, bf16,
 };
 
 fn value(i: usize, salt: usize, scale: f32) -> f32 {
@@ -243,5 +243,113 @@ fn bf16_masters_out_of_place_match_in_place_and_their_copy() {
                 "nothing moved: {what}"
             );
         }
+    }
+}
+
+/// The engine's form: one update walked as many stretches (host chunks),
+/// runs of them with other coefficients, in one pool call. The same bits
+/// as one call per stretch on the calling thread, though the call streams
+/// its outputs by its whole length and cuts pieces across stretches.
+#[test]
+fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
+    let n = (1 << 21) + 37;
+    // Stretches of uneven lengths, as chunk boundaries of the tensors
+    // make them; every third one not weight-decayed.
+    let mut cuts = vec![0];
+    while *cuts.last().unwrap() < n {
+        let at = *cuts.last().unwrap();
+        cuts.push((at + 50_000 + (at * 7) % 30_011).min(n));
+    }
+    let decayed = AdamConfig::adamw(1e-3).coefficients(5, 0.5).unwrap();
+    let plain = AdamConfig {
+        weight_decay: 0.0,
+        ..AdamConfig::adamw(1e-3)
+    }
+    .coefficients(5, 0.5)
+    .unwrap();
+    let coefficients = |k: usize| if k % 3 == 2 { &plain } else { &decayed };
+    let p: Vec<f32> = (0..n).map(|i| value(i, 1, 1.0)).collect();
+    let g: Vec<bf16> = (0..n).map(|i| bf16::from_f32(value(i, 2, 1e-2))).collect();
+    let m: Vec<bf16> = (0..n).map(|i| bf16::from_f32(value(i, 3, 1e-3))).collect();
+    let v: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32(value(i, 4, 1e-6).abs()))
+        .collect();
+    let first = 1u64 << 33;
+    let rounding = |at: usize| Rounding::Stochastic {
+        seed: 3,
+        step: 5,
+        first: first + at as u64,
+    };
+    let outputs = || {
+        (
+            vec![0.0f32; n],
+            vec![bf16::ZERO; n],
+            vec![bf16::ZERO; n],
+            vec![bf16::ZERO; n],
+        )
+    };
+    let isa = Isa::chosen();
+    let mut expected = outputs();
+    {
+        let (p2, m2, v2, out) = &mut expected;
+        for (k, w) in cuts.windows(2).enumerate() {
+            let r = w[0]..w[1];
+            adam_step_out_of_place(
+                isa,
+                coefficients(k),
+                &p[r.clone()],
+                MomentsRef::Bf16 {
+                    m: &m[r.clone()],
+                    v: &v[r.clone()],
+                },
+                Values::Bf16(&g[r.clone()]),
+                &mut p2[r.clone()],
+                Moments::Bf16 {
+                    m: &mut m2[r.clone()],
+                    v: &mut v2[r.clone()],
+                },
+                Some(LowPrecisionMut::Bf16(&mut out[r.clone()])),
+                rounding(r.start),
+            );
+        }
+    }
+    for threads in [1, 2, 3] {
+        let pool = Pool::new(PoolConfig {
+            threads: Some(threads),
+            pin: false,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        let mut got = outputs();
+        let (p2, m2, v2, out) = &mut got;
+        let mut shards = Vec::new();
+        let (mut p_rest, mut m_rest, mut v_rest, mut out_rest) =
+            (&mut p2[..], &mut m2[..], &mut v2[..], &mut out[..]);
+        for (k, w) in cuts.windows(2).enumerate() {
+            let (r, len) = (w[0]..w[1], w[1] - w[0]);
+            let (p_here, p_next) = std::mem::take(&mut p_rest).split_at_mut(len);
+            let (m_here, m_next) = std::mem::take(&mut m_rest).split_at_mut(len);
+            let (v_here, v_next) = std::mem::take(&mut v_rest).split_at_mut(len);
+            let (out_here, out_next) = std::mem::take(&mut out_rest).split_at_mut(len);
+            (p_rest, m_rest, v_rest, out_rest) = (p_next, m_next, v_next, out_next);
+            shards.push(OutOfPlaceShard {
+                coefficients: coefficients(k),
+                params_in: &p[r.clone()],
+                moments_in: MomentsRef::Bf16 {
+                    m: &m[r.clone()],
+                    v: &v[r.clone()],
+                },
+                grads: Values::Bf16(&g[r.clone()]),
+                params_out: p_here,
+                moments_out: Moments::Bf16 {
+                    m: m_here,
+                    v: v_here,
+                },
+                out: Some(LowPrecisionMut::Bf16(out_here)),
+                rounding: rounding(r.start),
+            });
+        }
+        pool.adam_step_out_of_place_many(shards);
+        assert!(got == expected, "{threads} threads");
     }
 }

@@ -456,15 +456,20 @@ pub type RangeOf<G> = (G, u64, u64);
 /// is waited for first. Errors for ranges past a tensor's end or copies
 /// not addressable from the host (a GPU, NVMe).
 ///
+/// The slices live as long as the borrows of the guards, so `f` may keep
+/// them (to hand every stretch to one parallel call): the read guards stay
+/// alive and free of writers, `outputs` stays borrowed exclusively, and no
+/// two written slices of one call overlap.
+///
 /// # Panics
 /// If a written range's guard is not a write guard, or two written ranges
 /// of one guard overlap.
-pub fn zip_ranges<const R: usize, const W: usize>(
-    reads: [RangeOf<&Guard>; R],
-    outputs: &mut [&mut Guard],
+pub fn zip_ranges<'a, const R: usize, const W: usize>(
+    reads: [RangeOf<&'a Guard>; R],
+    outputs: &'a mut [&mut Guard],
     writes: [RangeOf<usize>; W],
     elems: u64,
-    mut f: impl FnMut(u64, [&[u8]; R], [&mut [u8]; W]),
+    mut f: impl FnMut(u64, [&'a [u8]; R], [&'a mut [u8]; W]),
 ) -> Result<()> {
     for (guard, offset, elem) in reads {
         guard.check_range(offset, (elems * elem) as usize)?;
@@ -496,9 +501,11 @@ pub fn zip_ranges<const R: usize, const W: usize>(
         assert!(stretch > 0, "a chunk boundary splits an element");
         // `piece` returned addresses with at least `stretch * elem` bytes
         // behind them in guarded copies: read guards keep theirs alive and
-        // free of writers; `outputs` holds the write guards exclusively for
-        // the call, the written ranges are apart (asserted above), and no
-        // read guard can share a tensor with a write guard.
+        // free of writers for 'a; `outputs` holds the write guards
+        // exclusively for 'a, the written ranges are apart (asserted above)
+        // and each stretch covers elements no other stretch does, so no
+        // written slice of the call overlaps another, and no read guard can
+        // share a tensor with a write guard.
         let read_slices = std::array::from_fn(|i| {
             let len = (stretch * reads[i].2) as usize;
             // SAFETY: in bounds of a live read-guarded copy (see above).

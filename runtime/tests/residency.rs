@@ -829,26 +829,27 @@ fn zip_ranges_walks_copies_split_into_different_chunks_together() {
     fill(&runtime, a, Tier::Host, bytemuck::cast_slice(&values));
     let read = runtime.acquire(a, Tier::Host, Access::Read).unwrap();
     let mut write = runtime.acquire(b, Tier::Host, Access::Write).unwrap();
-    let mut stretches = 0;
-    // b's second third gets a's values doubled.
+    // b's second third gets a's values doubled, after the walk: the
+    // stretches outlive the closure (as the engine hands them all to one
+    // pool call).
+    let mut stretches = Vec::new();
     let outputs = &mut [&mut write];
     strata_runtime::zip_ranges(
         [(&read, 0, 4)],
         outputs,
         [(0, 4 * n, 4)],
         n,
-        |first, [x], [y]| {
-            stretches += 1;
-            let (x, y): (&[f32], &mut [f32]) =
-                (bytemuck::cast_slice(x), bytemuck::cast_slice_mut(y));
-            assert_eq!(x[0], first as f32);
-            for (y, x) in y.iter_mut().zip(x) {
-                *y = 2.0 * x;
-            }
-        },
+        |first, [x], [y]| stretches.push((first, x, y)),
     )
     .unwrap();
-    assert!(stretches > 2, "{stretches} stretches");
+    assert!(stretches.len() > 2, "{} stretches", stretches.len());
+    for (first, x, y) in stretches {
+        let (x, y): (&[f32], &mut [f32]) = (bytemuck::cast_slice(x), bytemuck::cast_slice_mut(y));
+        assert_eq!(x[0], first as f32);
+        for (y, x) in y.iter_mut().zip(x) {
+            *y = 2.0 * x;
+        }
+    }
     // Past the end: an error naming the range, nothing written.
     let past = strata_runtime::zip_ranges(
         [(&read, 4, 4)],

@@ -9,8 +9,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use strata_optim::{
-    AdamCoefficients, GradNorm, LowPrecisionMut, Moments, MomentsRef, Pool, PoolConfig, Rounding,
-    StepDecision, Values, decide_step,
+    AdamCoefficients, GradNorm, LowPrecisionMut, Moments, MomentsRef, OutOfPlaceShard, Pool,
+    PoolConfig, Rounding, Split, StepDecision, Values, decide_step,
 };
 use strata_runtime::RuntimeError;
 use strata_runtime::{Access, Guard, Runtime, TensorId, Tier};
@@ -171,89 +171,117 @@ pub(super) fn adam_group(
     pool: &Pool,
     group: &Group,
     job: &OptJob,
+    inputs: &[Guard; 2],
+    outputs: [&mut Guard; 2],
+) -> Result<()> {
+    // The masters are f32 or bf16 by the state dtype.
+    match job.state_dtype.master_bytes() {
+        4 => adam_group_as::<f32>(pool, group, job, inputs, outputs),
+        _ => adam_group_as::<bf16>(pool, group, job, inputs, outputs),
+    }
+}
+
+/// [`adam_group`] with masters of type `P`: every stretch of host memory
+/// in which the gradient and all the states are contiguous, cut again
+/// where the weight decay changes, goes to the pool in one call, which
+/// cuts the group's elements across its threads (the stretches are host
+/// chunks, far shorter than a call the pool would split on its own) and
+/// streams the outputs past the caches by the group's whole length.
+fn adam_group_as<P: strata_optim::Element + bytemuck::Pod>(
+    pool: &Pool,
+    group: &Group,
+    job: &OptJob,
     [grad, state_in]: &[Guard; 2],
     mut outputs: [&mut Guard; 2],
 ) -> Result<()> {
     let n = group.shard as u64;
     let dtype = job.state_dtype;
-    let (master, moment) = (dtype.master_bytes() as u64, dtype.moment_bytes() as u64);
+    let (master, moment) = (std::mem::size_of::<P>() as u64, dtype.moment_bytes() as u64);
     let grad_bytes = job.grad_dtype.bytes();
-    for (run, decays) in &group.runs {
-        let coefficients = &job.update.coefficients[usize::from(*decays)];
-        let (first, len) = (run.start as u64, run.len() as u64);
-        let m_at = master * n + moment * first;
-        let v_at = (master + moment) * n + moment * first;
-        let rounding = match dtype.stochastic() {
-            false => Rounding::Nearest,
-            true => Rounding::Stochastic {
-                seed: job.seed,
-                step: job.update.adam_step,
-                first: group.first + first,
-            },
-        };
-        strata_runtime::zip_ranges(
-            [
-                (grad, grad_bytes * first, grad_bytes),
-                (state_in, master * first, master),
-                (state_in, m_at, moment),
-                (state_in, v_at, moment),
-            ],
-            &mut outputs,
-            [
-                (0, master * first, master),
-                (0, m_at, moment),
-                (0, v_at, moment),
-                (1, 2 * first, 2),
-            ],
-            len,
-            |_, [g, p0, m0, v0], [p, m, v, out]| {
-                let (moments_in, moments_out) = if moment == 4 {
-                    (
-                        MomentsRef::F32 {
-                            m: bytemuck::cast_slice(m0),
-                            v: bytemuck::cast_slice(v0),
-                        },
-                        Moments::F32 {
-                            m: bytemuck::cast_slice_mut(m),
-                            v: bytemuck::cast_slice_mut(v),
-                        },
-                    )
-                } else {
-                    (
-                        MomentsRef::Bf16 {
-                            m: bytemuck::cast_slice(m0),
-                            v: bytemuck::cast_slice(v0),
-                        },
-                        Moments::Bf16 {
-                            m: bytemuck::cast_slice_mut(m),
-                            v: bytemuck::cast_slice_mut(v),
-                        },
-                    )
-                };
-                let grads = match grad_bytes {
-                    4 => Values::F32(bytemuck::cast_slice(g)),
-                    _ => Values::Bf16(bytemuck::cast_slice(g)),
-                };
-                let out = Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out)));
-                // The masters are f32 or bf16 by the state dtype.
-                macro_rules! step {
-                    ($master:ty) => {
-                        pool.adam_step_out_of_place::<$master>(
-                            coefficients,
-                            bytemuck::cast_slice(p0),
-                            moments_in,
-                            grads,
-                            bytemuck::cast_slice_mut(p),
-                            moments_out,
-                            out,
-                            rounding,
-                        )
-                    };
+    let (m_at, v_at) = (master * n, (master + moment) * n);
+    let mut shards: Vec<OutOfPlaceShard<'_, P>> = Vec::new();
+    let mut run = 0;
+    strata_runtime::zip_ranges(
+        [
+            (grad, 0, grad_bytes),
+            (state_in, 0, master),
+            (state_in, m_at, moment),
+            (state_in, v_at, moment),
+        ],
+        &mut outputs,
+        [
+            (0, 0, master),
+            (0, m_at, moment),
+            (0, v_at, moment),
+            (1, 0, 2),
+        ],
+        n,
+        |first, [g, p0, m0, v0], [p, m, v, out]| {
+            let (moments_in, moments_out) = if moment == 4 {
+                (
+                    MomentsRef::F32 {
+                        m: bytemuck::cast_slice(m0),
+                        v: bytemuck::cast_slice(v0),
+                    },
+                    Moments::F32 {
+                        m: bytemuck::cast_slice_mut(m),
+                        v: bytemuck::cast_slice_mut(v),
+                    },
+                )
+            } else {
+                (
+                    MomentsRef::Bf16 {
+                        m: bytemuck::cast_slice(m0),
+                        v: bytemuck::cast_slice(v0),
+                    },
+                    Moments::Bf16 {
+                        m: bytemuck::cast_slice_mut(m),
+                        v: bytemuck::cast_slice_mut(v),
+                    },
+                )
+            };
+            let grads = match grad_bytes {
+                4 => Values::F32(bytemuck::cast_slice(g)),
+                _ => Values::Bf16(bytemuck::cast_slice(g)),
+            };
+            let rounding = match dtype.stochastic() {
+                false => Rounding::Nearest,
+                true => Rounding::Stochastic {
+                    seed: job.seed,
+                    step: job.update.adam_step,
+                    first: group.first + first,
+                },
+            };
+            let mut rest = OutOfPlaceShard {
+                coefficients: &job.update.coefficients[0],
+                params_in: bytemuck::cast_slice(p0),
+                moments_in,
+                grads,
+                params_out: bytemuck::cast_slice_mut(p),
+                moments_out,
+                out: Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out))),
+                rounding,
+            };
+            // Cut where the weight decay changes: the runs cover the shard
+            // in order, and so do the stretches.
+            let (mut at, end) = (first as usize, first as usize + rest.params_out.len());
+            loop {
+                while group.runs[run].0.end <= at {
+                    run += 1;
                 }
-                if master == 4 { step!(f32) } else { step!(bf16) }
-            },
-        )?;
-    }
+                let (range, decays) = &group.runs[run];
+                rest.coefficients = &job.update.coefficients[usize::from(*decays)];
+                if range.end >= end {
+                    shards.push(rest);
+                    break;
+                }
+                let (here, next) = rest.split_at(range.end - at);
+                shards.push(here);
+                (rest, at) = (next, range.end);
+            }
+        },
+    )?;
+    pool.adam_step_out_of_place_many(shards);
     Ok(())
 }
 
