@@ -561,6 +561,26 @@ fn deepspeed_comparison_script_tiny() {
 }
 
 #[test]
+fn optimizer_lane_script_tiny() {
+    let output = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/optimizer-lane.py"
+        ))
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .args(["--steps", "4", "--rounds", "1", "--threads", "1", "--json"])
+        .output()
+        .unwrap();
+    let text = stdout_text(&output);
+    let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let row = &report["threads"]["1"];
+    for key in ["bench_params_per_s", "lane_params_per_s"] {
+        assert!(row[key].as_f64().unwrap() > 1e6, "{key}: {report}");
+    }
+    assert_eq!(report["group_params"], 12 * 512 * 512 + 13 * 512);
+}
+
+#[test]
 fn state_dtype_loss_script_tiny() {
     let output = Command::new("python3")
         .arg(concat!(
