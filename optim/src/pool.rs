@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::adagrad::{AdagradCoefficients, adagrad_step};
 use crate::adam::{
-    AdamCoefficients, OutOfPlaceShard, adam_step, adam_step_bf16_master, adam_step_out_of_place,
+    AdamCoefficients, OutOfPlaceShard, adam_step, adam_step_bf16_master,
     adam_step_out_of_place_part, adam_step_rounded,
 };
 use crate::grads::{self, GradNorm};
@@ -212,7 +212,7 @@ impl Pool {
         );
     }
 
-    /// [`adam_step_out_of_place`] over the pool.
+    /// [`crate::adam_step_out_of_place`] over the pool.
     #[allow(clippy::too_many_arguments)]
     pub fn adam_step_out_of_place<P: Element>(
         &self,
@@ -226,23 +226,21 @@ impl Pool {
         rounding: Rounding,
     ) {
         let isa = self.isa;
+        let whole_len = params_out.len();
+        let shard = OutOfPlaceShard {
+            coefficients,
+            params_in,
+            moments_in,
+            grads,
+            params_out,
+            moments_out,
+            out,
+            rounding,
+        };
         // The states go out streamed.
-        self.split(
-            params_out.len(),
-            true,
-            (
-                params_in,
-                moments_in,
-                grads,
-                params_out,
-                moments_out,
-                out,
-                rounding,
-            ),
-            &|(p0, m0, g, p, m, o, r)| {
-                adam_step_out_of_place(isa, coefficients, p0, m0, g, p, m, o, r)
-            },
-        );
+        self.split(whole_len, true, shard, &|s| {
+            adam_step_out_of_place_part(isa, s, whole_len)
+        });
     }
 
     /// [`adam_step_bf16_master`] over the pool (the same result on any
@@ -312,7 +310,7 @@ impl Pool {
         });
     }
 
-    /// [`adam_step_out_of_place`] over many tensors, or many stretches of
+    /// [`crate::adam_step_out_of_place`] over many tensors, or many stretches of
     /// host memory, in one call, as [`Pool::adam_step_many`]: the training
     /// engine's update of a group whose states lie in host chunks of a few
     /// hundred KiB. Whether the outputs are streamed past the caches
