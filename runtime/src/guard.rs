@@ -322,7 +322,7 @@ impl Guard {
     /// Copies the bytes at `offset..offset + out.len()` of the tensor into
     /// `out`, across chunk boundaries.
     pub fn read_range(&self, offset: u64, out: &mut [u8]) -> Result<()> {
-        self.check_range(offset, out.len())?;
+        self.check_range(offset, out.len() as u64)?;
         self.for_each_chunk(&mut |at, bytes| {
             if let Some((chunk, range)) = overlap(at, bytes.len(), offset, out.len()) {
                 out[range].copy_from_slice(&bytes[chunk]);
@@ -333,7 +333,7 @@ impl Guard {
     /// Writes `data` at `offset` of the tensor, across chunk boundaries;
     /// needs [`Access::Write`].
     pub fn write_range(&mut self, offset: u64, data: &[u8]) -> Result<()> {
-        self.check_range(offset, data.len())?;
+        self.check_range(offset, data.len() as u64)?;
         self.for_each_chunk_mut(&mut |at, bytes| {
             if let Some((chunk, range)) = overlap(at, bytes.len(), offset, data.len()) {
                 bytes[chunk].copy_from_slice(&data[range]);
@@ -401,8 +401,8 @@ impl Guard {
         Ok(hasher.digest())
     }
 
-    fn check_range(&self, offset: u64, len: usize) -> Result<()> {
-        match offset.checked_add(len as u64) {
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
             Some(end) if end <= self.len_bytes => Ok(()),
             _ => Err(RuntimeError::Config {
                 key: "range",
@@ -471,17 +471,32 @@ pub fn zip_ranges<'a, const R: usize, const W: usize>(
     elems: u64,
     mut f: impl FnMut(u64, [&'a [u8]; R], [&'a mut [u8]; W]),
 ) -> Result<()> {
+    // A range's bytes, checked: a product that wrapped would pass the
+    // bounds and overlap checks below with a range that is not the one
+    // walked.
+    let bytes = |elem: u64| {
+        elems
+            .checked_mul(elem)
+            .filter(|_| elem > 0)
+            .ok_or_else(|| RuntimeError::Config {
+                key: "range",
+                value: format!("{elems} elements of {elem} bytes"),
+                fix: "walk ranges within the tensor, of elements at least one byte long".into(),
+            })
+    };
     for (guard, offset, elem) in reads {
-        guard.check_range(offset, (elems * elem) as usize)?;
+        guard.check_range(offset, bytes(elem)?)?;
         guard.ready.wait()?;
     }
     for (i, &(g, offset, elem)) in writes.iter().enumerate() {
         let guard = &outputs[g];
         assert_eq!(guard.access, Access::Write, "writing needs a write guard");
-        guard.check_range(offset, (elems * elem) as usize)?;
+        let len = bytes(elem)?;
+        guard.check_range(offset, len)?;
         guard.ready.wait()?;
         for &(h, other, other_elem) in &writes[..i] {
-            let apart = offset + elems * elem <= other || other + elems * other_elem <= offset;
+            // Both ranges lie within their tensors (checked): no overflow.
+            let apart = offset + len <= other || other + elems * other_elem <= offset;
             assert!(h != g || apart, "written ranges overlap in one copy");
         }
     }

@@ -859,6 +859,19 @@ fn zip_ranges_walks_copies_split_into_different_chunks_together() {
         |_, _, _: [&mut [u8]; 0]| panic!("walked a range past the tensor's end"),
     );
     assert!(past.unwrap_err().to_string().contains("range"));
+    // Sizes whose bytes wrap (2^62 x 4 is 0 in u64) or are zero: errors,
+    // not ranges that pass the checks and are then walked.
+    for (elems, elem) in [(1u64 << 62, 4u64), (n, 0)] {
+        let wrapped = strata_runtime::zip_ranges(
+            [(&read, 0, elem)],
+            &mut [],
+            [],
+            elems,
+            |_, _, _: [&mut [u8]; 0]| panic!("walked a range of {elems} x {elem} bytes"),
+        );
+        let err = wrapped.unwrap_err().to_string();
+        assert!(err.contains("range") && err.contains("bytes"), "{err}");
+    }
     drop((read, write));
     let out = read_back_range(&runtime, b, 4 * n, n);
     assert!(out.iter().enumerate().all(|(i, y)| *y == 2.0 * i as f32));
