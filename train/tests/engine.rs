@@ -717,6 +717,13 @@ fn bf16_states(dtype: StateDtype) {
     let dir = tempfile::tempdir().unwrap();
     let mut config = tiny(dir.path());
     config.train.steps = 6;
+    // Host chunks of 4 KiB: every group's states are walked in many
+    // stretches, which must round as the one stretch of a device copy does
+    // (keyed by each element's index, not restarted per stretch).
+    config.host.classes = vec![strata_runtime::ClassConfig {
+        buffer_size: ByteSize(4 << 10),
+        bytes: config.host.budget,
+    }];
     let fp32 = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
     config.optim.state_dtype = dtype;
     let whole = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
@@ -747,7 +754,7 @@ fn bf16_states(dtype: StateDtype) {
     let meta = strata_train::Checkpoint::open(&checkpoints).unwrap().meta;
     assert_eq!(
         (meta.state_dtype, meta.rounding.as_str()),
-        (dtype, "stochastic")
+        (dtype, strata_train::ROUNDING_STOCHASTIC)
     );
     config.train.checkpoint_dir = None;
     let rest = RunOptions {
@@ -766,6 +773,23 @@ fn bf16_states(dtype: StateDtype) {
     assert_eq!(reseeded.losses[0], whole.losses[0], "{dtype:?}");
     let err = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap_err();
     assert!(err.to_string().contains("optim.rounding_seed"), "{err}");
+    // ... which its own checkpoints resume bit for bit.
+    let reseeded_checkpoints = dir.path().join("ckpt-reseeded");
+    config.train.checkpoint_dir = Some(reseeded_checkpoints.clone());
+    let head = run(&config, &corpus(16), &first, &mut |_| {}).unwrap();
+    config.train.checkpoint_dir = None;
+    let rest_reseeded = RunOptions {
+        resume: Some(reseeded_checkpoints),
+        ..RunOptions::default()
+    };
+    let tail = run(&config, &corpus(16), &rest_reseeded, &mut |_| {}).unwrap();
+    let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
+    assert_eq!(resumed, reseeded.losses, "{dtype:?}");
+    // The run's own seed named as the rounding seed is what leaving it
+    // out means.
+    config.optim.rounding_seed = Some(config.train.seed);
+    let same = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert_eq!(same.losses, whole.losses, "{dtype:?}");
     config.optim.rounding_seed = None;
 
     config.optim.state_dtype = StateDtype::Fp32;

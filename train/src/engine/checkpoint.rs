@@ -30,6 +30,15 @@ fn nearest() -> String {
     "nearest".into()
 }
 
+/// `meta.rounding` of bf16 states: random bits keyed by the rounding seed,
+/// the Adam step and each parameter's global index.
+pub const ROUNDING_STOCHASTIC: &str = "stochastic-per-element";
+
+/// `meta.rounding` of bf16 states written before 2026-11-26, whose keys
+/// restarted at every host chunk of a group: a resume rounds per element,
+/// so it cannot replay such a run's bits.
+const ROUNDING_STOCHASTIC_PER_CHUNK: &str = "stochastic";
+
 /// The layout version this code writes and reads. (`config.json` came
 /// later within format 1: checkpoints without it still resume.)
 pub const FORMAT: u32 = 1;
@@ -63,12 +72,12 @@ pub struct CheckpointMeta {
     #[serde(default)]
     pub state_dtype: StateDtype,
     /// How bf16 states were rounded: "nearest" (no bf16 state) or
-    /// "stochastic" (random bits keyed by the rounding seed, the Adam step
-    /// and each parameter's index).
+    /// [`ROUNDING_STOCHASTIC`] ("stochastic" in checkpoints from before
+    /// 2026-11-26, whose keys restarted at every host chunk).
     #[serde(default = "nearest")]
     pub rounding: String,
-    /// The stochastic rounding's seed (`optim.rounding_seed`), when it is
-    /// not `seed`; absent in checkpoints from before it could differ.
+    /// `optim.rounding_seed` when the run set it (absent: the rounding was
+    /// keyed by `seed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_seed: Option<u64>,
     /// xxh3-64 of each file, by name.
@@ -567,7 +576,7 @@ impl Engine {
                 loss_scaler: self.scaler.state(),
                 state_dtype: self.config.optim.state_dtype,
                 rounding: if self.config.optim.state_dtype.stochastic() {
-                    "stochastic".into()
+                    ROUNDING_STOCHASTIC.into()
                 } else {
                     nearest()
                 },
@@ -633,6 +642,12 @@ impl Engine {
                 meta.seed.to_string(),
                 self.config.train.seed.to_string(),
             ));
+        }
+        if meta.rounding == ROUNDING_STOCHASTIC_PER_CHUNK {
+            tracing::warn!(
+                "{}: its bf16 states were rounded with keys that restarted at every host chunk (strata before 2026-11-26); this run rounds per element, so it goes on from the checkpoint's states but will not replay the bits the old run would have computed",
+                checkpoint.dir.display()
+            );
         }
         let rounding_seed = meta.rounding_seed.unwrap_or(meta.seed);
         if self.config.optim.state_dtype.stochastic()

@@ -63,7 +63,7 @@ mod steps;
 mod stop;
 mod tensors;
 
-pub use checkpoint::{Checkpoint, CheckpointMeta};
+pub use checkpoint::{Checkpoint, CheckpointMeta, ROUNDING_STOCHASTIC};
 pub use config::{
     COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, GRAD_ACCUMULATION_MAX, ModelConfig,
     OptimConfig, Placement, PlacementConfig, RANKS_MAX, Schedule, StateCache, StateDtype,

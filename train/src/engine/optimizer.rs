@@ -76,8 +76,8 @@ pub(super) fn optimizer_pool(threads: u32, ranks: usize) -> Result<Pool> {
 }
 
 /// Group `job.group`'s update, straight from the gradient and the input
-/// states' copies in `job.tier` into the outputs': out of place, on the
-/// pool, stretch by stretch of host memory. The outputs are written whole:
+/// states' copies in `job.tier` into the outputs': out of place, every
+/// stretch of host memory in one pool call. The outputs are written whole:
 /// nothing of their old bytes is read or fetched.
 pub(super) fn run_optimizer(
     runtime: &Runtime,
