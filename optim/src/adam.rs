@@ -673,17 +673,30 @@ impl<P: Element, M: Element, O: Element> Tile<P, M, O> {
     }
 }
 
-/// Copies a tile (a whole number of vectors) to `dst` with non-temporal
-/// stores; `dst` aligned as [`Simd::stream_bf16`] requires. 16-bit values
-/// pass through f32 unchanged.
+/// Copies a tile to `dst` with non-temporal stores wherever `dst` has
+/// whole aligned vectors (as [`Simd::stream_bf16`] requires), and ordinary
+/// stores before and after them: each output streams at its own alignment,
+/// so a stretch of host memory that starts anywhere still goes past the
+/// caches. 16-bit values pass through f32 unchanged.
 #[inline(always)]
 fn stream_out<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [T]) {
-    for (d, x) in dst
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "a tile and its output differ in length"
+    );
+    let head = simd::align_head::<S, T>(dst);
+    let body = simd::body_len::<S>(dst.len() - head);
+    let (dst_head, rest) = dst.split_at_mut(head);
+    let (dst_body, dst_tail) = rest.split_at_mut(body);
+    dst_head.copy_from_slice(&src[..head]);
+    for (d, x) in dst_body
         .chunks_exact_mut(S::LANES)
-        .zip(src.chunks_exact(S::LANES))
+        .zip(src[head..].chunks_exact(S::LANES))
     {
         T::stream(s, d, T::load(s, x));
     }
+    dst_tail.copy_from_slice(&src[head + body..]);
 }
 
 /// Random words for stochastic rounding: one word per element from the
@@ -731,9 +744,9 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         let n = S::LANES;
         let len = self.params.len();
         // A short head runs through the padded path so the body's
-        // parameters are aligned (one vector per cache line). Large outputs
-        // go out with non-temporal stores, which need the output aligned
-        // too: when one head cannot align both, the output is stored
+        // parameters are aligned (one vector per cache line). In place,
+        // a large 16-bit copy goes out with non-temporal stores, which need
+        // it aligned too: when one head cannot align both, it is stored
         // normally.
         let head = simd::align_head::<S, P>(self.params);
         let long = self.whole_len >= simd::STREAM_ELEMS_MIN;
@@ -742,16 +755,9 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                 .out
                 .as_ref()
                 .is_some_and(|out| simd::align_head::<S, O>(out) == head);
-        // Out of place, the states go out non-temporally too when every
-        // output is aligned like the parameters.
-        let nt = self.src.is_some()
-            && long
-            && simd::align_head::<S, M>(self.m) == head
-            && simd::align_head::<S, M>(self.v) == head
-            && self
-                .out
-                .as_ref()
-                .is_none_or(|out| simd::align_head::<S, O>(out) == head);
+        // Out of place, the outputs are computed into a tile in the cache
+        // and each streamed from there at its own alignment.
+        let nt = self.src.is_some() && long;
         let streams = (self.params, self.grads, self.m, self.v, self.out, self.src);
         let (head_part, rest) = streams.split_at(head);
         let body_len = simd::body_len::<S>(len - head);

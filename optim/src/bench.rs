@@ -18,6 +18,9 @@ use crate::{
 
 /// The stretch [`BenchKernel::EngineStepBf16`] walks its buffers in: a
 /// 256 KiB host chunk of fp32 (the training engine's default host buffer).
+/// The engine's stretches are at most this long and uneven (also cut where
+/// a state set's m and v begin, and at the bf16 copy's chunks), so the
+/// bench is the rate the engine's walk can reach, not below it.
 pub const ENGINE_STRETCH_ELEMS: usize = 64 << 10;
 
 /// A benchmarked kernel.

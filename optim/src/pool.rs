@@ -68,8 +68,9 @@ pub const PIECE_ELEMS_MIN: usize = 3 << 20;
 
 const _: () = assert!(PIECE_ELEMS_MIN > crate::simd::STREAM_ELEMS_MIN + SPLIT_ALIGN_ELEMS);
 
-/// The shortest piece of a call that streams no output (nothing it stores
-/// bypasses the caches, so only the hand-off bounds the cut):
+/// The shortest piece of a call whose cut cannot change what it streams
+/// past the caches (it streams nothing, or decides by the whole call's
+/// length), so only the hand-off bounds the cut:
 /// 64K elements, some 20 us of one core's work. Fine pieces let the caller
 /// start at once and take over pieces while a sleeping worker wakes (tens
 /// of microseconds on a VM): a 1M-parameter step cut into one piece per
@@ -86,8 +87,9 @@ pub struct PoolConfig {
     /// Tensors shorter than this run on the calling thread.
     pub parallel_elems_min: usize,
     /// No call is cut into pieces shorter than this, beyond one per thread
-    /// ([`PIECE_ELEMS_MIN`] by default); a call that streams no output
-    /// takes the shorter of this and [`IN_PLACE_PIECE_ELEMS_MIN`].
+    /// ([`PIECE_ELEMS_MIN`] by default); a call whose cut cannot change
+    /// what it streams takes the shorter of this and
+    /// [`IN_PLACE_PIECE_ELEMS_MIN`].
     pub piece_elems_min: usize,
     /// Instruction set; `None` means [`Isa::chosen`].
     pub isa: Option<Isa>,
@@ -237,8 +239,8 @@ impl Pool {
             out,
             rounding,
         };
-        // The states go out streamed.
-        self.split(whole_len, true, shard, &|s| {
+        // Streamed by the whole call's length: no cut changes that.
+        self.split(whole_len, false, shard, &|s| {
             adam_step_out_of_place_part(isa, s, whole_len)
         });
     }
@@ -394,8 +396,8 @@ impl Pool {
         });
     }
 
-    /// The shortest piece of a call whose kernel does (or does not) stream
-    /// an output past the caches.
+    /// The shortest piece of a call whose kernel decides (or does not
+    /// decide) by a piece's own length to stream an output past the caches.
     fn piece_elems_min_for(&self, streams: bool) -> usize {
         if streams {
             self.piece_elems_min
@@ -419,10 +421,11 @@ impl Pool {
     /// into runs of about equal length ([`Pool::pieces`]; a shard may be
     /// cut, at a multiple of [`SPLIT_ALIGN_ELEMS`]): the threads wake once
     /// for the whole list, and small shards share the threads too.
-    /// `shape` gives a shard's length and whether it has a 16-bit output,
-    /// which the kernel streams past the caches: then pieces are no shorter
-    /// than [`PoolConfig::piece_elems_min`], else than
-    /// [`IN_PLACE_PIECE_ELEMS_MIN`] (or the configured length, if shorter).
+    /// `shape` gives a shard's length and whether its kernel decides to
+    /// stream an output (a 16-bit copy) by the piece's own length: then
+    /// pieces are no shorter than [`PoolConfig::piece_elems_min`], else
+    /// than [`IN_PLACE_PIECE_ELEMS_MIN`] (or the configured length, if
+    /// shorter).
     fn split_many<A: Split + Send>(
         &self,
         shards: Vec<A>,
@@ -464,8 +467,8 @@ impl Pool {
     }
 
     /// Runs `kernel` over one shard of `len` elements in pieces; `streams`:
-    /// the kernel streams an output past the caches (see
-    /// [`Pool::piece_elems_min_for`]).
+    /// the kernel decides to stream an output past the caches by the
+    /// piece's own length (see [`Pool::piece_elems_min_for`]).
     fn split<A: Split + Send>(
         &self,
         len: usize,

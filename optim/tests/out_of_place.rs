@@ -121,8 +121,9 @@ fn out_of_place_matches_in_place_bit_for_bit() {
                 compare(isa, len, offset, true, stochastic);
             }
         }
-        // Long enough for the streamed (non-temporal) path; and misaligned
-        // so that it cannot stream.
+        // Long enough for the streamed (non-temporal) path, aligned and
+        // misaligned (each output then streams from its own first aligned
+        // vector).
         for offset in [0, 5] {
             compare(isa, (1 << 21) + 37, offset, false, Rounding::Nearest);
         }
@@ -280,18 +281,21 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
         step: 5,
         first: first + at as u64,
     };
+    // Page-aligned outputs, as host chunks are, so that the streamed path
+    // (all outputs' heads alike) is the one taken.
     let outputs = || {
         (
-            vec![0.0f32; n],
-            vec![bf16::ZERO; n],
-            vec![bf16::ZERO; n],
-            vec![bf16::ZERO; n],
+            PageAligned::new(n, 0.0f32),
+            PageAligned::new(n, bf16::ZERO),
+            PageAligned::new(n, bf16::ZERO),
+            PageAligned::new(n, bf16::ZERO),
         )
     };
     let isa = Isa::chosen();
     let mut expected = outputs();
     {
         let (p2, m2, v2, out) = &mut expected;
+        let (p2, m2, v2, out) = (p2.get_mut(), m2.get_mut(), v2.get_mut(), out.get_mut());
         for (k, w) in cuts.windows(2).enumerate() {
             let r = w[0]..w[1];
             adam_step_out_of_place(
@@ -324,7 +328,7 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
         let (p2, m2, v2, out) = &mut got;
         let mut shards = Vec::new();
         let (mut p_rest, mut m_rest, mut v_rest, mut out_rest) =
-            (&mut p2[..], &mut m2[..], &mut v2[..], &mut out[..]);
+            (p2.get_mut(), m2.get_mut(), v2.get_mut(), out.get_mut());
         for (k, w) in cuts.windows(2).enumerate() {
             let (r, len) = (w[0]..w[1], w[1] - w[0]);
             let (p_here, p_next) = std::mem::take(&mut p_rest).split_at_mut(len);
@@ -351,5 +355,37 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
         }
         pool.adam_step_out_of_place_many(shards);
         assert!(got == expected, "{threads} threads");
+    }
+}
+
+/// `n` elements starting on a page boundary (a `Vec` starts 16 bytes past
+/// one).
+struct PageAligned<T> {
+    storage: Vec<T>,
+    start: usize,
+    n: usize,
+}
+
+impl<T: Clone> PageAligned<T> {
+    fn new(n: usize, fill: T) -> PageAligned<T> {
+        let size = std::mem::size_of::<T>();
+        let storage = vec![fill; n + 4096 / size];
+        let address = storage.as_ptr() as usize;
+        let start = (address.next_multiple_of(4096) - address) / size;
+        PageAligned { storage, start, n }
+    }
+
+    fn get(&self) -> &[T] {
+        &self.storage[self.start..self.start + self.n]
+    }
+
+    fn get_mut(&mut self) -> &mut [T] {
+        &mut self.storage[self.start..self.start + self.n]
+    }
+}
+
+impl<T: Clone + PartialEq> PartialEq for PageAligned<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
     }
 }
