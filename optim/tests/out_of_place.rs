@@ -281,14 +281,15 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
         step: 5,
         first: first + at as u64,
     };
-    // Page-aligned outputs, as host chunks are, so that the streamed path
-    // (all outputs' heads alike) is the one taken.
+    // Outputs a few elements past page boundaries, each by another count
+    // (as a group's master, m and v lie in one state set), so that each
+    // streams after a head of its own.
     let outputs = || {
         (
-            PageAligned::new(n, 0.0f32),
-            PageAligned::new(n, bf16::ZERO),
-            PageAligned::new(n, bf16::ZERO),
-            PageAligned::new(n, bf16::ZERO),
+            PageAligned::new(n, 0, 0.0f32),
+            PageAligned::new(n, 3, bf16::ZERO),
+            PageAligned::new(n, 5, bf16::ZERO),
+            PageAligned::new(n, 7, bf16::ZERO),
         )
     };
     let isa = Isa::chosen();
@@ -358,8 +359,8 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
     }
 }
 
-/// `n` elements starting on a page boundary (a `Vec` starts 16 bytes past
-/// one).
+/// `n` elements starting `skip` elements past a page boundary (a `Vec`
+/// starts 16 bytes past one).
 struct PageAligned<T> {
     storage: Vec<T>,
     start: usize,
@@ -367,11 +368,11 @@ struct PageAligned<T> {
 }
 
 impl<T: Clone> PageAligned<T> {
-    fn new(n: usize, fill: T) -> PageAligned<T> {
+    fn new(n: usize, skip: usize, fill: T) -> PageAligned<T> {
         let size = std::mem::size_of::<T>();
-        let storage = vec![fill; n + 4096 / size];
+        let storage = vec![fill; n + skip + 4096 / size];
         let address = storage.as_ptr() as usize;
-        let start = (address.next_multiple_of(4096) - address) / size;
+        let start = (address.next_multiple_of(4096) - address) / size + skip;
         PageAligned { storage, start, n }
     }
 

@@ -764,6 +764,23 @@ fn bf16_states(dtype: StateDtype) {
     let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
     let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
     assert_eq!(resumed, whole.losses, "{dtype:?}");
+    // An older checkpoint's "stochastic" resumes (with a warning); a
+    // rounding this strata does not write is refused by name. (Without
+    // meta.json's checksum, as older checkpoints are.)
+    let step = strata_train::Checkpoint::open(&checkpoints).unwrap().dir;
+    let text = std::fs::read_to_string(step.join("meta.json")).unwrap();
+    let _ = std::fs::remove_file(step.join("meta.json.xxh3"));
+    for (rounding, resumes) in [("stochastic", true), ("nearest", false)] {
+        let edited = text.replace(strata_train::ROUNDING_STOCHASTIC, rounding);
+        assert_ne!(edited, text);
+        std::fs::write(step.join("meta.json"), edited).unwrap();
+        let resumed = run(&config, &corpus(16), &rest, &mut |_| {});
+        match resumed {
+            Ok(tail) => assert!(resumes && tail.losses[..] == whole.losses[3..], "{dtype:?}"),
+            Err(err) => assert!(!resumes && err.to_string().contains("rounding"), "{err}"),
+        }
+    }
+    std::fs::write(step.join("meta.json"), text).unwrap();
 
     // Another rounding seed: other bits from the same data and start, and
     // a resume with it refused.

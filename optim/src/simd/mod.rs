@@ -230,7 +230,8 @@ pub(crate) fn dispatch<K: Kernel>(isa: Isa, kernel: K) -> K::Output {
     }
 }
 
-/// Outputs at least this long (per call, so per pool thread) are written
+/// Outputs at least this long (per call; out of place, per whole call of a
+/// pool's many-shard step) are written
 /// with non-temporal stores: with the ~28 bytes per element of state a step
 /// streams, that much no longer fits in a last-level cache, and the output
 /// is read next by a copy to the device, so reading its lines in first (for

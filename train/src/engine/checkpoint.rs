@@ -34,9 +34,9 @@ fn nearest() -> String {
 /// the Adam step and each parameter's global index.
 pub const ROUNDING_STOCHASTIC: &str = "stochastic-per-element";
 
-/// `meta.rounding` of bf16 states written before 2026-11-26, whose keys
-/// restarted at every host chunk of a group: a resume rounds per element,
-/// so it cannot replay such a run's bits.
+/// `meta.rounding` of bf16 states from strata before `ROUNDING_STOCHASTIC`,
+/// whose keys may have restarted at every host chunk of a group: a resume
+/// rounds per element, so it may not replay such a run's bits.
 const ROUNDING_STOCHASTIC_PER_CHUNK: &str = "stochastic";
 
 /// The layout version this code writes and reads. (`config.json` came
@@ -72,8 +72,8 @@ pub struct CheckpointMeta {
     #[serde(default)]
     pub state_dtype: StateDtype,
     /// How bf16 states were rounded: "nearest" (no bf16 state) or
-    /// [`ROUNDING_STOCHASTIC`] ("stochastic" in checkpoints from before
-    /// 2026-11-26, whose keys restarted at every host chunk).
+    /// [`ROUNDING_STOCHASTIC`] ("stochastic" in older checkpoints, whose
+    /// keys may have restarted at every host chunk; a resume warns).
     #[serde(default = "nearest")]
     pub rounding: String,
     /// `optim.rounding_seed` when the run set it (absent: the rounding was
@@ -643,11 +643,35 @@ impl Engine {
                 self.config.train.seed.to_string(),
             ));
         }
-        if meta.rounding == ROUNDING_STOCHASTIC_PER_CHUNK {
-            tracing::warn!(
-                "{}: its bf16 states were rounded with keys that restarted at every host chunk (strata before 2026-11-26); this run rounds per element, so it goes on from the checkpoint's states but will not replay the bits the old run would have computed",
-                checkpoint.dir.display()
-            );
+        // The state dtypes agree (checked above); the rounding must be the
+        // one they write.
+        let stochastic = self.config.optim.state_dtype.stochastic();
+        let expected = if stochastic {
+            ROUNDING_STOCHASTIC
+        } else {
+            "nearest"
+        };
+        match meta.rounding.as_str() {
+            r if r == expected => {}
+            ROUNDING_STOCHASTIC_PER_CHUNK if stochastic => {
+                if rank == 0 {
+                    tracing::warn!(
+                        "{}: meta.json says rounding = \"stochastic\": it may come from a strata whose bf16 rounding keys restarted at every host chunk; this run keys each element by its index, so it goes on from the checkpoint's states but may not replay the bits the old run would have computed",
+                        checkpoint.dir.display()
+                    );
+                }
+            }
+            other => {
+                return Err(TrainError::Checkpoint {
+                    path: checkpoint.dir.join("meta.json"),
+                    problem: format!(
+                        "rounding = {other:?} is not what optim.state_dtype = {:?} writes ({expected:?})",
+                        self.config.optim.state_dtype.name()
+                    ),
+                    fix: "resume it with the strata that wrote it, or from another checkpoint"
+                        .into(),
+                });
+            }
         }
         let rounding_seed = meta.rounding_seed.unwrap_or(meta.seed);
         if self.config.optim.state_dtype.stochastic()
