@@ -217,72 +217,92 @@ fn adam_group_as<P: strata_optim::Element + bytemuck::Pod>(
         ],
         n,
         |first, [g, p0, m0, v0], [p, m, v, out]| {
-            let (moments_in, moments_out) = if moment == 4 {
-                (
-                    MomentsRef::F32 {
-                        m: bytemuck::cast_slice(m0),
-                        v: bytemuck::cast_slice(v0),
-                    },
-                    Moments::F32 {
-                        m: bytemuck::cast_slice_mut(m),
-                        v: bytemuck::cast_slice_mut(v),
-                    },
-                )
-            } else {
-                (
-                    MomentsRef::Bf16 {
-                        m: bytemuck::cast_slice(m0),
-                        v: bytemuck::cast_slice(v0),
-                    },
-                    Moments::Bf16 {
-                        m: bytemuck::cast_slice_mut(m),
-                        v: bytemuck::cast_slice_mut(v),
-                    },
-                )
-            };
-            let grads = match grad_bytes {
-                4 => Values::F32(bytemuck::cast_slice(g)),
-                _ => Values::Bf16(bytemuck::cast_slice(g)),
-            };
-            let rounding = match dtype.stochastic() {
-                false => Rounding::Nearest,
-                true => Rounding::Stochastic {
-                    seed: job.seed,
-                    step: job.update.adam_step,
-                    first: group.first + first,
-                },
-            };
-            let mut rest = OutOfPlaceShard {
+            let (moments_in, moments_out) = moment_views(moment, [m0, v0], [m, v]);
+            let stretch = OutOfPlaceShard {
                 coefficients: &job.update.coefficients[0],
                 params_in: bytemuck::cast_slice(p0),
                 moments_in,
-                grads,
+                grads: match grad_bytes {
+                    4 => Values::F32(bytemuck::cast_slice(g)),
+                    _ => Values::Bf16(bytemuck::cast_slice(g)),
+                },
                 params_out: bytemuck::cast_slice_mut(p),
                 moments_out,
                 out: Some(LowPrecisionMut::Bf16(bytemuck::cast_slice_mut(out))),
-                rounding,
+                rounding: match dtype.stochastic() {
+                    false => Rounding::Nearest,
+                    true => Rounding::Stochastic {
+                        seed: job.seed,
+                        step: job.update.adam_step,
+                        first: group.first + first,
+                    },
+                },
             };
-            // Cut where the weight decay changes: the runs cover the shard
-            // in order, and so do the stretches.
-            let (mut at, end) = (first as usize, first as usize + rest.params_out.len());
-            loop {
-                while group.runs[run].0.end <= at {
-                    run += 1;
-                }
-                let (range, decays) = &group.runs[run];
-                rest.coefficients = &job.update.coefficients[usize::from(*decays)];
-                if range.end >= end {
-                    shards.push(rest);
-                    break;
-                }
-                let (here, next) = rest.split_at(range.end - at);
-                shards.push(here);
-                (rest, at) = (next, range.end);
-            }
+            cut_at_decay_runs(stretch, first as usize, group, job, &mut run, &mut shards);
         },
     )?;
     pool.adam_step_out_of_place_many(shards);
     Ok(())
+}
+
+/// The moments read and written, as f32 (`moment` 4 bytes) or bf16.
+fn moment_views<'a>(
+    moment: u64,
+    [m0, v0]: [&'a [u8]; 2],
+    [m, v]: [&'a mut [u8]; 2],
+) -> (MomentsRef<'a>, Moments<'a>) {
+    if moment == 4 {
+        (
+            MomentsRef::F32 {
+                m: bytemuck::cast_slice(m0),
+                v: bytemuck::cast_slice(v0),
+            },
+            Moments::F32 {
+                m: bytemuck::cast_slice_mut(m),
+                v: bytemuck::cast_slice_mut(v),
+            },
+        )
+    } else {
+        (
+            MomentsRef::Bf16 {
+                m: bytemuck::cast_slice(m0),
+                v: bytemuck::cast_slice(v0),
+            },
+            Moments::Bf16 {
+                m: bytemuck::cast_slice_mut(m),
+                v: bytemuck::cast_slice_mut(v),
+            },
+        )
+    }
+}
+
+/// Pushes `stretch` (the group's elements from `first` on) to `shards`,
+/// cut where the weight decay changes, each part with its coefficients.
+/// The runs cover the shard in order, and the stretches come in order:
+/// `run` is the run the last stretch ended in.
+fn cut_at_decay_runs<'a, P>(
+    mut stretch: OutOfPlaceShard<'a, P>,
+    first: usize,
+    group: &Group,
+    job: &'a OptJob,
+    run: &mut usize,
+    shards: &mut Vec<OutOfPlaceShard<'a, P>>,
+) {
+    let (mut at, end) = (first, first + stretch.params_out.len());
+    loop {
+        while group.runs[*run].0.end <= at {
+            *run += 1;
+        }
+        let (range, decays) = &group.runs[*run];
+        stretch.coefficients = &job.update.coefficients[usize::from(*decays)];
+        if range.end >= end {
+            shards.push(stretch);
+            return;
+        }
+        let (here, rest) = stretch.split_at(range.end - at);
+        shards.push(here);
+        (stretch, at) = (rest, range.end);
+    }
 }
 
 /// A finished update: its group, the trace indices it wrote, the outcome,
