@@ -184,10 +184,9 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
     ) {
         let isa = self.isa;
-        let streams = out.is_some();
         self.split(
             params.len(),
-            streams,
+            out.is_some(),
             (params, grads, moments, out),
             &|(p, g, m, o)| adam_step(isa, coefficients, p, g, m, o),
         );
@@ -274,10 +273,9 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
     ) {
         let isa = self.isa;
-        let streams = out.is_some();
         self.split(
             params.len(),
-            streams,
+            out.is_some(),
             (params, grads, state, out),
             &|(p, g, s, o)| adagrad_step(isa, coefficients, p, g, s, o),
         );
@@ -293,10 +291,9 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
     ) {
         let isa = self.isa;
-        let streams = out.is_some();
         self.split(
             params.len(),
-            streams,
+            out.is_some(),
             (params, grads, momentum, out),
             &|(p, g, m, o)| lion_step(isa, coefficients, p, g, m, o),
         );
