@@ -105,7 +105,8 @@ pub fn adagrad_step(
     state: &mut [f32],
     out: Option<LowPrecisionMut<'_>>,
 ) {
-    single_state::step(isa, coefficients, params, grads, state, out)
+    let whole_len = params.len();
+    single_state::step(isa, coefficients, params, grads, state, out, whole_len)
 }
 
 pub(crate) struct AdagradSplat<S: Simd> {

@@ -231,10 +231,38 @@ pub fn adam_step_rounded(
     out: Option<LowPrecisionMut<'_>>,
     rounding: Rounding,
 ) {
+    let whole_len = params.len();
+    adam_step_part(
+        isa,
+        coefficients,
+        params,
+        grads,
+        moments,
+        out,
+        rounding,
+        whole_len,
+    )
+}
+
+/// [`adam_step_rounded`] of a part of an update `whole_len` elements long:
+/// whether the 16-bit copy is streamed past the caches follows the whole
+/// update's length, so any cut of a large update streams as the whole
+/// would.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adam_step_part(
+    isa: Isa,
+    coefficients: &AdamCoefficients,
+    params: &mut [f32],
+    grads: Values<'_>,
+    moments: Moments<'_>,
+    out: Option<LowPrecisionMut<'_>>,
+    rounding: Rounding,
+    whole_len: usize,
+) {
     let call = Call {
         isa,
         coefficients,
-        whole_len: params.len(),
+        whole_len,
         params,
         out,
         rounding,
@@ -385,7 +413,7 @@ struct Call<'a, 'c, P> {
     isa: Isa,
     coefficients: &'c AdamCoefficients,
     /// The length of the update this call is part of (see
-    /// [`adam_step_out_of_place_part`]).
+    /// [`adam_step_part`] and [`adam_step_out_of_place_part`]).
     whole_len: usize,
     params: &'a mut [P],
     out: Option<LowPrecisionMut<'a>>,

@@ -66,8 +66,8 @@ pub use half::{bf16, f16};
 pub use isa::Isa;
 pub use lion::{LionCoefficients, LionConfig, lion_step};
 pub use pool::{
-    AdamShard, IN_PLACE_PIECE_ELEMS_MIN, PIECE_ELEMS_MIN, PIECES_PER_THREAD, Pool, PoolConfig,
-    SPLIT_ALIGN_ELEMS, StateShard, THREADS_MAX,
+    AdamShard, PIECE_ELEMS_MIN, PIECES_PER_THREAD, Pool, PoolConfig, SPLIT_ALIGN_ELEMS, StateShard,
+    THREADS_MAX,
 };
 pub use rounding::{Rounding, narrow_stochastic, round_bf16_stochastic};
 pub use scaler::{LossScaler, LossScalerConfig};

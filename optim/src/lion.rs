@@ -104,7 +104,8 @@ pub fn lion_step(
     momentum: &mut [f32],
     out: Option<LowPrecisionMut<'_>>,
 ) {
-    single_state::step(isa, coefficients, params, grads, momentum, out)
+    let whole_len = params.len();
+    single_state::step(isa, coefficients, params, grads, momentum, out, whole_len)
 }
 
 pub(crate) struct LionSplat<S: Simd> {

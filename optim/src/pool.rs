@@ -16,14 +16,15 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::adagrad::{AdagradCoefficients, adagrad_step};
+use crate::adagrad::AdagradCoefficients;
 use crate::adam::{
-    AdamCoefficients, OutOfPlaceShard, adam_step, adam_step_bf16_master,
-    adam_step_out_of_place_part, adam_step_rounded,
+    AdamCoefficients, OutOfPlaceShard, adam_step_bf16_master, adam_step_out_of_place_part,
+    adam_step_part,
 };
 use crate::grads::{self, GradNorm};
-use crate::lion::{LionCoefficients, lion_step};
+use crate::lion::LionCoefficients;
 use crate::rounding::Rounding;
+use crate::single_state;
 use crate::topology::{CpuTopology, pin_current_thread};
 use crate::values::{LowPrecisionMut, Moments, MomentsRef, Split, Values};
 use crate::{Element, Isa, OptimError};
@@ -60,22 +61,16 @@ pub type StateShard<'a> = (
 /// piece, not by half of it.
 pub const PIECES_PER_THREAD: usize = 4;
 
-/// The default [`PoolConfig::piece_elems_min`]: 3M elements (12 MiB per
-/// f32 stream), above the length from which the kernels stream their
-/// outputs past the caches (2M), so cutting a call finer never turns that
-/// off, and long enough that hand-offs cost nothing.
-pub const PIECE_ELEMS_MIN: usize = 3 << 20;
-
-const _: () = assert!(PIECE_ELEMS_MIN > crate::simd::STREAM_ELEMS_MIN + SPLIT_ALIGN_ELEMS);
-
-/// The shortest piece of a call whose cut cannot change what it streams
-/// past the caches (it streams nothing, or decides by the whole call's
-/// length), so only the hand-off bounds the cut:
-/// 64K elements, some 20 us of one core's work. Fine pieces let the caller
-/// start at once and take over pieces while a sleeping worker wakes (tens
-/// of microseconds on a VM): a 1M-parameter step cut into one piece per
-/// thread waits for that wake-up with half the work still to do.
-pub const IN_PLACE_PIECE_ELEMS_MIN: usize = 1 << 16;
+/// The default [`PoolConfig::piece_elems_min`]: 64K elements, some 20 us
+/// of one core's work. No kernel decides anything by a piece's length
+/// (whether outputs are streamed past the caches follows the whole call's),
+/// so only the hand-off bounds the cut. Fine pieces let the caller start at
+/// once and take over pieces while a sleeping worker wakes (tens of
+/// microseconds on a VM): a 1M-parameter step cut into one piece per thread
+/// waits for that wake-up with half the work still to do; and a large call
+/// on many threads is cut into [`PIECES_PER_THREAD`] pieces per thread, not
+/// one or two long ones.
+pub const PIECE_ELEMS_MIN: usize = 1 << 16;
 
 /// How to build a [`Pool`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,9 +82,7 @@ pub struct PoolConfig {
     /// Tensors shorter than this run on the calling thread.
     pub parallel_elems_min: usize,
     /// No call is cut into pieces shorter than this, beyond one per thread
-    /// ([`PIECE_ELEMS_MIN`] by default); a call whose cut cannot change
-    /// what it streams takes the shorter of this and
-    /// [`IN_PLACE_PIECE_ELEMS_MIN`].
+    /// ([`PIECE_ELEMS_MIN`] by default).
     pub piece_elems_min: usize,
     /// Instruction set; `None` means [`Isa::chosen`].
     pub isa: Option<Isa>,
@@ -169,12 +162,26 @@ impl Pool {
         self.threads
     }
 
+    /// Runs `work(i)` once on each of the pool's threads `i` in
+    /// `0..threads()`, all at once (in a one-thread pool, once on the
+    /// caller), and returns when every call has: for work that must happen
+    /// on the threads themselves, such as committing the memory they will
+    /// update, so that it lands on their NUMA nodes.
+    pub fn on_each_thread(&self, work: &(dyn Fn(usize) + Sync)) {
+        match &self.workers {
+            Some(workers) => {
+                workers.broadcast(|context| work(context.index()));
+            }
+            None => work(0),
+        }
+    }
+
     /// The CPU each thread is pinned to (empty when not pinned).
     pub fn cpus(&self) -> &[usize] {
         &self.cpus
     }
 
-    /// [`adam_step`] over the pool.
+    /// [`crate::adam_step`] over the pool.
     pub fn adam_step(
         &self,
         coefficients: &AdamCoefficients,
@@ -183,18 +190,12 @@ impl Pool {
         moments: Moments<'_>,
         out: Option<LowPrecisionMut<'_>>,
     ) {
-        let isa = self.isa;
-        self.split(
-            params.len(),
-            out.is_some(),
-            (params, grads, moments, out),
-            &|(p, g, m, o)| adam_step(isa, coefficients, p, g, m, o),
-        );
+        self.adam_step_rounded(coefficients, params, grads, moments, out, Rounding::Nearest)
     }
 
-    /// [`adam_step_rounded`] over the pool: each piece's random words come
-    /// from its elements' global indices, so the result is the same on any
-    /// number of threads.
+    /// [`crate::adam_step_rounded`] over the pool: each piece's random
+    /// words come from its elements' global indices, so the result is the
+    /// same on any number of threads.
     pub fn adam_step_rounded(
         &self,
         coefficients: &AdamCoefficients,
@@ -204,12 +205,11 @@ impl Pool {
         out: Option<LowPrecisionMut<'_>>,
         rounding: Rounding,
     ) {
-        let isa = self.isa;
+        let (isa, whole_len) = (self.isa, params.len());
         self.split(
-            params.len(),
-            out.is_some(),
+            whole_len,
             (params, grads, moments, out, rounding),
-            &|(p, g, m, o, r)| adam_step_rounded(isa, coefficients, p, g, m, o, r),
+            &|(p, g, m, o, r)| adam_step_part(isa, coefficients, p, g, m, o, r, whole_len),
         );
     }
 
@@ -238,8 +238,7 @@ impl Pool {
             out,
             rounding,
         };
-        // Streamed by the whole call's length: no cut changes that.
-        self.split(whole_len, false, shard, &|s| {
+        self.split(whole_len, shard, &|s| {
             adam_step_out_of_place_part(isa, s, whole_len)
         });
     }
@@ -257,13 +256,12 @@ impl Pool {
         let isa = self.isa;
         self.split(
             params.len(),
-            false,
             (params, grads, moments, rounding),
             &|(p, g, m, r)| adam_step_bf16_master(isa, coefficients, p, g, m, r),
         );
     }
 
-    /// [`adagrad_step`] over the pool.
+    /// [`crate::adagrad_step`] over the pool.
     pub fn adagrad_step(
         &self,
         coefficients: &AdagradCoefficients,
@@ -272,16 +270,13 @@ impl Pool {
         state: &mut [f32],
         out: Option<LowPrecisionMut<'_>>,
     ) {
-        let isa = self.isa;
-        self.split(
-            params.len(),
-            out.is_some(),
-            (params, grads, state, out),
-            &|(p, g, s, o)| adagrad_step(isa, coefficients, p, g, s, o),
-        );
+        let (isa, whole_len) = (self.isa, params.len());
+        self.split(whole_len, (params, grads, state, out), &|(p, g, s, o)| {
+            single_state::step(isa, coefficients, p, g, s, o, whole_len)
+        });
     }
 
-    /// [`lion_step`] over the pool.
+    /// [`crate::lion_step`] over the pool.
     pub fn lion_step(
         &self,
         coefficients: &LionCoefficients,
@@ -290,22 +285,27 @@ impl Pool {
         momentum: &mut [f32],
         out: Option<LowPrecisionMut<'_>>,
     ) {
-        let isa = self.isa;
-        self.split(
-            params.len(),
-            out.is_some(),
-            (params, grads, momentum, out),
-            &|(p, g, m, o)| lion_step(isa, coefficients, p, g, m, o),
-        );
+        let (isa, whole_len) = (self.isa, params.len());
+        self.split(whole_len, (params, grads, momentum, out), &|(
+            p,
+            g,
+            m,
+            o,
+        )| {
+            single_state::step(isa, coefficients, p, g, m, o, whole_len)
+        });
     }
 
-    /// [`adam_step`] over many tensors in one call (a model's parameters):
-    /// the threads wake once for all of them. Each tensor ends as
-    /// [`Pool::adam_step`] would leave it, bit for bit.
+    /// [`crate::adam_step`] over many tensors in one call (a model's
+    /// parameters): the threads wake once for all of them. Each tensor ends
+    /// as [`Pool::adam_step`] would leave it, bit for bit; whether the
+    /// 16-bit copies are streamed past the caches follows the whole call's
+    /// length.
     pub fn adam_step_many(&self, coefficients: &AdamCoefficients, shards: Vec<AdamShard<'_>>) {
         let isa = self.isa;
-        self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, m, o)| {
-            adam_step(isa, coefficients, p, g, m, o)
+        let whole_len = shards.iter().map(|s| s.0.len()).sum();
+        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o)| {
+            adam_step_part(isa, coefficients, p, g, m, o, Rounding::Nearest, whole_len)
         });
     }
 
@@ -313,36 +313,36 @@ impl Pool {
     /// host memory, in one call, as [`Pool::adam_step_many`]: the training
     /// engine's update of a group whose states lie in host chunks of a few
     /// hundred KiB. Whether the outputs are streamed past the caches
-    /// follows the whole call's length, not a stretch's, so the pieces may
-    /// be as short as [`IN_PLACE_PIECE_ELEMS_MIN`].
+    /// follows the whole call's length, not a stretch's.
     pub fn adam_step_out_of_place_many<P: Element>(&self, shards: Vec<OutOfPlaceShard<'_, P>>) {
         let isa = self.isa;
         let whole_len = shards.iter().map(|s| s.params_out.len()).sum();
-        // No piece's cut changes what is streamed: fine pieces.
-        self.split_many(shards, |s| (s.params_out.len(), false), &|s| {
+        self.split_many(shards, |s| s.params_out.len(), &|s| {
             adam_step_out_of_place_part(isa, s, whole_len)
         });
     }
 
-    /// [`adagrad_step`] over many tensors in one call, as
+    /// [`crate::adagrad_step`] over many tensors in one call, as
     /// [`Pool::adam_step_many`].
     pub fn adagrad_step_many(
         &self,
         coefficients: &AdagradCoefficients,
         shards: Vec<StateShard<'_>>,
     ) {
-        let isa = self.isa;
-        self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, s, o)| {
-            adagrad_step(isa, coefficients, p, g, s, o)
-        });
+        self.state_step_many(coefficients, shards)
     }
 
-    /// [`lion_step`] over many tensors in one call, as
+    /// [`crate::lion_step`] over many tensors in one call, as
     /// [`Pool::adam_step_many`] (the state is the momentum).
     pub fn lion_step_many(&self, coefficients: &LionCoefficients, shards: Vec<StateShard<'_>>) {
+        self.state_step_many(coefficients, shards)
+    }
+
+    fn state_step_many<R: single_state::Rule>(&self, rule: &R, shards: Vec<StateShard<'_>>) {
         let isa = self.isa;
-        self.split_many(shards, |s| (s.0.len(), s.3.is_some()), &|(p, g, m, o)| {
-            lion_step(isa, coefficients, p, g, m, o)
+        let whole_len = shards.iter().map(|s| s.0.len()).sum();
+        self.split_many(shards, |s| s.0.len(), &|(p, g, s, o)| {
+            single_state::step(isa, rule, p, g, s, o, whole_len)
         });
     }
 
@@ -353,7 +353,6 @@ impl Pool {
             total
                 + (self.split_reduce(
                     shard.len(),
-                    self.piece_elems_min,
                     shard,
                     &|g| grads::grad_norm(isa, g),
                     std::ops::Add::add,
@@ -364,7 +363,7 @@ impl Pool {
     /// [`grads::accumulate`] over the pool.
     pub fn accumulate(&self, acc: &mut [f32], incoming: Values<'_>) {
         let isa = self.isa;
-        self.split(acc.len(), false, (acc, incoming), &|(a, x)| {
+        self.split(acc.len(), (acc, incoming), &|(a, x)| {
             grads::accumulate(isa, a, x)
         });
     }
@@ -372,7 +371,7 @@ impl Pool {
     /// [`grads::narrow`] over the pool.
     pub fn narrow(&self, source: &[f32], target: LowPrecisionMut<'_>) {
         let isa = self.isa;
-        self.split(source.len(), false, (source, target), &|(s, t)| {
+        self.split(source.len(), (source, target), &|(s, t)| {
             grads::narrow(isa, s, t)
         });
     }
@@ -380,7 +379,7 @@ impl Pool {
     /// [`grads::widen`] over the pool.
     pub fn widen(&self, source: Values<'_>, target: &mut [f32]) {
         let isa = self.isa;
-        self.split(target.len(), false, (source, target), &|(s, t)| {
+        self.split(target.len(), (source, target), &|(s, t)| {
             grads::widen(isa, s, t)
         });
     }
@@ -388,29 +387,20 @@ impl Pool {
     /// [`grads::roofline_4r3w`] over the pool.
     pub fn roofline_4r3w(&self, a: &mut [f32], b: &[f32], c: &mut [f32], d: &mut [f32]) {
         let isa = self.isa;
-        self.split(a.len(), false, (a, b, c, d), &|(a, b, c, d)| {
+        self.split(a.len(), (a, b, c, d), &|(a, b, c, d)| {
             grads::roofline_4r3w(isa, a, b, c, d)
         });
-    }
-
-    /// The shortest piece of a call whose kernel decides (or does not
-    /// decide) by a piece's own length to stream an output past the caches.
-    fn piece_elems_min_for(&self, streams: bool) -> usize {
-        if streams {
-            self.piece_elems_min
-        } else {
-            self.piece_elems_min.min(IN_PLACE_PIECE_ELEMS_MIN)
-        }
     }
 
     /// How many pieces `len` elements are cut into: [`PIECES_PER_THREAD`]
     /// per thread, so that threads which finish early take over pieces
     /// from one slowed down (by a core it shares with torch's OpenMP
     /// threads spinning after their last parallel region, say), but none
-    /// shorter than `piece_elems_min`, and at least one per thread.
-    fn pieces(&self, len: usize, piece_elems_min: usize) -> usize {
+    /// shorter than [`PoolConfig::piece_elems_min`], and at least one per
+    /// thread.
+    fn pieces(&self, len: usize) -> usize {
         (self.threads * PIECES_PER_THREAD)
-            .min(len / piece_elems_min)
+            .min(len / self.piece_elems_min)
             .max(self.threads)
     }
 
@@ -418,19 +408,14 @@ impl Pool {
     /// into runs of about equal length ([`Pool::pieces`]; a shard may be
     /// cut, at a multiple of [`SPLIT_ALIGN_ELEMS`]): the threads wake once
     /// for the whole list, and small shards share the threads too.
-    /// `shape` gives a shard's length and whether its kernel decides to
-    /// stream an output (a 16-bit copy) by the piece's own length: then
-    /// pieces are no shorter than [`PoolConfig::piece_elems_min`], else
-    /// than [`IN_PLACE_PIECE_ELEMS_MIN`] (or the configured length, if
-    /// shorter).
+    /// `len` gives a shard's length.
     fn split_many<A: Split + Send>(
         &self,
         shards: Vec<A>,
-        shape: fn(&A) -> (usize, bool),
+        len: fn(&A) -> usize,
         kernel: &(dyn Fn(A) + Sync),
     ) {
-        let total = shards.iter().map(|s| shape(s).0).sum::<usize>();
-        let streams = shards.iter().any(|s| shape(s).1);
+        let total = shards.iter().map(len).sum::<usize>();
         match &self.workers {
             Some(workers) if total >= self.parallel_elems_min => {
                 // An unpinned pool's caller takes runs too, beside threads - 1
@@ -439,8 +424,8 @@ impl Pool {
                 // the work. A pinned pool keeps one thread per core: every
                 // worker takes runs and the caller waits.
                 let caller_works = self.cpus.is_empty();
-                let pieces = self.pieces(total, self.piece_elems_min_for(streams));
-                let runs = cut_runs(shards, |s| shape(s).0, total, pieces);
+                let pieces = self.pieces(total);
+                let runs = cut_runs(shards, len, total, pieces);
                 let queue = Mutex::new(runs.into_iter());
                 let drain = || loop {
                     // The lock is released before the run starts.
@@ -463,40 +448,23 @@ impl Pool {
         }
     }
 
-    /// Runs `kernel` over one shard of `len` elements in pieces; `streams`:
-    /// the kernel decides to stream an output past the caches by the
-    /// piece's own length (see [`Pool::piece_elems_min_for`]).
-    fn split<A: Split + Send>(
-        &self,
-        len: usize,
-        streams: bool,
-        args: A,
-        kernel: &(dyn Fn(A) + Sync),
-    ) {
-        let piece_elems_min = self.piece_elems_min_for(streams);
-        self.split_reduce(len, piece_elems_min, args, kernel, |(), ()| ())
+    /// Runs `kernel` over one shard of `len` elements in pieces.
+    fn split<A: Split + Send>(&self, len: usize, args: A, kernel: &(dyn Fn(A) + Sync)) {
+        self.split_reduce(len, args, kernel, |(), ()| ())
     }
 
-    /// Runs `kernel` on [`Pool::pieces`] pieces, none shorter than
-    /// `piece_elems_min` beyond one per thread, and folds the results.
+    /// Runs `kernel` on [`Pool::pieces`] pieces and folds the results.
     fn split_reduce<A: Split + Send, R: Send>(
         &self,
         len: usize,
-        piece_elems_min: usize,
         args: A,
         kernel: &(dyn Fn(A) -> R + Sync),
         combine: fn(R, R) -> R,
     ) -> R {
         match &self.workers {
-            Some(workers) if len >= self.parallel_elems_min => workers.install(|| {
-                split_into(
-                    args,
-                    len,
-                    self.pieces(len, piece_elems_min),
-                    kernel,
-                    combine,
-                )
-            }),
+            Some(workers) if len >= self.parallel_elems_min => {
+                workers.install(|| split_into(args, len, self.pieces(len), kernel, combine))
+            }
             _ => kernel(args),
         }
     }
@@ -604,35 +572,53 @@ mod tests {
     }
 
     #[test]
-    fn only_calls_that_stream_keep_long_pieces() {
-        let pool = Pool::new(PoolConfig {
-            threads: Some(2),
-            pin: false,
-            ..PoolConfig::default()
-        })
-        .unwrap();
-        let (streaming, in_place) = (
-            pool.piece_elems_min_for(true),
-            pool.piece_elems_min_for(false),
-        );
-        assert_eq!(
-            (streaming, in_place),
-            (PIECE_ELEMS_MIN, IN_PLACE_PIECE_ELEMS_MIN)
-        );
-        // A 1M-element in-place step: four pieces per thread; with 16-bit
-        // copies streamed out, one per thread.
-        assert_eq!(pool.pieces(1 << 20, in_place), 2 * PIECES_PER_THREAD);
-        assert_eq!(pool.pieces(1 << 20, streaming), 2);
-        assert_eq!(pool.pieces(64 << 20, streaming), 2 * PIECES_PER_THREAD);
-        // A configured minimum shorter than the in-place one is kept.
-        let fine = Pool::new(PoolConfig {
-            threads: Some(2),
-            pin: false,
-            piece_elems_min: 256,
-            ..PoolConfig::default()
-        })
-        .unwrap();
-        assert_eq!(fine.piece_elems_min_for(false), 256);
+    fn calls_are_cut_into_pieces_per_thread_down_to_the_minimum() {
+        let pool = |threads| {
+            Pool::new(PoolConfig {
+                threads: Some(threads),
+                pin: false,
+                ..PoolConfig::default()
+            })
+            .unwrap()
+        };
+        // A 1M-element step on 2 threads: four pieces per thread.
+        assert_eq!(pool(2).pieces(1 << 20), 2 * PIECES_PER_THREAD);
+        // 64M elements on 16 threads: four each too (with 3M-element
+        // pieces, when the 16-bit copy streamed by a piece's length, 21
+        // pieces left 5 threads two each and the rest idle half the time).
+        assert_eq!(pool(16).pieces(64 << 20), 16 * PIECES_PER_THREAD);
+        // No piece under the minimum beyond one per thread.
+        assert_eq!(pool(2).pieces(3 * PIECE_ELEMS_MIN + 5), 3);
+        assert_eq!(pool(4).pieces(PIECE_ELEMS_MIN), 4);
+    }
+
+    #[test]
+    fn work_on_each_thread_runs_once_on_every_thread_of_the_pool() {
+        for threads in [1, 2, 3] {
+            let pool = Pool::new(PoolConfig {
+                threads: Some(threads),
+                pin: false,
+                ..PoolConfig::default()
+            })
+            .unwrap();
+            let seen = Mutex::new(Vec::new());
+            pool.on_each_thread(&|i| {
+                let name = std::thread::current().name().map(str::to_string);
+                seen.lock().unwrap().push((i, name));
+            });
+            let mut seen = seen.into_inner().unwrap();
+            seen.sort();
+            assert_eq!(
+                seen.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+                (0..threads).collect::<Vec<_>>()
+            );
+            if threads > 1 {
+                // Each index on the pool's thread of that index.
+                for (i, name) in &seen {
+                    assert_eq!(name.as_deref(), Some(format!("strata-optim-{i}").as_str()));
+                }
+            }
+        }
     }
 
     #[test]

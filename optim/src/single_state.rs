@@ -27,7 +27,10 @@ pub(crate) trait Rule: Sync {
     ) -> S::V;
 }
 
-/// Runs `rule` over every element on the calling thread.
+/// Runs `rule` over every element on the calling thread: a part of an
+/// update `whole_len` elements long, whose length decides whether the
+/// 16-bit copy is streamed past the caches (so that any cut of a large
+/// update streams as the whole would).
 pub(crate) fn step<R: Rule>(
     isa: Isa,
     rule: &R,
@@ -35,6 +38,7 @@ pub(crate) fn step<R: Rule>(
     grads: Values<'_>,
     state: &mut [f32],
     out: Option<LowPrecisionMut<'_>>,
+    whole_len: usize,
 ) {
     let len = params.len();
     assert_eq!(grads.len(), len, "gradients and params differ in length");
@@ -46,21 +50,25 @@ pub(crate) fn step<R: Rule>(
     if let Some(out) = &out {
         assert_eq!(out.len(), len, "output copy and params differ in length");
     }
+    let call = (rule, params, state, out, whole_len);
     match grads {
-        Values::F32(g) => with_grads(isa, rule, params, g, state, out),
-        Values::Bf16(g) => with_grads(isa, rule, params, g, state, out),
-        Values::F16(g) => with_grads(isa, rule, params, g, state, out),
+        Values::F32(g) => with_grads(isa, g, call),
+        Values::Bf16(g) => with_grads(isa, g, call),
+        Values::F16(g) => with_grads(isa, g, call),
     }
 }
 
-fn with_grads<R: Rule, G: Element>(
-    isa: Isa,
-    rule: &R,
-    params: &mut [f32],
-    grads: &[G],
-    state: &mut [f32],
-    out: Option<LowPrecisionMut<'_>>,
-) {
+/// A call's rule, parameters, state, 16-bit copy and whole length.
+type Call<'a, 'r, R> = (
+    &'r R,
+    &'a mut [f32],
+    &'a mut [f32],
+    Option<LowPrecisionMut<'a>>,
+    usize,
+);
+
+fn with_grads<R: Rule, G: Element>(isa: Isa, grads: &[G], call: Call<'_, '_, R>) {
+    let (rule, params, state, out, whole_len) = call;
     match out {
         None => simd::dispatch(
             isa,
@@ -70,6 +78,7 @@ fn with_grads<R: Rule, G: Element>(
                 grads,
                 state,
                 out: None,
+                whole_len,
             },
         ),
         Some(LowPrecisionMut::Bf16(out)) => simd::dispatch(
@@ -80,6 +89,7 @@ fn with_grads<R: Rule, G: Element>(
                 grads,
                 state,
                 out: Some(out),
+                whole_len,
             },
         ),
         Some(LowPrecisionMut::F16(out)) => simd::dispatch(
@@ -90,6 +100,7 @@ fn with_grads<R: Rule, G: Element>(
                 grads,
                 state,
                 out: Some(out),
+                whole_len,
             },
         ),
     }
@@ -101,6 +112,8 @@ struct StateKernel<'a, R, G, O> {
     grads: &'a [G],
     state: &'a mut [f32],
     out: Option<&'a mut [O]>,
+    /// The length of the update this call is part of (see [`step`]).
+    whole_len: usize,
 }
 
 /// The four streams of one call, cut together with [`Split`].
@@ -140,7 +153,7 @@ impl<R: Rule, G: Element, O: Element> Kernel for StateKernel<'_, R, G, O> {
         // As in Adam: an aligned body; large outputs streamed past the
         // caches when the same head aligns them.
         let head = simd::align_head::<S, f32>(self.params);
-        let stream = len >= simd::STREAM_ELEMS_MIN
+        let stream = self.whole_len >= simd::STREAM_ELEMS_MIN
             && self
                 .out
                 .as_ref()

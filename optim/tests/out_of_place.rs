@@ -2,6 +2,9 @@
 //! written, streamed past the caches when large) against the in-place one,
 //! bit for bit, at any alignment, on every instruction set and thread count.
 
+mod common;
+
+use common::PageAligned;
 use strata_optim::{
     AdamConfig, Isa, LowPrecisionMut, Moments, MomentsRef, OutOfPlaceShard, Pool, PoolConfig,
     Rounding, Values, adam_step_out_of_place, adam_step_rounded, bf16,
@@ -356,37 +359,5 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
         }
         pool.adam_step_out_of_place_many(shards);
         assert!(got == expected, "{threads} threads");
-    }
-}
-
-/// `n` elements starting `skip` elements past a page boundary (a `Vec`
-/// starts 16 bytes past one).
-struct PageAligned<T> {
-    storage: Vec<T>,
-    start: usize,
-    n: usize,
-}
-
-impl<T: Clone> PageAligned<T> {
-    fn new(n: usize, skip: usize, fill: T) -> PageAligned<T> {
-        let size = std::mem::size_of::<T>();
-        let storage = vec![fill; n + skip + 4096 / size];
-        let address = storage.as_ptr() as usize;
-        let start = (address.next_multiple_of(4096) - address) / size + skip;
-        PageAligned { storage, start, n }
-    }
-
-    fn get(&self) -> &[T] {
-        &self.storage[self.start..self.start + self.n]
-    }
-
-    fn get_mut(&mut self) -> &mut [T] {
-        &mut self.storage[self.start..self.start + self.n]
-    }
-}
-
-impl<T: Clone + PartialEq> PartialEq for PageAligned<T> {
-    fn eq(&self, other: &Self) -> bool {
-        self.get() == other.get()
     }
 }

@@ -1,6 +1,9 @@
 //! The pool splits tensors at vector-aligned points, so every kernel gives
 //! the same bits on any number of threads as on the calling thread alone.
 
+mod common;
+
+use common::PageAligned;
 use proptest::prelude::*;
 use strata_optim::{
     AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, PoolConfig,
@@ -194,6 +197,105 @@ fn calls_cut_into_many_pieces_per_thread_keep_the_bits() {
         let (p, g, m, o) = one[0].adam_parts();
         pool.adam_step(&adam, p, g, m, o);
         assert_eq!(one[0], expected[0], "{threads} threads, one tensor");
+    }
+}
+
+/// A call long enough to stream its 16-bit copy past the caches does so
+/// from every piece, however short (the kernels decide by the whole call's
+/// length): the bits are those of short calls that store it normally.
+#[test]
+fn pieces_of_a_long_call_stream_the_copy_and_keep_the_bits() {
+    // 12 pieces of about 175K elements on 3 threads, each far below the
+    // 2M-element streaming length that the whole call passes.
+    let n = (1 << 21) + 4099;
+    let pool = Pool::new(PoolConfig {
+        threads: Some(3),
+        pin: false,
+        parallel_elems_min: 0,
+        ..PoolConfig::default()
+    })
+    .unwrap();
+    let isa = pool.isa();
+    let grads: Vec<bf16> = data(n, 9).iter().map(|&x| bf16::from_f32(x)).collect();
+    let adam = AdamConfig::adamw(1e-2).coefficients(4, 0.5).unwrap();
+    let adagrad = AdagradConfig::new(1e-2).coefficients(3, 1.0).unwrap();
+    let lion = LionConfig::new(1e-3).coefficients(2, 1.0).unwrap();
+    // Parameters and copies start on pages, so one head aligns both (the
+    // in-place kernels stream only then).
+    let filled = |seed: u32| {
+        let mut p = PageAligned::new(n, 0, 0.0f32);
+        p.get_mut().copy_from_slice(&data(n, seed));
+        p
+    };
+    // Adagrad's sum of squares is never negative.
+    let state = || {
+        let mut s = filled(2);
+        s.get_mut().iter_mut().for_each(|x| *x = x.abs());
+        s
+    };
+    // Calls of 1M elements and a short last one: under 2M, stored normally.
+    let stored = 1 << 20;
+    for rule in ["adam", "adagrad", "lion"] {
+        let run = |whole: bool| {
+            let (mut p, mut s1, mut out) = (filled(1), state(), PageAligned::new(n, 0, bf16::ZERO));
+            let mut s2 = vec![0.25f32; n];
+            // The pool's one call, or calls short enough to store normally.
+            let cuts: Vec<usize> = match whole {
+                true => vec![0, n],
+                false => (0..n).step_by(stored).chain([n]).collect(),
+            };
+            for w in cuts.windows(2) {
+                let r = w[0]..w[1];
+                let (p, s1, out) = (
+                    &mut p.get_mut()[r.clone()],
+                    &mut s1.get_mut()[r.clone()],
+                    &mut out.get_mut()[r.clone()],
+                );
+                let (g, o) = (
+                    Values::Bf16(&grads[r.clone()]),
+                    Some(LowPrecisionMut::Bf16(out)),
+                );
+                match (rule, whole) {
+                    ("adam", true) => pool.adam_step(
+                        &adam,
+                        p,
+                        g,
+                        Moments::F32 {
+                            m: s1,
+                            v: &mut s2[r],
+                        },
+                        o,
+                    ),
+                    ("adam", false) => adam_step(
+                        isa,
+                        &adam,
+                        p,
+                        g,
+                        Moments::F32 {
+                            m: s1,
+                            v: &mut s2[r],
+                        },
+                        o,
+                    ),
+                    ("adagrad", true) => pool.adagrad_step(&adagrad, p, g, s1, o),
+                    ("adagrad", false) => adagrad_step(isa, &adagrad, p, g, s1, o),
+                    (_, true) => pool.lion_step(&lion, p, g, s1, o),
+                    (_, false) => lion_step(isa, &lion, p, g, s1, o),
+                }
+            }
+            (p.get().to_vec(), s1.get().to_vec(), s2, out.get().to_vec())
+        };
+        // Bits, so that a NaN would differ from nothing but itself.
+        let bits = |(p, s1, s2, out): (Vec<f32>, Vec<f32>, Vec<f32>, Vec<bf16>)| {
+            let f = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            (
+                f(p),
+                f(s1),
+                f(s2),
+                out.into_iter().map(bf16::to_bits).collect::<Vec<_>>(),
+            )
+        };
+        assert!(bits(run(true)) == bits(run(false)), "{rule}");
     }
 }
 
