@@ -135,6 +135,30 @@ unsafe impl Send for PinnedHost {}
 // SAFETY: shared access hands out only the address and length.
 unsafe impl Sync for PinnedHost {}
 
+/// Host memory allocated elsewhere and page-locked by the driver
+/// (`cuMemHostRegister`), unregistered when dropped; the memory itself
+/// stays its owner's.
+pub struct RegisteredHost {
+    pointer: NonNull<u8>,
+    context: Arc<CudaContext>,
+}
+
+impl Drop for RegisteredHost {
+    fn drop(&mut self) {
+        let _ = self.context.bind_to_thread();
+        // SAFETY: registered in `Context::register_host`; unregistered once, here.
+        if let Err(err) = unsafe { sys::cuMemHostUnregister(self.pointer.as_ptr().cast()) }.result()
+        {
+            tracing::warn!("unregistering pinned host memory failed: {err:?}");
+        }
+    }
+}
+
+// SAFETY: holds only an address to unregister, and the context.
+unsafe impl Send for RegisteredHost {}
+// SAFETY: no access through shared references.
+unsafe impl Sync for RegisteredHost {}
+
 /// One GPU: its context, its compute stream, its two copy streams, and a
 /// stream for the raw baseline copies benches compare with.
 pub struct Context {
@@ -260,6 +284,36 @@ impl Context {
         // SAFETY: `len_bytes` at `pointer` are ours, writable, not shared.
         unsafe { std::ptr::write_bytes(pointer.as_ptr(), 0, len_bytes) };
         Ok(pinned)
+    }
+
+    /// Page-locks `len_bytes` of host memory at `pointer` for DMA from
+    /// every context (`cuMemHostRegister`, portable), where it already is:
+    /// its pages keep the NUMA nodes they were committed on, unlike
+    /// [`Context::alloc_pinned`]'s, which the driver places.
+    ///
+    /// # Safety
+    /// The range is valid host memory, page-aligned, and stays mapped until
+    /// the returned value is dropped.
+    pub unsafe fn register_host(
+        &self,
+        pointer: NonNull<u8>,
+        len_bytes: usize,
+    ) -> Result<RegisteredHost> {
+        self.bind()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                pointer.as_ptr().cast(),
+                len_bytes,
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(cuda_error("cuMemHostRegister"))?;
+        Ok(RegisteredHost {
+            pointer,
+            context: self.context.clone(),
+        })
     }
 
     /// The cudarc context (for the CUDA halves of `kernels` and `comm`:

@@ -106,7 +106,9 @@ pub fn tiers_vs_raw(
         let mut guard = runtime.acquire(id, Tier::Host, Access::Write)?;
         guard.for_each_chunk_mut(&mut |offset, bytes| fill_random(bytes, 0x5717_a7a5 ^ offset))?;
     }
-    let mut raw_buffer = runtime.device().alloc_host(spec.size_bytes as usize)?;
+    let mut raw_buffer = runtime
+        .device()
+        .alloc_host(spec.size_bytes as usize, &crate::device::commit_here)?;
     fill_random(&mut raw_buffer, 0x1234_5678);
     let raw_file = TestFile::over(&store.paths()[0], spec.size_bytes)?;
     let engine = spec.nvme.engine.resolve()?;

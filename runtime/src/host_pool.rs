@@ -8,10 +8,63 @@
 //! smallest class. The same plan gives the chunks of its NVMe copy, so any
 //! host copy lines up with any NVMe copy of the same tensor.
 
-use strata_storage::AlignedBuf;
+use std::sync::Mutex;
+
+use strata_storage::{AlignedBuf, HUGE_PAGE_BYTES, commit_pages};
 
 use crate::config::ClassConfig;
 use crate::error::Result;
+
+/// The threads that will update the pinned pool (the optimizer's), lent to
+/// commit its pages at start: the kernel places each page on the NUMA node
+/// of the thread that commits it, and many threads commit a large pool
+/// faster than one.
+pub trait Spread: Sync {
+    /// How many threads [`Spread::each`] runs `work` on.
+    fn threads(&self) -> usize;
+
+    /// Runs `work(i)` once on each thread `i` in `0..threads()`, all at
+    /// once, and returns when every call has.
+    fn each(&self, work: &(dyn Fn(usize) + Sync));
+}
+
+/// Commits the pages under `bytes`: on the calling thread without a
+/// `spread`; with one, in huge-page windows dealt round-robin to its
+/// threads, so each thread's share lies all along the region, as each
+/// optimizer call's data does (a call's groups are cut evenly over the
+/// threads, wherever in the pool their chunks are). On a host with more
+/// than one NUMA node the pool is then spread over the nodes the threads
+/// run on, like `numactl --interleave` over those nodes, instead of
+/// landing on the allocating thread's; no thread reads all of its share
+/// from its own node. The first error any thread meets is returned.
+pub fn commit_spread(bytes: &mut [u8], spread: Option<&dyn Spread>) -> Result<()> {
+    let Some(spread) = spread.filter(|s| s.threads() > 1) else {
+        return Ok(commit_pages(bytes)?);
+    };
+    let threads = spread.threads();
+    let mut shares: Vec<Vec<&mut [u8]>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, window) in bytes.chunks_mut(HUGE_PAGE_BYTES).enumerate() {
+        shares[i % threads].push(window);
+    }
+    let shares: Vec<Mutex<Vec<&mut [u8]>>> = shares.into_iter().map(Mutex::new).collect();
+    let failed = Mutex::new(None);
+    spread.each(&|thread| {
+        let mut share = shares[thread].lock().unwrap_or_else(|p| p.into_inner());
+        for window in share.iter_mut() {
+            if let Err(err) = commit_pages(window) {
+                failed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(err);
+                return;
+            }
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(err) => Err(err.into()),
+        None => Ok(()),
+    }
+}
 
 /// One buffer of the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -47,7 +100,8 @@ pub struct HostPool {
 
 impl HostPool {
     /// Allocates every class's region with `allocate(bytes)` (page-locked
-    /// memory: CUDA host memory on a GPU machine, mlock otherwise).
+    /// memory: CUDA host memory on a GPU machine, mlock otherwise; see
+    /// [`crate::Device::alloc_host`]).
     pub fn new(
         classes: &[ClassConfig],
         allocate: &mut dyn FnMut(usize) -> Result<AlignedBuf>,
@@ -240,6 +294,88 @@ mod tests {
             },
         ];
         HostPool::new(&classes, &mut |bytes| Ok(AlignedBuf::new(bytes, 4096)?)).unwrap()
+    }
+
+    /// Whether the page at `address` is in memory, from /proc/self/pagemap
+    /// (bit 63 of its entry); `None` where the file cannot be read.
+    fn present(address: *const u8) -> Option<bool> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut pagemap = std::fs::File::open("/proc/self/pagemap").ok()?;
+        let page = address as u64 / strata_storage::PAGE_BYTES as u64;
+        pagemap.seek(SeekFrom::Start(page * 8)).ok()?;
+        let mut entry = [0u8; 8];
+        pagemap.read_exact(&mut entry).ok()?;
+        Some(u64::from_le_bytes(entry) >> 63 == 1)
+    }
+
+    /// `threads` threads of their own, of which only those in `run` work.
+    struct Threads {
+        threads: usize,
+        run: Vec<usize>,
+        ran_on: Mutex<Vec<std::thread::ThreadId>>,
+    }
+
+    impl Spread for Threads {
+        fn threads(&self) -> usize {
+            self.threads
+        }
+        fn each(&self, work: &(dyn Fn(usize) + Sync)) {
+            std::thread::scope(|scope| {
+                for &i in &self.run {
+                    scope.spawn(move || {
+                        self.ran_on
+                            .lock()
+                            .unwrap()
+                            .push(std::thread::current().id());
+                        work(i)
+                    });
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn spread_commits_huge_page_windows_round_robin_on_the_threads() {
+        let windows = 10;
+        let len = windows * HUGE_PAGE_BYTES;
+        let committed = |buf: &AlignedBuf| -> Option<Vec<bool>> {
+            (0..windows)
+                .map(|k| present(buf[k * HUGE_PAGE_BYTES..].as_ptr()))
+                .collect()
+        };
+        let mut buf = AlignedBuf::new_uncommitted(len, 4096).unwrap();
+        let Some(before) = committed(&buf) else {
+            println!("skipped: /proc/self/pagemap cannot be read here");
+            return;
+        };
+        assert_eq!(before, vec![false; windows]);
+        // Only thread 0 of 3 works: windows 0, 3, 6 and 9, and no others.
+        let first = Threads {
+            threads: 3,
+            run: vec![0],
+            ran_on: Mutex::new(Vec::new()),
+        };
+        commit_spread(&mut buf, Some(&first)).unwrap();
+        let expected: Vec<bool> = (0..windows).map(|k| k % 3 == 0).collect();
+        assert_eq!(committed(&buf).unwrap(), expected);
+        // All three: every window, on three threads none of which is ours.
+        let all = Threads {
+            threads: 3,
+            run: vec![0, 1, 2],
+            ran_on: Mutex::new(Vec::new()),
+        };
+        commit_spread(&mut buf, Some(&all)).unwrap();
+        assert_eq!(committed(&buf).unwrap(), vec![true; windows]);
+        let mut ran_on = all.ran_on.into_inner().unwrap();
+        ran_on.sort_by_key(|id| format!("{id:?}"));
+        ran_on.dedup();
+        assert_eq!(ran_on.len(), 3);
+        assert!(!ran_on.contains(&std::thread::current().id()));
+        assert!(buf.iter().all(|&b| b == 0));
+        // Without threads (or with one), the caller commits everything.
+        let mut alone = AlignedBuf::new_uncommitted(len, 4096).unwrap();
+        commit_spread(&mut alone, None).unwrap();
+        assert_eq!(committed(&alone).unwrap(), vec![true; windows]);
     }
 
     #[test]

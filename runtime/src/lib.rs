@@ -44,7 +44,7 @@ pub use config::{
 pub use device::{CpuDevice, CudaDevice, Device, DeviceKind};
 pub use error::{Result, RuntimeError};
 pub use guard::{Guard, RangeOf, zip_ranges};
-pub use host_pool::{Chunk, FreeLists, HostPool, Slot};
+pub use host_pool::{Chunk, FreeLists, HostPool, Slot, Spread, commit_spread};
 pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
 pub use state::{Access, MemoryFaults};
 pub use stats::{

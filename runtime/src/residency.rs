@@ -22,7 +22,7 @@ use crate::config::RuntimeConfig;
 use crate::device::{self, CopyPiece, Device, Direction};
 use crate::error::{Result, RuntimeError};
 use crate::guard::{Guard, View};
-use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot};
+use crate::host_pool::{Chunk, FreeLists, HostPool, Shortfall, Slot, Spread, commit_spread};
 use crate::state::{
     Access, Copy, Entry, MemoryFaults, Place, Shared, State, check_size, in_use_error,
     moving_error, not_resident, released_by,
@@ -163,7 +163,7 @@ impl Runtime {
     /// Opens the device, allocates the pinned pool, opens the NVMe store and
     /// starts the movers.
     pub fn new(config: &RuntimeConfig) -> Result<Self> {
-        Self::open(config, None)
+        Self::open_with(config, None, None, None)
     }
 
     /// Like [`Runtime::new`] with the NVMe store's completions rewritten by
@@ -174,7 +174,7 @@ impl Runtime {
         rates: strata_storage::FaultRates,
         seed: u64,
     ) -> Result<Self> {
-        Self::open(config, Some((rates, seed)))
+        Self::open_with(config, None, Some((rates, seed)), None)
     }
 
     /// Injects seeded out-of-memory faults into every later placement in the
@@ -183,20 +183,37 @@ impl Runtime {
         self.shared.lock().memory_faults = Some(faults);
     }
 
-    fn open(
+    /// Like [`Runtime::new`] on the device of `config` (or, given one,
+    /// [`Runtime::on_device`]), with the NVMe store's faults of
+    /// [`Runtime::with_faults`] if given, and the pinned pool's pages
+    /// committed by `spread`'s threads (see [`commit_spread`]): the
+    /// optimizer's, which will update the pool; without it, by the
+    /// calling thread.
+    pub fn open_with(
         config: &RuntimeConfig,
+        device: Option<Box<dyn Device>>,
         faults: Option<(strata_storage::FaultRates, u64)>,
+        spread: Option<&dyn Spread>,
     ) -> Result<Self> {
         config.validate()?;
-        let arena_on_host = match config.device.kind {
-            crate::config::DeviceChoice::Cpu => true,
-            crate::config::DeviceChoice::Cuda => false,
-            crate::config::DeviceChoice::Auto => device::cuda_available().is_err(),
+        let device = match device {
+            Some(device) => {
+                // The caller's device already holds its arena: count the pool only.
+                check_host_memory(config, false)?;
+                device
+            }
+            None => {
+                let arena_on_host = match config.device.kind {
+                    crate::config::DeviceChoice::Cpu => true,
+                    crate::config::DeviceChoice::Cuda => false,
+                    crate::config::DeviceChoice::Auto => device::cuda_available().is_err(),
+                };
+                // Before the device's arena is touched.
+                check_host_memory(config, arena_on_host)?;
+                device::open(&config.device)?
+            }
         };
-        // Before the device's arena is touched.
-        check_host_memory(config, arena_on_host)?;
-        let device = device::open(&config.device)?;
-        Self::assemble(config, device, open_store(config, faults)?)
+        Self::assemble(config, device, open_store(config, faults)?, spread)
     }
 
     /// Like [`Runtime::new`] (or [`Runtime::with_faults`], given `faults`)
@@ -207,10 +224,7 @@ impl Runtime {
         device: Box<dyn Device>,
         faults: Option<(strata_storage::FaultRates, u64)>,
     ) -> Result<Self> {
-        config.validate()?;
-        // The caller's device already holds its arena: count the pool only.
-        check_host_memory(config, false)?;
-        Self::assemble(config, device, open_store(config, faults)?)
+        Self::open_with(config, Some(device), faults, None)
     }
 
     /// Like [`Runtime::new`] with a device and store built by the caller
@@ -223,7 +237,7 @@ impl Runtime {
         config.validate()?;
         // The caller's device already holds its arena: count the pool only.
         check_host_memory(config, false)?;
-        Self::assemble(config, device, store)
+        Self::assemble(config, device, store, None)
     }
 
     /// Allocates the pool and starts the movers, on a validated config.
@@ -231,6 +245,7 @@ impl Runtime {
         config: &RuntimeConfig,
         device: Box<dyn Device>,
         store: Option<SwapStore>,
+        spread: Option<&dyn Spread>,
     ) -> Result<Self> {
         let classes = config.host.resolved_classes();
         if let Some(store) = &store {
@@ -246,7 +261,16 @@ impl Runtime {
                 });
             }
         }
-        let pool = HostPool::new(&classes, &mut |bytes| device.alloc_host(bytes))?;
+        let commit = |bytes: &mut [u8]| commit_spread(bytes, spread);
+        let started = std::time::Instant::now();
+        let pool = HostPool::new(&classes, &mut |bytes| device.alloc_host(bytes, &commit))?;
+        tracing::debug!(
+            bytes = pool.capacity_bytes(),
+            threads = spread.map_or(1, |s| s.threads()),
+            locked = pool.is_locked(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "pinned host pool committed"
+        );
         if config.host.require_locked && !pool.is_locked() {
             return Err(RuntimeError::MemlockLimit {
                 needed_bytes: pool.capacity_bytes(),

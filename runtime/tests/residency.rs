@@ -725,8 +725,12 @@ impl strata_runtime::Device for HeldDevice {
     fn capacity_bytes(&self) -> u64 {
         self.inner.capacity_bytes()
     }
-    fn alloc_host(&self, len_bytes: usize) -> strata_runtime::Result<strata_storage::AlignedBuf> {
-        self.inner.alloc_host(len_bytes)
+    fn alloc_host(
+        &self,
+        len_bytes: usize,
+        commit: &strata_runtime::device::Commit<'_>,
+    ) -> strata_runtime::Result<strata_storage::AlignedBuf> {
+        self.inner.alloc_host(len_bytes, commit)
     }
     unsafe fn copy(
         &self,

@@ -57,6 +57,19 @@ impl AlignedBuf {
     /// Allocates `len_bytes` (rounded up to `align`) of zeroed memory aligned to
     /// `align` (a power of two, at least 512).
     pub fn new(len_bytes: usize, align: usize) -> Result<Self> {
+        Self::allocate(len_bytes, align, true)
+    }
+
+    /// Like [`AlignedBuf::new`], but a buffer of [`HUGE_PAGE_BYTES`] or more
+    /// is left uncommitted: its pages are placed (on the NUMA node of the
+    /// thread that commits them) by [`commit_pages`] calls, from whichever
+    /// threads will use them, or by first touch. Until committed it reads
+    /// as zeros like any other.
+    pub fn new_uncommitted(len_bytes: usize, align: usize) -> Result<Self> {
+        Self::allocate(len_bytes, align, false)
+    }
+
+    fn allocate(len_bytes: usize, align: usize, commit: bool) -> Result<Self> {
         assert!(
             align.is_power_of_two() && align >= 512,
             "alignment {align} must be a power of two >= 512"
@@ -73,7 +86,7 @@ impl AlignedBuf {
             .filter(|&len| len <= isize::MAX as usize - HUGE_PAGE_BYTES)
             .ok_or_else(|| refused("larger than an address space"))?;
         if len >= HUGE_PAGE_BYTES && align <= PAGE_BYTES {
-            return Self::mapped(len, align);
+            return Self::mapped(len, align, commit);
         }
         let layout = Layout::from_size_align(len, align)
             .map_err(|_| refused("not a valid allocation layout"))?;
@@ -92,12 +105,11 @@ impl AlignedBuf {
     /// A fresh anonymous mapping (zeroed by the kernel) starting on a
     /// [`HUGE_PAGE_BYTES`] boundary (an unaligned start would leave its
     /// first and last huge-page windows partial), advised to use huge
-    /// pages, then populated: the memory is committed here, so a shortage
-    /// is this call's error rather than an out-of-memory kill later, in the
-    /// middle of a step. The advice is a hint: a kernel without THP, or with
-    /// it off, maps 4 KiB pages; one older than Linux 5.14 (no
-    /// `MADV_POPULATE_WRITE`) commits on first touch instead.
-    fn mapped(len: usize, align: usize) -> Result<Self> {
+    /// pages, then, with `commit`, committed ([`commit_pages`]), so a
+    /// shortage is this call's error rather than an out-of-memory kill
+    /// later, in the middle of a step. The advice is a hint: a kernel
+    /// without THP, or with it off, maps 4 KiB pages.
+    fn mapped(len: usize, align: usize, commit: bool) -> Result<Self> {
         let refused = |what: &str, err: std::io::Error| StorageError::HostAlloc {
             len_bytes: len,
             align_bytes: align,
@@ -131,7 +143,7 @@ impl AlignedBuf {
             }
         }
         let ptr = NonNull::new(start as *mut u8).expect("a mapping is never at address zero");
-        let buf = Self {
+        let mut buf = Self {
             ptr,
             len,
             align,
@@ -139,16 +151,10 @@ impl AlignedBuf {
             release: Some(Release::Mapped),
         };
         // SAFETY: the range is the mapping just made, ours alone.
-        let populated = unsafe {
-            libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
-            libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE)
-        };
-        if populated != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() != Some(libc::EINVAL) {
-                // `buf` unmaps the range as it drops.
-                return Err(refused("committing the memory", err));
-            }
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+        if commit {
+            // `buf` unmaps the range as it drops.
+            commit_pages(&mut buf)?;
         }
         Ok(buf)
     }
@@ -192,7 +198,14 @@ impl AlignedBuf {
         }
     }
 
-    fn try_lock(&mut self) {
+    /// Page-locks the memory with mlock (which also commits whatever is not
+    /// yet committed, from the calling thread). If the memlock limit
+    /// refuses, logs one warning for the process naming the limit and the
+    /// fix, and leaves the buffer unlocked ([`AlignedBuf::is_locked`]).
+    pub fn try_lock(&mut self) {
+        if self.locked {
+            return;
+        }
         // SAFETY: the range is our own live allocation.
         let rc = unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) };
         if rc == 0 {
@@ -244,6 +257,63 @@ impl AlignedBuf {
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+}
+
+/// Commits the pages under `bytes` from the calling thread, so that each
+/// lands on that thread's NUMA node (the kernel places an anonymous page
+/// where the thread that faults it in runs), and a shortage is this call's
+/// error, naming the bytes, rather than an out-of-memory kill at a later
+/// first touch. The bytes keep their values. Pages that `bytes` only partly
+/// covers are committed too (they are touched, not advised). Kernels older
+/// than Linux 5.14 (no `MADV_POPULATE_WRITE`) get every page touched
+/// instead, and a shortage there is the kill it would have been anyway.
+pub fn commit_pages(bytes: &mut [u8]) -> Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let start = bytes.as_mut_ptr() as usize;
+    let (first, end) = (start.next_multiple_of(PAGE_BYTES), start + bytes.len());
+    let last = end / PAGE_BYTES * PAGE_BYTES;
+    // One byte of every page partly covered at either end, or of every page
+    // where the advice is refused: read and written back, so nothing changes.
+    let touch = |bytes: &mut [u8], from: usize, to: usize| {
+        let mut at = from;
+        while at < to {
+            let byte = &mut bytes[at - start];
+            // SAFETY: `byte` is a valid, exclusive reference into `bytes`;
+            // volatile so that the write (which commits the page) stays.
+            unsafe { std::ptr::write_volatile(byte, std::ptr::read_volatile(byte)) };
+            at = (at / PAGE_BYTES + 1) * PAGE_BYTES;
+        }
+    };
+    if first >= last {
+        touch(bytes, start, end);
+        return Ok(());
+    }
+    touch(bytes, start, first);
+    touch(bytes, last, end);
+    // SAFETY: `first..last` lies inside `bytes`, which we hold exclusively;
+    // populating writes nothing a reader could see (the pages keep their
+    // contents).
+    let rc = unsafe {
+        libc::madvise(
+            first as *mut libc::c_void,
+            last - first,
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINVAL) {
+            return Err(StorageError::HostAlloc {
+                len_bytes: bytes.len(),
+                align_bytes: PAGE_BYTES,
+                cause: format!("committing the memory: {err}"),
+            });
+        }
+        touch(bytes, first, last);
+    }
+    Ok(())
 }
 
 impl std::ops::Deref for AlignedBuf {
@@ -324,22 +394,66 @@ mod tests {
         if std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
             .is_ok_and(|mode| !mode.contains("[never]"))
         {
-            // The entry whose range holds the buffer (an adjacent mapping
-            // with the same flags may have merged with it).
-            let address = buf.as_ptr() as usize;
-            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-            let holds = |line: &str| {
-                let range = line.split(' ').next().unwrap_or("");
-                let mut ends = range.split('-').map(|x| usize::from_str_radix(x, 16));
-                matches!((ends.next(), ends.next()), (Some(Ok(a)), Some(Ok(b))) if a <= address && address < b)
-            };
-            let flags = smaps
-                .lines()
-                .skip_while(|line| !holds(line))
-                .find(|line| line.starts_with("VmFlags:"))
-                .expect("the mapping is listed in smaps");
+            let flags = smaps_field(buf.as_ptr(), "VmFlags:");
             assert!(flags.split_whitespace().any(|f| f == "hg"), "{flags}");
         }
+    }
+
+    /// A field of the smaps entry whose range holds `address` (an adjacent
+    /// mapping with the same flags may have merged with it).
+    fn smaps_field(address: *const u8, field: &str) -> String {
+        let address = address as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let holds = |line: &str| {
+            let range = line.split(' ').next().unwrap_or("");
+            let mut ends = range.split('-').map(|x| usize::from_str_radix(x, 16));
+            matches!((ends.next(), ends.next()), (Some(Ok(a)), Some(Ok(b))) if a <= address && address < b)
+        };
+        smaps
+            .lines()
+            .skip_while(|line| !holds(line))
+            .find(|line| line.starts_with(field))
+            .expect("the mapping is listed in smaps")
+            .to_string()
+    }
+
+    fn resident_kib(address: *const u8) -> u64 {
+        let line = smaps_field(address, "Rss:");
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn uncommitted_buffers_commit_where_asked_and_keep_their_bytes() {
+        let mut buf = AlignedBuf::new_uncommitted(HUGE_PAGE_BYTES * 8, 4096).unwrap();
+        assert!(matches!(buf.release, Some(Release::Mapped)));
+        let before = resident_kib(buf.as_ptr());
+        // Two huge-page windows, from an unaligned start to an unaligned end:
+        // the partial pages at both ends are committed too.
+        let (from, to) = (HUGE_PAGE_BYTES * 2 + 100, HUGE_PAGE_BYTES * 4 - 100);
+        commit_pages(&mut buf[from..to]).unwrap();
+        let after = resident_kib(buf.as_ptr());
+        assert!(
+            after >= before + ((to - from) / 1024) as u64,
+            "{before} KiB resident before, {after} KiB after"
+        );
+        // Fewer than all eight windows: the rest waits for its own commit.
+        assert!(after < before + (buf.len() / 1024) as u64, "{after} KiB");
+        assert!(buf.iter().all(|&b| b == 0));
+        // Committing again keeps what was written, at any offset and length.
+        for (i, b) in buf[..3 * PAGE_BYTES].iter_mut().enumerate() {
+            *b = i as u8 ^ 0x5a;
+        }
+        commit_pages(&mut buf[1..3 * PAGE_BYTES - 1]).unwrap();
+        commit_pages(&mut buf[5..6]).unwrap();
+        commit_pages(&mut []).unwrap();
+        assert!(
+            buf[..3 * PAGE_BYTES]
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == i as u8 ^ 0x5a)
+        );
+        buf.try_lock();
+        buf.try_lock();
     }
 
     #[test]

@@ -43,7 +43,7 @@ mod store;
 pub mod sys;
 
 pub use alloc::ExtentAllocator;
-pub use buffer::{AlignedBuf, PAGE_BYTES};
+pub use buffer::{AlignedBuf, HUGE_PAGE_BYTES, PAGE_BYTES, commit_pages};
 pub use checksum::checksum;
 pub use config::{
     BLOCK_BYTES_MAX, DIRS_MAX, EngineChoice, QUEUE_DEPTH_MAX, RINGS_MAX, StorageConfig,

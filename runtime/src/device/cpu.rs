@@ -10,7 +10,7 @@ use strata_storage::{AlignedBuf, PAGE_BYTES};
 
 use strata_device::{DeviceError, Fence, HostSignal};
 
-use super::{CopyPiece, Device, DeviceKind, Direction};
+use super::{Commit, CopyPiece, Device, DeviceKind, Direction};
 use crate::error::Result;
 
 /// Copy jobs queued per direction before `copy` blocks.
@@ -133,8 +133,11 @@ impl Device for CpuDevice {
         self.arena.len() as u64
     }
 
-    fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf> {
-        Ok(AlignedBuf::new_locked(len_bytes, PAGE_BYTES)?)
+    fn alloc_host(&self, len_bytes: usize, commit: &Commit<'_>) -> Result<AlignedBuf> {
+        let mut buffer = AlignedBuf::new_uncommitted(len_bytes, PAGE_BYTES)?;
+        commit(&mut buffer)?;
+        buffer.try_lock();
+        Ok(buffer)
     }
 
     unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<Fence> {

@@ -3,13 +3,14 @@
 //! copy streams, one per direction, apart from the compute stream, and each
 //! batch ends with a fence. No CUDA type is named here.
 
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use strata_device::cuda::Context;
 use strata_device::{DeviceError, Fence, StreamKind};
 use strata_storage::{AlignedBuf, PAGE_BYTES};
 
-use super::{CopyPiece, Device, DeviceKind, Direction};
+use super::{Commit, CopyPiece, Device, DeviceKind, Direction};
 use crate::error::Result;
 
 /// A GPU with an arena of device memory and two copy streams.
@@ -30,6 +31,21 @@ impl CudaDevice {
     /// Opens device `ordinal` and reserves `budget_bytes` of its memory.
     pub fn new(ordinal: usize, budget_bytes: u64) -> Result<Self> {
         Self::on_context(Context::open(ordinal)?, budget_bytes)
+    }
+
+    /// Pinned host memory from the driver (`cuMemHostAlloc`), committed
+    /// and zeroed from the calling thread.
+    fn alloc_driver_pinned(&self, len_bytes: usize) -> Result<AlignedBuf> {
+        let len = len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let pinned = self.context.alloc_pinned(len, PAGE_BYTES)?;
+        let pointer = pinned.pointer();
+        // Dropping the closure (which owns `pinned`) releases the memory.
+        let release = move |_pointer, _len| drop(pinned);
+        // Page-aligned (checked by alloc_pinned), `len` zeroed bytes (a multiple of a
+        // page), owned by the buffer; `release` drops `pinned` after its call.
+        // SAFETY: the memory is valid, aligned and zeroed, and released exactly once.
+        let buffer = unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) };
+        Ok(buffer)
     }
 
     /// Reserves `budget_bytes` on an open context, whose streams it shares
@@ -97,17 +113,40 @@ impl Device for CudaDevice {
         self.capacity_bytes
     }
 
-    fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf> {
-        let len = len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES;
-        let pinned = self.context.alloc_pinned(len, PAGE_BYTES)?;
-        let pointer = pinned.pointer();
-        // Dropping the closure (which owns `pinned`) releases the memory.
-        let release = move |_pointer, _len| drop(pinned);
-        // Page-aligned (checked by alloc_pinned), `len` zeroed bytes (a multiple of a
-        // page), owned by the buffer; `release` drops `pinned` after its call.
-        // SAFETY: the memory is valid, aligned and zeroed, and released exactly once.
-        let buffer = unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) };
-        Ok(buffer)
+    /// Commits the memory with `commit` and then registers it with the
+    /// driver where it lies, so its pages stay where the committing
+    /// threads put them. Should the driver refuse to register it, warns
+    /// and takes the driver's own allocation instead (committed from this
+    /// thread).
+    fn alloc_host(&self, len_bytes: usize, commit: &Commit<'_>) -> Result<AlignedBuf> {
+        let mut memory = AlignedBuf::new_uncommitted(len_bytes, PAGE_BYTES)?;
+        commit(&mut memory)?;
+        let (pointer, len) = (memory.as_mut_ptr(), memory.len());
+        let pointer = NonNull::new(pointer).expect("a buffer is never at address zero");
+        // SAFETY: `memory`'s own range, page-aligned; `memory` is dropped only
+        // after the registration, in `release` below.
+        match unsafe { self.context.register_host(pointer, len) } {
+            Ok(registration) => {
+                // Unregistered first, then unmapped, when the buffer drops.
+                let release = move |_pointer, _len| {
+                    drop(registration);
+                    drop(memory);
+                };
+                // SAFETY: `memory`'s range (valid, page-aligned, zeroed, a
+                // multiple of a page long), read and written only through the
+                // returned buffer from here on, and released once, by it.
+                Ok(unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) })
+            }
+            Err(err) => {
+                tracing::warn!(
+                    "could not page-lock {len} bytes of host memory where they lie ({err}); \
+                     taking the driver's pinned allocation instead, whose pages are placed \
+                     from this thread rather than the optimizer's"
+                );
+                drop(memory);
+                self.alloc_driver_pinned(len_bytes)
+            }
+        }
     }
 
     unsafe fn copy(&self, direction: Direction, pieces: Vec<CopyPiece>) -> Result<Fence> {

@@ -46,6 +46,15 @@ pub struct CopyPiece {
 // (`Device::copy`'s contract).
 unsafe impl Send for CopyPiece {}
 
+/// How [`Device::alloc_host`] commits a new buffer's pages.
+pub type Commit<'a> = dyn Fn(&mut [u8]) -> Result<()> + 'a;
+
+/// Commits on the calling thread ([`Device::alloc_host`]'s `commit` where
+/// no other threads will update the memory).
+pub fn commit_here(bytes: &mut [u8]) -> Result<()> {
+    Ok(strata_storage::commit_pages(bytes)?)
+}
+
 /// What the registry needs from a device.
 pub trait Device: Send + Sync {
     /// CPU or CUDA.
@@ -57,9 +66,12 @@ pub trait Device: Send + Sync {
     /// Bytes of the arena (the device budget).
     fn capacity_bytes(&self) -> u64;
 
-    /// Allocates page-locked host memory for the pinned pool: through CUDA
-    /// when a GPU is present (so copies are true DMA), mlock otherwise.
-    fn alloc_host(&self, len_bytes: usize) -> Result<AlignedBuf>;
+    /// Allocates page-locked host memory for the pinned pool, zeroed, with
+    /// its pages committed by `commit` (given the whole buffer, before it
+    /// is locked; [`crate::host_pool::commit_spread`] commits from the
+    /// threads that will update it): page-locked through CUDA when a GPU
+    /// is present (so copies are true DMA), mlock otherwise.
+    fn alloc_host(&self, len_bytes: usize, commit: &Commit<'_>) -> Result<AlignedBuf>;
 
     /// Queues copies on the copy engine of `direction` and returns at once,
     /// with the fence that passes when they are done.

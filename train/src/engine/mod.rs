@@ -89,7 +89,7 @@ use strata_runtime::{Runtime, Tier};
 use crate::error::{Result, TrainError, bad, os};
 use crate::gpt::GptConfig;
 use compute::Workspace;
-use optimizer::{CpuWorker, Update, optimizer_pool};
+use optimizer::{CpuWorker, PoolSpread, Update, optimizer_pool};
 use steps::{estimated_block_ns, shape_index, shape_of};
 use tensors::{Group, Slot, groups, links, optimizer_tier, slots, specs, state_cache};
 
@@ -281,7 +281,14 @@ impl Engine {
             compute_dtype,
         )?;
         let workspace_bytes = ws.bytes() + backend_bytes;
-        let runtime = open_runtime(config, rank, workspace_bytes, faults, context)?;
+        // Before the runtime: its threads commit the pinned pool they update.
+        let pool = match config.placement.optimizer {
+            Placement::Device => None,
+            _ => Some(optimizer_pool(config.optim.threads, world)?),
+        };
+        let spread = pool.as_ref().map(PoolSpread);
+        let spread = spread.as_ref().map(|s| s as &dyn strata_runtime::Spread);
+        let runtime = open_runtime(config, rank, workspace_bytes, faults, context, spread)?;
         let kept = activations::kept_bytes(&ws.acts);
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that
@@ -353,8 +360,7 @@ impl Engine {
         engine.plan_activations(candidates.recompute, kept)?;
         engine.prediction.recomputed_blocks = engine.recompute.iter().filter(|&&r| r).count();
         engine.initialize()?;
-        if config.placement.optimizer != Placement::Device {
-            let pool = optimizer_pool(config.optim.threads, world)?;
+        if let Some(pool) = pool {
             engine.worker = Some(CpuWorker::start(runtime, pool, groups)?);
         }
         Ok(engine)
@@ -672,6 +678,7 @@ fn open_runtime(
     workspace_bytes: u64,
     faults: Option<Faults>,
     context: Option<Arc<strata_device::cuda::Context>>,
+    spread: Option<&dyn strata_runtime::Spread>,
 ) -> Result<Arc<Runtime>> {
     let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
     if let Some(nvme) = &runtime_config.nvme {
@@ -688,19 +695,15 @@ fn open_runtime(
     // Each rank's faults are its own, and the same on every replay.
     let seeded = faults.map(|f| (f, f.seed ^ rank as u64));
     let storage = seeded.map(|(f, seed)| (f.rates, seed));
-    let runtime = match (context, storage) {
-        (None, None) => Runtime::new(&runtime_config)?,
-        (None, Some((rates, seed))) => Runtime::with_faults(&runtime_config, rates, seed)?,
-        // The backend's context: the arena on its GPU, its streams.
-        (Some(context), storage) => Runtime::on_device(
-            &runtime_config,
-            Box::new(strata_runtime::CudaDevice::on_context(
-                context,
-                runtime_config.device.budget.0,
-            )?),
-            storage,
-        )?,
+    // The backend's context, if any: the arena on its GPU, its streams.
+    let device = match context {
+        Some(context) => Some(Box::new(strata_runtime::CudaDevice::on_context(
+            context,
+            runtime_config.device.budget.0,
+        )?) as Box<dyn strata_runtime::Device>),
+        None => None,
     };
+    let runtime = Runtime::open_with(&runtime_config, device, storage, spread)?;
     if let Some((faults, seed)) = seeded {
         runtime.inject_memory_faults(strata_runtime::MemoryFaults {
             rate: faults.oom,

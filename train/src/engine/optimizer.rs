@@ -75,6 +75,20 @@ pub(super) fn optimizer_pool(threads: u32, ranks: usize) -> Result<Pool> {
     })?)
 }
 
+/// The optimizer pool's threads, lent to the runtime to commit the pinned
+/// pool they will update ([`strata_runtime::commit_spread`]).
+pub(super) struct PoolSpread<'a>(pub(super) &'a Pool);
+
+impl strata_runtime::Spread for PoolSpread<'_> {
+    fn threads(&self) -> usize {
+        self.0.threads()
+    }
+
+    fn each(&self, work: &(dyn Fn(usize) + Sync)) {
+        self.0.on_each_thread(work)
+    }
+}
+
 /// Group `job.group`'s update, straight from the gradient and the input
 /// states' copies in `job.tier` into the outputs': out of place, every
 /// stretch of host memory in one pool call. The outputs are written whole:
