@@ -786,6 +786,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         // Out of place, the outputs are computed into a tile in the cache
         // and each streamed from there at its own alignment.
         let nt = self.src.is_some() && long;
+        simd::note_streamed(if self.src.is_some() { nt } else { stream });
         let streams = (self.params, self.grads, self.m, self.v, self.out, self.src);
         let (head_part, rest) = streams.split_at(head);
         let body_len = simd::body_len::<S>(len - head);

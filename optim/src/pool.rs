@@ -592,6 +592,73 @@ mod tests {
         assert_eq!(pool(4).pieces(PIECE_ELEMS_MIN), 4);
     }
 
+    /// `n` copies of `fill` starting on a page boundary (with what holds them).
+    fn on_page<T: Copy>(n: usize, fill: T) -> (Vec<T>, usize) {
+        let size = std::mem::size_of::<T>();
+        let storage = vec![fill; n + 4096 / size];
+        let address = storage.as_ptr() as usize;
+        let start = (address.next_multiple_of(4096) - address) / size;
+        (storage, start)
+    }
+
+    #[test]
+    fn every_piece_of_a_long_call_streams_and_no_short_call_does() {
+        use crate::{AdagradConfig, AdamConfig, LionConfig};
+        // 12 pieces of about 175K elements on 3 threads.
+        let n = (1 << 21) + 4099;
+        let pool = Pool::new(PoolConfig {
+            threads: Some(3),
+            pin: false,
+            parallel_elems_min: 0,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        let pieces = pool.pieces(n);
+        assert_eq!(pieces, 12);
+        let streamed = || {
+            let total = Mutex::new(crate::simd::take_streamed());
+            pool.on_each_thread(&|_| *total.lock().unwrap() += crate::simd::take_streamed());
+            total.into_inner().unwrap()
+        };
+        streamed();
+        let (mut p, at) = on_page(n, 0.5f32);
+        let (mut out, at_out) = on_page(n, bf16::ZERO);
+        let (p, out) = (&mut p[at..at + n], &mut out[at_out..at_out + n]);
+        let (mut s1, mut s2, g) = (vec![0.25f32; n], vec![0.25f32; n], vec![bf16::ONE; n]);
+        let adam = AdamConfig::adamw(1e-3).coefficients(1, 1.0).unwrap();
+        fn copy(out: &mut [bf16]) -> Option<LowPrecisionMut<'_>> {
+            Some(LowPrecisionMut::Bf16(out))
+        }
+        let moments = Moments::F32 {
+            m: &mut s1,
+            v: &mut s2,
+        };
+        pool.adam_step(&adam, p, Values::Bf16(&g), moments, copy(out));
+        assert_eq!(streamed(), pieces, "adam");
+        let adagrad = AdagradConfig::new(1e-2).coefficients(1, 1.0).unwrap();
+        pool.adagrad_step(&adagrad, p, Values::Bf16(&g), &mut s1, copy(out));
+        assert_eq!(streamed(), pieces, "adagrad");
+        let lion = LionConfig::new(1e-3).coefficients(1, 1.0).unwrap();
+        pool.lion_step(&lion, p, Values::Bf16(&g), &mut s1, copy(out));
+        assert_eq!(streamed(), pieces, "lion");
+        // One call of 1M elements on this thread: too short to stream.
+        let short = 1 << 20;
+        let moments = Moments::F32 {
+            m: &mut s1[..short],
+            v: &mut s2[..short],
+        };
+        let g = Values::Bf16(&g[..short]);
+        crate::adam_step(
+            pool.isa(),
+            &adam,
+            &mut p[..short],
+            g,
+            moments,
+            copy(&mut out[..short]),
+        );
+        assert_eq!(streamed(), 0);
+    }
+
     #[test]
     fn work_on_each_thread_runs_once_on_every_thread_of_the_pool() {
         for threads in [1, 2, 3] {

@@ -158,6 +158,7 @@ impl<R: Rule, G: Element, O: Element> Kernel for StateKernel<'_, R, G, O> {
                 .out
                 .as_ref()
                 .is_some_and(|out| simd::align_head::<S, O>(out) == head);
+        simd::note_streamed(stream);
         let (head_part, rest) = (self.params, self.grads, self.state, self.out).split_at(head);
         let (body, tail) = rest.split_at(simd::body_len::<S>(len - head));
         padded_update::<R, S, G, O>(&k, s, head_part);

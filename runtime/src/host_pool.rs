@@ -9,8 +9,9 @@
 //! host copy lines up with any NVMe copy of the same tensor.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use strata_storage::{AlignedBuf, HUGE_PAGE_BYTES, commit_pages};
+use strata_storage::{AlignedBuf, HUGE_PAGE_BYTES, PAGE_BYTES, StorageError, commit_pages};
 
 use crate::config::ClassConfig;
 use crate::error::Result;
@@ -41,29 +42,57 @@ pub fn commit_spread(bytes: &mut [u8], spread: Option<&dyn Spread>) -> Result<()
     let Some(spread) = spread.filter(|s| s.threads() > 1) else {
         return Ok(commit_pages(bytes)?);
     };
-    let threads = spread.threads();
-    let mut shares: Vec<Vec<&mut [u8]>> = (0..threads).map(|_| Vec::new()).collect();
+    let (len, threads) = (bytes.len(), spread.threads());
+    let mut shares: Vec<Vec<Window>> = (0..threads).map(|_| Vec::new()).collect();
     for (i, window) in bytes.chunks_mut(HUGE_PAGE_BYTES).enumerate() {
-        shares[i % threads].push(window);
+        shares[i % threads].push((i * HUGE_PAGE_BYTES, window));
     }
-    let shares: Vec<Mutex<Vec<&mut [u8]>>> = shares.into_iter().map(Mutex::new).collect();
+    let shares: Vec<Mutex<Vec<Window>>> = shares.into_iter().map(Mutex::new).collect();
+    // The first failure, and the offset of its window; the other threads
+    // stop at their next window (memory is short: committing more would
+    // only make it shorter).
     let failed = Mutex::new(None);
+    let stop = AtomicBool::new(false);
     spread.each(&|thread| {
-        let mut share = shares[thread].lock().unwrap_or_else(|p| p.into_inner());
-        for window in share.iter_mut() {
-            if let Err(err) = commit_pages(window) {
-                failed
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(err);
+        let Some(share) = shares.get(thread) else {
+            stop.store(true, Ordering::Relaxed);
+            let error = StorageError::HostAlloc {
+                len_bytes: len,
+                align_bytes: PAGE_BYTES,
+                cause: format!("thread {thread} of a spread of {threads} does not exist"),
+            };
+            lock(&failed).get_or_insert((0, error));
+            return;
+        };
+        for (offset, window) in lock(share).iter_mut() {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            if let Err(error) = commit_pages(window) {
+                stop.store(true, Ordering::Relaxed);
+                lock(&failed).get_or_insert((*offset, error));
                 return;
             }
         }
     });
     match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(err) => Err(err.into()),
+        // Named by the whole region, not the window it failed in.
+        Some((offset, StorageError::HostAlloc { cause, .. })) => Err(StorageError::HostAlloc {
+            len_bytes: len,
+            align_bytes: PAGE_BYTES,
+            cause: format!("{cause}, {offset} bytes in"),
+        }
+        .into()),
+        Some((_, error)) => Err(error.into()),
         None => Ok(()),
     }
+}
+
+/// A window's offset in the region, and its bytes.
+type Window<'a> = (usize, &'a mut [u8]);
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One buffer of the pool.
@@ -296,23 +325,11 @@ mod tests {
         HostPool::new(&classes, &mut |bytes| Ok(AlignedBuf::new(bytes, 4096)?)).unwrap()
     }
 
-    /// Whether the page at `address` is in memory, from /proc/self/pagemap
-    /// (bit 63 of its entry); `None` where the file cannot be read.
-    fn present(address: *const u8) -> Option<bool> {
-        use std::io::{Read, Seek, SeekFrom};
-        let mut pagemap = std::fs::File::open("/proc/self/pagemap").ok()?;
-        let page = address as u64 / strata_storage::PAGE_BYTES as u64;
-        pagemap.seek(SeekFrom::Start(page * 8)).ok()?;
-        let mut entry = [0u8; 8];
-        pagemap.read_exact(&mut entry).ok()?;
-        Some(u64::from_le_bytes(entry) >> 63 == 1)
-    }
-
-    /// `threads` threads of their own, of which only those in `run` work.
+    /// `threads` threads of their own, of which only those in `run` work
+    /// (under the indices given).
     struct Threads {
         threads: usize,
         run: Vec<usize>,
-        ran_on: Mutex<Vec<std::thread::ThreadId>>,
     }
 
     impl Spread for Threads {
@@ -322,13 +339,7 @@ mod tests {
         fn each(&self, work: &(dyn Fn(usize) + Sync)) {
             std::thread::scope(|scope| {
                 for &i in &self.run {
-                    scope.spawn(move || {
-                        self.ran_on
-                            .lock()
-                            .unwrap()
-                            .push(std::thread::current().id());
-                        work(i)
-                    });
+                    scope.spawn(move || work(i));
                 }
             });
         }
@@ -340,9 +351,10 @@ mod tests {
         let len = windows * HUGE_PAGE_BYTES;
         let committed = |buf: &AlignedBuf| -> Option<Vec<bool>> {
             (0..windows)
-                .map(|k| present(buf[k * HUGE_PAGE_BYTES..].as_ptr()))
+                .map(|k| strata_storage::sys::page_present(buf[k * HUGE_PAGE_BYTES..].as_ptr()))
                 .collect()
         };
+        let spread = |run: Vec<usize>| Threads { threads: 3, run };
         let mut buf = AlignedBuf::new_uncommitted(len, 4096).unwrap();
         let Some(before) = committed(&buf) else {
             println!("skipped: /proc/self/pagemap cannot be read here");
@@ -350,28 +362,21 @@ mod tests {
         };
         assert_eq!(before, vec![false; windows]);
         // Only thread 0 of 3 works: windows 0, 3, 6 and 9, and no others.
-        let first = Threads {
-            threads: 3,
-            run: vec![0],
-            ran_on: Mutex::new(Vec::new()),
-        };
-        commit_spread(&mut buf, Some(&first)).unwrap();
+        commit_spread(&mut buf, Some(&spread(vec![0]))).unwrap();
         let expected: Vec<bool> = (0..windows).map(|k| k % 3 == 0).collect();
         assert_eq!(committed(&buf).unwrap(), expected);
-        // All three: every window, on three threads none of which is ours.
-        let all = Threads {
-            threads: 3,
-            run: vec![0, 1, 2],
-            ran_on: Mutex::new(Vec::new()),
-        };
-        commit_spread(&mut buf, Some(&all)).unwrap();
+        // All three: every window.
+        commit_spread(&mut buf, Some(&spread(vec![0, 1, 2]))).unwrap();
         assert_eq!(committed(&buf).unwrap(), vec![true; windows]);
-        let mut ran_on = all.ran_on.into_inner().unwrap();
-        ran_on.sort_by_key(|id| format!("{id:?}"));
-        ran_on.dedup();
-        assert_eq!(ran_on.len(), 3);
-        assert!(!ran_on.contains(&std::thread::current().id()));
         assert!(buf.iter().all(|&b| b == 0));
+        // A spread that runs a thread it does not have is an error naming
+        // the region, not a panic.
+        let error = commit_spread(&mut buf, Some(&spread(vec![0, 5]))).unwrap_err();
+        let text = error.to_string();
+        assert!(
+            text.contains(&format!("{len} bytes")) && text.contains("thread 5"),
+            "{text}"
+        );
         // Without threads (or with one), the caller commits everything.
         let mut alone = AlignedBuf::new_uncommitted(len, 4096).unwrap();
         commit_spread(&mut alone, None).unwrap();

@@ -65,6 +65,52 @@ fn read(runtime: &Runtime, id: TensorId, tier: Tier) -> Vec<u8> {
     out
 }
 
+/// Threads of the test's own that count the windows they commit.
+struct Counting {
+    threads: usize,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl strata_runtime::Spread for Counting {
+    fn threads(&self) -> usize {
+        self.threads
+    }
+    fn each(&self, work: &(dyn Fn(usize) + Sync)) {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::thread::scope(|scope| {
+            for i in 0..self.threads {
+                scope.spawn(move || work(i));
+            }
+        });
+    }
+}
+
+#[test]
+fn the_pinned_pool_is_committed_by_the_threads_lent_to_open_with() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let spread = Counting {
+        threads: 3,
+        calls: Default::default(),
+    };
+    let runtime = Runtime::open_with(
+        &config(dir.path(), 1 << 20, 8 << 20),
+        None,
+        None,
+        Some(&spread),
+    )
+    .unwrap();
+    // Once per size class's region.
+    assert_eq!(spread.calls.load(std::sync::atomic::Ordering::Relaxed), 2);
+    // The pool works as any other, zeroed.
+    let bytes = 65536 + 4096;
+    let id = runtime.register(meta("w", bytes), Tier::Host).unwrap();
+    assert!(read(&runtime, id, Tier::Host).iter().all(|&b| b == 0));
+    let data = pattern(3, bytes as usize);
+    fill(&runtime, id, Tier::Host, &data);
+    assert_eq!(read(&runtime, id, Tier::Host), data);
+}
+
 #[test]
 fn round_trip_through_every_tier() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -185,3 +185,19 @@ pub unsafe fn pread_or_pwrite(
         rc as i32
     }
 }
+
+/// Whether the page holding `address` is in memory, from
+/// `/proc/self/pagemap` (bit 63 of its entry, readable without privileges);
+/// `None` where the file cannot be read. For tests and diagnostics of where
+/// memory was committed.
+pub fn page_present(address: *const u8) -> Option<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    // SAFETY: sysconf reads a constant of the system; no memory is touched.
+    let page_bytes = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+    let mut pagemap = File::open("/proc/self/pagemap").ok()?;
+    let page = address as u64 / page_bytes.max(1);
+    pagemap.seek(SeekFrom::Start(page * 8)).ok()?;
+    let mut entry = [0u8; 8];
+    pagemap.read_exact(&mut entry).ok()?;
+    Some(u64::from_le_bytes(entry) >> 63 == 1)
+}

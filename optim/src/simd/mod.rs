@@ -230,8 +230,32 @@ pub(crate) fn dispatch<K: Kernel>(isa: Isa, kernel: K) -> K::Output {
     }
 }
 
-/// Outputs at least this long (per call; out of place, per whole call of a
-/// pool's many-shard step) are written
+#[cfg(test)]
+thread_local! {
+    static STREAMED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts, in this crate's tests, the kernel runs on this thread that chose
+/// to stream their outputs past the caches ([`take_streamed`]); nothing
+/// otherwise.
+#[inline(always)]
+pub(crate) fn note_streamed(streams: bool) {
+    #[cfg(test)]
+    if streams {
+        STREAMED.with(|count| count.set(count.get() + 1));
+    }
+    #[cfg(not(test))]
+    let _ = streams;
+}
+
+/// The kernel runs on this thread that streamed since the last call.
+#[cfg(test)]
+pub(crate) fn take_streamed() -> usize {
+    STREAMED.with(|count| count.replace(0))
+}
+
+/// Outputs of a call at least this long (the whole call, of which a
+/// kernel may run one piece: a pool's split, or a host stretch) are written
 /// with non-temporal stores: with the ~28 bytes per element of state a step
 /// streams, that much no longer fits in a last-level cache, and the output
 /// is read next by a copy to the device, so reading its lines in first (for

@@ -5,6 +5,7 @@
 
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use strata_device::cuda::Context;
 use strata_device::{DeviceError, Fence, StreamKind};
@@ -121,6 +122,9 @@ impl Device for CudaDevice {
     fn alloc_host(&self, len_bytes: usize, commit: &Commit<'_>) -> Result<AlignedBuf> {
         let mut memory = AlignedBuf::new_uncommitted(len_bytes, PAGE_BYTES)?;
         commit(&mut memory)?;
+        // A child process must not get these pages copied on write: the
+        // parent would then write pages the GPU no longer reads.
+        memory.exclude_from_fork();
         let (pointer, len) = (memory.as_mut_ptr(), memory.len());
         let pointer = NonNull::new(pointer).expect("a buffer is never at address zero");
         // SAFETY: `memory`'s own range, page-aligned; `memory` is dropped only
@@ -138,11 +142,14 @@ impl Device for CudaDevice {
                 Ok(unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) })
             }
             Err(err) => {
-                tracing::warn!(
-                    "could not page-lock {len} bytes of host memory where they lie ({err}); \
-                     taking the driver's pinned allocation instead, whose pages are placed \
-                     from this thread rather than the optimizer's"
-                );
+                static WARNED: AtomicBool = AtomicBool::new(false);
+                if !WARNED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "could not page-lock {len} bytes of host memory where they lie ({err}); \
+                         taking the driver's pinned allocation instead, whose pages are \
+                         placed from this thread rather than the optimizer's"
+                    );
+                }
                 drop(memory);
                 self.alloc_driver_pinned(len_bytes)
             }
