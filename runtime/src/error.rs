@@ -90,6 +90,19 @@ pub enum RuntimeError {
         /// MemAvailable.
         available_bytes: u64,
     },
+    /// A size class's region of the pinned pool could not be allocated or
+    /// committed.
+    #[error(
+        "could not allocate the pinned host pool's region of {region_bytes} bytes (buffers of {buffer_bytes} bytes): {cause}; lower host.budget (or that class's bytes in host.classes)"
+    )]
+    HostPool {
+        /// Bytes of the region.
+        region_bytes: u64,
+        /// Its buffer size.
+        buffer_bytes: u64,
+        /// What refused, as the allocator or the kernel said.
+        cause: String,
+    },
     /// Pinned memory was required but the memlock limit refused it.
     #[error(
         "could not page-lock {needed_bytes} bytes of host memory: RLIMIT_MEMLOCK is {limit_bytes} bytes; raise it (`ulimit -l unlimited`, a memlock line in /etc/security/limits.conf, or LimitMEMLOCK= for a systemd service) or set host.require_locked = false"

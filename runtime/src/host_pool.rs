@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use strata_storage::{AlignedBuf, HUGE_PAGE_BYTES, PAGE_BYTES, StorageError, commit_pages};
 
 use crate::config::ClassConfig;
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 
 /// The threads that will update the pinned pool (the optimizer's), lent to
 /// commit its pages at start: the kernel places each page on the NUMA node
@@ -146,7 +146,17 @@ impl HostPool {
         for class in classes {
             let buffers = class.bytes.0 / class.buffer_size.0;
             assert!(buffers > 0 && buffers <= u64::from(u32::MAX));
-            let memory = allocate((buffers * class.buffer_size.0) as usize)?;
+            let region_bytes = buffers * class.buffer_size.0;
+            let memory = allocate(region_bytes as usize).map_err(|error| match error {
+                RuntimeError::Storage(StorageError::HostAlloc { cause, .. }) => {
+                    RuntimeError::HostPool {
+                        region_bytes,
+                        buffer_bytes: class.buffer_size.0,
+                        cause,
+                    }
+                }
+                other => other,
+            })?;
             regions.push(Region {
                 buffer_bytes: class.buffer_size.0,
                 buffers: buffers as u32,
@@ -381,6 +391,37 @@ mod tests {
         let mut alone = AlignedBuf::new_uncommitted(len, 4096).unwrap();
         commit_spread(&mut alone, None).unwrap();
         assert_eq!(committed(&alone).unwrap(), vec![true; windows]);
+    }
+
+    #[test]
+    fn a_region_that_cannot_be_had_is_named_with_the_key_to_lower() {
+        let classes = [ClassConfig {
+            buffer_size: ByteSize(65536),
+            bytes: ByteSize(3 * 65536),
+        }];
+        let error = HostPool::new(&classes, &mut |bytes| {
+            Err(StorageError::HostAlloc {
+                len_bytes: bytes,
+                align_bytes: 4096,
+                cause: "mmap: Cannot allocate memory (os error 12)".into(),
+            }
+            .into())
+        })
+        .err()
+        .unwrap();
+        let text = error.to_string();
+        assert!(
+            matches!(
+                error,
+                RuntimeError::HostPool {
+                    region_bytes: 196608,
+                    buffer_bytes: 65536,
+                    ..
+                }
+            ) && text.contains("os error 12")
+                && text.contains("lower host.budget"),
+            "{text}"
+        );
     }
 
     #[test]
