@@ -100,14 +100,20 @@ impl Simd for Portable {
     }
     #[inline(always)]
     fn stream_f32(self, dst: &mut [f32], v: Self::V) {
+        // A plain store, with the alignment the vector back ends need
+        // asserted as they assert it, so that a caller's alignment is
+        // tested on every back end.
+        assert!((dst.as_ptr() as usize).is_multiple_of(4 * LANES));
         self.store(dst, v)
     }
     #[inline(always)]
     fn stream_bf16(self, dst: &mut [bf16], v: Self::V) {
+        assert!((dst.as_ptr() as usize).is_multiple_of(2 * LANES));
         self.store_bf16(dst, v)
     }
     #[inline(always)]
     fn stream_f16(self, dst: &mut [f16], v: Self::V) {
+        assert!((dst.as_ptr() as usize).is_multiple_of(2 * LANES));
         self.store_f16(dst, v)
     }
     #[inline(always)]
