@@ -581,6 +581,56 @@ fn optimizer_lane_script_tiny() {
 }
 
 #[test]
+fn server_cpu_check_script_tiny() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/server-cpu-check.sh");
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new("bash")
+        .arg(script)
+        .env("TINY", "1")
+        .env("OUT", dir.path())
+        .env("STRATA", env!("CARGO_BIN_EXE_strata"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let read = |name: &str| std::fs::read_to_string(dir.path().join(name)).unwrap();
+    assert!(read("env.txt").contains("CPU(s)"));
+    assert!(
+        read("bars.txt").contains("adamw_vs_roofline@2"),
+        "{}",
+        read("bars.txt")
+    );
+    assert!(read("chart.svg").contains("<svg"));
+    assert!(
+        read("lane.txt").contains("bar 0.9x"),
+        "{}",
+        read("lane.txt")
+    );
+    assert!(read("pool.txt").contains("pinned host pool committed"));
+    // A part it does not know, and a binary that is not there, are named.
+    let unknown = Command::new("bash")
+        .args([script, "fast"])
+        .env("OUT", dir.path())
+        .env("STRATA", env!("CARGO_BIN_EXE_strata"))
+        .output()
+        .unwrap();
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown part 'fast'"));
+    let missing = Command::new("bash")
+        .arg(script)
+        .env("OUT", dir.path())
+        .env("STRATA", dir.path().join("no-such-strata"))
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no strata binary"));
+}
+
+#[test]
 fn state_dtype_loss_script_tiny() {
     let output = Command::new("python3")
         .arg(concat!(
