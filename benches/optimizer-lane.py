@@ -18,6 +18,7 @@ GPU's (pass --config with `[device] kind = "cuda"`).
 
 Usage: python3 benches/optimizer-lane.py [--strata target/release/strata]
        [--threads 1,2] [--rounds 3] [--steps 12] [--config FILE] [--json]
+       python3 benches/optimizer-lane.py --print-config   (the built-in model)
 """
 
 import argparse
@@ -104,7 +105,12 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--config", help="a training config without [optim] (default: a built-in host-placed model)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the built-in model's config (for scripts that vary it) and exit")
     args = ap.parse_args()
+    if args.print_config:
+        print(DEFAULT_CONFIG.strip())
+        return
     try:
         thread_counts = [int(t) for t in args.threads.split(",")]
     except ValueError:

@@ -11,6 +11,7 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use strata_device::DeviceError;
 use strata_storage::{AlignedBuf, HUGE_PAGE_BYTES, PAGE_BYTES, StorageError, commit_pages};
 
 use crate::config::ClassConfig;
@@ -54,16 +55,12 @@ pub fn commit_spread(bytes: &mut [u8], spread: Option<&dyn Spread>) -> Result<()
     let failed = Mutex::new(None);
     let stop = AtomicBool::new(false);
     spread.each(&|thread| {
-        let Some(share) = shares.get(thread) else {
-            stop.store(true, Ordering::Relaxed);
-            let error = StorageError::HostAlloc {
-                len_bytes: len,
-                align_bytes: PAGE_BYTES,
-                cause: format!("thread {thread} of a spread of {threads} does not exist"),
-            };
-            lock(&failed).get_or_insert((0, error));
-            return;
-        };
+        // A broken `Spread`, not anything the memory or the user did.
+        assert!(
+            thread < threads,
+            "Spread::each ran thread {thread} of a spread of {threads}"
+        );
+        let share = &shares[thread];
         for (offset, window) in lock(share).iter_mut() {
             if stop.load(Ordering::Relaxed) {
                 return;
@@ -147,15 +144,21 @@ impl HostPool {
             let buffers = class.bytes.0 / class.buffer_size.0;
             assert!(buffers > 0 && buffers <= u64::from(u32::MAX));
             let region_bytes = buffers * class.buffer_size.0;
-            let memory = allocate(region_bytes as usize).map_err(|error| match error {
-                RuntimeError::Storage(StorageError::HostAlloc { cause, .. }) => {
-                    RuntimeError::HostPool {
-                        region_bytes,
-                        buffer_bytes: class.buffer_size.0,
+            // Memory refused by the kernel or the driver: named by the region.
+            let memory = allocate(region_bytes as usize).map_err(|error| {
+                let cause = match error {
+                    RuntimeError::Storage(StorageError::HostAlloc { cause, .. }) => cause,
+                    RuntimeError::Device(DeviceError::Cuda {
+                        op: op @ "cuMemHostAlloc",
                         cause,
-                    }
+                    }) => format!("{op}: {cause}"),
+                    other => return other,
+                };
+                RuntimeError::HostPool {
+                    region_bytes,
+                    buffer_bytes: class.buffer_size.0,
+                    cause,
                 }
-                other => other,
             })?;
             regions.push(Region {
                 buffer_bytes: class.buffer_size.0,
@@ -379,18 +382,29 @@ mod tests {
         commit_spread(&mut buf, Some(&spread(vec![0, 1, 2]))).unwrap();
         assert_eq!(committed(&buf).unwrap(), vec![true; windows]);
         assert!(buf.iter().all(|&b| b == 0));
-        // A spread that runs a thread it does not have is an error naming
-        // the region, not a panic.
-        let error = commit_spread(&mut buf, Some(&spread(vec![0, 5]))).unwrap_err();
-        let text = error.to_string();
-        assert!(
-            text.contains(&format!("{len} bytes")) && text.contains("thread 5"),
-            "{text}"
-        );
         // Without threads (or with one), the caller commits everything.
         let mut alone = AlignedBuf::new_uncommitted(len, 4096).unwrap();
         commit_spread(&mut alone, None).unwrap();
         assert_eq!(committed(&alone).unwrap(), vec![true; windows]);
+    }
+
+    /// Claims three threads, and runs thread 5 on the caller.
+    struct Broken;
+
+    impl Spread for Broken {
+        fn threads(&self) -> usize {
+            3
+        }
+        fn each(&self, work: &(dyn Fn(usize) + Sync)) {
+            work(5)
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "Spread::each ran thread 5 of a spread of 3")]
+    fn a_spread_that_runs_a_thread_it_does_not_have_is_a_broken_invariant() {
+        let mut buf = AlignedBuf::new_uncommitted(2 * HUGE_PAGE_BYTES, 4096).unwrap();
+        let _ = commit_spread(&mut buf, Some(&Broken));
     }
 
     #[test]
@@ -422,6 +436,33 @@ mod tests {
                 && text.contains("lower host.budget"),
             "{text}"
         );
+        // The driver's allocation (the CUDA device's fallback) likewise.
+        let error = HostPool::new(&classes, &mut |_| {
+            Err(DeviceError::Cuda {
+                op: "cuMemHostAlloc",
+                cause: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            }
+            .into())
+        })
+        .err()
+        .unwrap();
+        let text = error.to_string();
+        assert!(
+            matches!(error, RuntimeError::HostPool { .. })
+                && text.contains("cuMemHostAlloc: CUDA_ERROR_OUT_OF_MEMORY"),
+            "{text}"
+        );
+        // Other errors pass through as they are.
+        let error = HostPool::new(&classes, &mut |_| {
+            Err(DeviceError::Cuda {
+                op: "cuMemHostRegister",
+                cause: "x".into(),
+            }
+            .into())
+        })
+        .err()
+        .unwrap();
+        assert!(matches!(error, RuntimeError::Device(_)), "{error}");
     }
 
     #[test]
