@@ -315,9 +315,8 @@ pub fn commit_pages(bytes: &mut [u8]) -> Result<()> {
     }
     touch(bytes, start, first);
     touch(bytes, last, end);
-    // SAFETY: `first..last` lies inside `bytes`, which we hold exclusively;
-    // populating writes nothing a reader could see (the pages keep their
-    // contents).
+    // Populating writes nothing a reader could see (pages keep their contents).
+    // SAFETY: `first..last` lies inside `bytes`, which we hold exclusively.
     let rc = unsafe {
         libc::madvise(
             first as *mut libc::c_void,

@@ -136,9 +136,9 @@ impl Device for CudaDevice {
                     drop(registration);
                     drop(memory);
                 };
-                // SAFETY: `memory`'s range (valid, page-aligned, zeroed, a
-                // multiple of a page long), read and written only through the
-                // returned buffer from here on, and released once, by it.
+                // `memory`'s range is valid, page-aligned, zeroed and a multiple
+                // of a page long; from here on only the returned buffer uses it.
+                // SAFETY: as above, and `release` frees it once, when the buffer drops.
                 Ok(unsafe { AlignedBuf::from_raw_parts(pointer, len, PAGE_BYTES, true, release) })
             }
             Err(err) => {
