@@ -6,8 +6,9 @@ mod common;
 
 use common::PageAligned;
 use strata_optim::{
-    AdamConfig, Isa, LowPrecisionMut, Moments, MomentsRef, OutOfPlaceShard, Pool, PoolConfig,
-    Rounding, Values, adam_step_out_of_place, adam_step_rounded, bf16,
+    AdamCoefficients, AdamConfig, Element, Isa, LowPrecisionMut, Moments, MomentsRef,
+    OutOfPlaceShard, Pool, PoolConfig, Rounding, Values, adam_step_out_of_place, adam_step_rounded,
+    bf16,
 };
 
 fn value(i: usize, salt: usize, scale: f32) -> f32 {
@@ -107,6 +108,35 @@ fn compare(isa: Isa, len: usize, offset: usize, bf16_moments: bool, rounding: Ro
             "moments differ: {what}"
         );
     }
+}
+
+/// [`adam_step_out_of_place`] over `r` of masters `p` and bf16 m, v and
+/// gradients, into masters `p2`, bf16 m, v and the bf16 copy.
+fn step_bf16_range<P: Element>(
+    isa: Isa,
+    coefficients: &AdamCoefficients,
+    (p, [m, v, g]): (&[P], [&[bf16]; 3]),
+    (p2, [m2, v2, out]): (&mut [P], [&mut [bf16]; 3]),
+    r: std::ops::Range<usize>,
+    rounding: Rounding,
+) {
+    adam_step_out_of_place(
+        isa,
+        coefficients,
+        &p[r.clone()],
+        MomentsRef::Bf16 {
+            m: &m[r.clone()],
+            v: &v[r.clone()],
+        },
+        Values::Bf16(&g[r.clone()]),
+        &mut p2[r.clone()],
+        Moments::Bf16 {
+            m: &mut m2[r.clone()],
+            v: &mut v2[r.clone()],
+        },
+        Some(LowPrecisionMut::Bf16(&mut out[r.clone()])),
+        rounding,
+    );
 }
 
 #[test]
@@ -213,21 +243,12 @@ fn bf16_masters_out_of_place_match_in_place_and_their_copy() {
                 vec![bf16::ZERO; n],
             );
             let mut out = vec![bf16::ZERO; n];
-            adam_step_out_of_place(
+            step_bf16_range(
                 isa,
                 &c,
-                &p[r.clone()],
-                MomentsRef::Bf16 {
-                    m: &m[r.clone()],
-                    v: &v[r.clone()],
-                },
-                Values::Bf16(&g[r.clone()]),
-                &mut p2[r.clone()],
-                Moments::Bf16 {
-                    m: &mut m2[r.clone()],
-                    v: &mut v2[r.clone()],
-                },
-                Some(LowPrecisionMut::Bf16(&mut out[r.clone()])),
+                (&p, [&m, &v, &g]),
+                (&mut p2, [&mut m2, &mut v2, &mut out]),
+                r.clone(),
                 stochastic,
             );
             let what = format!("{isa} len {len} offset {offset}");
@@ -302,21 +323,12 @@ fn many_stretches_in_one_pool_call_match_one_call_per_stretch() {
         let (p2, m2, v2, out) = (p2.get_mut(), m2.get_mut(), v2.get_mut(), out.get_mut());
         for (k, w) in cuts.windows(2).enumerate() {
             let r = w[0]..w[1];
-            adam_step_out_of_place(
+            step_bf16_range(
                 isa,
                 coefficients(k),
-                &p[r.clone()],
-                MomentsRef::Bf16 {
-                    m: &m[r.clone()],
-                    v: &v[r.clone()],
-                },
-                Values::Bf16(&g[r.clone()]),
-                &mut p2[r.clone()],
-                Moments::Bf16 {
-                    m: &mut m2[r.clone()],
-                    v: &mut v2[r.clone()],
-                },
-                Some(LowPrecisionMut::Bf16(&mut out[r.clone()])),
+                (&p, [&m, &v, &g]),
+                (p2, [m2, v2, out]),
+                r.clone(),
                 rounding(r.start),
             );
         }

@@ -38,7 +38,8 @@ pub trait Spread: Sync {
 /// than one NUMA node the pool is then spread over the nodes the threads
 /// run on, like `numactl --interleave` over those nodes, instead of
 /// landing on the allocating thread's; no thread reads all of its share
-/// from its own node. The first error any thread meets is returned.
+/// from its own node. The first error any thread meets is returned, with
+/// the offset of its window; the other threads stop at their next window.
 pub fn commit_spread(bytes: &mut [u8], spread: Option<&dyn Spread>) -> Result<()> {
     let Some(spread) = spread.filter(|s| s.threads() > 1) else {
         return Ok(commit_pages(bytes)?);
