@@ -4,25 +4,38 @@
 # all, machine start included): its 16-core host runs the optimizer, its
 # GPU the compute.
 #
-# Parts (default: all, in this order; the limits are each part's most):
+# Parts (default: all but cuda, in this order; the limits are each part's
+# most):
 #   env    (5 s)   lscpu, NUMA nodes, THP settings, the GPU: env.txt
+#   cuda   (240 s) the CUDA test binaries in $CUDA_TESTS, built here
+#                  (`cargo test --release --no-run ...`, see
+#                  docs/gpu-validation.md), each at most 90 s: the device
+#                  library probe, every kernel against the CPU backend, the
+#                  runtime's copies and hazards, the engine's CUDA run
+#                  against the CPU device: cuda.txt
 #   pool   (90 s)  a short training run on the GPU with a 16 GiB pinned
 #                  pool: the optimizer's threads committed it, and the
 #                  driver registered it where it lies (locked=true, no
 #                  "where they lie" warning): pool.txt
-#   lane   (180 s) benches/optimizer-lane.py at 2, 8 and 14 threads, 2
-#                  rounds, the model computing on the GPU: lane.txt
-#   chart  (150 s) strata's kernels alone at 1, 2, 4, 8, 14 and 16
-#                  threads, 1 round, charted: chart.txt, chart.svg
-#   bars   (300 s) benches/adam_vs_deepspeed.py at 2, 14 and 16 threads, 3
-#                  rounds, with torch and DeepSpeed: AdamW against the best
-#                  peer and the roofline at 2 and 16, 14 threads against 16,
-#                  the offload step against DeepSpeed's at 16, the bf16-state
-#                  steps against the fp32-state one: bars.txt (its first
-#                  line names the peers that ran); DeepSpeed's CPU Adam is
-#                  built first (up to 150 s more), once per machine
-# Two calls fit the device time: `env pool lane chart`, then `bars`. The
-# script warns when the parts asked for could run past 9 minutes.
+#   tiers  (60 s)  `strata bench tiers` on the GPU (the pinned pool's copies
+#                  against one raw copy each way, and the drive), 1 GiB, 5
+#                  rounds, in a folder under the working directory: tiers.txt
+#   lane   (150 s) benches/optimizer-lane.py at $LANE_THREADS threads
+#                  (default 14), 3 rounds, the model computing on the GPU
+#                  (DEVICE_KIND=cpu: on the CPU device): lane.txt
+#   chart  (200 s) the kernels at 1, 2, 4, 8, 14 and 16 threads, 1 round,
+#                  next to the peers, charted: chart.txt, chart.svg
+#   bars   (240 s) benches/adam_vs_deepspeed.py at $BARS_THREADS threads
+#                  (default 14,16; the 2-thread bars are the 2-core
+#                  development machine's), 3 rounds, with torch and
+#                  DeepSpeed: AdamW against the best peer and the roofline,
+#                  14 threads against 16, the offload step against
+#                  DeepSpeed's, the bf16-state steps against the fp32-state
+#                  one: bars.txt (its first line names the peers that ran)
+# DeepSpeed's CPU Adam is built in the background from the start (at most
+# 150 s, once per machine) when bars or chart are asked for; the first of
+# them waits for it. BUDGET (seconds, default 570) caps the whole run: a
+# part gets what is left of it, and one with under 20 s left is skipped.
 #
 # What a part wrote stays in $OUT when a later one fails. Exit status: 2
 # for a bad argument (before anything runs), else 1 if any part failed or
@@ -33,9 +46,11 @@
 #            machine has no Rust: build here and carry a stripped copy
 #            (`strip -o gpu-bin/strata target/release/strata`, ~10 MB; the
 #            folder git-ignored) with STRATA=gpu-bin/strata.
-#   WHEELS   a folder of wheels, installed under $OUT/site when DeepSpeed's
+#   WHEELS   a folder of wheels, installed in a temporary folder (not in
+#            $OUT, whose files a device call brings back) when DeepSpeed's
 #            CPU Adam cannot be imported: see docs/gpu-validation.md for
 #            the list and the commands (Python 3.12 binary wheels).
+#   CUDA_TESTS  a folder of CUDA test binaries, for the cuda part.
 #   OUT      where results go (default server-check/).
 #   TINY=1   a small run of every part on any machine, for the tests.
 #
@@ -46,37 +61,73 @@ here=$(cd "$(dirname "$0")" && pwd)
 STRATA=${STRATA:-target/release/strata}
 OUT=${OUT:-server-check}
 TINY=${TINY:-0}
+BUDGET=${BUDGET:-570}
+BARS_THREADS=${BARS_THREADS:-14,16}
+LANE_THREADS=${LANE_THREADS:-14}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(env pool lane chart bars)
+[ ${#parts[@]} -eq 0 ] && parts=(env pool tiers lane chart bars)
 failed=0
 
-declare -A limit=([env]=5 [pool]=90 [lane]=180 [chart]=150 [bars]=300)
-total=0
+declare -A limit=([env]=5 [cuda]=240 [pool]=90 [tiers]=60 [lane]=150 [chart]=200 [bars]=240)
+peer_parts=0
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
-        echo "error: unknown part '$part' (env, pool, lane, chart, bars)" >&2
+        echo "error: unknown part '$part' (env, cuda, pool, tiers, lane, chart, bars)" >&2
         exit 2
     fi
-    total=$((total + limit[$part]))
-    [ "$part" = bars ] && total=$((total + 150))
+    case $part in bars | chart) peer_parts=1 ;; esac
 done
 if [ ! -x "$STRATA" ]; then
     echo "error: no strata binary at $STRATA: build one (cargo build --release) or set STRATA" >&2
     exit 2
 fi
+case " ${parts[*]} " in
+    *" cuda "*)
+        if [ -z "${CUDA_TESTS:-}" ] || [ ! -d "$CUDA_TESTS" ]; then
+            echo "error: the cuda part needs CUDA_TESTS, a folder of CUDA test binaries (see docs/gpu-validation.md)" >&2
+            exit 2
+        fi
+        CUDA_TESTS=$(cd "$CUDA_TESTS" && pwd)
+        ;;
+esac
 STRATA=$(cd "$(dirname "$STRATA")" && pwd)/$(basename "$STRATA")
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-if [ "$total" -gt 540 ]; then
-    echo "warning: these parts may take up to ${total}s, more than a 10-minute device call leaves after start-up: split them (env pool lane chart, then bars)" >&2
-fi
 has_gpu() { command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; }
 
-# `run NAME CMD...`: CMD under its part's time limit, output appended to
-# $OUT/NAME.txt.
+# cudarc looks for the unversioned library names (then CUDA 12's); a CUDA
+# 13 machine may have only the versioned ones, or keep them off the loader's
+# path (the toolkit's lib64, the Python wheels' nvidia/*/lib): link each
+# missing one into a folder on LD_LIBRARY_PATH, beside its own folder (NVRTC
+# loads its builtins library by name).
+link_cuda_libraries() {
+    local links found dir lib
+    links=$(mktemp -d)
+    for lib in nvrtc cublasLt cublas nccl; do
+        ldconfig -p 2> /dev/null | grep -q "lib$lib\.so " && continue
+        found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/lib/x86_64-linux-gnu \
+            /opt /usr/local/lib -name "lib$lib.so*" 2> /dev/null | sort | head -n 1)
+        [ -z "$found" ] && continue
+        ln -sf "$found" "$links/lib$lib.so"
+        dir=$(dirname "$found")
+        LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+    export LD_LIBRARY_PATH="$links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "CUDA libraries linked in $links: $(ls "$links" | tr '\n' ' ')"
+}
+has_gpu && link_cuda_libraries
+
+# `run NAME CMD...`: CMD under its part's time limit (or what is left of
+# BUDGET), output appended to $OUT/NAME.txt.
 run() {
     local name=$1
     shift
-    local seconds=${limit[$name]}
+    local seconds=${limit[$name]} left=$((BUDGET - SECONDS - 10))
+    [ "$left" -lt "$seconds" ] && seconds=$left
+    if [ "$seconds" -lt 20 ]; then
+        echo "!! $name skipped: ${left}s of the ${BUDGET}s budget left"
+        failed=1
+        return
+    fi
     echo "== $name (at most ${seconds}s): $*"
     timeout --kill-after=10 "$seconds" "$@" >> "$OUT/$name.txt" 2>&1
     local rc=$?
@@ -94,44 +145,55 @@ run() {
 # once here so that a failure shows before the timed run.
 export DS_ACCELERATOR=cpu
 
-# The carried wheels, installed under $OUT/site (in this shell: the peers'
+# The carried wheels, installed in a temporary folder (in this shell: the peers'
 # workers inherit PYTHONPATH and PATH, ninja included) when DeepSpeed is
 # missing.
 install_wheels() {
     if [ -n "${WHEELS:-}" ] && [ -d "$WHEELS" ] && ! python3 -c "import deepspeed" > /dev/null 2>&1; then
-        python3 -m pip install --quiet --no-index --no-deps --target "$OUT/site" "$WHEELS"/*.whl \
+        site=$(mktemp -d)
+        python3 -m pip install --quiet --no-index --no-deps --target "$site" "$WHEELS"/*.whl \
             > "$OUT/wheels.txt" 2>&1 || echo "!! installing the wheels failed (see wheels.txt)"
     fi
-    if [ -d "$OUT/site" ]; then
-        export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$OUT/site/bin:$PATH"
+    if [ -n "${site:-}" ]; then
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
     fi
 }
 
-deepspeed_ready() {
+# Builds DeepSpeed's CPU Adam in the background; `peers` waits for it.
+deepspeed_build=
+start_deepspeed_build() {
     local probe="from deepspeed.ops.adam import DeepSpeedCPUAdam; import torch; \
 DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])"
-    timeout 150 python3 -c "$probe" > "$OUT/deepspeed.txt" 2>&1 && return 0
-    echo "DeepSpeed's CPU Adam is not usable here (see deepspeed.txt; set WHEELS): torch alone is the peer"
-    return 1
+    timeout 150 python3 -c "$probe" > "$OUT/deepspeed.txt" 2>&1 &
+    deepspeed_build=$!
 }
 
-# The peers that can run here: torch and DeepSpeed, torch alone, or none.
-peers() {
+# The peers that can run here (torch and DeepSpeed, torch alone, or none),
+# in $peers once known.
+peers=
+find_peers() {
+    [ -n "$peers" ] && return
     if ! python3 -c "import torch" > /dev/null 2>&1; then
-        echo "torch is not importable: strata's kernels run without peers" >&2
-        echo none
-    elif deepspeed_ready >&2; then
-        echo torch,deepspeed
+        echo "torch is not importable: strata's kernels run without peers"
+        peers=none
+    elif [ -n "$deepspeed_build" ] && wait "$deepspeed_build"; then
+        peers=torch,deepspeed
     else
-        echo torch
+        echo "DeepSpeed's CPU Adam is not usable here (see deepspeed.txt; set WHEELS): torch alone is the peer"
+        peers=torch
     fi
 }
+if [ "$peer_parts" = 1 ]; then
+    install_wheels
+    start_deepspeed_build
+fi
 
 # The lane bench's model computing on the GPU (or, on a machine without
 # one, on the CPU device), with a host budget of $1.
 model_config() {
     local kind=cpu device=64MiB
     has_gpu && kind=cuda device=8GiB
+    [ "${DEVICE_KIND:-}" = cpu ] && kind=cpu device=64MiB
     python3 "$here/optimizer-lane.py" --print-config |
         sed -e "s/^kind = \"cpu\"/kind = \"$kind\"/" -e "s/^budget = \"64MiB\"/budget = \"$device\"/" \
             -e "s/^budget = \"1GiB\"/budget = \"$1\"/"
@@ -151,6 +213,18 @@ for part in "${parts[@]}"; do
             } > "$OUT/env.txt" 2>&1
             grep -E "^(Model name|Thread|Core|Socket|NUMA node)" "$OUT/env.txt"
             ;;
+        cuda)
+            # Each binary alone (one GPU), its tests one at a time, at most
+            # 90 s each; the engine's only those named for CUDA.
+            limit[cuda]=90
+            for test in "$CUDA_TESTS"/*; do
+                [ -x "$test" ] || continue
+                filter=()
+                [[ $(basename "$test") == engine-* ]] && filter=(cuda)
+                run cuda "$test" "${filter[@]}" --test-threads=1 --nocapture
+            done
+            grep -E "^test result|FAILED|panicked|skipp" "$OUT/cuda.txt" | head -n 40
+            ;;
         pool)
             host=16GiB
             [ "$TINY" = 1 ] && host=1GiB
@@ -167,31 +241,40 @@ for part in "${parts[@]}"; do
                 fi
             fi
             ;;
+        tiers)
+            size=1GiB device=cpu
+            has_gpu && device=cuda
+            [ "$TINY" = 1 ] && size=16MiB
+            drive=$(mktemp -d -p .)
+            run tiers "$STRATA" bench tiers --dir "$drive" --size "$size" --rounds 5 --device "$device"
+            rm -rf "$drive"
+            ;;
         lane)
             model_config 1GiB > "$OUT/lane.toml"
             if [ "$TINY" = 1 ]; then
                 run lane python3 "$here/optimizer-lane.py" --strata "$STRATA" --threads 1 \
                     --rounds 1 --steps 5 --config "$OUT/lane.toml"
             else
-                run lane python3 "$here/optimizer-lane.py" --strata "$STRATA" --threads 2,8,14 \
-                    --rounds 2 --config "$OUT/lane.toml"
+                run lane python3 "$here/optimizer-lane.py" --strata "$STRATA" --threads "$LANE_THREADS" \
+                    --rounds 3 --config "$OUT/lane.toml"
             fi
             ;;
         chart)
-            threads=1,2,4,8,14,16 params=67108864
-            [ "$TINY" = 1 ] && threads=1,2 params=65536
+            threads=1,2,4,8,14,16 params=67108864 reps=5
+            [ "$TINY" = 1 ] && threads=1,2 params=65536 reps=1
+            find_peers
+            echo "peers: $peers" > "$OUT/chart.txt"
             run chart python3 "$here/adam_vs_deepspeed.py" --strata "$STRATA" --threads "$threads" \
-                --params "$params" --rounds 1 --peers none --plot "$OUT/chart.svg"
+                --params "$params" --rounds 1 --reps "$reps" --peers "$peers" --plot "$OUT/chart.svg"
             ;;
         bars)
-            install_wheels
-            peers=$(peers)
+            find_peers
             echo "peers: $peers" > "$OUT/bars.txt"
             if [ "$TINY" = 1 ]; then
                 run bars python3 "$here/adam_vs_deepspeed.py" --strata "$STRATA" --threads 1,2 \
                     --params 65536 --rounds 1 --reps 1 --peers "$peers"
             else
-                run bars python3 "$here/adam_vs_deepspeed.py" --strata "$STRATA" --threads 2,14,16 \
+                run bars python3 "$here/adam_vs_deepspeed.py" --strata "$STRATA" --threads "$BARS_THREADS" \
                     --rounds 3 --peers "$peers"
             fi
             ;;

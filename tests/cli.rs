@@ -611,6 +611,11 @@ fn server_cpu_check_script_tiny() {
         read("lane.txt")
     );
     assert!(read("pool.txt").contains("pinned host pool committed"));
+    assert!(
+        read("tiers.txt").contains("host->device"),
+        "{}",
+        read("tiers.txt")
+    );
     // A part it does not know, and a binary that is not there, are named.
     let unknown = Command::new("bash")
         .args([script, "fast"])

@@ -578,8 +578,12 @@ fn cross_entropy_sums_casts_and_adamw_match_the_cpu() {
     }
     .unwrap();
     close("adamw master", &gpu.down(&gm), &master, 1e-7, 1e-6);
-    close("adamw m", &gpu.down(&gmm), &m, 0.0, 1e-6);
-    close("adamw v", &gpu.down(&gv), &v, 0.0, 1e-6);
+    // The reference rounds each product (no FMA) where the kernel fuses:
+    // one rounding of (1 - beta1)(g - m) (at most 0.4 here) apart, which
+    // dwarfs a moment's own ulp where g - m nearly cancels m (seen on an
+    // H200: m 2.133367e-4 vs 2.133362e-4).
+    close("adamw m", &gpu.down(&gmm), &m, 1e-7, 1e-6);
+    close("adamw v", &gpu.down(&gv), &v, 1e-7, 1e-6);
     close(
         "adamw bf16 copy",
         &from_bf16(&gpu.down(&gparam)),
@@ -856,8 +860,16 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
             }
         };
         // fp32 throughout, sums in other orders: 1e-4; bf16 outputs: their
-        // place; on tensor cores the probabilities and dscores also enter
-        // their products as bf16: 2e-2 + 2^-6 relative.
+        // place. On tensor cores (FlashAttention-2's bf16 algorithm) the
+        // probabilities and dscores enter their second products as bf16, and
+        // the backward's D = rowsum(dout * out) comes from the bf16 out: the
+        // CPU's fp32 reference is then about 2e-2 away, mostly from D (an
+        // f64 model of those roundings on these inputs gives dq, dk and dv
+        // relative errors of 1.6e-2, 0.9e-2 and 0.25e-2 at seq 77 and up to
+        // 2.0e-2 at seq 200, and element 320 at seq 77 the very bits an
+        // H200 gave, -0.16699 against the reference's -0.13697). So the
+        // backward is held to each part's relative error, and elementwise
+        // only loosely.
         let flash = dtype == Dtype::Bf16 && FLASH_HEAD_DIMS.contains(&shape.head_dim);
         let (atol, rtol) = match (dtype, flash) {
             (_, true) => (2e-2, 1.0 / 64.0),
@@ -865,6 +877,11 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
             _ => (1e-4, 1e-4),
         };
         close(&format!("attention {shape:?}"), &got_out, &out, atol, rtol);
+        let (atol, rtol) = if flash {
+            (8e-2, 1.0 / 32.0)
+        } else {
+            (atol, rtol)
+        };
         close(
             &format!("attention_backward {shape:?}"),
             &got_dqkv,
@@ -872,7 +889,33 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
             atol,
             rtol,
         );
+        if flash {
+            let hidden = shape.hidden();
+            for (part, name) in ["dq", "dk", "dv"].iter().enumerate() {
+                let columns = |x: &[f32]| -> Vec<f32> {
+                    x.chunks(3 * hidden)
+                        .flat_map(|row| &row[part * hidden..(part + 1) * hidden])
+                        .copied()
+                        .collect()
+                };
+                let error = relative_error(&columns(&got_dqkv), &columns(&dqkv));
+                assert!(
+                    error < 3e-2,
+                    "attention_backward {shape:?} {name}: relative error {error}"
+                );
+            }
+        }
     }
+}
+
+/// ||got - expected|| / ||expected||, in f64.
+fn relative_error(got: &[f32], expected: &[f32]) -> f64 {
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (g, e) in got.iter().zip(expected) {
+        diff += (f64::from(*g) - f64::from(*e)).powi(2);
+        norm += f64::from(*e).powi(2);
+    }
+    (diff / norm).sqrt()
 }
 
 /// The `CudaBackend` through the `Backend` trait, next to the CPU backend:

@@ -277,6 +277,13 @@ impl Gemm {
             let plan = match self.plan(&shape) {
                 Ok(plan) => Some(plan),
                 Err(Unplanned::NoAlgorithm) if epilogue != Epilogue::None => None,
+                Err(Unplanned::Refused(cause)) => {
+                    tracing::warn!(
+                        "cuBLASLt refused the fused {epilogue:?} for {a:?} x {b:?} into {c:?} \
+                         ({cause}): this shape runs the GEMM and its epilogue as separate kernels"
+                    );
+                    None
+                }
                 Err(Unplanned::NoAlgorithm) => {
                     return Err(KernelError::Failed(DeviceError::Cuda {
                         op: "cublasLtMatmulAlgoGetHeuristic",
@@ -348,6 +355,12 @@ impl Gemm {
     fn plan(&self, shape: &Shape) -> std::result::Result<Plan, Unplanned> {
         const OP: &str = "gemm";
         let (a, b, c) = (shape.a, shape.b, shape.c);
+        // cuBLASLt's bias is of D's type (its exceptions are integer and
+        // fp8 GEMMs): an fp32 bias into a bf16 output has no algorithm (the
+        // heuristic answers INVALID_VALUE, seen on an H200 with CUDA 13).
+        if shape.epilogue.bias().is_some_and(|bias| bias != c.dtype) {
+            return Err(Unplanned::NoAlgorithm);
+        }
         let (a_type, b_type, c_type) = (
             data_type(OP, "a", a.dtype)?,
             data_type(OP, "b", b.dtype)?,
@@ -439,6 +452,11 @@ impl Gemm {
             let _ = unsafe { result::destroy_matmul_pref(preference) };
             let heuristic = heuristic.map_err(|err| match err.0 {
                 sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Unplanned::NoAlgorithm,
+                sys::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
+                    if shape.epilogue != Epilogue::None =>
+                {
+                    Unplanned::Refused(format!("{err:?}"))
+                }
                 _ => Unplanned::Failed(KernelError::Failed(DeviceError::Cuda {
                     op: "cublasLtMatmulAlgoGetHeuristic",
                     cause: format!(
@@ -464,6 +482,10 @@ impl Gemm {
 enum Unplanned {
     /// cuBLASLt has no algorithm for it.
     NoAlgorithm,
+    /// cuBLASLt called a fused epilogue's descriptor invalid (a combination
+    /// its documentation does not rule out, refused by this library
+    /// version): the caller runs it unfused, and says so.
+    Refused(String),
     /// Anything else.
     Failed(KernelError),
 }
