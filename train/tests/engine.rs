@@ -305,26 +305,34 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
     cpu_bf16.model.hidden = 128;
     cpu_bf16.device.budget = ByteSize(16 << 20);
     cpu_bf16.host.budget = ByteSize(32 << 20);
+    // A rate at which this model's bf16 curve has no spike: at 3e-3 the loss
+    // jumps to 5.96 at step 12 and the two devices' roundings part there.
+    cpu_bf16.train.lr = 1e-3;
     let mut gpu_bf16 = cpu_bf16.clone();
     gpu_bf16.device.kind = strata_runtime::DeviceChoice::Cuda;
     gpu_bf16.device.budget = ByteSize(256 << 20);
     gpu_bf16.train.compute_dtype = ComputeDtype::Auto;
-    let (reference, gpu) = (losses(&cpu_bf16), losses(&gpu_bf16));
-    for (step, (c, g)) in reference.iter().zip(&gpu).enumerate() {
+    let (reference, gpu, again) = (losses(&cpu_bf16), losses(&gpu_bf16), losses(&gpu_bf16));
+    // Everything printed before anything is asserted: whether the GPU
+    // repeats itself tells a race from rounding.
+    for (step, ((c, g), a)) in reference.iter().zip(&gpu).zip(&again).enumerate() {
         eprintln!(
-            "bf16 step {step}: cpu {c} cuda {g} rel {:e}",
-            (g - c).abs() / c.abs()
+            "bf16 step {step}: cpu {c} cuda {g} rel {:e}; again {}",
+            (g - c).abs() / c.abs(),
+            if g.to_bits() == a.to_bits() {
+                "same bits".to_string()
+            } else {
+                format!("{a}")
+            }
         );
+    }
+    assert_eq!(bits(&gpu), bits(&again), "two bf16 CUDA runs differ");
+    for (step, (c, g)) in reference.iter().zip(&gpu).enumerate() {
         assert!(
             (g - c).abs() <= 2e-2 * c.abs(),
             "bf16 step {step}: {g} vs {c}"
         );
     }
-    assert_eq!(
-        bits(&gpu),
-        bits(&losses(&gpu_bf16)),
-        "two bf16 CUDA runs differ"
-    );
 }
 
 /// The CPU thread's updates, speculative (kept when the step is not
