@@ -322,7 +322,8 @@ def worker_strata(peer, a, tokens_path):
     seconds = [r["seconds"] for r in reports[a.warmup :]]
     losses = [r["loss"] for r in reports]
     norms = [r["grad_norm"] for r in reports]
-    return seconds, losses, norms, {"recomputed_blocks": summary["recomputed_blocks"]}
+    extra = {"recomputed_blocks": summary["recomputed_blocks"], "log_tail": run.stderr[-2000:]}
+    return seconds, losses, norms, extra
 
 
 def worker(a):
@@ -449,7 +450,11 @@ def main():
         for peer in peers:
             if peer.startswith("ds-"):
                 print(f"DeepSpeed config of {peer}: {json.dumps(ds_config(peer, a))}", file=sys.stderr)
-        results = [run_peer(peer, a) for peer in peers]
+        results = []
+        for peer in peers:
+            results.append(run_peer(peer, a))
+            # Each peer's result as it comes (a run cut short keeps them).
+            print(f"{peer}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     tokens_per_step = a.micro_batch * a.accumulation * a.seq

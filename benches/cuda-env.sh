@@ -1,0 +1,26 @@
+# Sourced (`. benches/cuda-env.sh`) before running strata on a CUDA 13
+# machine: cudarc looks for the unversioned library names (then CUDA 12's),
+# and such a machine may have only the versioned ones, or keep them off the
+# loader's path (the toolkit's lib64, the Python wheels' nvidia/*/lib).
+# Each missing one is linked into a temporary folder put on
+# LD_LIBRARY_PATH, beside its own folder (NVRTC loads its builtins library
+# by name). Does nothing without a GPU.
+link_cuda_libraries() {
+    local links found dir lib linked=
+    links=$(mktemp -d)
+    for lib in nvrtc cublasLt cublas nccl; do
+        ldconfig -p 2> /dev/null | grep -q "lib$lib\.so " && continue
+        found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/lib/x86_64-linux-gnu \
+            /opt /usr/local/lib -name "lib$lib.so*" 2> /dev/null | sort | head -n 1)
+        [ -z "$found" ] && continue
+        ln -sf "$found" "$links/lib$lib.so"
+        linked="$linked lib$lib.so -> $found;"
+        dir=$(dirname "$found")
+        LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+    export LD_LIBRARY_PATH="$links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "CUDA libraries linked in $links:${linked:- none needed}"
+}
+if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+    link_cuda_libraries
+fi
