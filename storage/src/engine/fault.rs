@@ -190,7 +190,7 @@ pub struct SplitMix64(pub u64);
 impl SplitMix64 {
     /// Next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        *self = self.jumped(1);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -200,5 +200,14 @@ impl SplitMix64 {
     /// Uniform in [0, 1).
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The generator `draws` draws ahead: its state moves by a fixed step
+    /// per draw, so streams can be cut into pieces drawn in parallel.
+    pub fn jumped(&self, draws: u64) -> SplitMix64 {
+        SplitMix64(
+            self.0
+                .wrapping_add(draws.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        )
     }
 }

@@ -24,7 +24,7 @@ use super::config::ModelConfig;
 use super::config::StateDtype;
 use super::durable::{Fs, RealFs, create_dir_all_durably};
 use super::moves::read_f32;
-use super::tensors::{decode_states, state_index};
+use super::tensors::{LoadBuffers, decode_states, state_index};
 
 fn nearest() -> String {
     "nearest".into()
@@ -694,12 +694,13 @@ impl Engine {
                 fix: "resume from another checkpoint".into(),
             }
         })?;
+        let mut buffers = LoadBuffers::default();
         for g in 0..self.groups.len() {
             let (name, n) = (self.groups[g].name.clone(), self.groups[g].shard);
             let master = read_tensor(&path, &file, &format!("{name}.master"), n)?;
             let m = read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
             let v = read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
-            self.load_group(g, &master, Some((&m, &v)))?;
+            self.load_group(g, &master, Some((&m, &v)), &mut buffers)?;
         }
         self.scaler.restore(meta.loss_scaler)?;
         self.step = meta.step;

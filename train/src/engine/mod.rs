@@ -240,6 +240,7 @@ impl Engine {
         collective: Box<dyn Collective>,
         faults: Option<Faults>,
     ) -> Result<Engine> {
+        let started = Instant::now();
         config.validate()?;
         let gpt = config.model.gpt();
         let (world, rank) = (collective.world(), collective.rank());
@@ -281,6 +282,7 @@ impl Engine {
             compute_dtype,
         )?;
         let workspace_bytes = ws.bytes() + backend_bytes;
+        let compute_ready = started.elapsed();
         // Before the runtime: its threads commit the pinned pool they update.
         let pool = match config.placement.optimizer {
             Placement::Device => None,
@@ -289,6 +291,7 @@ impl Engine {
         let spread = pool.as_ref().map(PoolSpread);
         let spread = spread.as_ref().map(|s| s as &dyn strata_runtime::Spread);
         let runtime = open_runtime(config, rank, workspace_bytes, faults, context, spread)?;
+        let runtime_ready = started.elapsed();
         let kept = activations::kept_bytes(&ws.acts);
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that
@@ -359,10 +362,23 @@ impl Engine {
         };
         engine.plan_activations(candidates.recompute, kept)?;
         engine.prediction.recomputed_blocks = engine.recompute.iter().filter(|&&r| r).count();
+        let planned = started.elapsed();
         engine.initialize()?;
         if let Some(pool) = pool {
             engine.worker = Some(CpuWorker::start(runtime, pool, groups)?);
         }
+        let ready = started.elapsed();
+        // Start-up grows with the model (minutes at billions of
+        // parameters): where it went.
+        tracing::info!(
+            "rank {rank} ready in {:.1} s: compute setup {:.1} s, runtime and pinned pool {:.1} s, \
+             activation choice and plans {:.1} s, parameters initialized {:.1} s",
+            ready.as_secs_f64(),
+            compute_ready.as_secs_f64(),
+            (runtime_ready - compute_ready).as_secs_f64(),
+            (planned - runtime_ready).as_secs_f64(),
+            (ready - planned).as_secs_f64(),
+        );
         Ok(engine)
     }
 

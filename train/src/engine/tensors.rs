@@ -110,16 +110,18 @@ pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
 
 /// The parameter groups (embeddings, then each block) and this rank's
 /// shard of each.
-/// A state tensor's bytes: master weights, then m and v, in `dtype`'s
-/// formats (bf16 rounded to nearest: exact for values that were bf16).
-pub(super) fn encode_states(dtype: StateDtype, master: &[f32], m: &[f32], v: &[f32]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(master.len() * dtype.bytes_per_param());
-    let parts = [
-        (master, dtype.master_bytes()),
-        (m, dtype.moment_bytes()),
-        (v, dtype.moment_bytes()),
-    ];
-    for (values, width) in parts {
+/// A state tensor's bytes into `bytes` (its old contents dropped, its
+/// capacity kept): master weights, then m and v (zeros when none), in
+/// `dtype`'s formats (bf16 rounded to nearest: exact for values that were
+/// bf16).
+pub(super) fn encode_states(
+    dtype: StateDtype,
+    master: &[f32],
+    moments: Option<(&[f32], &[f32])>,
+    bytes: &mut Vec<u8>,
+) {
+    bytes.clear();
+    let encode = |bytes: &mut Vec<u8>, values: &[f32], width: usize| {
         if width == 4 {
             bytes.extend_from_slice(bytemuck::cast_slice(values));
         } else {
@@ -127,8 +129,24 @@ pub(super) fn encode_states(dtype: StateDtype, master: &[f32], m: &[f32], v: &[f
                 bytes.extend_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
             }
         }
+    };
+    encode(bytes, master, dtype.master_bytes());
+    match moments {
+        Some((m, v)) => {
+            encode(bytes, m, dtype.moment_bytes());
+            encode(bytes, v, dtype.moment_bytes());
+        }
+        None => bytes.resize(bytes.len() + 2 * master.len() * dtype.moment_bytes(), 0),
     }
-    bytes
+}
+
+/// Buffers [`Engine::load_group`] fills, kept from one group to the next
+/// (fresh ones cost a page fault per page: at billions of parameters that
+/// was most of the start-up).
+#[derive(Default)]
+pub(super) struct LoadBuffers {
+    state: Vec<u8>,
+    param: Vec<bf16>,
 }
 
 /// The inverse of [`encode_states`]: master, m and v as f32, one after
@@ -296,9 +314,7 @@ pub(super) fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) 
     if g == 0 {
         let layout = EmbedLayout::new(gpt);
         let matrices = gpt.vocab * h + gpt.seq * h;
-        for x in &mut out[..matrices] {
-            *x = 0.02 * normal(&mut rng);
-        }
+        fill_normal(&mut out[..matrices], 0.02, &mut rng);
         out[matrices..matrices + h].fill(1.0);
         out[matrices + h..layout.total].fill(0.0);
         return;
@@ -326,15 +342,40 @@ pub(super) fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) 
         let piece = &mut out[at..at + size];
         match part {
             0 | 6 => piece.fill(1.0),
-            2 | 8 => piece.iter_mut().for_each(|x| *x = 0.02 * normal(&mut rng)),
-            4 | 10 => piece
-                .iter_mut()
-                .for_each(|x| *x = residual * normal(&mut rng)),
+            2 | 8 => fill_normal(piece, 0.02, &mut rng),
+            4 | 10 => fill_normal(piece, residual, &mut rng),
             _ => piece.fill(0.0),
         }
         at += size;
     }
     debug_assert_eq!(at, layout.total);
+}
+
+/// `scale` times normal deviates into `out`, as one thread drawing them in
+/// order from `rng` would (two draws each), cut over the machine's cores
+/// (a 2.6B-parameter model took minutes on one); `rng` ends past them.
+pub(super) fn fill_normal(out: &mut [f32], scale: f32, rng: &mut SplitMix64) {
+    /// Elements below which a piece is not worth a thread.
+    const PIECE_MIN: usize = 1 << 20;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let piece = out.len().div_ceil(threads).max(PIECE_MIN);
+    let start = rng.clone();
+    *rng = start.jumped(2 * out.len() as u64);
+    let fill = |k: usize, part: &mut [f32]| {
+        let mut local = start.jumped(2 * (k * piece) as u64);
+        part.iter_mut()
+            .for_each(|x| *x = scale * normal(&mut local));
+    };
+    std::thread::scope(|s| {
+        let mut parts = out.chunks_mut(piece).enumerate();
+        let first = parts.next();
+        for (k, part) in parts {
+            s.spawn(move || fill(k, part));
+        }
+        if let Some((k, part)) = first {
+            fill(k, part);
+        }
+    });
 }
 
 /// A normal deviate by Box-Muller from the shared seeded generator.
@@ -421,12 +462,14 @@ impl Engine {
         let world = self.collective.world();
         let rank = self.collective.rank();
         let seed = self.config.train.seed;
+        let (mut full, mut buffers) = (Vec::new(), LoadBuffers::default());
         for g in 0..self.groups.len() {
             let group = self.groups[g].clone();
-            let mut full = vec![0.0f32; group.padded(world)];
+            full.clear();
+            full.resize(group.padded(world), 0.0f32);
             init_group(&self.gpt, g, seed, &mut full[..group.params]);
             let master = &full[rank * group.shard..(rank + 1) * group.shard];
-            self.load_group(g, master, None)?;
+            self.load_group(g, master, None, &mut buffers)?;
             self.place_persistent(grad_index(g), None)?;
         }
         Ok(())
@@ -440,18 +483,25 @@ impl Engine {
         g: usize,
         master: &[f32],
         moments: Option<(&[f32], &[f32])>,
+        buffers: &mut LoadBuffers,
     ) -> Result<()> {
-        let n = self.groups[g].shard;
-        let zeros = vec![0.0f32; if moments.is_none() { n } else { 0 }];
-        let (m, v) = moments.unwrap_or((&zeros, &zeros));
-        let state = encode_states(self.config.optim.state_dtype, master, m, v);
-        let param: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
+        debug_assert_eq!(master.len(), self.groups[g].shard);
+        encode_states(
+            self.config.optim.state_dtype,
+            master,
+            moments,
+            &mut buffers.state,
+        );
+        buffers.param.clear();
+        buffers
+            .param
+            .extend(master.iter().map(|&x| bf16::from_f32(x)));
         for set in 0..2 {
             let current = set == self.current;
             let p = param_index(g, set);
             let s = state_index(g, set);
-            self.place_persistent(p, current.then_some(bytemuck::cast_slice(&param)))?;
-            self.place_persistent(s, current.then_some(bytemuck::cast_slice(&state)))?;
+            self.place_persistent(p, current.then_some(bytemuck::cast_slice(&buffers.param)))?;
+            self.place_persistent(s, current.then_some(&buffers.state))?;
         }
         Ok(())
     }
@@ -519,5 +569,21 @@ mod tests {
         }
         config.placement.optimizer = Placement::Device;
         assert_eq!(grad(&config, Dtype::Bf16), (Dtype::F32, 40));
+    }
+
+    #[test]
+    fn parallel_normals_are_the_sequential_draws() {
+        // Three pieces and a ragged end, and a stretch shorter than one.
+        for len in [3 * (1 << 20) + 12_345, 1000] {
+            let mut sequential = SplitMix64(7);
+            let expected: Vec<u32> = (0..len)
+                .map(|_| (0.02 * normal(&mut sequential)).to_bits())
+                .collect();
+            let mut rng = SplitMix64(7);
+            let mut out = vec![0.0f32; len];
+            fill_normal(&mut out, 0.02, &mut rng);
+            assert!(out.iter().map(|x| x.to_bits()).eq(expected), "{len}");
+            assert_eq!(rng.next_u64(), sequential.next_u64(), "{len}");
+        }
     }
 }
