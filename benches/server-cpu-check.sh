@@ -12,8 +12,9 @@
 #                  docs/gpu-validation.md), each at most 90 s: the device
 #                  library probe, every kernel against the CPU backend, the
 #                  runtime's copies and hazards, the engine's CUDA run
-#                  against the CPU device (twice: the second with
-#                  STRATA_FLASH_ATTENTION=0): cuda.txt
+#                  against the CPU device (three times: as is, with
+#                  STRATA_FLASH_ATTENTION=0, with CUDA_LAUNCH_BLOCKING=1):
+#                  cuda.txt
 #   pool   (90 s)  a short training run on the GPU with a 16 GiB pinned
 #                  pool: the optimizer's threads committed it, and the
 #                  driver registered it where it lies (locked=true, no
@@ -207,9 +208,12 @@ for part in "${parts[@]}"; do
                 [ -x "$test" ] || continue
                 if [[ $(basename "$test") == engine-* ]]; then
                     run cuda "$test" cuda --test-threads=1 --nocapture
-                    # Again with attention on the CUDA cores: a fault of the
-                    # tensor-core kernels shows as a difference.
+                    # Again with attention on the CUDA cores (a fault of the
+                    # tensor-core kernels shows as a difference), and with
+                    # every kernel launch waited for (an ordering race
+                    # between the host and the GPU shows as one).
                     run cuda env STRATA_FLASH_ATTENTION=0 "$test" cuda --test-threads=1 --nocapture
+                    run cuda env CUDA_LAUNCH_BLOCKING=1 "$test" cuda --test-threads=1 --nocapture
                 else
                     run cuda "$test" --test-threads=1 --nocapture
                 fi

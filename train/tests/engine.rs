@@ -312,20 +312,34 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
     gpu_bf16.device.kind = strata_runtime::DeviceChoice::Cuda;
     gpu_bf16.device.budget = ByteSize(256 << 20);
     gpu_bf16.train.compute_dtype = ComputeDtype::Auto;
-    let (reference, gpu, again) = (losses(&cpu_bf16), losses(&gpu_bf16), losses(&gpu_bf16));
+    // Each step's (loss, grad norm, clipped, updated late).
+    let reports = |config: &TrainConfig| {
+        let mut out = Vec::new();
+        run(config, &corpus(16), &RunOptions::default(), &mut |p| {
+            let r = p.report;
+            out.push((r.loss, r.grad_norm, r.clip < 1.0, r.late));
+        })
+        .unwrap();
+        out
+    };
+    let (reference, gpu, again) = (reports(&cpu_bf16), reports(&gpu_bf16), reports(&gpu_bf16));
     // Everything printed before anything is asserted: whether the GPU
-    // repeats itself tells a race from rounding.
+    // repeats itself tells a race from rounding, and a gap in one step's
+    // loss alone (not its neighbours') points at that step's forward or at
+    // the update before it (clipped, late).
     for (step, ((c, g), a)) in reference.iter().zip(&gpu).zip(&again).enumerate() {
         eprintln!(
-            "bf16 step {step}: cpu {c} cuda {g} rel {:e}; again {}",
-            (g - c).abs() / c.abs(),
-            if g.to_bits() == a.to_bits() {
+            "bf16 step {step}: cpu {c:?} cuda {g:?} rel {:e}; again {}",
+            (g.0 - c.0).abs() / c.0.abs(),
+            if g.0.to_bits() == a.0.to_bits() {
                 "same bits".to_string()
             } else {
-                format!("{a}")
+                format!("{a:?}")
             }
         );
     }
+    let losses_of = |r: &[(f64, f64, bool, bool)]| r.iter().map(|x| x.0).collect::<Vec<_>>();
+    let (reference, gpu, again) = (losses_of(&reference), losses_of(&gpu), losses_of(&again));
     assert_eq!(bits(&gpu), bits(&again), "two bf16 CUDA runs differ");
     for (step, (c, g)) in reference.iter().zip(&gpu).enumerate() {
         assert!(
