@@ -9,7 +9,9 @@ engine_step_bf16` at the size of one group's update, and one `strata train`
 of a model whose states live in pinned host memory, with bf16 compute (so
 gradients reach the lane as bf16, as on a GPU) and `[optim] threads` set;
 the lane's rate is the median of each step's `optimizer_params_per_s`
-(parameters over the lane's busy time), its first steps left out as
+(parameters over the lane's busy time, each update's from when its inputs
+were at hand: waiting for a gradient's copy from the device is not the
+lane's work), its first steps left out as
 warm-up. Medians over rounds; the ratio lane / bench per thread count.
 
 On a machine without a GPU the model computes on the CPU device, on the

@@ -131,7 +131,8 @@ pub struct StepReport {
     /// before a block's forward, the commit).
     pub optimizer_wait_s: f64,
     /// The optimizer lane's rate over the updates it finished during the
-    /// step: parameters per second of its busy time (0: none finished).
+    /// step: parameters per second of its busy time, each update's from
+    /// when its inputs were at hand (0: none finished).
     pub optimizer_params_per_s: f64,
 }
 

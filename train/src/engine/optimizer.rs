@@ -92,13 +92,15 @@ impl strata_runtime::Spread for PoolSpread<'_> {
 /// Group `job.group`'s update, straight from the gradient and the input
 /// states' copies in `job.tier` into the outputs': out of place, every
 /// stretch of host memory in one pool call. The outputs are written whole:
-/// nothing of their old bytes is read or fetched.
+/// nothing of their old bytes is read or fetched. Returns when the update
+/// itself began: every input and output at hand (a gradient still on its
+/// way from the device is waited for before, and is not the lane's time).
 pub(super) fn run_optimizer(
     runtime: &Runtime,
     pool: &Pool,
     groups: &[Group],
     job: &OptJob,
-) -> Result<()> {
+) -> Result<Instant> {
     let inputs = [
         guard(runtime, job.grad, job.tier, Access::Read)?,
         guard(runtime, job.state_in, job.tier, Access::Read)?,
@@ -180,14 +182,15 @@ pub(super) fn run_optimizer_on_backend(
 /// One shard's AdamW: `[grad, states in]` to `[states out, params out]`.
 /// States are master weights (f32, or bf16), then m and v (f32, or bf16),
 /// each `shard` long, in `job.state_dtype`'s formats; params are `shard`
-/// bf16. bf16 states are rounded stochastically.
+/// bf16. bf16 states are rounded stochastically. Returns when the update
+/// began, after every copy it reads or writes was ready.
 pub(super) fn adam_group(
     pool: &Pool,
     group: &Group,
     job: &OptJob,
     inputs: &[Guard; 2],
     outputs: [&mut Guard; 2],
-) -> Result<()> {
+) -> Result<Instant> {
     // The masters are f32 or bf16 by the state dtype.
     match job.state_dtype.master_bytes() {
         4 => adam_group_as::<f32>(pool, group, job, inputs, outputs),
@@ -207,7 +210,7 @@ fn adam_group_as<P: strata_optim::Element + bytemuck::Pod>(
     job: &OptJob,
     [grad, state_in]: &[Guard; 2],
     mut outputs: [&mut Guard; 2],
-) -> Result<()> {
+) -> Result<Instant> {
     let n = group.shard as u64;
     let dtype = job.state_dtype;
     let (master, moment) = (std::mem::size_of::<P>() as u64, dtype.moment_bytes() as u64);
@@ -255,8 +258,9 @@ fn adam_group_as<P: strata_optim::Element + bytemuck::Pod>(
             cut_at_decay_runs(stretch, first as usize, group, job, &mut run, &mut shards);
         },
     )?;
+    let began = Instant::now();
     pool.adam_step_out_of_place_many(shards);
-    Ok(())
+    Ok(began)
 }
 
 /// The moments read and written, as f32 (`moment` 4 bytes) or bf16.
@@ -376,11 +380,17 @@ impl CpuWorker {
                 strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
                 let cancel = runtime.cancel_token();
                 for job in receiver {
+                    // The lane's time runs from the update's start, its
+                    // inputs at hand (a gradient still on its way from the
+                    // device is the pipeline's wait, not the lane's work).
                     let started = Instant::now();
                     // An aborted run's queued updates are dropped unrun.
-                    let result = match cancel.is_cancelled() {
-                        false => run_optimizer(&runtime, &pool, &groups, &job),
-                        true => Err(RuntimeError::Cancelled.into()),
+                    let (result, started) = match cancel.is_cancelled() {
+                        false => match run_optimizer(&runtime, &pool, &groups, &job) {
+                            Ok(began) => (Ok(()), began),
+                            Err(err) => (Err(err), started),
+                        },
+                        true => (Err(RuntimeError::Cancelled.into()), started),
                     };
                     runtime.record_update(
                         optimizer_label(job.late),
@@ -503,7 +513,9 @@ impl Engine {
                     StateDtype::Fp32 => {
                         run_optimizer_on_backend(&self.runtime, &*self.backend, &self.groups, &job)?
                     }
-                    _ => run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?,
+                    _ => {
+                        run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?;
+                    }
                 }
                 self.inline_rate.params += self.groups[g].shard as u64;
                 self.inline_rate.busy_ns += started.elapsed().as_nanos() as u64;
