@@ -581,8 +581,8 @@ fn optimizer_lane_script_tiny() {
 }
 
 #[test]
-fn server_cpu_check_script_tiny() {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/server-cpu-check.sh");
+fn gpu_machine_check_script_tiny() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/gpu-machine-check.sh");
     let dir = tempfile::tempdir().unwrap();
     let output = Command::new("bash")
         .arg(script)
@@ -615,6 +615,17 @@ fn server_cpu_check_script_tiny() {
         read("tiers.txt").contains("host->device"),
         "{}",
         read("tiers.txt")
+    );
+    assert!(
+        read("kernels.txt").contains("attention_backward"),
+        "{}",
+        read("kernels.txt")
+    );
+    // strata's two peers train on the CPU device (the others say why not).
+    assert!(
+        read("train.txt").contains("strata-resident"),
+        "{}",
+        read("train.txt")
     );
     // A part it does not know, and a binary that is not there, are named.
     let unknown = Command::new("bash")

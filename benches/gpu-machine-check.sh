@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The CPU optimizer's server bars in one prepared run, sized to a lent GPU
-# machine's device time (a command may run 10 minutes; a session has 15 in
-# all, machine start included): its 16-core host runs the optimizer, its
-# GPU the compute.
+# A lent GPU machine's checks in one prepared run, sized to its device time
+# (a command may run 10 minutes; a session has 15 in all, machine start
+# included): the CUDA tests, the pinned pool and copies, the kernels, the
+# training comparison with DeepSpeed and torch, and the CPU optimizer's
+# server bars on its 16-core host. benches/gpu-machine-prepare.sh fills
+# gpu-bin/ with what it needs; docs/gpu-validation.md has the call.
 #
-# Parts (default: all but cuda, in this order; the limits are each part's
-# most):
+# Parts (default: all in this order, cuda only with CUDA_TESTS set; the
+# limits are each part's most):
 #   env    (5 s)   lscpu, NUMA nodes, THP settings, the GPU: env.txt
 #   cuda   (240 s) the CUDA test binaries in $CUDA_TESTS, built here
 #                  (`cargo test --release --no-run ...`, see
@@ -22,6 +24,14 @@
 #   tiers  (60 s)  `strata bench tiers` on the GPU (the pinned pool's copies
 #                  against one raw copy each way, and the drive), 1 GiB, 5
 #                  rounds, in a folder under the working directory: tiers.txt
+#   kernels (60 s) `strata bench kernels`: attention forward and backward
+#                  and a GEMM in TFLOPS, on the GPU at its defaults:
+#                  kernels.txt
+#   train  (330 s) benches/gpu_vs_deepspeed.py, 5 timed steps after 2, at
+#                  its default 2.63B shape (strata offloaded, DeepSpeed
+#                  ZeRO-3 offload, torch, strata resident, in that order;
+#                  each peer's result is in train.txt as it finishes):
+#                  train.txt
 #   lane   (150 s) benches/optimizer-lane.py at $LANE_THREADS threads
 #                  (default 14), 3 rounds, the model computing on the GPU
 #                  (DEVICE_KIND=cpu: on the CPU device): lane.txt
@@ -53,28 +63,33 @@
 #            CPU Adam cannot be imported: see docs/gpu-validation.md for
 #            the list and the commands (Python 3.12 binary wheels).
 #   CUDA_TESTS  a folder of CUDA test binaries, for the cuda part.
-#   OUT      where results go (default server-check/).
+#   OUT      where results go (default gpu-check/).
 #   TINY=1   a small run of every part on any machine, for the tests.
 #
-# Usage: [STRATA=...] [WHEELS=...] [OUT=...] bash benches/server-cpu-check.sh [part...]
+# Usage: [STRATA=...] [WHEELS=...] [CUDA_TESTS=...] [OUT=...] [BUDGET=...]
+#        bash benches/gpu-machine-check.sh [part...]
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 STRATA=${STRATA:-target/release/strata}
-OUT=${OUT:-server-check}
+OUT=${OUT:-gpu-check}
 TINY=${TINY:-0}
 BUDGET=${BUDGET:-570}
 BARS_THREADS=${BARS_THREADS:-14,16}
 LANE_THREADS=${LANE_THREADS:-14}
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(env pool tiers lane chart bars)
+if [ ${#parts[@]} -eq 0 ]; then
+    parts=(env pool tiers kernels lane train bars chart)
+    [ -n "${CUDA_TESTS:-}" ] && parts=(env cuda pool tiers kernels lane train bars chart)
+fi
 failed=0
 
-declare -A limit=([env]=5 [cuda]=240 [pool]=90 [tiers]=60 [lane]=150 [chart]=200 [bars]=240)
+declare -A limit=([env]=5 [cuda]=240 [pool]=90 [tiers]=60 [kernels]=60 [train]=330 [lane]=150
+    [chart]=200 [bars]=240)
 peer_parts=0
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
-        echo "error: unknown part '$part' (env, cuda, pool, tiers, lane, chart, bars)" >&2
+        echo "error: unknown part '$part' (env, cuda, pool, tiers, kernels, train, lane, chart, bars)" >&2
         exit 2
     fi
     case $part in bars | chart) peer_parts=1 ;; esac
@@ -243,6 +258,24 @@ for part in "${parts[@]}"; do
             drive=$(mktemp -d -p .)
             run tiers "$STRATA" bench tiers --dir "$drive" --size "$size" --rounds 5 --device "$device"
             rm -rf "$drive"
+            ;;
+        kernels)
+            if [ "$TINY" = 1 ]; then
+                run kernels "$STRATA" bench kernels --seq 64 --heads 2 --gemm 128x128x128 --rounds 1 --round-ms 10
+            else
+                run kernels "$STRATA" bench kernels
+            fi
+            ;;
+        train)
+            # On the GPU's own accelerator (the bars' DeepSpeed CPU Adam
+            # build is the CPU accelerator's).
+            if [ "$TINY" = 1 ]; then
+                run train env -u DS_ACCELERATOR python3 "$here/gpu_vs_deepspeed.py" --strata "$STRATA" \
+                    --tiny --peers strata-offload,strata-resident
+            else
+                run train env -u DS_ACCELERATOR python3 "$here/gpu_vs_deepspeed.py" --strata "$STRATA" \
+                    --steps 5 --warmup 2 --peers strata-offload,ds-zero3-offload,torch,strata-resident
+            fi
             ;;
         lane)
             model_config 1GiB > "$OUT/lane.toml"
