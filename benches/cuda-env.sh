@@ -6,12 +6,18 @@
 # LD_LIBRARY_PATH, beside its own folder (NVRTC loads its builtins library
 # by name). Does nothing without a GPU.
 link_cuda_libraries() {
-    local links found dir lib linked=
+    local links found dir lib linked= cache
     links=$(mktemp -d)
+    # Read whole first: `ldconfig -p | grep -q` fails under a caller's
+    # pipefail once grep stops reading early.
+    cache=$(ldconfig -p 2> /dev/null)
     for lib in nvrtc cublasLt cublas nccl; do
-        ldconfig -p 2> /dev/null | grep -q "lib$lib\.so " && continue
-        found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/lib/x86_64-linux-gnu \
-            /opt /usr/local/lib -name "lib$lib.so*" 2> /dev/null | sort | head -n 1)
+        grep -q "lib$lib\.so " <<< "$cache" && continue
+        # The toolkit's own copy first, else the newest version found.
+        found=$(find /usr/local/cuda/lib64 -name "lib$lib.so*" 2> /dev/null | sort -V | tail -n 1)
+        [ -z "$found" ] && found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib \
+            /usr/lib/x86_64-linux-gnu /opt /usr/local/lib -name "lib$lib.so*" 2> /dev/null |
+            awk -F/ '{print $NF "\t" $0}' | sort -V | tail -n 1 | cut -f2)
         [ -z "$found" ] && continue
         ln -sf "$found" "$links/lib$lib.so"
         linked="$linked lib$lib.so -> $found;"

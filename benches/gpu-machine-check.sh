@@ -27,16 +27,14 @@
 #   kernels (60 s) `strata bench kernels`: attention forward and backward
 #                  and a GEMM in TFLOPS, on the GPU at its defaults:
 #                  kernels.txt
+#   lane   (150 s) benches/optimizer-lane.py at $LANE_THREADS threads
+#                  (default 14), 3 rounds, the model computing on the GPU
+#                  (DEVICE_KIND=cpu: on the CPU device): lane.txt
 #   train  (330 s) benches/gpu_vs_deepspeed.py, 5 timed steps after 2, at
 #                  its default 2.63B shape (strata offloaded, DeepSpeed
 #                  ZeRO-3 offload, torch, strata resident, in that order;
 #                  each peer's result is in train.txt as it finishes):
 #                  train.txt
-#   lane   (150 s) benches/optimizer-lane.py at $LANE_THREADS threads
-#                  (default 14), 3 rounds, the model computing on the GPU
-#                  (DEVICE_KIND=cpu: on the CPU device): lane.txt
-#   chart  (200 s) the kernels at 1, 2, 4, 8, 14 and 16 threads, 1 round,
-#                  next to the peers, charted: chart.txt, chart.svg
 #   bars   (240 s) benches/adam_vs_deepspeed.py at $BARS_THREADS threads
 #                  (default 14,16; the 2-thread bars are the 2-core
 #                  development machine's), 3 rounds, with torch and
@@ -44,9 +42,12 @@
 #                  14 threads against 16, the offload step against
 #                  DeepSpeed's, the bf16-state steps against the fp32-state
 #                  one: bars.txt (its first line names the peers that ran)
-# DeepSpeed's CPU Adam is built in the background from the start (at most
-# 150 s, once per machine) when bars or chart are asked for; the first of
-# them waits for it. BUDGET (seconds, default 570) caps the whole run: a
+#   chart  (200 s) the kernels at 1, 2, 4, 8, 14 and 16 threads, 1 round,
+#                  next to the peers, charted: chart.txt, chart.svg
+# DeepSpeed's wheels are installed when train, bars or chart are asked
+# for; its CPU Adam is built in the background from the start (at most 150
+# s, once per machine) when bars or chart are, and the first of them waits
+# for it. BUDGET (seconds, default 570) caps the whole run: a
 # part gets what is left of it, and one with under 20 s left is skipped.
 #
 # What a part wrote stays in $OUT when a later one fails. Exit status: 2
@@ -86,13 +87,19 @@ failed=0
 
 declare -A limit=([env]=5 [cuda]=240 [pool]=90 [tiers]=60 [kernels]=60 [train]=330 [lane]=150
     [chart]=200 [bars]=240)
-peer_parts=0
+if ! [[ $BUDGET =~ ^[0-9]+$ ]]; then
+    echo "error: BUDGET=$BUDGET: give the whole run's limit in seconds (a whole number)" >&2
+    exit 2
+fi
+# Parts that need DeepSpeed: its wheels (train, bars, chart), and its CPU
+# Adam built on the CPU accelerator (bars, chart).
+peer_parts=0 wheel_parts=0
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
         echo "error: unknown part '$part' (env, cuda, pool, tiers, kernels, train, lane, chart, bars)" >&2
         exit 2
     fi
-    case $part in bars | chart) peer_parts=1 ;; esac
+    case $part in bars | chart) peer_parts=1 wheel_parts=1 ;; train) wheel_parts=1 ;; esac
 done
 if [ ! -x "$STRATA" ]; then
     echo "error: no strata binary at $STRATA: build one (cargo build --release) or set STRATA" >&2
@@ -181,8 +188,8 @@ find_peers() {
         peers=torch
     fi
 }
+[ "$wheel_parts" = 1 ] && install_wheels
 if [ "$peer_parts" = 1 ]; then
-    install_wheels
     start_deepspeed_build
 fi
 
@@ -212,27 +219,38 @@ for part in "${parts[@]}"; do
             grep -E "^(Model name|Thread|Core|Socket|NUMA node)" "$OUT/env.txt"
             ;;
         cuda)
-            # Each binary alone (one GPU), its tests one at a time, at most
-            # 90 s each; the engine's only those named for CUDA.
-            limit[cuda]=90
+            # Each binary alone (one GPU), its tests one at a time, each
+            # run at most 90 s and all within the part's 240; the engine's
+            # only those named for CUDA.
+            cuda_end=$((SECONDS + 240))
+            cuda_run() {
+                limit[cuda]=$((cuda_end - SECONDS < 90 ? cuda_end - SECONDS : 90))
+                run cuda "$@"
+            }
             # The integration tests keep their files under the build's
             # target/tmp (CARGO_TARGET_TMPDIR, compiled in: this checkout's
             # path where they were built).
             mkdir -p "$here/../target/tmp"
+            found=0
             for test in "$CUDA_TESTS"/*; do
-                [ -x "$test" ] || continue
+                [ -f "$test" ] && [ -x "$test" ] || continue
+                found=$((found + 1))
                 if [[ $(basename "$test") == engine-* ]]; then
-                    run cuda "$test" cuda --test-threads=1 --nocapture
+                    cuda_run "$test" cuda --test-threads=1 --nocapture
                     # Again with attention on the CUDA cores (a fault of the
                     # tensor-core kernels shows as a difference), and with
                     # every kernel launch waited for (an ordering race
                     # between the host and the GPU shows as one).
-                    run cuda env STRATA_FLASH_ATTENTION=0 "$test" cuda --test-threads=1 --nocapture
-                    run cuda env CUDA_LAUNCH_BLOCKING=1 "$test" cuda --test-threads=1 --nocapture
+                    cuda_run env STRATA_FLASH_ATTENTION=0 "$test" cuda --test-threads=1 --nocapture
+                    cuda_run env CUDA_LAUNCH_BLOCKING=1 "$test" cuda --test-threads=1 --nocapture
                 else
-                    run cuda "$test" --test-threads=1 --nocapture
+                    cuda_run "$test" --test-threads=1 --nocapture
                 fi
             done
+            if [ "$found" = 0 ]; then
+                echo "!! cuda: no test binary in $CUDA_TESTS (benches/gpu-machine-prepare.sh puts them there)"
+                failed=1
+            fi
             grep -E "^test result|FAILED|panicked|skipp" "$OUT/cuda.txt" | head -n 40
             ;;
         pool)

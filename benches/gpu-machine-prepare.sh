@@ -14,6 +14,11 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${1:-gpu-bin}
+# Only a folder this script made (or none) is replaced.
+if [ -e "$out" ] && [ -n "$(ls -A "$out" 2> /dev/null)" ] && [ ! -e "$out/strata" ]; then
+    echo "error: $out exists and is not a gpu-bin folder this script made: name another" >&2
+    exit 2
+fi
 rm -rf "$out"
 mkdir -p "$out/tests" "$out/wheels"
 
@@ -30,8 +35,14 @@ for line in sys.stdin:
     if message.get("reason") == "compiler-artifact" and message.get("executable"):
         print(message["executable"])'
 }
-for test in $(executables -p strata-kernels --test cuda_ops -p strata-runtime --test cuda \
-    -p strata-train --test engine) $(executables -p strata-device --lib); do
+mapfile -t tests < <(executables -p strata-kernels --test cuda_ops -p strata-runtime --test cuda \
+    -p strata-train --test engine)
+mapfile -t -O "${#tests[@]}" tests < <(executables -p strata-device --lib)
+if [ "${#tests[@]}" != 4 ]; then
+    echo "error: expected 4 CUDA test binaries from cargo, got ${#tests[@]}: ${tests[*]}" >&2
+    exit 1
+fi
+for test in "${tests[@]}"; do
     strip -o "$out/tests/$(basename "$test")" "$test"
 done
 

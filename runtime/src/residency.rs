@@ -261,7 +261,8 @@ impl Runtime {
                 });
             }
         }
-        // The commit's own time, apart from the locking or registration.
+        // The commit's own time, apart from the rest (mapping, locking or
+        // the driver's registration).
         let commit_s = std::cell::Cell::new(0.0f64);
         let commit = |bytes: &mut [u8]| {
             let started = std::time::Instant::now();
@@ -278,7 +279,7 @@ impl Runtime {
             locked = pool.is_locked(),
             ms = total_s * 1e3,
             commit_ms = commit_s.get() * 1e3,
-            lock_ms = (total_s - commit_s.get()) * 1e3,
+            other_ms = (total_s - commit_s.get()) * 1e3,
             "pinned host pool committed"
         );
         if config.host.require_locked && !pool.is_locked() {

@@ -245,7 +245,7 @@ fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
 /// 2e-3 relative at every step), and is the same bits run to run and under
 /// another device budget (so another residency); in bf16 (the default on a
 /// GPU), with head dim 64 so that attention runs on tensor cores, it
-/// follows the CPU's bf16 reference within 2e-2 and repeats its bits.
+/// follows the CPU's bf16 reference within 5e-3 and repeats its bits.
 /// Skips without a GPU.
 #[test]
 fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
@@ -341,9 +341,12 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
     let losses_of = |r: &[(f64, f64, bool, bool)]| r.iter().map(|x| x.0).collect::<Vec<_>>();
     let (reference, gpu, again) = (losses_of(&reference), losses_of(&gpu), losses_of(&again));
     assert_eq!(bits(&gpu), bits(&again), "two bf16 CUDA runs differ");
+    // The two devices' bf16 roundings differ (attention's above all): on an
+    // H200 at lr 3e-3 the steps before a spike agreed within 1.7e-4, with
+    // one step 1.5e-2 off that no rounding explains; 5e-3 fails that step.
     for (step, (c, g)) in reference.iter().zip(&gpu).enumerate() {
         assert!(
-            (g - c).abs() <= 2e-2 * c.abs(),
+            (g - c).abs() <= 5e-3 * c.abs(),
             "bf16 step {step}: {g} vs {c}"
         );
     }

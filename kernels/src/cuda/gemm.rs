@@ -278,6 +278,7 @@ impl Gemm {
                 Ok(plan) => Some(plan),
                 Err(Unplanned::NoAlgorithm) if epilogue != Epilogue::None => None,
                 Err(Unplanned::Refused(cause)) => {
+                    debug_assert!(epilogue != Epilogue::None, "only epilogues are refused");
                     tracing::warn!(
                         "cuBLASLt refused the fused {epilogue:?} for {a:?} x {b:?} into {c:?} \
                          ({cause}): this shape runs the GEMM and its epilogue as separate kernels"

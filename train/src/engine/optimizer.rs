@@ -505,18 +505,23 @@ impl Engine {
                 Ok(())
             }
             None => {
-                let started = Instant::now();
                 // fp32 states on the device: the backend runs the update
                 // there (on a GPU the only way; on the CPU device the same
-                // bits as the pool's kernel); bf16 states: the pool.
-                match job.state_dtype {
+                // bits as the pool's kernel); bf16 states: the pool, timed
+                // from when its inputs were at hand, as the lane's.
+                let started = match job.state_dtype {
                     StateDtype::Fp32 => {
-                        run_optimizer_on_backend(&self.runtime, &*self.backend, &self.groups, &job)?
+                        let started = Instant::now();
+                        run_optimizer_on_backend(
+                            &self.runtime,
+                            &*self.backend,
+                            &self.groups,
+                            &job,
+                        )?;
+                        started
                     }
-                    _ => {
-                        run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?;
-                    }
-                }
+                    _ => run_optimizer(&self.runtime, &self.inline, &self.groups, &job)?,
+                };
                 self.inline_rate.params += self.groups[g].shard as u64;
                 self.inline_rate.busy_ns += started.elapsed().as_nanos() as u64;
                 Ok(())

@@ -133,6 +133,7 @@ pub(super) fn encode_states(
     encode(bytes, master, dtype.master_bytes());
     match moments {
         Some((m, v)) => {
+            debug_assert!(m.len() == master.len() && v.len() == master.len());
             encode(bytes, m, dtype.moment_bytes());
             encode(bytes, v, dtype.moment_bytes());
         }
@@ -355,9 +356,16 @@ pub(super) fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) 
 /// order from `rng` would (two draws each), cut over the machine's cores
 /// (a 2.6B-parameter model took minutes on one); `rng` ends past them.
 pub(super) fn fill_normal(out: &mut [f32], scale: f32, rng: &mut SplitMix64) {
-    /// Elements below which a piece is not worth a thread.
-    const PIECE_MIN: usize = 1 << 20;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    fill_normal_on(out, scale, rng, threads);
+}
+
+/// Elements below which a piece of [`fill_normal`] is not worth a thread.
+const PIECE_MIN: usize = 1 << 20;
+
+/// [`fill_normal`] on at most `threads` threads.
+fn fill_normal_on(out: &mut [f32], scale: f32, rng: &mut SplitMix64, threads: usize) {
+    let threads = threads.max(1);
     let piece = out.len().div_ceil(threads).max(PIECE_MIN);
     let start = rng.clone();
     *rng = start.jumped(2 * out.len() as u64);
@@ -573,17 +581,25 @@ mod tests {
 
     #[test]
     fn parallel_normals_are_the_sequential_draws() {
-        // Three pieces and a ragged end, and a stretch shorter than one.
-        for len in [3 * (1 << 20) + 12_345, 1000] {
+        // Empty, one element, around one piece, and several pieces with a
+        // ragged end, on one thread and on several.
+        let lens = [0, 1, PIECE_MIN - 1, PIECE_MIN + 1, 3 * PIECE_MIN + 12_345];
+        for len in lens {
             let mut sequential = SplitMix64(7);
             let expected: Vec<u32> = (0..len)
                 .map(|_| (0.02 * normal(&mut sequential)).to_bits())
                 .collect();
-            let mut rng = SplitMix64(7);
-            let mut out = vec![0.0f32; len];
-            fill_normal(&mut out, 0.02, &mut rng);
-            assert!(out.iter().map(|x| x.to_bits()).eq(expected), "{len}");
-            assert_eq!(rng.next_u64(), sequential.next_u64(), "{len}");
+            let after = sequential.next_u64();
+            for threads in [1, 2, 3, 16] {
+                let mut rng = SplitMix64(7);
+                let mut out = vec![0.0f32; len];
+                fill_normal_on(&mut out, 0.02, &mut rng, threads);
+                assert!(
+                    out.iter().map(|x| x.to_bits()).eq(expected.iter().copied()),
+                    "{len} on {threads}"
+                );
+                assert_eq!(rng.next_u64(), after, "{len} on {threads}");
+            }
         }
     }
 }
