@@ -4,7 +4,10 @@
 # loader's path (the toolkit's lib64, the Python wheels' nvidia/*/lib).
 # Each missing one is linked into a temporary folder put on
 # LD_LIBRARY_PATH, beside its own folder (NVRTC loads its builtins library
-# by name). Does nothing without a GPU.
+# by name). Does nothing without a GPU. Also defines `has_gpu`, whether an
+# NVIDIA GPU answers here.
+has_gpu() { command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; }
+
 link_cuda_libraries() {
     local links found dir lib linked= cache
     links=$(mktemp -d)
@@ -27,6 +30,6 @@ link_cuda_libraries() {
     export LD_LIBRARY_PATH="$links${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "CUDA libraries linked in $links:${linked:- none needed}"
 }
-if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+if has_gpu; then
     link_cuda_libraries
 fi

@@ -116,9 +116,7 @@ case " ${parts[*]} " in
 esac
 STRATA=$(cd "$(dirname "$STRATA")" && pwd)/$(basename "$STRATA")
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-has_gpu() { command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; }
-
-# The CUDA libraries where strata looks for them (see cuda-env.sh).
+# `has_gpu`, and the CUDA libraries where strata looks for them.
 . "$here/cuda-env.sh"
 
 # `run NAME CMD...`: CMD under its part's time limit (or what is left of

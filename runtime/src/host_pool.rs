@@ -414,16 +414,20 @@ mod tests {
             buffer_size: ByteSize(65536),
             bytes: ByteSize(3 * 65536),
         }];
-        let error = HostPool::new(&classes, &mut |bytes| {
-            Err(StorageError::HostAlloc {
+        // The pool's error when every allocation fails with `error`.
+        let refused = |error: &dyn Fn(usize) -> RuntimeError| {
+            HostPool::new(&classes, &mut |bytes| Err(error(bytes)))
+                .err()
+                .unwrap()
+        };
+        let error = refused(&|bytes| {
+            StorageError::HostAlloc {
                 len_bytes: bytes,
                 align_bytes: 4096,
                 cause: "mmap: Cannot allocate memory (os error 12)".into(),
             }
-            .into())
-        })
-        .err()
-        .unwrap();
+            .into()
+        });
         let text = error.to_string();
         assert!(
             matches!(
@@ -438,15 +442,13 @@ mod tests {
             "{text}"
         );
         // The driver's allocation (the CUDA device's fallback) likewise.
-        let error = HostPool::new(&classes, &mut |_| {
-            Err(DeviceError::Cuda {
+        let error = refused(&|_| {
+            DeviceError::Cuda {
                 op: "cuMemHostAlloc",
                 cause: "CUDA_ERROR_OUT_OF_MEMORY".into(),
             }
-            .into())
-        })
-        .err()
-        .unwrap();
+            .into()
+        });
         let text = error.to_string();
         assert!(
             matches!(error, RuntimeError::HostPool { .. })
@@ -454,15 +456,13 @@ mod tests {
             "{text}"
         );
         // Other errors pass through as they are.
-        let error = HostPool::new(&classes, &mut |_| {
-            Err(DeviceError::Cuda {
+        let error = refused(&|_| {
+            DeviceError::Cuda {
                 op: "cuMemHostRegister",
                 cause: "x".into(),
             }
-            .into())
-        })
-        .err()
-        .unwrap();
+            .into()
+        });
         assert!(matches!(error, RuntimeError::Device(_)), "{error}");
     }
 
