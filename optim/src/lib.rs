@@ -67,7 +67,7 @@ pub use isa::Isa;
 pub use lion::{LionCoefficients, LionConfig, lion_step};
 pub use pool::{
     AdamShard, PIECE_ELEMS_MIN, PIECES_PER_THREAD, Pool, PoolConfig, SPLIT_ALIGN_ELEMS, StateShard,
-    THREADS_MAX,
+    THREADS_MAX, WAKE_MAX,
 };
 pub use rounding::{Rounding, narrow_stochastic, round_bf16_stochastic};
 pub use scaler::{LossScaler, LossScalerConfig};

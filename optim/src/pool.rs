@@ -14,7 +14,8 @@
 use std::sync::{Arc, Mutex};
 
 use half::bf16;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::adagrad::AdagradCoefficients;
 use crate::adam::{
@@ -72,6 +73,10 @@ pub const PIECES_PER_THREAD: usize = 4;
 /// one or two long ones.
 pub const PIECE_ELEMS_MIN: usize = 1 << 16;
 
+/// The longest [`Pool::wake`] keeps the threads spinning for a call that
+/// does not come.
+pub const WAKE_MAX: Duration = Duration::from_millis(20);
+
 /// How to build a [`Pool`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
@@ -109,6 +114,9 @@ pub struct Pool {
     /// `None` with one thread: everything runs on the caller.
     workers: Option<rayon::ThreadPool>,
     cpus: Vec<usize>,
+    /// Parallel calls begun: threads kept awake by [`Pool::wake`] stop
+    /// spinning when it moves.
+    calls: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -149,7 +157,49 @@ impl Pool {
             piece_elems_min: config.piece_elems_min.max(1),
             workers,
             cpus,
+            calls: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Wakes the threads ahead of a call over `elems` elements about to
+    /// come (its inputs still on their way), as OpenMP's active wait keeps its threads
+    /// spinning: each spins until the pool's next parallel call begins,
+    /// or for `at_most` (at most [`WAKE_MAX`]), and returns at once. A
+    /// sleeping thread takes tens to hundreds of microseconds to run again
+    /// (longest on a virtual machine's idle vCPU), which an update of a
+    /// few million parameters would otherwise pay per call. The spinning
+    /// threads take their cores: only for a pool whose cores nothing else
+    /// needs meanwhile.
+    pub fn wake(&self, elems: usize, at_most: Duration) {
+        let Some(workers) = &self.workers else { return };
+        if elems < self.parallel_elems_min {
+            // Such a call runs on the caller alone.
+            return;
+        }
+        self.spin_until_next_call(workers, Instant::now() + at_most.min(WAKE_MAX));
+    }
+
+    /// Keeps every thread of `workers` spinning until the next parallel
+    /// call begins or `deadline` passes, without waiting for them.
+    fn spin_until_next_call(&self, workers: &rayon::ThreadPool, deadline: Instant) {
+        let calls = self.calls.clone();
+        let seen = calls.load(Ordering::Acquire);
+        workers.spawn_broadcast(move |_| {
+            let mut spins = 0u32;
+            while calls.load(Ordering::Acquire) == seen {
+                std::hint::spin_loop();
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && Instant::now() >= deadline {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Marks a parallel call's start: threads spinning in [`Pool::wake`]
+    /// stop, and take its work.
+    fn begin_call(&self) {
+        self.calls.fetch_add(1, Ordering::Release);
     }
 
     /// The instruction set every kernel of this pool runs with.
@@ -170,6 +220,7 @@ impl Pool {
     pub fn on_each_thread(&self, work: &(dyn Fn(usize) + Sync)) {
         match &self.workers {
             Some(workers) => {
+                self.begin_call();
                 workers.broadcast(|context| work(context.index()));
             }
             None => work(0),
@@ -423,6 +474,7 @@ impl Pool {
                 // otherwise, and no wake-up chain stands between the call and
                 // the work. A pinned pool keeps one thread per core: every
                 // worker takes runs and the caller waits.
+                self.begin_call();
                 let caller_works = self.cpus.is_empty();
                 let pieces = self.pieces(total);
                 let runs = cut_runs(shards, len, total, pieces);
@@ -463,6 +515,7 @@ impl Pool {
     ) -> R {
         match &self.workers {
             Some(workers) if len >= self.parallel_elems_min => {
+                self.begin_call();
                 workers.install(|| split_into(args, len, self.pieces(len), kernel, combine))
             }
             _ => kernel(args),
@@ -547,6 +600,53 @@ fn start_workers(threads: usize, cpus: Vec<usize>) -> Result<rayon::ThreadPool, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Threads spinning ahead of a call stop when it begins (not at their
+    /// deadline, an hour away) and run it with every thread, and a woken
+    /// pool's results are the calling thread's.
+    #[test]
+    fn a_call_stops_the_threads_woken_for_it() {
+        let pool = Pool::new(PoolConfig {
+            threads: Some(3),
+            pin: false,
+            parallel_elems_min: 0,
+            ..PoolConfig::default()
+        })
+        .unwrap();
+        let workers = pool.workers.as_ref().expect("3 threads");
+        let started = Instant::now();
+        pool.spin_until_next_call(workers, started + Duration::from_secs(3600));
+        let seen = std::sync::atomic::AtomicUsize::new(0);
+        pool.on_each_thread(&|_| {
+            seen.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(seen.load(Ordering::Relaxed), 3);
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the call waited for the spinners"
+        );
+        let n = 10_000;
+        let c = crate::AdamConfig::adamw(1e-3).coefficients(1, 1.0).unwrap();
+        let grads: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let run = |wake: bool| {
+            let (mut p, mut m, mut v) = (vec![0.5f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+            if wake {
+                pool.wake(n, WAKE_MAX);
+            }
+            pool.adam_step(
+                &c,
+                &mut p,
+                Values::F32(&grads),
+                Moments::F32 {
+                    m: &mut m,
+                    v: &mut v,
+                },
+                None,
+            );
+            (p, m, v)
+        };
+        assert_eq!(run(true), run(false));
+    }
 
     /// The runs of `cut_runs` over slices of the given lengths: (start
     /// address offset, length) of each piece, per run.

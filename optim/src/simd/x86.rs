@@ -343,31 +343,41 @@ impl Simd for Avx2 {
 }
 
 impl<const BF16: bool> Avx512<BF16> {
+    /// f32 lanes (as bits) to 16 bf16 words by the integer rule: round to
+    /// nearest even, NaN quieted, subnormals kept.
+    #[inline(always)]
+    fn bf16_words_integer(self, bits: __m512i) -> __m256i {
+        // SAFETY: the token.
+        unsafe {
+            let (rounded, quiet, magnitude) = bf16_round_bits!(
+                bits,
+                _mm512_set1_epi32,
+                _mm512_and_si512,
+                _mm512_add_epi32,
+                _mm512_srli_epi32,
+                _mm512_or_si512
+            );
+            let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+            _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
+        }
+    }
+
     /// f32 lanes to 16 bf16 words (round to nearest even, NaN quieted).
     #[inline(always)]
     fn bf16_words(self, v: __m512) -> __m256i {
+        if !BF16 {
+            // SAFETY: the token.
+            return self.bf16_words_integer(unsafe { _mm512_castps_si512(v) });
+        }
         // With BF16 the token includes avx512bw/vl/bf16.
         // SAFETY: the token's features; __m256bh and __m256i are both 32 plain bytes.
         unsafe {
             let bits = _mm512_castps_si512(v);
-            let integer_rule = || {
-                let (rounded, quiet, magnitude) = bf16_round_bits!(
-                    bits,
-                    _mm512_set1_epi32,
-                    _mm512_and_si512,
-                    _mm512_add_epi32,
-                    _mm512_srli_epi32,
-                    _mm512_or_si512
-                );
-                let nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
-                _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet))
-            };
-            if !BF16 {
-                return integer_rule();
-            }
             // vcvtneps2bf16 rounds and quiets NaN like the integer rule but
             // treats subnormal inputs as zero; those lanes (exponent zero,
-            // mantissa not) are rare, so they take a branch.
+            // mantissa not) are rare, so they take a branch. (The bits go by
+            // value: a closure borrowing them kept every vector's bits on
+            // the stack.)
             let converted: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
             let exponent_zero = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(0x7f80_0000));
             let mantissa_set = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007f_ffff));
@@ -375,7 +385,7 @@ impl<const BF16: bool> Avx512<BF16> {
             if subnormal == 0 {
                 converted
             } else {
-                _mm256_mask_blend_epi16(subnormal, converted, integer_rule())
+                _mm256_mask_blend_epi16(subnormal, converted, self.bf16_words_integer(bits))
             }
         }
     }

@@ -366,7 +366,11 @@ impl Engine {
         let planned = started.elapsed();
         engine.initialize()?;
         if let Some(pool) = pool {
-            engine.worker = Some(CpuWorker::start(runtime, pool, groups)?);
+            // With the compute elsewhere (a GPU), the pool's cores wait for
+            // nothing but the lane: it wakes them as each update arrives.
+            let wake = engine.backend.kind() != strata_device::DeviceKind::Cpu
+                && std::env::var_os("STRATA_LANE_WAKE").is_none_or(|v| v != "0");
+            engine.worker = Some(CpuWorker::start(runtime, pool, groups, wake)?);
         }
         let ready = started.elapsed();
         // Start-up grows with the model (minutes at billions of

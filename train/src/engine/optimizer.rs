@@ -369,6 +369,7 @@ impl CpuWorker {
         runtime: Arc<Runtime>,
         pool: Pool,
         groups: Arc<Vec<Group>>,
+        wake: bool,
     ) -> Result<CpuWorker> {
         let outstanding = vec![0; groups.len()];
         let bound = groups.len() * UPDATES_PER_GROUP_MAX as usize;
@@ -380,6 +381,10 @@ impl CpuWorker {
                 strata_runtime::set_caller_lane(strata_runtime::OPTIMIZER_LANE);
                 let cancel = runtime.cancel_token();
                 for job in receiver {
+                    if wake {
+                        // Awake by the time the gradient is at hand.
+                        pool.wake(groups[job.group].shard, strata_optim::WAKE_MAX);
+                    }
                     // The lane's time runs from the update's start, its
                     // inputs at hand (a gradient still on its way from the
                     // device is the pipeline's wait, not the lane's work).
