@@ -323,6 +323,13 @@ def worker_strata(peer, a, tokens_path):
     losses = [r["loss"] for r in reports]
     norms = [r["grad_norm"] for r in reports]
     extra = {"recomputed_blocks": summary["recomputed_blocks"], "log_tail": run.stderr[-2000:]}
+    # The CPU optimizer lane over the timed steps (offloaded states only):
+    # its rate and how long compute waited for it, medians.
+    timed = reports[a.warmup :]
+    lane = [r["optimizer_params_per_s"] for r in timed if r.get("optimizer_params_per_s", 0) > 0]
+    if lane:
+        extra["lane_params_per_s"] = statistics.median(lane)
+        extra["optimizer_wait_s"] = statistics.median(r["optimizer_wait_s"] for r in timed)
     return seconds, losses, norms, extra
 
 
@@ -509,6 +516,9 @@ def main():
         recomputed = (
             f"  ({r['recomputed_blocks']} of {a.layers} blocks recompute)" if "recomputed_blocks" in r else ""
         )
+        if "lane_params_per_s" in r:
+            recomputed += (f"  (CPU optimizer lane {r['lane_params_per_s'] / 1e9:.2f} G params/s, "
+                           f"compute waited {r['optimizer_wait_s']:.3f} s a step for it)")
         print(
             f"{r['peer']:<18} {r['s_per_step']:>8.3f} {r['tokens_per_s']:>10.0f} "
             f"{r['tflops']:>8.1f} {r['clipped']:>8.0%} {r['losses'][-1]:>10.4f}{recomputed}"
