@@ -269,6 +269,26 @@ def worker_deepspeed(peer, a, tokens):
     return timed_steps(a, step_fn, torch.cuda.synchronize)
 
 
+# strata's pinned host pool: the offloaded peer's states and the resident
+# one's few host tensors (a pool it does not use costs its start-up the
+# time to commit and register it: 36 s for 100 GiB on an H200 host).
+HOST_BUDGET_OFFLOAD = "100GiB"
+HOST_BUDGET_RESIDENT = "2GiB"
+
+
+def default_device_budget():
+    """The first GPU's memory less 6 GiB (the CUDA context, cuBLASLt's
+    workspace and the allocator's slack), or 70GiB when nvidia-smi cannot
+    say (an 80 GB H100's share)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        mib = int(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return "70GiB"
+    return f"{max(mib - 6 * 1024, 1024)}MiB"
+
+
 def strata_toml(peer, a, device_kind):
     params = "cpu" if peer == "strata-offload" else "device"
     lines = [
@@ -289,7 +309,7 @@ def strata_toml(peer, a, device_kind):
         f'kind = "{device_kind}"',
         f'budget = "{a.device_budget}"',
         "[host]",
-        f'budget = "{a.host_budget}"',
+        f'budget = "{a.host_budget or (HOST_BUDGET_OFFLOAD if peer == "strata-offload" else HOST_BUDGET_RESIDENT)}"',
         "[placement]",
         f'params = "{params}"',
         f'optimizer = "{"cpu" if peer == "strata-offload" else "device"}"',
@@ -323,8 +343,9 @@ def worker_strata(peer, a, tokens_path):
     losses = [r["loss"] for r in reports]
     norms = [r["grad_norm"] for r in reports]
     extra = {"recomputed_blocks": summary["recomputed_blocks"], "log_tail": run.stderr[-2000:]}
-    # The CPU optimizer lane over the timed steps (offloaded states only):
-    # its rate and how long compute waited for it, medians.
+    # The optimizer over the timed steps (the CPU lane with offloaded
+    # states, the device's inline updates with resident ones): its rate and
+    # how long compute waited for it, medians.
     timed = reports[a.warmup :]
     lane = [r["optimizer_params_per_s"] for r in timed if r.get("optimizer_params_per_s", 0) > 0]
     if lane:
@@ -416,8 +437,12 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--device-budget", default="70GiB")
-    p.add_argument("--host-budget", default="100GiB")
+    p.add_argument("--device-budget", default=None,
+                   help="strata's device budget (default: the GPU's memory less 6 GiB, as nvidia-smi reports it; "
+                        "70GiB where it cannot)")
+    p.add_argument("--host-budget", default=None,
+                   help=f"strata's pinned host pool (default: {HOST_BUDGET_OFFLOAD} offloaded, "
+                        f"{HOST_BUDGET_RESIDENT} resident)")
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--nvme", default=None)
     p.add_argument("--tokens", default=None)
@@ -426,6 +451,8 @@ def main():
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.device_budget is None:
+        a.device_budget = default_device_budget()
     if a.tiny:
         a.hidden, a.heads, a.layers, a.seq, a.vocab = 64, 2, 2, 32, 512
         a.micro_batch, a.accumulation, a.steps, a.warmup = 2, 2, 3, 1
@@ -517,7 +544,7 @@ def main():
             f"  ({r['recomputed_blocks']} of {a.layers} blocks recompute)" if "recomputed_blocks" in r else ""
         )
         if "lane_params_per_s" in r:
-            recomputed += (f"  (CPU optimizer lane {r['lane_params_per_s'] / 1e9:.2f} G params/s, "
+            recomputed += (f"  (optimizer {r['lane_params_per_s'] / 1e9:.2f} G params/s, "
                            f"compute waited {r['optimizer_wait_s']:.3f} s a step for it)")
         print(
             f"{r['peer']:<18} {r['s_per_step']:>8.3f} {r['tokens_per_s']:>10.0f} "

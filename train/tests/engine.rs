@@ -237,6 +237,11 @@ fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
         let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
         assert!(matches!(err, TrainError::Device(_)), "{err}");
         eprintln!("no GPU here ({reason}): {err}");
+        // `auto` trains on the CPU device instead.
+        config.device.kind = strata_runtime::DeviceChoice::Auto;
+        config.train.steps = 2;
+        let summary = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        assert_eq!(summary.steps, 2);
     }
 }
 

@@ -818,22 +818,7 @@ impl TrainConfig {
         strata_optim::LossScaler::new(t.scaler())
             .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
         if self.device.kind == DeviceChoice::Cuda {
-            if self.train.ranks > 1 {
-                return Err(bad(
-                    "train.ranks",
-                    self.train.ranks,
-                    "device.kind = \"cuda\" trains one rank for now (collectives between GPUs need NCCL, not built yet): set train.ranks = 1, or device.kind = \"cpu\"",
-                ));
-            }
-            if self.placement.optimizer == Placement::Device
-                && self.optim.state_dtype != StateDtype::Fp32
-            {
-                return Err(bad(
-                    "optim.state_dtype",
-                    format!("{:?}", self.optim.state_dtype),
-                    "optimizer states on a CUDA device are fp32 for now (the device AdamW kernel keeps fp32 master weights and moments): set optim.state_dtype = \"fp32\", or place the optimizer on cpu or nvme",
-                ));
-            }
+            self.cuda_constraints()?;
         }
         if let (Some(seed), false) = (
             self.optim.rounding_seed,
@@ -968,6 +953,57 @@ impl TrainConfig {
         [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme)
     }
 
+    /// What a run on a CUDA device cannot do yet: several ranks (no NCCL
+    /// yet), or optimizer states on the device in another dtype than fp32.
+    fn cuda_constraints(&self) -> Result<()> {
+        if self.train.ranks > 1 {
+            return Err(bad(
+                "train.ranks",
+                self.train.ranks,
+                "device.kind = \"cuda\" trains one rank for now (collectives between GPUs need NCCL, not built yet): set train.ranks = 1, or device.kind = \"cpu\"",
+            ));
+        }
+        if self.placement.optimizer == Placement::Device
+            && self.optim.state_dtype != StateDtype::Fp32
+        {
+            return Err(bad(
+                "optim.state_dtype",
+                format!("{:?}", self.optim.state_dtype),
+                "optimizer states on a CUDA device are fp32 for now (the device AdamW kernel keeps fp32 master weights and moments): set optim.state_dtype = \"fp32\", or place the optimizer on cpu or nvme",
+            ));
+        }
+        Ok(())
+    }
+
+    /// This config with `device.kind = "auto"` made `cuda` or `cpu`: the
+    /// GPU when a driver and a device answer and the run can train there
+    /// ([`TrainConfig::cuda_constraints`]), else the CPU device, with the
+    /// reason (`None` when nothing was decided or the GPU was taken).
+    pub fn with_device_resolved(&self) -> (TrainConfig, Option<String>) {
+        self.with_device_resolved_by(strata_device::cuda::probe_device)
+    }
+
+    /// [`TrainConfig::with_device_resolved`] with `probe` telling whether a
+    /// GPU answers (and why not).
+    fn with_device_resolved_by(
+        &self,
+        probe: impl FnOnce() -> std::result::Result<(), String>,
+    ) -> (TrainConfig, Option<String>) {
+        let mut resolved = self.clone();
+        if self.device.kind != DeviceChoice::Auto {
+            return (resolved, None);
+        }
+        let why_not = match self.cuda_constraints() {
+            Err(err) => Some(err.to_string()),
+            Ok(()) => probe().err(),
+        };
+        resolved.device.kind = match why_not {
+            None => DeviceChoice::Cuda,
+            Some(_) => DeviceChoice::Cpu,
+        };
+        (resolved, why_not)
+    }
+
     /// Rank `rank`'s runtime settings with `workspace_bytes` of the device
     /// budget held for compute buffers (the rest is the tier the plan
     /// uses); each rank swaps to its own subdirectory.
@@ -1014,8 +1050,8 @@ impl TrainConfig {
         Ok(RuntimeConfig {
             device: DeviceConfig {
                 budget: ByteSize(device_budget - workspace_bytes),
-                // `auto` means the CPU device until the engine's CUDA path
-                // has run on a GPU; `cuda` asks for it.
+                // The engine resolves `auto` first
+                // (`with_device_resolved`); left unresolved, the CPU device.
                 kind: match self.device.kind {
                     DeviceChoice::Cuda => DeviceChoice::Cuda,
                     DeviceChoice::Cpu | DeviceChoice::Auto => DeviceChoice::Cpu,
@@ -1026,5 +1062,42 @@ impl TrainConfig {
             nvme,
             runtime: self.runtime.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `auto` takes the GPU when one answers and the run can train there,
+    /// else the CPU device with the reason; `cpu` and `cuda` stay as asked.
+    #[test]
+    fn auto_takes_the_gpu_only_when_one_answers_and_the_run_fits_it() {
+        let gpu = || Ok(());
+        let none = || Err("the CUDA driver reports no device".to_string());
+        let mut config = TrainConfig::default();
+        config.device.kind = DeviceChoice::Auto;
+        let (resolved, why) = config.with_device_resolved_by(gpu);
+        assert_eq!((resolved.device.kind, why), (DeviceChoice::Cuda, None));
+        let (resolved, why) = config.with_device_resolved_by(none);
+        assert_eq!(resolved.device.kind, DeviceChoice::Cpu);
+        assert!(why.unwrap().contains("no device"));
+        // What CUDA cannot run yet goes to the CPU device, GPU or not.
+        let mut ranks = config.clone();
+        ranks.train.ranks = 2;
+        let (resolved, why) = ranks.with_device_resolved_by(gpu);
+        assert_eq!(resolved.device.kind, DeviceChoice::Cpu);
+        assert!(why.unwrap().contains("train.ranks"));
+        let mut states = config.clone();
+        states.placement.optimizer = Placement::Device;
+        states.optim.state_dtype = StateDtype::Bf16;
+        let (resolved, why) = states.with_device_resolved_by(gpu);
+        assert_eq!(resolved.device.kind, DeviceChoice::Cpu);
+        assert!(why.unwrap().contains("optim.state_dtype"));
+        for kind in [DeviceChoice::Cpu, DeviceChoice::Cuda] {
+            config.device.kind = kind;
+            let (resolved, why) = config.with_device_resolved_by(none);
+            assert_eq!((resolved.device.kind, why), (kind, None));
+        }
     }
 }

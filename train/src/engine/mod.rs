@@ -243,8 +243,18 @@ impl Engine {
     ) -> Result<Engine> {
         let started = Instant::now();
         config.validate()?;
-        let gpt = config.model.gpt();
         let (world, rank) = (collective.world(), collective.rank());
+        let (resolved, why_not_gpu) = config.with_device_resolved();
+        if rank == 0 && config.device.kind == strata_runtime::DeviceChoice::Auto {
+            match &why_not_gpu {
+                None => tracing::info!("device.kind = auto: training on the GPU"),
+                Some(why) => {
+                    tracing::info!("device.kind = auto: training on the CPU device ({why})")
+                }
+            }
+        }
+        let config = &resolved;
+        let gpt = config.model.gpt();
         if world != config.train.ranks {
             return Err(bad(
                 "train.ranks",
