@@ -601,18 +601,23 @@ fn start_workers(threads: usize, cpus: Vec<usize>) -> Result<rayon::ThreadPool, 
 mod tests {
     use super::*;
 
+    /// `threads` unpinned threads that take any call in parallel.
+    fn unpinned(threads: usize) -> Pool {
+        Pool::new(PoolConfig {
+            threads: Some(threads),
+            pin: false,
+            parallel_elems_min: 0,
+            ..PoolConfig::default()
+        })
+        .unwrap()
+    }
+
     /// Threads spinning ahead of a call stop when it begins (not at their
     /// deadline, an hour away) and run it with every thread, and a woken
     /// pool's results are the calling thread's.
     #[test]
     fn a_call_stops_the_threads_woken_for_it() {
-        let pool = Pool::new(PoolConfig {
-            threads: Some(3),
-            pin: false,
-            parallel_elems_min: 0,
-            ..PoolConfig::default()
-        })
-        .unwrap();
+        let pool = unpinned(3);
         let workers = pool.workers.as_ref().expect("3 threads");
         let started = Instant::now();
         pool.spin_until_next_call(workers, started + Duration::from_secs(3600));
@@ -706,13 +711,7 @@ mod tests {
         use crate::{AdagradConfig, AdamConfig, LionConfig};
         // 12 pieces of about 175K elements on 3 threads.
         let n = (1 << 21) + 4099;
-        let pool = Pool::new(PoolConfig {
-            threads: Some(3),
-            pin: false,
-            parallel_elems_min: 0,
-            ..PoolConfig::default()
-        })
-        .unwrap();
+        let pool = unpinned(3);
         let pieces = pool.pieces(n);
         assert_eq!(pieces, 12);
         let streamed = || {
