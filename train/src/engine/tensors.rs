@@ -190,20 +190,28 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
         };
         let shard = params.div_ceil(world);
         let begin = rank * shard;
-        let decays = |i: usize| {
-            i < params
-                && if g == 0 {
-                    embed.is_matrix(i)
-                } else {
-                    block.is_matrix(i)
-                }
+        // Each tensor of the group, in layout order, and whether AdamW
+        // decays it (weight matrices and embeddings); past the parameters,
+        // the last shard's padding, which it does not. Tensor by tensor,
+        // not element by element: billions of parameters take no time.
+        let tensors: Vec<(std::ops::Range<usize>, bool)> = match g {
+            0 => (0..4)
+                .map(|i| (embed.range(i), embed.is_matrix(embed.range(i).start)))
+                .collect(),
+            _ => (0..12)
+                .map(|i| (block.range(i), block.is_matrix(block.range(i).start)))
+                .collect(),
         };
         let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
-        for i in 0..shard {
-            let d = decays(begin + i);
+        for (range, decays) in tensors.into_iter().chain([(params..usize::MAX, false)]) {
+            let (start, end) = (range.start.max(begin), range.end.min(begin + shard));
+            if start >= end {
+                continue;
+            }
+            let local = start - begin..end - begin;
             match runs.last_mut() {
-                Some((range, last)) if *last == d => range.end = i + 1,
-                _ => runs.push((i..i + 1, d)),
+                Some((last, d)) if *d == decays => last.end = local.end,
+                _ => runs.push((local, decays)),
             }
         }
         groups.push(Group {
@@ -500,10 +508,14 @@ impl Engine {
             moments,
             &mut buffers.state,
         );
+        // The bf16 compute copy, to nearest even as `half` rounds, in SIMD.
         buffers.param.clear();
-        buffers
-            .param
-            .extend(master.iter().map(|&x| bf16::from_f32(x)));
+        buffers.param.resize(master.len(), bf16::ZERO);
+        strata_optim::narrow(
+            strata_optim::Isa::chosen(),
+            master,
+            strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
+        );
         for set in 0..2 {
             let current = set == self.current;
             let p = param_index(g, set);
@@ -546,6 +558,49 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The weight-decay runs, tensor by tensor, are the element-by-element
+    /// ones, on every rank of several world sizes, padding included.
+    #[test]
+    fn decay_runs_follow_the_tensors_on_every_rank() {
+        for (hidden, vocab, seq) in [(8, 50, 16), (12, 7, 5), (4, 3, 1)] {
+            let gpt = GptConfig {
+                hidden,
+                heads: 2,
+                layers: 2,
+                vocab,
+                seq,
+            };
+            let (embed, block) = (EmbedLayout::new(&gpt), BlockLayout::new(hidden));
+            for world in [1, 2, 3, 7] {
+                for rank in 0..world {
+                    for (g, group) in groups(&gpt, world, rank).iter().enumerate() {
+                        let begin = rank * group.shard;
+                        let decays = |i: usize| {
+                            i < group.params
+                                && if g == 0 {
+                                    embed.is_matrix(i)
+                                } else {
+                                    block.is_matrix(i)
+                                }
+                        };
+                        let mut expected: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+                        for i in 0..group.shard {
+                            let d = decays(begin + i);
+                            match expected.last_mut() {
+                                Some((range, last)) if *last == d => range.end = i + 1,
+                                _ => expected.push((i..i + 1, d)),
+                            }
+                        }
+                        assert_eq!(
+                            group.runs, expected,
+                            "hidden {hidden} world {world} rank {rank} group {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn gradients_leave_in_bf16_only_with_bf16_compute_and_the_optimizer_off_the_device() {
