@@ -526,7 +526,8 @@ impl Engine {
         Ok(())
     }
 
-    /// (Re)creates a persistent tensor with `data` (or zeros) at its home.
+    /// (Re)creates a persistent tensor with `data` (all of its bytes; or
+    /// zeros) at its home.
     pub(super) fn place_persistent(&mut self, index: usize, data: Option<&[u8]>) -> Result<()> {
         if let Some(id) = self.slots[index].id.take() {
             self.runtime.free(id)?;
@@ -539,9 +540,15 @@ impl Engine {
         } else {
             Tier::Host
         };
-        let id = self
-            .runtime
-            .register(self.slots[index].meta.clone(), first)?;
+        // Data written whole needs no zeros under it (a fill of every byte,
+        // on one thread: seconds at billions of parameters).
+        let meta = self.slots[index].meta.clone();
+        let id = match data {
+            Some(data) if data.len() as u64 == meta.len_bytes() => {
+                self.runtime.register_unfilled(meta, first)?
+            }
+            _ => self.runtime.register(meta, first)?,
+        };
         self.slots[index].id = Some(id);
         if let Some(data) = data {
             self.runtime
