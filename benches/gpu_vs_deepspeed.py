@@ -280,8 +280,11 @@ def default_device_budget():
     """The first GPU's memory less 6 GiB (the CUDA context, cuBLASLt's
     workspace and the allocator's slack), or 70GiB when nvidia-smi cannot
     say (an 80 GB H100's share)."""
+    # strata trains on device 0 of those CUDA_VISIBLE_DEVICES shows.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    select = ["-i", visible] if visible else []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", *select, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20)
         mib = int(out.stdout.split()[0])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):

@@ -978,7 +978,10 @@ impl TrainConfig {
     /// This config with `device.kind = "auto"` made `cuda` or `cpu`: the
     /// GPU when a driver and a device answer and the run can train there
     /// ([`TrainConfig::cuda_constraints`]), else the CPU device, with the
-    /// reason (`None` when nothing was decided or the GPU was taken).
+    /// reason (`None` when nothing was decided or the GPU was taken). The
+    /// engine still goes to the CPU device when the GPU's backend does not
+    /// open (an architecture strata does not compile for, no cuBLASLt or
+    /// NVRTC, a bad ordinal).
     pub fn with_device_resolved(&self) -> (TrainConfig, Option<String>) {
         self.with_device_resolved_by(strata_device::cuda::probe_device)
     }

@@ -244,8 +244,30 @@ impl Engine {
         let started = Instant::now();
         config.validate()?;
         let (world, rank) = (collective.world(), collective.rank());
-        let (resolved, why_not_gpu) = config.with_device_resolved();
-        if rank == 0 && config.device.kind == strata_runtime::DeviceChoice::Auto {
+        if world != config.train.ranks {
+            return Err(bad(
+                "train.ranks",
+                config.train.ranks.to_string(),
+                format!("the collective group has {world} ranks: make them agree"),
+            ));
+        }
+        let gpt = config.model.gpt();
+        let groups = Arc::new(groups(&gpt, world, rank));
+        let batch = config.train.micro_batch;
+        // `auto`: the GPU if one answers and its backend opens (a driver
+        // alone, an architecture strata does not compile for or a missing
+        // library leave the CPU device), said once.
+        let auto = config.device.kind == strata_runtime::DeviceChoice::Auto;
+        let (mut resolved, mut why_not_gpu) = config.with_device_resolved();
+        let (backend, context, backend_bytes) = match open_backend(&resolved, batch * gpt.seq) {
+            Err(err) if auto && resolved.device.kind == strata_runtime::DeviceChoice::Cuda => {
+                why_not_gpu = Some(err.to_string());
+                resolved.device.kind = strata_runtime::DeviceChoice::Cpu;
+                open_backend(&resolved, batch * gpt.seq)?
+            }
+            opened => opened?,
+        };
+        if rank == 0 && auto {
             match &why_not_gpu {
                 None => tracing::info!("device.kind = auto: training on the GPU"),
                 Some(why) => {
@@ -254,34 +276,6 @@ impl Engine {
             }
         }
         let config = &resolved;
-        let gpt = config.model.gpt();
-        if world != config.train.ranks {
-            return Err(bad(
-                "train.ranks",
-                config.train.ranks.to_string(),
-                format!("the collective group has {world} ranks: make them agree"),
-            ));
-        }
-        let groups = Arc::new(groups(&gpt, world, rank));
-        let batch = config.train.micro_batch;
-        // On a GPU the backend and the runtime's device share one context:
-        // one compute stream, the copy streams ordered by its events.
-        let (backend, context, backend_bytes): (Box<dyn Backend>, _, u64) = match config.device.kind
-        {
-            strata_runtime::DeviceChoice::Cuda => {
-                let context = strata_device::cuda::Context::open(config.device.ordinal)?;
-                let tokens = batch * gpt.seq;
-                let limits = strata_kernels::cuda::CudaLimits {
-                    rows_max: tokens,
-                    upload_bytes_max: tokens * 4,
-                };
-                let backend = strata_kernels::cuda::CudaBackend::new(context.clone(), limits)?;
-                (Box::new(backend), Some(context), limits.device_bytes())
-            }
-            strata_runtime::DeviceChoice::Cpu | strata_runtime::DeviceChoice::Auto => {
-                (Box::new(CpuBackend), None, 0)
-            }
-        };
         let compute_dtype = config.train.compute_dtype.resolve(backend.kind());
         let mut ws = Workspace::new(
             &*backend,
@@ -699,6 +693,35 @@ impl Engine {
         self.return_home()?;
         self.tracker.end_step()?;
         Ok(())
+    }
+}
+
+/// A compute backend, the GPU context it computes on (none on the CPU
+/// device), and the device bytes it holds.
+type Opened = (
+    Box<dyn Backend>,
+    Option<Arc<strata_device::cuda::Context>>,
+    u64,
+);
+
+/// The compute backend `config.device.kind` names (resolved: `cuda` or
+/// `cpu`) for micro-batches of `tokens` tokens; on a GPU on a context the
+/// runtime's device will share (one compute stream, the copy streams
+/// ordered by its events).
+fn open_backend(config: &TrainConfig, tokens: usize) -> Result<Opened> {
+    match config.device.kind {
+        strata_runtime::DeviceChoice::Cuda => {
+            let context = strata_device::cuda::Context::open(config.device.ordinal)?;
+            let limits = strata_kernels::cuda::CudaLimits {
+                rows_max: tokens,
+                upload_bytes_max: tokens * 4,
+            };
+            let backend = strata_kernels::cuda::CudaBackend::new(context.clone(), limits)?;
+            Ok((Box::new(backend), Some(context), limits.device_bytes()))
+        }
+        strata_runtime::DeviceChoice::Cpu | strata_runtime::DeviceChoice::Auto => {
+            Ok((Box::new(CpuBackend), None, 0))
+        }
     }
 }
 
