@@ -162,22 +162,22 @@ impl Pool {
     }
 
     /// Wakes the threads ahead of a call over `elems` elements about to
-    /// come (its inputs still on their way), as OpenMP's active wait keeps its threads
-    /// spinning: each spins until the pool's next parallel call begins,
-    /// or for `at_most` (at most [`WAKE_MAX`]), and returns at once. A
+    /// come (its inputs still on their way), as OpenMP's active wait keeps
+    /// its threads spinning: each spins until the pool's next parallel call
+    /// begins, or for [`WAKE_MAX`], and this returns at once. A
     /// sleeping thread takes tens to hundreds of microseconds to run again
     /// (longest on a virtual machine's idle vCPU), which an update of a
     /// few million parameters would otherwise pay per call. The spinning
     /// threads take their cores: only for a pool whose cores nothing else
     /// needs meanwhile, woken by the one thread that makes its calls (they
     /// spin ahead of any call, another thread's too).
-    pub fn wake(&self, elems: usize, at_most: Duration) {
+    pub fn wake(&self, elems: usize) {
         let Some(workers) = &self.workers else { return };
         if elems < self.parallel_elems_min {
             // Such a call runs on the caller alone.
             return;
         }
-        self.spin_until_next_call(workers, Instant::now() + at_most.min(WAKE_MAX));
+        self.spin_until_next_call(workers, Instant::now() + WAKE_MAX);
     }
 
     /// Keeps every thread of `workers` spinning until the next parallel
@@ -663,7 +663,7 @@ mod tests {
         let run = |wake: bool| {
             let (mut p, mut m, mut v) = states();
             if wake {
-                pool.wake(n, WAKE_MAX);
+                pool.wake(n);
             }
             let moments = Moments::F32 {
                 m: &mut m,

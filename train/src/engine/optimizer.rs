@@ -383,7 +383,7 @@ impl CpuWorker {
                 for job in receiver {
                     if wake {
                         // Awake by the time the gradient is at hand.
-                        pool.wake(groups[job.group].shard, strata_optim::WAKE_MAX);
+                        pool.wake(groups[job.group].shard);
                     }
                     // The lane's time runs from the update's start, its
                     // inputs at hand (a gradient still on its way from the

@@ -108,8 +108,6 @@ pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
     shard_max.expect("groups") * world
 }
 
-/// The parameter groups (embeddings, then each block) and this rank's
-/// shard of each.
 /// A state tensor's bytes into `bytes` (its old contents dropped, its
 /// capacity kept): master weights, then m and v (zeros when none), in
 /// `dtype`'s formats (bf16 rounded to nearest: exact for values that were
@@ -178,6 +176,8 @@ pub(super) fn decode_states(dtype: StateDtype, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// The parameter groups (embeddings, then each block) and this rank's
+/// shard of each.
 pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
     let embed = EmbedLayout::new(gpt);
     let block = BlockLayout::new(gpt.hidden);
@@ -196,10 +196,12 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
         // not element by element: billions of parameters take no time.
         let tensors: Vec<(std::ops::Range<usize>, bool)> = match g {
             0 => (0..4)
-                .map(|i| (embed.range(i), embed.is_matrix(embed.range(i).start)))
+                .map(|i| embed.range(i))
+                .map(|r| (r.clone(), embed.is_matrix(r.start)))
                 .collect(),
             _ => (0..12)
-                .map(|i| (block.range(i), block.is_matrix(block.range(i).start)))
+                .map(|i| block.range(i))
+                .map(|r| (r.clone(), block.is_matrix(r.start)))
                 .collect(),
         };
         let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
@@ -540,14 +542,13 @@ impl Engine {
         } else {
             Tier::Host
         };
-        // Data written whole needs no zeros under it (a fill of every byte,
-        // on one thread: seconds at billions of parameters).
+        // Data is written whole (`write_from` takes exactly the tensor's
+        // size): no zeros under it (a fill of every byte, on one thread:
+        // seconds at billions of parameters).
         let meta = self.slots[index].meta.clone();
         let id = match data {
-            Some(data) if data.len() as u64 == meta.len_bytes() => {
-                self.runtime.register_unfilled(meta, first)?
-            }
-            _ => self.runtime.register(meta, first)?,
+            Some(_) => self.runtime.register_unfilled(meta, first)?,
+            None => self.runtime.register(meta, first)?,
         };
         self.slots[index].id = Some(id);
         if let Some(data) = data {
