@@ -596,10 +596,19 @@ impl<S: Simd> Splat<S> {
         let g = s.mul_add(self.l2, p0, s.mul(G::load(s, g), self.grad_scale));
         let m1 = s.mul_add(self.one_minus_beta1, s.sub(g, m0), m0);
         let v1 = s.mul_add(s.mul(g, g), self.one_minus_beta2, s.mul(v0, self.beta2));
+        let denominator = s.mul_add(s.sqrt(v1), self.inv_sqrt_bias_correction2, self.eps);
+        let p1 = s.mul_add(
+            self.neg_step_size,
+            s.div(m1, denominator),
+            s.mul(p0, self.decay),
+        );
+        // A NaN in m1 or v1 makes p1 NaN, so one check of p1 clears all
+        // three roundings of their NaN checks.
+        let nan_free = noise.is_some() && s.nan_free(p1);
         match noise {
-            Some(noise) => {
-                M::store_sr(s, m, m1, noise);
-                M::store_sr(s, v, v1, s.high_half(noise));
+            Some((noise_m, noise_v)) => {
+                M::store_sr(s, m, m1, noise_m, nan_free);
+                M::store_sr(s, v, v1, noise_v, nan_free);
             }
             None if nt => {
                 M::stream(s, m, m1);
@@ -610,17 +619,11 @@ impl<S: Simd> Splat<S> {
                 M::store(s, v, v1);
             }
         }
-        let denominator = s.mul_add(s.sqrt(v1), self.inv_sqrt_bias_correction2, self.eps);
-        let p1 = s.mul_add(
-            self.neg_step_size,
-            s.div(m1, denominator),
-            s.mul(p0, self.decay),
-        );
         match master {
             Some(master) => {
                 // The value returned is the master as stored, so that a
                 // 16-bit copy of it equals it.
-                P::store_sr_value(s, p, p1, master)
+                P::store_sr_value(s, p, p1, master, nan_free)
             }
             None if nt => {
                 P::stream(s, p, p1);
@@ -634,8 +637,12 @@ impl<S: Simd> Splat<S> {
     }
 }
 
-/// One vector's random words: the moments' and the master weights'.
-type Drawn<S> = (Option<<S as Simd>::U>, Option<<S as Simd>::U>);
+/// One vector's noise words (each below 2^16): the moments' (m's, v's)
+/// and the master weights'.
+type Drawn<S> = (
+    Option<(<S as Simd>::U, <S as Simd>::U)>,
+    Option<<S as Simd>::U>,
+);
 
 /// The five streams of one call, cut together with [`Split`].
 type Streams<'a, P, G, M, O> = (
@@ -747,8 +754,8 @@ impl Words {
         match words {
             None => (None, None),
             Some(w) => {
-                let word = w.moments.lanes(s, w.first + offset as u64);
-                (Some(word), w.master.then(|| s.fold_halves(word)))
+                let (low, high) = s.halves(w.moments.lanes(s, w.first + offset as u64));
+                (Some((low, high)), w.master.then(|| s.xor_words(low, high)))
             }
         }
     }

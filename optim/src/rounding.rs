@@ -185,14 +185,14 @@ impl Kernel for NarrowSr<'_> {
             .zip(self.source[..body].chunks_exact(n))
             .enumerate()
         {
-            let words = noise.lanes(s, first + (i * n) as u64);
-            s.store_bf16_sr(t, s.load(x), words);
+            let (words, _) = s.halves(noise.lanes(s, first + (i * n) as u64));
+            s.store_bf16_sr(t, s.load(x), words, false);
         }
         let rest = target_tail.len();
         if rest > 0 {
             let mut t = [bf16::ZERO; simd::LANES_MAX];
-            let words = noise.lanes(s, first + body as u64);
-            s.store_bf16_sr(&mut t, s.load(&padded(&self.source[body..])), words);
+            let (words, _) = s.halves(noise.lanes(s, first + body as u64));
+            s.store_bf16_sr(&mut t, s.load(&padded(&self.source[body..])), words, false);
             target_tail.copy_from_slice(&t[..rest]);
         }
     }

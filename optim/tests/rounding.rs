@@ -4,7 +4,8 @@
 //! width.
 
 use strata_optim::{
-    AdamConfig, Isa, Moments, Pool, PoolConfig, Rounding, Values, adam_step_rounded, bf16,
+    AdamConfig, Isa, Moments, Pool, PoolConfig, Rounding, Values, adam_step_bf16_master,
+    adam_step_rounded, bf16,
 };
 
 const N: usize = 4096;
@@ -277,4 +278,129 @@ fn bf16_masters_do_not_depend_on_threads() {
         one == run(2) && one == run(3),
         "thread count changed the result"
     );
+}
+
+/// What a value is: NaN, an infinity (with its sign), or finite.
+fn class(x: f32) -> &'static str {
+    if x.is_nan() {
+        "NaN"
+    } else if x == f32::INFINITY {
+        "+inf"
+    } else if x == f32::NEG_INFINITY {
+        "-inf"
+    } else {
+        "finite"
+    }
+}
+
+#[test]
+fn non_finite_values_stay_what_they_are_on_every_isa() {
+    // The vector paths check a whole vector for NaN once and then add the
+    // noise unchecked; a NaN whose payload fills the mantissa would carry
+    // into the exponent and sign (becoming a zero or an infinity) if a NaN
+    // got through. Every element must come out as the scalar reference has
+    // it, with bf16 moments (fp32 masters) and with bf16 masters.
+    let n = 203;
+    let specials = [
+        f32::from_bits(0x7fff_ffff),
+        f32::from_bits(0xffff_ffff),
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0x7fc0_ffff),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        -3.3e38,
+    ];
+    let mut grads: Vec<f32> = (0..n).map(|i| ((i % 31) as f32 - 15.0) * 1e-3).collect();
+    for (k, x) in specials.iter().enumerate() {
+        // In heads, bodies and tails, alone and beside each other.
+        for at in [k, 17 + k * 13, n - 1 - k, 100 + k] {
+            grads[at] = *x;
+        }
+    }
+    let m0: Vec<bf16> = (0..n)
+        .map(|i| match i {
+            60 => bf16::from_bits(0x7fff),
+            61 => bf16::INFINITY,
+            _ => bf16::from_f32((i % 13) as f32 * 1e-3),
+        })
+        .collect();
+    let v0: Vec<bf16> = (0..n)
+        .map(|i| match i {
+            70 => bf16::from_bits(0xffff),
+            71 => bf16::INFINITY,
+            _ => bf16::from_f32((i % 7) as f32 * 1e-5),
+        })
+        .collect();
+    let coefficients = AdamConfig::adamw(1e-3).coefficients(3, 1.0).unwrap();
+    let rounding = Rounding::Stochastic {
+        seed: 8,
+        step: 3,
+        first: 11,
+    };
+    let run = |isa: Isa| {
+        let (mut p, mut m, mut v) = (
+            (0..n).map(|i| (i % 5) as f32 - 2.0).collect::<Vec<f32>>(),
+            m0.clone(),
+            v0.clone(),
+        );
+        adam_step_rounded(
+            isa,
+            &coefficients,
+            &mut p,
+            Values::F32(&grads),
+            Moments::Bf16 {
+                m: &mut m,
+                v: &mut v,
+            },
+            None,
+            rounding,
+        );
+        let (mut master, mut m2, mut v2) = (
+            (0..n)
+                .map(|i| bf16::from_f32((i % 5) as f32 - 2.0))
+                .collect::<Vec<bf16>>(),
+            m0.clone(),
+            v0.clone(),
+        );
+        adam_step_bf16_master(
+            isa,
+            &coefficients,
+            &mut master,
+            Values::F32(&grads),
+            Moments::Bf16 {
+                m: &mut m2,
+                v: &mut v2,
+            },
+            rounding,
+        );
+        let widen = |x: &[bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
+        [
+            p,
+            widen(&m),
+            widen(&v),
+            widen(&master),
+            widen(&m2),
+            widen(&v2),
+        ]
+    };
+    let reference = run(Isa::Portable);
+    let nans = reference[1].iter().filter(|x| x.is_nan()).count();
+    assert!(nans >= 4 * specials.len() / 2, "{nans} NaN moments");
+    for isa in Isa::available() {
+        let result = run(isa);
+        for (what, (a, b)) in ["params", "m", "v", "masters", "m (masters)", "v (masters)"]
+            .iter()
+            .zip(reference.iter().zip(&result))
+        {
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_eq!(
+                    class(*x),
+                    class(*y),
+                    "{isa} {what}[{i}]: {y} against the reference's {x} (gradient {})",
+                    grads[i]
+                );
+            }
+        }
+    }
 }

@@ -62,28 +62,41 @@ pub trait Simd: Copy + Send + Sync {
     fn hash_lanes(self, key: u32, first: u32) -> Self::U;
     /// u32 lanes from `src` (at least `LANES` long).
     fn load_u32(self, src: &[u32]) -> Self::U;
-    /// Each lane's high 16 bits, shifted down.
-    fn high_half(self, u: Self::U) -> Self::U;
-    /// Each lane xor its high 16 bits shifted down: the low 16 bits hold
-    /// the two halves xored, a third word pairwise independent of each half.
-    fn fold_halves(self, u: Self::U) -> Self::U;
-    /// f32 lanes rounded to bf16 stochastically with each lane's low 16
-    /// bits of `noise`, as `rounding::round_bf16_stochastic`, and returned
-    /// as f32 (exactly the bf16 values: low halves zero, NaN quieted).
-    fn round_bf16_sr(self, v: Self::V, noise: Self::U) -> Self::V;
-    /// Stores lanes that hold bf16 values exactly (as [`Simd::round_bf16_sr`]
-    /// returns them) as bf16: their high halves, no rounding.
+    /// Each lane's low 16 bits and its high 16 bits shifted down: two
+    /// noise words for stochastic rounding from one random word.
+    fn halves(self, u: Self::U) -> (Self::U, Self::U);
+    /// Lanewise xor; of the two halves, a third noise word, pairwise
+    /// independent of each half.
+    fn xor_words(self, a: Self::U, b: Self::U) -> Self::U;
+    /// Whether no lane is NaN.
+    fn nan_free(self, v: Self::V) -> bool;
+    /// f32 lanes rounded to bf16 stochastically with each lane's `noise`
+    /// (below 2^16), as `rounding::round_bf16_stochastic`, and returned as
+    /// f32 (exactly the bf16 values: low halves zero, NaN quieted).
+    /// `nan_free`: the caller has checked that no lane is NaN (otherwise
+    /// the lanes are checked here).
+    fn round_bf16_sr(self, v: Self::V, noise: Self::U, nan_free: bool) -> Self::V;
+    /// Stores each lane's high 16 bits as a bf16: the value itself when the
+    /// low ones are zero (as [`Simd::round_bf16_sr`] returns them), cut
+    /// otherwise.
     fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V);
-    /// f32 to bf16, rounding stochastically with each lane's low 16 bits
-    /// of `noise`, as `rounding::round_bf16_stochastic`.
+    /// f32 to bf16, rounding stochastically with each lane's `noise` (below
+    /// 2^16), as `rounding::round_bf16_stochastic`; `nan_free` as for
+    /// [`Simd::round_bf16_sr`].
     #[inline(always)]
-    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U) {
-        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise))
+    fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U, nan_free: bool) {
+        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, nan_free))
     }
     /// [`Simd::store_bf16_sr`], returning the values stored (as f32).
     #[inline(always)]
-    fn store_bf16_sr_value(self, dst: &mut [bf16], v: Self::V, noise: Self::U) -> Self::V {
-        let rounded = self.round_bf16_sr(v, noise);
+    fn store_bf16_sr_value(
+        self,
+        dst: &mut [bf16],
+        v: Self::V,
+        noise: Self::U,
+        nan_free: bool,
+    ) -> Self::V {
+        let rounded = self.round_bf16_sr(v, noise, nan_free);
         self.store_bf16_exact(dst, rounded);
         rounded
     }
@@ -124,19 +137,26 @@ pub trait Lanes: Sized {
     /// [`Lanes::store`] bypassing the caches where the back end can; `dst`
     /// aligned as [`Simd::stream_bf16`] requires.
     fn stream<S: Simd>(s: S, dst: &mut [Self], v: S::V);
-    /// [`Lanes::store`] rounding stochastically with the low 16 bits of
-    /// each lane of `noise` where the type is narrower than f32 and
-    /// supports it (bf16); exactly `store` otherwise.
+    /// [`Lanes::store`] rounding stochastically with each lane's `noise`
+    /// (below 2^16) where the type is narrower than f32 and supports it
+    /// (bf16); exactly `store` otherwise. `nan_free` as for
+    /// [`Simd::round_bf16_sr`].
     #[inline(always)]
-    fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) {
-        let _ = noise;
+    fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U, nan_free: bool) {
+        let _ = (noise, nan_free);
         Self::store(s, dst, v)
     }
     /// [`Lanes::store_sr`], returning the values as stored (widened to f32
     /// exactly): what a load of `dst` would give.
     #[inline(always)]
-    fn store_sr_value<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) -> S::V {
-        Self::store_sr(s, dst, v, noise);
+    fn store_sr_value<S: Simd>(
+        s: S,
+        dst: &mut [Self],
+        v: S::V,
+        noise: S::U,
+        nan_free: bool,
+    ) -> S::V {
+        Self::store_sr(s, dst, v, noise, nan_free);
         Self::load(s, dst)
     }
 }
@@ -166,12 +186,18 @@ macro_rules! element {
             }
             $(
             #[inline(always)]
-            fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) {
-                s.$store_sr(dst, v, noise)
+            fn store_sr<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U, nan_free: bool) {
+                s.$store_sr(dst, v, noise, nan_free)
             }
             #[inline(always)]
-            fn store_sr_value<S: Simd>(s: S, dst: &mut [Self], v: S::V, noise: S::U) -> S::V {
-                s.$store_sr_value(dst, v, noise)
+            fn store_sr_value<S: Simd>(
+                s: S,
+                dst: &mut [Self],
+                v: S::V,
+                noise: S::U,
+                nan_free: bool,
+            ) -> S::V {
+                s.$store_sr_value(dst, v, noise, nan_free)
             }
             )?
         }

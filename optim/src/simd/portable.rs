@@ -48,15 +48,21 @@ impl Simd for Portable {
         std::array::from_fn(|i| src[i])
     }
     #[inline(always)]
-    fn high_half(self, u: Self::U) -> Self::U {
-        u.map(|w| w >> 16)
+    fn halves(self, u: Self::U) -> (Self::U, Self::U) {
+        (u.map(|w| w & 0xffff), u.map(|w| w >> 16))
     }
     #[inline(always)]
-    fn fold_halves(self, u: Self::U) -> Self::U {
-        u.map(|w| w ^ (w >> 16))
+    fn xor_words(self, a: Self::U, b: Self::U) -> Self::U {
+        std::array::from_fn(|i| a[i] ^ b[i])
     }
     #[inline(always)]
-    fn round_bf16_sr(self, v: Self::V, noise: Self::U) -> Self::V {
+    fn nan_free(self, v: Self::V) -> bool {
+        !v.iter().any(|x| x.is_nan())
+    }
+    #[inline(always)]
+    fn round_bf16_sr(self, v: Self::V, noise: Self::U, nan_free: bool) -> Self::V {
+        // The scalar reference checks every lane itself.
+        let _ = nan_free;
         std::array::from_fn(|i| widen_bf16(round_bf16_stochastic(v[i], noise[i])))
     }
     #[inline(always)]
@@ -194,7 +200,8 @@ mod tests {
             let first = (vector / keys.len() * lanes) as u64;
             let words = crate::rounding::Noise::new(seed, step, crate::rounding::Stream::Moments)
                 .lanes(s, first);
-            let folded = s.fold_halves(words);
+            let (low, high) = s.halves(words);
+            let folded = s.xor_words(low, high);
             for (w, f) in words.iter().zip(folded.iter()) {
                 let x = [w & 0xffff, w >> 16, f & 0xffff].map(|h| (f64::from(h) + 0.5) / 65536.0);
                 for a in 0..3 {

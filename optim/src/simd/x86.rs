@@ -161,27 +161,37 @@ impl Simd for Avx2 {
         unsafe { _mm256_loadu_si256(src.as_ptr().cast()) }
     }
     #[inline(always)]
-    fn high_half(self, u: __m256i) -> __m256i {
+    fn halves(self, u: __m256i) -> (__m256i, __m256i) {
         // SAFETY: the token.
-        unsafe { _mm256_srli_epi32::<16>(u) }
+        unsafe {
+            (
+                _mm256_and_si256(u, _mm256_set1_epi32(0xffff)),
+                _mm256_srli_epi32::<16>(u),
+            )
+        }
     }
     #[inline(always)]
-    fn fold_halves(self, u: __m256i) -> __m256i {
+    fn xor_words(self, a: __m256i, b: __m256i) -> __m256i {
         // SAFETY: the token.
-        unsafe { _mm256_xor_si256(u, _mm256_srli_epi32::<16>(u)) }
+        unsafe { _mm256_xor_si256(a, b) }
     }
     #[inline(always)]
-    fn round_bf16_sr(self, v: __m256, noise: __m256i) -> __m256 {
+    fn nan_free(self, v: __m256) -> bool {
+        // SAFETY: the token.
+        unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v)) == 0 }
+    }
+    #[inline(always)]
+    fn round_bf16_sr(self, v: __m256, noise: __m256i, nan_free: bool) -> __m256 {
         // SAFETY: the token.
         unsafe {
             let bits = _mm256_castps_si256(v);
             let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-            let sum = _mm256_add_epi32(bits, _mm256_and_si256(noise, _mm256_set1_epi32(0xffff)));
+            let sum = _mm256_add_epi32(bits, noise);
             let rounded = _mm256_castsi256_ps(_mm256_and_si256(sum, high));
-            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
-            if _mm256_movemask_ps(nan) == 0 {
+            if nan_free || self.nan_free(v) {
                 return rounded;
             }
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
             // Rare: NaN lanes keep their bits, quieted.
             let quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
             let quiet = _mm256_castsi256_ps(_mm256_and_si256(quiet, high));
@@ -196,6 +206,43 @@ impl Simd for Avx2 {
             let words = self.pack_words(_mm256_srli_epi32::<16>(_mm256_castps_si256(v)));
             _mm_storeu_si128(dst.as_mut_ptr().cast(), words)
         }
+    }
+    // Where no lane is NaN, only the high halves of bits + noise are
+    // stored: their low halves need no clearing.
+    #[inline(always)]
+    fn store_bf16_sr(self, dst: &mut [bf16], v: __m256, noise: __m256i, nan_free: bool) {
+        if nan_free || self.nan_free(v) {
+            // SAFETY: the token.
+            let sum =
+                unsafe { _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(v), noise)) };
+            return self.store_bf16_exact(dst, sum);
+        }
+        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, false))
+    }
+    #[inline(always)]
+    fn store_bf16_sr_value(
+        self,
+        dst: &mut [bf16],
+        v: __m256,
+        noise: __m256i,
+        nan_free: bool,
+    ) -> __m256 {
+        if nan_free || self.nan_free(v) {
+            // SAFETY: the token.
+            let sum = unsafe { _mm256_add_epi32(_mm256_castps_si256(v), noise) };
+            // SAFETY: the token.
+            self.store_bf16_exact(dst, unsafe { _mm256_castsi256_ps(sum) });
+            // SAFETY: the token.
+            return unsafe {
+                _mm256_castsi256_ps(_mm256_and_si256(
+                    sum,
+                    _mm256_set1_epi32(0xffff_0000_u32 as i32),
+                ))
+            };
+        }
+        let rounded = self.round_bf16_sr(v, noise, false);
+        self.store_bf16_exact(dst, rounded);
+        rounded
     }
 
     #[inline(always)]
@@ -421,27 +468,36 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         unsafe { _mm512_loadu_si512(src.as_ptr().cast()) }
     }
     #[inline(always)]
-    fn high_half(self, u: __m512i) -> __m512i {
+    fn halves(self, u: __m512i) -> (__m512i, __m512i) {
         // SAFETY: the token.
-        unsafe { _mm512_srli_epi32::<16>(u) }
+        unsafe {
+            (
+                _mm512_and_si512(u, _mm512_set1_epi32(0xffff)),
+                _mm512_srli_epi32::<16>(u),
+            )
+        }
     }
     #[inline(always)]
-    fn fold_halves(self, u: __m512i) -> __m512i {
+    fn xor_words(self, a: __m512i, b: __m512i) -> __m512i {
         // SAFETY: the token.
-        unsafe { _mm512_xor_si512(u, _mm512_srli_epi32::<16>(u)) }
+        unsafe { _mm512_xor_si512(a, b) }
     }
     #[inline(always)]
-    fn round_bf16_sr(self, v: __m512, noise: __m512i) -> __m512 {
+    fn nan_free(self, v: __m512) -> bool {
+        // SAFETY: the token.
+        unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v) == 0 }
+    }
+    #[inline(always)]
+    fn round_bf16_sr(self, v: __m512, noise: __m512i, nan_free: bool) -> __m512 {
         // SAFETY: the token.
         unsafe {
             let bits = _mm512_castps_si512(v);
             let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-            let sum = _mm512_add_epi32(bits, _mm512_and_si512(noise, _mm512_set1_epi32(0xffff)));
-            let rounded = _mm512_and_si512(sum, high);
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            if nan == 0 {
+            let rounded = _mm512_and_si512(_mm512_add_epi32(bits, noise), high);
+            if nan_free || self.nan_free(v) {
                 return _mm512_castsi512_ps(rounded);
             }
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
             // Rare: NaN lanes keep their bits, quieted.
             let quiet =
                 _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000)), high);
@@ -456,6 +512,43 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
             let words = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_castps_si512(v)));
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
         }
+    }
+    // Where no lane is NaN, only the high halves of bits + noise are
+    // stored: their low halves need no clearing.
+    #[inline(always)]
+    fn store_bf16_sr(self, dst: &mut [bf16], v: __m512, noise: __m512i, nan_free: bool) {
+        if nan_free || self.nan_free(v) {
+            // SAFETY: the token.
+            let sum =
+                unsafe { _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(v), noise)) };
+            return self.store_bf16_exact(dst, sum);
+        }
+        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, false))
+    }
+    #[inline(always)]
+    fn store_bf16_sr_value(
+        self,
+        dst: &mut [bf16],
+        v: __m512,
+        noise: __m512i,
+        nan_free: bool,
+    ) -> __m512 {
+        if nan_free || self.nan_free(v) {
+            // SAFETY: the token.
+            let sum = unsafe { _mm512_add_epi32(_mm512_castps_si512(v), noise) };
+            // SAFETY: the token.
+            self.store_bf16_exact(dst, unsafe { _mm512_castsi512_ps(sum) });
+            // SAFETY: the token.
+            return unsafe {
+                _mm512_castsi512_ps(_mm512_and_si512(
+                    sum,
+                    _mm512_set1_epi32(0xffff_0000_u32 as i32),
+                ))
+            };
+        }
+        let rounded = self.round_bf16_sr(v, noise, false);
+        self.store_bf16_exact(dst, rounded);
+        rounded
     }
 
     #[inline(always)]
