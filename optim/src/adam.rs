@@ -740,17 +740,17 @@ fn stream_out<S: Simd, T: Element>(s: S, src: &[T], dst: &mut [T]) {
 /// index of the call's first element. The three 16-bit words are pairwise
 /// independent, not mutually (they xor to zero): each rounding is unbiased
 /// on its own, which is what the states need.
-struct Words {
-    moments: Noise,
+struct Words<S: Simd> {
+    moments: Noise<S>,
     master: bool,
     first: u64,
 }
 
-impl Words {
+impl<S: Simd> Words<S> {
     /// The words of the vector at `offset` in the call, when rounding
     /// stochastically.
     #[inline(always)]
-    fn at<S: Simd>(words: &mut Option<Words>, s: S, offset: usize) -> Drawn<S> {
+    fn at(words: &mut Option<Words<S>>, s: S, offset: usize) -> Drawn<S> {
         match words {
             None => (None, None),
             Some(w) => {
@@ -770,7 +770,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         let mut words = match self.rounding {
             Rounding::Nearest => None,
             Rounding::Stochastic { seed, step, first } => Some(Words {
-                moments: Noise::new(seed, step, Stream::Moments),
+                moments: Noise::new(s, seed, step, Stream::Moments),
                 // fp32 masters are stored as they are.
                 master: std::mem::size_of::<P>() < 4,
                 first,

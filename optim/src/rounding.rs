@@ -101,43 +101,67 @@ pub fn round_bf16_stochastic(x: f32, noise: u32) -> bf16 {
 }
 
 /// Random words for one stream, vector by vector: the key is recomputed
-/// only when the index crosses into the next 2^32 elements.
-pub(crate) struct Noise {
+/// only when the index crosses into the next 2^32 elements, and a vector
+/// that follows the one before it steps that one's counters on (one add,
+/// where a fresh start broadcasts its index and the key).
+pub(crate) struct Noise<S: Simd> {
     seed: u64,
     step: u64,
     stream: Stream,
     high: u64,
     key: u32,
+    /// `key` in every lane.
+    keys: S::U,
+    /// The low 32 bits of the last vector's indices.
+    counters: S::U,
+    /// The index at which the next vector continues the last one (none
+    /// where stepping on would wrap the low 32 bits).
+    next: Option<u64>,
 }
 
-impl Noise {
-    pub(crate) fn new(seed: u64, step: u64, stream: Stream) -> Noise {
+impl<S: Simd> Noise<S> {
+    pub(crate) fn new(s: S, seed: u64, step: u64, stream: Stream) -> Noise<S> {
+        let key = key(seed, step, stream, 0);
         Noise {
             seed,
             step,
             stream,
             high: 0,
-            key: key(seed, step, stream, 0),
+            key,
+            keys: s.splat_word(key),
+            counters: s.splat_word(0),
+            next: None,
         }
     }
 
     /// The words of elements `index .. index + S::LANES`.
     #[inline(always)]
-    pub(crate) fn lanes<S: crate::simd::Simd>(&mut self, s: S, index: u64) -> S::U {
+    pub(crate) fn lanes(&mut self, s: S, index: u64) -> S::U {
         let (high, low) = (index >> 32, index as u32);
-        if low.checked_add(S::LANES as u32 - 1).is_none() {
-            // The vector straddles a 2^32 boundary: lane by lane.
-            let mut words = [0u32; crate::simd::LANES_MAX];
-            for (i, w) in words.iter_mut().take(S::LANES).enumerate() {
-                *w = word(self.seed, self.step, self.stream, index + i as u64);
+        let lanes = S::LANES as u32;
+        if self.next == Some(index) {
+            self.counters = s.add_words(self.counters, s.splat_word(lanes));
+        } else {
+            if low.checked_add(lanes - 1).is_none() {
+                // The vector straddles a 2^32 boundary: lane by lane.
+                let mut words = [0u32; crate::simd::LANES_MAX];
+                for (i, w) in words.iter_mut().take(S::LANES).enumerate() {
+                    *w = word(self.seed, self.step, self.stream, index + i as u64);
+                }
+                self.next = None;
+                return s.load_u32(&words);
             }
-            return s.load_u32(&words);
+            if high != self.high {
+                self.high = high;
+                self.key = key(self.seed, self.step, self.stream, high);
+                self.keys = s.splat_word(self.key);
+            }
+            self.counters = s.iota_words(low);
         }
-        if high != self.high {
-            self.high = high;
-            self.key = key(self.seed, self.step, self.stream, high);
-        }
-        s.hash_lanes(self.key, low)
+        self.next = low
+            .checked_add(2 * lanes - 1)
+            .map(|_| index + u64::from(lanes));
+        s.mix_words(s.xor_words(self.counters, self.keys))
     }
 }
 
@@ -158,7 +182,8 @@ pub fn narrow_stochastic(isa: Isa, source: &[f32], target: &mut [bf16], rounding
         NarrowSr {
             source,
             target,
-            noise: Noise::new(seed, step, Stream::Master),
+            seed,
+            step,
             first,
         },
     );
@@ -167,7 +192,8 @@ pub fn narrow_stochastic(isa: Isa, source: &[f32], target: &mut [bf16], rounding
 struct NarrowSr<'a> {
     source: &'a [f32],
     target: &'a mut [bf16],
-    noise: Noise,
+    seed: u64,
+    step: u64,
     first: u64,
 }
 
@@ -176,7 +202,8 @@ impl Kernel for NarrowSr<'_> {
 
     #[inline(always)]
     fn run<S: Simd>(self, s: S) {
-        let (mut noise, first) = (self.noise, self.first);
+        let mut noise = Noise::new(s, self.seed, self.step, Stream::Master);
+        let first = self.first;
         let n = S::LANES;
         let body = simd::body_len::<S>(self.source.len());
         let (target, target_tail) = self.target.split_at_mut(body);

@@ -58,8 +58,20 @@ pub trait Simd: Copy + Send + Sync {
     /// Orders earlier non-temporal stores before later stores.
     fn fence(self);
 
+    /// Every lane `x`.
+    fn splat_word(self, x: u32) -> Self::U;
+    /// Lane `i`: `first + i` (wrapping).
+    fn iota_words(self, first: u32) -> Self::U;
+    /// Lanewise wrapping sum.
+    fn add_words(self, a: Self::U, b: Self::U) -> Self::U;
+    /// Lane `i`: `rounding::hash32(0, x[i])`, the mix that
+    /// `rounding::hash32(key, counter)` applies to `key ^ counter`.
+    fn mix_words(self, x: Self::U) -> Self::U;
     /// Lane `i`: `rounding::hash32(key, first + i)` (wrapping).
-    fn hash_lanes(self, key: u32, first: u32) -> Self::U;
+    #[inline(always)]
+    fn hash_lanes(self, key: u32, first: u32) -> Self::U {
+        self.mix_words(self.xor_words(self.iota_words(first), self.splat_word(key)))
+    }
     /// u32 lanes from `src` (at least `LANES` long).
     fn load_u32(self, src: &[u32]) -> Self::U;
     /// Each lane's low 16 bits and its high 16 bits shifted down: two

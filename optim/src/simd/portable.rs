@@ -40,8 +40,21 @@ impl Simd for Portable {
     type U = [u32; LANES];
 
     #[inline(always)]
-    fn hash_lanes(self, key: u32, first: u32) -> Self::U {
-        std::array::from_fn(|i| hash32(key, first.wrapping_add(i as u32)))
+    fn splat_word(self, x: u32) -> Self::U {
+        [x; LANES]
+    }
+    #[inline(always)]
+    fn iota_words(self, first: u32) -> Self::U {
+        std::array::from_fn(|i| first.wrapping_add(i as u32))
+    }
+    #[inline(always)]
+    fn add_words(self, a: Self::U, b: Self::U) -> Self::U {
+        std::array::from_fn(|i| a[i].wrapping_add(b[i]))
+    }
+    #[inline(always)]
+    fn mix_words(self, x: Self::U) -> Self::U {
+        // hash32 of key ^ counter is the mix of that xor.
+        x.map(|x| hash32(0, x))
     }
     #[inline(always)]
     fn load_u32(self, src: &[u32]) -> Self::U {
@@ -198,8 +211,9 @@ mod tests {
         for vector in 0..N / lanes {
             let (seed, step) = keys[vector % keys.len()];
             let first = (vector / keys.len() * lanes) as u64;
-            let words = crate::rounding::Noise::new(seed, step, crate::rounding::Stream::Moments)
-                .lanes(s, first);
+            let words =
+                crate::rounding::Noise::new(s, seed, step, crate::rounding::Stream::Moments)
+                    .lanes(s, first);
             let (low, high) = s.halves(words);
             let folded = s.xor_words(low, high);
             for (w, f) in words.iter().zip(folded.iter()) {

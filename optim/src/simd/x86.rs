@@ -87,7 +87,7 @@ macro_rules! bf16_round_bits {
     }};
 }
 
-/// `rounding::hash32` in 32-bit lanes of `x = key ^ counter`.
+/// `rounding::hash32`'s mix in 32-bit lanes of `x = key ^ counter`.
 macro_rules! hash32_lanes {
     ($x:expr, $xor:ident, $srli:ident, $mullo:ident, $set1:ident) => {{
         let mut x = $x;
@@ -138,15 +138,31 @@ impl Simd for Avx2 {
     type U = __m256i;
 
     #[inline(always)]
-    fn hash_lanes(self, key: u32, first: u32) -> __m256i {
+    fn splat_word(self, x: u32) -> __m256i {
+        // SAFETY: the token.
+        unsafe { _mm256_set1_epi32(x as i32) }
+    }
+    #[inline(always)]
+    fn iota_words(self, first: u32) -> __m256i {
         // SAFETY: the token.
         unsafe {
-            let counters = _mm256_add_epi32(
+            _mm256_add_epi32(
                 _mm256_set1_epi32(first as i32),
                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            );
+            )
+        }
+    }
+    #[inline(always)]
+    fn add_words(self, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: the token.
+        unsafe { _mm256_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn mix_words(self, x: __m256i) -> __m256i {
+        // SAFETY: the token.
+        unsafe {
             hash32_lanes!(
-                _mm256_xor_si256(counters, _mm256_set1_epi32(key as i32)),
+                x,
                 _mm256_xor_si256,
                 _mm256_srli_epi32,
                 _mm256_mullo_epi32,
@@ -445,15 +461,31 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     type U = __m512i;
 
     #[inline(always)]
-    fn hash_lanes(self, key: u32, first: u32) -> __m512i {
+    fn splat_word(self, x: u32) -> __m512i {
+        // SAFETY: the token.
+        unsafe { _mm512_set1_epi32(x as i32) }
+    }
+    #[inline(always)]
+    fn iota_words(self, first: u32) -> __m512i {
         // SAFETY: the token.
         unsafe {
-            let counters = _mm512_add_epi32(
+            _mm512_add_epi32(
                 _mm512_set1_epi32(first as i32),
                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            );
+            )
+        }
+    }
+    #[inline(always)]
+    fn add_words(self, a: __m512i, b: __m512i) -> __m512i {
+        // SAFETY: the token.
+        unsafe { _mm512_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn mix_words(self, x: __m512i) -> __m512i {
+        // SAFETY: the token.
+        unsafe {
             hash32_lanes!(
-                _mm512_xor_si512(counters, _mm512_set1_epi32(key as i32)),
+                x,
                 _mm512_xor_si512,
                 _mm512_srli_epi32,
                 _mm512_mullo_epi32,
