@@ -405,6 +405,61 @@ impl Simd for Avx2 {
     }
 }
 
+/// Word indices that gather each 32-bit lane's high half into the low 256
+/// bits (word `i` takes word `2i + 1`).
+#[inline(always)]
+fn high_words() -> __m512i {
+    // SAFETY: a constant; _mm512_setr_epi32 needs only AVX-512F, which every caller's token has.
+    unsafe {
+        _mm512_setr_epi32(
+            0x0003_0001,
+            0x0007_0005,
+            0x000b_0009,
+            0x000f_000d,
+            0x0013_0011,
+            0x0017_0015,
+            0x001b_0019,
+            0x001f_001d,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        )
+    }
+}
+
+/// Word indices that spread the low 16 words into the high halves of 32-bit
+/// lanes (word `2i + 1` takes word `i`) and fill the low halves from word
+/// 16, in the zeroed upper half.
+#[inline(always)]
+fn to_high_words() -> __m512i {
+    // SAFETY: a constant; _mm512_setr_epi32 needs only AVX-512F, which every caller's token has.
+    unsafe {
+        _mm512_setr_epi32(
+            0x0000_0010,
+            0x0001_0010,
+            0x0002_0010,
+            0x0003_0010,
+            0x0004_0010,
+            0x0005_0010,
+            0x0006_0010,
+            0x0007_0010,
+            0x0008_0010,
+            0x0009_0010,
+            0x000a_0010,
+            0x000b_0010,
+            0x000c_0010,
+            0x000d_0010,
+            0x000e_0010,
+            0x000f_0010,
+        )
+    }
+}
+
 impl<const BF16: bool> Avx512<BF16> {
     /// f32 lanes (as bits) to 16 bf16 words by the integer rule: round to
     /// nearest even, NaN quieted, subnormals kept.
@@ -541,7 +596,13 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         assert!(dst.len() >= 16);
         // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
         unsafe {
-            let words = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_castps_si512(v)));
+            let bits = _mm512_castps_si512(v);
+            let words = if BF16 {
+                // One word permute (BW) picks the high halves.
+                _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words(), bits))
+            } else {
+                _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(bits))
+            };
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
         }
     }
@@ -606,6 +667,13 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
         unsafe {
             let halves = _mm256_loadu_si256(src.as_ptr().cast());
+            if BF16 {
+                // One word permute (BW) into the high halves, zeros below.
+                return _mm512_castsi512_ps(_mm512_permutexvar_epi16(
+                    to_high_words(),
+                    _mm512_zextsi256_si512(halves),
+                ));
+            }
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
         }
     }
