@@ -92,12 +92,22 @@ pub trait Simd: Copy + Send + Sync {
     /// low ones are zero (as [`Simd::round_bf16_sr`] returns them), cut
     /// otherwise.
     fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V);
+    /// Each lane's bits plus its `noise`, as f32 lanes (the sum before its
+    /// low halves are cut).
+    fn add_noise(self, v: Self::V, noise: Self::U) -> Self::V;
+    /// Each lane's low 16 bits cleared.
+    fn clear_low_halves(self, v: Self::V) -> Self::V;
     /// f32 to bf16, rounding stochastically with each lane's `noise` (below
     /// 2^16), as `rounding::round_bf16_stochastic`; `nan_free` as for
-    /// [`Simd::round_bf16_sr`].
+    /// [`Simd::round_bf16_sr`]. Where no lane is NaN, the high halves of
+    /// bits + noise are stored as they are: their low halves need no
+    /// clearing.
     #[inline(always)]
     fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U, nan_free: bool) {
-        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, nan_free))
+        if nan_free || self.nan_free(v) {
+            return self.store_bf16_exact(dst, self.add_noise(v, noise));
+        }
+        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, false))
     }
     /// [`Simd::store_bf16_sr`], returning the values stored (as f32).
     #[inline(always)]
@@ -108,7 +118,12 @@ pub trait Simd: Copy + Send + Sync {
         noise: Self::U,
         nan_free: bool,
     ) -> Self::V {
-        let rounded = self.round_bf16_sr(v, noise, nan_free);
+        if nan_free || self.nan_free(v) {
+            let sum = self.add_noise(v, noise);
+            self.store_bf16_exact(dst, sum);
+            return self.clear_low_halves(sum);
+        }
+        let rounded = self.round_bf16_sr(v, noise, false);
         self.store_bf16_exact(dst, rounded);
         rounded
     }

@@ -69,6 +69,14 @@ impl Simd for Portable {
         std::array::from_fn(|i| a[i] ^ b[i])
     }
     #[inline(always)]
+    fn add_noise(self, v: Self::V, noise: Self::U) -> Self::V {
+        std::array::from_fn(|i| f32::from_bits(v[i].to_bits().wrapping_add(noise[i])))
+    }
+    #[inline(always)]
+    fn clear_low_halves(self, v: Self::V) -> Self::V {
+        v.map(|x| f32::from_bits(x.to_bits() & 0xffff_0000))
+    }
+    #[inline(always)]
     fn nan_free(self, v: Self::V) -> bool {
         !v.iter().any(|x| x.is_nan())
     }

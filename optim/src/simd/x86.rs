@@ -192,6 +192,19 @@ impl Simd for Avx2 {
         unsafe { _mm256_xor_si256(a, b) }
     }
     #[inline(always)]
+    fn add_noise(self, v: __m256, noise: __m256i) -> __m256 {
+        // SAFETY: the token.
+        unsafe { _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(v), noise)) }
+    }
+    #[inline(always)]
+    fn clear_low_halves(self, v: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe {
+            let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+            _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(v), high))
+        }
+    }
+    #[inline(always)]
     fn nan_free(self, v: __m256) -> bool {
         // SAFETY: the token.
         unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v)) == 0 }
@@ -222,43 +235,6 @@ impl Simd for Avx2 {
             let words = self.pack_words(_mm256_srli_epi32::<16>(_mm256_castps_si256(v)));
             _mm_storeu_si128(dst.as_mut_ptr().cast(), words)
         }
-    }
-    // Where no lane is NaN, only the high halves of bits + noise are
-    // stored: their low halves need no clearing.
-    #[inline(always)]
-    fn store_bf16_sr(self, dst: &mut [bf16], v: __m256, noise: __m256i, nan_free: bool) {
-        if nan_free || self.nan_free(v) {
-            // SAFETY: the token.
-            let sum =
-                unsafe { _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(v), noise)) };
-            return self.store_bf16_exact(dst, sum);
-        }
-        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, false))
-    }
-    #[inline(always)]
-    fn store_bf16_sr_value(
-        self,
-        dst: &mut [bf16],
-        v: __m256,
-        noise: __m256i,
-        nan_free: bool,
-    ) -> __m256 {
-        if nan_free || self.nan_free(v) {
-            // SAFETY: the token.
-            let sum = unsafe { _mm256_add_epi32(_mm256_castps_si256(v), noise) };
-            // SAFETY: the token.
-            self.store_bf16_exact(dst, unsafe { _mm256_castsi256_ps(sum) });
-            // SAFETY: the token.
-            return unsafe {
-                _mm256_castsi256_ps(_mm256_and_si256(
-                    sum,
-                    _mm256_set1_epi32(0xffff_0000_u32 as i32),
-                ))
-            };
-        }
-        let rounded = self.round_bf16_sr(v, noise, false);
-        self.store_bf16_exact(dst, rounded);
-        rounded
     }
 
     #[inline(always)]
@@ -570,6 +546,19 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         unsafe { _mm512_xor_si512(a, b) }
     }
     #[inline(always)]
+    fn add_noise(self, v: __m512, noise: __m512i) -> __m512 {
+        // SAFETY: the token.
+        unsafe { _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(v), noise)) }
+    }
+    #[inline(always)]
+    fn clear_low_halves(self, v: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe {
+            let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+            _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), high))
+        }
+    }
+    #[inline(always)]
     fn nan_free(self, v: __m512) -> bool {
         // SAFETY: the token.
         unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v) == 0 }
@@ -605,43 +594,6 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
             };
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
         }
-    }
-    // Where no lane is NaN, only the high halves of bits + noise are
-    // stored: their low halves need no clearing.
-    #[inline(always)]
-    fn store_bf16_sr(self, dst: &mut [bf16], v: __m512, noise: __m512i, nan_free: bool) {
-        if nan_free || self.nan_free(v) {
-            // SAFETY: the token.
-            let sum =
-                unsafe { _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(v), noise)) };
-            return self.store_bf16_exact(dst, sum);
-        }
-        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, false))
-    }
-    #[inline(always)]
-    fn store_bf16_sr_value(
-        self,
-        dst: &mut [bf16],
-        v: __m512,
-        noise: __m512i,
-        nan_free: bool,
-    ) -> __m512 {
-        if nan_free || self.nan_free(v) {
-            // SAFETY: the token.
-            let sum = unsafe { _mm512_add_epi32(_mm512_castps_si512(v), noise) };
-            // SAFETY: the token.
-            self.store_bf16_exact(dst, unsafe { _mm512_castsi512_ps(sum) });
-            // SAFETY: the token.
-            return unsafe {
-                _mm512_castsi512_ps(_mm512_and_si512(
-                    sum,
-                    _mm512_set1_epi32(0xffff_0000_u32 as i32),
-                ))
-            };
-        }
-        let rounded = self.round_bf16_sr(v, noise, false);
-        self.store_bf16_exact(dst, rounded);
-        rounded
     }
 
     #[inline(always)]
