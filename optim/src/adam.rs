@@ -573,9 +573,9 @@ impl<S: Simd> Splat<S> {
     }
 
     /// One vector of the update; returns the new parameters (with
-    /// `master`, as stored). With `noise`, bf16 moments are rounded
-    /// stochastically (m with each word's low half, v with its high half);
-    /// with `master`, bf16 master weights too.
+    /// `master`, as stored). With `noise` (m's words, v's words), bf16
+    /// moments are rounded stochastically; with `master`, bf16 master
+    /// weights too.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn update<P: Element, G: Element, M: Element>(
@@ -684,7 +684,7 @@ impl<S: Simd> Splat<S> {
 }
 
 /// Elements of an out-of-place step computed into the cache before they are
-/// streamed out (1 KiB of fp32 per state, 16 lines per output). On the
+/// streamed out (1 KiB of each fp32 state, 16 lines; 8 of a 16-bit one). On the
 /// 2-core development machine, 64M parameters on 2 threads, the
 /// engine-shaped step ran at 0.78-0.82x the roofline kernel with 256, 0.68x
 /// with 1024 and 0.59x with 4096: shorter bursts of one output's
@@ -771,14 +771,17 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
     #[inline(always)]
     fn run<S: Simd>(self, s: S) {
         let k = Splat::new(s, self.coefficients);
+        // Only 16-bit states take noise: with fp32 masters and moments a
+        // stochastic step draws none.
+        let sixteen = std::mem::size_of::<M>() < 4 || std::mem::size_of::<P>() < 4;
         let mut words = match self.rounding {
-            Rounding::Nearest => None,
-            Rounding::Stochastic { seed, step, first } => Some(Words {
+            Rounding::Stochastic { seed, step, first } if sixteen => Some(Words {
                 moments: Noise::new(s, seed, step, Stream::Moments),
                 // fp32 masters are stored as they are.
                 master: std::mem::size_of::<P>() < 4,
                 first,
             }),
+            _ => None,
         };
         let n = S::LANES;
         let len = self.params.len();

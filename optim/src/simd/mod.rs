@@ -67,11 +67,6 @@ pub trait Simd: Copy + Send + Sync {
     /// Lane `i`: `rounding::hash32(0, x[i])`, the mix that
     /// `rounding::hash32(key, counter)` applies to `key ^ counter`.
     fn mix_words(self, x: Self::U) -> Self::U;
-    /// Lane `i`: `rounding::hash32(key, first + i)` (wrapping).
-    #[inline(always)]
-    fn hash_lanes(self, key: u32, first: u32) -> Self::U {
-        self.mix_words(self.xor_words(self.iota_words(first), self.splat_word(key)))
-    }
     /// u32 lanes from `src` (at least `LANES` long).
     fn load_u32(self, src: &[u32]) -> Self::U;
     /// Each lane's low 16 bits and its high 16 bits shifted down: two

@@ -1,5 +1,6 @@
 //! x86-64 back ends: AVX2 + FMA + F16C (8 lanes) and AVX-512F (16 lanes),
-//! the latter optionally with AVX512-BF16's `vcvtneps2bf16` for narrowing.
+//! the latter optionally with AVX512-BF16's `vcvtneps2bf16` for narrowing
+//! and AVX512-BW's word permute (`vpermw`) for bf16 loads and stores.
 //!
 //! Every intrinsic here needs its CPU feature. The tokens [`Avx2`] and
 //! [`Avx512`] are created only inside the `run_*` entries below, which are
@@ -381,62 +382,62 @@ impl Simd for Avx2 {
     }
 }
 
-/// Word indices that gather each 32-bit lane's high half into the low 256
-/// bits (word `i` takes word `2i + 1`).
-#[inline(always)]
-fn high_words() -> __m512i {
-    // SAFETY: a constant; _mm512_setr_epi32 needs only AVX-512F, which every caller's token has.
-    unsafe {
-        _mm512_setr_epi32(
-            0x0003_0001,
-            0x0007_0005,
-            0x000b_0009,
-            0x000f_000d,
-            0x0013_0011,
-            0x0017_0015,
-            0x001b_0019,
-            0x001f_001d,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-        )
-    }
-}
-
-/// Word indices that spread the low 16 words into the high halves of 32-bit
-/// lanes (word `2i + 1` takes word `i`) and fill the low halves from word
-/// 16, in the zeroed upper half.
-#[inline(always)]
-fn to_high_words() -> __m512i {
-    // SAFETY: a constant; _mm512_setr_epi32 needs only AVX-512F, which every caller's token has.
-    unsafe {
-        _mm512_setr_epi32(
-            0x0000_0010,
-            0x0001_0010,
-            0x0002_0010,
-            0x0003_0010,
-            0x0004_0010,
-            0x0005_0010,
-            0x0006_0010,
-            0x0007_0010,
-            0x0008_0010,
-            0x0009_0010,
-            0x000a_0010,
-            0x000b_0010,
-            0x000c_0010,
-            0x000d_0010,
-            0x000e_0010,
-            0x000f_0010,
-        )
-    }
-}
-
 impl<const BF16: bool> Avx512<BF16> {
+    /// Word indices that gather each 32-bit lane's high half into the low 256
+    /// bits (word `i` takes word `2i + 1`).
+    #[inline(always)]
+    fn high_words(self) -> __m512i {
+        // SAFETY: the token (AVX-512F).
+        unsafe {
+            _mm512_setr_epi32(
+                0x0003_0001,
+                0x0007_0005,
+                0x000b_0009,
+                0x000f_000d,
+                0x0013_0011,
+                0x0017_0015,
+                0x001b_0019,
+                0x001f_001d,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+            )
+        }
+    }
+
+    /// Word indices that spread the low 16 words into the high halves of 32-bit
+    /// lanes (word `2i + 1` takes word `i`) and fill the low halves from word
+    /// 16, in the zeroed upper half.
+    #[inline(always)]
+    fn to_high_words(self) -> __m512i {
+        // SAFETY: the token (AVX-512F).
+        unsafe {
+            _mm512_setr_epi32(
+                0x0000_0010,
+                0x0001_0010,
+                0x0002_0010,
+                0x0003_0010,
+                0x0004_0010,
+                0x0005_0010,
+                0x0006_0010,
+                0x0007_0010,
+                0x0008_0010,
+                0x0009_0010,
+                0x000a_0010,
+                0x000b_0010,
+                0x000c_0010,
+                0x000d_0010,
+                0x000e_0010,
+                0x000f_0010,
+            )
+        }
+    }
+
     /// f32 lanes (as bits) to 16 bf16 words by the integer rule: round to
     /// nearest even, NaN quieted, subnormals kept.
     #[inline(always)]
@@ -583,12 +584,13 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     #[inline(always)]
     fn store_bf16_exact(self, dst: &mut [bf16], v: __m512) {
         assert!(dst.len() >= 16);
-        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        // SAFETY: the token (with BF16 it includes avx512bw, which vpermw
+        // needs); 16 bf16 (32 bytes) are in bounds (asserted).
         unsafe {
             let bits = _mm512_castps_si512(v);
             let words = if BF16 {
                 // One word permute (BW) picks the high halves.
-                _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words(), bits))
+                _mm512_castsi512_si256(_mm512_permutexvar_epi16(self.high_words(), bits))
             } else {
                 _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(bits))
             };
@@ -616,13 +618,14 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     #[inline(always)]
     fn load_bf16(self, src: &[bf16]) -> __m512 {
         assert!(src.len() >= 16);
-        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        // SAFETY: the token (with BF16 it includes avx512bw, which vpermw
+        // needs); 16 bf16 (32 bytes) are in bounds (asserted).
         unsafe {
             let halves = _mm256_loadu_si256(src.as_ptr().cast());
             if BF16 {
                 // One word permute (BW) into the high halves, zeros below.
                 return _mm512_castsi512_ps(_mm512_permutexvar_epi16(
-                    to_high_words(),
+                    self.to_high_words(),
                     _mm512_zextsi256_si512(halves),
                 ));
             }
