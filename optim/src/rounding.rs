@@ -109,8 +109,7 @@ pub(crate) struct Noise<S: Simd> {
     step: u64,
     stream: Stream,
     high: u64,
-    key: u32,
-    /// `key` in every lane.
+    /// The key of elements `high << 32 ..` in every lane.
     keys: S::U,
     /// The low 32 bits of the last vector's indices.
     counters: S::U,
@@ -121,14 +120,12 @@ pub(crate) struct Noise<S: Simd> {
 
 impl<S: Simd> Noise<S> {
     pub(crate) fn new(s: S, seed: u64, step: u64, stream: Stream) -> Noise<S> {
-        let key = key(seed, step, stream, 0);
         Noise {
             seed,
             step,
             stream,
             high: 0,
-            key,
-            keys: s.splat_word(key),
+            keys: s.splat_word(key(seed, step, stream, 0)),
             counters: s.splat_word(0),
             next: None,
         }
@@ -153,8 +150,7 @@ impl<S: Simd> Noise<S> {
             }
             if high != self.high {
                 self.high = high;
-                self.key = key(self.seed, self.step, self.stream, high);
-                self.keys = s.splat_word(self.key);
+                self.keys = s.splat_word(key(self.seed, self.step, self.stream, high));
             }
             self.counters = s.iota_words(low);
         }

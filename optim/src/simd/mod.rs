@@ -82,7 +82,17 @@ pub trait Simd: Copy + Send + Sync {
     /// f32 (exactly the bf16 values: low halves zero, NaN quieted).
     /// `nan_free`: the caller has checked that no lane is NaN (otherwise
     /// the lanes are checked here).
-    fn round_bf16_sr(self, v: Self::V, noise: Self::U, nan_free: bool) -> Self::V;
+    #[inline(always)]
+    fn round_bf16_sr(self, v: Self::V, noise: Self::U, nan_free: bool) -> Self::V {
+        let rounded = self.clear_low_halves(self.add_noise(v, noise));
+        if nan_free || self.nan_free(v) {
+            return rounded;
+        }
+        self.quiet_nan_lanes(v, rounded)
+    }
+    /// `rounded` with every lane where `v` is NaN replaced by that NaN,
+    /// quieted and cut to bf16 (the rare path of [`Simd::round_bf16_sr`]).
+    fn quiet_nan_lanes(self, v: Self::V, rounded: Self::V) -> Self::V;
     /// Stores each lane's high 16 bits as a bf16: the value itself when the
     /// low ones are zero (as [`Simd::round_bf16_sr`] returns them), cut
     /// otherwise.

@@ -81,10 +81,11 @@ impl Simd for Portable {
         !v.iter().any(|x| x.is_nan())
     }
     #[inline(always)]
-    fn round_bf16_sr(self, v: Self::V, noise: Self::U, nan_free: bool) -> Self::V {
-        // The scalar reference checks every lane itself.
-        let _ = nan_free;
-        std::array::from_fn(|i| widen_bf16(round_bf16_stochastic(v[i], noise[i])))
+    fn quiet_nan_lanes(self, v: Self::V, rounded: Self::V) -> Self::V {
+        std::array::from_fn(|i| match v[i].is_nan() {
+            true => widen_bf16(round_bf16_stochastic(v[i], 0)),
+            false => rounded[i],
+        })
     }
     #[inline(always)]
     fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V) {

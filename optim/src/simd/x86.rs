@@ -211,21 +211,16 @@ impl Simd for Avx2 {
         unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v)) == 0 }
     }
     #[inline(always)]
-    fn round_bf16_sr(self, v: __m256, noise: __m256i, nan_free: bool) -> __m256 {
+    fn quiet_nan_lanes(self, v: __m256, rounded: __m256) -> __m256 {
         // SAFETY: the token.
         unsafe {
-            let bits = _mm256_castps_si256(v);
-            let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-            let sum = _mm256_add_epi32(bits, noise);
-            let rounded = _mm256_castsi256_ps(_mm256_and_si256(sum, high));
-            if nan_free || self.nan_free(v) {
-                return rounded;
-            }
             let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
-            // Rare: NaN lanes keep their bits, quieted.
-            let quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x0040_0000));
-            let quiet = _mm256_castsi256_ps(_mm256_and_si256(quiet, high));
-            _mm256_blendv_ps(rounded, quiet, nan)
+            let quiet = _mm256_or_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x0040_0000));
+            _mm256_blendv_ps(
+                rounded,
+                self.clear_low_halves(_mm256_castsi256_ps(quiet)),
+                nan,
+            )
         }
     }
     #[inline(always)]
@@ -565,20 +560,16 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v) == 0 }
     }
     #[inline(always)]
-    fn round_bf16_sr(self, v: __m512, noise: __m512i, nan_free: bool) -> __m512 {
+    fn quiet_nan_lanes(self, v: __m512, rounded: __m512) -> __m512 {
         // SAFETY: the token.
         unsafe {
-            let bits = _mm512_castps_si512(v);
-            let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-            let rounded = _mm512_and_si512(_mm512_add_epi32(bits, noise), high);
-            if nan_free || self.nan_free(v) {
-                return _mm512_castsi512_ps(rounded);
-            }
             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            // Rare: NaN lanes keep their bits, quieted.
-            let quiet =
-                _mm512_and_si512(_mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000)), high);
-            _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet))
+            let quiet = _mm512_or_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x0040_0000));
+            _mm512_mask_blend_ps(
+                nan,
+                rounded,
+                self.clear_low_halves(_mm512_castsi512_ps(quiet)),
+            )
         }
     }
     #[inline(always)]
