@@ -195,14 +195,8 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
         // the last shard's padding, which it does not. Tensor by tensor,
         // not element by element: billions of parameters take no time.
         let tensors: Vec<(std::ops::Range<usize>, bool)> = match g {
-            0 => (0..4)
-                .map(|i| embed.range(i))
-                .map(|r| (r.clone(), embed.is_matrix(r.start)))
-                .collect(),
-            _ => (0..12)
-                .map(|i| block.range(i))
-                .map(|r| (r.clone(), block.is_matrix(r.start)))
-                .collect(),
+            0 => embed.tensors().collect(),
+            _ => block.tensors().collect(),
         };
         let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
         for (range, decays) in tensors.into_iter().chain([(params..usize::MAX, false)]) {

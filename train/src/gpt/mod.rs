@@ -320,12 +320,18 @@ impl BlockLayout {
         MATRICES.iter().any(|&i| self.range(i).contains(&index))
     }
 
+    /// Each tensor's elements, in layout order, and whether it is a weight
+    /// matrix (decayed by AdamW).
+    pub fn tensors(&self) -> impl Iterator<Item = (Range<usize>, bool)> + '_ {
+        (0..12).map(|i| (self.range(i), MATRICES.contains(&i)))
+    }
+
     /// The tensors a block reads in f32 whatever the compute dtype: its
     /// biases and LayerNorm parameters (a small part of it).
     pub fn vectors(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        (0..12)
-            .filter(|i| !MATRICES.contains(i))
-            .map(|i| self.range(i))
+        self.tensors()
+            .filter(|(_, matrix)| !matrix)
+            .map(|(range, _)| range)
     }
 
     /// Each tensor's view: weight matrices in the compute dtype, the rest
@@ -372,6 +378,12 @@ impl EmbedLayout {
     /// Whether parameter `index` is a weight matrix (the embeddings).
     pub fn is_matrix(&self, index: usize) -> bool {
         index < self.parts.ends[1]
+    }
+
+    /// Each tensor's elements, in layout order, and whether it is a weight
+    /// matrix (the two embeddings are; the final LayerNorm's are not).
+    pub fn tensors(&self) -> impl Iterator<Item = (Range<usize>, bool)> + '_ {
+        (0..4).map(|i| (self.range(i), i < 2))
     }
 
     /// The embeddings' gradients cut as the backward writes them: token
