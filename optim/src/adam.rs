@@ -807,6 +807,17 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         let (body, tail) = rest.split_at(body_len);
         k.padded(s, head_part, Words::at(&mut words, s, 0));
         let (p, g, m, v, mut out, src) = body;
+        // Each vector asks for the lines its streams' later vectors will
+        // read (simd::PREFETCH_ELEMS_DEFAULT).
+        let ahead = simd::Ahead::get();
+        let bases = (p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr());
+        let touch = |at: usize| {
+            let i = at - head;
+            ahead.touch(bases.0, i);
+            ahead.touch(bases.1, i);
+            ahead.touch(bases.2, i);
+            ahead.touch(bases.3, i);
+        };
         if let Some((p0, m0, v0)) = src {
             if !nt {
                 for i in (0..body_len).step_by(n) {
@@ -828,6 +839,10 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                     let len = TILE_ELEMS.min(body_len - start);
                     for j in (0..len).step_by(n) {
                         let i = start + j;
+                        ahead.touch(p0.as_ptr(), i);
+                        ahead.touch(m0.as_ptr(), i);
+                        ahead.touch(v0.as_ptr(), i);
+                        ahead.touch(g.as_ptr(), i);
                         let noise = Words::at(&mut words, s, head + i);
                         let src = Some((&p0[i..], &m0[i..], &v0[i..]));
                         let (tp, tm, tv) = (&mut tile.p[j..], &mut tile.m[j..], &mut tile.v[j..]);
@@ -858,6 +873,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             Some(out) if stream => {
                 for ((at, (((p, g), m), v)), o) in vectors.zip(out.chunks_exact_mut(n)) {
                     let noise = Words::at(&mut words, s, at);
+                    touch(at);
                     O::stream(s, o, k.update(s, p, g, m, v, None, false, noise));
                 }
                 s.fence();
@@ -865,12 +881,14 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             Some(out) => {
                 for ((at, (((p, g), m), v)), o) in vectors.zip(out.chunks_exact_mut(n)) {
                     let noise = Words::at(&mut words, s, at);
+                    touch(at);
                     O::store(s, o, k.update(s, p, g, m, v, None, false, noise));
                 }
             }
             None => {
                 for (at, (((p, g), m), v)) in vectors {
                     let noise = Words::at(&mut words, s, at);
+                    touch(at);
                     k.update(s, p, g, m, v, None, false, noise);
                 }
             }

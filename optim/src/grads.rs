@@ -249,12 +249,19 @@ impl Kernel for Roofline<'_> {
         let (head_part, rest) = (self.a, self.b, self.c, self.d).split_at(head);
         let body = simd::body_len::<S>(rest.0.len());
         let ((a, b, c, d), tail_part) = rest.split_at(body);
+        let ahead = simd::Ahead::get();
+        let bases = (a.as_ptr(), b.as_ptr(), c.as_ptr(), d.as_ptr());
         let streams = a
             .chunks_exact_mut(n)
             .zip(b.chunks_exact(n))
             .zip(c.chunks_exact_mut(n))
             .zip(d.chunks_exact_mut(n));
-        for (((a, b), c), d) in streams {
+        for (i, (((a, b), c), d)) in streams.enumerate() {
+            // Prefetched as the Adam kernels are, so it stays their peer.
+            ahead.touch(bases.0, i * n);
+            ahead.touch(bases.1, i * n);
+            ahead.touch(bases.2, i * n);
+            ahead.touch(bases.3, i * n);
             let b = s.load(b);
             s.store(a, s.mul_add(b, k, s.load(a)));
             s.store(c, s.mul_add(b, k, s.load(c)));

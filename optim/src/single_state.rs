@@ -163,10 +163,20 @@ impl<R: Rule, G: Element, O: Element> Kernel for StateKernel<'_, R, G, O> {
         let (body, tail) = rest.split_at(simd::body_len::<S>(len - head));
         padded_update::<R, S, G, O>(&k, s, head_part);
         let (p, g, state, out) = body;
+        // Each vector asks for its streams' lines ahead, as in Adam.
+        let ahead = simd::Ahead::get();
+        let bases = (p.as_ptr(), g.as_ptr(), state.as_ptr());
         let vectors = p
             .chunks_exact_mut(n)
             .zip(g.chunks_exact(n))
-            .zip(state.chunks_exact_mut(n));
+            .zip(state.chunks_exact_mut(n))
+            .enumerate()
+            .map(|(i, x)| {
+                ahead.touch(bases.0, i * n);
+                ahead.touch(bases.1, i * n);
+                ahead.touch(bases.2, i * n);
+                x
+            });
         match out {
             Some(out) if stream => {
                 for (((p, g), state), o) in vectors.zip(out.chunks_exact_mut(n)) {

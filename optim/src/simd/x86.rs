@@ -739,3 +739,11 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         unsafe { _mm512_reduce_add_pd(_mm512_add_pd(acc.0, acc.1)) }
     }
 }
+
+/// Asks for the cache line holding `at` in every cache level.
+#[inline(always)]
+pub(super) fn prefetch(at: *const i8) {
+    // SAFETY: a prefetch is a hint that never faults, whatever the address;
+    // SSE is part of every x86_64 CPU.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at) }
+}
