@@ -149,8 +149,9 @@ def strata_round(args, threads):
     cmd = [args.strata, "bench", "adam", "--params", str(args.params), "--threads", str(threads),
            "--rounds", "1", "--kernels", ",".join(STRATA_KERNELS), "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    rows = json.loads(out.strip().splitlines()[-1])["results"]
-    return {f"strata_{r['kernel']}": (r["params_per_s"], r["bytes_per_s"]) for r in rows}
+    report = json.loads(out.strip().splitlines()[-1])
+    rates = {f"strata_{r['kernel']}": (r["params_per_s"], r["bytes_per_s"]) for r in report["results"]}
+    return rates, report.get("prefetch_elems")
 
 
 def lscpu():
@@ -280,6 +281,7 @@ def main():
 
     workers = {t: Worker(t, args, systems) for t in threads} if systems else {}
     samples = {t: {} for t in threads}
+    prefetch = None
     names = ["strata"] + systems
     for r in range(args.rounds):
         for i in range(len(threads)):
@@ -287,7 +289,8 @@ def main():
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]
                 if name == "strata":
-                    for key, value in strata_round(args, t).items():
+                    rates, prefetch = strata_round(args, t)
+                    for key, value in rates.items():
                         samples[t].setdefault(key, []).append(value)
                 else:
                     rate = workers[t].run(name)
@@ -310,6 +313,7 @@ def main():
         "ratios": {k: v for k, (v, _) in held.items()},
         "bars_held": {k: v >= bar for k, (v, bar) in held.items()},
         "torch": next(iter(versions.values()), None),
+        "strata_prefetch_elems": prefetch,
     }
     if args.plot:
         try:
@@ -320,8 +324,8 @@ def main():
         print(json.dumps(report))
     else:
         topo = report["lscpu"]
-        print(f"{args.params} params, medians of {args.rounds} interleaved rounds; "
-              + ", ".join(f"{k}: {v}" for k, v in topo.items()))
+        print(f"{args.params} params, medians of {args.rounds} interleaved rounds, strata prefetching "
+              f"{prefetch} elements ahead; " + ", ".join(f"{k}: {v}" for k, v in topo.items()))
         print(f"  {'system':<36}" + "".join(f"{t:>9}" for t in threads) + "   threads")
         for name in sorted({k for m in med.values() for k in m}):
             row = "".join(f"{med[t][name] / 1e9:9.3f}" if name in med[t] else f"{'-':>9}" for t in threads)

@@ -542,6 +542,12 @@ fn deepspeed_comparison_script_tiny() {
             "{report}"
         );
     }
+    // The distance strata's kernels prefetched, as `bench adam` reports it.
+    assert_eq!(
+        report["strata_prefetch_elems"].as_u64(),
+        Some(strata::optim::prefetch_elems() as u64),
+        "{report}"
+    );
     let svg = std::fs::read_to_string(&chart).unwrap();
     assert!(
         svg.starts_with("<svg") && svg.matches("<polyline").count() >= 6,

@@ -71,5 +71,5 @@ pub use pool::{
 };
 pub use rounding::{Rounding, narrow_stochastic, round_bf16_stochastic};
 pub use scaler::{LossScaler, LossScalerConfig};
-pub use simd::Element;
+pub use simd::{Element, prefetch_elems};
 pub use values::{LowPrecisionMut, Moments, MomentsRef, Split, Values};

@@ -61,6 +61,8 @@ struct ResultRow {
 #[derive(Serialize)]
 struct Report<'a> {
     results: &'a [ResultRow],
+    /// Elements ahead of their loads the kernels prefetched (0: none).
+    prefetch_elems: usize,
 }
 
 /// Parses "67108864", "64M", "1G".
@@ -171,9 +173,17 @@ pub fn run(args: AdamArgs) -> anyhow::Result<()> {
     }
     bar.finish_and_clear();
     if args.json {
-        println!("{}", serde_json::to_string(&Report { results: &results })?);
+        let report = Report {
+            results: &results,
+            prefetch_elems: strata::optim::prefetch_elems(),
+        };
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         print_table(&results);
+        println!(
+            "kernels prefetch {} elements ahead of their loads (STRATA_PREFETCH_ELEMS; 0: none)",
+            strata::optim::prefetch_elems()
+        );
     }
     if let Some(path) = &args.plot {
         plot(path, &results)?;

@@ -390,6 +390,12 @@ impl Ahead {
     }
 }
 
+/// How many elements ahead of their loads the kernels prefetch (0: they do
+/// not): [`PREFETCH_ELEMS_DEFAULT`] or `STRATA_PREFETCH_ELEMS`.
+pub fn prefetch_elems() -> usize {
+    Ahead::get().0
+}
+
 /// `STRATA_PREFETCH_ELEMS`'s value as a distance, or what is wrong with it.
 fn parse_prefetch_elems(value: Option<&str>) -> Result<usize, String> {
     let Some(value) = value else {
