@@ -357,8 +357,9 @@ pub(super) fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) 
 }
 
 /// `scale` times normal deviates into `out`, as one thread drawing them in
-/// order from `rng` would (two draws each), cut over the machine's cores
-/// (a 2.6B-parameter model took minutes on one); `rng` ends past them.
+/// order from `rng` would (a pair of elements from two draws), cut over the
+/// machine's cores (a 2.6B-parameter model took minutes on one); `rng` ends
+/// past them.
 pub(super) fn fill_normal(out: &mut [f32], scale: f32, rng: &mut SplitMix64) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     fill_normal_on(out, scale, rng, threads);
@@ -370,13 +371,23 @@ const PIECE_MIN: usize = 1 << 20;
 /// [`fill_normal`] on at most `threads` threads.
 fn fill_normal_on(out: &mut [f32], scale: f32, rng: &mut SplitMix64, threads: usize) {
     let threads = threads.max(1);
-    let piece = out.len().div_ceil(threads).max(PIECE_MIN);
+    // Pieces start on a pair, so each takes the draws of whole pairs.
+    let piece = out
+        .len()
+        .div_ceil(threads)
+        .max(PIECE_MIN)
+        .next_multiple_of(2);
     let start = rng.clone();
-    *rng = start.jumped(2 * out.len() as u64);
+    *rng = start.jumped(out.len().next_multiple_of(2) as u64);
     let fill = |k: usize, part: &mut [f32]| {
-        let mut local = start.jumped(2 * (k * piece) as u64);
-        part.iter_mut()
-            .for_each(|x| *x = scale * normal(&mut local));
+        let mut local = start.jumped((k * piece) as u64);
+        for pair in part.chunks_mut(2) {
+            let (a, b) = normal_pair(&mut local);
+            pair[0] = scale * a;
+            if let Some(second) = pair.get_mut(1) {
+                *second = scale * b;
+            }
+        }
     };
     std::thread::scope(|s| {
         let mut parts = out.chunks_mut(piece).enumerate();
@@ -390,12 +401,17 @@ fn fill_normal_on(out: &mut [f32], scale: f32, rng: &mut SplitMix64, threads: us
     });
 }
 
-/// A normal deviate by Box-Muller from the shared seeded generator.
-pub(super) fn normal(rng: &mut SplitMix64) -> f32 {
+/// Two independent normal deviates by Box-Muller (its cosine and its sine)
+/// from two draws of the shared seeded generator.
+pub(super) fn normal_pair(rng: &mut SplitMix64) -> (f32, f32) {
     // Uniforms in (0, 1], so the logarithm is finite.
     let mut uniform = || ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
     let (u, v) = (uniform(), uniform());
-    ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+    // In f32, as the weights are: libm's single-precision logarithm, sine
+    // and cosine take half the time of the double ones.
+    let radius = (-2.0 * (u as f32).ln()).sqrt();
+    let (sin, cos) = (2.0 * std::f32::consts::PI * v as f32).sin_cos();
+    (radius * cos, radius * sin)
 }
 
 pub(super) fn links() -> sched::Links {
@@ -637,14 +653,53 @@ mod tests {
     }
 
     #[test]
+    fn both_halves_of_a_pair_are_standard_normal_and_uncorrelated() {
+        let mut rng = SplitMix64(11);
+        let n = 200_000;
+        let pairs: Vec<(f64, f64)> = (0..n)
+            .map(|_| normal_pair(&mut rng))
+            .map(|(a, b)| (f64::from(a), f64::from(b)))
+            .collect();
+        let mean = |f: &dyn Fn(&(f64, f64)) -> f64| pairs.iter().map(f).sum::<f64>() / n as f64;
+        // Standard errors at n = 200k: 0.0022 for a mean, 0.0032 for a
+        // variance, 0.0022 for a correlation; the bounds are 4.5 of them.
+        for (name, half) in [("cosine", 0), ("sine", 1)] {
+            let x = |p: &(f64, f64)| if half == 0 { p.0 } else { p.1 };
+            let m = mean(&|p| x(p));
+            let var = mean(&|p| x(p) * x(p)) - m * m;
+            let tail = mean(&|p| f64::from(u8::from(x(p).abs() > 1.96)));
+            assert!(m.abs() < 0.01, "{name}: mean {m}");
+            assert!((var - 1.0).abs() < 0.015, "{name}: variance {var}");
+            assert!(
+                (tail - 0.05).abs() < 0.003,
+                "{name}: P(|x| > 1.96) = {tail}"
+            );
+        }
+        let correlation = mean(&|p| p.0 * p.1);
+        assert!(correlation.abs() < 0.01, "correlation {correlation}");
+    }
+
+    #[test]
     fn parallel_normals_are_the_sequential_draws() {
         // Empty, one element, around one piece, and several pieces with a
         // ragged end, on one thread and on several.
-        let lens = [0, 1, PIECE_MIN - 1, PIECE_MIN + 1, 3 * PIECE_MIN + 12_345];
+        let lens = [
+            0,
+            1,
+            2,
+            PIECE_MIN - 1,
+            PIECE_MIN + 1,
+            3 * PIECE_MIN + 12_345,
+        ];
         for len in lens {
             let mut sequential = SplitMix64(7);
-            let expected: Vec<u32> = (0..len)
-                .map(|_| (0.02 * normal(&mut sequential)).to_bits())
+            let expected: Vec<u32> = (0..len.div_ceil(2))
+                .flat_map(|_| {
+                    let (a, b) = normal_pair(&mut sequential);
+                    [a, b]
+                })
+                .take(len)
+                .map(|x| (0.02 * x).to_bits())
                 .collect();
             let after = sequential.next_u64();
             for threads in [1, 2, 3, 16] {
