@@ -567,6 +567,44 @@ fn deepspeed_comparison_script_tiny() {
 }
 
 #[test]
+fn bench_adam_reports_the_prefetch_distance_and_names_a_bad_one() {
+    let run = |value: &str| {
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["bench", "adam", "--params", "64K", "--threads", "1"])
+            .args([
+                "--rounds",
+                "1",
+                "--round-ms",
+                "1",
+                "--kernels",
+                "adamw_fp32",
+                "--json",
+            ])
+            .env("STRATA_PREFETCH_ELEMS", value)
+            .output()
+            .unwrap()
+    };
+    let distance = |output: &Output| {
+        let text = stdout_text(output);
+        let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+        report["prefetch_elems"].as_u64().unwrap()
+    };
+    // Only x86_64 prefetches; elsewhere the distance is 0 whatever is asked.
+    let x86 = cfg!(target_arch = "x86_64");
+    assert_eq!(distance(&run("0")), 0);
+    assert_eq!(distance(&run("2048")), if x86 { 2048 } else { 0 });
+    let bad = run("4k");
+    assert_eq!(distance(&bad), if x86 { 1024 } else { 0 });
+    if x86 {
+        let stderr = String::from_utf8_lossy(&bad.stderr);
+        assert!(
+            stderr.contains("STRATA_PREFETCH_ELEMS=\"4k\"") && stderr.contains("65536"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
 fn optimizer_lane_script_tiny() {
     let output = Command::new("python3")
         .arg(concat!(

@@ -819,8 +819,16 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             ahead.touch(bases.3, i);
         };
         if let Some((p0, m0, v0)) = src {
+            // Out of place the streams read are the sources and the gradient.
+            let touch_sources = |i: usize| {
+                ahead.touch(p0.as_ptr(), i);
+                ahead.touch(m0.as_ptr(), i);
+                ahead.touch(v0.as_ptr(), i);
+                ahead.touch(g.as_ptr(), i);
+            };
             if !nt {
                 for i in (0..body_len).step_by(n) {
+                    touch_sources(i);
                     let noise = Words::at(&mut words, s, head + i);
                     let src = Some((&p0[i..], &m0[i..], &v0[i..]));
                     let (p, m, v) = (&mut p[i..], &mut m[i..], &mut v[i..]);
@@ -839,10 +847,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                     let len = TILE_ELEMS.min(body_len - start);
                     for j in (0..len).step_by(n) {
                         let i = start + j;
-                        ahead.touch(p0.as_ptr(), i);
-                        ahead.touch(m0.as_ptr(), i);
-                        ahead.touch(v0.as_ptr(), i);
-                        ahead.touch(g.as_ptr(), i);
+                        touch_sources(i);
                         let noise = Words::at(&mut words, s, head + i);
                         let src = Some((&p0[i..], &m0[i..], &v0[i..]));
                         let (tp, tm, tv) = (&mut tile.p[j..], &mut tile.m[j..], &mut tile.v[j..]);

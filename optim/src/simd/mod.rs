@@ -345,7 +345,7 @@ pub(crate) fn body_len<S: Simd>(len: usize) -> usize {
 /// hardware's prefetchers stop at each 4 KiB page, and a core reading four
 /// streams otherwise keeps too few lines in flight to reach its share of a
 /// server's bandwidth. On the 16-core host of an H200 machine (2026-11-26,
-/// 64M parameters, one interleaved run) no prefetch, 256, 512 and 1024 gave
+/// 64M parameters, medians of two interleaved sweeps) no prefetch, 256, 512 and 1024 gave
 /// AdamW fp32 4.73, 5.11, 5.23 and 5.37 G params/s at 16 threads and 4.72,
 /// 4.88, 4.83 and 5.24 at 14; on the 2-core development machine 1024 gained
 /// 7-16% at 2 threads and 2048 no more.
@@ -364,7 +364,14 @@ impl Ahead {
     pub(crate) fn get() -> Ahead {
         static AHEAD: std::sync::OnceLock<Ahead> = std::sync::OnceLock::new();
         *AHEAD.get_or_init(|| {
-            let value = std::env::var("STRATA_PREFETCH_ELEMS").ok();
+            // Only x86_64 has a prefetch instruction here: elsewhere the
+            // distance is 0, as reported.
+            if cfg!(not(target_arch = "x86_64")) {
+                return Ahead(0);
+            }
+            // A value that is not UTF-8 reads as one that is not a number.
+            let value =
+                std::env::var_os("STRATA_PREFETCH_ELEMS").map(|v| v.to_string_lossy().into_owned());
             Ahead(
                 parse_prefetch_elems(value.as_deref()).unwrap_or_else(|problem| {
                     tracing::warn!(
@@ -391,7 +398,8 @@ impl Ahead {
 }
 
 /// How many elements ahead of their loads the kernels prefetch (0: they do
-/// not): [`PREFETCH_ELEMS_DEFAULT`] or `STRATA_PREFETCH_ELEMS`.
+/// not): [`PREFETCH_ELEMS_DEFAULT`] or `STRATA_PREFETCH_ELEMS` on x86_64, 0
+/// elsewhere.
 pub fn prefetch_elems() -> usize {
     Ahead::get().0
 }
