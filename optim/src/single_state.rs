@@ -171,12 +171,12 @@ impl<R: Rule, G: Element, O: Element> Kernel for StateKernel<'_, R, G, O> {
             .zip(g.chunks_exact(n))
             .zip(state.chunks_exact_mut(n))
             .enumerate()
-            .map(|(i, x)| {
+            .inspect(|&(i, _)| {
                 ahead.touch(bases.0, i * n);
                 ahead.touch(bases.1, i * n);
                 ahead.touch(bases.2, i * n);
-                x
-            });
+            })
+            .map(|(_, x)| x);
         match out {
             Some(out) if stream => {
                 for (((p, g), state), o) in vectors.zip(out.chunks_exact_mut(n)) {
