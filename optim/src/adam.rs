@@ -593,15 +593,7 @@ impl<S: Simd> Splat<S> {
             Some((p, m, v)) => (P::load(s, p), M::load(s, m), M::load(s, v)),
             None => (P::load(s, p), M::load(s, m), M::load(s, v)),
         };
-        let g = s.mul_add(self.l2, p0, s.mul(G::load(s, g), self.grad_scale));
-        let m1 = s.mul_add(self.one_minus_beta1, s.sub(g, m0), m0);
-        let v1 = s.mul_add(s.mul(g, g), self.one_minus_beta2, s.mul(v0, self.beta2));
-        let denominator = s.mul_add(s.sqrt(v1), self.inv_sqrt_bias_correction2, self.eps);
-        let p1 = s.mul_add(
-            self.neg_step_size,
-            s.div(m1, denominator),
-            s.mul(p0, self.decay),
-        );
+        let (m1, v1, p1) = self.step(s, p0, G::load(s, g), m0, v0);
         // A NaN in m1 or v1 makes p1 NaN, so one check of p1 clears all
         // three roundings of their NaN checks.
         let nan_free = noise.is_some() && s.nan_free(p1);
@@ -634,6 +626,75 @@ impl<S: Simd> Splat<S> {
                 p1
             }
         }
+    }
+}
+
+impl<S: Simd> Splat<S> {
+    /// The update of one vector of widened states: the new m, v and
+    /// parameters, before any rounding.
+    #[inline(always)]
+    fn step(&self, s: S, p0: S::V, g: S::V, m0: S::V, v0: S::V) -> (S::V, S::V, S::V) {
+        let g = s.mul_add(self.l2, p0, s.mul(g, self.grad_scale));
+        let m1 = s.mul_add(self.one_minus_beta1, s.sub(g, m0), m0);
+        let v1 = s.mul_add(s.mul(g, g), self.one_minus_beta2, s.mul(v0, self.beta2));
+        let denominator = s.mul_add(s.sqrt(v1), self.inv_sqrt_bias_correction2, self.eps);
+        let p1 = s.mul_add(
+            self.neg_step_size,
+            s.div(m1, denominator),
+            s.mul(p0, self.decay),
+        );
+        (m1, v1, p1)
+    }
+
+    /// `2 * LANES` elements in place where every stream is bf16 and every
+    /// write rounds stochastically (state dtype (b)): loaded as pairs of
+    /// vectors, the even-numbered elements and the odd ones
+    /// ([`Simd::load_bf16_pair`]), so that widening and narrowing are a
+    /// shift or a mask where one vector of bf16 takes a word shuffle (on
+    /// AVX-512, seven shuffles per 16 elements, all on one port). Bit for
+    /// bit what [`Splat::update`] writes: each element is computed and
+    /// rounded the same, with the same random word.
+    #[inline(always)]
+    fn update_pair<P: Element, G: Element, M: Element>(
+        &self,
+        s: S,
+        (p, g, m, v): (&mut [P], &[G], &mut [M], &mut [M]),
+        words: (S::U, S::U),
+    ) {
+        let (p0, g0, m0, v0) = (
+            P::load_pair(s, p),
+            G::load_pair(s, g),
+            M::load_pair(s, m),
+            M::load_pair(s, v),
+        );
+        let even = self.half_of_pair(s, (p0.0, g0.0, m0.0, v0.0), words.0);
+        let odd = self.half_of_pair(s, (p0.1, g0.1, m0.1, v0.1), words.1);
+        M::store_pair_exact(s, m, even.0, odd.0);
+        M::store_pair_exact(s, v, even.1, odd.1);
+        P::store_pair_exact(s, p, even.2, odd.2);
+    }
+
+    /// One half of [`Splat::update_pair`]: the new m, v and parameters
+    /// with their high halves rounded, with the word's halves and their xor
+    /// as [`Words::at`] assigns them. (A method, not a closure: a closure
+    /// is compiled without the back end's features.)
+    #[inline(always)]
+    fn half_of_pair(
+        &self,
+        s: S,
+        (p0, g, m0, v0): (S::V, S::V, S::V, S::V),
+        word: S::U,
+    ) -> (S::V, S::V, S::V) {
+        let (m1, v1, p1) = self.step(s, p0, g, m0, v0);
+        let (noise_m, noise_v) = s.halves(word);
+        let noise_p = s.xor_words(noise_m, noise_v);
+        // As in `update`: a NaN in m1 or v1 makes p1 NaN.
+        let nan_free = s.nan_free(p1);
+        (
+            s.bf16_sr_high(m1, noise_m, nan_free),
+            s.bf16_sr_high(v1, noise_v, nan_free),
+            s.bf16_sr_high(p1, noise_p, nan_free),
+        )
     }
 }
 
@@ -863,6 +924,43 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                     }
                 }
                 s.fence();
+            }
+            k.padded(s, tail, Words::at(&mut words, s, head + body_len));
+            return;
+        }
+        // All-bf16 in place with stochastic rounding (state dtype (b)):
+        // pairs of vectors (Splat::update_pair).
+        let pairs = out.is_none() && P::PAIRS && G::PAIRS && M::PAIRS;
+        if pairs && let Some(first) = words.as_ref().filter(|w| w.master).map(|w| w.first) {
+            // One vector first where that lines the pairs up with the
+            // parameters' cache lines.
+            let lead = if (p.as_ptr() as usize).is_multiple_of(2 * n * std::mem::size_of::<P>()) {
+                0
+            } else {
+                n.min(body_len)
+            };
+            let pairs = (body_len - lead) / (2 * n) * (2 * n);
+            let (p, p_rest) = p.split_at_mut(lead + pairs);
+            let (g, g_rest) = g.split_at(lead + pairs);
+            let (m, m_rest) = m.split_at_mut(lead + pairs);
+            let (v, v_rest) = v.split_at_mut(lead + pairs);
+            if lead > 0 {
+                let noise = Words::at(&mut words, s, head);
+                k.update(s, p, g, m, v, None, false, noise);
+            }
+            let w = words.as_mut().expect("checked above");
+            for i in (lead..lead + pairs).step_by(2 * n) {
+                touch(head + i);
+                touch(head + i + n);
+                let noise = w.moments.pair(s, first + (head + i) as u64);
+                let streams = (&mut p[i..], &g[i..], &mut m[i..], &mut v[i..]);
+                k.update_pair(s, streams, noise);
+            }
+            // A last whole vector, then the tail.
+            if body_len > lead + pairs {
+                let at = head + lead + pairs;
+                let noise = Words::at(&mut words, s, at);
+                k.update(s, p_rest, g_rest, m_rest, v_rest, None, false, noise);
             }
             k.padded(s, tail, Words::at(&mut words, s, head + body_len));
             return;

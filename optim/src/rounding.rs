@@ -116,6 +116,11 @@ pub(crate) struct Noise<S: Simd> {
     /// The index at which the next vector continues the last one (none
     /// where stepping on would wrap the low 32 bits).
     next: Option<u64>,
+    /// The low 32 bits of the last pair's even-numbered indices
+    /// ([`Noise::pair`]).
+    evens: S::U,
+    /// As `next`, for pairs.
+    next_pair: Option<u64>,
 }
 
 impl<S: Simd> Noise<S> {
@@ -128,6 +133,8 @@ impl<S: Simd> Noise<S> {
             keys: s.splat_word(key(seed, step, stream, 0)),
             counters: s.splat_word(0),
             next: None,
+            evens: s.splat_word(0),
+            next_pair: None,
         }
     }
 
@@ -158,6 +165,45 @@ impl<S: Simd> Noise<S> {
             .checked_add(2 * lanes - 1)
             .map(|_| index + u64::from(lanes));
         s.mix_words(s.xor_words(self.counters, self.keys))
+    }
+
+    /// The words of elements `index .. index + 2 * S::LANES` in the layout
+    /// of [`Simd::load_bf16_pair`]: those of the even-numbered elements
+    /// (`index + 2i` in lane `i`), then the odd-numbered ones'. The same
+    /// words as [`Noise::lanes`] gives those elements.
+    #[inline(always)]
+    pub(crate) fn pair(&mut self, s: S, index: u64) -> (S::U, S::U) {
+        let (high, low) = (index >> 32, index as u32);
+        let span = 2 * S::LANES as u32;
+        if self.next_pair == Some(index) {
+            self.evens = s.add_words(self.evens, s.splat_word(span));
+        } else {
+            if low.checked_add(span - 1).is_none() {
+                // The pair straddles a 2^32 boundary: element by element.
+                let mut words = [[0u32; crate::simd::LANES_MAX]; 2];
+                for i in 0..S::LANES {
+                    for (parity, w) in words.iter_mut().enumerate() {
+                        let at = index + (2 * i + parity) as u64;
+                        w[i] = word(self.seed, self.step, self.stream, at);
+                    }
+                }
+                self.next_pair = None;
+                return (s.load_u32(&words[0]), s.load_u32(&words[1]));
+            }
+            if high != self.high {
+                self.high = high;
+                self.keys = s.splat_word(key(self.seed, self.step, self.stream, high));
+            }
+            self.evens = s.iota_even_words(low);
+        }
+        self.next_pair = low
+            .checked_add(2 * span - 1)
+            .map(|_| index + u64::from(span));
+        let odds = s.add_words(self.evens, s.splat_word(1));
+        (
+            s.mix_words(s.xor_words(self.evens, self.keys)),
+            s.mix_words(s.xor_words(odds, self.keys)),
+        )
     }
 }
 

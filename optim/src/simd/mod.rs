@@ -62,6 +62,9 @@ pub trait Simd: Copy + Send + Sync {
     fn splat_word(self, x: u32) -> Self::U;
     /// Lane `i`: `first + i` (wrapping).
     fn iota_words(self, first: u32) -> Self::U;
+    /// Lane `i`: `first + 2 * i` (wrapping): the indices of the
+    /// even-numbered elements of a pair ([`Simd::load_bf16_pair`]).
+    fn iota_even_words(self, first: u32) -> Self::U;
     /// Lanewise wrapping sum.
     fn add_words(self, a: Self::U, b: Self::U) -> Self::U;
     /// Lane `i`: `rounding::hash32(0, x[i])`, the mix that
@@ -97,6 +100,16 @@ pub trait Simd: Copy + Send + Sync {
     /// low ones are zero (as [`Simd::round_bf16_sr`] returns them), cut
     /// otherwise.
     fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V);
+    /// `2 * LANES` bf16 (from a slice at least that long) widened to f32 as
+    /// two vectors: the even-numbered elements (element `2i` in lane `i`)
+    /// and the odd-numbered ones (element `2i + 1`). Each is one shift or
+    /// one mask of the 32-bit words loaded, where [`Simd::load_bf16`] of
+    /// one vector moves words across the register.
+    fn load_bf16_pair(self, src: &[bf16]) -> (Self::V, Self::V);
+    /// Stores `2 * LANES` bf16 from two vectors in the layout of
+    /// [`Simd::load_bf16_pair`], each lane's high 16 bits as they are (as
+    /// [`Simd::store_bf16_exact`]).
+    fn store_bf16_pair_exact(self, dst: &mut [bf16], even: Self::V, odd: Self::V);
     /// Each lane's bits plus its `noise`, as f32 lanes (the sum before its
     /// low halves are cut).
     fn add_noise(self, v: Self::V, noise: Self::U) -> Self::V;
@@ -109,10 +122,18 @@ pub trait Simd: Copy + Send + Sync {
     /// clearing.
     #[inline(always)]
     fn store_bf16_sr(self, dst: &mut [bf16], v: Self::V, noise: Self::U, nan_free: bool) {
+        self.store_bf16_exact(dst, self.bf16_sr_high(v, noise, nan_free))
+    }
+    /// Lanes whose high 16 bits are `v` rounded to bf16 stochastically, as
+    /// [`Simd::store_bf16_sr`] stores them (the low 16 bits are left as
+    /// they fall): for [`Simd::store_bf16_exact`] and
+    /// [`Simd::store_bf16_pair_exact`].
+    #[inline(always)]
+    fn bf16_sr_high(self, v: Self::V, noise: Self::U, nan_free: bool) -> Self::V {
         if nan_free || self.nan_free(v) {
-            return self.store_bf16_exact(dst, self.add_noise(v, noise));
+            return self.add_noise(v, noise);
         }
-        self.store_bf16_exact(dst, self.round_bf16_sr(v, noise, false))
+        self.round_bf16_sr(v, noise, false)
     }
     /// [`Simd::store_bf16_sr`], returning the values stored (as f32).
     #[inline(always)]
@@ -178,6 +199,29 @@ pub trait Lanes: Sized {
         let _ = (noise, nan_free);
         Self::store(s, dst, v)
     }
+    /// Whether `2 * LANES` elements load as a pair of vectors, the
+    /// even-numbered elements and the odd ones ([`Simd::load_bf16_pair`]),
+    /// without moving words across the register: bf16 only. Kernels take
+    /// their pair paths only where every stream has it.
+    const PAIRS: bool = false;
+    /// [`Simd::load_bf16_pair`] for this type.
+    ///
+    /// # Panics
+    /// Where the type has no pair layout (`PAIRS` is false).
+    #[inline(always)]
+    fn load_pair<S: Simd>(s: S, src: &[Self]) -> (S::V, S::V) {
+        let _ = (s, src);
+        unreachable!("only an element type with PAIRS loads in pairs")
+    }
+    /// [`Simd::store_bf16_pair_exact`] for this type.
+    ///
+    /// # Panics
+    /// Where the type has no pair layout (`PAIRS` is false).
+    #[inline(always)]
+    fn store_pair_exact<S: Simd>(s: S, dst: &mut [Self], even: S::V, odd: S::V) {
+        let _ = (s, dst, even, odd);
+        unreachable!("only an element type with PAIRS stores in pairs")
+    }
     /// [`Lanes::store_sr`], returning the values as stored (widened to f32
     /// exactly): what a load of `dst` would give.
     #[inline(always)]
@@ -194,7 +238,7 @@ pub trait Lanes: Sized {
 }
 
 macro_rules! element {
-    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident, $store_sr_value:ident)?) => {
+    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident, $store_sr_value:ident, $load_pair:ident, $store_pair:ident)?) => {
         impl Element for $t {
             fn to_f32(self) -> f32 {
                 $to(self)
@@ -231,6 +275,15 @@ macro_rules! element {
             ) -> S::V {
                 s.$store_sr_value(dst, v, noise, nan_free)
             }
+            const PAIRS: bool = true;
+            #[inline(always)]
+            fn load_pair<S: Simd>(s: S, src: &[Self]) -> (S::V, S::V) {
+                s.$load_pair(src)
+            }
+            #[inline(always)]
+            fn store_pair_exact<S: Simd>(s: S, dst: &mut [Self], even: S::V, odd: S::V) {
+                s.$store_pair(dst, even, odd)
+            }
             )?
         }
     };
@@ -245,7 +298,9 @@ element!(
     portable::widen_bf16,
     bf16::from_f32,
     store_bf16_sr,
-    store_bf16_sr_value
+    store_bf16_sr_value,
+    load_bf16_pair,
+    store_bf16_pair_exact
 );
 element!(
     f16,

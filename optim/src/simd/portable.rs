@@ -48,6 +48,10 @@ impl Simd for Portable {
         std::array::from_fn(|i| first.wrapping_add(i as u32))
     }
     #[inline(always)]
+    fn iota_even_words(self, first: u32) -> Self::U {
+        std::array::from_fn(|i| first.wrapping_add(2 * i as u32))
+    }
+    #[inline(always)]
     fn add_words(self, a: Self::U, b: Self::U) -> Self::U {
         std::array::from_fn(|i| a[i].wrapping_add(b[i]))
     }
@@ -91,6 +95,24 @@ impl Simd for Portable {
     fn store_bf16_exact(self, dst: &mut [bf16], v: Self::V) {
         for (d, x) in dst[..LANES].iter_mut().zip(v) {
             *d = bf16::from_bits((x.to_bits() >> 16) as u16);
+        }
+    }
+    #[inline(always)]
+    fn load_bf16_pair(self, src: &[bf16]) -> (Self::V, Self::V) {
+        let src = &src[..2 * LANES];
+        (
+            std::array::from_fn(|i| widen_bf16(src[2 * i])),
+            std::array::from_fn(|i| widen_bf16(src[2 * i + 1])),
+        )
+    }
+    #[inline(always)]
+    fn store_bf16_pair_exact(self, dst: &mut [bf16], even: Self::V, odd: Self::V) {
+        for (d, (e, o)) in dst[..2 * LANES]
+            .chunks_exact_mut(2)
+            .zip(even.into_iter().zip(odd))
+        {
+            d[0] = bf16::from_bits((e.to_bits() >> 16) as u16);
+            d[1] = bf16::from_bits((o.to_bits() >> 16) as u16);
         }
     }
 

@@ -154,6 +154,16 @@ impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn iota_even_words(self, first: u32) -> __m256i {
+        // SAFETY: the token.
+        unsafe {
+            _mm256_add_epi32(
+                _mm256_set1_epi32(first as i32),
+                _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+            )
+        }
+    }
+    #[inline(always)]
     fn add_words(self, a: __m256i, b: __m256i) -> __m256i {
         // SAFETY: the token.
         unsafe { _mm256_add_epi32(a, b) }
@@ -230,6 +240,32 @@ impl Simd for Avx2 {
         unsafe {
             let words = self.pack_words(_mm256_srli_epi32::<16>(_mm256_castps_si256(v)));
             _mm_storeu_si128(dst.as_mut_ptr().cast(), words)
+        }
+    }
+    #[inline(always)]
+    fn load_bf16_pair(self, src: &[bf16]) -> (__m256, __m256) {
+        assert!(src.len() >= 16);
+        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        unsafe {
+            // Word 2i of the load is element 2i: the low half of lane i.
+            let words = _mm256_loadu_si256(src.as_ptr().cast());
+            let odd = _mm256_and_si256(words, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words)),
+                _mm256_castsi256_ps(odd),
+            )
+        }
+    }
+    #[inline(always)]
+    fn store_bf16_pair_exact(self, dst: &mut [bf16], even: __m256, odd: __m256) {
+        assert!(dst.len() >= 16);
+        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        unsafe {
+            // Even words from the even lanes' high halves, odd words from
+            // the odd lanes' (in place already).
+            let low = _mm256_srli_epi32::<16>(_mm256_castps_si256(even));
+            let words = _mm256_blend_epi16::<0b1010_1010>(low, _mm256_castps_si256(odd));
+            _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
         }
     }
 
@@ -503,6 +539,16 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         }
     }
     #[inline(always)]
+    fn iota_even_words(self, first: u32) -> __m512i {
+        // SAFETY: the token.
+        unsafe {
+            _mm512_add_epi32(
+                _mm512_set1_epi32(first as i32),
+                _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+            )
+        }
+    }
+    #[inline(always)]
     fn add_words(self, a: __m512i, b: __m512i) -> __m512i {
         // SAFETY: the token.
         unsafe { _mm512_add_epi32(a, b) }
@@ -586,6 +632,33 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
                 _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(bits))
             };
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), words)
+        }
+    }
+    #[inline(always)]
+    fn load_bf16_pair(self, src: &[bf16]) -> (__m512, __m512) {
+        assert!(src.len() >= 32);
+        // SAFETY: the token (AVX-512F); 32 bf16 (64 bytes) are in bounds (asserted).
+        unsafe {
+            // Word 2i of the load is element 2i: the low half of lane i.
+            let words = _mm512_loadu_si512(src.as_ptr().cast());
+            let odd = _mm512_and_si512(words, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+            (
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words)),
+                _mm512_castsi512_ps(odd),
+            )
+        }
+    }
+    #[inline(always)]
+    fn store_bf16_pair_exact(self, dst: &mut [bf16], even: __m512, odd: __m512) {
+        assert!(dst.len() >= 32);
+        // SAFETY: the token (AVX-512F); 32 bf16 (64 bytes) are in bounds (asserted).
+        unsafe {
+            // (high & odd) | (!high & even >> 16): the odd lanes' high
+            // halves stay, the even lanes' move down (0xca: a ? b : c).
+            let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+            let low = _mm512_srli_epi32::<16>(_mm512_castps_si512(even));
+            let words = _mm512_ternarylogic_epi32::<0xca>(high, _mm512_castps_si512(odd), low);
+            _mm512_storeu_si512(dst.as_mut_ptr().cast(), words)
         }
     }
 
