@@ -654,24 +654,31 @@ impl<S: Simd> Splat<S> {
     /// AVX-512, seven shuffles per 16 elements, all on one port). Bit for
     /// bit what [`Splat::update`] writes: each element is computed and
     /// rounded the same, with the same random word.
+    ///
+    /// Out of place, `src` holds the states read; `out` is a bf16 copy of
+    /// the masters as stored (their bits).
     #[inline(always)]
-    fn update_pair<P: Element, G: Element, M: Element>(
+    fn update_pair<P: Element, G: Element, M: Element, O: Element>(
         &self,
         s: S,
         (p, g, m, v): (&mut [P], &[G], &mut [M], &mut [M]),
+        src: Option<Sources<'_, P, M>>,
+        out: Option<&mut [O]>,
         words: (S::U, S::U),
     ) {
-        let (p0, g0, m0, v0) = (
-            P::load_pair(s, p),
-            G::load_pair(s, g),
-            M::load_pair(s, m),
-            M::load_pair(s, v),
-        );
+        let (p0, m0, v0) = match src {
+            Some((p, m, v)) => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
+            None => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
+        };
+        let g0 = G::load_pair(s, g);
         let even = self.half_of_pair(s, (p0.0, g0.0, m0.0, v0.0), words.0);
         let odd = self.half_of_pair(s, (p0.1, g0.1, m0.1, v0.1), words.1);
         M::store_pair_exact(s, m, even.0, odd.0);
         M::store_pair_exact(s, v, even.1, odd.1);
         P::store_pair_exact(s, p, even.2, odd.2);
+        if let Some(out) = out {
+            O::store_pair_exact(s, out, even.2, odd.2);
+        }
     }
 
     /// One half of [`Splat::update_pair`]: the new m, v and parameters
@@ -861,6 +868,14 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         // Out of place, the outputs are computed into a tile in the cache
         // and each streamed from there at its own alignment.
         let nt = self.src.is_some() && long;
+        // bf16 gradients, moments and masters rounded stochastically (state
+        // dtype (b)), any copy bf16 too: pairs of vectors
+        // (Splat::update_pair).
+        let pairs = P::PAIRS
+            && G::PAIRS
+            && M::PAIRS
+            && (self.out.is_none() || O::PAIRS)
+            && words.as_ref().is_some_and(|w| w.master);
         simd::note_streamed(if self.src.is_some() { nt } else { stream });
         let streams = (self.params, self.grads, self.m, self.v, self.out, self.src);
         let (head_part, rest) = streams.split_at(head);
@@ -906,7 +921,19 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                 let mut tile = Tile::<P, M, O>::new();
                 for start in (0..body_len).step_by(TILE_ELEMS) {
                     let len = TILE_ELEMS.min(body_len - start);
-                    for j in (0..len).step_by(n) {
+                    let paired = if pairs { len / (2 * n) * (2 * n) } else { 0 };
+                    for j in (0..paired).step_by(2 * n) {
+                        let i = start + j;
+                        touch_sources(i);
+                        touch_sources(i + n);
+                        let w = words.as_mut().expect("pairs round stochastically");
+                        let noise = w.moments.pair(s, w.first + (head + i) as u64);
+                        let src = Some((&p0[i..], &m0[i..], &v0[i..]));
+                        let (tp, tm, tv) = (&mut tile.p[j..], &mut tile.m[j..], &mut tile.v[j..]);
+                        let tout = out.is_some().then_some(&mut tile.out[j..]);
+                        k.update_pair(s, (tp, &g[i..], tm, tv), src, tout, noise);
+                    }
+                    for j in (paired..len).step_by(n) {
                         let i = start + j;
                         touch_sources(i);
                         let noise = Words::at(&mut words, s, head + i);
@@ -928,10 +955,9 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             k.padded(s, tail, Words::at(&mut words, s, head + body_len));
             return;
         }
-        // All-bf16 in place with stochastic rounding (state dtype (b)):
-        // pairs of vectors (Splat::update_pair).
-        let pairs = out.is_none() && P::PAIRS && G::PAIRS && M::PAIRS;
-        if pairs && let Some(first) = words.as_ref().filter(|w| w.master).map(|w| w.first) {
+        // In place, with no copy (the masters are it).
+        if pairs && out.is_none() {
+            let first = words.as_ref().expect("pairs round stochastically").first;
             // One vector first where that lines the pairs up with the
             // parameters' cache lines.
             let lead = if (p.as_ptr() as usize).is_multiple_of(2 * n * std::mem::size_of::<P>()) {
@@ -939,26 +965,26 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
             } else {
                 n.min(body_len)
             };
-            let pairs = (body_len - lead) / (2 * n) * (2 * n);
-            let (p, p_rest) = p.split_at_mut(lead + pairs);
-            let (g, g_rest) = g.split_at(lead + pairs);
-            let (m, m_rest) = m.split_at_mut(lead + pairs);
-            let (v, v_rest) = v.split_at_mut(lead + pairs);
+            let paired = (body_len - lead) / (2 * n) * (2 * n);
+            let (p, p_rest) = p.split_at_mut(lead + paired);
+            let (g, g_rest) = g.split_at(lead + paired);
+            let (m, m_rest) = m.split_at_mut(lead + paired);
+            let (v, v_rest) = v.split_at_mut(lead + paired);
             if lead > 0 {
                 let noise = Words::at(&mut words, s, head);
                 k.update(s, p, g, m, v, None, false, noise);
             }
             let w = words.as_mut().expect("checked above");
-            for i in (lead..lead + pairs).step_by(2 * n) {
+            for i in (lead..lead + paired).step_by(2 * n) {
                 touch(head + i);
                 touch(head + i + n);
                 let noise = w.moments.pair(s, first + (head + i) as u64);
                 let streams = (&mut p[i..], &g[i..], &mut m[i..], &mut v[i..]);
-                k.update_pair(s, streams, noise);
+                k.update_pair::<P, G, M, O>(s, streams, None, None, noise);
             }
             // A last whole vector, then the tail.
-            if body_len > lead + pairs {
-                let at = head + lead + pairs;
+            if body_len > lead + paired {
+                let at = head + lead + paired;
                 let noise = Words::at(&mut words, s, at);
                 k.update(s, p_rest, g_rest, m_rest, v_rest, None, false, noise);
             }
@@ -1003,6 +1029,78 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bf16 masters out of place, as the engine runs state dtype (b): with
+    /// bf16 gradients the tile path takes pairs of vectors, with fp32
+    /// gradients holding the same values single ones. The same bits, NaN
+    /// payloads included, at any length, alignment and first index, with
+    /// and without the bf16 copy; `whole_len` makes small slices stream
+    /// as a part of a long update does.
+    #[test]
+    fn out_of_place_pairs_write_what_single_vectors_write() {
+        let value = |i: usize, salt: u32| -> bf16 {
+            let x = ((i as u32).wrapping_mul(2_654_435_761) ^ salt) % 2000;
+            bf16::from_f32(x as f32 * 1e-3 - 1.0)
+        };
+        let coefficients = AdamConfig::adamw(1e-2).coefficients(4, 1.0).unwrap();
+        for isa in Isa::available() {
+            for len in [0usize, 1, 16, 17, 32, 33, 255, 256, 257, 300, 1000] {
+                for offset in [0usize, 1, 8, 17] {
+                    for (first, copy) in [(0u64, true), ((1 << 32) - 40, true), (9, false)] {
+                        let n = offset + len;
+                        let mut g: Vec<bf16> = (0..n).map(|i| value(i, 1)).collect();
+                        let mut p0: Vec<bf16> = (0..n).map(|i| value(i, 2)).collect();
+                        let m0: Vec<bf16> = (0..n).map(|i| value(i, 3)).collect();
+                        let v0: Vec<bf16> = (0..n)
+                            .map(|i| bf16::from_f32(value(i, 4).to_f32().abs() * 1e-3))
+                            .collect();
+                        if n > 5 {
+                            g[n / 2] = bf16::NAN;
+                            p0[n - 3] = bf16::INFINITY;
+                        }
+                        let wide: Vec<f32> = g.iter().map(|x| x.to_f32()).collect();
+                        let run = |grads: Values<'_>| {
+                            let (mut p, mut m, mut v, mut out) = (
+                                vec![bf16::ZERO; n],
+                                vec![bf16::ZERO; n],
+                                vec![bf16::ZERO; n],
+                                vec![bf16::ZERO; n],
+                            );
+                            let shard = OutOfPlaceShard {
+                                coefficients: &coefficients,
+                                params_in: &p0[offset..],
+                                moments_in: MomentsRef::Bf16 {
+                                    m: &m0[offset..],
+                                    v: &v0[offset..],
+                                },
+                                grads,
+                                params_out: &mut p[offset..],
+                                moments_out: Moments::Bf16 {
+                                    m: &mut m[offset..],
+                                    v: &mut v[offset..],
+                                },
+                                out: copy.then(|| LowPrecisionMut::Bf16(&mut out[offset..])),
+                                rounding: Rounding::Stochastic {
+                                    seed: 3,
+                                    step: 4,
+                                    first,
+                                },
+                            };
+                            adam_step_out_of_place_part(isa, shard, simd::STREAM_ELEMS_MIN);
+                            [p, m, v, out]
+                                .map(|x| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                        };
+                        let pairs = run(Values::Bf16(&g[offset..]));
+                        let single = run(Values::F32(&wide[offset..]));
+                        assert!(
+                            pairs == single,
+                            "{isa} len {len} offset {offset} first {first} copy {copy}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn bad_hyperparameters_are_named() {

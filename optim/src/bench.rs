@@ -48,6 +48,10 @@ pub enum BenchKernel {
     /// buffers walked in host chunks ([`ENGINE_STRETCH_ELEMS`]) handed to
     /// the pool in one call.
     EngineStepBf16,
+    /// [`BenchKernel::EngineStepBf16`] with state dtype (b): bf16 masters
+    /// and moments, rounded stochastically, from one bf16 state set into
+    /// the other; the bf16 copy is the masters' bits.
+    EngineStepBf16Master,
     /// Adam with L2 weight decay, fp32.
     AdamL2Fp32,
     /// Adagrad, fp32.
@@ -64,7 +68,7 @@ pub enum BenchKernel {
 
 impl BenchKernel {
     /// Every kernel, in table order.
-    pub const ALL: [BenchKernel; 13] = [
+    pub const ALL: [BenchKernel; 14] = [
         BenchKernel::AdamwFp32,
         BenchKernel::OffloadStepBf16,
         BenchKernel::OffloadStepFp16,
@@ -72,6 +76,7 @@ impl BenchKernel {
         BenchKernel::OffloadStepBf16MomentsSr,
         BenchKernel::OffloadStepBf16Master,
         BenchKernel::EngineStepBf16,
+        BenchKernel::EngineStepBf16Master,
         BenchKernel::AdamL2Fp32,
         BenchKernel::AdagradFp32,
         BenchKernel::LionFp32,
@@ -90,6 +95,7 @@ impl BenchKernel {
             BenchKernel::OffloadStepBf16MomentsSr => "offload_step_bf16_moments_sr",
             BenchKernel::OffloadStepBf16Master => "offload_step_bf16_master",
             BenchKernel::EngineStepBf16 => "engine_step_bf16",
+            BenchKernel::EngineStepBf16Master => "engine_step_bf16_master",
             BenchKernel::AdamL2Fp32 => "adam_l2_fp32",
             BenchKernel::AdagradFp32 => "adagrad_fp32",
             BenchKernel::LionFp32 => "lion_fp32",
@@ -114,6 +120,9 @@ impl BenchKernel {
             // bf16 master, gradient and moments: 2 + 2 read, 2 x 2 read and
             // written, master written.
             BenchKernel::OffloadStepBf16Master => 14,
+            // One bf16 state set read (6), the other written (6), gradient
+            // in, copy out.
+            BenchKernel::EngineStepBf16Master => 16,
             // p, g, state read; p, state written.
             BenchKernel::AdagradFp32 | BenchKernel::LionFp32 => 20,
             BenchKernel::GradNormBf16 => 2,
@@ -160,12 +169,16 @@ enum Buffer {
     OutF16,
     /// A second set of fp32 params, m and v (out-of-place steps).
     States2,
+    /// bf16 masters for the first set (whose moments are `MBf16` and
+    /// `VBf16`), and the second set's masters, m and v.
+    Bf16States2,
 }
 
 impl Buffer {
     fn bytes_per_param(self) -> u64 {
         match self {
             Buffer::States2 => 12,
+            Buffer::Bf16States2 => 8,
             Buffer::P | Buffer::G | Buffer::M | Buffer::V | Buffer::Sum => 4,
             _ => 2,
         }
@@ -187,6 +200,7 @@ fn buffers(kernel: BenchKernel) -> &'static [Buffer] {
         }
         BenchKernel::OffloadStepBf16Master => &[OutBf16, GBf16, MBf16, VBf16],
         BenchKernel::EngineStepBf16 => &[P, GBf16, M, V, States2, OutBf16],
+        BenchKernel::EngineStepBf16Master => &[GBf16, MBf16, VBf16, Bf16States2, OutBf16],
         BenchKernel::AdagradFp32 => &[P, G, Sum],
         BenchKernel::LionFp32 => &[P, G, M],
         BenchKernel::GradNormBf16 => &[GBf16],
@@ -260,6 +274,8 @@ pub struct BenchBuffers {
     out_f16: PageAligned<f16>,
     /// The second state set: params, m, v.
     states2: [PageAligned<f32>; 3],
+    /// bf16 masters of the first set; the second set's masters, m, v.
+    bf16_states2: [PageAligned<bf16>; 4],
     step: u64,
 }
 
@@ -309,6 +325,13 @@ impl BenchBuffers {
                 Buffer::States2 => {
                     for (salt, state) in self.states2.iter_mut().enumerate() {
                         ensure(state, n, |i| value(i, 7 + salt as u32, 1e-3).abs());
+                    }
+                }
+                Buffer::Bf16States2 => {
+                    for (salt, state) in self.bf16_states2.iter_mut().enumerate() {
+                        ensure(state, n, |i| {
+                            bf16::from_f32(value(i, 11 + salt as u32, 1e-3).abs())
+                        });
                     }
                 }
             }
@@ -445,6 +468,45 @@ impl BenchBuffers {
                             moments_out: Moments::F32 { m, v },
                             out: Some(LowPrecisionMut::Bf16(out)),
                             rounding: Rounding::Nearest,
+                        },
+                    )
+                    .collect();
+                pool.adam_step_out_of_place_many(shards);
+            }
+            BenchKernel::EngineStepBf16Master => {
+                let c = adamw.coefficients(step, 1.0 / 1024.0)?;
+                let [p1, p2, m2, v2] = &mut self.bf16_states2;
+                let (m1, v1) = (&mut self.m_bf16, &mut self.v_bf16);
+                // Odd steps read the first set, even steps the second.
+                let ((p_in, m_in, v_in), (p_out, m_out, v_out)) = if step % 2 == 1 {
+                    ((p1.get(), m1.get(), v1.get()), (p2, m2, v2))
+                } else {
+                    ((p2.get(), m2.get(), v2.get()), (p1, m1, v1))
+                };
+                let chunk = ENGINE_STRETCH_ELEMS;
+                let shards = p_in
+                    .chunks(chunk)
+                    .zip(m_in.chunks(chunk).zip(v_in.chunks(chunk)))
+                    .zip(self.g_bf16.get().chunks(chunk))
+                    .zip(p_out.get_mut().chunks_mut(chunk))
+                    .zip(m_out.get_mut().chunks_mut(chunk))
+                    .zip(v_out.get_mut().chunks_mut(chunk))
+                    .zip(self.out_bf16.get_mut().chunks_mut(chunk))
+                    .enumerate()
+                    .map(
+                        |(k, ((((((p0, (m0, v0)), g), p), m), v), out))| OutOfPlaceShard {
+                            coefficients: &c,
+                            params_in: p0,
+                            moments_in: MomentsRef::Bf16 { m: m0, v: v0 },
+                            grads: Values::Bf16(g),
+                            params_out: p,
+                            moments_out: Moments::Bf16 { m, v },
+                            out: Some(LowPrecisionMut::Bf16(out)),
+                            rounding: Rounding::Stochastic {
+                                seed: 1,
+                                step,
+                                first: (k * chunk) as u64,
+                            },
                         },
                     )
                     .collect();
