@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use crate::{
-    AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, MomentsRef, OptimError,
-    OutOfPlaceShard, Pool, Rounding, Values,
+    AdagradConfig, AdamCoefficients, AdamConfig, Element, LionConfig, LowPrecisionMut, Moments,
+    MomentsRef, OptimError, OutOfPlaceShard, Pool, Rounding, Values,
 };
 
 /// The stretch [`BenchKernel::EngineStepBf16`] walks its buffers in: a
@@ -279,6 +279,64 @@ pub struct BenchBuffers {
     step: u64,
 }
 
+/// One chunk's moments as the step reads them and as it writes them.
+type MomentViews<T> =
+    for<'a> fn(&'a [T], &'a [T], &'a mut [T], &'a mut [T]) -> (MomentsRef<'a>, Moments<'a>);
+
+/// The engine-shaped step: odd steps read the first state set (params, m,
+/// v) and write the second, even steps the other way; the buffers walked
+/// in host chunks ([`ENGINE_STRETCH_ELEMS`]) as the engine walks a group's
+/// states, in one pool call. `stochastic`: bf16 states rounded so, keyed by
+/// each chunk's first element.
+fn engine_step<T: Element>(
+    pool: &Pool,
+    c: &AdamCoefficients,
+    step: u64,
+    sets: [[&mut PageAligned<T>; 3]; 2],
+    (grads, copy): (&[bf16], &mut [bf16]),
+    views: MomentViews<T>,
+    stochastic: bool,
+) {
+    let [[p1, m1, v1], [p2, m2, v2]] = sets;
+    let ((p_in, m_in, v_in), (p_out, m_out, v_out)) = if step % 2 == 1 {
+        ((p1.get(), m1.get(), v1.get()), (p2, m2, v2))
+    } else {
+        ((p2.get(), m2.get(), v2.get()), (p1, m1, v1))
+    };
+    let chunk = ENGINE_STRETCH_ELEMS;
+    let shards = p_in
+        .chunks(chunk)
+        .zip(m_in.chunks(chunk).zip(v_in.chunks(chunk)))
+        .zip(grads.chunks(chunk))
+        .zip(p_out.get_mut().chunks_mut(chunk))
+        .zip(m_out.get_mut().chunks_mut(chunk))
+        .zip(v_out.get_mut().chunks_mut(chunk))
+        .zip(copy.chunks_mut(chunk))
+        .enumerate()
+        .map(|(k, ((((((p0, (m0, v0)), g), p), m), v), out))| {
+            let (moments_in, moments_out) = views(m0, v0, m, v);
+            OutOfPlaceShard {
+                coefficients: c,
+                params_in: p0,
+                moments_in,
+                grads: Values::Bf16(g),
+                params_out: p,
+                moments_out,
+                out: Some(LowPrecisionMut::Bf16(out)),
+                rounding: match stochastic {
+                    true => Rounding::Stochastic {
+                        seed: 1,
+                        step,
+                        first: (k * chunk) as u64,
+                    },
+                    false => Rounding::Nearest,
+                },
+            }
+        })
+        .collect();
+    pool.adam_step_out_of_place_many(shards);
+}
+
 /// A deterministic value in [-1, 1) times `scale` for element `i` (no RNG
 /// needed).
 fn value(i: usize, salt: u32, scale: f32) -> f32 {
@@ -440,77 +498,20 @@ impl BenchBuffers {
             BenchKernel::EngineStepBf16 => {
                 let c = adamw.coefficients(step, 1.0 / 1024.0)?;
                 let [p2, m2, v2] = &mut self.states2;
-                let (p1, m1, v1) = (&mut self.p, &mut self.m, &mut self.v);
-                // Odd steps read the first set, even steps the second.
-                let ((p_in, m_in, v_in), (p_out, m_out, v_out)) = if step % 2 == 1 {
-                    ((p1.get(), m1.get(), v1.get()), (p2, m2, v2))
-                } else {
-                    ((p2.get(), m2.get(), v2.get()), (p1, m1, v1))
-                };
-                // Walked in host chunks, as the engine walks a group's
-                // states, in one pool call.
-                let chunk = ENGINE_STRETCH_ELEMS;
-                let shards = p_in
-                    .chunks(chunk)
-                    .zip(m_in.chunks(chunk).zip(v_in.chunks(chunk)))
-                    .zip(self.g_bf16.get().chunks(chunk))
-                    .zip(p_out.get_mut().chunks_mut(chunk))
-                    .zip(m_out.get_mut().chunks_mut(chunk))
-                    .zip(v_out.get_mut().chunks_mut(chunk))
-                    .zip(self.out_bf16.get_mut().chunks_mut(chunk))
-                    .map(
-                        |((((((p0, (m0, v0)), g), p), m), v), out)| OutOfPlaceShard {
-                            coefficients: &c,
-                            params_in: p0,
-                            moments_in: MomentsRef::F32 { m: m0, v: v0 },
-                            grads: Values::Bf16(g),
-                            params_out: p,
-                            moments_out: Moments::F32 { m, v },
-                            out: Some(LowPrecisionMut::Bf16(out)),
-                            rounding: Rounding::Nearest,
-                        },
-                    )
-                    .collect();
-                pool.adam_step_out_of_place_many(shards);
+                let set1 = [&mut self.p, &mut self.m, &mut self.v];
+                let buffers = (self.g_bf16.get(), self.out_bf16.get_mut());
+                let views: MomentViews<f32> =
+                    |m0, v0, m, v| (MomentsRef::F32 { m: m0, v: v0 }, Moments::F32 { m, v });
+                engine_step(pool, &c, step, [set1, [p2, m2, v2]], buffers, views, false);
             }
             BenchKernel::EngineStepBf16Master => {
                 let c = adamw.coefficients(step, 1.0 / 1024.0)?;
                 let [p1, p2, m2, v2] = &mut self.bf16_states2;
-                let (m1, v1) = (&mut self.m_bf16, &mut self.v_bf16);
-                // Odd steps read the first set, even steps the second.
-                let ((p_in, m_in, v_in), (p_out, m_out, v_out)) = if step % 2 == 1 {
-                    ((p1.get(), m1.get(), v1.get()), (p2, m2, v2))
-                } else {
-                    ((p2.get(), m2.get(), v2.get()), (p1, m1, v1))
-                };
-                let chunk = ENGINE_STRETCH_ELEMS;
-                let shards = p_in
-                    .chunks(chunk)
-                    .zip(m_in.chunks(chunk).zip(v_in.chunks(chunk)))
-                    .zip(self.g_bf16.get().chunks(chunk))
-                    .zip(p_out.get_mut().chunks_mut(chunk))
-                    .zip(m_out.get_mut().chunks_mut(chunk))
-                    .zip(v_out.get_mut().chunks_mut(chunk))
-                    .zip(self.out_bf16.get_mut().chunks_mut(chunk))
-                    .enumerate()
-                    .map(
-                        |(k, ((((((p0, (m0, v0)), g), p), m), v), out))| OutOfPlaceShard {
-                            coefficients: &c,
-                            params_in: p0,
-                            moments_in: MomentsRef::Bf16 { m: m0, v: v0 },
-                            grads: Values::Bf16(g),
-                            params_out: p,
-                            moments_out: Moments::Bf16 { m, v },
-                            out: Some(LowPrecisionMut::Bf16(out)),
-                            rounding: Rounding::Stochastic {
-                                seed: 1,
-                                step,
-                                first: (k * chunk) as u64,
-                            },
-                        },
-                    )
-                    .collect();
-                pool.adam_step_out_of_place_many(shards);
+                let set1 = [p1, &mut self.m_bf16, &mut self.v_bf16];
+                let buffers = (self.g_bf16.get(), self.out_bf16.get_mut());
+                let views: MomentViews<bf16> =
+                    |m0, v0, m, v| (MomentsRef::Bf16 { m: m0, v: v0 }, Moments::Bf16 { m, v });
+                engine_step(pool, &c, step, [set1, [p2, m2, v2]], buffers, views, true);
             }
             BenchKernel::AdagradFp32 => {
                 let c = AdagradConfig::new(1e-4).coefficients(step, 1.0)?;

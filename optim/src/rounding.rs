@@ -138,6 +138,15 @@ impl<S: Simd> Noise<S> {
         }
     }
 
+    /// Keys the lanes for elements `high << 32 ..`.
+    #[inline(always)]
+    fn rekey(&mut self, s: S, high: u64) {
+        if high != self.high {
+            self.high = high;
+            self.keys = s.splat_word(key(self.seed, self.step, self.stream, high));
+        }
+    }
+
     /// The words of elements `index .. index + S::LANES`.
     #[inline(always)]
     pub(crate) fn lanes(&mut self, s: S, index: u64) -> S::U {
@@ -155,15 +164,10 @@ impl<S: Simd> Noise<S> {
                 self.next = None;
                 return s.load_u32(&words);
             }
-            if high != self.high {
-                self.high = high;
-                self.keys = s.splat_word(key(self.seed, self.step, self.stream, high));
-            }
+            self.rekey(s, high);
             self.counters = s.iota_words(low);
         }
-        self.next = low
-            .checked_add(2 * lanes - 1)
-            .map(|_| index + u64::from(lanes));
+        self.next = continues(index, lanes);
         s.mix_words(s.xor_words(self.counters, self.keys))
     }
 
@@ -190,21 +194,25 @@ impl<S: Simd> Noise<S> {
                 self.next_pair = None;
                 return (s.load_u32(&words[0]), s.load_u32(&words[1]));
             }
-            if high != self.high {
-                self.high = high;
-                self.keys = s.splat_word(key(self.seed, self.step, self.stream, high));
-            }
+            self.rekey(s, high);
             self.evens = s.iota_even_words(low);
         }
-        self.next_pair = low
-            .checked_add(2 * span - 1)
-            .map(|_| index + u64::from(span));
+        self.next_pair = continues(index, span);
         let odds = s.add_words(self.evens, s.splat_word(1));
         (
             s.mix_words(s.xor_words(self.evens, self.keys)),
             s.mix_words(s.xor_words(odds, self.keys)),
         )
     }
+}
+
+/// Where counters that cover `span` elements from `index` continue, by
+/// stepping on `span`: none where a step would wrap their low 32 bits.
+#[inline(always)]
+fn continues(index: u64, span: u32) -> Option<u64> {
+    (index as u32)
+        .checked_add(2 * span - 1)
+        .map(|_| index + u64::from(span))
 }
 
 /// Narrows fp32 to bf16 rounding stochastically (`rounding` Stochastic:
