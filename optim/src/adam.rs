@@ -903,7 +903,22 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                 ahead.touch(g.as_ptr(), i);
             };
             if !nt {
-                for i in (0..body_len).step_by(n) {
+                let paired = if pairs {
+                    body_len / (2 * n) * (2 * n)
+                } else {
+                    0
+                };
+                for i in (0..paired).step_by(2 * n) {
+                    touch_sources(i);
+                    touch_sources(i + n);
+                    let w = words.as_mut().expect("pairs round stochastically");
+                    let noise = w.moments.pair(s, w.first + (head + i) as u64);
+                    let src = Some((&p0[i..], &m0[i..], &v0[i..]));
+                    let streams = (&mut p[i..], &g[i..], &mut m[i..], &mut v[i..]);
+                    let o = out.as_deref_mut().map(|o| &mut o[i..]);
+                    k.update_pair(s, streams, src, o, noise);
+                }
+                for i in (paired..body_len).step_by(n) {
                     touch_sources(i);
                     let noise = Words::at(&mut words, s, head + i);
                     let src = Some((&p0[i..], &m0[i..], &v0[i..]));
@@ -1034,8 +1049,9 @@ mod tests {
     /// bf16 gradients the tile path takes pairs of vectors, with fp32
     /// gradients holding the same values single ones. The same bits, NaN
     /// payloads included, at any length, alignment and first index, with
-    /// and without the bf16 copy; `whole_len` makes small slices stream
-    /// as a part of a long update does.
+    /// and without the bf16 copy; streamed through the tile (a `whole_len`
+    /// that makes small slices stream as a part of a long update does) and
+    /// not.
     #[test]
     fn out_of_place_pairs_write_what_single_vectors_write() {
         let value = |i: usize, salt: u32| -> bf16 {
@@ -1046,17 +1062,28 @@ mod tests {
         for isa in Isa::available() {
             for len in [0usize, 1, 16, 17, 32, 33, 255, 256, 257, 300, 1000] {
                 for offset in [0usize, 1, 8, 17] {
-                    for (first, copy) in [(0u64, true), ((1 << 32) - 40, true), (9, false)] {
+                    for (first, copy, whole_len) in [
+                        (0u64, true, simd::STREAM_ELEMS_MIN),
+                        ((1 << 32) - 40, true, simd::STREAM_ELEMS_MIN),
+                        (9, false, simd::STREAM_ELEMS_MIN),
+                        (0, true, len),
+                        ((1 << 32) - 40, false, len),
+                    ] {
                         let n = offset + len;
                         let mut g: Vec<bf16> = (0..n).map(|i| value(i, 1)).collect();
                         let mut p0: Vec<bf16> = (0..n).map(|i| value(i, 2)).collect();
-                        let m0: Vec<bf16> = (0..n).map(|i| value(i, 3)).collect();
-                        let v0: Vec<bf16> = (0..n)
+                        let mut m0: Vec<bf16> = (0..n).map(|i| value(i, 3)).collect();
+                        let mut v0: Vec<bf16> = (0..n)
                             .map(|i| bf16::from_f32(value(i, 4).to_f32().abs() * 1e-3))
                             .collect();
-                        if n > 5 {
+                        // NaN and infinity in both halves of pairs, and a
+                        // subnormal.
+                        if n > 40 {
                             g[n / 2] = bf16::NAN;
+                            g[n / 2 + 17] = bf16::NAN;
                             p0[n - 3] = bf16::INFINITY;
+                            v0[n - 30] = bf16::INFINITY;
+                            m0[n - 33] = bf16::from_bits(1);
                         }
                         let wide: Vec<f32> = g.iter().map(|x| x.to_f32()).collect();
                         let run = |grads: Values<'_>| {
@@ -1086,7 +1113,7 @@ mod tests {
                                     first,
                                 },
                             };
-                            adam_step_out_of_place_part(isa, shard, simd::STREAM_ELEMS_MIN);
+                            adam_step_out_of_place_part(isa, shard, whole_len);
                             [p, m, v, out]
                                 .map(|x| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
                         };
@@ -1094,7 +1121,7 @@ mod tests {
                         let single = run(Values::F32(&wide[offset..]));
                         assert!(
                             pairs == single,
-                            "{isa} len {len} offset {offset} first {first} copy {copy}"
+                            "{isa} len {len} offset {offset} first {first} copy {copy} whole {whole_len}"
                         );
                     }
                 }

@@ -138,12 +138,16 @@ impl<S: Simd> Noise<S> {
         }
     }
 
-    /// Keys the lanes for elements `high << 32 ..`.
+    /// Keys the lanes for elements `high << 32 ..`. A new key ends both
+    /// continuations: single vectors and pairs share it, and a run that
+    /// stepped its counters on would hash with the other block's key.
     #[inline(always)]
     fn rekey(&mut self, s: S, high: u64) {
         if high != self.high {
             self.high = high;
             self.keys = s.splat_word(key(self.seed, self.step, self.stream, high));
+            self.next = None;
+            self.next_pair = None;
         }
     }
 

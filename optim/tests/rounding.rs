@@ -408,8 +408,8 @@ fn non_finite_values_stay_what_they_are_on_every_isa() {
 /// bf16 masters with bf16 gradients take the pair path (even- and
 /// odd-numbered elements in two vectors); fp32 gradients holding the same
 /// values take the single-vector path. Both must write the same bits, NaN
-/// payloads included, at any length, alignment and first index (a pair
-/// that straddles 2^32 included), on every instruction set.
+/// payloads included, at lengths, offsets and first indices around vector,
+/// pair and 2^32 boundaries, on every instruction set.
 #[test]
 fn bf16_pairs_write_what_single_vectors_write_bit_for_bit() {
     let specials = [
@@ -418,7 +418,8 @@ fn bf16_pairs_write_what_single_vectors_write_bit_for_bit() {
         f32::NEG_INFINITY,
         0.0,
         -0.0,
-        f32::from_bits(1),
+        // bf16 subnormals, and bf16's largest finite.
+        f32::from_bits(0x0001_0000),
         f32::from_bits(0x807f_0000),
         f32::from_bits(0x7f7f_0000),
         1e30,
@@ -445,16 +446,18 @@ fn bf16_pairs_write_what_single_vectors_write_bit_for_bit() {
                     let mut v: Vec<bf16> = (0..n)
                         .map(|i| bf16::from_f32(value(i, 4).abs() * 1e-4))
                         .collect();
-                    // Specials in every stream, at places that fall in both
-                    // halves of a pair.
+                    // Every special in every stream (v's NaN and infinity
+                    // included), in the slice at an even and at an odd
+                    // distance from its start, so that each lands in both
+                    // halves of a pair wherever the pairs begin.
                     for (k, x) in specials.iter().enumerate() {
-                        let at = (k * 37 + 5) % n.max(1);
-                        if n > 0 {
-                            match k % 4 {
-                                0 => grads[at] = bf16::from_f32(*x),
-                                1 => p[at] = bf16::from_f32(*x),
-                                2 => m[at] = bf16::from_f32(*x),
-                                _ => v[at] = bf16::from_f32(x.abs()),
+                        for (j, stream) in
+                            [&mut grads, &mut p, &mut m, &mut v].into_iter().enumerate()
+                        {
+                            for at in [7 * k + 3 * j, 7 * k + 3 * j + 33] {
+                                if at < len {
+                                    stream[offset + at] = bf16::from_f32(*x);
+                                }
                             }
                         }
                     }

@@ -224,6 +224,7 @@ impl Simd for Portable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rounding::{Noise, Stream, word};
     use crate::simd::Simd;
 
     /// A bf16 master rounds with its word's halves xored, m and v with the
@@ -280,6 +281,51 @@ mod tests {
                     (joint - 0.25).abs() < 0.005,
                     "words {a}, {b}: both below one half {joint}"
                 );
+            }
+        }
+    }
+
+    /// Single vectors and pairs share one key: calls that take turns
+    /// across 2^32 blocks still give every element its own word.
+    #[test]
+    fn single_vectors_and_pairs_interleaved_across_blocks_give_each_element_its_word() {
+        let s = Portable;
+        let n = Portable::LANES as u64;
+        let mut noise = Noise::new(s, 4, 2, Stream::Moments);
+        let far = 1u64 << 32;
+        let calls = [
+            (false, 100),
+            (true, far + 64),
+            (false, 100 + n),
+            (true, 96),
+            (false, far + 64 + 2 * n),
+            (true, 96 + 2 * n),
+            (true, far - n),
+            (false, far + 64 + 3 * n),
+        ];
+        for (pair, index) in calls {
+            let expected = |i: u64| word(4, 2, Stream::Moments, i);
+            if pair {
+                let (even, odd) = noise.pair(s, index);
+                for i in 0..n as usize {
+                    let at = index + 2 * i as u64;
+                    assert_eq!(even[i], expected(at), "pair at {index}, element {at}");
+                    assert_eq!(
+                        odd[i],
+                        expected(at + 1),
+                        "pair at {index}, element {}",
+                        at + 1
+                    );
+                }
+            } else {
+                let words = noise.lanes(s, index);
+                for (i, w) in words.iter().enumerate() {
+                    assert_eq!(
+                        *w,
+                        expected(index + i as u64),
+                        "vector at {index}, lane {i}"
+                    );
+                }
             }
         }
     }
