@@ -664,15 +664,15 @@ impl<S: Simd> Splat<S> {
         (p, g, m, v): (&mut [P], &[G], &mut [M], &mut [M]),
         src: Option<Sources<'_, P, M>>,
         out: Option<&mut [O]>,
-        words: (S::U, S::U),
+        [even, odd]: [Split3<S>; 2],
     ) {
         let (p0, m0, v0) = match src {
             Some((p, m, v)) => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
             None => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
         };
         let g0 = G::load_pair(s, g);
-        let even = self.half_of_pair(s, (p0.0, g0.0, m0.0, v0.0), words.0);
-        let odd = self.half_of_pair(s, (p0.1, g0.1, m0.1, v0.1), words.1);
+        let even = self.half_of_pair(s, (p0.0, g0.0, m0.0, v0.0), even);
+        let odd = self.half_of_pair(s, (p0.1, g0.1, m0.1, v0.1), odd);
         M::store_pair_exact(s, m, even.0, odd.0);
         M::store_pair_exact(s, v, even.1, odd.1);
         P::store_pair_exact(s, p, even.2, odd.2);
@@ -682,19 +682,16 @@ impl<S: Simd> Splat<S> {
     }
 
     /// One half of [`Splat::update_pair`]: the new m, v and parameters
-    /// with their high halves rounded, with the word's halves and their xor
-    /// as [`Words::at`] assigns them. (A method, not a closure: a closure
-    /// is compiled without the back end's features.)
+    /// with their high halves rounded with their noise. (A method, not a
+    /// closure: a closure is compiled without the back end's features.)
     #[inline(always)]
     fn half_of_pair(
         &self,
         s: S,
         (p0, g, m0, v0): (S::V, S::V, S::V, S::V),
-        word: S::U,
+        (noise_m, noise_v, noise_p): Split3<S>,
     ) -> (S::V, S::V, S::V) {
         let (m1, v1, p1) = self.step(s, p0, g, m0, v0);
-        let (noise_m, noise_v) = s.halves(word);
-        let noise_p = s.xor_words(noise_m, noise_v);
         // As in `update`: a NaN in m1 or v1 makes p1 NaN.
         let nan_free = s.nan_free(p1);
         (
@@ -826,11 +823,36 @@ impl<S: Simd> Words<S> {
         match words {
             None => (None, None),
             Some(w) => {
-                let (low, high) = s.halves(w.moments.lanes(s, w.first + offset as u64));
-                (Some((low, high)), w.master.then(|| s.xor_words(low, high)))
+                let (low, high, master) = split(s, w.moments.lanes(s, w.first + offset as u64));
+                (Some((low, high)), w.master.then_some(master))
             }
         }
     }
+
+    /// The words of the pair at `offset` in the call ([`Noise::pair`]):
+    /// the even-numbered elements', then the odd-numbered ones', each split
+    /// as [`Words::at`] splits a vector's.
+    ///
+    /// # Panics
+    /// When not rounding stochastically (pairs always do).
+    #[inline(always)]
+    fn pair(words: &mut Option<Words<S>>, s: S, offset: usize) -> [Split3<S>; 2] {
+        let w = words.as_mut().expect("pairs round stochastically");
+        let (even, odd) = w.moments.pair(s, w.first + offset as u64);
+        [split(s, even), split(s, odd)]
+    }
+}
+
+/// One vector's noise words for m, v and a bf16 master.
+type Split3<S> = (<S as Simd>::U, <S as Simd>::U, <S as Simd>::U);
+
+/// A random word's noise: m rounds with its low half, v with its high
+/// half, a bf16 master with the two xored. (A function, not a closure: a
+/// closure is compiled without the back end's features.)
+#[inline(always)]
+fn split<S: Simd>(s: S, word: S::U) -> Split3<S> {
+    let (low, high) = s.halves(word);
+    (low, high, s.xor_words(low, high))
 }
 
 impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P, G, M, O> {
@@ -911,8 +933,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                 for i in (0..paired).step_by(2 * n) {
                     touch_sources(i);
                     touch_sources(i + n);
-                    let w = words.as_mut().expect("pairs round stochastically");
-                    let noise = w.moments.pair(s, w.first + (head + i) as u64);
+                    let noise = Words::pair(&mut words, s, head + i);
                     let src = Some((&p0[i..], &m0[i..], &v0[i..]));
                     let streams = (&mut p[i..], &g[i..], &mut m[i..], &mut v[i..]);
                     let o = out.as_deref_mut().map(|o| &mut o[i..]);
@@ -941,8 +962,7 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                         let i = start + j;
                         touch_sources(i);
                         touch_sources(i + n);
-                        let w = words.as_mut().expect("pairs round stochastically");
-                        let noise = w.moments.pair(s, w.first + (head + i) as u64);
+                        let noise = Words::pair(&mut words, s, head + i);
                         let src = Some((&p0[i..], &m0[i..], &v0[i..]));
                         let (tp, tm, tv) = (&mut tile.p[j..], &mut tile.m[j..], &mut tile.v[j..]);
                         let tout = out.is_some().then_some(&mut tile.out[j..]);
@@ -972,7 +992,6 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
         }
         // In place, with no copy (the masters are it).
         if pairs && out.is_none() {
-            let first = words.as_ref().expect("pairs round stochastically").first;
             // One vector first where that lines the pairs up with the
             // parameters' cache lines.
             let lead = if (p.as_ptr() as usize).is_multiple_of(2 * n * std::mem::size_of::<P>()) {
@@ -989,11 +1008,10 @@ impl<P: Element, G: Element, M: Element, O: Element> Kernel for AdamKernel<'_, P
                 let noise = Words::at(&mut words, s, head);
                 k.update(s, p, g, m, v, None, false, noise);
             }
-            let w = words.as_mut().expect("checked above");
             for i in (lead..lead + paired).step_by(2 * n) {
                 touch(head + i);
                 touch(head + i + n);
-                let noise = w.moments.pair(s, first + (head + i) as u64);
+                let noise = Words::pair(&mut words, s, head + i);
                 let streams = (&mut p[i..], &g[i..], &mut m[i..], &mut v[i..]);
                 k.update_pair::<P, G, M, O>(s, streams, None, None, noise);
             }
