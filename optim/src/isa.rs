@@ -15,11 +15,14 @@ pub enum Isa {
     /// Plain Rust over 8-lane arrays, vectorized for the target's baseline
     /// (SSE2 on x86-64, NEON on aarch64). Always available.
     Portable,
-    /// AVX2 with FMA and F16C.
+    /// AVX2 with FMA, F16C and AES-NI (stochastic rounding's random bits).
     Avx2,
-    /// AVX-512F.
+    /// AVX-512F and AES-NI.
     Avx512,
-    /// AVX-512F, BW, VL and BF16 (`vcvtneps2bf16` for bf16 outputs).
+    /// AVX-512F, BW, VL and BF16 (`vcvtneps2bf16` for bf16 outputs), and
+    /// VAES (AES rounds on 512-bit vectors, for stochastic rounding's
+    /// random bits; every such CPU but Cooper Lake has it, and Cooper Lake
+    /// runs [`Isa::Avx512`]).
     Avx512Bf16,
 }
 
@@ -36,15 +39,20 @@ impl Isa {
                 std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("aes")
             }
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            Isa::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("aes")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
+                    && std::arch::is_x86_feature_detected!("vaes")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,

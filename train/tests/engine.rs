@@ -800,13 +800,19 @@ fn bf16_states(dtype: StateDtype) {
     let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
     let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
     assert_eq!(resumed, whole.losses, "{dtype:?}");
-    // An older checkpoint's "stochastic" resumes (with a warning); a
-    // rounding this strata does not write is refused by name. (Without
-    // meta.json's checksum, as older checkpoints are.)
+    // An older strata's roundings resume (with a warning); a rounding this
+    // strata does not write is refused by name. (Without meta.json's
+    // checksum, as older checkpoints are.) Only the label changes here, so
+    // the resumed run's bits are still this strata's.
     let step = strata_train::Checkpoint::open(&checkpoints).unwrap().dir;
     let text = std::fs::read_to_string(step.join("meta.json")).unwrap();
     let _ = std::fs::remove_file(step.join("meta.json.xxh3"));
-    for (rounding, resumes) in [("stochastic", true), ("nearest", false)] {
+    for (rounding, resumes) in [
+        ("stochastic", true),
+        ("stochastic-per-element", true),
+        ("stochastic-lowbias", false),
+        ("nearest", false),
+    ] {
         let edited = text.replace(strata_train::ROUNDING_STOCHASTIC, rounding);
         assert_ne!(edited, text);
         std::fs::write(step.join("meta.json"), edited).unwrap();

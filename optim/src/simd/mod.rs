@@ -67,9 +67,10 @@ pub trait Simd: Copy + Send + Sync {
     fn iota_even_words(self, first: u32) -> Self::U;
     /// Lanewise wrapping sum.
     fn add_words(self, a: Self::U, b: Self::U) -> Self::U;
-    /// Lane `i`: `rounding::hash32(0, x[i])`, the mix that
-    /// `rounding::hash32(key, counter)` applies to `key ^ counter`.
-    fn mix_words(self, x: Self::U) -> Self::U;
+    /// Lane `i`: two keyed AES rounds on the column `x[i]`, less
+    /// ShiftRows: `aes_column(aes_column(x[i]) ^ rounds.0[i]) ^ rounds.1[i]`
+    /// (`rounding::hash` of a counter whose added key `x` holds).
+    fn aes_rounds(self, x: Self::U, rounds: (Self::U, Self::U)) -> Self::U;
     /// u32 lanes from `src` (at least `LANES` long).
     fn load_u32(self, src: &[u32]) -> Self::U;
     /// Each lane's low 16 bits and its high 16 bits shifted down: two

@@ -8,7 +8,7 @@
 use half::{bf16, f16};
 
 use super::Simd;
-use crate::rounding::{hash32, round_bf16_stochastic};
+use crate::rounding::{aes_column, round_bf16_stochastic};
 
 const LANES: usize = 8;
 
@@ -56,9 +56,8 @@ impl Simd for Portable {
         std::array::from_fn(|i| a[i].wrapping_add(b[i]))
     }
     #[inline(always)]
-    fn mix_words(self, x: Self::U) -> Self::U {
-        // hash32 of key ^ counter is the mix of that xor.
-        x.map(|x| hash32(0, x))
+    fn aes_rounds(self, x: Self::U, (first, second): (Self::U, Self::U)) -> Self::U {
+        std::array::from_fn(|i| aes_column(aes_column(x[i]) ^ first[i]) ^ second[i])
     }
     #[inline(always)]
     fn load_u32(self, src: &[u32]) -> Self::U {

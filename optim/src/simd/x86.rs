@@ -33,21 +33,21 @@ pub(crate) struct Avx512<const BF16: bool> {
     _only_in_entries: (),
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
+#[target_feature(enable = "avx2,fma,f16c,aes")]
 fn entry_avx2<K: Kernel>(kernel: K) -> K::Output {
     kernel.run(Avx2 {
         _only_in_entries: (),
     })
 }
 
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,aes")]
 fn entry_avx512<K: Kernel>(kernel: K) -> K::Output {
     kernel.run(Avx512::<false> {
         _only_in_entries: (),
     })
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,vaes")]
 fn entry_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
     kernel.run(Avx512::<true> {
         _only_in_entries: (),
@@ -57,21 +57,22 @@ fn entry_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
 /// Runs `kernel` with AVX2. The caller (`dispatch`) checked the CPU.
 pub(crate) fn run_avx2<K: Kernel>(kernel: K) -> K::Output {
     assert!(crate::Isa::Avx2.is_available());
-    // SAFETY: the assertion above checked avx2, fma and f16c at run time.
+    // SAFETY: the assertion above checked avx2, fma, f16c and aes at run time.
     unsafe { entry_avx2(kernel) }
 }
 
 /// Runs `kernel` with AVX-512F.
 pub(crate) fn run_avx512<K: Kernel>(kernel: K) -> K::Output {
     assert!(crate::Isa::Avx512.is_available());
-    // SAFETY: the assertion above checked avx512f at run time.
+    // SAFETY: the assertion above checked avx512f and aes at run time.
     unsafe { entry_avx512(kernel) }
 }
 
 /// Runs `kernel` with AVX-512F and AVX512-BF16.
 pub(crate) fn run_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
     assert!(crate::Isa::Avx512Bf16.is_available());
-    // The assertion above checked avx512f, avx512bw, avx512vl and avx512bf16.
+    // The assertion above checked avx512f, avx512bw, avx512vl, avx512bf16
+    // and vaes.
     // SAFETY: the features the entry point is compiled for are present (at run time).
     unsafe { entry_avx512_bf16(kernel) }
 }
@@ -88,15 +89,20 @@ macro_rules! bf16_round_bits {
     }};
 }
 
-/// `rounding::hash32`'s mix in 32-bit lanes of `x = key ^ counter`.
-macro_rules! hash32_lanes {
-    ($x:expr, $xor:ident, $srli:ident, $mullo:ident, $set1:ident) => {{
-        let mut x = $x;
-        x = $xor(x, $srli::<16>(x));
-        x = $mullo(x, $set1(0x7feb_352d_u32 as i32));
-        x = $xor(x, $srli::<15>(x));
-        x = $mullo(x, $set1(0x846c_a68b_u32 as i32));
-        $xor(x, $srli::<16>(x))
+/// The byte shuffle (within each 128-bit lane) that undoes ShiftRows: byte
+/// `4c + r` (row r of column c) goes where ShiftRows takes row r of column c
+/// from, so that `aesenc` after it is SubBytes and MixColumns on each 32-bit
+/// column alone (`rounding::aes_column`), plus the round key.
+const UNDO_SHIFT_ROWS: [u8; 16] = [0, 13, 10, 7, 4, 1, 14, 11, 8, 5, 2, 15, 12, 9, 6, 3];
+
+/// `Simd::aes_rounds` on four lanes with AES-NI: the undoing shuffle and
+/// `aesenc`, twice. Needs aes (and SSSE3, which AVX2 implies); called only
+/// from the tokens' methods, whose entries enable it.
+macro_rules! aes_rounds_xmm {
+    ($x:expr, $first:expr, $second:expr) => {{
+        let undo = _mm_loadu_si128(UNDO_SHIFT_ROWS.as_ptr().cast());
+        let x = _mm_aesenc_si128(_mm_shuffle_epi8($x, undo), $first);
+        _mm_aesenc_si128(_mm_shuffle_epi8(x, undo), $second)
     }};
 }
 
@@ -169,16 +175,21 @@ impl Simd for Avx2 {
         unsafe { _mm256_add_epi32(a, b) }
     }
     #[inline(always)]
-    fn mix_words(self, x: __m256i) -> __m256i {
-        // SAFETY: the token.
+    fn aes_rounds(self, x: __m256i, (first, second): (__m256i, __m256i)) -> __m256i {
+        // SAFETY: the token (its entry enables aes); AES-NI works on
+        // 128-bit halves.
         unsafe {
-            hash32_lanes!(
-                x,
-                _mm256_xor_si256,
-                _mm256_srli_epi32,
-                _mm256_mullo_epi32,
-                _mm256_set1_epi32
-            )
+            let low = aes_rounds_xmm!(
+                _mm256_castsi256_si128(x),
+                _mm256_castsi256_si128(first),
+                _mm256_castsi256_si128(second)
+            );
+            let high = aes_rounds_xmm!(
+                _mm256_extracti128_si256::<1>(x),
+                _mm256_extracti128_si256::<1>(first),
+                _mm256_extracti128_si256::<1>(second)
+            );
+            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(low), high)
         }
     }
     #[inline(always)]
@@ -554,16 +565,44 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
         unsafe { _mm512_add_epi32(a, b) }
     }
     #[inline(always)]
-    fn mix_words(self, x: __m512i) -> __m512i {
-        // SAFETY: the token.
-        unsafe {
-            hash32_lanes!(
-                x,
-                _mm512_xor_si512,
-                _mm512_srli_epi32,
-                _mm512_mullo_epi32,
-                _mm512_set1_epi32
-            )
+    fn aes_rounds(self, x: __m512i, (first, second): (__m512i, __m512i)) -> __m512i {
+        if BF16 {
+            // SAFETY: the token (with BF16 its entry enables vaes and
+            // avx512bw, which the 512-bit aesenc and byte shuffle need).
+            unsafe {
+                let undo = _mm512_broadcast_i32x4(_mm_loadu_si128(UNDO_SHIFT_ROWS.as_ptr().cast()));
+                let x = _mm512_aesenc_epi128(_mm512_shuffle_epi8(x, undo), first);
+                _mm512_aesenc_epi128(_mm512_shuffle_epi8(x, undo), second)
+            }
+        } else {
+            // SAFETY: the token (its entry enables aes): AES-NI on each
+            // 128-bit quarter.
+            unsafe {
+                let x0 = aes_rounds_xmm!(
+                    _mm512_extracti32x4_epi32::<0>(x),
+                    _mm512_extracti32x4_epi32::<0>(first),
+                    _mm512_extracti32x4_epi32::<0>(second)
+                );
+                let x1 = aes_rounds_xmm!(
+                    _mm512_extracti32x4_epi32::<1>(x),
+                    _mm512_extracti32x4_epi32::<1>(first),
+                    _mm512_extracti32x4_epi32::<1>(second)
+                );
+                let x2 = aes_rounds_xmm!(
+                    _mm512_extracti32x4_epi32::<2>(x),
+                    _mm512_extracti32x4_epi32::<2>(first),
+                    _mm512_extracti32x4_epi32::<2>(second)
+                );
+                let x3 = aes_rounds_xmm!(
+                    _mm512_extracti32x4_epi32::<3>(x),
+                    _mm512_extracti32x4_epi32::<3>(first),
+                    _mm512_extracti32x4_epi32::<3>(second)
+                );
+                let y = _mm512_castsi128_si512(x0);
+                let y = _mm512_inserti32x4::<1>(y, x1);
+                let y = _mm512_inserti32x4::<2>(y, x2);
+                _mm512_inserti32x4::<3>(y, x3)
+            }
         }
     }
     #[inline(always)]

@@ -30,14 +30,17 @@ fn nearest() -> String {
     "nearest".into()
 }
 
-/// `meta.rounding` of bf16 states: random bits keyed by the rounding seed,
-/// the Adam step and each parameter's global index.
-pub const ROUNDING_STOCHASTIC: &str = "stochastic-per-element";
+/// `meta.rounding` of bf16 states: random bits from two AES rounds keyed
+/// by the rounding seed and the Adam step, on each parameter's global index.
+pub const ROUNDING_STOCHASTIC: &str = "stochastic-aes";
 
-/// `meta.rounding` of bf16 states from strata before `ROUNDING_STOCHASTIC`,
-/// whose keys may have restarted at every host chunk of a group: a resume
-/// rounds per element, so it may not replay such a run's bits.
-const ROUNDING_STOCHASTIC_PER_CHUNK: &str = "stochastic";
+/// `meta.rounding` of bf16 states from older strata, whose random bits
+/// differ from [`ROUNDING_STOCHASTIC`]'s: "stochastic" (a multiplicative
+/// hash whose keys may have restarted at every host chunk of a group),
+/// "stochastic-per-element" (the same hash keyed per element). A resume
+/// goes on from their states but cannot replay the bits the old run would
+/// have drawn; it warns.
+const ROUNDING_STOCHASTIC_OLDER: [&str; 2] = ["stochastic", "stochastic-per-element"];
 
 /// The layout version this code writes and reads. (`config.json` came
 /// later within format 1: checkpoints without it still resume.)
@@ -653,10 +656,10 @@ impl Engine {
         };
         match meta.rounding.as_str() {
             r if r == expected => {}
-            ROUNDING_STOCHASTIC_PER_CHUNK if stochastic => {
+            older if stochastic && ROUNDING_STOCHASTIC_OLDER.contains(&older) => {
                 if rank == 0 {
                     tracing::warn!(
-                        "{}: meta.json says rounding = \"stochastic\": it may come from a strata whose bf16 rounding keys restarted at every host chunk; this run keys each element by its index, so it goes on from the checkpoint's states but may not replay the bits the old run would have computed",
+                        "{}: meta.json says rounding = {older:?}: it comes from an older strata, whose random bits for bf16 stochastic rounding differ from this one's ({ROUNDING_STOCHASTIC:?}); the run goes on from the checkpoint's states, unbiased, but does not replay the bits the old strata would have drawn",
                         checkpoint.dir.display()
                     );
                 }
