@@ -7,7 +7,7 @@ For each thread count T, each round runs in a rotated order:
               adamw_fp32, offload_step_bf16, engine_step_bf16 (the engine's
               shape: out of place, bf16 gradient in), the bf16-state steps
               offload_step_bf16_moments_sr and offload_step_bf16_master, and
-              roofline_4r3w;
+              roofline_4r3w (their order rotated each round);
   torch       torch.optim.AdamW(fused=True).step() on fp32;
   ds_adam     DeepSpeedCPUAdam(adamw_mode=True).step() on fp32;
   ds_offload  what DeepSpeed 0.19.8's ZeRO-1/2 offload does on the CPU per
@@ -145,9 +145,12 @@ class Worker:
         self.process.wait()
 
 
-def strata_round(args, threads):
+def strata_round(args, threads, r):
+    """One round of strata's kernels, their order rotated by the round `r`
+    (one round per process, so no kernel always runs first)."""
+    kernels = STRATA_KERNELS[r % len(STRATA_KERNELS):] + STRATA_KERNELS[:r % len(STRATA_KERNELS)]
     cmd = [args.strata, "bench", "adam", "--params", str(args.params), "--threads", str(threads),
-           "--rounds", "1", "--kernels", ",".join(STRATA_KERNELS), "--json"]
+           "--rounds", "1", "--kernels", ",".join(kernels), "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     report = json.loads(out.strip().splitlines()[-1])
     rates = {f"strata_{r['kernel']}": (r["params_per_s"], r["bytes_per_s"]) for r in report["results"]}
@@ -289,7 +292,7 @@ def main():
             for k in range(len(names)):
                 name = names[(r + k) % len(names)]
                 if name == "strata":
-                    rates, prefetch = strata_round(args, t)
+                    rates, prefetch = strata_round(args, t, r)
                     for key, value in rates.items():
                         samples[t].setdefault(key, []).append(value)
                 else:
