@@ -671,8 +671,13 @@ impl<S: Simd> Splat<S> {
             None => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
         };
         let g0 = G::load_pair(s, g);
-        let even = self.half_of_pair(s, (p0.0, g0.0, m0.0, v0.0), even);
-        let odd = self.half_of_pair(s, (p0.1, g0.1, m0.1, v0.1), odd);
+        let new_even = self.step(s, p0.0, g0.0, m0.0, v0.0);
+        let new_odd = self.step(s, p0.1, g0.1, m0.1, v0.1);
+        // As in `update`: a NaN in m1 or v1 makes p1 NaN; one compare
+        // checks both halves' parameters.
+        let nan_free = s.nan_free_both(new_even.2, new_odd.2);
+        let even = self.round_half(s, new_even, even, nan_free);
+        let odd = self.round_half(s, new_odd, odd, nan_free);
         M::store_pair_exact(s, m, even.0, odd.0);
         M::store_pair_exact(s, v, even.1, odd.1);
         P::store_pair_exact(s, p, even.2, odd.2);
@@ -681,19 +686,18 @@ impl<S: Simd> Splat<S> {
         }
     }
 
-    /// One half of [`Splat::update_pair`]: the new m, v and parameters
-    /// with their high halves rounded with their noise. (A method, not a
-    /// closure: a closure is compiled without the back end's features.)
+    /// One half of [`Splat::update_pair`]: its new m, v and parameters
+    /// with their high halves rounded with their noise (`nan_free`: no
+    /// parameter of the pair is NaN). (A method, not a closure: a closure
+    /// is compiled without the back end's features.)
     #[inline(always)]
-    fn half_of_pair(
+    fn round_half(
         &self,
         s: S,
-        (p0, g, m0, v0): (S::V, S::V, S::V, S::V),
+        (m1, v1, p1): (S::V, S::V, S::V),
         (noise_m, noise_v, noise_p): Split3<S>,
+        nan_free: bool,
     ) -> (S::V, S::V, S::V) {
-        let (m1, v1, p1) = self.step(s, p0, g, m0, v0);
-        // As in `update`: a NaN in m1 or v1 makes p1 NaN.
-        let nan_free = s.nan_free(p1);
         (
             s.bf16_sr_high(m1, noise_m, nan_free),
             s.bf16_sr_high(v1, noise_v, nan_free),

@@ -26,7 +26,9 @@ pub enum OptimError {
         grad_scale: f32,
     },
     /// `STRATA_ISA` or `--isa` named no instruction set strata knows.
-    #[error("unknown instruction set {name:?}: choose portable, avx2, avx512 or avx512bf16")]
+    #[error(
+        "unknown instruction set {name:?}: choose portable, avx2, avx512, avx512vaes or avx512bf16"
+    )]
     UnknownIsa {
         /// The name given.
         name: String,

@@ -17,18 +17,27 @@ pub enum Isa {
     Portable,
     /// AVX2 with FMA, F16C and AES-NI (stochastic rounding's random bits).
     Avx2,
-    /// AVX-512F and AES-NI.
+    /// AVX-512F and AES-NI (stochastic rounding's random bits four
+    /// 128-bit AES rounds at a time).
     Avx512,
+    /// AVX-512F and BW with VAES: the random bits in 512-bit AES rounds
+    /// (Ice Lake-SP).
+    Avx512Vaes,
     /// AVX-512F, BW, VL and BF16 (`vcvtneps2bf16` for bf16 outputs), and
-    /// VAES (AES rounds on 512-bit vectors, for stochastic rounding's
-    /// random bits; every such CPU but Cooper Lake has it, and Cooper Lake
-    /// runs [`Isa::Avx512`]).
+    /// VAES (every such CPU but Cooper Lake has it; Cooper Lake runs
+    /// [`Isa::Avx512`]).
     Avx512Bf16,
 }
 
 impl Isa {
     /// Every variant, weakest first.
-    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+    pub const ALL: [Isa; 5] = [
+        Isa::Portable,
+        Isa::Avx2,
+        Isa::Avx512,
+        Isa::Avx512Vaes,
+        Isa::Avx512Bf16,
+    ];
 
     /// Whether the running CPU (and OS) supports this instruction set.
     pub fn is_available(self) -> bool {
@@ -44,6 +53,13 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("aes")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vaes => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("vaes")
                     && std::arch::is_x86_feature_detected!("aes")
             }
             #[cfg(target_arch = "x86_64")]
@@ -113,6 +129,7 @@ impl Isa {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Vaes => "avx512vaes",
             Isa::Avx512Bf16 => "avx512bf16",
         }
     }

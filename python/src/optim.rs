@@ -216,7 +216,8 @@ impl Kernels {
         self.run(py, |pool| pool.threads())
     }
 
-    /// The instruction set chosen (avx512, avx2, neon or portable).
+    /// The instruction set chosen (avx512bf16, avx512vaes, avx512, avx2 or
+    /// portable).
     #[getter]
     fn isa(&self, py: Python<'_>) -> PyResult<&'static str> {
         self.run(py, |pool| pool.isa().name())

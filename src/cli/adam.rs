@@ -27,7 +27,7 @@ pub struct AdamArgs {
     #[arg(long, value_delimiter = ',')]
     kernels: Vec<BenchKernel>,
     /// Instruction sets: "best", "all", or names (portable, avx2, avx512,
-    /// avx512bf16).
+    /// avx512vaes, avx512bf16).
     #[arg(long, value_delimiter = ',', default_value = "best")]
     isa: Vec<String>,
     /// Rounds; each runs every kernel once, interleaved; medians reported.

@@ -81,6 +81,8 @@ pub trait Simd: Copy + Send + Sync {
     fn xor_words(self, a: Self::U, b: Self::U) -> Self::U;
     /// Whether no lane is NaN.
     fn nan_free(self, v: Self::V) -> bool;
+    /// Whether no lane of `a` or `b` is NaN (one compare of the two).
+    fn nan_free_both(self, a: Self::V, b: Self::V) -> bool;
     /// f32 lanes rounded to bf16 stochastically with each lane's `noise`
     /// (below 2^16), as `rounding::round_bf16_stochastic`, and returned as
     /// f32 (exactly the bf16 values: low halves zero, NaN quieted).
@@ -338,6 +340,8 @@ pub(crate) fn dispatch<K: Kernel>(isa: Isa, kernel: K) -> K::Output {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => x86::run_avx512(kernel),
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vaes => x86::run_avx512_vaes(kernel),
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 => x86::run_avx512_bf16(kernel),
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("is_available is false for x86 back ends elsewhere"),
@@ -477,7 +481,6 @@ fn parse_prefetch_elems(value: Option<&str>) -> Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
     #[test]
     fn a_prefetch_distance_from_the_environment_is_checked() {
         assert_eq!(parse_prefetch_elems(None), Ok(PREFETCH_ELEMS_DEFAULT));

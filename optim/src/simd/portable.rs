@@ -84,6 +84,10 @@ impl Simd for Portable {
         !v.iter().any(|x| x.is_nan())
     }
     #[inline(always)]
+    fn nan_free_both(self, a: Self::V, b: Self::V) -> bool {
+        self.nan_free(a) && self.nan_free(b)
+    }
+    #[inline(always)]
     fn quiet_nan_lanes(self, v: Self::V, rounded: Self::V) -> Self::V {
         std::array::from_fn(|i| match v[i].is_nan() {
             true => widen_bf16(round_bf16_stochastic(v[i], 0)),
@@ -223,8 +227,79 @@ impl Simd for Portable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rounding::{Noise, Stream, word};
+    use crate::rounding::{Noise, Stream, keys, word};
     use crate::simd::Simd;
+
+    /// `len` words from `first` as `Noise` draws them on a back end, a
+    /// vector or a pair at a time (pairs put back in element order).
+    struct DrawWords {
+        first: u64,
+        len: usize,
+        pairs: bool,
+    }
+
+    impl crate::simd::Kernel for DrawWords {
+        type Output = Vec<u32>;
+
+        fn run<S: Simd>(self, s: S) -> Vec<u32> {
+            let bits = |w: S::U| {
+                let mut lanes = [0f32; crate::simd::LANES_MAX];
+                s.store(&mut lanes, s.add_noise(s.splat(0.0), w));
+                lanes.map(f32::to_bits)
+            };
+            let mut noise = Noise::new(s, 3, 7, Stream::Moments);
+            let (n, mut words) = (S::LANES, Vec::new());
+            while words.len() < self.len {
+                let at = self.first + words.len() as u64;
+                if self.pairs {
+                    let (even, odd) = noise.pair(s, at);
+                    let (even, odd) = (bits(even), bits(odd));
+                    words.extend((0..n).flat_map(|i| [even[i], odd[i]]));
+                } else {
+                    words.extend_from_slice(&bits(noise.lanes(s, at))[..n]);
+                }
+            }
+            words
+        }
+    }
+
+    /// The counters hold `index + keys.add`, which wraps past 2^32 where
+    /// the index does not: inside a vector, between vectors that step on,
+    /// and inside a pair. Every element still gets its own word, on every
+    /// back end.
+    #[test]
+    fn keyed_counters_that_wrap_give_every_element_its_word() {
+        for high in [0u64, 5] {
+            let add = keys(3, 7, Stream::Moments, high).add;
+            // The index whose keyed counter is 2^32 - 1, less a few.
+            let wraps = (high << 32) | u64::from(u32::MAX.wrapping_sub(add));
+            for offset in [0u64, 3, 16, 21, 40] {
+                let Some(first) = wraps.checked_sub(offset).filter(|f| f >> 32 == high) else {
+                    continue;
+                };
+                for isa in crate::Isa::available() {
+                    for pairs in [false, true] {
+                        let drawn = crate::simd::dispatch(
+                            isa,
+                            DrawWords {
+                                first,
+                                len: 96,
+                                pairs,
+                            },
+                        );
+                        for (i, w) in drawn.iter().enumerate() {
+                            let index = first + i as u64;
+                            assert_eq!(
+                                *w,
+                                word(3, 7, Stream::Moments, index),
+                                "{isa} pairs {pairs}: index {index} ({offset} before the wrap)"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     /// A bf16 master rounds with its word's halves xored, m and v with the
     /// halves themselves: each pair of the three 16-bit words must look

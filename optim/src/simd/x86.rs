@@ -1,6 +1,8 @@
 //! x86-64 back ends: AVX2 + FMA + F16C (8 lanes) and AVX-512F (16 lanes),
-//! the latter optionally with AVX512-BF16's `vcvtneps2bf16` for narrowing
-//! and AVX512-BW's word permute (`vpermw`) for bf16 loads and stores.
+//! the latter optionally with VAES (512-bit AES rounds) and AVX512-BW, and
+//! then also with AVX512-BF16's `vcvtneps2bf16` for narrowing and
+//! AVX512-BW's word permute (`vpermw`) for bf16 loads and stores. Every back
+//! end has AES-NI: stochastic rounding's random words are AES rounds.
 //!
 //! Every intrinsic here needs its CPU feature. The tokens [`Avx2`] and
 //! [`Avx512`] are created only inside the `run_*` entries below, which are
@@ -20,16 +22,18 @@ const F16C_NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT;
 /// `vcvtps2ph` rounding for AVX-512: to nearest even, no exceptions.
 const AVX512_NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-/// AVX2 + FMA + F16C.
+/// AVX2 + FMA + F16C + AES-NI.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Avx2 {
     _only_in_entries: (),
 }
 
-/// AVX-512F; with `BF16`, also AVX512-BW/VL and AVX512-BF16's conversion
+/// AVX-512F and AES-NI; with `VAES`, also VAES and AVX512-BW (whose byte
+/// shuffle undoes ShiftRows on 512 bits); with `BF16` (which the entries
+/// pair with `VAES`), also AVX512-VL and AVX512-BF16's conversion
 /// instruction (every CPU with AVX512-BF16 has BW and VL).
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Avx512<const BF16: bool> {
+pub(crate) struct Avx512<const VAES: bool, const BF16: bool> {
     _only_in_entries: (),
 }
 
@@ -42,14 +46,21 @@ fn entry_avx2<K: Kernel>(kernel: K) -> K::Output {
 
 #[target_feature(enable = "avx512f,aes")]
 fn entry_avx512<K: Kernel>(kernel: K) -> K::Output {
-    kernel.run(Avx512::<false> {
+    kernel.run(Avx512::<false, false> {
+        _only_in_entries: (),
+    })
+}
+
+#[target_feature(enable = "avx512f,avx512bw,vaes,aes")]
+fn entry_avx512_vaes<K: Kernel>(kernel: K) -> K::Output {
+    kernel.run(Avx512::<true, false> {
         _only_in_entries: (),
     })
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,vaes")]
 fn entry_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
-    kernel.run(Avx512::<true> {
+    kernel.run(Avx512::<true, true> {
         _only_in_entries: (),
     })
 }
@@ -66,6 +77,14 @@ pub(crate) fn run_avx512<K: Kernel>(kernel: K) -> K::Output {
     assert!(crate::Isa::Avx512.is_available());
     // SAFETY: the assertion above checked avx512f and aes at run time.
     unsafe { entry_avx512(kernel) }
+}
+
+/// Runs `kernel` with AVX-512F, AVX512-BW and VAES.
+pub(crate) fn run_avx512_vaes<K: Kernel>(kernel: K) -> K::Output {
+    assert!(crate::Isa::Avx512Vaes.is_available());
+    // SAFETY: the assertion above checked avx512f, avx512bw, vaes and aes at
+    // run time.
+    unsafe { entry_avx512_vaes(kernel) }
 }
 
 /// Runs `kernel` with AVX-512F and AVX512-BF16.
@@ -230,6 +249,11 @@ impl Simd for Avx2 {
     fn nan_free(self, v: __m256) -> bool {
         // SAFETY: the token.
         unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v)) == 0 }
+    }
+    #[inline(always)]
+    fn nan_free_both(self, a: __m256, b: __m256) -> bool {
+        // SAFETY: the token.
+        unsafe { _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, b)) == 0 }
     }
     #[inline(always)]
     fn quiet_nan_lanes(self, v: __m256, rounded: __m256) -> __m256 {
@@ -424,7 +448,7 @@ impl Simd for Avx2 {
     }
 }
 
-impl<const BF16: bool> Avx512<BF16> {
+impl<const VAES: bool, const BF16: bool> Avx512<VAES, BF16> {
     /// Word indices that gather each 32-bit lane's high half into the low 256
     /// bits (word `i` takes word `2i + 1`).
     #[inline(always)]
@@ -528,7 +552,7 @@ impl<const BF16: bool> Avx512<BF16> {
     }
 }
 
-impl<const BF16: bool> Simd for Avx512<BF16> {
+impl<const VAES: bool, const BF16: bool> Simd for Avx512<VAES, BF16> {
     const LANES: usize = 16;
     type V = __m512;
     type Acc = (__m512d, __m512d);
@@ -566,8 +590,8 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     }
     #[inline(always)]
     fn aes_rounds(self, x: __m512i, (first, second): (__m512i, __m512i)) -> __m512i {
-        if BF16 {
-            // SAFETY: the token (with BF16 its entry enables vaes and
+        if VAES {
+            // SAFETY: the token (with VAES its entry enables vaes and
             // avx512bw, which the 512-bit aesenc and byte shuffle need).
             unsafe {
                 let undo = _mm512_broadcast_i32x4(_mm_loadu_si128(UNDO_SHIFT_ROWS.as_ptr().cast()));
@@ -643,6 +667,11 @@ impl<const BF16: bool> Simd for Avx512<BF16> {
     fn nan_free(self, v: __m512) -> bool {
         // SAFETY: the token.
         unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v) == 0 }
+    }
+    #[inline(always)]
+    fn nan_free_both(self, a: __m512, b: __m512) -> bool {
+        // SAFETY: the token.
+        unsafe { _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, b) == 0 }
     }
     #[inline(always)]
     fn quiet_nan_lanes(self, v: __m512, rounded: __m512) -> __m512 {

@@ -75,8 +75,9 @@ pub struct CheckpointMeta {
     #[serde(default)]
     pub state_dtype: StateDtype,
     /// How bf16 states were rounded: "nearest" (no bf16 state) or
-    /// [`ROUNDING_STOCHASTIC`] ("stochastic" in older checkpoints, whose
-    /// keys may have restarted at every host chunk; a resume warns).
+    /// [`ROUNDING_STOCHASTIC`] ("stochastic" or "stochastic-per-element" in
+    /// older checkpoints, whose random bits came from another hash; a
+    /// resume warns).
     #[serde(default = "nearest")]
     pub rounding: String,
     /// `optim.rounding_seed` when the run set it (absent: the rounding was
