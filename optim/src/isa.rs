@@ -57,18 +57,15 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vaes => {
-                std::arch::is_x86_feature_detected!("avx512f")
+                Isa::Avx512.is_available()
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("vaes")
-                    && std::arch::is_x86_feature_detected!("aes")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => {
-                std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw")
+                Isa::Avx512Vaes.is_available()
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512bf16")
-                    && std::arch::is_x86_feature_detected!("vaes")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,

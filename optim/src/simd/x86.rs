@@ -90,8 +90,8 @@ pub(crate) fn run_avx512_vaes<K: Kernel>(kernel: K) -> K::Output {
 /// Runs `kernel` with AVX-512F and AVX512-BF16.
 pub(crate) fn run_avx512_bf16<K: Kernel>(kernel: K) -> K::Output {
     assert!(crate::Isa::Avx512Bf16.is_available());
-    // The assertion above checked avx512f, avx512bw, avx512vl, avx512bf16
-    // and vaes.
+    // The assertion above checked avx512f, aes, avx512bw, vaes, avx512vl
+    // and avx512bf16.
     // SAFETY: the features the entry point is compiled for are present (at run time).
     unsafe { entry_avx512_bf16(kernel) }
 }
@@ -602,30 +602,20 @@ impl<const VAES: bool, const BF16: bool> Simd for Avx512<VAES, BF16> {
             // SAFETY: the token (its entry enables aes): AES-NI on each
             // 128-bit quarter.
             unsafe {
-                let x0 = aes_rounds_xmm!(
-                    _mm512_extracti32x4_epi32::<0>(x),
-                    _mm512_extracti32x4_epi32::<0>(first),
-                    _mm512_extracti32x4_epi32::<0>(second)
-                );
-                let x1 = aes_rounds_xmm!(
-                    _mm512_extracti32x4_epi32::<1>(x),
-                    _mm512_extracti32x4_epi32::<1>(first),
-                    _mm512_extracti32x4_epi32::<1>(second)
-                );
-                let x2 = aes_rounds_xmm!(
-                    _mm512_extracti32x4_epi32::<2>(x),
-                    _mm512_extracti32x4_epi32::<2>(first),
-                    _mm512_extracti32x4_epi32::<2>(second)
-                );
-                let x3 = aes_rounds_xmm!(
-                    _mm512_extracti32x4_epi32::<3>(x),
-                    _mm512_extracti32x4_epi32::<3>(first),
-                    _mm512_extracti32x4_epi32::<3>(second)
-                );
-                let y = _mm512_castsi128_si512(x0);
-                let y = _mm512_inserti32x4::<1>(y, x1);
-                let y = _mm512_inserti32x4::<2>(y, x2);
-                _mm512_inserti32x4::<3>(y, x3)
+                // Quarter `i` of the lanes, with its quarter of each key.
+                macro_rules! quarter {
+                    ($i:literal) => {
+                        aes_rounds_xmm!(
+                            _mm512_extracti32x4_epi32::<$i>(x),
+                            _mm512_extracti32x4_epi32::<$i>(first),
+                            _mm512_extracti32x4_epi32::<$i>(second)
+                        )
+                    };
+                }
+                let y = _mm512_castsi128_si512(quarter!(0));
+                let y = _mm512_inserti32x4::<1>(y, quarter!(1));
+                let y = _mm512_inserti32x4::<2>(y, quarter!(2));
+                _mm512_inserti32x4::<3>(y, quarter!(3))
             }
         }
     }
