@@ -190,17 +190,17 @@ pub(crate) struct Noise<S: Simd> {
     step: u64,
     stream: Stream,
     high: u64,
-    /// The keys of elements `high << 32 ..`.
-    keys: Keys,
+    /// The key added to the counters of elements `high << 32 ..`.
+    add: u32,
     /// Their round keys, in every lane.
     rounds: (S::U, S::U),
-    /// The low 32 bits of the last vector's indices plus `keys.add`.
+    /// The low 32 bits of the last vector's indices plus `add`.
     counters: S::U,
     /// The index at which the next vector continues the last one (none
     /// where stepping on would wrap the low 32 bits).
     next: Option<u64>,
-    /// The low 32 bits of the last pair's even-numbered indices plus
-    /// `keys.add` ([`Noise::pair`]).
+    /// The low 32 bits of the last pair's even-numbered indices plus `add`
+    /// ([`Noise::pair`]).
     evens: S::U,
     /// As `next`, for pairs.
     next_pair: Option<u64>,
@@ -208,14 +208,14 @@ pub(crate) struct Noise<S: Simd> {
 
 impl<S: Simd> Noise<S> {
     pub(crate) fn new(s: S, seed: u64, step: u64, stream: Stream) -> Noise<S> {
-        let keys = keys(seed, step, stream, 0);
+        let (add, rounds) = lane_keys(s, keys(seed, step, stream, 0));
         Noise {
             seed,
             step,
             stream,
             high: 0,
-            keys,
-            rounds: (s.splat_word(keys.rounds[0]), s.splat_word(keys.rounds[1])),
+            add,
+            rounds,
             counters: s.splat_word(0),
             next: None,
             evens: s.splat_word(0),
@@ -230,11 +230,7 @@ impl<S: Simd> Noise<S> {
     fn rekey(&mut self, s: S, high: u64) {
         if high != self.high {
             self.high = high;
-            self.keys = keys(self.seed, self.step, self.stream, high);
-            self.rounds = (
-                s.splat_word(self.keys.rounds[0]),
-                s.splat_word(self.keys.rounds[1]),
-            );
+            (self.add, self.rounds) = lane_keys(s, keys(self.seed, self.step, self.stream, high));
             self.next = None;
             self.next_pair = None;
         }
@@ -258,7 +254,7 @@ impl<S: Simd> Noise<S> {
                 return s.load_u32(&words);
             }
             self.rekey(s, high);
-            self.counters = s.iota_words(low.wrapping_add(self.keys.add));
+            self.counters = s.iota_words(low.wrapping_add(self.add));
         }
         self.next = continues(index, lanes);
         s.aes_rounds(self.counters, self.rounds)
@@ -288,7 +284,7 @@ impl<S: Simd> Noise<S> {
                 return (s.load_u32(&words[0]), s.load_u32(&words[1]));
             }
             self.rekey(s, high);
-            self.evens = s.iota_even_words(low.wrapping_add(self.keys.add));
+            self.evens = s.iota_even_words(low.wrapping_add(self.add));
         }
         self.next_pair = continues(index, span);
         let odds = s.add_words(self.evens, s.splat_word(1));
@@ -297,6 +293,14 @@ impl<S: Simd> Noise<S> {
             s.aes_rounds(odds, self.rounds),
         )
     }
+}
+
+/// `keys` as [`Noise`] holds them: the added key, and the round keys in
+/// every lane.
+#[inline(always)]
+fn lane_keys<S: Simd>(s: S, keys: Keys) -> (u32, (S::U, S::U)) {
+    let [first, second] = keys.rounds;
+    (keys.add, (s.splat_word(first), s.splat_word(second)))
 }
 
 /// Where counters that cover `span` elements from `index` continue, by

@@ -266,7 +266,8 @@ mod tests {
     /// The counters hold `index + keys.add`, which wraps past 2^32 where
     /// the index does not: inside a vector, between vectors that step on,
     /// and inside a pair. Every element still gets its own word, on every
-    /// back end.
+    /// back end. (Here rather than in `simd`'s tests, which naming
+    /// `rounding` would tie into a module cycle.)
     #[test]
     fn keyed_counters_that_wrap_give_every_element_its_word() {
         for high in [0u64, 5] {
