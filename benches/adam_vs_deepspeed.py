@@ -23,6 +23,13 @@ For each thread count T, each round runs in a rotated order:
               arrive as bf16, half the PCIe bytes). ZeRO-3 runs the same
               three passes, plus a temporary and a blocking copy to the GPU
               that a CPU-only bench cannot reproduce.
+With --idle, each also steps idle parameters (adamw_fp32_idle; torch and
+ds_adam as *_idle): zero gradients, m zero and v subnormal (1e-39), as for
+an embedding row whose token has not been seen for tens of thousands of
+steps (v then stays subnormal for about 16,000 steps at beta2 = 0.999, and
+every multiply that reads it takes a microcode assist on x86). strata
+writes such moments as zero once, so it is timed in its steady state after
+the warm-up, the peers in theirs.
 The peers run in one worker process per thread count, started with
 OMP_NUM_THREADS=T and torch.set_num_threads(T) (DeepSpeed's op may link its
 own OpenMP runtime, which only the environment reaches). Medians over rounds
@@ -36,7 +43,7 @@ peers (64M params) plus strata's buffers.
 Usage: python3 benches/adam_vs_deepspeed.py [--strata target/release/strata]
        [--threads 1,2,4,8,14,16] [--params 67108864] [--rounds 3]
        [--peers torch,deepspeed|none] [--plot adam-threads.svg] [--check]
-       [--json]
+       [--idle] [--json]
 """
 
 import argparse
@@ -56,8 +63,13 @@ STRATA_KERNELS = [
     "roofline_4r3w",
 ]
 # Bytes each peer step reads and writes per parameter.
-PEER_BYTES = {"torch_fused_adamw": 28, "ds_cpu_adam": 28, "ds_offload_bf16": 42}
+PEER_BYTES = {"torch_fused_adamw": 28, "ds_cpu_adam": 28, "ds_offload_bf16": 42,
+              "torch_fused_adamw_idle": 28, "ds_cpu_adam_idle": 28}
 PEERS = {"torch": ["torch_fused_adamw"], "deepspeed": ["ds_cpu_adam", "ds_offload_bf16"]}
+# With --idle: strata's kernel and each peer's system on idle parameters.
+IDLE = {"strata": ["adamw_fp32_idle"], "torch": ["torch_fused_adamw_idle"], "deepspeed": ["ds_cpu_adam_idle"]}
+# v of an idle parameter: subnormal, as after ~65,000 steps without its token.
+IDLE_V = 1e-39
 
 
 def steps_per_s(fn, reps):
@@ -81,7 +93,29 @@ def worker(threads, n, reps, systems):
         p.grad = (torch.rand(n) * 2 - 1) * 1e-2
         return p
 
+    def idle(p, opt):
+        """`p` made idle: zero gradient, m zero, v subnormal (one step
+        first, so that the optimizer has made its state)."""
+        p.grad.zero_()
+        opt.step()
+        state = opt.state[p]
+        state["exp_avg"].zero_()
+        state["exp_avg_sq"].fill_(IDLE_V)
+        assert state["exp_avg_sq"][0].item() != 0.0, "torch flushes denormals here: idle moments would be zero"
+
     steps = {}
+    if "torch_fused_adamw_idle" in systems:
+        p_idle = param()
+        torch_idle = torch.optim.AdamW([p_idle], lr=1e-4, weight_decay=0.01, fused=True)
+        idle(p_idle, torch_idle)
+        steps["torch_fused_adamw_idle"] = torch_idle.step
+    if "ds_cpu_adam_idle" in systems:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        p_ds_idle = param()
+        ds_idle = DeepSpeedCPUAdam([p_ds_idle], lr=1e-4, weight_decay=0.01, adamw_mode=True)
+        idle(p_ds_idle, ds_idle)
+        steps["ds_cpu_adam_idle"] = ds_idle.step
     if "torch_fused_adamw" in systems:
         p_torch = param()
         torch_opt = torch.optim.AdamW([p_torch], lr=1e-4, weight_decay=0.01, fused=True)
@@ -148,7 +182,8 @@ class Worker:
 def strata_round(args, threads, r):
     """One round of strata's kernels, their order rotated by the round `r`
     (one round per process, so no kernel always runs first)."""
-    kernels = STRATA_KERNELS[r % len(STRATA_KERNELS):] + STRATA_KERNELS[:r % len(STRATA_KERNELS)]
+    names = STRATA_KERNELS + (IDLE["strata"] if args.idle else [])
+    kernels = names[r % len(names):] + names[:r % len(names)]
     cmd = [args.strata, "bench", "adam", "--params", str(args.params), "--threads", str(threads),
            "--rounds", "1", "--kernels", ",".join(kernels), "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -191,6 +226,21 @@ def bars(med, threads):
     if 14 in med and 16 in med:
         held["adamw_14_vs_16_threads"] = (med[14]["strata_adamw_fp32"] / med[16]["strata_adamw_fp32"], 0.95)
     return held
+
+
+def idle_ratios(med):
+    """strata's AdamW on idle parameters against the faster peer's, and
+    against its own AdamW on ordinary ones, per thread count (no bar)."""
+    ratios = {}
+    for t, m in med.items():
+        if "strata_adamw_fp32_idle" not in m:
+            continue
+        idle = m["strata_adamw_fp32_idle"]
+        ratios[f"idle_adamw_vs_ordinary@{t}"] = idle / m["strata_adamw_fp32"]
+        peers = [m[k] for k in ("torch_fused_adamw_idle", "ds_cpu_adam_idle") if k in m]
+        if peers:
+            ratios[f"idle_adamw_vs_best_peer@{t}"] = idle / max(peers)
+    return ratios
 
 
 def svg_chart(path, med, threads):
@@ -247,6 +297,8 @@ def main():
     ap.add_argument("--peers", default="torch,deepspeed", help="torch, deepspeed, both, or none")
     ap.add_argument("--plot", help="also draw params/s against threads into this SVG file")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every bar the sweep can check holds")
+    ap.add_argument("--idle", action="store_true",
+                    help="also time AdamW on idle parameters (zero gradients, subnormal v)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--systems", help=argparse.SUPPRESS)
@@ -273,7 +325,7 @@ def main():
             pass  # writable now, not after the sweep
     if not os.access(args.strata, os.X_OK):
         sys.exit(f"{args.strata} is not an executable: build it with cargo build --release")
-    systems = [s for p in peers for s in PEERS[p]]
+    systems = [s for p in peers for s in PEERS[p] + (IDLE[p] if args.idle else [])]
     if systems:
         try:
             import torch  # noqa: F401
@@ -315,6 +367,7 @@ def main():
         "gb_per_s_per_thread": {t: {k: v / t for k, v in g.items()} for t, g in gbps.items()},
         "ratios": {k: v for k, (v, _) in held.items()},
         "bars_held": {k: v >= bar for k, (v, bar) in held.items()},
+        "idle_ratios": idle_ratios(med),
         "torch": next(iter(versions.values()), None),
         "strata_prefetch_elems": prefetch,
     }
@@ -337,6 +390,8 @@ def main():
             print(f"  {'':<36}{row}   GB/s per thread")
         for k, (v, bar) in held.items():
             print(f"  {k:<36} {v:7.3f}x  (bar {bar}x: {'held' if v >= bar else 'MISSED'})")
+        for k, v in report["idle_ratios"].items():
+            print(f"  {k:<36} {v:7.3f}x")
     if args.check and not all(report["bars_held"].values()):
         sys.exit(1)
 

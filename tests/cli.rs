@@ -508,7 +508,7 @@ fn deepspeed_comparison_script_tiny() {
         ))
         .args(["--strata", env!("CARGO_BIN_EXE_strata")])
         .args(["--params", "65536", "--rounds", "1", "--reps", "1"])
-        .args(["--threads", "1,2", "--json", "--plot"])
+        .args(["--threads", "1,2", "--idle", "--json", "--plot"])
         .arg(&chart)
         .args(["--peers", if peers { "torch,deepspeed" } else { "none" }])
         .env("PATH", search_path)
@@ -521,12 +521,20 @@ fn deepspeed_comparison_script_tiny() {
         "bf16_moments_vs_fp32_states@1",
         "bf16_master_vs_fp32_states@2",
     ];
+    let mut idle_keys = vec!["idle_adamw_vs_ordinary@1", "idle_adamw_vs_ordinary@2"];
     if peers {
         keys.push("adamw_vs_best_peer@2");
+        idle_keys.push("idle_adamw_vs_best_peer@2");
     }
     for key in keys {
         assert!(
             report["ratios"][key].as_f64().unwrap() > 0.0,
+            "{key}: {report}"
+        );
+    }
+    for key in idle_keys {
+        assert!(
+            report["idle_ratios"][key].as_f64().unwrap() > 0.0,
             "{key}: {report}"
         );
     }

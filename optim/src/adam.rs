@@ -554,7 +554,18 @@ struct Splat<S: Simd> {
     inv_sqrt_bias_correction2: S::V,
     eps: S::V,
     neg_step_size: S::V,
+    /// Whether v is read through `flush_subnormal` (eps at least
+    /// [`FLUSH_V_EPS_MIN`]).
+    flush_v: bool,
 }
+
+/// The least eps with which a subnormal v is read as zero. The denominator
+/// is sqrt(v) / sqrt(1 - beta2^t) + eps, and sqrt of a subnormal is below
+/// 1.1e-19 (3.4e-18 with the first step's bias correction at beta2 =
+/// 0.999), so from this eps up reading v as zero moves the denominator by
+/// less than 3.4e-6 of itself. Below it (eps = 0 above all, where a zero
+/// denominator would make the step infinite) v is read as it is.
+pub const FLUSH_V_EPS_MIN: f32 = 1e-12;
 
 impl<S: Simd> Splat<S> {
     #[inline(always)]
@@ -569,6 +580,7 @@ impl<S: Simd> Splat<S> {
             inv_sqrt_bias_correction2: s.splat(c.inv_sqrt_bias_correction2),
             eps: s.splat(c.eps),
             neg_step_size: s.splat(c.neg_step_size),
+            flush_v: c.eps >= FLUSH_V_EPS_MIN,
         }
     }
 
@@ -592,6 +604,13 @@ impl<S: Simd> Splat<S> {
         let (p0, m0, v0) = match src {
             Some((p, m, v)) => (P::load(s, p), M::load(s, m), M::load(s, v)),
             None => (P::load(s, p), M::load(s, m), M::load(s, v)),
+        };
+        // Subnormal moments are read as zero (see `portable::flush_subnormal`).
+        let m0 = s.flush_subnormal(m0);
+        let v0 = if self.flush_v {
+            s.flush_subnormal(v0)
+        } else {
+            v0
         };
         let (m1, v1, p1) = self.step(s, p0, G::load(s, g), m0, v0);
         // A NaN in m1 or v1 makes p1 NaN, so one check of p1 clears all
@@ -666,9 +685,15 @@ impl<S: Simd> Splat<S> {
         out: Option<&mut [O]>,
         [even, odd]: [Split3<S>; 2],
     ) {
-        let (p0, m0, v0) = match src {
-            Some((p, m, v)) => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
-            None => (P::load_pair(s, p), M::load_pair(s, m), M::load_pair(s, v)),
+        // Subnormal moments are read as zero, as in `update`.
+        let (p_in, m_in, v_in) = match src {
+            Some(states) => states,
+            None => (&*p, &*m, &*v),
+        };
+        let (p0, m0) = (P::load_pair(s, p_in), M::load_pair_flushed(s, m_in));
+        let v0 = match self.flush_v {
+            true => M::load_pair_flushed(s, v_in),
+            false => M::load_pair(s, v_in),
         };
         let g0 = G::load_pair(s, g);
         let new_even = self.step(s, p0.0, g0.0, m0.0, v0.0);

@@ -29,6 +29,13 @@ pub enum BenchKernel {
     /// AdamW, fp32 gradients and moments (what DeepSpeed's CPUAdam and
     /// PyTorch's fused AdamW do).
     AdamwFp32,
+    /// AdamW, fp32, on idle parameters: zero gradients, m zero and v
+    /// subnormal (1e-39), as for an embedding row whose token has not been
+    /// seen for tens of thousands of steps (v stays subnormal for about
+    /// 16,000 steps at beta2 = 0.999). Libraries that keep subnormal
+    /// moments take a microcode assist on every step there; strata writes
+    /// them as zero once (in the warm-up), so this is its steady state.
+    AdamwFp32Idle,
     /// The fused offload step: bf16 gradients x (unscale x clip), AdamW on
     /// fp32 master weights and moments, bf16 params out.
     OffloadStepBf16,
@@ -68,8 +75,9 @@ pub enum BenchKernel {
 
 impl BenchKernel {
     /// Every kernel, in table order.
-    pub const ALL: [BenchKernel; 14] = [
+    pub const ALL: [BenchKernel; 15] = [
         BenchKernel::AdamwFp32,
+        BenchKernel::AdamwFp32Idle,
         BenchKernel::OffloadStepBf16,
         BenchKernel::OffloadStepFp16,
         BenchKernel::OffloadStepBf16Moments,
@@ -89,6 +97,7 @@ impl BenchKernel {
     pub fn name(self) -> &'static str {
         match self {
             BenchKernel::AdamwFp32 => "adamw_fp32",
+            BenchKernel::AdamwFp32Idle => "adamw_fp32_idle",
             BenchKernel::OffloadStepBf16 => "offload_step_bf16",
             BenchKernel::OffloadStepFp16 => "offload_step_fp16",
             BenchKernel::OffloadStepBf16Moments => "offload_step_bf16_moments",
@@ -109,7 +118,10 @@ impl BenchKernel {
     pub fn bytes_per_param(self) -> u64 {
         match self {
             // p, g, m, v read (16); p, m, v written (12).
-            BenchKernel::AdamwFp32 | BenchKernel::AdamL2Fp32 | BenchKernel::Roofline4r3w => 28,
+            BenchKernel::AdamwFp32
+            | BenchKernel::AdamwFp32Idle
+            | BenchKernel::AdamL2Fp32
+            | BenchKernel::Roofline4r3w => 28,
             // p, m, v read (12) + 2-byte grad; p, m, v written + 2-byte out.
             BenchKernel::OffloadStepBf16 | BenchKernel::OffloadStepFp16 => 28,
             // One state set read, the other written (no read for
@@ -172,12 +184,14 @@ enum Buffer {
     /// bf16 masters for the first set (whose moments are `MBf16` and
     /// `VBf16`), and the second set's masters, m and v.
     Bf16States2,
+    /// An idle parameter's zero gradient, zero m and subnormal v.
+    Idle,
 }
 
 impl Buffer {
     fn bytes_per_param(self) -> u64 {
         match self {
-            Buffer::States2 => 12,
+            Buffer::States2 | Buffer::Idle => 12,
             Buffer::Bf16States2 => 8,
             Buffer::P | Buffer::G | Buffer::M | Buffer::V | Buffer::Sum => 4,
             _ => 2,
@@ -193,6 +207,7 @@ fn buffers(kernel: BenchKernel) -> &'static [Buffer] {
         BenchKernel::AdamwFp32 | BenchKernel::AdamL2Fp32 | BenchKernel::Roofline4r3w => {
             &[P, G, M, V]
         }
+        BenchKernel::AdamwFp32Idle => &[P, Idle],
         BenchKernel::OffloadStepBf16 => &[P, GBf16, M, V, OutBf16],
         BenchKernel::OffloadStepFp16 => &[P, GF16, M, V, OutF16],
         BenchKernel::OffloadStepBf16Moments | BenchKernel::OffloadStepBf16MomentsSr => {
@@ -276,6 +291,8 @@ pub struct BenchBuffers {
     states2: [PageAligned<f32>; 3],
     /// bf16 masters of the first set; the second set's masters, m, v.
     bf16_states2: [PageAligned<bf16>; 4],
+    /// An idle parameter's gradient, m and v.
+    idle: [PageAligned<f32>; 3],
     step: u64,
 }
 
@@ -385,6 +402,12 @@ impl BenchBuffers {
                         ensure(state, n, |i| value(i, 7 + salt as u32, 1e-3).abs());
                     }
                 }
+                Buffer::Idle => {
+                    let [g, m, v] = &mut self.idle;
+                    ensure(g, n, |_| 0.0);
+                    ensure(m, n, |_| 0.0);
+                    ensure(v, n, |_| 1e-39);
+                }
                 Buffer::Bf16States2 => {
                     for (salt, state) in self.bf16_states2.iter_mut().enumerate() {
                         ensure(state, n, |i| {
@@ -424,6 +447,15 @@ impl BenchBuffers {
                     },
                     None,
                 );
+            }
+            BenchKernel::AdamwFp32Idle => {
+                let c = adamw.coefficients(step, 1.0)?;
+                let [g, m, v] = &mut self.idle;
+                let moments = Moments::F32 {
+                    m: m.get_mut(),
+                    v: v.get_mut(),
+                };
+                pool.adam_step(&c, self.p.get_mut(), Values::F32(g.get()), moments, None);
             }
             BenchKernel::OffloadStepBf16 => {
                 let c = adamw.coefficients(step, 1.0 / 1024.0)?;

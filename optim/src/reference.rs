@@ -17,6 +17,10 @@ pub struct State64 {
 
 /// Adam/AdamW for one element at step `step` with `grad` already multiplied
 /// by `grad_scale` by the caller's convention: here `grad` is the raw value.
+/// One departure from PyTorch: a moment read below f32's smallest normal
+/// (1.18e-38 in magnitude) is taken as zero, as the kernels read it (on x86
+/// every step that reads a subnormal takes microcode assists); v only where
+/// eps is at least [`crate::FLUSH_V_EPS_MIN`].
 pub fn adam(config: &AdamConfig, step: u64, grad_scale: f64, grad: f64, x: State64) -> State64 {
     let mut g = grad * grad_scale;
     if config.maximize {
@@ -28,8 +32,13 @@ pub fn adam(config: &AdamConfig, step: u64, grad_scale: f64, grad: f64, x: State
     } else {
         g += config.weight_decay * p;
     }
-    let m = x.s1 + (1.0 - config.beta1) * (g - x.s1);
-    let v = config.beta2 * x.s2 + (1.0 - config.beta2) * g * g;
+    let m = flush_subnormal(x.s1);
+    let v = match config.eps as f32 >= crate::FLUSH_V_EPS_MIN {
+        true => flush_subnormal(x.s2),
+        false => x.s2,
+    };
+    let m = m + (1.0 - config.beta1) * (g - m);
+    let v = config.beta2 * v + (1.0 - config.beta2) * g * g;
     let t = step as i32;
     let (bias_correction1, bias_correction2) = match config.bias_correction {
         true => (1.0 - config.beta1.powi(t), 1.0 - config.beta2.powi(t)),
@@ -38,6 +47,14 @@ pub fn adam(config: &AdamConfig, step: u64, grad_scale: f64, grad: f64, x: State
     let denominator = v.sqrt() / bias_correction2.sqrt() + config.eps;
     p -= config.lr / bias_correction1 * m / denominator;
     State64 { p, s1: m, s2: v }
+}
+
+/// `x`, or zero where it is below f32's smallest normal in magnitude.
+fn flush_subnormal(x: f64) -> f64 {
+    match x.abs() < f64::from(f32::MIN_POSITIVE) {
+        true => 0.0,
+        false => x,
+    }
 }
 
 /// Adagrad for one element (`s1` is the sum of squares).

@@ -603,13 +603,22 @@ struct AdamCoefficients {
     float neg_step_size;
 };
 
+// x, or +0 where its exponent field is zero (a subnormal or a zero): the
+// rule strata_optim reads moments by (its `flush_subnormal`), kept here so
+// that resident and offloaded states step alike.
+__device__ __forceinline__ float flush_subnormal(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) ? x : 0.0f;
+}
+
 // One AdamW step over states resident on the device: fp32 gradient in,
 // fp32 master and moments updated in place, the bf16 compute copy out.
 // The arithmetic is strata_optim's vector kernel's, fused where it fuses.
 extern "C" __global__ void adamw_bf16(AdamCoefficients k, const float *grad, float *master,
                                       float *m, float *v, bf16_t *param, u64 n) {
     for (u64 i = first_index(); i < n; i += grid_stride()) {
-        float p0 = master[i], m0 = m[i], v0 = v[i];
+        // v as it is where eps is below strata_optim's FLUSH_V_EPS_MIN.
+        float p0 = master[i], m0 = flush_subnormal(m[i]);
+        float v0 = k.eps >= 1e-12f ? flush_subnormal(v[i]) : v[i];
         float g = __fmaf_rn(k.l2, p0, grad[i] * k.grad_scale);
         float m1 = __fmaf_rn(k.one_minus_beta1, g - m0, m0);
         float v1 = __fmaf_rn(g * g, k.one_minus_beta2, v0 * k.beta2);

@@ -109,6 +109,13 @@ pub trait Simd: Copy + Send + Sync {
     /// one mask of the 32-bit words loaded, where [`Simd::load_bf16`] of
     /// one vector moves words across the register.
     fn load_bf16_pair(self, src: &[bf16]) -> (Self::V, Self::V);
+    /// [`Simd::load_bf16_pair`] with subnormals (and zeros) as +0, as
+    /// [`Simd::flush_subnormal`] of each half.
+    #[inline(always)]
+    fn load_bf16_pair_flushed(self, src: &[bf16]) -> (Self::V, Self::V) {
+        let (even, odd) = self.load_bf16_pair(src);
+        (self.flush_subnormal(even), self.flush_subnormal(odd))
+    }
     /// Stores `2 * LANES` bf16 from two vectors in the layout of
     /// [`Simd::load_bf16_pair`], each lane's high 16 bits as they are (as
     /// [`Simd::store_bf16_exact`]).
@@ -166,6 +173,9 @@ pub trait Simd: Copy + Send + Sync {
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// 1 for positive, -1 for negative, the input itself for zeros and NaN.
     fn sign(self, a: Self::V) -> Self::V;
+    /// Lanes whose exponent field is zero (subnormals and zeros) as +0;
+    /// the rest unchanged (as `portable::flush_subnormal`).
+    fn flush_subnormal(self, a: Self::V) -> Self::V;
 
     fn acc_zero(self) -> Self::Acc;
     /// `acc + v * v`, each lane widened to f64 first so no square overflows.
@@ -216,6 +226,16 @@ pub trait Lanes: Sized {
         let _ = (s, src);
         unreachable!("only an element type with PAIRS loads in pairs")
     }
+    /// [`Lanes::load_pair`] with subnormals as +0
+    /// ([`Simd::load_bf16_pair_flushed`]).
+    ///
+    /// # Panics
+    /// Where the type has no pair layout (`PAIRS` is false).
+    #[inline(always)]
+    fn load_pair_flushed<S: Simd>(s: S, src: &[Self]) -> (S::V, S::V) {
+        let (even, odd) = Self::load_pair(s, src);
+        (s.flush_subnormal(even), s.flush_subnormal(odd))
+    }
     /// [`Simd::store_bf16_pair_exact`] for this type.
     ///
     /// # Panics
@@ -241,7 +261,7 @@ pub trait Lanes: Sized {
 }
 
 macro_rules! element {
-    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident, $store_sr_value:ident, $load_pair:ident, $store_pair:ident)?) => {
+    ($t:ty, $load:ident, $store:ident, $stream:ident, $to:expr, $from:expr $(, $store_sr:ident, $store_sr_value:ident, $load_pair:ident, $load_pair_flushed:ident, $store_pair:ident)?) => {
         impl Element for $t {
             fn to_f32(self) -> f32 {
                 $to(self)
@@ -284,6 +304,10 @@ macro_rules! element {
                 s.$load_pair(src)
             }
             #[inline(always)]
+            fn load_pair_flushed<S: Simd>(s: S, src: &[Self]) -> (S::V, S::V) {
+                s.$load_pair_flushed(src)
+            }
+            #[inline(always)]
             fn store_pair_exact<S: Simd>(s: S, dst: &mut [Self], even: S::V, odd: S::V) {
                 s.$store_pair(dst, even, odd)
             }
@@ -303,6 +327,7 @@ element!(
     store_bf16_sr,
     store_bf16_sr_value,
     load_bf16_pair,
+    load_bf16_pair_flushed,
     store_bf16_pair_exact
 );
 element!(

@@ -21,6 +21,8 @@ use super::{Kernel, Simd};
 const F16C_NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT;
 /// `vcvtps2ph` rounding for AVX-512: to nearest even, no exceptions.
 const AVX512_NEAREST_EVEN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+/// An f32's exponent field.
+const EXPONENT: i32 = 0x7f80_0000;
 
 /// AVX2 + FMA + F16C + AES-NI.
 #[derive(Clone, Copy, Debug)]
@@ -292,6 +294,25 @@ impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    fn load_bf16_pair_flushed(self, src: &[bf16]) -> (__m256, __m256) {
+        assert!(src.len() >= 16);
+        // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
+        unsafe {
+            // Words whose exponent field is zero cleared before they are
+            // widened: 3 instructions for 16 elements, where a flush of
+            // each half takes 6.
+            let words = _mm256_loadu_si256(src.as_ptr().cast());
+            let exponent = _mm256_and_si256(words, _mm256_set1_epi16(0x7f80));
+            let zero = _mm256_cmpeq_epi16(exponent, _mm256_setzero_si256());
+            let words = _mm256_andnot_si256(zero, words);
+            let odd = _mm256_and_si256(words, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words)),
+                _mm256_castsi256_ps(odd),
+            )
+        }
+    }
+    #[inline(always)]
     fn store_bf16_pair_exact(self, dst: &mut [bf16], even: __m256, odd: __m256) {
         assert!(dst.len() >= 16);
         // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
@@ -410,6 +431,15 @@ impl Simd for Avx2 {
     fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
         // SAFETY: the token (fma is part of it).
         unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn flush_subnormal(self, a: __m256) -> __m256 {
+        // SAFETY: the token.
+        unsafe {
+            let exponent = _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(EXPONENT));
+            let zero = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+            _mm256_andnot_ps(_mm256_castsi256_ps(zero), a)
+        }
     }
     #[inline(always)]
     fn sign(self, a: __m256) -> __m256 {
@@ -707,6 +737,24 @@ impl<const VAES: bool, const BF16: bool> Simd for Avx512<VAES, BF16> {
         }
     }
     #[inline(always)]
+    fn load_bf16_pair_flushed(self, src: &[bf16]) -> (__m512, __m512) {
+        assert!(src.len() >= 32);
+        // SAFETY: the token (AVX-512F); 32 bf16 (64 bytes) are in bounds (asserted).
+        unsafe {
+            // One test per half and the widening zero-masked by it: two
+            // instructions more than `load_bf16_pair`, where a flush of
+            // each half takes four.
+            let words = _mm512_loadu_si512(src.as_ptr().cast());
+            let even_normal = _mm512_test_epi32_mask(words, _mm512_set1_epi32(0x7f80));
+            let odd_normal = _mm512_test_epi32_mask(words, _mm512_set1_epi32(EXPONENT));
+            let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+            (
+                _mm512_castsi512_ps(_mm512_maskz_slli_epi32::<16>(even_normal, words)),
+                _mm512_castsi512_ps(_mm512_maskz_and_epi32(odd_normal, words, high)),
+            )
+        }
+    }
+    #[inline(always)]
     fn store_bf16_pair_exact(self, dst: &mut [bf16], even: __m512, odd: __m512) {
         assert!(dst.len() >= 32);
         // SAFETY: the token (AVX-512F); 32 bf16 (64 bytes) are in bounds (asserted).
@@ -834,6 +882,15 @@ impl<const VAES: bool, const BF16: bool> Simd for Avx512<VAES, BF16> {
     fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
         // SAFETY: the token.
         unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn flush_subnormal(self, a: __m512) -> __m512 {
+        // SAFETY: the token.
+        unsafe {
+            let normal =
+                _mm512_test_epi32_mask(_mm512_castps_si512(a), _mm512_set1_epi32(EXPONENT));
+            _mm512_maskz_mov_ps(normal, a)
+        }
     }
     #[inline(always)]
     fn sign(self, a: __m512) -> __m512 {
