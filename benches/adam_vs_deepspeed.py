@@ -26,10 +26,10 @@ For each thread count T, each round runs in a rotated order:
 With --idle, each also steps idle parameters (adamw_fp32_idle; torch and
 ds_adam as *_idle): zero gradients, m zero and v subnormal (1e-39), as for
 an embedding row whose token has not been seen for tens of thousands of
-steps (v then stays subnormal for about 16,000 steps at beta2 = 0.999, and
-every multiply that reads it takes a microcode assist on x86). strata
-writes such moments as zero once, so it is timed in its steady state after
-the warm-up, the peers in theirs.
+steps (rounding to nearest never takes it to zero: 0.999 v rounds back to
+v at 500 x 2^-149, and every multiply that reads it takes a microcode
+assist on x86). strata reads such moments as zero, so it is timed in its
+steady state after the warm-up, the peers in theirs.
 The peers run in one worker process per thread count, started with
 OMP_NUM_THREADS=T and torch.set_num_threads(T) (DeepSpeed's op may link its
 own OpenMP runtime, which only the environment reaches). Medians over rounds

@@ -541,12 +541,18 @@ fn cross_entropy_sums_casts_and_adamw_match_the_cpu() {
         ..AdamConfig::adamw(1e-3)
     };
     let coefficients = config.coefficients(3, 0.5).unwrap();
-    let grad = values(14, n);
+    let mut grad = values(14, n);
     let (mut master, mut m, mut v) = (
         values(15, n),
         values(16, n),
         values(17, n).iter().map(|x| x.abs()).collect::<Vec<_>>(),
     );
+    // Idle elements: zero gradient, subnormal moments, read as zero by
+    // both sides (so written as +0).
+    let idle: Vec<usize> = (0..n).step_by(101).collect();
+    for &i in &idle {
+        (grad[i], m[i], v[i]) = (0.0, if i % 2 == 0 { 1e-39 } else { -1e-39 }, 1e-40);
+    }
     let (gm, gmm, gv) = (gpu.up(&master), gpu.up(&m), gpu.up(&v));
     let (gg, gparam) = (gpu.up(&grad), gpu.zeros::<u16>(n));
     let mut param = vec![bf16::ZERO; n];
@@ -584,6 +590,14 @@ fn cross_entropy_sums_casts_and_adamw_match_the_cpu() {
     // H200: m 2.133367e-4 vs 2.133362e-4). v's terms are both positive.
     close("adamw m", &gpu.down(&gmm), &m, 1e-7, 1e-6);
     close("adamw v", &gpu.down(&gv), &v, 0.0, 1e-6);
+    let (device_m, device_v) = (gpu.down(&gmm), gpu.down(&gv));
+    for &i in &idle {
+        let bits = [m[i], v[i], device_m[i], device_v[i]].map(f32::to_bits);
+        assert_eq!(
+            bits, [0; 4],
+            "adamw idle element {i}: m, v (cpu), m, v (gpu)"
+        );
+    }
     close(
         "adamw bf16 copy",
         &from_bf16(&gpu.down(&gparam)),

@@ -148,3 +148,15 @@ fn check_resources(name: &'static str, source: &str, kernels: &[String]) {
         }
     }
 }
+
+/// The resident AdamW reads v as strata_optim's kernels do: as zero where
+/// subnormal only from `FLUSH_V_EPS_MIN` up, a number `ops.cu` repeats.
+/// (A plain text check: it needs no NVRTC.)
+#[test]
+fn the_device_adamw_reads_v_from_optims_eps_threshold() {
+    let threshold = format!("k.eps >= {:e}f", strata_optim::FLUSH_V_EPS_MIN);
+    assert!(
+        OPS_SOURCE.contains(&threshold),
+        "ops.cu's adamw_bf16 must test `{threshold}`"
+    );
+}

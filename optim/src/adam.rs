@@ -9,6 +9,11 @@
 //! p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
 //!
+//! One departure: m and v are read as zero where they are subnormal (v only
+//! where eps is at least [`FLUSH_V_EPS_MIN`]), because on x86 every
+//! multiply that reads a subnormal takes a microcode assist, and under a
+//! gradient that stays zero rounding never takes a moment to zero.
+//!
 //! The same pass can take bf16/fp16 gradients and write the bf16/fp16
 //! compute copy of the updated parameters: that is the fused offload step.
 

@@ -31,10 +31,11 @@ pub enum BenchKernel {
     AdamwFp32,
     /// AdamW, fp32, on idle parameters: zero gradients, m zero and v
     /// subnormal (1e-39), as for an embedding row whose token has not been
-    /// seen for tens of thousands of steps (v stays subnormal for about
-    /// 16,000 steps at beta2 = 0.999). Libraries that keep subnormal
-    /// moments take a microcode assist on every step there; strata writes
-    /// them as zero once (in the warm-up), so this is its steady state.
+    /// seen for tens of thousands of steps (rounding to nearest never
+    /// takes it to zero). Libraries that keep subnormal moments take
+    /// microcode assists on every step there; strata reads them as zero,
+    /// so after the warm-up's first step its moments are zero: this is its
+    /// steady state.
     AdamwFp32Idle,
     /// The fused offload step: bf16 gradients x (unscale x clip), AdamW on
     /// fp32 master weights and moments, bf16 params out.

@@ -1,6 +1,7 @@
 //! Float64 scalar references for every update rule: the ground truth every
 //! instruction-set path is tested against. Straight transcriptions of the
-//! PyTorch formulas, one element at a time, no fusion, no vectors.
+//! PyTorch formulas, one element at a time, no fusion, no vectors, but for
+//! one rule of strata's: Adam reads subnormal moments as zero ([`adam`]).
 
 use crate::{AdagradConfig, AdamConfig, LionConfig};
 
