@@ -128,6 +128,21 @@ macro_rules! aes_rounds_xmm {
 }
 
 impl Avx2 {
+    /// 16 bf16 words as loaded to the pair layout of `load_bf16_pair`:
+    /// word 2i is element 2i, the low half of lane i (shifted up), word
+    /// 2i + 1 its high half (kept).
+    #[inline(always)]
+    fn widen_pair(self, words: __m256i) -> (__m256, __m256) {
+        // SAFETY: the token.
+        unsafe {
+            let odd = _mm256_and_si256(words, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words)),
+                _mm256_castsi256_ps(odd),
+            )
+        }
+    }
+
     /// 8 lanes holding values <= 0xffff to 8 words.
     #[inline(always)]
     fn pack_words(self, words: __m256i) -> __m128i {
@@ -283,15 +298,7 @@ impl Simd for Avx2 {
     fn load_bf16_pair(self, src: &[bf16]) -> (__m256, __m256) {
         assert!(src.len() >= 16);
         // SAFETY: the token; 16 bf16 (32 bytes) are in bounds (asserted).
-        unsafe {
-            // Word 2i of the load is element 2i: the low half of lane i.
-            let words = _mm256_loadu_si256(src.as_ptr().cast());
-            let odd = _mm256_and_si256(words, _mm256_set1_epi32(0xffff_0000_u32 as i32));
-            (
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words)),
-                _mm256_castsi256_ps(odd),
-            )
-        }
+        self.widen_pair(unsafe { _mm256_loadu_si256(src.as_ptr().cast()) })
     }
     #[inline(always)]
     fn load_bf16_pair_flushed(self, src: &[bf16]) -> (__m256, __m256) {
@@ -304,12 +311,7 @@ impl Simd for Avx2 {
             let words = _mm256_loadu_si256(src.as_ptr().cast());
             let exponent = _mm256_and_si256(words, _mm256_set1_epi16(0x7f80));
             let zero = _mm256_cmpeq_epi16(exponent, _mm256_setzero_si256());
-            let words = _mm256_andnot_si256(zero, words);
-            let odd = _mm256_and_si256(words, _mm256_set1_epi32(0xffff_0000_u32 as i32));
-            (
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words)),
-                _mm256_castsi256_ps(odd),
-            )
+            self.widen_pair(_mm256_andnot_si256(zero, words))
         }
     }
     #[inline(always)]
