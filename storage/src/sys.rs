@@ -149,6 +149,29 @@ pub fn memlock_limit_bytes() -> Option<u64> {
     Some(limit.rlim_cur)
 }
 
+/// Swaps the directory entries `a` and `b` (both must exist) in one step,
+/// `renameat2(RENAME_EXCHANGE)`: at no moment does either name stand for
+/// nothing. EINVAL where the file system cannot (NFS, some FUSE ones).
+pub fn rename_exchange(a: &Path, b: &Path) -> io::Result<()> {
+    let (a, b) = (c_path(a)?, c_path(b)?);
+    // SAFETY: both paths are NUL-terminated and outlive the call; the
+    // syscall reads them and nothing else.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// MemAvailable from /proc/meminfo, in bytes (`None` where it cannot be read).
 pub fn mem_available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -200,4 +223,25 @@ pub fn page_present(address: *const u8) -> Option<bool> {
     let mut entry = [0u8; 8];
     pagemap.read_exact(&mut entry).ok()?;
     Some(u64::from_le_bytes(entry) >> 63 == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rename_exchange_swaps_two_directories_or_names_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        for (path, text) in [(&a, "old"), (&b, "new")] {
+            std::fs::create_dir(path).unwrap();
+            std::fs::write(path.join("f"), text).unwrap();
+        }
+        rename_exchange(&a, &b).unwrap();
+        assert_eq!(std::fs::read_to_string(a.join("f")).unwrap(), "new");
+        assert_eq!(std::fs::read_to_string(b.join("f")).unwrap(), "old");
+        let missing = dir.path().join("c");
+        let err = rename_exchange(&a, &missing).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOENT), "{err}");
+    }
 }

@@ -24,7 +24,7 @@ use super::config::ModelConfig;
 use super::config::StateDtype;
 use super::durable::{Fs, RealFs, create_dir_all_durably};
 use super::moves::read_f32;
-use super::tensors::{LoadBuffers, decode_states, state_index};
+use super::tensors::{LoadBuffers, decode_states, state_index, state_words};
 
 fn nearest() -> String {
     "nearest".into()
@@ -169,17 +169,20 @@ pub(crate) fn commit(
     sync_dir(fs, tmp)?;
     let name = format!("step-{:08}", meta.step);
     let done = root.join(&name);
-    if fs.exists(&done) {
-        fs.remove_dir_all(&done)
-            .map_err(|err| problem(&done, format!("cannot replace it: {err}"), io_fix(&err)))?;
+    // A checkpoint of this step already there (a run started again with
+    // --overwrite, or resumed from an older step) may be the one `latest`
+    // names: the new one takes its place in one step, and the old one,
+    // now under the temporary name, is removed once `latest` is written.
+    let replaced = fs.exists(&done) && replace(fs, root, tmp, &done, &name)?;
+    if !replaced {
+        fs.rename(tmp, &done).map_err(|err| {
+            problem(
+                &done,
+                format!("cannot rename {} to it: {err}", tmp.display()),
+                io_fix(&err),
+            )
+        })?;
     }
-    fs.rename(tmp, &done).map_err(|err| {
-        problem(
-            &done,
-            format!("cannot rename {} to it: {err}", tmp.display()),
-            io_fix(&err),
-        )
-    })?;
     sync_dir(fs, root)?;
     let pointer = root.join(".latest.tmp");
     write_synced(fs, &pointer, name.as_bytes())?;
@@ -191,7 +194,47 @@ pub(crate) fn commit(
         )
     })?;
     sync_dir(fs, root)?;
+    if replaced {
+        // The new checkpoint is published: a failure here leaves only a
+        // temporary directory, which the next checkpoint's start removes.
+        if let Err(err) = fs.remove_dir_all(tmp) {
+            tracing::warn!(
+                "checkpoint {}: the replaced checkpoint stays at {}: {err}",
+                done.display(),
+                tmp.display()
+            );
+        }
+    }
     Ok(done)
+}
+
+/// Puts `tmp` in the place of the existing checkpoint `done` (named
+/// `name`): swapped in one step where the file system can, so `done` is
+/// at every moment the old checkpoint or the new one, whole. Where it
+/// cannot, the old one is removed first, unless `latest` names it.
+/// Whether the two were swapped (the old one is then at `tmp`).
+fn replace(fs: &dyn Fs, root: &Path, tmp: &Path, done: &Path, name: &str) -> Result<bool> {
+    let err = match fs.exchange(tmp, done) {
+        Ok(()) => return Ok(true),
+        Err(err) => err,
+    };
+    let named = fs
+        .read(&root.join("latest"))
+        .is_ok_and(|latest| String::from_utf8_lossy(&latest).trim() == name);
+    if named {
+        return Err(problem(
+            done,
+            format!(
+                "cannot put the new checkpoint of this step in the place of the one `latest` \
+                 names in one step ({err})"
+            ),
+            "set train.checkpoint_dir to a new directory (this file system cannot swap two \
+             directories), or move this one away; it is intact",
+        ));
+    }
+    fs.remove_dir_all(done)
+        .map_err(|err| problem(done, format!("cannot replace it: {err}"), io_fix(&err)))?;
+    Ok(false)
 }
 
 /// Removes all but the newest `kept` checkpoints under `root` (0: keep
@@ -724,7 +767,7 @@ impl Engine {
             Tier::Host
         };
         let dtype = self.config.optim.state_dtype;
-        let mut raw = vec![0f32; out.len() / 3 * dtype.bytes_per_param() / 4];
+        let mut raw = vec![0f32; state_words(dtype, out.len() / 3)];
         read_f32(&self.runtime, id, tier, &mut raw)?;
         decode_states(dtype, bytemuck::cast_slice(&raw), out);
         if home == Tier::Nvme {
@@ -763,13 +806,21 @@ mod crash_tests {
     /// Writes and publishes the checkpoint of `step` (its files' bytes
     /// depend on the step), then prunes to one.
     fn publish(fs: &SimFs, step: u64) -> Result<PathBuf> {
+        publish_salted(fs, step, 0)
+    }
+
+    /// [`publish`] with files whose bytes depend on `salt` too (another
+    /// run's checkpoint of the same step).
+    fn publish_salted(fs: &SimFs, step: u64, salt: u64) -> Result<PathBuf> {
         let root = Path::new(ROOT);
         let tmp = begin(fs, root, step)?;
         for (name, len) in [
             ("optimizer-rank0.safetensors", 300),
             ("model.safetensors", 500),
         ] {
-            let bytes: Vec<u8> = (0..len).map(|i| (i as u64 * 31 + step) as u8).collect();
+            let bytes: Vec<u8> = (0..len)
+                .map(|i| (i as u64 * 31 + step + 7 * salt) as u8)
+                .collect();
             write_synced(fs, &tmp.join(name), &bytes)?;
         }
         let done = commit(fs, root, &tmp, meta(step))?;
@@ -852,6 +903,59 @@ mod crash_tests {
             "{total} operations publish and prune; a failure or power cut after each: {saw_old} left the old checkpoint, {saw_new} the new"
         );
         assert!(saw_old > 0 && saw_new > 0, "{saw_old} old, {saw_new} new");
+    }
+
+    /// A run started again with --overwrite (or resumed from an older
+    /// step) publishes a checkpoint of the step `latest` names: at every
+    /// failure and power cut `latest` still names a whole one, the old or
+    /// the new. (Removing the old one before renaming the new one into its
+    /// place lost it.)
+    #[test]
+    fn republishing_the_step_latest_names_keeps_a_whole_checkpoint_throughout() {
+        let first = SimFs::new();
+        publish(&first, 1).unwrap();
+        let old = latest(&first.crash()).expect("the first checkpoint is durable");
+        let base = first.ops();
+        let whole = first.clone();
+        publish_salted(&whole, 1, 1).unwrap();
+        let new = latest(&whole.crash()).expect("the second checkpoint is durable");
+        assert_ne!(old, new);
+        let root = Path::new(ROOT);
+        assert_eq!(fs_names(&whole, root), ["latest", "step-00000001"]);
+        let total = whole.ops() - base;
+        for k in 0..total {
+            let mut fs = first.clone();
+            fs.fail_at = Some(base + k);
+            // (A failure removing the old checkpoint, after `latest` is
+            // written, is only warned of.)
+            let _ = publish_salted(&fs, 1, 1);
+            for (when, fs) in [("failure", fs.clone()), ("power cut", fs.crash())] {
+                let live = latest(&fs).unwrap_or_else(|e| panic!("{when} at {k}: {e}"));
+                assert!(
+                    live == old || live == new,
+                    "{when} at {k}: a mixed checkpoint"
+                );
+            }
+        }
+        // Where the file system cannot swap, the checkpoint `latest` names
+        // is refused by name and left as it is; another step's is replaced.
+        let mut fs = first.clone();
+        fs.no_exchange = true;
+        let err = publish_salted(&fs, 1, 1).unwrap_err().to_string();
+        assert!(
+            err.contains("in one step") && err.contains("intact"),
+            "{err}"
+        );
+        assert_eq!(latest(&fs.crash()).unwrap(), old);
+        publish(&fs, 2).unwrap();
+        publish_salted(&fs, 1, 1).unwrap();
+        assert_eq!(latest(&fs.crash()).unwrap(), new);
+    }
+
+    fn fs_names(fs: &SimFs, dir: &Path) -> Vec<String> {
+        let mut names = fs.list(dir).unwrap();
+        names.sort();
+        names
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub(crate) trait Fs {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
     /// Renames `from` to `to`, replacing a file there.
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Swaps the entries `a` and `b` (both exist) in one step.
+    fn exchange(&self, a: &Path, b: &Path) -> io::Result<()>;
     /// Removes `dir` and everything in it.
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()>;
     /// fsyncs the directory `dir`, so that its entries last.
@@ -82,6 +84,10 @@ impl Fs for RealFs {
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         std::fs::rename(from, to)
+    }
+
+    fn exchange(&self, a: &Path, b: &Path) -> io::Result<()> {
+        strata_storage::sys::rename_exchange(a, b)
     }
 
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
@@ -146,6 +152,8 @@ mod sim {
         pub(crate) fail_at: Option<usize>,
         /// A broken writer for the negative control: file fsyncs do nothing.
         pub(crate) skip_file_sync: bool,
+        /// A file system that cannot swap two entries (EINVAL, as NFS).
+        pub(crate) no_exchange: bool,
     }
 
     fn enoent(path: &Path) -> io::Error {
@@ -168,6 +176,7 @@ mod sim {
                 }),
                 fail_at: None,
                 skip_file_sync: false,
+                no_exchange: false,
             }
         }
 
@@ -190,6 +199,7 @@ mod sim {
                 state: RefCell::new(state),
                 fail_at: None,
                 skip_file_sync: false,
+                no_exchange: self.no_exchange,
             }
         }
 
@@ -302,6 +312,20 @@ mod sim {
                 .remove(&from_name)
                 .ok_or_else(|| enoent(from))?;
             self.entries(target).insert(to_name, id);
+            Ok(())
+        }
+
+        fn exchange(&self, a: &Path, b: &Path) -> io::Result<()> {
+            self.step()?;
+            if self.no_exchange {
+                return Err(io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            let ((a_parent, a_name), (b_parent, b_name)) = (split(a), split(b));
+            let (a_dir, b_dir) = (self.dir_of(&a_parent)?, self.dir_of(&b_parent)?);
+            let a_id = *self.entries(a_dir).get(&a_name).ok_or_else(|| enoent(a))?;
+            let b_id = *self.entries(b_dir).get(&b_name).ok_or_else(|| enoent(b))?;
+            self.entries(a_dir).insert(a_name, b_id);
+            self.entries(b_dir).insert(b_name, a_id);
             Ok(())
         }
 

@@ -108,10 +108,17 @@ pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
     shard_max.expect("groups") * world
 }
 
+/// The f32 words of a state tensor of `n` parameters: master weights, m
+/// and v in `dtype`'s formats, padded to a whole word (bf16 states take 6
+/// bytes a parameter, so an odd shard ends in half a word).
+pub(super) fn state_words(dtype: StateDtype, n: usize) -> usize {
+    (n * dtype.bytes_per_param()).div_ceil(4)
+}
+
 /// A state tensor's bytes into `bytes` (its old contents dropped, its
 /// capacity kept): master weights, then m and v (zeros when none), in
 /// `dtype`'s formats (bf16 rounded to nearest: exact for values that were
-/// bf16).
+/// bf16), padded with zeros to [`state_words`].
 pub(super) fn encode_states(
     dtype: StateDtype,
     master: &[f32],
@@ -137,6 +144,7 @@ pub(super) fn encode_states(
         }
         None => bytes.resize(bytes.len() + 2 * master.len() * dtype.moment_bytes(), 0),
     }
+    bytes.resize(4 * state_words(dtype, master.len()), 0);
 }
 
 /// Buffers [`Engine::load_group`] fills, kept from one group to the next
@@ -152,11 +160,7 @@ pub(super) struct LoadBuffers {
 /// another in `out` (3 x the shard).
 pub(super) fn decode_states(dtype: StateDtype, bytes: &[u8], out: &mut [f32]) {
     let n = out.len() / 3;
-    assert_eq!(
-        bytes.len(),
-        n * dtype.bytes_per_param(),
-        "state tensor size"
-    );
+    assert_eq!(bytes.len(), 4 * state_words(dtype, n), "state tensor size");
     let widths = [
         dtype.master_bytes(),
         dtype.moment_bytes(),
@@ -278,7 +282,7 @@ pub(super) fn slots(
         for set in 0..2 {
             // Master weights then m and v, in `optim.state_dtype`: counted
             // in f32 words (bf16 moments make 2 words per parameter).
-            let words = n * config.optim.state_dtype.bytes_per_param() / 4;
+            let words = state_words(config.optim.state_dtype, n);
             slots.push(slot(
                 format!("{}.optim{set}", group.name),
                 TensorKind::OptimizerState,
