@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """strata from Python against DeepSpeed, side by side in one process.
 
-Optimizer: strata.optim.CPUAdam vs DeepSpeedCPUAdam vs torch.optim.AdamW
+Optimizer: strata.optim.CPUAdam (fp32 states, and bf16 moments:
+state_dtype="bf16-moments") vs DeepSpeedCPUAdam vs torch.optim.AdamW
 (fused=True), each stepping the same parameters and gradients in memory
-(with its own moments, or with `--states shared` the same moments too) on
+(with its own moments, or with `--states shared` the same moments too,
+but for bf16 moments, which keep their own) on
 the same number of threads; rounds interleaved, systems in a fresh order
 each round, medians of params/s. That their updates agree is checked
 apart, each on its own copy of a 1M-parameter slice.
@@ -76,6 +78,9 @@ def adam_systems(torch, threads):
     from strata.optim import CPUAdam
 
     systems.append(("strata", lambda ps: CPUAdam(ps, lr=1e-3, weight_decay=0.01, threads=threads)))
+    # bf16 moments rounded stochastically: 20 bytes a parameter a step, not 28.
+    systems.append(("strata_bf16_moments", lambda ps: CPUAdam(ps, lr=1e-3, weight_decay=0.01, threads=threads,
+                                                                state_dtype="bf16-moments")))
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -120,7 +125,8 @@ def bench_adam(args, torch):
         optimizer.step()  # states allocated, first-touch done, JIT warm
         if shared is None:
             shared = [optimizer.state[p] for p in params]
-        elif args.states == "shared":
+        elif args.states == "shared" and name != "strata_bf16_moments":
+            # (bf16 moments keep their own: fp32 ones would make it fp32.)
             for p, first in zip(params, shared):
                 for key in ("exp_avg", "exp_avg_sq"):
                     optimizer.state[p][key] = first[key]
@@ -144,8 +150,19 @@ def bench_adam(args, torch):
         "gparams_per_s": rates,
         "max_abs_diff_from_strata": agreement(torch, systems, min(args.params, 1 << 20), args.tensors),
         "skipped": skipped,
-        "ratios": {f"strata/{name}": rates["strata"] / rate for name, rate in rates.items() if name != "strata"},
+        "ratios": adam_ratios(rates),
     }
+
+
+def adam_ratios(rates):
+    """strata (fp32 states) over each peer; bf16 moments over fp32 states
+    and over each peer."""
+    peers = [name for name in rates if not name.startswith("strata")]
+    ratios = {f"strata/{name}": rates["strata"] / rates[name] for name in peers}
+    if "strata_bf16_moments" in rates:
+        for name in ["strata", *peers]:
+            ratios[f"strata_bf16_moments/{name}"] = rates["strata_bf16_moments"] / rates[name]
+    return ratios
 
 
 def agreement(torch, systems, params, tensors):
@@ -326,8 +343,8 @@ def main():
         print(f"\nAdamW, {a['params']} params in {a['tensors']} tensors, {a['states']} states, {a['threads']} threads, "
               f"medians of {a['rounds']} rounds (Gparams/s):")
         for name, rate in a["gparams_per_s"].items():
-            print(f"  {name:12} {rate:8.3f}   max |p - strata's p| {a['max_abs_diff_from_strata'][name]:.2e}")
-        print_ratios_and_skips(a, 24)
+            print(f"  {name:20} {rate:8.3f}   max |p - strata's p| {a['max_abs_diff_from_strata'][name]:.2e}")
+        print_ratios_and_skips(a, 34)
     if "io" in report:
         r = report["io"]
         print(f"\nI/O, {r['bytes']} bytes per file in {r['dir']}, block {r['block_size']}, queue depth "

@@ -40,12 +40,16 @@ pub const SPLIT_ALIGN_ELEMS: usize = 64;
 const _: () = assert!(SPLIT_ALIGN_ELEMS.is_multiple_of(crate::simd::LANES_MAX));
 
 /// One tensor of [`Pool::adam_step_many`]: parameters, gradients,
-/// moments and the optional 16-bit copy of the updated parameters.
+/// moments, the optional 16-bit copy of the updated parameters, and how
+/// its bf16 moments round ([`Rounding::Stochastic`]'s `first`: the global
+/// index of the tensor's first element, so that no two tensors of a model
+/// draw the same words).
 pub type AdamShard<'a> = (
     &'a mut [f32],
     Values<'a>,
     Moments<'a>,
     Option<LowPrecisionMut<'a>>,
+    Rounding,
 );
 
 /// One tensor of [`Pool::adagrad_step_many`] or [`Pool::lion_step_many`]:
@@ -348,16 +352,17 @@ impl Pool {
         });
     }
 
-    /// [`crate::adam_step`] over many tensors in one call (a model's
-    /// parameters): the threads wake once for all of them. Each tensor ends
-    /// as [`Pool::adam_step`] would leave it, bit for bit; whether the
+    /// [`crate::adam_step_rounded`] over many tensors in one call (a
+    /// model's parameters): the threads wake once for all of them. Each
+    /// tensor ends as [`Pool::adam_step_rounded`] would leave it with its
+    /// rounding, bit for bit, on any number of threads; whether the
     /// 16-bit copies are streamed past the caches follows the whole call's
     /// length.
     pub fn adam_step_many(&self, coefficients: &AdamCoefficients, shards: Vec<AdamShard<'_>>) {
         let isa = self.isa;
         let whole_len = shards.iter().map(|s| s.0.len()).sum();
-        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o)| {
-            adam_step_part(isa, coefficients, p, g, m, o, Rounding::Nearest, whole_len)
+        self.split_many(shards, |s| s.0.len(), &|(p, g, m, o, r)| {
+            adam_step_part(isa, coefficients, p, g, m, o, r, whole_len)
         });
     }
 
@@ -648,7 +653,16 @@ mod tests {
                     m: &mut m,
                     v: &mut v,
                 };
-                pool.adam_step_many(&c, vec![(&mut p, Values::F32(&grads), moments, None)]);
+                pool.adam_step_many(
+                    &c,
+                    vec![(
+                        &mut p,
+                        Values::F32(&grads),
+                        moments,
+                        None,
+                        Rounding::Nearest,
+                    )],
+                );
             },
         ];
         for (k, call) in calls.iter().enumerate() {

@@ -7,7 +7,8 @@ use common::PageAligned;
 use proptest::prelude::*;
 use strata_optim::{
     AdagradConfig, AdamConfig, LionConfig, LowPrecisionMut, Moments, OptimError, Pool, PoolConfig,
-    THREADS_MAX, Values, adagrad_step, adam_step, bf16, grad_norm, lion_step,
+    Rounding, THREADS_MAX, Values, adagrad_step, adam_step, adam_step_rounded, bf16, grad_norm,
+    lion_step,
 };
 
 fn pool(threads: usize) -> Pool {
@@ -91,8 +92,23 @@ fn tensors(lens: &[(usize, u8)], seed: u32) -> Vec<Tensors> {
         .collect()
 }
 
+/// Each tensor's rounding: stochastic, keyed by its first element's index
+/// in all of them (as a model's parameters are).
+fn roundings(tensors: &[Tensors], seed: u64, step: u64) -> Vec<Rounding> {
+    let mut first = 0;
+    tensors
+        .iter()
+        .map(|t| {
+            let rounding = Rounding::Stochastic { seed, step, first };
+            first += t.p.len() as u64;
+            rounding
+        })
+        .collect()
+}
+
 impl Tensors {
-    fn adam_parts(&mut self) -> strata_optim::AdamShard<'_> {
+    /// Adam's shard, its bf16 moments (if any) rounded by `rounding`.
+    fn adam_parts(&mut self, rounding: Rounding) -> strata_optim::AdamShard<'_> {
         let grads = match &self.g16 {
             Some(g) => Values::Bf16(g),
             None => Values::F32(&self.g),
@@ -109,6 +125,7 @@ impl Tensors {
             grads,
             moments,
             self.copy.as_deref_mut().map(LowPrecisionMut::Bf16),
+            rounding,
         )
     }
 
@@ -144,14 +161,23 @@ proptest! {
         let adagrad = AdagradConfig::new(1e-2).coefficients(2, 1.0).unwrap();
         let lion = LionConfig::new(1e-3).coefficients(1, 1.0).unwrap();
 
+        // Nearest, then stochastic rounding of the bf16 moments keyed by
+        // each tensor's place among them.
         let mut expected = tensors(&lens, seed);
-        for t in &mut expected {
-            let (p, g, m, o) = t.adam_parts();
-            adam_step(isa, &adam, p, g, m, o);
-        }
         let mut got = tensors(&lens, seed);
-        pool.adam_step_many(&adam, got.iter_mut().map(Tensors::adam_parts).collect());
-        prop_assert_eq!(&got, &expected);
+        for stochastic in [false, true] {
+            let rounding = match stochastic {
+                true => roundings(&expected, u64::from(seed), 3),
+                false => vec![Rounding::Nearest; expected.len()],
+            };
+            for (t, &r) in expected.iter_mut().zip(&rounding) {
+                let (p, g, m, o, r) = t.adam_parts(r);
+                adam_step_rounded(isa, &adam, p, g, m, o, r);
+            }
+            let shards = got.iter_mut().zip(&rounding).map(|(t, &r)| t.adam_parts(r)).collect();
+            pool.adam_step_many(&adam, shards);
+            prop_assert_eq!(&got, &expected, "stochastic {}", stochastic);
+        }
 
         for t in &mut expected {
             let (p, g, s, o) = t.state_parts();
@@ -184,18 +210,24 @@ fn calls_cut_into_many_pieces_per_thread_keep_the_bits() {
     let isa = pool(1).isa();
     let adam = AdamConfig::adamw(1e-2).coefficients(7, 0.25).unwrap();
     let mut expected = tensors(&lens, 11);
-    for t in &mut expected {
-        let (p, g, m, o) = t.adam_parts();
-        adam_step(isa, &adam, p, g, m, o);
+    let rounding = roundings(&expected, 5, 7);
+    for (t, &r) in expected.iter_mut().zip(&rounding) {
+        let (p, g, m, o, r) = t.adam_parts(r);
+        adam_step_rounded(isa, &adam, p, g, m, o, r);
     }
     for threads in [2, 3] {
         let pool = pool(threads);
         let mut got = tensors(&lens, 11);
-        pool.adam_step_many(&adam, got.iter_mut().map(Tensors::adam_parts).collect());
+        let shards = got
+            .iter_mut()
+            .zip(&rounding)
+            .map(|(t, &r)| t.adam_parts(r))
+            .collect();
+        pool.adam_step_many(&adam, shards);
         assert_eq!(got, expected, "{threads} threads, many tensors");
         let mut one = tensors(&lens[..1], 11);
-        let (p, g, m, o) = one[0].adam_parts();
-        pool.adam_step(&adam, p, g, m, o);
+        let (p, g, m, o, r) = one[0].adam_parts(rounding[0]);
+        pool.adam_step_rounded(&adam, p, g, m, o, r);
         assert_eq!(one[0], expected[0], "{threads} threads, one tensor");
     }
 }

@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use strata_optim::{
     AdagradConfig, AdamConfig, AdamShard, LionConfig, LowPrecisionMut, Moments, OptimError, Pool,
-    PoolConfig, StateShard, Values, bf16, f16,
+    PoolConfig, Rounding, StateShard, Values, bf16, f16,
 };
 
 use crate::tensor::{
@@ -164,6 +164,63 @@ impl Batch {
     }
 }
 
+/// Each tensor's rounding of its bf16 moments for `adam`: `rounding`
+/// "stochastic" keyed by (`seed`, `step`, each element's global index), the
+/// first tensor's first element at `first` (an int; the others following
+/// on) or each tensor's at its entry of `first` (a list); or "nearest".
+fn roundings(
+    rounding: &str,
+    seed: u64,
+    step: u64,
+    first: Option<&Bound<'_, PyAny>>,
+    lens: &[usize],
+) -> PyResult<Vec<Rounding>> {
+    match rounding {
+        "nearest" => return Ok(vec![Rounding::Nearest; lens.len()]),
+        "stochastic" => {}
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "rounding = {other:?}: use \"stochastic\" (the default: bf16 moments rounded \
+                 up or down with the odds of their distance, so small updates survive on \
+                 average) or \"nearest\" (to nearest even, which freezes v once its change \
+                 per step is below half a bf16 ulp, as with beta2 = 0.999)"
+            )));
+        }
+    }
+    let bad_first = || {
+        PyValueError::new_err(format!(
+            "first: give an int from 0 (the global index of the first tensor's first element; \
+             the others follow on) or a list of {} such ints, one per tensor",
+            lens.len()
+        ))
+    };
+    let firsts: Vec<u64> = match first {
+        None => vec![0],
+        Some(obj) => match obj.extract::<u64>() {
+            Ok(first) => vec![first],
+            Err(_) => obj.extract::<Vec<u64>>().map_err(|_| bad_first())?,
+        },
+    };
+    let single = first.is_none_or(|obj| obj.extract::<u64>().is_ok());
+    if !single && firsts.len() != lens.len() {
+        return Err(bad_first());
+    }
+    let mut next = firsts.first().copied().unwrap_or(0);
+    lens.iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let first = if single { next } else { firsts[i] };
+            next = first.checked_add(len as u64).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "first = {first} for a tensor of {len} elements: its last element's index \
+                     passes 2^64 - 1; number the elements from 0"
+                ))
+            })?;
+            Ok(Rounding::Stochastic { seed, step, first })
+        })
+        .collect()
+}
+
 impl Kernels {
     /// Runs `work` on this process's pool with the GIL released.
     fn run<T: Send>(&self, py: Python<'_>, work: impl FnOnce(&Pool) -> T + Send) -> PyResult<T> {
@@ -229,8 +286,16 @@ impl Kernels {
     /// (or uint16 holding bf16) or fp16; moments fp32 or bf16;
     /// `param_copy`: an optional bf16/fp16 tensor that receives the updated
     /// parameters (the fused offload step).
+    ///
+    /// bf16 moments round stochastically by default, with random bits from
+    /// a hash of (`rounding_seed`, `step`, each element's global index):
+    /// `first` is the first tensor's first index (the others follow on) or
+    /// a list of each tensor's, so that the bits do not depend on how the
+    /// tensors are batched or on the thread count. `rounding="nearest"`
+    /// rounds to nearest even. fp32 moments round no way at all.
     #[pyo3(signature = (params, grads, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-        weight_decay, adamw_mode, bias_correction, grad_scale=1.0, param_copy=None))]
+        weight_decay, adamw_mode, bias_correction, grad_scale=1.0, param_copy=None,
+        rounding="stochastic", rounding_seed=0, first=None))]
     #[allow(clippy::too_many_arguments)]
     fn adam(
         &self,
@@ -249,6 +314,9 @@ impl Kernels {
         bias_correction: bool,
         grad_scale: f32,
         param_copy: Option<&Bound<'_, PyAny>>,
+        rounding: &str,
+        rounding_seed: u64,
+        first: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let batch = Batch::new(
             params,
@@ -256,6 +324,8 @@ impl Kernels {
             &[(exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")],
             param_copy,
         )?;
+        let lens: Vec<usize> = batch.params.iter().map(|p| p.elems).collect();
+        let rounding = roundings(rounding, rounding_seed, step, first, &lens)?;
         batch.expect_state(0, &[Dtype::F32, Dtype::Bf16, Dtype::U16])?;
         for (i, m) in batch.states[0].iter().enumerate() {
             let v = &batch.states[1][i];
@@ -292,7 +362,7 @@ impl Kernels {
                                 v: v.slice_mut(),
                             },
                         };
-                        (p, g, moments, copy)
+                        (p, g, moments, copy, rounding[i])
                     }
                 })
                 .collect();

@@ -17,6 +17,16 @@ same on any number of threads. ``state_dict()`` follows
 steps load too), so checkpoints move between the two; the live
 ``state[p]["step"]`` is an int, as in DeepSpeed.
 
+``state_dtype="bf16-moments"`` keeps ``exp_avg`` and ``exp_avg_sq`` in
+bfloat16 (20 bytes of memory traffic per parameter and step instead of 28,
+and half the host memory for the moments), each write rounded
+stochastically with random bits from a hash of (``rounding_seed``, step,
+the element's index among all the optimizer's parameters): rounding to
+nearest would freeze v, whose change per step with beta2 = 0.999 is below
+half a bf16 ulp. The bits do not depend on the thread count or on which
+parameters have gradients, so a run resumed from ``state_dict()`` with the
+same ``rounding_seed`` continues bit for bit.
+
 ``step_fused(param_copies)`` is ZeRO-Offload's step in one pass over
 memory: gradients in fp32, bf16 or fp16, the update, and the updated
 parameters written as bf16/fp16 into ``param_copies`` (e.g. pinned buffers
@@ -68,25 +78,65 @@ class _StrataOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant.")
         super().add_param_group(param_group)
 
+    # The states kept in bfloat16, when the optimizer keeps some so.
+    _BF16_STATES = ()
+
     def load_state_dict(self, state_dict):
-        """torch's loader, then each large fp32 state not already on strata's
-        huge pages moved there, one at a time. torch's loader keeps the
-        caller's tensors where dtype and device already match, so a moved
-        tensor is re-pointed in place (``set_``): the caller's state dict
-        sees the same values, and the old memory is freed as soon as nothing
-        else holds it, so loading costs at most one state's size extra."""
-        super().load_state_dict(state_dict)
+        """torch's loader, with each state in the dtype this optimizer keeps
+        it in and each large one on strata's huge pages, converted one at a
+        time (so loading costs at most one state's size extra).
+
+        torch's loader casts every state to its parameter's dtype, all at
+        once: bf16 moments would come back as float32 (twice their size,
+        for the whole model). So the states whose dtype is not the one kept
+        here, and every bf16 one, are taken out of what torch loads and
+        converted here: bf16 into bf16 exactly, bf16 into float32 exactly,
+        float32 into bf16 rounded to nearest, once. The rest torch loads as
+        they are (it keeps the caller's tensors where dtype and device
+        match); those not on huge pages are moved there and re-pointed in
+        place (``set_``), so the caller's state dict sees the same values
+        and the old memory is freed as soon as nothing else holds it."""
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved, params))
+        taken, states = [], {}
+        for pid, entry in state_dict["state"].items():
+            p = by_id.get(pid)
+            kept = {}
+            for key, value in entry.items():
+                if p is not None and self._state_tensor(p, key, value):
+                    dtype = self._state_dtype(key)
+                    if value.dtype is not dtype or dtype is torch.bfloat16:
+                        taken.append((p, key, value, dtype))
+                        continue
+                kept[key] = value
+            states[pid] = kept
+        super().load_state_dict({**state_dict, "state": states})
         with torch.no_grad():
+            for p, key, value, dtype in taken:
+                self.state[p][key] = _state_like(p, dtype=dtype).copy_(value)
             for p, state in self.state.items():
-                for value in state.values():
+                for key, value in state.items():
                     if (
-                        torch.is_tensor(value)
-                        and value.dtype is torch.float32
-                        and value.shape == p.shape
-                        and _on_huge_pages(value.numel())
+                        self._state_tensor(p, key, value)
+                        and _on_huge_pages(value)
                         and _HOMES.get(value.data_ptr()) is None
                     ):
-                        value.set_(_state_like(p).copy_(value))
+                        value.set_(_state_like(p, dtype=value.dtype).copy_(value))
+
+    @staticmethod
+    def _state_tensor(p, key, value):
+        """Whether ``value`` (at ``key``) is a per-element state of ``p``."""
+        return (
+            key != "step"
+            and torch.is_tensor(value)
+            and value.is_floating_point()
+            and value.shape == p.shape
+        )
+
+    def _state_dtype(self, key):
+        """The dtype this optimizer keeps state ``key`` in."""
+        return torch.bfloat16 if key in self._BF16_STATES else torch.float32
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -202,6 +252,16 @@ class _StrataOptimizer(torch.optim.Optimizer):
         }
         return packed
 
+    def _first_indices(self):
+        """Each parameter's first element's index among all the
+        parameters, in param_groups order."""
+        firsts, at = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                firsts.append(at)
+                at += p.numel()
+        return firsts
+
     def _copies(self, param_copies):
         if param_copies is None:
             return None
@@ -231,25 +291,30 @@ def _rewind(batches):
 
 _HUGE_PAGE_BYTES = 2 << 20
 
+# CPUAdam's state dtypes (the training engine's names): float32 moments, or
+# bfloat16 ones rounded stochastically.
+_STATE_DTYPES = ("fp32", "bf16-moments")
+
 # The live huge-page buffers behind states, by address: an entry goes when
 # its buffer is freed, so a live address is strata's and no one else's.
 _HOMES = weakref.WeakValueDictionary()
 
 
-def _on_huge_pages(numel):
-    """Whether a float32 state of ``numel`` elements gets strata's memory."""
-    return numel * 4 >= _HUGE_PAGE_BYTES
+def _on_huge_pages(state):
+    """Whether a state of this size gets strata's memory."""
+    return state.numel() * state.element_size() >= _HUGE_PAGE_BYTES
 
 
-def _state_like(p, fill=0.0):
-    """A float32 state shaped like ``p``, filled with ``fill``: from 2 MiB up
-    on memory of strata's own, advised onto huge pages before its first
-    touch (the tensor holds the buffer)."""
+def _state_like(p, fill=0.0, dtype=torch.float32):
+    """A state of ``dtype`` (float32 or bfloat16) shaped like ``p``, filled
+    with ``fill``: from 2 MiB up on memory of strata's own, advised onto
+    huge pages before its first touch (the tensor holds the buffer)."""
     numel = p.numel()
-    if not _on_huge_pages(numel):
-        return torch.full_like(p, fill, dtype=torch.float32, memory_format=torch.contiguous_format)
-    buffer = LockedBuffer(numel * 4, lock=False)
-    state = torch.frombuffer(buffer, dtype=torch.float32, count=numel)
+    size = numel * dtype.itemsize
+    if size < _HUGE_PAGE_BYTES:
+        return torch.full_like(p, fill, dtype=dtype, memory_format=torch.contiguous_format)
+    buffer = LockedBuffer(size, lock=False)
+    state = torch.frombuffer(buffer, dtype=dtype, count=numel)
     _HOMES[state.data_ptr()] = buffer
     if fill != 0.0:
         state.fill_(fill)
@@ -273,6 +338,8 @@ class CPUAdam(_StrataOptimizer):
         *,
         threads=None,
         pin_threads=False,
+        state_dtype="fp32",
+        rounding_seed=0,
     ):
         defaults = dict(
             lr=lr,
@@ -282,10 +349,21 @@ class CPUAdam(_StrataOptimizer):
             bias_correction=bias_correction,
             amsgrad=amsgrad,
         )
+        if state_dtype not in _STATE_DTYPES:
+            raise ValueError(
+                f"state_dtype={state_dtype!r}: use one of {', '.join(map(repr, _STATE_DTYPES))} "
+                "(bf16 master weights are the training engine's: CPUAdam steps float32 parameters)"
+            )
+        if type(rounding_seed) is not int or not 0 <= rounding_seed < 1 << 64:
+            raise ValueError(f"rounding_seed={rounding_seed!r}: use an int from 0 to 2**64 - 1")
         super().__init__(model_params, defaults, threads, pin_threads)
         self.adam_w_mode = adamw_mode
-        # fp32 parameters keep fp32 states either way (as in DeepSpeed).
+        # fp32 parameters keep fp32 states unless state_dtype says otherwise
+        # (DeepSpeed keeps them fp32 either way).
         self.fp32_optimizer_states = fp32_optimizer_states
+        self.state_dtype = state_dtype
+        self.rounding_seed = rounding_seed
+        self._BF16_STATES = ("exp_avg", "exp_avg_sq") if state_dtype == "bf16-moments" else ()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -306,9 +384,13 @@ class CPUAdam(_StrataOptimizer):
 
     def _step(self, copies, grads, grad_scale):
         kernels = self.kernels
+        dtype = torch.bfloat16 if self._BF16_STATES else torch.float32
+        # bf16 moments' random bits are keyed by each element's index among
+        # all the parameters: the same whichever have gradients this step.
+        firsts = self._first_indices() if self._BF16_STATES else None
 
         def init(group, p):
-            return {"exp_avg": _state_like(p), "exp_avg_sq": _state_like(p)}
+            return {"exp_avg": _state_like(p, dtype=dtype), "exp_avg_sq": _state_like(p, dtype=dtype)}
 
         def adam(group, step, indices, params, grads, states):
             beta1, beta2 = group["betas"]
@@ -327,6 +409,8 @@ class CPUAdam(_StrataOptimizer):
                 bias_correction=group["bias_correction"],
                 grad_scale=grad_scale,
                 param_copy=None if copies is None else [copies[i] for i in indices],
+                rounding_seed=self.rounding_seed,
+                first=None if firsts is None else [firsts[i] for i in indices],
             )
 
         self._run(grads, init, adam)

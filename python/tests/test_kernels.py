@@ -208,3 +208,91 @@ def test_read_only_gradients_are_accepted(kernels):
     g = np.ones(64, np.float32)
     g.flags.writeable = False
     call(kernels, grads=g)
+
+
+def test_bf16_moments_round_stochastically_so_v_tracks_its_ema():
+    """A constant gradient: v = 1 - 0.999^t. Each step adds (1 - beta2) x
+    (1 - v) to it, below half a bf16 ulp once v passes about 0.2, so v
+    rounded to nearest stops there; rounded stochastically it tracks the
+    f64 EMA on average."""
+    n, steps = 4096, 2000
+    kernels = Kernels(threads=2)
+    g = np.ones(n, np.float32)
+    exact = 1 - 0.999**steps  # 0.865
+    means = {}
+    for rounding in ("stochastic", "nearest"):
+        p = np.zeros(n, np.float32)
+        m, v = np.zeros(n, np.uint16), np.zeros(n, np.uint16)
+        for step in range(1, steps + 1):
+            kernels.adam(p, g, m, v, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                         adamw_mode=True, bias_correction=True, rounding=rounding)
+        means[rounding] = float(bf16_to_f32(v).mean())
+        if rounding == "stochastic":
+            assert abs(means[rounding] / exact - 1) < 0.01, means
+            # Each element's rounding errors decay at beta2's rate: they add
+            # up to a spread of about 0.02 here, not more.
+            assert bf16_to_f32(v).std() < 0.03 and np.abs(bf16_to_f32(v) - exact).max() < 0.15
+            assert abs(float(bf16_to_f32(m).mean()) - 1) < 0.01, "m tracks the gradient"
+    assert means["nearest"] < 0.5 * exact, f"nearest rounding was to freeze v: {means}"
+
+
+def test_stochastic_keys_follow_each_elements_index_not_the_call():
+    """The random bits are keyed by (rounding_seed, step, global index):
+    one call over [a, b] from `first` 0 equals separate calls with b's
+    first at len(a), on any thread count; another seed or step gives other
+    bits; an explicit list of firsts is taken per tensor."""
+    rng = np.random.default_rng(7)
+    sizes = [70_001, 13, 1 << 17]
+    g = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    kw = dict(step=5, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw_mode=True,
+              bias_correction=True)
+
+    def fresh():
+        r = np.random.default_rng(8)
+        return [dict(p=r.standard_normal(n).astype(np.float32),
+                     m=f32_to_bf16_rne(r.standard_normal(n).astype(np.float32) * 0.1),
+                     v=f32_to_bf16_rne(np.abs(r.standard_normal(n)).astype(np.float32) * 0.01)) for n in sizes]
+
+    def run(kernels, ts, split, **extra):
+        if split:
+            first = 0
+            for t, gg in zip(ts, g):
+                kernels.adam(t["p"], gg, t["m"], t["v"], first=first, **kw, **extra)
+                first += t["p"].size
+        else:
+            kernels.adam([t["p"] for t in ts], g, [t["m"] for t in ts], [t["v"] for t in ts], **kw, **extra)
+        return ts
+
+    def same(a, b):
+        return all((x[k] == y[k]).all() for x, y in zip(a, b) for k in "pmv")
+
+    together = run(Kernels(threads=2), fresh(), False)
+    assert same(together, run(Kernels(threads=1), fresh(), True))
+    assert same(together, run(Kernels(threads=3), fresh(), False, first=[0, sizes[0], sizes[0] + sizes[1]]))
+    assert not same(together, run(Kernels(threads=2), fresh(), False, rounding_seed=1))
+    assert not same(together, run(Kernels(threads=2), fresh(), False, first=1))
+    nearest = run(Kernels(threads=2), fresh(), False, rounding="nearest")
+    assert not same(together, nearest)
+    # fp32 moments round no way: rounding changes nothing there.
+    rs = np.random.default_rng(9)
+    base = [rs.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    out = []
+    for rounding in ("stochastic", "nearest"):
+        p, m, v = (x.copy() for x in base)
+        v = np.abs(v)
+        Kernels(threads=1).adam(p, np.full(1000, 0.5, np.float32), m, v, rounding=rounding, **kw)
+        out.append((p, m, v))
+    assert all((a == b).all() for a, b in zip(*out))
+
+
+def test_bad_rounding_arguments_are_named(kernels):
+    with pytest.raises(ValueError, match=r'rounding = "up": use "stochastic" .* or "nearest"'):
+        call(kernels, rounding="up")
+    z = [np.zeros(64, np.float32) for _ in range(8)]
+    with pytest.raises(ValueError, match="first: give an int from 0 .* or a list of 2 such ints"):
+        call(kernels, params=[z[0], z[1]], grads=[z[2], z[3]], exp_avg=[z[4], z[5]], exp_avg_sq=[z[6], z[7]],
+             first=[0])
+    with pytest.raises(ValueError, match="first: give an int from 0"):
+        call(kernels, first=-1)
+    with pytest.raises(ValueError, match=r"passes 2\^64 - 1"):
+        call(kernels, first=2**64 - 10)

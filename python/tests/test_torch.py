@@ -148,6 +148,99 @@ def test_state_dicts_move_between_cpuadam_and_torch_adamw():
     assert_close(train(d, opt_d, steps=3, seed=7), train(c, opt_c, steps=3, seed=7))
 
 
+def test_bf16_moments_train_as_fp32_states_do_and_resume_bit_for_bit():
+    """state_dtype="bf16-moments": bf16 exp_avg/exp_avg_sq rounded
+    stochastically; training lands near fp32 states (another path: not the
+    same bits); the same bits on any thread count and whichever parameters
+    sat a step out; a state dict round trip (torch's loader would cast the
+    moments to float32) continues bit for bit, with bf16 moments."""
+    a, b = model(), model()
+    ours = CPUAdam(a.parameters(), lr=1e-3, weight_decay=0.01, state_dtype="bf16-moments")
+    bf16_params = train(a, ours, steps=50)
+    fp32_params = train(b, CPUAdam(b.parameters(), lr=1e-3, weight_decay=0.01), steps=50)
+    state = ours.state[next(a.parameters())]
+    assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
+    # 50 steps of at most lr each: the states' rounding moves little of it.
+    assert_close(bf16_params, fp32_params, rtol=0, atol=2e-3)
+    assert any(not torch.equal(x, y) for x, y in zip(bf16_params, fp32_params))
+
+    def run(threads, steps, optimizer=None, net=None, seed=1):
+        net = net or model()
+        optimizer = optimizer or CPUAdam(net.parameters(), lr=1e-3, weight_decay=0.01,
+                                         state_dtype="bf16-moments", rounding_seed=3, threads=threads)
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(16, 67, generator=gen)
+            y = torch.randint(0, 3, (16,), generator=gen)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            optimizer.step()
+        return net, optimizer
+
+    one, _ = run(1, 8)
+    two, opt_two = run(2, 8)
+    assert all(torch.equal(x, y) for x, y in zip(one.parameters(), two.parameters()))
+    # A parameter that sits a step out (it then runs a step behind, in a
+    # call of its own) moves no other parameter's bits: each element's
+    # key is its index among all the parameters, not its place in a call.
+    def synthetic(skip):
+        gen = torch.Generator().manual_seed(4)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (1000, 77, 5000)]
+        opt = CPUAdam(ps, lr=1e-2, state_dtype="bf16-moments")
+        for step in range(6):
+            for p in ps:
+                p.grad = torch.randn(p.numel(), generator=gen)
+            if skip and step == 2:
+                ps[1].grad = None
+            opt.step()
+        return ps
+
+    kept, skipped = synthetic(False), synthetic(True)
+    assert torch.equal(kept[0], skipped[0]) and torch.equal(kept[2], skipped[2])
+    assert not torch.equal(kept[1], skipped[1])
+    # Resume: 8 steps, a state dict, a fresh optimizer, 8 more = 16 at once.
+    whole, _ = run(2, 16)
+    head, opt_head = run(2, 8)
+    saved = copy.deepcopy(opt_head.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+    resumed = CPUAdam(head.parameters(), lr=1e-3, weight_decay=0.01, state_dtype="bf16-moments", rounding_seed=3)
+    resumed.load_state_dict(saved)
+    assert resumed.state[next(head.parameters())]["exp_avg_sq"].dtype == torch.bfloat16
+    gen_state = torch.Generator().manual_seed(1)
+    for _ in range(8):  # the data of the first 8 steps
+        torch.randn(16, 67, generator=gen_state), torch.randint(0, 3, (16,), generator=gen_state)
+    for _ in range(8):
+        x = torch.randn(16, 67, generator=gen_state)
+        y = torch.randint(0, 3, (16,), generator=gen_state)
+        resumed.zero_grad()
+        torch.nn.functional.cross_entropy(head(x), y).backward()
+        resumed.step()
+    assert all(torch.equal(x, y) for x, y in zip(head.parameters(), whole.parameters()))
+    # fp32 moments (torch AdamW's) load into bf16 ones rounded to nearest;
+    # bf16 ones into an fp32-state CPUAdam exactly.
+    d = model()
+    torch_opt = torch.optim.AdamW(d.parameters(), lr=1e-3, weight_decay=0.01)
+    train(d, torch_opt, steps=3)
+    narrowed = CPUAdam(d.parameters(), lr=1e-3, state_dtype="bf16-moments")
+    narrowed.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    for p in d.parameters():
+        got, want = narrowed.state[p]["exp_avg"], torch_opt.state[p]["exp_avg"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    widened = CPUAdam(d.parameters(), lr=1e-3)
+    widened.load_state_dict(copy.deepcopy(narrowed.state_dict()))
+    for p in d.parameters():
+        got = widened.state[p]["exp_avg"]
+        assert got.dtype == torch.float32 and torch.equal(got, narrowed.state[p]["exp_avg"].float())
+
+
+def test_bad_state_dtypes_and_rounding_seeds_are_named():
+    params = model().parameters()
+    with pytest.raises(ValueError, match="state_dtype='bf16': use one of 'fp32', 'bf16-moments'"):
+        CPUAdam(params, state_dtype="bf16")
+    with pytest.raises(ValueError, match="rounding_seed=-1: use an int from 0 to 2\\*\\*64 - 1"):
+        CPUAdam(params, state_dtype="bf16-moments", rounding_seed=-1)
+
+
 def huge_page_advised(tensor):
     """Whether the mapping holding ``tensor`` was advised onto transparent
     huge pages (the ``hg`` flag in /proc/self/smaps)."""
