@@ -1324,6 +1324,21 @@ fn plot_paths_are_checked_before_any_sweep() {
         not_svg.to_str().unwrap(),
     ]);
     assert!(stderr_of_failure(&output, "png").contains("ending in .svg"));
+    // A directory named like a chart: refused before the sweep, not after.
+    let directory = dir.path().join("dir.svg");
+    std::fs::create_dir(&directory).unwrap();
+    let started = std::time::Instant::now();
+    let output = strata(&[
+        "bench",
+        "adam",
+        "--params",
+        "1M",
+        "--plot",
+        directory.to_str().unwrap(),
+    ]);
+    let stderr = stderr_of_failure(&output, "a directory");
+    assert!(stderr.contains("that is a directory"), "{stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
 
 /// A `strata train` child in `dir` whose stderr is read line by line; the
@@ -1743,4 +1758,55 @@ fn plan_takes_measured_rates_from_bench_kernels_json_and_names_a_bad_file() {
         let text = stderr_of_failure(&strata(&[&plan[..], &["--kernels", file]].concat()), file);
         assert!(text.contains(expected), "{file}: {text}");
     }
+}
+
+/// What the command line changes or leaves out is said, not done silently:
+/// `--steps` shorter than the warmup cuts it with a warning (and leaves a
+/// warmup that ends within the run as set); a resume or a
+/// `train.checkpoint_every` with no checkpoint directory warns that the run
+/// writes none; `--stop-after 0` is refused.
+#[test]
+fn train_says_what_the_command_line_changes_or_leaves_out() {
+    let dir = tempdir();
+    let config = dir.path().join("c.toml");
+    std::fs::write(&config, "[train]\nsteps = 1000\nwarmup_steps = 100\n").unwrap();
+    let config = config.to_str().unwrap();
+    let printed = |args: &[&str]| {
+        let mut all = vec!["train", "--config", config, "--print-config"];
+        all.extend_from_slice(args);
+        let output = strata(&all);
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        (stdout_text(&output), stderr)
+    };
+    let (kept, quiet) = printed(&["--steps", "400"]);
+    assert!(kept.contains("warmup_steps = 100"), "{kept}");
+    assert!(!quiet.contains("warmup"), "{quiet}");
+    let (cut, warned) = printed(&["--steps", "40"]);
+    assert!(cut.contains("warmup_steps = 10"), "{cut}");
+    assert!(
+        warned.contains("train.warmup_steps 100 would not end within the run"),
+        "{warned}"
+    );
+    let (_, resume) = printed(&["--resume", "ckpt"]);
+    assert!(
+        resume.contains("this run writes no checkpoints"),
+        "{resume}"
+    );
+    std::fs::write(dir.path().join("e.toml"), "[train]\ncheckpoint_every = 5\n").unwrap();
+    let every = strata(&[
+        "train",
+        "--config",
+        dir.path().join("e.toml").to_str().unwrap(),
+        "--print-config",
+    ]);
+    let stderr = String::from_utf8_lossy(&every.stderr);
+    assert!(
+        stderr.contains("train.checkpoint_every = 5 but no checkpoint directory"),
+        "{stderr}"
+    );
+    let zero = stderr_of_failure(
+        &strata(&["train", "--config", config, "--stop-after", "0"]),
+        "--stop-after 0",
+    );
+    assert!(zero.contains("--stop-after 0 runs no step"), "{zero}");
 }

@@ -90,11 +90,13 @@ impl Isa {
     }
 
     /// The instruction set for this process, chosen once: `STRATA_ISA` when
-    /// it names an available one, else [`Isa::detect`]. A bad `STRATA_ISA`
-    /// is logged once and ignored.
+    /// it names an available one, else [`Isa::detect`] (also for "best" or
+    /// an empty value, as `--isa best`). A bad `STRATA_ISA` is logged once
+    /// and ignored.
     pub fn chosen() -> Isa {
         static CHOSEN: OnceLock<Isa> = OnceLock::new();
         *CHOSEN.get_or_init(|| match std::env::var("STRATA_ISA") {
+            Ok(name) if matches!(name.trim(), "" | "best") => Isa::detect(),
             Ok(name) => match Isa::parse_available(&name) {
                 Ok(isa) => isa,
                 Err(error) => {

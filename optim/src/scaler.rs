@@ -52,11 +52,13 @@ impl LossScaler {
     /// A scaler at `config.init_scale`, after checking the settings.
     pub fn new(config: LossScalerConfig) -> Result<LossScaler, OptimError> {
         let c = config;
+        // The gradients are multiplied by 1 / scale: it must be finite.
+        let invertible = |scale: f32| scale > 0.0 && (1.0 / scale).is_finite();
         check(
             "init_scale",
             c.init_scale.into(),
-            c.init_scale > 0.0,
-            "finite and > 0",
+            invertible(c.init_scale),
+            "finite and at least 1/f32::MAX (about 2.9e-39)",
         )?;
         check(
             "growth_factor",
@@ -81,8 +83,8 @@ impl LossScaler {
         check(
             "min_scale",
             c.min_scale.into(),
-            c.min_scale > 0.0 && c.min_scale <= c.init_scale,
-            "in (0, init_scale]",
+            invertible(c.min_scale) && c.min_scale <= c.init_scale,
+            "in [1/f32::MAX, init_scale]",
         )?;
         Ok(LossScaler {
             config,
@@ -126,6 +128,14 @@ impl LossScaler {
     /// Multiply the loss by this before backward.
     pub fn scale(&self) -> f32 {
         self.scale
+    }
+
+    /// Whether the next overflow would back off from the smallest scale:
+    /// gradients that overflow then are not finite at any scale this
+    /// scaler may use (DeepSpeed stops such a run: "Current loss scale
+    /// already at minimum").
+    pub fn at_floor(&self) -> bool {
+        self.overflows_left == 1 && self.scale <= self.config.min_scale
     }
 
     /// Records a step's outcome: `overflowed` when the gradients held NaN

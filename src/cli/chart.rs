@@ -40,6 +40,12 @@ pub fn check_plot_path(path: &Path) -> anyhow::Result<()> {
             dir.display()
         );
     }
+    if path.is_dir() {
+        bail!(
+            "--plot {}: that is a directory: give a file name ending in .svg",
+            path.display()
+        );
+    }
     let probe = dir.join(format!(".strata-plot-probe-{}", std::process::id()));
     std::fs::write(&probe, b"").with_context(|| {
         format!(

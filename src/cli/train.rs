@@ -32,7 +32,8 @@ pub struct TrainArgs {
     /// without training.
     #[arg(long)]
     print_config: bool,
-    /// Steps to run (overrides train.steps).
+    /// Steps to run (overrides train.steps; a train.warmup_steps as long
+    /// as the run or longer is cut to a quarter of it, with a warning).
     #[arg(long)]
     steps: Option<u64>,
     /// A text to train on instead of the bundled one (byte tokens).
@@ -111,10 +112,38 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
             bail!("--steps must be at least 1");
         }
         config.train.steps = steps;
-        config.train.warmup_steps = config.train.warmup_steps.min(steps / 4);
+        // A warmup that would not end within the run is cut to a quarter
+        // of it, and said so; one that ends within it is left as set (a
+        // silent cut changed the schedule of runs that named their steps,
+        // and of a resumed run against the one it resumes).
+        let warmup = config.train.warmup_steps;
+        if warmup >= steps {
+            config.train.warmup_steps = steps / 4;
+            tracing::warn!(
+                "--steps {steps}: train.warmup_steps {warmup} would not end within the run; \
+                 warming up for {} steps (a quarter of it) instead",
+                config.train.warmup_steps
+            );
+        }
     }
     if let Some(dir) = &args.checkpoint_dir {
         config.train.checkpoint_dir = Some(dir.clone());
+    }
+    if config.train.checkpoint_dir.is_none() {
+        // Said at once: found out at a SIGTERM, it costs the steps since.
+        if let Some(resume) = &args.resume {
+            tracing::warn!(
+                "--resume {}: this run writes no checkpoints (no --checkpoint-dir, no \
+                 train.checkpoint_dir): pass --checkpoint-dir to go on writing them",
+                resume.display()
+            );
+        } else if config.train.checkpoint_every > 0 {
+            tracing::warn!(
+                "train.checkpoint_every = {} but no checkpoint directory: the run writes no \
+                 checkpoints; pass --checkpoint-dir or set train.checkpoint_dir",
+                config.train.checkpoint_every
+            );
+        }
     }
     config.validate()?;
     Ok(config)
@@ -144,6 +173,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         )?,
         (None, None) => ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), config.model.seq)?,
     };
+    if args.stop_after == Some(0) {
+        bail!("--stop-after 0 runs no step: give the step to stop after, from 1");
+    }
     let options = RunOptions {
         stop_after: args.stop_after,
         resume: args.resume.clone(),

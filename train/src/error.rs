@@ -122,6 +122,22 @@ pub enum TrainError {
         /// What to do.
         fix: &'static str,
     },
+    /// Gradients overflowed at the smallest loss scale: no scale makes
+    /// them finite, the run has diverged.
+    #[error(
+        "step {step}: the gradients overflowed at the smallest loss scale ({loss_scale}, \
+         train.loss_scale_min; the loss was {loss}): the run has diverged and skipping \
+         steps cannot bring it back. Lower train.lr (or raise train.warmup_steps, or lower \
+         train.clip_norm) and resume from a checkpoint written before it"
+    )]
+    Diverged {
+        /// The step.
+        step: u64,
+        /// The loss scale it ran at.
+        loss_scale: f32,
+        /// Its loss (NaN or infinite where the forward pass overflowed).
+        loss: f64,
+    },
     /// The CPU optimizer thread stopped (its own error was reported).
     #[error("the CPU optimizer thread has stopped; no more updates can run")]
     OptimizerStopped,

@@ -739,6 +739,36 @@ fn a_directory_belongs_to_one_run_and_its_checkpoints_are_not_mixed() {
     assert_eq!(resumed.steps, 1);
 }
 
+/// A run whose parameters have gone non-finite overflows at every scale:
+/// once the dynamic scale has backed off to its floor and overflows again,
+/// the run stops with an error naming the divergence (it went on skipping
+/// every step, and exited 0); a static scale skips on.
+#[test]
+fn a_run_that_diverges_stops_at_the_smallest_loss_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.train.lr = 1e9;
+    config.train.warmup_steps = 0;
+    config.train.loss_scale = 4.0;
+    config.train.steps = 12;
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("smallest loss scale (1, train.loss_scale_min")
+            && err.contains("diverged")
+            && err.contains("train.lr"),
+        "{err}"
+    );
+    config.train.loss_scale_dynamic = false;
+    let skipped = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+    assert!(
+        skipped.losses.last().unwrap().is_nan(),
+        "{:?}",
+        skipped.losses
+    );
+}
+
 #[test]
 fn bf16_states_train_resume_bit_for_bit_and_refuse_another_state_dtype() {
     for dtype in [StateDtype::Bf16Moments, StateDtype::Bf16] {

@@ -712,6 +712,44 @@ impl Default for TrainConfig {
     }
 }
 
+/// An optimizer or loss-scaler hyperparameter refused by strata-optim,
+/// under the `[train]` key it comes from (`value`: what to show when the
+/// error names none of them).
+fn named(err: strata_optim::OptimError, value: impl ToString) -> TrainError {
+    match err {
+        strata_optim::OptimError::InvalidHyperparameter {
+            name,
+            value,
+            expected,
+        } => {
+            let key = match name {
+                "lr" => "train.lr",
+                "beta1" => "train.beta1",
+                "beta2" => "train.beta2",
+                "eps" => "train.eps",
+                "weight_decay" => "train.weight_decay",
+                "init_scale" => "train.loss_scale",
+                "min_scale" => "train.loss_scale_min",
+                "growth_interval" => "train.loss_scale_growth_interval",
+                "hysteresis" => "train.loss_scale_hysteresis",
+                _ => "train",
+            };
+            let shown = match name {
+                "init_scale" => "loss_scale",
+                "min_scale" => "loss_scale_min",
+                other => other,
+            };
+            // Tiny and huge values in exponent form (1.4e-45, not 45 zeros).
+            let value = match value.abs() {
+                x if x != 0.0 && !(1e-4..1e9).contains(&x) => format!("{value:e}"),
+                _ => value.to_string(),
+            };
+            bad(key, value, format!("{shown} must be {expected}"))
+        }
+        other => bad("train", value.to_string(), other.to_string()),
+    }
+}
+
 impl TrainConfig {
     /// Parses a TOML config; unknown keys and bad values are named.
     pub fn from_toml(text: &str) -> Result<TrainConfig> {
@@ -795,9 +833,8 @@ impl TrainConfig {
                 "use 0 (off) or a positive norm",
             ));
         }
-        t.adam(t.lr)
-            .validate()
-            .map_err(|err| bad("train", t.lr, err.to_string()))?;
+        t.adam(t.lr).validate().map_err(|err| named(err, t.lr))?;
+        strata_optim::LossScaler::new(t.scaler()).map_err(|err| named(err, t.loss_scale))?;
         if t.loss_scale_dynamic && t.loss_scale_hysteresis == 0 {
             return Err(bad(
                 "train.loss_scale_hysteresis",
@@ -815,8 +852,6 @@ impl TrainConfig {
                 ),
             ));
         }
-        strata_optim::LossScaler::new(t.scaler())
-            .map_err(|err| bad("train.loss_scale", t.loss_scale, err.to_string()))?;
         if self.device.kind == DeviceChoice::Cuda {
             self.cuda_constraints()?;
         }
@@ -1071,6 +1106,43 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Optimizer and loss-scale values strata-optim refuses are named by
+    /// their own `[train]` key and value (not `train = <lr>`), and a scale
+    /// whose reciprocal overflows is refused here, not at the first step.
+    #[test]
+    fn refused_hyperparameters_name_their_own_key_and_value() {
+        let text = |edit: &dyn Fn(&mut TrainConfig)| {
+            let mut config = TrainConfig::default();
+            edit(&mut config);
+            config.validate().unwrap_err().to_string()
+        };
+        type Edit = dyn Fn(&mut TrainConfig);
+        let cases: [(&Edit, &str); 6] = [
+            (
+                &|c| c.train.beta1 = 1.5,
+                "train.beta1 = 1.5: beta1 must be in [0, 1)",
+            ),
+            (&|c| c.train.beta2 = -0.1, "train.beta2 = -0.1"),
+            (&|c| c.train.eps = f64::NAN, "train.eps = NaN"),
+            (&|c| c.train.weight_decay = -1.0, "train.weight_decay = -1"),
+            (
+                &|c| c.train.loss_scale = f32::NAN,
+                "train.loss_scale = NaN: loss_scale must be",
+            ),
+            (
+                &|c| {
+                    c.train.loss_scale = 1e-45;
+                    c.train.loss_scale_min = 1e-45;
+                },
+                "train.loss_scale = 1.401298464324817e-45: loss_scale must be finite and at least 1/f32::MAX",
+            ),
+        ];
+        for (edit, expected) in cases {
+            let got = text(edit);
+            assert!(got.contains(expected), "{got}");
+        }
+    }
 
     /// `auto` takes the GPU when one answers and the run can train there,
     /// else the CPU device with the reason; `cpu` and `cuda` stay as asked.

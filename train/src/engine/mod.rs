@@ -549,6 +549,18 @@ impl Engine {
                 ..
             } => (false, clip_coefficient < 1.0, grad_norm, clip_coefficient),
         };
+        let world = self.collective.world();
+        let micro_batches = (self.config.train.grad_accumulation * world) as f64;
+        let loss = self.loss_sum / micro_batches;
+        // A dynamic scale that overflows at its floor cannot go lower: the
+        // gradients are not finite at any scale (a static one skips on).
+        if skipped && self.config.train.loss_scale_dynamic && self.scaler.at_floor() {
+            return Err(TrainError::Diverged {
+                step,
+                loss_scale,
+                loss,
+            });
+        }
         self.scaler.update(skipped);
         let late = self.late.is_some();
         if !skipped {
@@ -560,11 +572,9 @@ impl Engine {
         if self.worker.is_some() && !skipped {
             self.speculate = !clipped;
         }
-        let world = self.collective.world();
-        let micro_batches = (self.config.train.grad_accumulation * world) as f64;
         Ok(StepReport {
             step,
-            loss: self.loss_sum / micro_batches,
+            loss,
             lr,
             grad_norm,
             clip,

@@ -179,7 +179,15 @@ pub fn run(
                     "it is at step {}, and this run stops at step {stop}: the run is finished",
                     checkpoint.meta.step
                 ),
-                fix: "raise train.steps (or --steps) to train further from it".into(),
+                fix: match options.stop_after {
+                    Some(at) if at < config.train.steps => {
+                        format!(
+                            "give a --stop-after above {} (or none)",
+                            checkpoint.meta.step
+                        )
+                    }
+                    _ => "raise train.steps (or --steps) to train further from it".into(),
+                },
             });
         }
         // Every file, the weights included, before any rank starts.
