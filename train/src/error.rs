@@ -138,6 +138,15 @@ pub enum TrainError {
         /// Its loss (NaN or infinite where the forward pass overflowed).
         loss: f64,
     },
+    /// A step failed part way: the engine's state is no step's.
+    #[error(
+        "step {step} failed part way (its error was reported then), so this engine holds no \
+         step's state: make a new engine and resume from the last checkpoint"
+    )]
+    EngineFailed {
+        /// The step that failed.
+        step: u64,
+    },
     /// The CPU optimizer thread stopped (its own error was reported).
     #[error("the CPU optimizer thread has stopped; no more updates can run")]
     OptimizerStopped,

@@ -1111,6 +1111,43 @@ fn a_step_given_the_wrong_number_of_tokens_is_refused_with_the_count() {
     engine.step(&vec![1; wanted]).unwrap();
 }
 
+/// A step that fails once begun (here: it diverges) leaves the engine's
+/// counters and state sets no step's: every later call is refused by name
+/// (a caller that caught the error could save a checkpoint labelled with a
+/// step that never ran), where a refused argument leaves it usable.
+#[test]
+fn an_engine_whose_step_failed_part_way_refuses_to_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.nvme.as_mut().unwrap().create_dirs = true;
+    config.train.lr = 1e9;
+    config.train.warmup_steps = 0;
+    config.train.loss_scale = 4.0;
+    let group = strata_comm::InProcess::group(1, 1 << 16).pop().unwrap();
+    let mut engine = strata_train::Engine::new(&config, Box::new(group)).unwrap();
+    let wanted = engine.tokens_per_step();
+    let tokens = vec![1; wanted];
+    let failed = (1..=20)
+        .find_map(|_| engine.step(&tokens).err())
+        .expect("the run diverges");
+    assert!(failed.to_string().contains("diverged"), "{failed}");
+    let step = engine.steps_done();
+    for err in [
+        engine.step(&tokens).unwrap_err(),
+        engine
+            .save_checkpoint(&dir.path().join("ckpt"))
+            .unwrap_err(),
+        engine.flush().unwrap_err(),
+    ] {
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("step {step} failed part way")) && text.contains("resume"),
+            "{text}"
+        );
+    }
+    assert!(!dir.path().join("ckpt").exists(), "no checkpoint written");
+}
+
 /// With `runtime.poison_released` every released device range and host
 /// buffer reads NaN once its last use has passed: a read after release
 /// anywhere in the step (a missed fence, a stale range) would turn the

@@ -652,6 +652,7 @@ impl Engine {
     /// Loads a checkpoint written by a run of the same model, ranks and
     /// seed: the next step computes what the uninterrupted run's did.
     pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        self.usable()?;
         let meta = &checkpoint.meta;
         let rank = self.collective.rank();
         let path = checkpoint

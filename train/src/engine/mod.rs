@@ -224,6 +224,9 @@ pub struct Engine {
     deferred: Vec<usize>,
     /// Groups `0..cache_groups` have their states in the state cache.
     cache_groups: usize,
+    /// The step that failed part way, after which the state is no step's:
+    /// every later call is refused ([`TrainError::EngineFailed`]).
+    failed: Option<u64>,
 }
 
 impl Engine {
@@ -364,6 +367,7 @@ impl Engine {
             scalars: std::collections::VecDeque::with_capacity(compute::SCALARS_PENDING_MAX),
             deferred: Vec::with_capacity(groups.len()),
             cache_groups: 0,
+            failed: None,
         };
         engine.plan_activations(candidates.recompute, kept)?;
         engine.prediction.recomputed_blocks = engine.recompute.iter().filter(|&&r| r).count();
@@ -507,8 +511,29 @@ impl Engine {
     }
 
     /// Runs one step on this rank's `tokens` ([`Engine::tokens_per_step`]
-    /// of them). Every rank calls it together, with its own tokens.
+    /// of them). Every rank calls it together, with its own tokens. A step
+    /// that fails once begun leaves the engine refusing further calls.
     pub fn step(&mut self, tokens: &[u32]) -> Result<StepReport> {
+        self.usable()?;
+        let before = self.step;
+        let report = self.run_step(tokens);
+        if report.is_err() && self.step != before {
+            self.failed = Some(self.step);
+        }
+        report
+    }
+
+    /// Refuses to go on after a step that failed part way: its counters,
+    /// its state sets and the CPU thread's updates are no step's.
+    pub(super) fn usable(&self) -> Result<()> {
+        match self.failed {
+            Some(step) => Err(TrainError::EngineFailed { step }),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Engine::step`]'s work.
+    fn run_step(&mut self, tokens: &[u32]) -> Result<StepReport> {
         if tokens.len() != self.tokens_per_step() {
             return Err(TrainError::Config {
                 key: "train.micro_batch",
@@ -686,6 +711,7 @@ impl Engine {
     /// updated model. [`Engine::save_checkpoint`] calls it; call it before
     /// reading the weights some other way. Every rank calls it together.
     pub fn flush(&mut self) -> Result<()> {
+        self.usable()?;
         let Some(update) = self.late.take() else {
             return Ok(());
         };
