@@ -21,8 +21,12 @@ def model(seed=0):
     )
 
 
-def train(net, optimizer, steps=STEPS, seed=1):
+def train(net, optimizer, steps=STEPS, seed=1, skip=0):
+    """``steps`` steps on the batches of ``seed``, the first ``skip`` of
+    them passed over (a resumed run's)."""
     gen = torch.Generator().manual_seed(seed)
+    for _ in range(skip):
+        torch.randn(16, 67, generator=gen), torch.randint(0, 3, (16,), generator=gen)
     for _ in range(steps):
         x = torch.randn(16, 67, generator=gen)
         y = torch.randint(0, 3, (16,), generator=gen)
@@ -164,21 +168,15 @@ def test_bf16_moments_train_as_fp32_states_do_and_resume_bit_for_bit():
     assert_close(bf16_params, fp32_params, rtol=0, atol=2e-3)
     assert any(not torch.equal(x, y) for x, y in zip(bf16_params, fp32_params))
 
-    def run(threads, steps, optimizer=None, net=None, seed=1):
-        net = net or model()
-        optimizer = optimizer or CPUAdam(net.parameters(), lr=1e-3, weight_decay=0.01,
-                                         state_dtype="bf16-moments", rounding_seed=3, threads=threads)
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(steps):
-            x = torch.randn(16, 67, generator=gen)
-            y = torch.randint(0, 3, (16,), generator=gen)
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(net(x), y).backward()
-            optimizer.step()
+    def run(threads, steps):
+        net = model()
+        optimizer = CPUAdam(net.parameters(), lr=1e-3, weight_decay=0.01, state_dtype="bf16-moments",
+                            rounding_seed=3, threads=threads)
+        train(net, optimizer, steps=steps)
         return net, optimizer
 
     one, _ = run(1, 8)
-    two, opt_two = run(2, 8)
+    two, _ = run(2, 8)
     assert all(torch.equal(x, y) for x, y in zip(one.parameters(), two.parameters()))
     # A parameter that sits a step out (it then runs a step behind, in a
     # call of its own) moves no other parameter's bits: each element's
@@ -206,15 +204,7 @@ def test_bf16_moments_train_as_fp32_states_do_and_resume_bit_for_bit():
     resumed = CPUAdam(head.parameters(), lr=1e-3, weight_decay=0.01, state_dtype="bf16-moments", rounding_seed=3)
     resumed.load_state_dict(saved)
     assert resumed.state[next(head.parameters())]["exp_avg_sq"].dtype == torch.bfloat16
-    gen_state = torch.Generator().manual_seed(1)
-    for _ in range(8):  # the data of the first 8 steps
-        torch.randn(16, 67, generator=gen_state), torch.randint(0, 3, (16,), generator=gen_state)
-    for _ in range(8):
-        x = torch.randn(16, 67, generator=gen_state)
-        y = torch.randint(0, 3, (16,), generator=gen_state)
-        resumed.zero_grad()
-        torch.nn.functional.cross_entropy(head(x), y).backward()
-        resumed.step()
+    train(head, resumed, steps=8, skip=8)
     assert all(torch.equal(x, y) for x, y in zip(head.parameters(), whole.parameters()))
     # fp32 moments (torch AdamW's) load into bf16 ones rounded to nearest;
     # bf16 ones into an fp32-state CPUAdam exactly.

@@ -739,6 +739,16 @@ fn a_directory_belongs_to_one_run_and_its_checkpoints_are_not_mixed() {
     assert_eq!(resumed.steps, 1);
 }
 
+/// [`tiny`] at a learning rate that sends the parameters to NaN within a
+/// few steps, from a loss scale 2 halvings above its floor.
+fn diverging(dir: &std::path::Path) -> TrainConfig {
+    let mut config = tiny(dir);
+    config.train.lr = 1e9;
+    config.train.warmup_steps = 0;
+    config.train.loss_scale = 4.0;
+    config
+}
+
 /// A run whose parameters have gone non-finite overflows at every scale:
 /// once the dynamic scale has backed off to its floor and overflows again,
 /// the run stops with an error naming the divergence (it went on skipping
@@ -746,10 +756,7 @@ fn a_directory_belongs_to_one_run_and_its_checkpoints_are_not_mixed() {
 #[test]
 fn a_run_that_diverges_stops_at_the_smallest_loss_scale() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = tiny(dir.path());
-    config.train.lr = 1e9;
-    config.train.warmup_steps = 0;
-    config.train.loss_scale = 4.0;
+    let mut config = diverging(dir.path());
     config.train.steps = 12;
     let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {})
         .unwrap_err()
@@ -1118,11 +1125,8 @@ fn a_step_given_the_wrong_number_of_tokens_is_refused_with_the_count() {
 #[test]
 fn an_engine_whose_step_failed_part_way_refuses_to_go_on() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = tiny(dir.path());
+    let mut config = diverging(dir.path());
     config.nvme.as_mut().unwrap().create_dirs = true;
-    config.train.lr = 1e9;
-    config.train.warmup_steps = 0;
-    config.train.loss_scale = 4.0;
     let group = strata_comm::InProcess::group(1, 1 << 16).pop().unwrap();
     let mut engine = strata_train::Engine::new(&config, Box::new(group)).unwrap();
     let wanted = engine.tokens_per_step();
