@@ -538,7 +538,15 @@ fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<Dir
                 return Err(TrainError::Ownership {
                     what: "nvme.dirs entry".into(),
                     dir: dir.clone(),
-                    problem: "it does not exist (or is not a directory), and strata does not create a swap directory a config names".into(),
+                    problem: format!(
+                        "it does not exist (or is not a directory), and strata does not create a swap directory a config names{}",
+                        // A config whose [nvme] section leaves dirs out names it too.
+                        if nvme.dirs == strata_storage::StorageConfig::default().dirs {
+                            " (nvme.dirs defaults to this one when the config leaves it out)"
+                        } else {
+                            ""
+                        }
+                    ),
                     fix: format!(
                         "create it on the drive to swap to (mkdir -p {}), fix the path, or set nvme.create_dirs = true",
                         dir.display()
