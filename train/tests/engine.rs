@@ -861,11 +861,24 @@ fn bf16_states(dtype: StateDtype) {
         ..RunOptions::default()
     };
     let head = run(&config, &corpus(16), &first, &mut |_| {}).unwrap();
-    let meta = strata_train::Checkpoint::open(&checkpoints).unwrap().meta;
+    let opened = strata_train::Checkpoint::open(&checkpoints).unwrap();
+    let meta = opened.meta.clone();
     assert_eq!(
         (meta.state_dtype, meta.rounding.as_str()),
         (dtype, strata_train::ROUNDING_STOCHASTIC)
     );
+    // The states are stored in the width they are kept in (bf16 exactly),
+    // and the resume below reads them back bit for bit.
+    let bytes = opened.read_file("optimizer-rank0.safetensors").unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (name, view) in file.tensors() {
+        let bf16 = !name.ends_with(".master") || dtype == StateDtype::Bf16;
+        let expected = match bf16 {
+            true => safetensors::Dtype::BF16,
+            false => safetensors::Dtype::F32,
+        };
+        assert_eq!(view.dtype(), expected, "{dtype:?} {name}");
+    }
     config.train.checkpoint_dir = None;
     let rest = RunOptions {
         resume: Some(checkpoints.clone()),

@@ -481,21 +481,39 @@ pub(crate) fn hf_config(gpt: &GptConfig) -> serde_json::Value {
     })
 }
 
-/// Serializes named f32 tensors as safetensors, with transformers'
-/// `{"format": "pt"}` header (some of its versions refuse a file without).
-pub(crate) fn safetensors_bytes(
-    path: &Path,
-    tensors: &[(String, Vec<usize>, Vec<f32>)],
-) -> Result<Vec<u8>> {
+/// A named tensor for [`safetensors_bytes`]: its shape, its values, and
+/// whether it is stored as bf16 (values that are bf16 already, as bf16
+/// states are: stored exactly in half the bytes) rather than f32.
+pub(crate) type Named = (String, Vec<usize>, Vec<f32>, bool);
+
+/// Serializes named tensors as safetensors (f32, or bf16 where marked),
+/// with transformers' `{"format": "pt"}` header (some of its versions
+/// refuse a file without).
+pub(crate) fn safetensors_bytes(path: &Path, tensors: &[Named]) -> Result<Vec<u8>> {
+    let narrowed: Vec<Option<Vec<u8>>> = tensors
+        .iter()
+        .map(|(_, _, data, bf16)| {
+            bf16.then(|| {
+                data.iter()
+                    .flat_map(|&x| {
+                        let narrow = half::bf16::from_f32(x);
+                        debug_assert!(x.is_nan() || narrow.to_f32() == x, "not a bf16 value");
+                        narrow.to_le_bytes()
+                    })
+                    .collect()
+            })
+        })
+        .collect();
     let views = tensors
         .iter()
-        .map(|(name, shape, data)| {
-            safetensors::tensor::TensorView::new(
-                safetensors::Dtype::F32,
-                shape.clone(),
-                bytemuck::cast_slice(data),
-            )
-            .map(|view| (name.clone(), view))
+        .zip(&narrowed)
+        .map(|((name, shape, data, _), narrowed)| {
+            let (dtype, bytes) = match narrowed {
+                Some(bytes) => (safetensors::Dtype::BF16, &bytes[..]),
+                None => (safetensors::Dtype::F32, bytemuck::cast_slice(data)),
+            };
+            safetensors::tensor::TensorView::new(dtype, shape.clone(), bytes)
+                .map(|view| (name.clone(), view))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|err| problem(path, err, "this is a bug: report it"))?;
@@ -504,7 +522,8 @@ pub(crate) fn safetensors_bytes(
         .map_err(|err| problem(path, err, "this is a bug: report it"))
 }
 
-/// The f32 tensor `name` of a safetensors file, `len` elements.
+/// The tensor `name` of a safetensors file, `len` elements, f32 or bf16
+/// (widened exactly).
 pub(crate) fn read_tensor(
     path: &Path,
     file: &safetensors::SafeTensors<'_>,
@@ -519,20 +538,26 @@ pub(crate) fn read_tensor(
         )
     })?;
     let elements: usize = view.shape().iter().product();
-    if view.dtype() != safetensors::Dtype::F32 || elements != len {
+    let dtype = view.dtype();
+    let width = match dtype {
+        safetensors::Dtype::F32 => 4,
+        safetensors::Dtype::BF16 => 2,
+        _ => 0,
+    };
+    if width == 0 || elements != len {
         return Err(problem(
             path,
-            format!(
-                "tensor {name} is {:?} x {elements}, expected F32 x {len}",
-                view.dtype()
-            ),
+            format!("tensor {name} is {dtype:?} x {elements}, expected F32 or BF16 x {len}"),
             "the checkpoint does not match this run: resume from another",
         ));
     }
     Ok(view
         .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .chunks_exact(width)
+        .map(|b| match b {
+            [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
+            _ => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        })
         .collect())
 }
 
@@ -582,17 +607,32 @@ impl Engine {
                 let mut at = 0;
                 for (name, shape) in part_names(&self.gpt, g) {
                     let len: usize = shape.iter().product();
-                    weights.push((name, shape, gathered[at..at + len].to_vec()));
+                    weights.push((name, shape, gathered[at..at + len].to_vec(), false));
                     at += len;
                 }
             }
+            // Each state in the width it is kept in: bf16 states take half
+            // the disk (exactly: their values are bf16).
             let name = &self.groups[g].name;
-            shard.push((format!("{name}.master"), vec![n], state[..n].to_vec()));
-            shard.push((format!("{name}.exp_avg"), vec![n], state[n..2 * n].to_vec()));
+            let dtype = self.config.optim.state_dtype;
+            let (master, moment) = (dtype.master_bytes() == 2, dtype.moment_bytes() == 2);
+            shard.push((
+                format!("{name}.master"),
+                vec![n],
+                state[..n].to_vec(),
+                master,
+            ));
+            shard.push((
+                format!("{name}.exp_avg"),
+                vec![n],
+                state[n..2 * n].to_vec(),
+                moment,
+            ));
             shard.push((
                 format!("{name}.exp_avg_sq"),
                 vec![n],
                 state[2 * n..].to_vec(),
+                moment,
             ));
         }
         let written = (|| {
