@@ -87,7 +87,8 @@ pub enum RuntimeError {
         budget_bytes: u64,
         /// Bytes of the CPU device's arena, also host memory.
         arena_bytes: u64,
-        /// MemAvailable.
+        /// What the process may still take (MemAvailable, or less under a
+        /// cgroup memory limit or `ulimit -v`).
         available_bytes: u64,
     },
     /// A size class's region of the pinned pool could not be allocated or

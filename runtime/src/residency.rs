@@ -889,8 +889,9 @@ fn memlock_limit_bytes() -> u64 {
     strata_storage::sys::memlock_limit_bytes().unwrap_or(u64::MAX)
 }
 
-/// Refuses a pool (plus a CPU device's arena) larger than MemAvailable,
-/// before touching any of it.
+/// Refuses a pool (plus a CPU device's arena) larger than the memory the
+/// process may take (MemAvailable, a cgroup limit, `ulimit -v`), before
+/// touching any of it.
 fn check_host_memory(config: &RuntimeConfig, arena_on_host: bool) -> Result<()> {
     let Some(available_bytes) = strata_storage::sys::mem_available_bytes() else {
         return Ok(());

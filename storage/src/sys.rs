@@ -172,12 +172,81 @@ pub fn rename_exchange(a: &Path, b: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// MemAvailable from /proc/meminfo, in bytes (`None` where it cannot be read).
+/// Bytes of memory this process may still take: MemAvailable from
+/// /proc/meminfo, or less where its cgroup's memory limit (a container's;
+/// v2 or v1) or its address-space limit (`ulimit -v`) leaves less. `None`
+/// where none of them can be read. Past any of them an allocation fails
+/// (or the cgroup's OOM killer strikes) however much the machine has.
 pub fn mem_available_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let meminfo = read("/proc/meminfo");
+    let available = meminfo
+        .as_deref()
+        .and_then(|m| kib_field(m, "MemAvailable:"));
+    let cgroup = read("/proc/self/cgroup").and_then(|c| cgroup_room(&c, &read));
+    let address_space = address_space_room(read("/proc/self/status").as_deref());
+    [available, cgroup, address_space]
+        .into_iter()
+        .flatten()
+        .min()
+}
+
+/// A `Name:   N kB` line's bytes.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    kib.checked_mul(1024)
+}
+
+/// What the memory cgroup of /proc/self/cgroup's `cgroup` text leaves:
+/// its limit less its usage, read through `read` (v2's `memory.max` and
+/// `memory.current`, else v1's `memory.limit_in_bytes` and
+/// `memory.usage_in_bytes`); `None` without a limit.
+fn cgroup_room(cgroup: &str, read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
+    let number = |path: String| read(&path)?.trim().parse::<u64>().ok();
+    for line in cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let path = path.trim_end_matches('/');
+        let (limit, usage) = if id == "0" && controllers.is_empty() {
+            let base = format!("/sys/fs/cgroup{path}");
+            (
+                number(format!("{base}/memory.max")),
+                number(format!("{base}/memory.current")),
+            )
+        } else if controllers.split(',').any(|c| c == "memory") {
+            let base = format!("/sys/fs/cgroup/memory{path}");
+            (
+                number(format!("{base}/memory.limit_in_bytes")),
+                number(format!("{base}/memory.usage_in_bytes")),
+            )
+        } else {
+            continue;
+        };
+        // v2 writes "max" (no number) and v1 a page-rounded i64::MAX when
+        // there is no limit.
+        if let Some(limit) = limit.filter(|&l| l < 1 << 62) {
+            return Some(limit.saturating_sub(usage.unwrap_or(0)));
+        }
+    }
+    None
+}
+
+/// What `ulimit -v` (RLIMIT_AS) leaves beside the process's mapped size
+/// (`VmSize` in /proc/self/status); `None` without a limit.
+fn address_space_room(status: Option<&str>) -> Option<u64> {
+    // SAFETY: rlimit is plain old data; all-zero is a valid value.
+    let mut limit: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: valid resource id and out-pointer.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) };
+    if rc != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    let mapped = status.and_then(|s| kib_field(s, "VmSize:")).unwrap_or(0);
+    Some(limit.rlim_cur.saturating_sub(mapped))
 }
 
 /// One pread or pwrite: bytes moved, or the negated errno (the io_uring CQE convention).
@@ -228,6 +297,47 @@ pub fn page_present(address: *const u8) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A container's memory limit (cgroup v2 or v1) caps what is available;
+    /// "max", an unlimited v1 value or a cgroup without the memory
+    /// controller do not.
+    #[test]
+    fn a_cgroup_memory_limit_caps_what_is_available() {
+        let files = |pairs: &'static [(&'static str, &'static str)]| {
+            move |path: &str| {
+                pairs
+                    .iter()
+                    .find(|(p, _)| *p == path)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let v2 = files(&[
+            ("/sys/fs/cgroup/job/memory.max", "8589934592\n"),
+            ("/sys/fs/cgroup/job/memory.current", "1073741824\n"),
+        ]);
+        assert_eq!(cgroup_room("0::/job\n", &v2), Some(7 << 30));
+        let unlimited = files(&[("/sys/fs/cgroup/job/memory.max", "max\n")]);
+        assert_eq!(cgroup_room("0::/job\n", &unlimited), None);
+        let v1 = files(&[
+            (
+                "/sys/fs/cgroup/memory/pod/memory.limit_in_bytes",
+                "4294967296",
+            ),
+            (
+                "/sys/fs/cgroup/memory/pod/memory.usage_in_bytes",
+                "5368709120",
+            ),
+        ]);
+        let text = "5:cpu,cpuacct:/pod\n4:memory:/pod\n0::/\n";
+        assert_eq!(cgroup_room(text, &v1), Some(0), "usage above the limit");
+        let v1_unlimited = files(&[(
+            "/sys/fs/cgroup/memory/pod/memory.limit_in_bytes",
+            "9223372036854771712",
+        )]);
+        assert_eq!(cgroup_room(text, &v1_unlimited), None);
+        assert_eq!(cgroup_room("", &v2), None);
+        assert!(mem_available_bytes().is_some_and(|b| b > 0));
+    }
 
     #[test]
     fn rename_exchange_swaps_two_directories_or_names_what_is_missing() {
