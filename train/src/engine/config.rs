@@ -750,6 +750,25 @@ fn named(err: strata_optim::OptimError, value: impl ToString) -> TrainError {
     }
 }
 
+/// " at line N (`the line`, in [section])" for the byte `at` of a TOML
+/// text: the key a parse error is about, which serde's message leaves out.
+fn where_in(text: &str, at: usize) -> String {
+    let at = at.min(text.len());
+    let line = text[..at].matches('\n').count() + 1;
+    let shown = text.lines().nth(line - 1).unwrap_or("").trim();
+    let section = text[..at]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('[') && !shown.starts_with('['));
+    let shown: String = shown.chars().take(80).collect();
+    match section {
+        Some(section) => format!(" at line {line} (`{shown}`, in {section})"),
+        None if !shown.is_empty() => format!(" at line {line} (`{shown}`)"),
+        None => format!(" at line {line}"),
+    }
+}
+
 impl TrainConfig {
     /// Parses a TOML config; unknown keys and bad values are named.
     pub fn from_toml(text: &str) -> Result<TrainConfig> {
@@ -759,10 +778,7 @@ impl TrainConfig {
             fix: format!(
                 "fix the file{}",
                 err.span()
-                    .map(|span| {
-                        let line = text[..span.start].matches('\n').count() + 1;
-                        format!(" at line {line}")
-                    })
+                    .map(|span| where_in(text, span.start))
                     .unwrap_or_default()
             ),
         })?;
@@ -1106,6 +1122,26 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A value of the wrong type or an unknown key is shown with its line
+    /// and section (serde's message names neither the key nor the table).
+    #[test]
+    fn parse_errors_show_the_line_and_its_section() {
+        let err = TrainConfig::from_toml("[train]\nsteps = 3\n\n[optim]\nthreads = -1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("at line 5 (`threads = -1`, in [optim])"),
+            "{err}"
+        );
+        let err = TrainConfig::from_toml("[train]\nstepz = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("stepz") && err.contains("in [train])"),
+            "{err}"
+        );
+    }
 
     /// Optimizer and loss-scale values strata-optim refuses are named by
     /// their own `[train]` key and value (not `train = <lr>`), and a scale
