@@ -818,6 +818,15 @@ fn odd_shards_train_and_resume_with_bf16_states() {
     let tail = run(&config, &corpus(16), &rest, &mut |_| {}).unwrap();
     let resumed: Vec<f64> = head.losses.iter().chain(&tail.losses).copied().collect();
     assert_eq!(resumed, whole.losses);
+    // Another model is refused naming the keys that differ.
+    config.model.hidden = 12;
+    let err = run(&config, &corpus(16), &rest, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("written with [model] model.hidden = 9, this run has model.hidden = 12"),
+        "{err}"
+    );
 }
 
 /// bf16 states of `dtype`: losses close to fp32 states', the same on the

@@ -704,11 +704,24 @@ impl Engine {
             fix: format!("resume with the {what} it was written with"),
         };
         if meta.model != self.config.model {
-            return Err(mismatch(
-                "[model]",
-                format!("{:?}", meta.model),
-                format!("{:?}", self.config.model),
-            ));
+            // Named key by key, the ones that differ.
+            let (a, b) = (&meta.model, &self.config.model);
+            let fields = [
+                ("vocab", a.vocab, b.vocab),
+                ("seq", a.seq, b.seq),
+                ("hidden", a.hidden, b.hidden),
+                ("heads", a.heads, b.heads),
+                ("layers", a.layers, b.layers),
+            ];
+            let differ = |pick: fn(&(&str, usize, usize)) -> usize| {
+                fields
+                    .iter()
+                    .filter(|f| f.1 != f.2)
+                    .map(|f| format!("model.{} = {}", f.0, pick(f)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            return Err(mismatch("[model]", differ(|f| f.1), differ(|f| f.2)));
         }
         if meta.ranks != self.collective.world() {
             return Err(mismatch(

@@ -1019,7 +1019,7 @@ impl TrainConfig {
         {
             return Err(bad(
                 "optim.state_dtype",
-                format!("{:?}", self.optim.state_dtype),
+                format!("{:?}", self.optim.state_dtype.name()),
                 "optimizer states on a CUDA device are fp32 for now (the device AdamW kernel keeps fp32 master weights and moments): set optim.state_dtype = \"fp32\", or place the optimizer on cpu or nvme",
             ));
         }
