@@ -1161,18 +1161,10 @@ impl Shared {
             // tier will be let go: their space (or the gap next to them, in
             // a fragmented device arena) is what is missing. It waits for
             // them, boundedly, so that a caller who holds the guard and
-            // waits for this move gets the error instead of a deadlock. A
-            // caller may hold guards itself, so it waits only for copies
-            // that are moving: a mover finishes them without it (a
-            // write-back still in flight when a slowed mover has not caught
-            // up, on a loaded machine, failed the step at once).
+            // waits for this move gets the error instead of a deadlock.
             let since = *waiting_since.get_or_insert_with(Instant::now);
             let left = self.room_wait.saturating_sub(since.elapsed());
-            let awaited = match is_mover_lane(lane) {
-                true => state.unevictable_bytes(tier),
-                false => state.moving_bytes(tier),
-            };
-            if !left.is_zero() && awaited > 0 {
+            if is_mover_lane(lane) && !left.is_zero() && state.unevictable_bytes(tier) > 0 {
                 self.check_cancelled()?;
                 drop(Cancel::sleep(&self.changed, state));
                 continue;

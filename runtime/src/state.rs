@@ -460,16 +460,6 @@ impl State {
     }
 
     /// Bytes in `tier` that cannot be spilled now.
-    /// Bytes of this tier's copies whose tensor is moving: a mover lets
-    /// them go when its move is done, whoever waits.
-    pub(crate) fn moving_bytes(&self, tier: Tier) -> u64 {
-        self.tensors
-            .values()
-            .filter(|e| e.copies[tier.index()].is_some() && e.moving.is_some())
-            .map(|e| e.len_bytes)
-            .sum()
-    }
-
     pub(crate) fn unevictable_bytes(&self, tier: Tier) -> u64 {
         self.tensors
             .values()
