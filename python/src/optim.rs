@@ -205,17 +205,20 @@ fn roundings(
     if !single && firsts.len() != lens.len() {
         return Err(bad_first());
     }
-    let mut next = firsts.first().copied().unwrap_or(0);
+    // In u128: a tensor may end exactly at index 2^64 - 1.
+    let mut next = u128::from(firsts.first().copied().unwrap_or(0));
     lens.iter()
         .enumerate()
         .map(|(i, &len)| {
-            let first = if single { next } else { firsts[i] };
-            next = first.checked_add(len as u64).ok_or_else(|| {
-                PyValueError::new_err(format!(
+            let first = if single { next } else { u128::from(firsts[i]) };
+            next = first + len as u128;
+            if len > 0 && next - 1 > u128::from(u64::MAX) {
+                return Err(PyValueError::new_err(format!(
                     "first = {first} for a tensor of {len} elements: its last element's index \
                      passes 2^64 - 1; number the elements from 0"
-                ))
-            })?;
+                )));
+            }
+            let first = u64::try_from(first).unwrap_or(u64::MAX);
             Ok(Rounding::Stochastic { seed, step, first })
         })
         .collect()

@@ -83,8 +83,7 @@ class _StrataOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """torch's loader, with each state in the dtype this optimizer keeps
-        it in and each large one on strata's huge pages, converted one at a
-        time (so loading costs at most one state's size extra).
+        it in and each large one on strata's huge pages, one at a time.
 
         torch's loader casts every state to its parameter's dtype, all at
         once: bf16 moments would come back as float32 (twice their size,
@@ -93,9 +92,11 @@ class _StrataOptimizer(torch.optim.Optimizer):
         converted here: bf16 into bf16 exactly, bf16 into float32 exactly,
         float32 into bf16 rounded to nearest, once. The rest torch loads as
         they are (it keeps the caller's tensors where dtype and device
-        match); those not on huge pages are moved there and re-pointed in
-        place (``set_``), so the caller's state dict sees the same values
-        and the old memory is freed as soon as nothing else holds it."""
+        match). A state already in the kept dtype that moves onto huge
+        pages is re-pointed in place (``set_``): the caller's state dict
+        sees the same values and the old memory is freed as soon as nothing
+        else holds it, so such a load costs at most one state's size extra.
+        A converted state is a new tensor beside the caller's."""
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         by_id = dict(zip(saved, params))
@@ -114,7 +115,11 @@ class _StrataOptimizer(torch.optim.Optimizer):
         super().load_state_dict({**state_dict, "state": states})
         with torch.no_grad():
             for p, key, value, dtype in taken:
-                self.state[p][key] = _state_like(p, dtype=dtype).copy_(value)
+                moved = _state_like(p, dtype=dtype).copy_(value)
+                if value.dtype is dtype:
+                    value.set_(moved)
+                    moved = value
+                self.state[p][key] = moved
             for p, state in self.state.items():
                 for key, value in state.items():
                     if (
@@ -145,8 +150,13 @@ class _StrataOptimizer(torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     def __getstate__(self):
-        state = super().__getstate__()
-        state.pop("_kernels", None)
+        """torch's three entries and this optimizer's own settings (torch
+        keeps only defaults, state and param_groups: a copy or an unpickled
+        optimizer lost adamw_mode, state_dtype and rounding_seed); not the
+        kernels, which are rebuilt on first use."""
+        state = {**self.__dict__, **super().__getstate__()}
+        for key in ("_kernels", "_kernels_pid"):
+            state.pop(key, None)
         return state
 
     @property

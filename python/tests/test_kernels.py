@@ -295,4 +295,5 @@ def test_bad_rounding_arguments_are_named(kernels):
     with pytest.raises(ValueError, match="first: give an int from 0"):
         call(kernels, first=-1)
     with pytest.raises(ValueError, match=r"passes 2\^64 - 1"):
-        call(kernels, first=2**64 - 10)
+        call(kernels, first=2**64 - 63)
+    call(kernels, first=2**64 - 64)  # the last of its 64 elements is 2^64 - 1

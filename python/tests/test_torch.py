@@ -223,6 +223,19 @@ def test_bf16_moments_train_as_fp32_states_do_and_resume_bit_for_bit():
         assert got.dtype == torch.float32 and torch.equal(got, narrowed.state[p]["exp_avg"].float())
 
 
+def test_a_copied_or_pickled_optimizer_keeps_its_settings():
+    """torch's Optimizer.__getstate__ keeps defaults, state and param_groups
+    only: CPUAdam's own settings (adamw_mode, state_dtype, rounding_seed)
+    travel too, and the copy steps as the original does."""
+    a = model()
+    original = CPUAdam(a.parameters(), lr=1e-3, adamw_mode=False, state_dtype="bf16-moments", rounding_seed=9)
+    train(a, original, steps=2)
+    b, duplicate = copy.deepcopy((a, original))  # one memo: the copy steps b's parameters
+    assert (duplicate.adam_w_mode, duplicate.state_dtype, duplicate.rounding_seed) == (False, "bf16-moments", 9)
+    assert all(torch.equal(x, y) for x, y in zip(train(a, original, steps=3, seed=2),
+                                                 train(b, duplicate, steps=3, seed=2)))
+
+
 def test_bad_state_dtypes_and_rounding_seeds_are_named():
     params = model().parameters()
     with pytest.raises(ValueError, match="state_dtype='bf16': use one of 'fp32', 'bf16-moments'"):

@@ -198,38 +198,66 @@ fn kib_field(text: &str, name: &str) -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// What the memory cgroup of /proc/self/cgroup's `cgroup` text leaves:
-/// its limit less its usage, read through `read` (v2's `memory.max` and
-/// `memory.current`, else v1's `memory.limit_in_bytes` and
-/// `memory.usage_in_bytes`); `None` without a limit.
+/// What the memory cgroups of /proc/self/cgroup's `cgroup` text leave,
+/// read through `read`: at each level from the process's cgroup up to the
+/// mount's root (inside a container without its own cgroup namespace the
+/// path named does not exist there, and the root is the container's), the
+/// limit less the usage, the reclaimable page cache (`inactive_file`) not
+/// counted as used; the least of them. v2's `memory.max`, `memory.current`
+/// and `memory.stat`, else v1's `memory.limit_in_bytes`,
+/// `memory.usage_in_bytes` and `memory.stat`'s `total_inactive_file`.
+/// `None` without a limit anywhere.
 fn cgroup_room(cgroup: &str, read: &dyn Fn(&str) -> Option<String>) -> Option<u64> {
     let number = |path: String| read(&path)?.trim().parse::<u64>().ok();
+    let stat = |path: String, key: &str| {
+        let text = read(&path)?;
+        let line = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(key))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok()
+    };
     for line in cgroup.lines() {
         let mut parts = line.splitn(3, ':');
         let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
         else {
             continue;
         };
-        let path = path.trim_end_matches('/');
-        let (limit, usage) = if id == "0" && controllers.is_empty() {
-            let base = format!("/sys/fs/cgroup{path}");
+        let (root, files) = if id == "0" && controllers.is_empty() {
             (
-                number(format!("{base}/memory.max")),
-                number(format!("{base}/memory.current")),
+                "/sys/fs/cgroup",
+                ["memory.max", "memory.current", "inactive_file"],
             )
         } else if controllers.split(',').any(|c| c == "memory") {
-            let base = format!("/sys/fs/cgroup/memory{path}");
             (
-                number(format!("{base}/memory.limit_in_bytes")),
-                number(format!("{base}/memory.usage_in_bytes")),
+                "/sys/fs/cgroup/memory",
+                [
+                    "memory.limit_in_bytes",
+                    "memory.usage_in_bytes",
+                    "total_inactive_file",
+                ],
             )
         } else {
             continue;
         };
-        // v2 writes "max" (no number) and v1 a page-rounded i64::MAX when
-        // there is no limit.
-        if let Some(limit) = limit.filter(|&l| l < 1 << 62) {
-            return Some(limit.saturating_sub(usage.unwrap_or(0)));
+        let mut least: Option<u64> = None;
+        let mut level = path.trim_end_matches('/');
+        loop {
+            let base = format!("{root}{level}");
+            // v2 writes "max" (no number) and v1 a page-rounded i64::MAX
+            // when there is no limit.
+            if let Some(limit) = number(format!("{base}/{}", files[0])).filter(|&l| l < 1 << 62) {
+                let usage = number(format!("{base}/{}", files[1])).unwrap_or(0);
+                let cache = stat(format!("{base}/memory.stat"), files[2]).unwrap_or(0);
+                let room = limit.saturating_sub(usage.saturating_sub(cache));
+                least = Some(least.map_or(room, |l| l.min(room)));
+            }
+            match level.rfind('/') {
+                Some(cut) => level = &level[..cut],
+                None => break,
+            }
+        }
+        if least.is_some() {
+            return least;
         }
     }
     None
@@ -313,9 +341,30 @@ mod tests {
         };
         let v2 = files(&[
             ("/sys/fs/cgroup/job/memory.max", "8589934592\n"),
-            ("/sys/fs/cgroup/job/memory.current", "1073741824\n"),
+            ("/sys/fs/cgroup/job/memory.current", "3221225472\n"),
+            (
+                "/sys/fs/cgroup/job/memory.stat",
+                "anon 1073741824\ninactive_file 2147483648\n",
+            ),
         ]);
+        // 8 GiB less 3 GiB used, of which 2 GiB is reclaimable cache.
         assert_eq!(cgroup_room("0::/job\n", &v2), Some(7 << 30));
+        // A parent's tighter limit counts; inside a container whose path
+        // is not under its own mount, the mount's root is the container's.
+        let nested = files(&[
+            ("/sys/fs/cgroup/job/memory.max", "4294967296"),
+            ("/sys/fs/cgroup/job/memory.current", "0"),
+            ("/sys/fs/cgroup/job/step/memory.max", "max"),
+        ]);
+        assert_eq!(cgroup_room("0::/job/step\n", &nested), Some(4 << 30));
+        let container = files(&[
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "2147483648"),
+            ("/sys/fs/cgroup/memory/memory.usage_in_bytes", "1073741824"),
+        ]);
+        assert_eq!(
+            cgroup_room("4:memory:/docker/abc\n", &container),
+            Some(1 << 30)
+        );
         let unlimited = files(&[("/sys/fs/cgroup/job/memory.max", "max\n")]);
         assert_eq!(cgroup_room("0::/job\n", &unlimited), None);
         let v1 = files(&[
