@@ -194,23 +194,24 @@ fn roundings(
             lens.len()
         ))
     };
-    let firsts: Vec<u64> = match first {
-        None => vec![0],
-        Some(obj) => match obj.extract::<u64>() {
-            Ok(first) => vec![first],
-            Err(_) => obj.extract::<Vec<u64>>().map_err(|_| bad_first())?,
-        },
+    // One start, the others following on; or each tensor's own (`list`).
+    let (start, list) = match first.map(|obj| (obj.extract::<u64>(), obj)) {
+        None => (0, None),
+        Some((Ok(start), _)) => (start, None),
+        Some((Err(_), obj)) => {
+            let list = obj.extract::<Vec<u64>>().map_err(|_| bad_first())?;
+            if list.len() != lens.len() {
+                return Err(bad_first());
+            }
+            (0, Some(list))
+        }
     };
-    let single = first.is_none_or(|obj| obj.extract::<u64>().is_ok());
-    if !single && firsts.len() != lens.len() {
-        return Err(bad_first());
-    }
     // In u128: a tensor may end exactly at index 2^64 - 1.
-    let mut next = u128::from(firsts.first().copied().unwrap_or(0));
+    let mut next = u128::from(start);
     lens.iter()
         .enumerate()
         .map(|(i, &len)| {
-            let first = if single { next } else { u128::from(firsts[i]) };
+            let first = list.as_ref().map_or(next, |list| u128::from(list[i]));
             next = first + len as u128;
             if len > 0 && next - 1 > u128::from(u64::MAX) {
                 return Err(PyValueError::new_err(format!(

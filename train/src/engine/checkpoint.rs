@@ -615,25 +615,19 @@ impl Engine {
             // the disk (exactly: their values are bf16).
             let name = &self.groups[g].name;
             let dtype = self.config.optim.state_dtype;
-            let (master, moment) = (dtype.master_bytes() == 2, dtype.moment_bytes() == 2);
-            shard.push((
-                format!("{name}.master"),
-                vec![n],
-                state[..n].to_vec(),
-                master,
-            ));
-            shard.push((
-                format!("{name}.exp_avg"),
-                vec![n],
-                state[n..2 * n].to_vec(),
-                moment,
-            ));
-            shard.push((
-                format!("{name}.exp_avg_sq"),
-                vec![n],
-                state[2 * n..].to_vec(),
-                moment,
-            ));
+            let parts = [
+                ("master", 0..n, dtype.master_bytes()),
+                ("exp_avg", n..2 * n, dtype.moment_bytes()),
+                ("exp_avg_sq", 2 * n..3 * n, dtype.moment_bytes()),
+            ];
+            for (part, range, width) in parts {
+                shard.push((
+                    format!("{name}.{part}"),
+                    vec![n],
+                    state[range].to_vec(),
+                    width == 2,
+                ));
+            }
         }
         let written = (|| {
             let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));

@@ -734,11 +734,8 @@ fn named(err: strata_optim::OptimError, value: impl ToString) -> TrainError {
                 "hysteresis" => "train.loss_scale_hysteresis",
                 _ => "train",
             };
-            let shown = match name {
-                "init_scale" => "loss_scale",
-                "min_scale" => "loss_scale_min",
-                other => other,
-            };
+            // The key's own name (loss_scale, not the scaler's init_scale).
+            let shown = key.strip_prefix("train.").unwrap_or(name);
             // Tiny and huge values in exponent form (1.4e-45, not 45 zeros).
             let value = match value.abs() {
                 x if x != 0.0 && !(1e-4..1e9).contains(&x) => format!("{value:e}"),
