@@ -825,7 +825,7 @@ fn plan_table_and_chart() {
 
 #[test]
 fn plan_bad_options_are_named() {
-    let cases: [(&[&str], &str); 11] = [
+    let cases: [(&[&str], &str); 12] = [
         (
             &["plan", "--params", "13B", "--checkpoint", "sometimes"],
             "is not every (true), none (false) or auto",
@@ -869,6 +869,10 @@ fn plan_bad_options_are_named() {
         (
             &["plan", "--params", "13B", "--offload-param", "disk"],
             "invalid value 'disk'",
+        ),
+        (
+            &["plan", "--arch", "nope", "--params", "13B"],
+            "strata trains these architectures",
         ),
         // Bounded: the plan's time and memory grow with these.
         (&["plan", "--params", "1e30"], "50M to 1e15"),

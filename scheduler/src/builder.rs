@@ -1,4 +1,4 @@
-//! The one step builder: the ordered ops of one optimizer step of a GPT-like
+//! The one step builder: the ordered ops of one optimizer step of a decoder-only
 //! model, each with the tensors it touches. The training engine runs what
 //! it builds and `strata plan` simulates it; what differs between them
 //! (tensor numbering, costs, which state set is current) comes in through

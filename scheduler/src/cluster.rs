@@ -1,4 +1,4 @@
-//! Whole clusters: builds one GPU's step trace for a GPT-like model under
+//! Whole clusters: builds one GPU's step trace for a decoder-only model under
 //! a parallelism plan, plans it with strata's policy or the DeepSpeed-like
 //! baseline, simulates it, and reports memory per tier, step time,
 //! TFLOP/s and the bottleneck.
@@ -498,7 +498,9 @@ fn add_units(
     let mut units = vec![unit(
         trace,
         "embed".into(),
-        model.embedding_params() / tp,
+        // The outer group: the embeddings and an untied head's matrix; the
+        // head's products (tied or not) run with it.
+        (model.embedding_params() + model.head_params()) / tp,
         (
             2.0 * tokens * (model.vocab * model.hidden) as f64 / tp as f64,
             0.0,
@@ -694,7 +696,7 @@ fn estimate_with(
     let trace = build_trace(model, parallelism, hardware, &shares, policy, &recompute);
     let horizon_layers =
         activation_horizon(model, parallelism, hardware, &trace, &links, &recompute);
-    let ops_per_layer = 4 * tiles;
+    let ops_per_layer = model.block_params().len() as u32 * tiles;
     let (steady, first) = match policy {
         Policies::Strata => (
             Policy::strata(

@@ -6,7 +6,7 @@
 //! issue each transfer and what to evict to where (a [`Plan`]);
 //! [`simulate`] runs a plan against a hardware model and predicts step
 //! time, busy time per link and memory per tier; [`cluster`] builds traces
-//! for GPT-like models on whole clusters and compares strata's policy with
+//! for decoder-only transformers on whole clusters and compares strata's policy with
 //! a DeepSpeed-like baseline. It is pure and deterministic: no I/O, no
 //! clock, no threads.
 //!

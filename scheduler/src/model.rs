@@ -8,20 +8,43 @@ use crate::recompute::Checkpointing;
 use crate::error::SchedulerError;
 use crate::trace::Tier;
 
-/// A GPT-like decoder: `layers` blocks of attention and a 4x MLP.
+/// A decoder-only transformer as the planners see it: `layers` blocks of
+/// attention and an MLP, embeddings, an LM head. Each architecture of
+/// strata-train describes itself as one (its widths, its MLP's gate, its
+/// norms, a tied or separate head); [`Model::dense`] is the classic dense
+/// shape (a 4x MLP without a gate, LayerNorms, biases, learned positions, a
+/// tied head).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Model {
     /// Transformer blocks.
     pub layers: u32,
     /// Hidden size.
     pub hidden: u64,
-    /// Attention heads.
+    /// Attention heads (query heads).
     pub heads: u32,
+    /// Key/value heads: `heads`, or fewer with grouped-query attention.
+    pub kv_heads: u32,
+    /// The MLP's inner width.
+    pub ffn: u64,
+    /// Whether the MLP is gated (gate and up projections, then down: three
+    /// matrices) or not (two).
+    pub gated_mlp: bool,
+    /// Whether the linear layers have biases.
+    pub biases: bool,
+    /// Parameters of one norm: `2 x hidden` for a LayerNorm, `hidden` for
+    /// an RMSNorm.
+    pub norm_params: u64,
+    /// Whether the embeddings include a learned position table (`seq x
+    /// hidden`).
+    pub learned_positions: bool,
+    /// Whether the LM head is the token embedding (tied) or a matrix of
+    /// its own.
+    pub tied_head: bool,
     /// Sequence length.
     pub seq: u64,
     /// Sequences per micro-batch per GPU.
     pub micro_batch: u64,
-    /// Vocabulary (tied input and output embedding).
+    /// Vocabulary.
     pub vocab: u64,
 }
 
@@ -44,8 +67,9 @@ pub const GRAD_ACCUMULATION_MAX: u32 = 1024;
 /// a plan takes seconds and tens of MB).
 pub const MICRO_BLOCKS_MAX: u64 = 1 << 13;
 
-/// Standard shapes by size: (parameters, layers, hidden, heads), from the
-/// GPT-3 family, Megatron-Turing and the ZeRO-Infinity paper's 1T model.
+/// Standard dense shapes by size: (parameters, layers, hidden, heads), as
+/// published for models of 125M to 175B parameters, Megatron-Turing's 530B
+/// and the ZeRO-Infinity paper's 1T to 20T models.
 const SHAPES: [(f64, u32, u64, u32); 13] = [
     (125e6, 12, 768, 12),
     (350e6, 24, 1024, 16),
@@ -63,10 +87,30 @@ const SHAPES: [(f64, u32, u64, u32); 13] = [
 ];
 
 impl Model {
-    /// A standard GPT shape for about `params` parameters (2048 tokens, a
-    /// micro-batch of 1, GPT-2's 50257-token vocabulary): the table's
-    /// shape within 15%, else layers and hidden grown at the 1T model's
-    /// aspect (hidden = 200 x layers) to match.
+    /// The classic dense shape ([`Model`]) of `layers` blocks of `hidden`
+    /// with `heads` heads.
+    pub fn dense(layers: u32, hidden: u64, heads: u32, seq: u64, vocab: u64) -> Model {
+        Model {
+            layers,
+            hidden,
+            heads,
+            kv_heads: heads,
+            ffn: 4 * hidden,
+            gated_mlp: false,
+            biases: true,
+            norm_params: 2 * hidden,
+            learned_positions: true,
+            tied_head: true,
+            seq,
+            micro_batch: 1,
+            vocab,
+        }
+    }
+
+    /// A standard dense shape ([`Model::dense`]) for about `params`
+    /// parameters (2048 tokens, a micro-batch of 1, a 50257-token
+    /// vocabulary): the table's shape within 15%, else layers and hidden
+    /// grown at the 1T model's aspect (hidden = 200 x layers) to match.
     pub fn for_params(params: f64) -> Result<Model, SchedulerError> {
         if !(params.is_finite() && (50e6..=PARAMS_MAX).contains(&params)) {
             return Err(SchedulerError::Config {
@@ -89,14 +133,7 @@ impl Model {
                 (layers, hidden, (hidden / 128) as u32)
             }
         };
-        Ok(Model {
-            layers,
-            hidden,
-            heads,
-            seq: 2048,
-            micro_batch: 1,
-            vocab: 50257,
-        })
+        Ok(Model::dense(layers, hidden, heads, 2048, 50257))
     }
 
     /// Checks the shape.
@@ -122,6 +159,12 @@ impl Model {
                 self.hidden, self.heads
             ));
         }
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) || self.ffn == 0 {
+            return bad(format!(
+                "{} key/value heads must divide the {} heads, and the MLP's width ({}) be positive",
+                self.kv_heads, self.heads, self.ffn
+            ));
+        }
         for (flag, value, max) in [
             ("--layers", u64::from(self.layers), u64::from(LAYERS_MAX)),
             ("--hidden", self.hidden, HIDDEN_MAX),
@@ -138,33 +181,54 @@ impl Model {
         Ok(())
     }
 
-    /// Parameters of one block's linear layers, by sub-module: qkv, the
-    /// attention projection, and the MLP's two layers (weights and biases).
-    pub fn block_params(&self) -> [(&'static str, u64); 4] {
-        let h = self.hidden;
-        [
-            ("qkv", 3 * h * h + 3 * h),
-            ("proj", h * h + h),
-            ("fc1", 4 * h * h + 4 * h),
-            ("fc2", 4 * h * h + h),
-        ]
+    /// Parameters of one block's linear layers, by sub-module: qkv (and
+    /// the attention after it), the attention projection, and the MLP's
+    /// layers (weights and biases): `fc1` and `fc2`, or with a gate
+    /// `gate_up` (both input projections) and `down`.
+    pub fn block_params(&self) -> Vec<(&'static str, u64)> {
+        let (h, f) = (self.hidden, self.ffn);
+        let kv = h / u64::from(self.heads) * u64::from(self.kv_heads);
+        let b = u64::from(self.biases);
+        let mut modules = vec![
+            ("qkv", h * (h + 2 * kv) + b * (h + 2 * kv)),
+            ("proj", h * h + b * h),
+        ];
+        if self.gated_mlp {
+            modules.extend([("gate_up", 2 * h * f + b * 2 * f), ("down", f * h + b * h)]);
+        } else {
+            modules.extend([("fc1", h * f + b * f), ("fc2", f * h + b * h)]);
+        }
+        modules
     }
 
-    /// Layer norms of one block (kept with the block, too small to move).
+    /// The norms of one block (kept with the block, too small to move).
     pub fn block_norm_params(&self) -> u64 {
-        4 * self.hidden
+        2 * self.norm_params
     }
 
-    /// The (tied) embedding: tokens and positions.
+    /// The embeddings: the token table and any learned positions.
     pub fn embedding_params(&self) -> u64 {
-        (self.vocab + self.seq) * self.hidden
+        let positions = if self.learned_positions { self.seq } else { 0 };
+        (self.vocab + positions) * self.hidden
+    }
+
+    /// The LM head's own matrix (none when it is the token embedding).
+    pub fn head_params(&self) -> u64 {
+        if self.tied_head {
+            0
+        } else {
+            self.vocab * self.hidden
+        }
     }
 
     /// All parameters.
     pub fn params(&self) -> u64 {
         let block: u64 =
             self.block_params().iter().map(|p| p.1).sum::<u64>() + self.block_norm_params();
-        u64::from(self.layers) * block + self.embedding_params() + 2 * self.hidden
+        u64::from(self.layers) * block
+            + self.embedding_params()
+            + self.head_params()
+            + self.norm_params
     }
 
     /// The largest single module (what ZeRO-3 gathers at once).
@@ -214,9 +278,16 @@ impl Model {
     }
 
     /// Bytes of one block's activations kept for backward without
-    /// checkpointing (Korthikanti et al.: 34sbh + 5as^2b, 16-bit).
+    /// checkpointing, 16-bit (Korthikanti et al.'s 34sbh + 5as^2b for the
+    /// dense shape): attention 11sbh with keys and values at their heads'
+    /// share (7sbh + 4sbh x kv/heads), the norms 4sbh, the MLP 3sbh and
+    /// 4 bytes of its width per token (6 with a gate: gate, up and their
+    /// product).
     pub fn block_activation_bytes(&self) -> u64 {
-        34 * self.tokens() * self.hidden
+        let (tokens, h) = (self.tokens(), self.hidden);
+        let attention = 7 * h + 4 * h * u64::from(self.kv_heads) / u64::from(self.heads);
+        let mlp = 3 * h + if self.gated_mlp { 6 } else { 4 } * self.ffn;
+        tokens * (attention + 4 * h + mlp)
             + 5 * u64::from(self.heads) * self.seq * self.seq * self.micro_batch
     }
 }
@@ -659,6 +730,50 @@ mod tests {
         let ratio = odd.params() as f64 / 4e12;
         assert!((0.9..1.1).contains(&ratio), "{ratio}");
         odd.validate().unwrap();
+    }
+
+    #[test]
+    fn a_gated_mlp_grouped_heads_and_an_untied_head_are_counted() {
+        // Llama 2 7B's shape: 6,738,415,616 parameters by its own count.
+        let llama = Model {
+            kv_heads: 32,
+            ffn: 11008,
+            gated_mlp: true,
+            biases: false,
+            norm_params: 4096,
+            learned_positions: false,
+            tied_head: false,
+            ..Model::dense(32, 4096, 32, 4096, 32000)
+        };
+        llama.validate().unwrap();
+        assert_eq!(llama.params(), 6_738_415_616);
+        assert_eq!(llama.head_params(), 32000 * 4096);
+        // Fewer key/value heads shrink qkv and the kept activations.
+        let grouped = Model {
+            kv_heads: 8,
+            ..llama.clone()
+        };
+        assert_eq!(
+            llama.block_params()[0].1 - grouped.block_params()[0].1,
+            2 * 4096 * (4096 - 1024)
+        );
+        assert!(grouped.block_activation_bytes() < llama.block_activation_bytes());
+        // The dense shape keeps Korthikanti et al.'s 34sbh + 5as^2b.
+        let dense = Model::dense(2, 64, 4, 16, 100);
+        assert_eq!(
+            dense.block_activation_bytes(),
+            34 * 16 * 64 + 5 * 4 * 16 * 16
+        );
+        let bad = Model {
+            kv_heads: 3,
+            ..dense
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("key/value heads")
+        );
     }
 
     #[test]

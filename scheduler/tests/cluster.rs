@@ -327,12 +327,8 @@ fn h100(layers: u32, checkpoint: Checkpointing) -> Estimate {
     hardware.host_memory_bytes = 512 << 30;
     hardware.pcie_bytes_per_s = 54e9;
     let model = Model {
-        layers,
-        hidden: 4096,
-        heads: 32,
-        seq: 1024,
         micro_batch: 8,
-        vocab: 50304,
+        ..Model::dense(layers, 4096, 32, 1024, 50304)
     };
     let mut parallelism = Parallelism::zero3_offload(&hardware, Tier::Host, Tier::Host);
     parallelism.grad_accumulation = 4;

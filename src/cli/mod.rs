@@ -36,7 +36,7 @@ enum Command {
     /// Will a run fit, how is its memory spread over the tiers, how fast
     /// will it step and what limits it (planned and simulated).
     Plan(Box<plan::PlanArgs>),
-    /// Train a GPT-2-style model with its states tiered across device,
+    /// Train a model (`[model] arch`) with its states tiered across device,
     /// host and NVMe, ZeRO-3 sharded over ranks (no arguments: a small
     /// model on a bundled text).
     Train(Box<train::TrainArgs>),

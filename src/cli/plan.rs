@@ -51,8 +51,13 @@ pub struct PlanArgs {
     /// Nodes.
     #[arg(long, default_value_t = 1)]
     nodes: u32,
-    /// Model size (1T, 175B, 13B, 350M or 1.3e9): picks a standard GPT
-    /// shape. Give it or --layers/--hidden/--heads.
+    /// The architecture (a name `[model] arch` takes; `strata train
+    /// --print-config` shows the default).
+    #[arg(long)]
+    arch: Option<String>,
+    /// Model size (1T, 175B, 13B, 350M or 1.3e9): picks the
+    /// architecture's standard shape of that size. Give it or
+    /// --layers/--hidden/--heads.
     #[arg(long, value_parser = parse_count)]
     params: Option<f64>,
     /// Transformer blocks (exact shape, with --hidden and --heads).
@@ -280,29 +285,46 @@ impl PlanArgs {
             self.hidden.is_some(),
             self.heads.is_some(),
         ];
-        let mut model = match (self.params, exact) {
+        let arch = strata_train::model::architecture(
+            self.arch
+                .as_deref()
+                .unwrap_or(strata_train::model::default_arch()),
+        )
+        .context("--arch")?;
+        let mut config = match (self.params, exact) {
             (Some(_), e) if e.iter().any(|&x| x) => {
                 bail!(
                     "--params picks the shape; give either --params or --layers, --hidden and --heads, not both"
                 )
             }
-            (Some(params), _) => Model::for_params(params)?,
-            (None, [true, true, true]) => Model {
-                layers: self.layers.unwrap_or_default(),
-                hidden: self.hidden.unwrap_or_default(),
-                heads: self.heads.unwrap_or_default(),
-                seq: 0,
-                micro_batch: 0,
-                vocab: 0,
+            (Some(params), _) => (arch.for_params)(params)?,
+            (None, [true, true, true]) => strata_train::ModelConfig {
+                arch: strata_train::model::Arch::named(arch.name)?,
+                layers: self.layers.unwrap_or_default() as usize,
+                hidden: self.hidden.unwrap_or_default() as usize,
+                heads: self.heads.unwrap_or_default() as usize,
+                ..strata_train::ModelConfig::default()
             },
             (None, [false, false, false]) => {
                 bail!("say which model: --params (e.g. 1T) or --layers, --hidden and --heads")
             }
             (None, _) => bail!("an exact shape needs all of --layers, --hidden and --heads"),
         };
-        model.seq = self.seq;
-        model.micro_batch = self.micro_batch;
-        model.vocab = self.vocab;
+        config.seq = self.seq as usize;
+        config.vocab = self.vocab as usize;
+        // The flags' own limits first, named by flag.
+        strata_scheduler::Model {
+            micro_batch: self.micro_batch,
+            ..strata_scheduler::Model::dense(
+                config.layers as u32,
+                config.hidden as u64,
+                config.heads as u32,
+                self.seq,
+                self.vocab,
+            )
+        }
+        .validate()?;
+        let model = config.build()?.cost_model(self.micro_batch);
         model.validate()?;
         Ok(model)
     }

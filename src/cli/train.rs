@@ -1,4 +1,4 @@
-//! `strata train`: a GPT-2-style model trained with its model states
+//! `strata train`: a model (`[model] arch`) trained with its model states
 //! tiered across device memory, pinned host RAM and NVMe, ZeRO-3 sharded
 //! over ranks; with no arguments, a small model on the text bundled in
 //! `examples/data/`, swapping to `./strata-train-swap`.
@@ -208,8 +208,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         "{spinner} step {pos}/{len} [{bar:30}] {msg} ({elapsed})",
     );
     tracing::info!(
-        "training {} parameters ({} layers, hidden {}), {} rank(s), params on {:?}, optimizer on {:?}",
-        config.model.gpt().params(),
+        "training {} parameters ({} {} layers, hidden {}), {} rank(s), params on {:?}, optimizer on {:?}",
+        config.model.build()?.params(),
+        config.model.arch,
         config.model.layers,
         config.model.hidden,
         config.train.ranks,

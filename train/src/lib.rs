@@ -1,5 +1,5 @@
-//! strata-train: the GPT model written once over the kernels' `Backend`
-//! and comm's `Collective`, and the training engine that runs it with its
+//! strata-train: model architectures written once over the kernels'
+//! `Backend` and comm's `Collective` behind one interface ([`model`]), and the training engine that runs it with its
 //! states tiered by `strata-runtime` under `strata-scheduler`'s plans:
 //! [`Engine`] (one data-parallel rank: `Engine::new(config, collective)`,
 //! then `engine.step(tokens)`), [`run`] (whole runs, ranks as threads,
@@ -16,7 +16,7 @@
 
 pub mod engine;
 mod error;
-pub mod gpt;
+pub mod model;
 
 pub use engine::{
     ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,

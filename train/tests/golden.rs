@@ -31,7 +31,8 @@ fn golden_path() -> PathBuf {
 /// set and whether the matrix products fuse multiply-adds.
 fn fingerprint() -> String {
     #[cfg(target_arch = "x86_64")]
-    let fma = std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx");
+    let fma =
+        std::arch::is_x86_feature_detected!("fma") && std::arch::is_x86_feature_detected!("avx");
     #[cfg(not(target_arch = "x86_64"))]
     let fma = false;
     format!(
@@ -125,7 +126,9 @@ fn every_steps_loss_is_the_recorded_bits() {
     }
     let measured = measure();
     for (name, expected) in &golden.losses {
-        let got = measured.get(name).unwrap_or_else(|| panic!("no run {name}"));
+        let got = measured
+            .get(name)
+            .unwrap_or_else(|| panic!("no run {name}"));
         for (step, (e, g)) in expected.iter().zip(got).enumerate() {
             let value = |bits: &str| f64::from_bits(u64::from_str_radix(bits, 16).unwrap());
             assert_eq!(

@@ -73,7 +73,7 @@ pub fn layer_norm_backward(
 
 const GELU_C: f32 = 0.797_884_6; // sqrt(2 / pi)
 
-/// GELU, tanh approximation (GPT-2's).
+/// GELU, tanh approximation (transformers' `gelu_new`).
 pub fn gelu(x: &[f32], out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
         let t = (GELU_C * (v + 0.044_715 * v * v * v)).tanh();

@@ -20,7 +20,7 @@ use super::tensors::Kept;
 use super::tensors::{Group, Slot, class_of, links, sched_tier, slots, specs};
 use super::{Engine, plan_config};
 use crate::error::{Result, TrainError};
-use crate::gpt::{BlockActivations, GptConfig, block_forward};
+use crate::model::{Buffers, Model};
 
 /// Bytes of the activation round trip measured, at most.
 const LINK_PROBE_BYTES_MAX: u64 = 64 << 20;
@@ -30,11 +30,11 @@ const PROBE_ROUNDS: usize = 3;
 
 /// What one block keeps per micro-batch: its activation buffer, or its
 /// input part.
-pub(super) fn kept_bytes(acts: &BlockActivations) -> Kept {
-    let dtype = acts.dtype();
+pub(super) fn kept_bytes(buffers: &Buffers) -> Kept {
+    let dtype = buffers.dtype();
     Kept {
-        whole: acts.bytes(),
-        input: acts.input().len() as u64 * dtype.bytes(),
+        whole: buffers.kept_bytes(),
+        input: buffers.input_bytes(),
         dtype,
     }
 }
@@ -80,8 +80,10 @@ impl Candidates {
 /// The per-block candidates of `config`: fixed for `true` and `false`;
 /// for `"auto"`, chosen for this rank's rooms (`capacity_bytes`: what the
 /// plan may use per tier, `slots`: the tensors with their homes).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn recompute_blocks(
     config: &TrainConfig,
+    model: &dyn Model,
     runtime: &Runtime,
     backend: &dyn Backend,
     ws: &mut Workspace,
@@ -89,13 +91,12 @@ pub(super) fn recompute_blocks(
     slots: &[Slot],
     capacity_bytes: [u64; 3],
 ) -> Result<Candidates> {
-    let gpt = &config.model.gpt();
-    let layers = gpt.layers;
+    let layers = model.layers();
     if let Some(fixed) = config.train.checkpoint_activations.fixed(layers) {
         return Ok(Candidates::one(fixed));
     }
     let batch = config.train.micro_batch;
-    let Kept { whole, input, .. } = kept_bytes(&ws.acts);
+    let Kept { whole, input, .. } = kept_bytes(&ws.buffers);
     let footprint = |bytes: u64, tier: Tier| runtime.footprint_bytes(bytes)[tier.index()];
     let states = slots
         .iter()
@@ -130,7 +131,7 @@ pub(super) fn recompute_blocks(
         );
         return Ok(Candidates::one(vec![false; layers]));
     }
-    let forward_ns = measure_block_forward(backend, gpt, batch, ws, groups[1].params)?;
+    let forward_ns = measure_block_forward(backend, model, batch, ws, groups[1].params)?;
     // A measurement, not the run: when the runtime refuses the probe (no
     // room, an injected fault), the links' estimates stand in.
     let (up, down) = measure_links(runtime, input_model.full_bytes, capacity_bytes)
@@ -213,7 +214,7 @@ fn link_busy_ns(
 /// kernels then).
 fn measure_block_forward(
     backend: &dyn Backend,
-    gpt: &GptConfig,
+    model: &dyn Model,
     batch: usize,
     ws: &mut Workspace,
     block_params: usize,
@@ -221,14 +222,12 @@ fn measure_block_forward(
     let mut times = [0.0; PROBE_ROUNDS];
     for round in 0..=PROBE_ROUNDS {
         let started = Instant::now();
-        block_forward(
+        model.block_forward(
             backend,
-            gpt,
             batch,
             super::compute::weights(&ws.gathered, &ws.gathered16, block_params),
             ws.streams[0].x.view(),
-            &mut ws.acts,
-            &mut ws.scratch,
+            &mut ws.buffers,
             ws.y.view_mut(),
         )?;
         // The host waits for the device (`Backend::wait` would only order
@@ -325,7 +324,7 @@ impl Engine {
                     best = Some((step_s, recompute));
                 }
             }
-            let layers = self.gpt.layers;
+            let layers = self.model.layers();
             let recompute = best.map_or_else(|| vec![true; layers], |(_, r)| r);
             self.use_recompute(recompute, kept);
         }

@@ -1,5 +1,6 @@
-//! Checkpoints: the fp32 weights as `model.safetensors` (GPT-2's tensor
-//! names and layouts) beside `config.json` (a Hugging Face `GPT2Config`),
+//! Checkpoints: the fp32 weights as `model.safetensors` (the
+//! architecture's Hugging Face tensor names and layouts) beside
+//! `config.json` (its Hugging Face config, [`crate::model::Model::hf_config`]),
 //! so that a step directory opens in transformers as it is, each rank's
 //! optimizer shard (master weights and moments) as
 //! `optimizer-rank{r}.safetensors`, and `meta.json` (step, loss-scaler
@@ -17,7 +18,7 @@ use strata_device::{View, ViewMut};
 use strata_runtime::Tier;
 
 use crate::error::{Result, TrainError};
-use crate::gpt::GptConfig;
+use crate::model::export_group;
 
 use super::Engine;
 use super::config::ModelConfig;
@@ -411,76 +412,6 @@ impl Checkpoint {
     }
 }
 
-/// GPT-2's names and shapes of group `g`'s parts, in layout order.
-pub(crate) fn part_names(gpt: &GptConfig, g: usize) -> Vec<(String, Vec<usize>)> {
-    let h = gpt.hidden;
-    if g == 0 {
-        return vec![
-            ("wte.weight".into(), vec![gpt.vocab, h]),
-            ("wpe.weight".into(), vec![gpt.seq, h]),
-            ("ln_f.weight".into(), vec![h]),
-            ("ln_f.bias".into(), vec![h]),
-        ];
-    }
-    let b = g - 1;
-    [
-        ("ln_1.weight", vec![h]),
-        ("ln_1.bias", vec![h]),
-        ("attn.c_attn.weight", vec![h, 3 * h]),
-        ("attn.c_attn.bias", vec![3 * h]),
-        ("attn.c_proj.weight", vec![h, h]),
-        ("attn.c_proj.bias", vec![h]),
-        ("ln_2.weight", vec![h]),
-        ("ln_2.bias", vec![h]),
-        ("mlp.c_fc.weight", vec![h, 4 * h]),
-        ("mlp.c_fc.bias", vec![4 * h]),
-        ("mlp.c_proj.weight", vec![4 * h, h]),
-        ("mlp.c_proj.bias", vec![h]),
-    ]
-    .into_iter()
-    .map(|(name, shape)| (format!("h.{b}.{name}"), shape))
-    .collect()
-}
-
-/// A Hugging Face `GPT2Config` of `gpt` as strata computes it, for
-/// `GPT2LMHeadModel.from_pretrained(step_dir)`: the tanh GELU
-/// (`gelu_new`), the kernels' LayerNorm epsilon, attention scaled by
-/// `1/sqrt(head_dim)` alone, the LM head tied to `wte`, no dropout, and no
-/// BOS/EOS token (byte-level tokens have none; GPT-2's 50256 would lie
-/// outside the vocabulary).
-pub(crate) fn hf_config(gpt: &GptConfig) -> serde_json::Value {
-    // Through its shortest decimal form, so that 1e-5f32 is written 1e-5.
-    let epsilon: f64 = strata_kernels::cpu::ops::LN_EPS
-        .to_string()
-        .parse()
-        .expect("a float's decimal form parses");
-    serde_json::json!({
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": gpt.vocab,
-        "n_positions": gpt.seq,
-        "n_ctx": gpt.seq,
-        "n_embd": gpt.hidden,
-        "n_layer": gpt.layers,
-        "n_head": gpt.heads,
-        "n_inner": 4 * gpt.hidden,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": epsilon,
-        "scale_attn_weights": true,
-        "scale_attn_by_inverse_layer_idx": false,
-        "reorder_and_upcast_attn": false,
-        "tie_word_embeddings": true,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "bos_token_id": null,
-        "eos_token_id": null,
-        "use_cache": true,
-        "dtype": "float32",
-        "torch_dtype": "float32",
-    })
-}
-
 /// A named tensor for [`safetensors_bytes`]: its shape, its values, and
 /// whether it is stored as bf16 (values that are bf16 already, as bf16
 /// states are: stored exactly in half the bytes) rather than f32.
@@ -588,6 +519,7 @@ impl Engine {
         if let Err(err) = self.agree(begun)? {
             return Ok(Err(err));
         }
+        let specs = self.model.groups();
         let mut shard = Vec::with_capacity(3 * self.groups.len());
         let mut weights = Vec::new();
         for g in 0..self.groups.len() {
@@ -604,12 +536,8 @@ impl Engine {
                 )?
                 .wait()?;
             if rank == 0 {
-                let mut at = 0;
-                for (name, shape) in part_names(&self.gpt, g) {
-                    let len: usize = shape.iter().product();
-                    weights.push((name, shape, gathered[at..at + len].to_vec(), false));
-                    at += len;
-                }
+                let exported = export_group(&specs[g], &gathered[..self.groups[g].params]);
+                weights.extend(exported.into_iter().map(|(n, s, v)| (n, s, v, false)));
             }
             // Each state in the width it is kept in: bf16 states take half
             // the disk (exactly: their values are bf16).
@@ -635,7 +563,8 @@ impl Engine {
             if rank == 0 {
                 let path = tmp.join("model.safetensors");
                 write_synced(&RealFs, &path, &safetensors_bytes(&path, &weights)?)?;
-                let config = serde_json::to_vec_pretty(&hf_config(&self.gpt)).expect("serializes");
+                let config =
+                    serde_json::to_vec_pretty(&self.model.hf_config()).expect("serializes");
                 write_synced(&RealFs, &tmp.join(HF_CONFIG), &config)?;
             }
             Ok(())

@@ -9,10 +9,7 @@ use strata_device::{Buffer, Dtype, View};
 use strata_kernels::{Backend, Readback};
 
 use crate::error::Result;
-use crate::gpt::{
-    BlockActivations, BlockLayout, BlockScratch, GptConfig, HeadBuffers, Weights, block_backward,
-    block_forward, embed_backward, embed_forward, head_forward_backward,
-};
+use crate::model::{Buffers, Model, OUTER, Weights};
 
 use super::moves::{with_device_view, write_from_view};
 use strata_scheduler::{StepOp, Work};
@@ -46,9 +43,8 @@ pub(super) struct Workspace {
     /// tensors (more than one rank only).
     pub(super) shard32: Buffer,
     pub(super) grad_full: Buffer,
-    pub(super) acts: BlockActivations,
-    pub(super) scratch: BlockScratch,
-    pub(super) head: HeadBuffers,
+    /// One block's and the head's buffers, the model's to cut.
+    pub(super) buffers: Buffers,
     pub(super) y: Buffer,
     pub(super) dx: Buffer,
     /// The step's token ids of one micro-batch, cut on the host before
@@ -78,7 +74,7 @@ pub(super) struct Stream {
 impl Workspace {
     pub(super) fn new(
         backend: &dyn Backend,
-        gpt: &GptConfig,
+        model: &dyn Model,
         batch: usize,
         groups: &[Group],
         world: usize,
@@ -87,9 +83,9 @@ impl Workspace {
     ) -> Result<Self> {
         let shard_max = groups.iter().map(|g| g.shard).max().expect("groups");
         let padded_max = shard_max * world;
-        let embed_padded = groups[0].padded(world);
-        let stream = batch * gpt.seq * gpt.hidden;
-        let tokens = batch * gpt.seq;
+        let embed_padded = groups[OUTER].padded(world);
+        let tokens = batch * model.seq();
+        let stream = tokens * model.stream_width();
         let f32s = |len| backend.alloc(Dtype::F32, len);
         let acts = |len| backend.alloc(dtype, len);
         let streams = (0..in_flight)
@@ -106,9 +102,7 @@ impl Workspace {
             gathered: f32s(padded_max)?,
             shard32: f32s(if world > 1 { shard_max } else { 0 })?,
             grad_full: f32s(padded_max)?,
-            acts: BlockActivations::new(backend, gpt, batch, dtype)?,
-            scratch: BlockScratch::new(backend, gpt, batch, dtype)?,
-            head: HeadBuffers::new(backend, gpt, batch, dtype)?,
+            buffers: model.buffers(backend, batch, dtype)?,
             y: acts(stream)?,
             dx: acts(stream)?,
             inputs_host: vec![0; tokens],
@@ -142,9 +136,7 @@ impl Workspace {
         .map(|b| b.bytes())
         .sum::<u64>()
             + streams
-            + self.acts.bytes()
-            + self.scratch.bytes()
-            + self.head.bytes()
+            + self.buffers.bytes()
     }
 }
 
@@ -221,13 +213,13 @@ impl Engine {
     /// step's, uploaded, looked up.
     fn embed_forward(&mut self, m: usize, tokens: &[u32]) -> Result<()> {
         let batch = self.config.train.micro_batch;
-        self.gather(0)?;
+        self.gather(OUTER)?;
         let ws = &mut self.ws;
         split_tokens(
             tokens,
             m,
             batch,
-            self.gpt.seq,
+            self.model.seq(),
             &mut ws.inputs_host,
             &mut ws.targets_host,
         );
@@ -238,10 +230,9 @@ impl Engine {
             View::host_slice(&ws.targets_host),
             stream.targets.view_mut(),
         )?;
-        embed_forward(
+        self.model.embed_forward(
             backend,
-            &self.gpt,
-            ws.gathered.view().range(0..self.groups[0].params),
+            ws.gathered.view().range(0..self.groups[OUTER].params),
             stream.inputs.view(),
             stream.x.view_mut(),
         )?;
@@ -256,22 +247,20 @@ impl Engine {
         self.gather(b + 1)?;
         let ws = &mut self.ws;
         let stream = &mut ws.streams[m];
-        block_forward(
+        self.model.block_forward(
             &*self.backend,
-            &self.gpt,
             batch,
             weights(&ws.gathered, &ws.gathered16, self.groups[b + 1].params),
             stream.x.view(),
-            &mut ws.acts,
-            &mut ws.scratch,
+            &mut ws.buffers,
             ws.y.view_mut(),
         )?;
         std::mem::swap(&mut stream.x, &mut ws.y);
         let id = self.tensor_to_write(self.saved_index(m, b))?;
         let saved = if self.recompute[b] {
-            self.ws.acts.input()
+            self.ws.buffers.input()
         } else {
-            self.ws.acts.view()
+            self.ws.buffers.kept()
         };
         write_from_view(&self.runtime, &*self.backend, id, saved, saved.dtype())
     }
@@ -283,22 +272,21 @@ impl Engine {
         if m == 0 {
             self.write_back_deferred()?;
         }
-        self.gather(0)?;
+        self.gather(OUTER)?;
         let scale = self.scaler.scale() / (self.config.train.grad_accumulation * world) as f32;
-        let embed_params = self.groups[0].params;
+        let embed_params = self.groups[OUTER].params;
         let ws = &mut self.ws;
         if m == 0 {
             self.backend.zero(ws.dembed.view_mut())?;
         }
         let stream = &mut ws.streams[m];
-        let loss = head_forward_backward(
+        let loss = self.model.head_forward_backward(
             &*self.backend,
-            &self.gpt,
             weights(&ws.gathered, &ws.gathered16, embed_params),
             stream.x.view(),
             stream.targets.view(),
             scale,
-            &mut ws.head,
+            &mut ws.buffers,
             stream.dy.view_mut(),
             ws.dembed.view_mut().range(0..embed_params),
         )?;
@@ -317,25 +305,24 @@ impl Engine {
         let ws = &mut self.ws;
         let params = weights(&ws.gathered, &ws.gathered16, self.groups[b + 1].params);
         let backend = &*self.backend;
-        let dtype = ws.acts.dtype();
+        let dtype = ws.buffers.dtype();
+        let model = &*self.model;
         if self.recompute[b] {
             // The recompute reads the kept input where it lies.
             with_device_view(&self.runtime, backend, id, dtype, |input| {
-                block_forward(
+                model.block_forward(
                     backend,
-                    &self.gpt,
                     batch,
                     params,
                     input,
-                    &mut ws.acts,
-                    &mut ws.scratch,
+                    &mut ws.buffers,
                     ws.y.view_mut(),
                 )
             })?;
         } else {
             // Copied straight back into the block's activations.
             with_device_view(&self.runtime, backend, id, dtype, |saved| {
-                Ok(backend.copy(saved, ws.acts.view_mut())?)
+                Ok(backend.copy(saved, ws.buffers.kept_mut())?)
             })?;
         }
         // The block's gradient is summed over the step's micro-batches
@@ -345,14 +332,12 @@ impl Engine {
             backend.zero(ws.grad_full.view_mut().range(0..padded))?;
         }
         let stream = &mut ws.streams[m];
-        block_backward(
+        model.block_backward(
             backend,
-            &self.gpt,
             batch,
             params,
-            &ws.acts,
             stream.dy.view(),
-            &mut ws.scratch,
+            &mut ws.buffers,
             ws.dx.view_mut(),
             ws.grad_full.view_mut().range(0..self.groups[b + 1].params),
         )?;
@@ -366,32 +351,31 @@ impl Engine {
     /// The embeddings' backward of micro-batch `m`; after the last,
     /// reduce-scatters the gradient the step's micro-batches summed.
     fn embed_backward(&mut self, m: usize) -> Result<()> {
-        let embed_params = self.groups[0].params;
+        let embed_params = self.groups[OUTER].params;
         let ws = &mut self.ws;
         let stream = &ws.streams[m];
-        embed_backward(
+        self.model.embed_backward(
             &*self.backend,
-            &self.gpt,
             stream.inputs.view(),
             stream.dy.view(),
             ws.dembed.view_mut().range(0..embed_params),
         )?;
         if m + 1 == self.config.train.grad_accumulation {
-            self.reduce_gradient(0)?;
+            self.reduce_gradient(OUTER)?;
         }
         Ok(())
     }
 
     pub(super) fn saved_index(&self, m: usize, b: usize) -> usize {
-        PER_GROUP * self.groups.len() + m * self.gpt.layers + b
+        PER_GROUP * self.groups.len() + m * self.model.layers() + b
     }
 
     /// All-gathers group `g`'s current bf16 shards into the workspace (as
     /// f32: the values are bf16's), and with bf16 compute into the bf16
     /// copy the products read. One rank widens its device copy straight
-    /// into the gathered buffer: with bf16 compute only what is read in f32
-    /// (a block's vectors; the whole embeddings, whose tables are looked up
-    /// in f32), the rest copied as it is.
+    /// into the gathered buffer: with bf16 compute only what the model
+    /// reads in f32 (a block's vectors; tables that are looked up), the rest
+    /// copied as it is.
     pub(super) fn gather(&mut self, g: usize) -> Result<()> {
         // A late update of the group writes the parameters read here.
         self.wait_worker(Some(g))?;
@@ -402,14 +386,14 @@ impl Engine {
         let (backend, ws) = (&*self.backend, &mut self.ws);
         let bf16 = ws.gathered16.dtype() == Dtype::Bf16;
         if self.collective.world() == 1 {
-            let layout = BlockLayout::new(self.gpt.hidden);
+            let reads_f32 = &self.groups[g].reads_f32;
             return with_device_view(&self.runtime, backend, id, Dtype::Bf16, |shard| {
-                if !bf16 || g == 0 {
+                if !bf16 {
                     backend.cast(shard, ws.gathered.view_mut().range(0..n))?;
                 } else {
-                    for range in layout.vectors() {
+                    for range in reads_f32 {
                         let gathered = ws.gathered.view_mut().range(range.clone());
-                        backend.cast(shard.range(range), gathered)?;
+                        backend.cast(shard.range(range.clone()), gathered)?;
                     }
                 }
                 if bf16 {
@@ -445,7 +429,7 @@ impl Engine {
         let padded = self.groups[g].padded(self.collective.world());
         let id = self.tensor_to_write(grad_index(g))?;
         let (backend, ws) = (&*self.backend, &mut self.ws);
-        let full = if g == 0 {
+        let full = if g == OUTER {
             ws.dembed.view()
         } else {
             ws.grad_full.view()

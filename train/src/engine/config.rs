@@ -13,7 +13,7 @@ pub use strata_scheduler::{Checkpointing, StateDtype};
 
 use crate::error::bad;
 use crate::error::{Result, TrainError};
-use crate::gpt::GptConfig;
+use crate::model::{Arch, Model};
 use strata_runtime::Tier;
 
 /// The host buffer size when the config sets no classes.
@@ -91,10 +91,13 @@ impl ComputeDtype {
     }
 }
 
-/// The `[model]` table: a GPT-2-style model's shape.
+/// The `[model]` table: the architecture (a name in
+/// [`crate::model::ARCHITECTURES`]) and its shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
+    /// The architecture (`strata train --print-config` shows the default).
+    pub arch: Arch,
     /// Vocabulary (256: byte-level tokens).
     pub vocab: usize,
     /// Sequence length.
@@ -110,6 +113,7 @@ pub struct ModelConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
+            arch: Arch::default(),
             vocab: 256,
             seq: 64,
             hidden: 128,
@@ -120,15 +124,10 @@ impl Default for ModelConfig {
 }
 
 impl ModelConfig {
-    /// As the model code takes it.
-    pub fn gpt(&self) -> GptConfig {
-        GptConfig {
-            vocab: self.vocab,
-            seq: self.seq,
-            hidden: self.hidden,
-            heads: self.heads,
-            layers: self.layers,
-        }
+    /// The architecture of this shape ([`crate::model::build`]): its
+    /// shape checked, the error naming the key.
+    pub fn build(&self) -> Result<Box<dyn Model>> {
+        crate::model::build(self)
     }
 }
 
@@ -799,7 +798,7 @@ impl TrainConfig {
     /// Checks ranges and the relations between fields (not yet whether
     /// the placement fits: [`crate::engine::Engine::new`] plans that).
     pub fn validate(&self) -> Result<()> {
-        self.model.gpt().validate()?;
+        self.model.build()?;
         let t = &self.train;
         if t.steps == 0 {
             return Err(bad("train.steps", t.steps, "run at least 1 step"));
@@ -915,14 +914,14 @@ impl TrainConfig {
     /// [`validate`](Self::validate) checks first (they keep every count
     /// within 64 bits; the arithmetic saturates regardless).
     fn check_memory(&self) -> Result<()> {
-        let gpt = self.model.gpt();
+        let model = self.model.build()?;
         let world = self.train.ranks as u64;
-        let block = gpt.block_params() as u64;
-        let embed = gpt.embed_params() as u64;
-        let layers = gpt.layers as u64;
+        let groups: Vec<u64> = model.groups().iter().map(|g| g.params() as u64).collect();
         // Every group is cut into `world` equal shards (padded).
         let shard = |params: u64| params.div_ceil(world);
-        let shard_params = shard(embed).saturating_add(layers.saturating_mul(shard(block)));
+        let shard_params = groups
+            .iter()
+            .fold(0u64, |sum, &params| sum.saturating_add(shard(params)));
         let state_bytes = self.optim.state_dtype.bytes_per_param() as u64;
         let mut homed = [0u64; 3];
         let mut add = |tier: Tier, bytes_per_param: u64| {
@@ -937,8 +936,8 @@ impl TrainConfig {
             Tier::Host
         };
         add(grads, 4);
-        let group_max = shard(block.max(embed)).saturating_mul(world);
-        let stream = [self.train.micro_batch, gpt.seq, gpt.hidden]
+        let group_max = shard(groups.iter().copied().max().unwrap_or(0)).saturating_mul(world);
+        let stream = [self.train.micro_batch, model.seq(), model.stream_width()]
             .iter()
             .fold(1u64, |n, &d| n.saturating_mul(d as u64));
         let in_flight = self.train.in_flight() as u64;

@@ -1,7 +1,7 @@
-//! The training engine: one data-parallel rank of a ZeRO-3 run of a
-//! GPT-2-style model whose parameters, gradients, optimizer states and
-//! activations live in the runtime's tiers and move under the scheduler's
-//! plans.
+//! The training engine: one data-parallel rank of a ZeRO-3 run of a model
+//! (any architecture behind [`crate::model::Model`]) whose parameters,
+//! gradients, optimizer states and activations live in the runtime's tiers
+//! and move under the scheduler's plans.
 //!
 //! Every group of parameters (the embeddings, then each block) is cut into
 //! one shard per rank. A step: gather the embeddings, run each block's
@@ -87,7 +87,7 @@ use strata_kernels::{Backend, CpuBackend};
 use strata_runtime::{Runtime, Tier};
 
 use crate::error::{Result, TrainError, bad, os};
-use crate::gpt::GptConfig;
+use crate::model::{self, Model};
 use compute::Workspace;
 use optimizer::{CpuWorker, PoolSpread, Update, optimizer_pool};
 use steps::{estimated_block_ns, shape_index, shape_of};
@@ -154,7 +154,8 @@ pub struct Prediction {
 /// [`Engine::step`] with this rank's tokens for each step.
 pub struct Engine {
     config: TrainConfig,
-    gpt: GptConfig,
+    /// The architecture and its shape.
+    model: Arc<dyn Model>,
     runtime: Arc<Runtime>,
     /// Where the model computes.
     backend: Box<dyn Backend>,
@@ -254,19 +255,19 @@ impl Engine {
                 format!("the collective group has {world} ranks: make them agree"),
             ));
         }
-        let gpt = config.model.gpt();
-        let groups = Arc::new(groups(&gpt, world, rank));
+        let model: Arc<dyn Model> = model::build(&config.model)?.into();
+        let groups = Arc::new(groups(&*model, world, rank));
         let batch = config.train.micro_batch;
         // `auto`: the GPU if one answers and its backend opens (a driver
         // alone, an architecture strata does not compile for or a missing
         // library leave the CPU device), said once.
         let auto = config.device.kind == strata_runtime::DeviceChoice::Auto;
         let (mut resolved, mut why_not_gpu) = config.with_device_resolved();
-        let (backend, context, backend_bytes) = match open_backend(&resolved, batch * gpt.seq) {
+        let (backend, context, backend_bytes) = match open_backend(&resolved, batch * model.seq()) {
             Err(err) if auto && resolved.device.kind == strata_runtime::DeviceChoice::Cuda => {
                 why_not_gpu = Some(err.to_string());
                 resolved.device.kind = strata_runtime::DeviceChoice::Cpu;
-                open_backend(&resolved, batch * gpt.seq)?
+                open_backend(&resolved, batch * model.seq())?
             }
             opened => opened?,
         };
@@ -282,7 +283,7 @@ impl Engine {
         let compute_dtype = config.train.compute_dtype.resolve(backend.kind());
         let mut ws = Workspace::new(
             &*backend,
-            &gpt,
+            &*model,
             batch,
             &groups,
             world,
@@ -300,14 +301,15 @@ impl Engine {
         let spread = spread.as_ref().map(|s| s as &dyn strata_runtime::Spread);
         let runtime = open_runtime(config, rank, workspace_bytes, faults, context, spread)?;
         let runtime_ready = started.elapsed();
-        let kept = activations::kept_bytes(&ws.acts);
+        let kept = activations::kept_bytes(&ws.buffers);
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that
         // the host's staging reserve is not sized for the largest).
-        let every = slots(config, &groups, kept, &vec![true; gpt.layers]);
+        let every = slots(config, &groups, kept, &vec![true; model.layers()]);
         let rooms = plan_config(config, &runtime, &every, groups.len(), links())?.0;
         let candidates = activations::recompute_blocks(
             config,
+            &*model,
             &runtime,
             &*backend,
             &mut ws,
@@ -318,16 +320,16 @@ impl Engine {
         // Measured rates, when the choice measured them, cost the plans.
         let (block_ns, links) = match candidates.rates {
             Some(rates) => (rates.block_forward_ns as u64, rates.links()),
-            None => (estimated_block_ns(config, &gpt), links()),
+            None => (estimated_block_ns(config, &*model), links()),
         };
-        let layers = gpt.layers;
+        let layers = model.layers();
         let accumulation = config.train.grad_accumulation;
         let tensors = PER_GROUP * groups.len() + accumulation * layers;
         // An empty stand-in: `plan_shapes` makes the real one below.
         let tracker = StepTracker::new(rooms, 0, 0, 1);
         let mut engine = Engine {
             config: config.clone(),
-            gpt,
+            model,
             runtime: runtime.clone(),
             backend,
             collective,
@@ -507,7 +509,7 @@ impl Engine {
     /// `grad_accumulation x micro_batch` sequences of `seq + 1` tokens
     /// (inputs and the next-token targets).
     pub fn tokens_per_step(&self) -> usize {
-        self.config.train.grad_accumulation * self.config.train.micro_batch * (self.gpt.seq + 1)
+        self.config.train.grad_accumulation * self.config.train.micro_batch * (self.model.seq() + 1)
     }
 
     /// Runs one step on this rank's `tokens` ([`Engine::tokens_per_step`]
@@ -606,7 +608,7 @@ impl Engine {
             skipped,
             late,
             loss_scale,
-            tokens: (tokens.len() / (self.gpt.seq + 1) * self.gpt.seq * world) as u64,
+            tokens: (tokens.len() / (self.model.seq() + 1) * self.model.seq() * world) as u64,
             seconds: started.elapsed().as_secs_f64(),
             optimizer_wait_s: std::mem::take(&mut self.optimizer_wait_ns) as f64 / 1e9,
             optimizer_params_per_s: match &mut self.worker {

@@ -163,7 +163,7 @@ pub fn run(
     };
     let collectives = InProcess::group(
         world,
-        super::tensors::collective_elems_max(&config.model.gpt(), world),
+        super::tensors::collective_elems_max(&*config.model.build()?, world),
     );
     options.stop.watch(collectives[0].cancel_token());
     let (sender, receiver) = channel::<(StepReport, Stats, Option<f64>)>();
@@ -422,8 +422,7 @@ fn rank_main(
 /// Bytes of one checkpoint, with 5% to spare: the fp32 weights (4 bytes
 /// per parameter) and every rank's shard of master weights and moments
 /// (12 bytes per parameter in all).
-fn checkpoint_bytes(config: &TrainConfig) -> u64 {
-    let params = config.model.gpt().params() as u64;
+fn checkpoint_bytes(params: u64) -> u64 {
     params
         .saturating_mul(16)
         .saturating_add(params.saturating_mul(16) / 20)
@@ -438,7 +437,7 @@ const PROBE_BYTES_MAX: u64 = 64 << 20;
 /// that a scheduler's grace period can be checked before step 1.
 fn estimate_checkpoint_s(config: &TrainConfig, dir: &std::path::Path) -> Result<f64> {
     use std::io::Write;
-    let needed = checkpoint_bytes(config);
+    let needed = checkpoint_bytes(config.model.build()?.params() as u64);
     let probe_bytes = needed.clamp(1 << 20, PROBE_BYTES_MAX);
     let path = dir.join(format!(".strata-write-probe-{}", std::process::id()));
     let failed = |err| {
@@ -478,8 +477,8 @@ fn estimate_checkpoint_s(config: &TrainConfig, dir: &std::path::Path) -> Result<
 /// Errors unless `dir`'s filesystem has room for one checkpoint
 /// ([`checkpoint_bytes`]).
 fn check_checkpoint_room(config: &TrainConfig, dir: &std::path::Path) -> Result<()> {
-    let params = config.model.gpt().params() as u64;
-    let needed = checkpoint_bytes(config);
+    let params = config.model.build()?.params() as u64;
+    let needed = checkpoint_bytes(params);
     let available = strata_storage::sys::available_bytes(dir).map_err(|err| {
         os(
             format!(

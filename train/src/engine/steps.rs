@@ -11,7 +11,7 @@ use strata_scheduler::{
 use super::Engine;
 use super::config::{Placement, TrainConfig};
 use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
-use crate::gpt::GptConfig;
+use crate::model::Model;
 
 /// How the trace names an op's work: what, the group, the micro-batch.
 pub(super) fn label(work: Work) -> (&'static str, usize, Option<usize>) {
@@ -120,10 +120,9 @@ impl StepModel for EngineStep<'_> {
 
 /// One block's forward of one micro-batch from its matrix FLOPs at
 /// [`FLOPS_PER_S`]: the plans' cost when nothing was measured.
-pub(super) fn estimated_block_ns(config: &TrainConfig, gpt: &GptConfig) -> u64 {
-    (24.0 * (config.train.micro_batch * gpt.seq) as f64 * (gpt.hidden * gpt.hidden) as f64
-        / FLOPS_PER_S
-        * 1e9) as u64
+pub(super) fn estimated_block_ns(config: &TrainConfig, model: &dyn Model) -> u64 {
+    let tokens = config.train.micro_batch * model.seq();
+    (model.block_forward_flops(tokens) / FLOPS_PER_S * 1e9) as u64
 }
 
 impl Engine {
@@ -135,7 +134,7 @@ impl Engine {
     pub(super) fn step_ops(&self, current: usize, speculate: bool, late: bool) -> Vec<StepOp> {
         let train = &self.config.train;
         let shape = StepShape {
-            layers: self.gpt.layers,
+            layers: self.model.layers(),
             parts: 1,
             micro_batches: train.grad_accumulation,
             in_flight: train.in_flight(),

@@ -7,10 +7,9 @@ use half::bf16;
 use strata_runtime::{Access, Completion, Dtype, Runtime, TensorId, TensorKind, TensorMeta, Tier};
 use strata_scheduler as sched;
 use strata_scheduler::{Processor, TensorClass};
-use strata_storage::engine::SplitMix64;
 
 use crate::error::Result;
-use crate::gpt::{BlockLayout, EmbedLayout, GptConfig};
+use crate::model::Model;
 
 use super::config::{Placement, StateCache, StateDtype, TrainConfig};
 use super::{Engine, PER_GROUP};
@@ -53,6 +52,9 @@ pub(super) struct Group {
     /// parameters (whatever the number of ranks): what stochastic
     /// rounding's random bits are keyed by.
     pub(super) first: u64,
+    /// The ranges the model reads in f32 whatever the compute dtype
+    /// (adjacent ones merged): what one rank widens when it gathers.
+    pub(super) reads_f32: Vec<std::ops::Range<usize>>,
 }
 
 impl Group {
@@ -103,8 +105,8 @@ pub(super) fn state_cache(
 }
 
 /// The most floats one collective call carries: a whole (padded) group.
-pub(super) fn collective_elems_max(gpt: &GptConfig, world: usize) -> usize {
-    let shard_max = groups(gpt, world, 0).iter().map(|g| g.shard).max();
+pub(super) fn collective_elems_max(model: &dyn Model, world: usize) -> usize {
+    let shard_max = groups(model, world, 0).iter().map(|g| g.shard).max();
     shard_max.expect("groups") * world
 }
 
@@ -182,26 +184,23 @@ pub(super) fn decode_states(dtype: StateDtype, bytes: &[u8], out: &mut [f32]) {
 
 /// The parameter groups (embeddings, then each block) and this rank's
 /// shard of each.
-pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
-    let embed = EmbedLayout::new(gpt);
-    let block = BlockLayout::new(gpt.hidden);
-    let mut groups = Vec::with_capacity(gpt.layers + 1);
+pub(super) fn groups(model: &dyn Model, world: usize, rank: usize) -> Vec<Group> {
+    let specs = model.groups();
+    let mut groups = Vec::with_capacity(specs.len());
     let mut base = 0u64;
-    for g in 0..=gpt.layers {
-        let (name, params) = match g {
-            0 => ("embed".to_string(), embed.total),
-            _ => (format!("block{}", g - 1), block.total),
-        };
+    for spec in specs {
+        let (name, params) = (spec.name.clone(), spec.params());
         let shard = params.div_ceil(world);
         let begin = rank * shard;
         // Each tensor of the group, in layout order, and whether AdamW
         // decays it (weight matrices and embeddings); past the parameters,
         // the last shard's padding, which it does not. Tensor by tensor,
         // not element by element: billions of parameters take no time.
-        let tensors: Vec<(std::ops::Range<usize>, bool)> = match g {
-            0 => embed.tensors().collect(),
-            _ => block.tensors().collect(),
-        };
+        let tensors: Vec<(std::ops::Range<usize>, bool)> = spec
+            .tensors
+            .iter()
+            .map(|t| (t.range.clone(), t.decays))
+            .collect();
         let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
         for (range, decays) in tensors.into_iter().chain([(params..usize::MAX, false)]) {
             let (start, end) = (range.start.max(begin), range.end.min(begin + shard));
@@ -220,6 +219,7 @@ pub(super) fn groups(gpt: &GptConfig, world: usize, rank: usize) -> Vec<Group> {
             shard,
             runs,
             first: base + begin as u64,
+            reads_f32: spec.f32_ranges(),
         });
         base += params as u64;
     }
@@ -314,112 +314,6 @@ pub(super) fn slots(
     slots
 }
 
-/// GPT-2's initialization of group `g`, the same whatever the ranks: normal
-/// (0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers),
-/// LayerNorm scales 1, biases 0.
-pub(super) fn init_group(gpt: &GptConfig, g: usize, seed: u64, out: &mut [f32]) {
-    let mut rng = SplitMix64(seed ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let h = gpt.hidden;
-    if g == 0 {
-        let layout = EmbedLayout::new(gpt);
-        let matrices = gpt.vocab * h + gpt.seq * h;
-        fill_normal(&mut out[..matrices], 0.02, &mut rng);
-        out[matrices..matrices + h].fill(1.0);
-        out[matrices + h..layout.total].fill(0.0);
-        return;
-    }
-    let layout = BlockLayout::new(h);
-    let residual = 0.02 / (2.0 * gpt.layers as f32).sqrt();
-    // Parts in layout order: ln1 (g, b), qkv (w, b), proj (w, b), ln2 (g,
-    // b), fc1 (w, b), fc2 (w, b).
-    let sizes = [
-        h,
-        h,
-        3 * h * h,
-        3 * h,
-        h * h,
-        h,
-        h,
-        h,
-        4 * h * h,
-        4 * h,
-        4 * h * h,
-        h,
-    ];
-    let mut at = 0;
-    for (part, size) in sizes.iter().enumerate() {
-        let piece = &mut out[at..at + size];
-        match part {
-            0 | 6 => piece.fill(1.0),
-            2 | 8 => fill_normal(piece, 0.02, &mut rng),
-            4 | 10 => fill_normal(piece, residual, &mut rng),
-            _ => piece.fill(0.0),
-        }
-        at += size;
-    }
-    debug_assert_eq!(at, layout.total);
-}
-
-/// `scale` times normal deviates into `out`, as one thread drawing them in
-/// order from `rng` would (a pair of elements from two draws), cut over the
-/// machine's cores (a 2.6B-parameter model took minutes on one); `rng` ends
-/// past them.
-pub(super) fn fill_normal(out: &mut [f32], scale: f32, rng: &mut SplitMix64) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    fill_normal_on(out, scale, rng, threads);
-}
-
-/// Elements below which a piece of [`fill_normal`] is not worth a thread.
-const PIECE_MIN: usize = 1 << 20;
-
-/// [`fill_normal`] on at most `threads` threads.
-fn fill_normal_on(out: &mut [f32], scale: f32, rng: &mut SplitMix64, threads: usize) {
-    let threads = threads.max(1);
-    // Pieces start on a pair, so each takes the draws of whole pairs.
-    let piece = out
-        .len()
-        .div_ceil(threads)
-        .max(PIECE_MIN)
-        .next_multiple_of(2);
-    let start = rng.clone();
-    *rng = start.jumped(out.len().next_multiple_of(2) as u64);
-    let fill = |k: usize, part: &mut [f32]| {
-        let mut local = start.jumped((k * piece) as u64);
-        for pair in part.chunks_mut(2) {
-            let (a, b) = normal_pair(&mut local);
-            pair[0] = scale * a;
-            if let Some(second) = pair.get_mut(1) {
-                *second = scale * b;
-            }
-        }
-    };
-    std::thread::scope(|s| {
-        let mut parts = out.chunks_mut(piece).enumerate();
-        let first = parts.next();
-        for (k, part) in parts {
-            s.spawn(move || fill(k, part));
-        }
-        if let Some((k, part)) = first {
-            fill(k, part);
-        }
-    });
-}
-
-/// Two independent normal deviates by Box-Muller (its cosine and its sine)
-/// from two draws of the shared seeded generator.
-pub(super) fn normal_pair(rng: &mut SplitMix64) -> (f32, f32) {
-    // Uniforms in (0, 1], so the logarithm is finite.
-    let mut uniform = || ((rng.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64;
-    let (u, v) = (uniform(), uniform());
-    // In f64, rounded once to f32 at the end: one libm's last-place
-    // differences from another's then almost never reach the weights, so a
-    // seed gives the same model on other platforms too (the f32 functions
-    // took a further 20% off the time, without that).
-    let radius = (-2.0 * u.ln()).sqrt();
-    let (sin, cos) = (2.0 * std::f64::consts::PI * v).sin_cos();
-    ((radius * cos) as f32, (radius * sin) as f32)
-}
-
 pub(super) fn links() -> sched::Links {
     let copy = sched::Link {
         bytes_per_s: COPY_BYTES_PER_S,
@@ -501,7 +395,7 @@ impl Engine {
             let group = self.groups[g].clone();
             full.clear();
             full.resize(group.padded(world), 0.0f32);
-            init_group(&self.gpt, g, seed, &mut full[..group.params]);
+            self.model.init(g, seed, &mut full[..group.params]);
             let master = &full[rank * group.shard..(rank + 1) * group.shard];
             self.load_group(g, master, None, &mut buffers)?;
             self.place_persistent(grad_index(g), None)?;
@@ -588,25 +482,25 @@ mod tests {
     #[test]
     fn decay_runs_follow_the_tensors_on_every_rank() {
         for (hidden, vocab, seq) in [(8, 50, 16), (12, 7, 5), (4, 3, 1)] {
-            let gpt = GptConfig {
+            let config = crate::ModelConfig {
                 hidden,
                 heads: 2,
                 layers: 2,
                 vocab,
                 seq,
+                ..crate::ModelConfig::default()
             };
-            let (embed, block) = (EmbedLayout::new(&gpt), BlockLayout::new(hidden));
+            let model = crate::model::build(&config).unwrap();
+            let specs = model.groups();
             for world in [1, 2, 3, 7] {
                 for rank in 0..world {
-                    for (g, group) in groups(&gpt, world, rank).iter().enumerate() {
+                    for (g, group) in groups(&*model, world, rank).iter().enumerate() {
                         let begin = rank * group.shard;
                         let decays = |i: usize| {
-                            i < group.params
-                                && if g == 0 {
-                                    embed.is_matrix(i)
-                                } else {
-                                    block.is_matrix(i)
-                                }
+                            specs[g]
+                                .tensors
+                                .iter()
+                                .any(|t| t.decays && t.range.contains(&i))
                         };
                         let mut expected: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
                         for i in 0..group.shard {
@@ -634,6 +528,7 @@ mod tests {
             params: 10,
             shard: 10,
             first: 0,
+            reads_f32: Vec::new(),
             runs: vec![(0..10, true)],
         }];
         let kept = |dtype| Kept {
@@ -656,68 +551,5 @@ mod tests {
         }
         config.placement.optimizer = Placement::Device;
         assert_eq!(grad(&config, Dtype::Bf16), (Dtype::F32, 40));
-    }
-
-    #[test]
-    fn both_halves_of_a_pair_are_standard_normal_and_uncorrelated() {
-        let mut rng = SplitMix64(11);
-        let n = 200_000;
-        let pairs: Vec<(f64, f64)> = (0..n)
-            .map(|_| normal_pair(&mut rng))
-            .map(|(a, b)| (f64::from(a), f64::from(b)))
-            .collect();
-        let mean = |f: &dyn Fn(&(f64, f64)) -> f64| pairs.iter().map(f).sum::<f64>() / n as f64;
-        // Standard errors at n = 200k: 0.0022 for a mean, 0.0032 for a
-        // variance, 0.0022 for a correlation; the bounds are 4.5 of them.
-        for (name, half) in [("cosine", 0), ("sine", 1)] {
-            let x = |p: &(f64, f64)| if half == 0 { p.0 } else { p.1 };
-            let m = mean(&|p| x(p));
-            let var = mean(&|p| x(p) * x(p)) - m * m;
-            let tail = mean(&|p| f64::from(u8::from(x(p).abs() > 1.96)));
-            assert!(m.abs() < 0.01, "{name}: mean {m}");
-            assert!((var - 1.0).abs() < 0.015, "{name}: variance {var}");
-            assert!(
-                (tail - 0.05).abs() < 0.003,
-                "{name}: P(|x| > 1.96) = {tail}"
-            );
-        }
-        let correlation = mean(&|p| p.0 * p.1);
-        assert!(correlation.abs() < 0.01, "correlation {correlation}");
-    }
-
-    #[test]
-    fn parallel_normals_are_the_sequential_draws() {
-        // Empty, one element, around one piece, and several pieces with a
-        // ragged end, on one thread and on several.
-        let lens = [
-            0,
-            1,
-            2,
-            PIECE_MIN - 1,
-            PIECE_MIN + 1,
-            3 * PIECE_MIN + 12_345,
-        ];
-        for len in lens {
-            let mut sequential = SplitMix64(7);
-            let expected: Vec<u32> = (0..len.div_ceil(2))
-                .flat_map(|_| {
-                    let (a, b) = normal_pair(&mut sequential);
-                    [a, b]
-                })
-                .take(len)
-                .map(|x| (0.02 * x).to_bits())
-                .collect();
-            let after = sequential.next_u64();
-            for threads in [1, 2, 3, 16] {
-                let mut rng = SplitMix64(7);
-                let mut out = vec![0.0f32; len];
-                fill_normal_on(&mut out, 0.02, &mut rng, threads);
-                assert!(
-                    out.iter().map(|x| x.to_bits()).eq(expected.iter().copied()),
-                    "{len} on {threads}"
-                );
-                assert_eq!(rng.next_u64(), after, "{len} on {threads}");
-            }
-        }
     }
 }

@@ -2,6 +2,7 @@
 //! on a tiny shape.
 
 use super::*;
+use crate::error::TrainError;
 use strata_kernels::CpuBackend;
 
 const CPU: &dyn Backend = &CpuBackend;
@@ -14,7 +15,12 @@ fn w(x: &mut [f32]) -> ViewMut<'_> {
     ViewMut::host_slice(x)
 }
 
-const CONFIG: GptConfig = GptConfig {
+/// One block's and the head's buffers for [`BATCH`] sequences in f32.
+fn buffers() -> Buffers {
+    CONFIG.buffers(CPU, BATCH, Dtype::F32).unwrap()
+}
+
+const CONFIG: Gpt2 = Gpt2 {
     vocab: 11,
     seq: 5,
     hidden: 8,
@@ -30,12 +36,12 @@ fn values(count: usize, salt: f32, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-struct Model {
+struct Params {
     embed: Vec<f32>,
     blocks: Vec<Vec<f32>>,
 }
 
-fn model() -> Model {
+fn model() -> Params {
     let mut embed = values(CONFIG.embed_params(), 0.3, 0.5);
     let layout = EmbedLayout::new(&CONFIG);
     // The final LayerNorm near identity, as at initialisation.
@@ -54,7 +60,7 @@ fn model() -> Model {
             p
         })
         .collect();
-    Model { embed, blocks }
+    Params { embed, blocks }
 }
 
 fn tokens() -> (Vec<u32>, Vec<u32>) {
@@ -67,33 +73,21 @@ fn tokens() -> (Vec<u32>, Vec<u32>) {
 }
 
 /// Loss and gradients (embeddings, then each block).
-fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
+fn loss_and_grads(m: &Params) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     let (tokens, targets) = tokens();
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
-    let mut acts: Vec<BlockActivations> = (0..CONFIG.layers)
-        .map(|_| BlockActivations::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap())
-        .collect();
-    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
+    // Each block keeps its own activations until its backward.
+    let mut acts: Vec<Buffers> = (0..CONFIG.layers).map(|_| buffers()).collect();
     let mut x = vec![0.0; n * h];
     let tokens = View::host_slice(&tokens);
     embed_forward(CPU, &CONFIG, v(&m.embed), tokens, w(&mut x)).unwrap();
     let mut next = vec![0.0; n * h];
     for (l, p) in m.blocks.iter().enumerate() {
-        block_forward(
-            CPU,
-            &CONFIG,
-            BATCH,
-            v(p),
-            v(&x),
-            &mut acts[l],
-            &mut scratch,
-            w(&mut next),
-        )
-        .unwrap();
+        block_forward(CPU, &CONFIG, BATCH, v(p), v(&x), &mut acts[l], w(&mut next)).unwrap();
         std::mem::swap(&mut x, &mut next);
     }
-    let mut head = HeadBuffers::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
+    let mut head = buffers();
     let mut dembed = vec![0.0; CONFIG.embed_params()];
     let mut dx = vec![0.0; n * h];
     let loss = head_forward_backward(
@@ -118,9 +112,8 @@ fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
             &CONFIG,
             BATCH,
             v(&m.blocks[l]),
-            &acts[l],
             v(&dx),
-            &mut scratch,
+            &mut acts[l],
             w(&mut dprev),
             w(&mut dblocks[l]),
         )
@@ -131,7 +124,7 @@ fn loss_and_grads(m: &Model) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     (loss, dembed, dblocks)
 }
 
-fn loss(m: &Model) -> f32 {
+fn loss(m: &Params) -> f32 {
     loss_and_grads(m).0
 }
 
@@ -195,7 +188,6 @@ fn recomputed_forward_gives_the_same_gradients() {
         w(&mut x),
     )
     .unwrap();
-    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
     let mut out = vec![0.0; n * h];
     let dout = values(n * h, 2.0, 1.0);
     let mut grads = [
@@ -204,32 +196,11 @@ fn recomputed_forward_gives_the_same_gradients() {
     ];
     let mut dx = [vec![0.0; n * h], vec![0.0; n * h]];
     for (grads, dx) in grads.iter_mut().zip(&mut dx) {
-        let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
+        let mut acts = buffers();
         let p = v(&m.blocks[0]);
-        block_forward(
-            CPU,
-            &CONFIG,
-            BATCH,
-            p,
-            v(&x),
-            &mut acts,
-            &mut scratch,
-            w(&mut out),
-        )
-        .unwrap();
+        block_forward(CPU, &CONFIG, BATCH, p, v(&x), &mut acts, w(&mut out)).unwrap();
         assert_eq!(acts.input().host::<f32>().unwrap(), &x[..]);
-        block_backward(
-            CPU,
-            &CONFIG,
-            BATCH,
-            p,
-            &acts,
-            v(&dout),
-            &mut scratch,
-            w(dx),
-            w(grads),
-        )
-        .unwrap();
+        block_backward(CPU, &CONFIG, BATCH, p, v(&dout), &mut acts, w(dx), w(grads)).unwrap();
     }
     assert_eq!(grads[0], grads[1]);
     assert_eq!(dx[0], dx[1]);
@@ -240,21 +211,10 @@ fn buffers_of_the_wrong_size_are_named_errors() {
     let m = model();
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
-    let mut acts = BlockActivations::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
-    let mut scratch = BlockScratch::new(CPU, &CONFIG, BATCH, Dtype::F32).unwrap();
+    let mut acts = buffers();
     let (x, mut out) = (vec![0.0; n * h - 1], vec![0.0; n * h]);
     let p = v(&m.blocks[0]);
-    let error = block_forward(
-        CPU,
-        &CONFIG,
-        BATCH,
-        p,
-        v(&x),
-        &mut acts,
-        &mut scratch,
-        w(&mut out),
-    )
-    .unwrap_err();
+    let error = block_forward(CPU, &CONFIG, BATCH, p, v(&x), &mut acts, w(&mut out)).unwrap_err();
     assert!(
         matches!(
             error,

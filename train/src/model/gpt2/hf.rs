@@ -8,12 +8,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use super::Gpt2;
+use crate::model::forward_logits;
+use crate::{ByteCorpus, Checkpoint, RunOptions, TrainConfig, run};
 use serde_json::Value;
 use strata_device::{View, ViewMut};
 use strata_kernels::CpuBackend;
 use strata_storage::ByteSize;
-use strata_train::gpt::{GptConfig, forward_logits};
-use strata_train::{ByteCorpus, Checkpoint, RunOptions, TrainConfig, run};
 
 /// Largest difference allowed between transformers' fp32 logits and
 /// strata's (logits up to ~6 here): the two sum in different orders,
@@ -74,8 +75,10 @@ fn read_json(path: &Path) -> Value {
 type Named = (String, Vec<usize>);
 
 /// GPT-2's tensors of the embeddings and of each block, in strata's layout
-/// order (`gpt::EmbedLayout`, `gpt::BlockLayout`), with their shapes.
-fn gpt2_names(gpt: &GptConfig) -> (Vec<Named>, Vec<Vec<Named>>) {
+/// order (`EmbedLayout`, `BlockLayout`), with their shapes: written out
+/// here again, not taken from the model's groups, so that a mistake there
+/// shows.
+fn gpt2_names(gpt: &Gpt2) -> (Vec<Named>, Vec<Vec<Named>>) {
     let (h, v, s) = (gpt.hidden, gpt.vocab, gpt.seq);
     let embed = [
         ("wte.weight", vec![v, h]),
@@ -127,7 +130,7 @@ fn concatenated(file: &safetensors::SafeTensors<'_>, names: &[Named]) -> Vec<f32
 
 /// strata's logits (`TOKENS.len() x vocab`) from the step directory's
 /// `model.safetensors`, which must hold GPT-2's tensors and no others.
-fn strata_logits(step: &Path, gpt: &GptConfig) -> Vec<f32> {
+fn strata_logits(step: &Path, gpt: &Gpt2) -> Vec<f32> {
     let bytes = std::fs::read(step.join("model.safetensors")).unwrap();
     let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let format = metadata.metadata().as_ref().and_then(|m| m.get("format"));
@@ -156,8 +159,8 @@ fn strata_logits(step: &Path, gpt: &GptConfig) -> Vec<f32> {
     let tokens: Vec<u32> = TOKENS.iter().map(|&b| u32::from(b)).collect();
     let mut logits = vec![0.0f32; tokens.len() * gpt.vocab];
     forward_logits(
-        &CpuBackend,
         gpt,
+        &CpuBackend,
         View::host_slice(&embed),
         &block_views,
         View::host_slice(&tokens),
@@ -221,7 +224,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 fn a_step_directory_opens_in_transformers_with_strata_logits() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny(dir.path());
-    let gpt = config.model.gpt();
+    let gpt = Gpt2::new(&config.model).unwrap();
     let step = trained(&config);
 
     let hf = read_json(&step.join("config.json"));

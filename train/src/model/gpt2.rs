@@ -1,29 +1,31 @@
-//! A GPT-2-style model with a hand-written forward and backward per block,
-//! so that the caller decides when each block's parameters are present
-//! (what DeepSpeed does with module hooks): token and position embeddings,
-//! pre-LayerNorm blocks (causal multi-head attention, GELU MLP), a final
-//! LayerNorm, an LM head tied to the token embedding, cross-entropy.
+//! GPT-2 (`"gpt2"`), the first architecture behind [`Model`]: token and
+//! position embeddings, pre-LayerNorm blocks (causal multi-head attention,
+//! a 4h GELU MLP), a final LayerNorm, an LM head tied to the token
+//! embedding, cross-entropy; Hugging Face's `GPT2LMHeadModel` in and out.
 //!
-//! The model is written once over the ops of a [`Backend`] on
+//! A hand-written forward and backward per block, so that the caller
+//! decides when each block's parameters are present (what DeepSpeed does
+//! with module hooks), written once over the ops of a [`Backend`] on
 //! `strata_device` views: it never touches an element itself, so the same
 //! code runs on every backend (on the CPU backend the numbers are those of
 //! `strata_kernels::cpu`, bit for bit). Parameters of a block are one flat
-//! `f32` view ([`BlockLayout`]); so are the embeddings ([`EmbedLayout`]).
-//! Activations are in a compute dtype, f32 or bf16: with bf16 the matrix
-//! products read a bf16 copy of the weights ([`Weights`]) and write bf16,
-//! biases, LayerNorm parameters and statistics, log-sum-exps and every
-//! gradient of a parameter stay f32. What a block keeps for its backward
-//! is one buffer of the compute dtype ([`BlockActivations`], its f32 parts
-//! read through `as_dtype`): saving it between passes is one copy, and its
-//! size is the backend's to say (a flash-style attention keeps less than
-//! the CPU's probabilities).
+//! `f32` view ([`BlockLayout`]); so are the embeddings and the final
+//! LayerNorm, the outer group ([`EmbedLayout`]). Activations are in a
+//! compute dtype, f32 or bf16: with bf16 the matrix products read a bf16
+//! copy of the weights ([`Weights`]) and write bf16, biases, LayerNorm
+//! parameters and statistics, log-sum-exps and every gradient of a
+//! parameter stay f32. What a block keeps for its backward is one buffer of
+//! the compute dtype ([`Buffers::kept`], its f32 parts read through
+//! `as_dtype`): saving it between passes is one copy, and its size is the
+//! backend's to say (a flash-style attention keeps less than the CPU's
+//! probabilities).
 //!
 //! ```
 //! use strata_device::{View, ViewMut};
 //! use strata_kernels::CpuBackend;
-//! use strata_train::gpt::{GptConfig, embed_forward};
+//! use strata_train::model::gpt2::{Gpt2, embed_forward};
 //!
-//! let config = GptConfig { vocab: 4, seq: 2, hidden: 2, heads: 1, layers: 1 };
+//! let config = Gpt2 { vocab: 4, seq: 2, hidden: 2, heads: 1, layers: 1 };
 //! let embed = vec![0.5f32; config.embed_params()];
 //! let (tokens, mut x) = ([1u32, 3], vec![0.0f32; 4]);
 //! embed_forward(&CpuBackend, &config, View::host_slice(&embed), View::host_slice(&tokens),
@@ -33,12 +35,17 @@
 
 use std::ops::Range;
 
-use strata_device::{Buffer, Dtype, View, ViewMut};
+use strata_device::{Dtype, View, ViewMut};
 use strata_kernels::{Attention, Backend, Matrix, Readback};
 
-use crate::error::TrainError;
-
-type Result<T> = std::result::Result<T, TrainError>;
+use super::init::fill_normal;
+use super::{
+    Arch, Architecture, Buffers, GroupSpec, Model, Parts, TensorSpec, TypedParts, Weights,
+    expect_len,
+};
+use crate::engine::ModelConfig;
+use crate::error::Result;
+use strata_storage::engine::SplitMix64;
 
 /// The largest hidden size accepted (GPT-3 175B: 12288).
 pub const HIDDEN_MAX: usize = 1 << 16;
@@ -52,7 +59,7 @@ pub const VOCAB_MAX: usize = 1 << 24;
 
 /// A model's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GptConfig {
+pub struct Gpt2 {
     /// Vocabulary (256 for byte-level tokens).
     pub vocab: usize,
     /// Sequence length (positions).
@@ -65,7 +72,7 @@ pub struct GptConfig {
     pub layers: usize,
 }
 
-impl GptConfig {
+impl Gpt2 {
     /// Checks the shape; the error names the field.
     pub fn validate(&self) -> Result<()> {
         let bad = |key, value: usize, fix: String| Err(crate::error::bad(key, value, fix));
@@ -113,133 +120,6 @@ impl GptConfig {
     /// All parameters.
     pub fn params(&self) -> usize {
         self.embed_params() + self.layers * self.block_params()
-    }
-}
-
-/// Consecutive parts of one flat buffer, by their lengths.
-#[derive(Debug, Clone, Copy)]
-struct Parts<const N: usize> {
-    lens: [usize; N],
-    ends: [usize; N],
-}
-
-impl<const N: usize> Parts<N> {
-    fn new(lens: [usize; N]) -> Self {
-        let mut ends = lens;
-        for i in 1..N {
-            ends[i] += ends[i - 1];
-        }
-        Parts { lens, ends }
-    }
-
-    fn total(&self) -> usize {
-        self.ends[N - 1]
-    }
-
-    /// Elements of parts `first..=last`.
-    fn span(&self, first: usize, last: usize) -> Range<usize> {
-        let start = if first == 0 { 0 } else { self.ends[first - 1] };
-        start..self.ends[last]
-    }
-
-    fn range(&self, i: usize) -> Range<usize> {
-        self.span(i, i)
-    }
-
-    fn split<'a>(&self, view: ViewMut<'a>) -> [ViewMut<'a>; N] {
-        view.split_parts(self.lens)
-    }
-
-    fn views<'a>(&self, view: View<'a>) -> [View<'a>; N] {
-        std::array::from_fn(|i| view.range(self.range(i)))
-    }
-}
-
-/// Parts of one buffer of a compute dtype, some of them of another dtype
-/// (f32 statistics in a bf16 buffer), each starting 16-byte aligned (what
-/// the tensor-core kernels' 16-byte copies need).
-#[derive(Debug, Clone, Copy)]
-struct TypedParts<const N: usize> {
-    /// Each part's elements, of its own dtype.
-    lens: [usize; N],
-    dtypes: [Dtype; N],
-    /// The parts in the buffer's elements.
-    parts: Parts<N>,
-    /// The buffer's dtype.
-    dtype: Dtype,
-}
-
-impl<const N: usize> TypedParts<N> {
-    fn new(dtype: Dtype, parts: [(usize, Dtype); N]) -> Self {
-        let unit = dtype.bytes() as usize;
-        let in_buffer = parts.map(|(len, d)| (len * d.bytes() as usize).div_ceil(16) * 16 / unit);
-        TypedParts {
-            lens: parts.map(|p| p.0),
-            dtypes: parts.map(|p| p.1),
-            parts: Parts::new(in_buffer),
-            dtype,
-        }
-    }
-
-    fn total(&self) -> usize {
-        self.parts.total()
-    }
-
-    /// A buffer for these parts on `backend`.
-    fn alloc(&self, backend: &dyn Backend) -> Result<Buffer> {
-        Ok(backend.alloc(self.dtype, self.total())?)
-    }
-
-    fn split<'a>(&self, view: ViewMut<'a>) -> [ViewMut<'a>; N] {
-        let mut parts = self.parts.split(view).into_iter();
-        std::array::from_fn(|i| {
-            let part = parts.next().expect("N parts");
-            let part = part
-                .as_dtype(self.dtypes[i])
-                .expect("parts start 16-byte aligned");
-            part.range(0..self.lens[i])
-        })
-    }
-
-    fn views<'a>(&self, view: View<'a>) -> [View<'a>; N] {
-        std::array::from_fn(|i| self.view(view, i))
-    }
-
-    fn view<'a>(&self, view: View<'a>, i: usize) -> View<'a> {
-        let part = view.range(self.parts.range(i));
-        let part = part
-            .as_dtype(self.dtypes[i])
-            .expect("parts start 16-byte aligned");
-        part.range(0..self.lens[i])
-    }
-}
-
-/// A group's parameters as the ops read them: all of them in f32 (biases,
-/// LayerNorm parameters, the embedding tables), and the same values in the
-/// compute dtype for the matrix products (the same view when it is f32).
-#[derive(Debug, Clone, Copy)]
-pub struct Weights<'a> {
-    /// Every parameter, f32.
-    pub f32: View<'a>,
-    /// Every parameter in the compute dtype (only its weight matrices are
-    /// read).
-    pub compute: View<'a>,
-}
-
-impl<'a> From<View<'a>> for Weights<'a> {
-    /// f32 compute: one view serves both.
-    fn from(view: View<'a>) -> Self {
-        Weights {
-            f32: view,
-            compute: view,
-        }
-    }
-}
-
-impl<'a> Weights<'a> {
-    fn check(&self, what: &'static str, total: usize) -> Result<()> {
-        expect_len(what, self.f32.len(), total)?;
-        expect_len(what, self.compute.len(), total)
     }
 }
 
@@ -360,7 +240,7 @@ pub struct EmbedLayout {
 
 impl EmbedLayout {
     /// The layout for `config`.
-    pub fn new(config: &GptConfig) -> Self {
+    pub fn new(config: &Gpt2) -> Self {
         let h = config.hidden;
         let parts = Parts::new([config.vocab * h, config.seq * h, h, h]);
         EmbedLayout {
@@ -396,7 +276,7 @@ impl EmbedLayout {
 }
 
 /// The attention shape of `batch` sequences.
-fn attention_shape(config: &GptConfig, batch: usize) -> Attention {
+fn attention_shape(config: &Gpt2, batch: usize) -> Attention {
     Attention {
         batch,
         seq: config.seq,
@@ -411,7 +291,7 @@ fn attention_shape(config: &GptConfig, batch: usize) -> Attention {
 /// output, GELU's output.
 fn activation_parts(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     batch: usize,
     dtype: Dtype,
 ) -> TypedParts<11> {
@@ -436,65 +316,12 @@ fn activation_parts(
     )
 }
 
-/// What a block's forward keeps for its backward, for `batch` sequences,
-/// in one buffer. With activation checkpointing only the input is kept
-/// between passes, and [`block_forward`] is run again into this before the
-/// backward.
-#[derive(Debug)]
-pub struct BlockActivations {
-    buffer: Buffer,
-    parts: TypedParts<11>,
-}
-
-impl BlockActivations {
-    /// Buffers for `batch` sequences of `config.seq` tokens on `backend`,
-    /// the activations `dtype` (f32 or bf16).
-    pub fn new(
-        backend: &dyn Backend,
-        config: &GptConfig,
-        batch: usize,
-        dtype: Dtype,
-    ) -> Result<Self> {
-        let parts = activation_parts(backend, config, batch, dtype);
-        Ok(BlockActivations {
-            buffer: parts.alloc(backend)?,
-            parts,
-        })
-    }
-
-    /// Bytes these buffers hold.
-    pub fn bytes(&self) -> u64 {
-        self.buffer.bytes()
-    }
-
-    /// Everything kept, as one view: what a run without checkpointing
-    /// saves between forward and backward.
-    pub fn view(&self) -> View<'_> {
-        self.buffer.view()
-    }
-
-    /// Everything kept, to restore what [`BlockActivations::view`] saved.
-    pub fn view_mut(&mut self) -> ViewMut<'_> {
-        self.buffer.view_mut()
-    }
-
-    /// The forward's input (what activation checkpointing keeps).
-    pub fn input(&self) -> View<'_> {
-        self.parts.view(self.buffer.view(), 0)
-    }
-
-    /// The activations' dtype (what the saved views are read as).
-    pub fn dtype(&self) -> Dtype {
-        self.parts.dtype
-    }
-}
-
 /// The parts of [`BlockScratch`]: the attention ops' workspace, then the
 /// gradients of attention's output, qkv, the first residual, ln2's
 /// output, GELU's output, fc1's output and ln1's output.
 fn scratch_parts(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     batch: usize,
     dtype: Dtype,
 ) -> TypedParts<8> {
@@ -513,41 +340,6 @@ fn scratch_parts(
             (n * h, dtype),
         ],
     )
-}
-
-/// Working buffers of a block, sized once, in one buffer.
-#[derive(Debug)]
-pub struct BlockScratch {
-    buffer: Buffer,
-    parts: TypedParts<8>,
-}
-
-impl BlockScratch {
-    /// Buffers for `batch` sequences on `backend`, the activation
-    /// gradients `dtype` (f32 or bf16).
-    pub fn new(
-        backend: &dyn Backend,
-        config: &GptConfig,
-        batch: usize,
-        dtype: Dtype,
-    ) -> Result<Self> {
-        let parts = scratch_parts(backend, config, batch, dtype);
-        Ok(BlockScratch {
-            buffer: parts.alloc(backend)?,
-            parts,
-        })
-    }
-
-    /// Bytes these buffers hold.
-    pub fn bytes(&self) -> u64 {
-        self.buffer.bytes()
-    }
-
-    /// The attention ops' workspace.
-    fn workspace(&mut self) -> ViewMut<'_> {
-        let [workspace, ..] = self.parts.split(self.buffer.view_mut());
-        workspace
-    }
 }
 
 /// A linear layer: `y = x w + b`, with `x` `rows x inputs` (one fused
@@ -616,30 +408,16 @@ fn linear_backward(
     )?;
     Ok(())
 }
-
-/// Checks that `view` holds `expected` elements; the error names it.
-fn expect_len(what: &'static str, view_len: usize, expected: usize) -> Result<()> {
-    if view_len != expected {
-        return Err(TrainError::Shape {
-            what,
-            actual: view_len,
-            expected,
-        });
-    }
-    Ok(())
-}
-
 /// One block's forward for `batch` sequences: `out = block(x)`, keeping
 /// what the backward needs in `acts`.
 #[allow(clippy::too_many_arguments)]
 pub fn block_forward<'w>(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     batch: usize,
     params: impl Into<Weights<'w>>,
     x: View<'_>,
-    acts: &mut BlockActivations,
-    scratch: &mut BlockScratch,
+    buffers: &mut Buffers,
     mut out: ViewMut<'_>,
 ) -> Result<()> {
     let (n, h) = (batch * config.seq, config.hidden);
@@ -649,7 +427,9 @@ pub fn block_forward<'w>(
     expect_len("block input", x.len(), n * h)?;
     expect_len("block output", out.len(), n * h)?;
     let p = layout.views(params);
-    let parts = acts.parts;
+    let dtype = buffers.dtype();
+    let [workspace, ..] =
+        scratch_parts(backend, config, batch, dtype).split(buffers.scratch.view_mut());
     let [
         input,
         mut a,
@@ -662,7 +442,7 @@ pub fn block_forward<'w>(
         ln2,
         mut f,
         mut g,
-    ] = parts.split(acts.buffer.view_mut());
+    ] = activation_parts(backend, config, batch, dtype).split(buffers.acts.view_mut());
     backend.copy(x, input)?;
     backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
     linear(backend, a.view(), p[QKV_W], p[QKV_B], n, qkv.reborrow())?;
@@ -671,7 +451,7 @@ pub fn block_forward<'w>(
         qkv.view(),
         att.reborrow(),
         saved,
-        scratch.workspace(),
+        workspace,
     )?;
     linear(backend, att.view(), p[PROJ_W], p[PROJ_B], n, x1.reborrow())?;
     backend.add(x1.reborrow(), x)?;
@@ -695,12 +475,11 @@ pub fn block_forward<'w>(
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward<'w>(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     batch: usize,
     params: impl Into<Weights<'w>>,
-    acts: &BlockActivations,
     dout: View<'_>,
-    scratch: &mut BlockScratch,
+    buffers: &mut Buffers,
     mut dx: ViewMut<'_>,
     dparams: ViewMut<'_>,
 ) -> Result<()> {
@@ -712,7 +491,9 @@ pub fn block_backward<'w>(
     expect_len("block output gradient", dout.len(), n * h)?;
     expect_len("block input gradient", dx.len(), n * h)?;
     let p = layout.views(params);
-    let [x, a, ln1, qkv, saved, att, x1, c, ln2, f, g] = acts.parts.views(acts.buffer.view());
+    let dtype = buffers.dtype();
+    let [x, a, ln1, qkv, saved, att, x1, c, ln2, f, g] =
+        activation_parts(backend, config, batch, dtype).views(buffers.acts.view());
     let [
         dln1,
         dwqkv,
@@ -725,7 +506,6 @@ pub fn block_backward<'w>(
         dwfc2,
         dbfc2,
     ] = layout.grads.split(dparams);
-    let scratch_parts = scratch.parts;
     let [
         workspace,
         mut datt,
@@ -735,7 +515,7 @@ pub fn block_backward<'w>(
         mut dg,
         mut df,
         mut da,
-    ] = scratch_parts.split(scratch.buffer.view_mut());
+    ] = scratch_parts(backend, config, batch, dtype).split(buffers.scratch.view_mut());
     // MLP: fc2's parameter gradients, then the gradient through fc2 and
     // the GELU in one fused GEMM where the backend can (`dg` its scratch).
     linear_param_grads(backend, g, dout, n, dwfc2, dbfc2)?;
@@ -796,7 +576,7 @@ pub fn block_backward<'w>(
 /// The embeddings' forward: `x[b, t] = wte[tokens[b, t]] + wpe[t]`.
 pub fn embed_forward(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     embed: View<'_>,
     tokens: View<'_>,
     x: ViewMut<'_>,
@@ -811,7 +591,7 @@ pub fn embed_forward(
 /// The parts of [`HeadBuffers`]: the final LayerNorm's output and saved
 /// statistics, the logits, their gradient, and the final LayerNorm
 /// output's gradient.
-fn head_parts(config: &GptConfig, batch: usize, dtype: Dtype) -> TypedParts<5> {
+fn head_parts(config: &Gpt2, batch: usize, dtype: Dtype) -> TypedParts<5> {
     let (n, h, v) = (batch * config.seq, config.hidden, config.vocab);
     TypedParts::new(
         dtype,
@@ -825,36 +605,6 @@ fn head_parts(config: &GptConfig, batch: usize, dtype: Dtype) -> TypedParts<5> {
     )
 }
 
-/// Buffers of the head (final LayerNorm, tied LM head, loss), in one
-/// buffer.
-#[derive(Debug)]
-pub struct HeadBuffers {
-    buffer: Buffer,
-    parts: TypedParts<5>,
-}
-
-impl HeadBuffers {
-    /// Buffers for `batch` sequences on `backend`, the activations and
-    /// logits `dtype` (f32 or bf16).
-    pub fn new(
-        backend: &dyn Backend,
-        config: &GptConfig,
-        batch: usize,
-        dtype: Dtype,
-    ) -> Result<Self> {
-        let parts = head_parts(config, batch, dtype);
-        Ok(HeadBuffers {
-            buffer: parts.alloc(backend)?,
-            parts,
-        })
-    }
-
-    /// Bytes these buffers hold.
-    pub fn bytes(&self) -> u64 {
-        self.buffer.bytes()
-    }
-}
-
 /// The head's forward and backward: the mean cross-entropy of the last
 /// block's output `x` against `targets`; writes `dx` and adds to the
 /// embedding gradients `dembed` (tied LM head, final LayerNorm), both
@@ -863,12 +613,12 @@ impl HeadBuffers {
 #[allow(clippy::too_many_arguments)]
 pub fn head_forward_backward<'w>(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     embed: impl Into<Weights<'w>>,
     x: View<'_>,
     targets: View<'_>,
     grad_scale: f32,
-    buffers: &mut HeadBuffers,
+    buffers: &mut Buffers,
     mut dx: ViewMut<'_>,
     dembed: ViewMut<'_>,
 ) -> Result<Readback> {
@@ -881,8 +631,9 @@ pub fn head_forward_backward<'w>(
     expect_len("head input", x.len(), n * h)?;
     let [_, _, gamma, beta] = layout.parts.views(embed.f32);
     let wte = embed.compute.range(layout.range(0)).matrix(v, h)?;
-    let parts = buffers.parts;
-    let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] = parts.split(buffers.buffer.view_mut());
+    expect_len("head targets", n, buffers.batch * config.seq)?;
+    let parts = head_parts(config, buffers.batch, buffers.dtype());
+    let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] = parts.split(buffers.head.view_mut());
     backend.layer_norm(x, gamma, beta, hf.reborrow(), ln.reborrow())?;
     let hf = hf.view().matrix(n, h)?;
     backend.gemm(
@@ -918,10 +669,10 @@ pub fn head_forward_backward<'w>(
 /// block's output `x` through the final LayerNorm and the tied LM head.
 pub fn head_logits<'w>(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     embed: impl Into<Weights<'w>>,
     x: View<'_>,
-    buffers: &mut HeadBuffers,
+    buffers: &mut Buffers,
     logits: ViewMut<'_>,
 ) -> Result<()> {
     let (h, v) = (config.hidden, config.vocab);
@@ -930,12 +681,12 @@ pub fn head_logits<'w>(
     embed.check("embedding parameters", layout.total)?;
     let n = x.len() / h;
     expect_len("head input", x.len(), n * h)?;
-    expect_len("head buffers", buffers.parts.lens[0], n * h)?;
+    let parts = head_parts(config, buffers.batch, buffers.dtype());
+    expect_len("head buffers", parts.lens[0], n * h)?;
     expect_len("logits", logits.len(), n * v)?;
     let [_, _, gamma, beta] = layout.parts.views(embed.f32);
     let wte = embed.compute.range(layout.range(0));
-    let parts = buffers.parts;
-    let [mut hf, ln, ..] = parts.split(buffers.buffer.view_mut());
+    let [mut hf, ln, ..] = parts.split(buffers.head.view_mut());
     backend.layer_norm(x, gamma, beta, hf.reborrow(), ln)?;
     backend.gemm(
         Matrix::n(hf.view().matrix(n, h)?),
@@ -947,53 +698,11 @@ pub fn head_logits<'w>(
     Ok(())
 }
 
-/// The whole model's forward for inference: the logits (`tokens x
-/// vocab`) of `tokens` (whole sequences of `config.seq`), from the
-/// embeddings' parameters and each block's. It allocates its buffers on
-/// `backend` (one block's activations, not the model's) and returns once
-/// the backend has written `logits` (an evaluation, not a step's path).
-pub fn forward_logits(
-    backend: &dyn Backend,
-    config: &GptConfig,
-    embed: View<'_>,
-    blocks: &[View<'_>],
-    tokens: View<'_>,
-    logits: ViewMut<'_>,
-) -> Result<()> {
-    let batch = tokens.len() / config.seq;
-    expect_len("tokens", tokens.len(), batch.max(1) * config.seq)?;
-    expect_len("blocks", blocks.len(), config.layers)?;
-    let n = batch * config.seq;
-    let mut acts = BlockActivations::new(backend, config, batch, Dtype::F32)?;
-    let mut scratch = BlockScratch::new(backend, config, batch, Dtype::F32)?;
-    let mut head = HeadBuffers::new(backend, config, batch, Dtype::F32)?;
-    let mut x = backend.alloc(Dtype::F32, n * config.hidden)?;
-    let mut y = backend.alloc(Dtype::F32, n * config.hidden)?;
-    embed_forward(backend, config, embed, tokens, x.view_mut())?;
-    for &params in blocks {
-        block_forward(
-            backend,
-            config,
-            batch,
-            params,
-            x.view(),
-            &mut acts,
-            &mut scratch,
-            y.view_mut(),
-        )?;
-        std::mem::swap(&mut x, &mut y);
-    }
-    head_logits(backend, config, embed, x.view(), &mut head, logits)?;
-    // The buffers above are freed on return: the ops must be done with them.
-    backend.record()?.wait()?;
-    Ok(())
-}
-
 /// The embeddings' backward: adds `dx` to the rows of the token and
 /// position embeddings it came from.
 pub fn embed_backward(
     backend: &dyn Backend,
-    config: &GptConfig,
+    config: &Gpt2,
     tokens: View<'_>,
     dx: View<'_>,
     dembed: ViewMut<'_>,
@@ -1005,5 +714,334 @@ pub fn embed_backward(
     Ok(())
 }
 
+/// GPT-2's entry in the registry.
+pub const ARCHITECTURE: Architecture = Architecture {
+    name: "gpt2",
+    build: Gpt2::build,
+    for_params: Gpt2::for_params,
+};
+
+impl Gpt2 {
+    /// The shape `[model]` gives, checked.
+    pub fn new(config: &ModelConfig) -> Result<Gpt2> {
+        let gpt = Gpt2 {
+            vocab: config.vocab,
+            seq: config.seq,
+            hidden: config.hidden,
+            heads: config.heads,
+            layers: config.layers,
+        };
+        gpt.validate()?;
+        Ok(gpt)
+    }
+
+    /// [`Gpt2::new`] for the registry.
+    fn build(config: &ModelConfig) -> Result<Box<dyn Model>> {
+        Ok(Box::new(Gpt2::new(config)?))
+    }
+
+    /// The GPT-3 family's shape of about `params` parameters (or one grown
+    /// at the 1T model's aspect), at 2048 tokens with GPT-2's 50257-token
+    /// vocabulary.
+    fn for_params(params: f64) -> Result<ModelConfig> {
+        let dense = strata_scheduler::Model::for_params(params)?;
+        Ok(ModelConfig {
+            arch: Arch::named(ARCHITECTURE.name)?,
+            vocab: dense.vocab as usize,
+            seq: dense.seq as usize,
+            hidden: dense.hidden as usize,
+            heads: dense.heads as usize,
+            layers: dense.layers as usize,
+        })
+    }
+
+    /// The outer group: the token embedding (also the LM head), the
+    /// position embedding, the final LayerNorm; every one read in f32 (the
+    /// tables are looked up).
+    fn outer_group(&self) -> GroupSpec {
+        let (h, layout) = (self.hidden, EmbedLayout::new(self));
+        let names: [(&str, Vec<usize>); 4] = [
+            ("wte.weight", vec![self.vocab, h]),
+            ("wpe.weight", vec![self.seq, h]),
+            ("ln_f.weight", vec![h]),
+            ("ln_f.bias", vec![h]),
+        ];
+        let tensors = layout.tensors().zip(names);
+        GroupSpec {
+            name: "embed".into(),
+            tensors: tensors
+                .map(|((range, decays), (name, shape))| TensorSpec {
+                    name: name.into(),
+                    shape,
+                    range,
+                    decays,
+                    reads_f32: true,
+                })
+                .collect(),
+        }
+    }
+
+    /// Block `b`: Hugging Face's `Conv1D` weights are input-major, as
+    /// strata keeps them, so each tensor is its range as it is.
+    fn block_group(&self, b: usize) -> GroupSpec {
+        let (h, layout) = (self.hidden, BlockLayout::new(self.hidden));
+        let names: [(&str, Vec<usize>); 12] = [
+            ("ln_1.weight", vec![h]),
+            ("ln_1.bias", vec![h]),
+            ("attn.c_attn.weight", vec![h, 3 * h]),
+            ("attn.c_attn.bias", vec![3 * h]),
+            ("attn.c_proj.weight", vec![h, h]),
+            ("attn.c_proj.bias", vec![h]),
+            ("ln_2.weight", vec![h]),
+            ("ln_2.bias", vec![h]),
+            ("mlp.c_fc.weight", vec![h, 4 * h]),
+            ("mlp.c_fc.bias", vec![4 * h]),
+            ("mlp.c_proj.weight", vec![4 * h, h]),
+            ("mlp.c_proj.bias", vec![h]),
+        ];
+        GroupSpec {
+            name: format!("block{b}"),
+            tensors: layout
+                .tensors()
+                .zip(names)
+                .map(|((range, matrix), (name, shape))| TensorSpec {
+                    name: format!("h.{b}.{name}"),
+                    shape,
+                    range,
+                    decays: matrix,
+                    reads_f32: !matrix,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Model for Gpt2 {
+    fn arch(&self) -> &'static str {
+        ARCHITECTURE.name
+    }
+
+    fn seq(&self) -> usize {
+        self.seq
+    }
+
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    fn layers(&self) -> usize {
+        self.layers
+    }
+
+    fn stream_width(&self) -> usize {
+        self.hidden
+    }
+
+    fn groups(&self) -> Vec<GroupSpec> {
+        let blocks = (0..self.layers).map(|b| self.block_group(b));
+        std::iter::once(self.outer_group()).chain(blocks).collect()
+    }
+
+    fn params(&self) -> usize {
+        Gpt2::params(self)
+    }
+
+    fn init(&self, g: usize, seed: u64, out: &mut [f32]) {
+        init_group(self, g, seed, out);
+    }
+
+    fn block_forward_flops(&self, tokens: usize) -> f64 {
+        // qkv 3h^2, proj h^2, the MLP 8h^2 multiply-adds a token.
+        24.0 * tokens as f64 * (self.hidden * self.hidden) as f64
+    }
+
+    fn buffers(&self, backend: &dyn Backend, batch: usize, dtype: Dtype) -> Result<Buffers> {
+        let acts = activation_parts(backend, self, batch, dtype);
+        Ok(Buffers {
+            batch,
+            input_elems: acts.lens[0],
+            acts: acts.alloc(backend)?,
+            scratch: scratch_parts(backend, self, batch, dtype).alloc(backend)?,
+            head: head_parts(self, batch, dtype).alloc(backend)?,
+        })
+    }
+
+    fn embed_forward(
+        &self,
+        backend: &dyn Backend,
+        outer: View<'_>,
+        tokens: View<'_>,
+        x: ViewMut<'_>,
+    ) -> Result<()> {
+        embed_forward(backend, self, outer, tokens, x)
+    }
+
+    fn block_forward(
+        &self,
+        backend: &dyn Backend,
+        batch: usize,
+        params: Weights<'_>,
+        x: View<'_>,
+        buffers: &mut Buffers,
+        out: ViewMut<'_>,
+    ) -> Result<()> {
+        block_forward(backend, self, batch, params, x, buffers, out)
+    }
+
+    fn block_backward(
+        &self,
+        backend: &dyn Backend,
+        batch: usize,
+        params: Weights<'_>,
+        dout: View<'_>,
+        buffers: &mut Buffers,
+        dx: ViewMut<'_>,
+        dparams: ViewMut<'_>,
+    ) -> Result<()> {
+        block_backward(backend, self, batch, params, dout, buffers, dx, dparams)
+    }
+
+    fn head_forward_backward(
+        &self,
+        backend: &dyn Backend,
+        outer: Weights<'_>,
+        x: View<'_>,
+        targets: View<'_>,
+        grad_scale: f32,
+        buffers: &mut Buffers,
+        dx: ViewMut<'_>,
+        douter: ViewMut<'_>,
+    ) -> Result<Readback> {
+        head_forward_backward(
+            backend, self, outer, x, targets, grad_scale, buffers, dx, douter,
+        )
+    }
+
+    fn head_logits(
+        &self,
+        backend: &dyn Backend,
+        outer: Weights<'_>,
+        x: View<'_>,
+        buffers: &mut Buffers,
+        logits: ViewMut<'_>,
+    ) -> Result<()> {
+        head_logits(backend, self, outer, x, buffers, logits)
+    }
+
+    fn embed_backward(
+        &self,
+        backend: &dyn Backend,
+        tokens: View<'_>,
+        dx: View<'_>,
+        douter: ViewMut<'_>,
+    ) -> Result<()> {
+        embed_backward(backend, self, tokens, dx, douter)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        hf_config(self)
+    }
+
+    fn cost_model(&self, micro_batch: u64) -> strata_scheduler::Model {
+        strata_scheduler::Model {
+            micro_batch,
+            ..strata_scheduler::Model::dense(
+                self.layers as u32,
+                self.hidden as u64,
+                self.heads as u32,
+                self.seq as u64,
+                self.vocab as u64,
+            )
+        }
+    }
+}
+
+/// GPT-2's initialization of group `g`, the same whatever the ranks: normal
+/// (0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers),
+/// LayerNorm scales 1, biases 0.
+fn init_group(gpt: &Gpt2, g: usize, seed: u64, out: &mut [f32]) {
+    let mut rng = SplitMix64(seed ^ (g as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let h = gpt.hidden;
+    if g == 0 {
+        let layout = EmbedLayout::new(gpt);
+        let matrices = gpt.vocab * h + gpt.seq * h;
+        fill_normal(&mut out[..matrices], 0.02, &mut rng);
+        out[matrices..matrices + h].fill(1.0);
+        out[matrices + h..layout.total].fill(0.0);
+        return;
+    }
+    let layout = BlockLayout::new(h);
+    let residual = 0.02 / (2.0 * gpt.layers as f32).sqrt();
+    // Parts in layout order: ln1 (g, b), qkv (w, b), proj (w, b), ln2 (g,
+    // b), fc1 (w, b), fc2 (w, b).
+    let sizes = [
+        h,
+        h,
+        3 * h * h,
+        3 * h,
+        h * h,
+        h,
+        h,
+        h,
+        4 * h * h,
+        4 * h,
+        4 * h * h,
+        h,
+    ];
+    let mut at = 0;
+    for (part, size) in sizes.iter().enumerate() {
+        let piece = &mut out[at..at + size];
+        match part {
+            0 | 6 => piece.fill(1.0),
+            2 | 8 => fill_normal(piece, 0.02, &mut rng),
+            4 | 10 => fill_normal(piece, residual, &mut rng),
+            _ => piece.fill(0.0),
+        }
+        at += size;
+    }
+    debug_assert_eq!(at, layout.total);
+}
+
+/// A Hugging Face `GPT2Config` of `gpt` as strata computes it, for
+/// `GPT2LMHeadModel.from_pretrained(step_dir)`: the tanh GELU
+/// (`gelu_new`), the kernels' LayerNorm epsilon, attention scaled by
+/// `1/sqrt(head_dim)` alone, the LM head tied to `wte`, no dropout, and no
+/// BOS/EOS token (byte-level tokens have none; GPT-2's 50256 would lie
+/// outside the vocabulary).
+fn hf_config(gpt: &Gpt2) -> serde_json::Value {
+    // Through its shortest decimal form, so that 1e-5f32 is written 1e-5.
+    let epsilon: f64 = strata_kernels::cpu::ops::LN_EPS
+        .to_string()
+        .parse()
+        .expect("a float's decimal form parses");
+    serde_json::json!({
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": gpt.vocab,
+        "n_positions": gpt.seq,
+        "n_ctx": gpt.seq,
+        "n_embd": gpt.hidden,
+        "n_layer": gpt.layers,
+        "n_head": gpt.heads,
+        "n_inner": 4 * gpt.hidden,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": epsilon,
+        "scale_attn_weights": true,
+        "scale_attn_by_inverse_layer_idx": false,
+        "reorder_and_upcast_attn": false,
+        "tie_word_embeddings": true,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "use_cache": true,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    })
+}
+
+#[cfg(test)]
+mod hf;
 #[cfg(test)]
 mod tests;
