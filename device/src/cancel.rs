@@ -38,6 +38,12 @@ impl Cancel {
         self.0.load(Ordering::SeqCst)
     }
 
+    /// Whether `other` is a clone of this token (cancelling one cancels
+    /// the other).
+    pub fn same(&self, other: &Cancel) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// How many clones of this token exist (this one included): a
     /// registry holding the only one may let it go.
     pub fn holders(&self) -> usize {

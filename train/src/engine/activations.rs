@@ -9,18 +9,17 @@
 
 use std::time::Instant;
 
-use strata_kernels::Backend;
 use strata_runtime::{Access, Dtype, Runtime, TensorKind, TensorMeta, Tier};
 use strata_scheduler as sched;
 use strata_scheduler::recompute::{Held, RecomputeInput, choose, rooms};
 
 use super::compute::Workspace;
-use super::config::{Checkpointing, Placement, TrainConfig};
+use super::config::{Placement, TrainConfig};
+use super::env::Env;
 use super::tensors::Kept;
-use super::tensors::{Group, Slot, class_of, links, sched_tier, slots, specs};
-use super::{Engine, plan_config};
-use crate::error::{Result, TrainError};
-use crate::model::{Buffers, Model};
+use super::tensors::{Slot, class_of, links, sched_tier};
+use crate::error::Result;
+use crate::model::Buffers;
 
 /// Bytes of the activation round trip measured, at most.
 const LINK_PROBE_BYTES_MAX: u64 = 64 << 20;
@@ -80,23 +79,19 @@ impl Candidates {
 /// The per-block candidates of `config`: fixed for `true` and `false`;
 /// for `"auto"`, chosen for this rank's rooms (`capacity_bytes`: what the
 /// plan may use per tier, `slots`: the tensors with their homes).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn recompute_blocks(
-    config: &TrainConfig,
-    model: &dyn Model,
-    runtime: &Runtime,
-    backend: &dyn Backend,
+    env: &Env,
     ws: &mut Workspace,
-    groups: &[Group],
     slots: &[Slot],
     capacity_bytes: [u64; 3],
 ) -> Result<Candidates> {
-    let layers = model.layers();
+    let (config, runtime) = (env.config(), &**env.runtime());
+    let layers = env.model().layers();
     if let Some(fixed) = config.train.checkpoint_activations.fixed(layers) {
         return Ok(Candidates::one(fixed));
     }
     let batch = config.train.micro_batch;
-    let Kept { whole, input, .. } = kept_bytes(&ws.buffers);
+    let Kept { whole, input, .. } = kept_bytes(ws.buffers());
     let footprint = |bytes: u64, tier: Tier| runtime.footprint_bytes(bytes)[tier.index()];
     let states = slots
         .iter()
@@ -131,7 +126,7 @@ pub(super) fn recompute_blocks(
         );
         return Ok(Candidates::one(vec![false; layers]));
     }
-    let forward_ns = measure_block_forward(backend, model, batch, ws, groups[1].params)?;
+    let forward_ns = measure_block_forward(env, batch, ws)?;
     // A measurement, not the run: when the runtime refuses the probe (no
     // room, an injected fault), the links' estimates stand in.
     let (up, down) = measure_links(runtime, input_model.full_bytes, capacity_bytes)
@@ -212,24 +207,14 @@ fn link_busy_ns(
 /// whatever it holds: the time is what counts), synchronized, the median
 /// of [`PROBE_ROUNDS`] after an untimed one (a GPU compiles and loads its
 /// kernels then).
-fn measure_block_forward(
-    backend: &dyn Backend,
-    model: &dyn Model,
-    batch: usize,
-    ws: &mut Workspace,
-    block_params: usize,
-) -> Result<f64> {
+fn measure_block_forward(env: &Env, batch: usize, ws: &mut Workspace) -> Result<f64> {
+    let (backend, model) = (env.backend(), env.model());
+    // The first block's parameters' count.
+    let block_params = env.groups()[1].params;
     let mut times = [0.0; PROBE_ROUNDS];
     for round in 0..=PROBE_ROUNDS {
         let started = Instant::now();
-        model.block_forward(
-            backend,
-            batch,
-            super::compute::weights(&ws.gathered, &ws.gathered16, block_params),
-            ws.streams[0].x.view(),
-            &mut ws.buffers,
-            ws.y.view_mut(),
-        )?;
+        ws.probe_block_forward(backend, model, batch, block_params)?;
         // The host waits for the device (`Backend::wait` would only order
         // the compute stream: on a GPU the clock would time the launches).
         backend.record()?.wait()?;
@@ -291,108 +276,6 @@ fn measure_links(runtime: &Runtime, bytes: u64, capacity_bytes: [u64; 3]) -> Res
     let measured = measured?;
     freed?;
     Ok(measured)
-}
-
-impl Engine {
-    /// Settles which blocks recompute and plans every shape of step: with
-    /// several candidates, each one's steady step is planned and simulated
-    /// at the measured rates and the fastest whose plan fits is kept
-    /// (`recompute::choose`'s model sees compute and PCIe, not the plan's
-    /// own transfers); then, with `"auto"`, the recomputed blocks widen
-    /// while the plans of every shape do not fit.
-    pub(super) fn plan_activations(
-        &mut self,
-        mut candidates: Vec<Vec<bool>>,
-        kept: Kept,
-    ) -> Result<()> {
-        if candidates.len() == 1 {
-            let only = candidates.pop().expect("one candidate");
-            self.use_recompute(only, kept);
-        } else {
-            let mut best: Option<(f64, Vec<bool>)> = None;
-            for recompute in candidates {
-                let Some(step_s) = self.simulated_step_s(&recompute, kept)? else {
-                    continue;
-                };
-                tracing::info!(
-                    "activations: {} of {} blocks recomputing, the plan simulates a step in {:.3} s",
-                    recompute.iter().filter(|&&r| r).count(),
-                    recompute.len(),
-                    step_s
-                );
-                if best.as_ref().is_none_or(|(fastest, _)| step_s < *fastest) {
-                    best = Some((step_s, recompute));
-                }
-            }
-            let layers = self.model.layers();
-            let recompute = best.map_or_else(|| vec![true; layers], |(_, r)| r);
-            self.use_recompute(recompute, kept);
-        }
-        loop {
-            let (planning, cache_groups, cache_bytes) = self.planning()?;
-            match self.plan_with_cache(&planning, cache_groups, cache_bytes) {
-                // The choice's rooms are estimates; the plans are the test.
-                Err(TrainError::DoesNotFit { cause })
-                    if self.config.train.checkpoint_activations == Checkpointing::Auto
-                        && widen(&mut self.recompute) =>
-                {
-                    let recomputed = self.recompute.iter().filter(|&&r| r).count();
-                    tracing::info!(
-                        "activations: the plans do not fit ({cause}); {recomputed} blocks recompute"
-                    );
-                    let recompute = std::mem::take(&mut self.recompute);
-                    self.use_recompute(recompute, kept);
-                }
-                planned => return planned,
-            }
-        }
-    }
-
-    /// Makes `recompute` the blocks that recompute, and the slots follow.
-    fn use_recompute(&mut self, recompute: Vec<bool>, kept: Kept) {
-        self.slots = slots(&self.config, &self.groups, kept, &recompute);
-        self.recompute = recompute;
-    }
-
-    /// The plan's config for the slots as they are.
-    fn planning(&self) -> Result<(sched::PlanConfig, usize, u64)> {
-        plan_config(
-            &self.config,
-            &self.runtime,
-            &self.slots,
-            self.groups.len(),
-            self.links,
-        )
-    }
-
-    /// The simulated time of a steady step (the first shape) with
-    /// `recompute`, or None when its plan does not fit.
-    fn simulated_step_s(&mut self, recompute: &[bool], kept: Kept) -> Result<Option<f64>> {
-        self.use_recompute(recompute.to_vec(), kept);
-        let planning = self.planning()?.0;
-        let ops = self.step_ops(0, self.speculate, false);
-        let trace = sched::Trace {
-            tensors: specs(&self.runtime, &self.slots),
-            ops: ops.into_iter().map(|s| s.op).collect(),
-        };
-        let plan = match sched::plan(&trace, &planning) {
-            Ok(plan) => plan,
-            Err(
-                sched::SchedulerError::DoesNotFit { .. }
-                | sched::SchedulerError::InitialPlacement { .. },
-            ) => return Ok(None),
-            Err(err) => return Err(err.into()),
-        };
-        let simulated = sched::SimConfig {
-            capacity_bytes: planning.capacity_bytes,
-            links: planning.links,
-            gathers_ahead_max: 2,
-            timeline_points_max: 2,
-        };
-        Ok(Some(
-            sched::simulate(&trace, &plan, &simulated)?.step_time_s,
-        ))
-    }
 }
 
 /// Widens the recomputed prefix of blocks (1, 2, 4, ... blocks, then all)

@@ -1,18 +1,28 @@
-//! The move queue: the plan's actions issued at op boundaries, held
-//! while the CPU optimizer thread uses or has yet to write their tensor
-//! or a move of it is in flight, retried; writes of computed tensors;
-//! deferred write-backs; every tensor returned home at the end of a step.
+//! The move queue: the trace's tensors (their slots: runtime ids, homes,
+//! moves in flight) and which of the two parameter and state sets is
+//! current; the plan's actions issued at op boundaries, held while the CPU
+//! optimizer thread uses or has yet to write their tensor or a move of it
+//! is in flight, retried; writes of computed tensors; deferred
+//! write-backs of cached states; every tensor returned home at the end of
+//! a step; persistent tensors registered, loaded and read back.
 
+use half::bf16;
 use strata_device::View;
 use strata_kernels::Backend;
 use strata_runtime::RuntimeError;
 use strata_runtime::{Access, Guard, Runtime, TensorId, Tier};
-use strata_scheduler::{Action, ActionKind, Follow, Op};
+use strata_scheduler::{Action, ActionKind};
 
 use crate::error::Result;
 
-use super::Engine;
-use super::tensors::runtime_tier;
+use super::env::Env;
+use super::optimizer::{OptJob, Update};
+use super::schedule::StepSchedule;
+use super::steps::update_sets;
+use super::tensors::{
+    LoadBuffers, Slot, decode_states, encode_states, grad_index, param_index, runtime_tier,
+    state_index, state_words,
+};
 
 /// A guard on the tensor's copy in `tier`, fetching it there first when it
 /// is not (a demand fetch: the plan did not bring it, or a spill took it).
@@ -85,32 +95,102 @@ pub(super) fn release(action: &Action) -> bool {
     )
 }
 
-impl Engine {
-    /// Retries the held actions, then issues this boundary's planned ones
-    /// of one kind: fetches and allocations before the op they were
-    /// announced with runs (they overlap it), evictions and drops after it
-    /// (it may still use what they release).
-    pub(super) fn issue_actions(&mut self, releases: bool) -> Result<()> {
-        self.retry_held()?;
-        for k in 0..self.actions.len() {
-            let action = self.actions[k];
+/// Where the step is when an action is issued: what the CPU thread has yet
+/// to write, and the schedule's place (a tensor past its last use).
+pub(super) struct Boundary<'a> {
+    /// Per trace index, queued updates that write the tensor.
+    pub(super) writing: &'a [u32],
+    pub(super) schedule: &'a StepSchedule,
+    /// The step, for the trace log.
+    pub(super) step: u64,
+}
+
+/// The trace's tensors and the moves the plan asks of them.
+pub(super) struct Moves {
+    slots: Vec<Slot>,
+    /// Which of the two parameter/state sets is current.
+    current: usize,
+    /// Groups `0..cache_groups` have their states in the state cache.
+    cache_groups: usize,
+    /// Planned actions that wait: on a tensor the CPU thread uses or has
+    /// yet to write (a move before would carry stale bytes), or one with a
+    /// move in flight. Retried at every boundary.
+    held: Vec<Action>,
+    /// `held` as it was when a retry began (its own buffer: no allocation).
+    retry: Vec<Action>,
+    /// Write-backs of fresh cached states, issued once the late updates
+    /// are done (the drive reads the other states first).
+    deferred: Vec<usize>,
+}
+
+impl Moves {
+    /// The move queue of `slots` (none registered yet), states of groups
+    /// `0..cache_groups` in the state cache.
+    pub(super) fn new(slots: Vec<Slot>, cache_groups: usize, groups: usize) -> Moves {
+        Moves {
+            slots,
+            current: 0,
+            cache_groups,
+            held: Vec::with_capacity(64),
+            retry: Vec::with_capacity(64),
+            deferred: Vec::with_capacity(groups),
+        }
+    }
+
+    /// Which of the two parameter/state sets is current.
+    pub(super) fn current(&self) -> usize {
+        self.current
+    }
+
+    /// The other set becomes current (a step's update was kept).
+    pub(super) fn flip(&mut self) {
+        self.current = 1 - self.current;
+    }
+
+    /// The runtime tensor of slot `index` (registered).
+    pub(super) fn id(&self, index: usize) -> TensorId {
+        self.slots[index].id.expect("the tensor is registered")
+    }
+
+    /// The dtype slot `index` holds.
+    pub(super) fn dtype(&self, index: usize) -> strata_device::Dtype {
+        self.slots[index].meta.dtype
+    }
+
+    /// Trace tensors: how many.
+    pub(super) fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Issues this boundary's planned `actions` of one kind: fetches and
+    /// allocations before the op they were announced with runs (they
+    /// overlap it), evictions and drops after it (it may still use what
+    /// they release).
+    pub(super) fn issue_planned(
+        &mut self,
+        env: &Env,
+        releases: bool,
+        at: &Boundary<'_>,
+    ) -> Result<()> {
+        for &action in at.schedule.actions() {
             if release(&action) == releases {
-                self.issue(action)?;
+                self.issue(env, action, at)?;
             }
         }
         Ok(())
     }
 
+    /// Whether any action is held.
+    pub(super) fn has_held(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     /// Issues the held actions again (those still waiting are held again).
-    pub(super) fn retry_held(&mut self) -> Result<()> {
-        if self.held.is_empty() {
-            return Ok(());
-        }
-        self.poll_worker();
+    pub(super) fn retry_held(&mut self, env: &Env, at: &Boundary<'_>) -> Result<()> {
         std::mem::swap(&mut self.held, &mut self.retry);
         for k in 0..self.retry.len() {
             let action = self.retry[k];
-            self.issue(action)?;
+            self.issue(env, action, at)?;
         }
         self.retry.clear();
         Ok(())
@@ -119,13 +199,14 @@ impl Engine {
     /// Carries out one planned action. The plan is advice: a tensor in use
     /// or already moving keeps its place, and the op that needs it fetches
     /// it on demand.
-    pub(super) fn issue(&mut self, action: Action) -> Result<()> {
+    fn issue(&mut self, env: &Env, action: Action, at: &Boundary<'_>) -> Result<()> {
+        let runtime = env.runtime();
         let index = action.tensor as usize;
         let moving = self.slots[index]
             .pending
             .as_ref()
             .is_some_and(|(done, _)| !done.is_done());
-        if self.writing[index] > 0 || moving {
+        if at.writing[index] > 0 || moving {
             // After the update writes it, or the move in flight lands.
             self.held.push(action);
             return Ok(());
@@ -138,7 +219,7 @@ impl Engine {
             // A copy, up or down: every other copy stays.
             ActionKind::Fetch { to, .. } => {
                 let to = runtime_tier(to);
-                self.runtime.copy_to(id, to).map(|done| {
+                runtime.copy_to(id, to).map(|done| {
                     self.slots[index].pending = Some((done, to));
                 })
             }
@@ -154,7 +235,7 @@ impl Engine {
                     }
                     Ok(())
                 } else {
-                    self.runtime.evict(id, from, to).map(|done| {
+                    runtime.evict(id, from, to).map(|done| {
                         self.slots[index].pending = Some((done, to));
                     })
                 }
@@ -163,14 +244,13 @@ impl Engine {
                 let tier = runtime_tier(tier);
                 // One look: the other copy may be spilled by a mover between
                 // a residency check and a release.
-                match self.runtime.release_duplicate(id, tier) {
+                match runtime.release_duplicate(id, tier) {
                     Ok(false)
-                        if self.slots[index].home.is_none()
-                            && self.last_use[self.shape][index] <= self.position =>
+                        if self.slots[index].home.is_none() && at.schedule.past_last_use(index) =>
                     {
                         // A tensor of the step after its last use.
                         self.slots[index].id = None;
-                        self.runtime.free(id)
+                        runtime.free(id)
                     }
                     // The only copy otherwise stays.
                     outcome => outcome.map(|_| ()),
@@ -180,8 +260,8 @@ impl Engine {
         };
         tracing::trace!(
             "step {} op {}: {:?} {} -> {:?}",
-            self.step,
-            self.position,
+            at.step,
+            at.schedule.position(),
             action.kind,
             self.slots[index].meta.name,
             outcome.as_ref().err()
@@ -205,12 +285,12 @@ impl Engine {
     /// Starts writing the fresh cached states home, keeping their host
     /// copies. One in use or moving is left to `return_home`, which waits
     /// for its home copy.
-    pub(super) fn write_back_deferred(&mut self) -> Result<()> {
+    pub(super) fn write_back_deferred(&mut self, env: &Env) -> Result<()> {
         for k in 0..self.deferred.len() {
             let index = self.deferred[k];
             self.settle_pending(index)?;
             let id = self.slots[index].id.expect("written this step");
-            match self.runtime.copy_to(id, Tier::Nvme) {
+            match env.runtime().copy_to(id, Tier::Nvme) {
                 Ok(done) => self.slots[index].pending = Some((done, Tier::Nvme)),
                 Err(RuntimeError::InUse { .. } | RuntimeError::Moving { .. }) => {}
                 Err(err) => return Err(err.into()),
@@ -220,7 +300,7 @@ impl Engine {
         Ok(())
     }
 
-    pub(super) fn settle_pending(&mut self, index: usize) -> Result<()> {
+    fn settle_pending(&mut self, index: usize) -> Result<()> {
         match self.slots[index].pending.take() {
             Some((done, _)) => Ok(done.wait()?),
             None => Ok(()),
@@ -236,27 +316,16 @@ impl Engine {
         }
     }
 
-    /// Tells the tracker the op starts and issues the plan's actions for
-    /// the boundary after it.
-    pub(super) fn announce(&mut self, op: &Op) -> Result<()> {
-        self.position += 1;
-        self.actions.clear();
-        if let Follow::Plan(actions) = self.tracker.op(op)? {
-            self.actions.extend_from_slice(actions);
-        }
-        self.issue_actions(false)
-    }
-
     /// The tensor of slot `index`, about to be written whole on the device
     /// (registered first, unfilled, when the step has none yet).
-    pub(super) fn tensor_to_write(&mut self, index: usize) -> Result<TensorId> {
+    pub(super) fn tensor_to_write(&mut self, env: &Env, index: usize) -> Result<TensorId> {
         self.settle_pending(index)?;
         Ok(match self.slots[index].id {
             Some(id) => id,
             None => {
                 // Written whole by the caller: no zero fill first.
-                let id = self
-                    .runtime
+                let id = env
+                    .runtime()
                     .register_unfilled(self.slots[index].meta.clone(), Tier::Device)?;
                 self.slots[index].id = Some(id);
                 id
@@ -266,7 +335,8 @@ impl Engine {
 
     /// Waits for moves in flight, frees the step's own tensors and puts
     /// every persistent one back home alone.
-    pub(super) fn return_home(&mut self) -> Result<()> {
+    pub(super) fn return_home(&mut self, env: &Env) -> Result<()> {
+        let runtime = env.runtime();
         self.held.clear();
         self.deferred.clear();
         for index in 0..self.slots.len() {
@@ -278,21 +348,164 @@ impl Engine {
             };
             match self.slots[index].home {
                 None => {
-                    self.runtime.free(id)?;
+                    runtime.free(id)?;
                     self.slots[index].id = None;
                 }
                 Some(home) => {
                     let keep = std::mem::take(&mut self.slots[index].fresh);
-                    if !self.runtime.residency(id)?.contains(&home) {
-                        self.runtime.copy_to(id, home)?.wait()?;
+                    if !runtime.residency(id)?.contains(&home) {
+                        runtime.copy_to(id, home)?.wait()?;
                     }
-                    for tier in self.runtime.residency(id)? {
+                    for tier in runtime.residency(id)? {
                         if tier != home && !(keep && tier == Tier::Host) {
-                            self.runtime.release(id, tier)?;
+                            runtime.release(id, tier)?;
                         }
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Group `g`'s update from one set into the other, on `tier`, for the
+    /// optimizer lane: a late update's output among the cached groups is
+    /// marked fresh (its host copy stays for the next step's update).
+    pub(super) fn update_job(
+        &mut self,
+        env: &Env,
+        g: usize,
+        late: bool,
+        tier: Tier,
+        update: &Update,
+    ) -> OptJob {
+        let (from, to) = update_sets(self.current, late);
+        self.slots[state_index(g, to)].fresh = late && g < self.cache_groups;
+        let outputs = [state_index(g, to), param_index(g, to)];
+        OptJob {
+            group: g,
+            late,
+            outputs,
+            tier,
+            grad: self.id(grad_index(g)),
+            state_in: self.id(state_index(g, from)),
+            state_out: self.id(state_index(g, to)),
+            param_out: self.id(param_index(g, to)),
+            update: *update,
+            state_dtype: env.config().optim.state_dtype,
+            seed: env.config().rounding_seed(),
+            grad_dtype: self.slots[grad_index(g)].meta.dtype,
+        }
+    }
+
+    /// Registers every persistent tensor at home with its initial values.
+    pub(super) fn initialize(&mut self, env: &Env) -> Result<()> {
+        let (world, rank) = (env.world(), env.rank());
+        let seed = env.config().train.seed;
+        let (mut full, mut buffers) = (Vec::new(), LoadBuffers::default());
+        for (g, group) in env.groups().iter().enumerate() {
+            full.clear();
+            full.resize(group.padded(world), 0.0f32);
+            env.model().init(g, seed, &mut full[..group.params]);
+            let master = &full[rank * group.shard..(rank + 1) * group.shard];
+            self.load_group(env, g, master, None, &mut buffers)?;
+            self.place_persistent(env, grad_index(g), None)?;
+        }
+        Ok(())
+    }
+
+    /// Writes group `g`'s shard: master weights, moments (zero when none),
+    /// and the bf16 compute copy, into the current set; the other set is
+    /// registered at home, to be overwritten by the next update.
+    pub(super) fn load_group(
+        &mut self,
+        env: &Env,
+        g: usize,
+        master: &[f32],
+        moments: Option<(&[f32], &[f32])>,
+        buffers: &mut LoadBuffers,
+    ) -> Result<()> {
+        debug_assert_eq!(master.len(), env.groups()[g].shard);
+        encode_states(
+            env.config().optim.state_dtype,
+            master,
+            moments,
+            &mut buffers.state,
+        );
+        // The bf16 compute copy, to nearest even as `half` rounds, in SIMD.
+        buffers.param.clear();
+        buffers.param.resize(master.len(), bf16::ZERO);
+        strata_optim::narrow(
+            strata_optim::Isa::chosen(),
+            master,
+            strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
+        );
+        for set in 0..2 {
+            let current = set == self.current;
+            let p = param_index(g, set);
+            let s = state_index(g, set);
+            self.place_persistent(
+                env,
+                p,
+                current.then_some(bytemuck::cast_slice(&buffers.param)),
+            )?;
+            self.place_persistent(env, s, current.then_some(&buffers.state))?;
+        }
+        Ok(())
+    }
+
+    /// (Re)creates a persistent tensor with `data` (all of its bytes; or
+    /// zeros) at its home.
+    fn place_persistent(&mut self, env: &Env, index: usize, data: Option<&[u8]>) -> Result<()> {
+        let runtime = env.runtime();
+        if let Some(id) = self.slots[index].id.take() {
+            runtime.free(id)?;
+        }
+        let home = self.slots[index]
+            .home
+            .expect("persistent tensors have a home");
+        let first = if home == Tier::Device {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        // Data is written whole (`write_from` takes exactly the tensor's
+        // size): no zeros under it (a fill of every byte, on one thread:
+        // seconds at billions of parameters).
+        let meta = self.slots[index].meta.clone();
+        let id = match data {
+            Some(_) => runtime.register_unfilled(meta, first)?,
+            None => runtime.register(meta, first)?,
+        };
+        self.slots[index].id = Some(id);
+        if let Some(data) = data {
+            runtime
+                .acquire(id, first, Access::Write)?
+                .write_from(data)?;
+        }
+        if home != first {
+            runtime.move_to(id, home)?.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Group `g`'s current master weights and moments, read where they
+    /// are and left at home.
+    pub(super) fn read_state(&self, env: &Env, g: usize, out: &mut [f32]) -> Result<()> {
+        let runtime = env.runtime();
+        let index = state_index(g, self.current);
+        let id = self.id(index);
+        let home = self.slots[index].home.expect("states have a home");
+        let tier = if runtime.residency(id)?.contains(&Tier::Device) {
+            Tier::Device
+        } else {
+            Tier::Host
+        };
+        let dtype = env.config().optim.state_dtype;
+        let mut raw = vec![0f32; state_words(dtype, out.len() / 3)];
+        read_f32(runtime, id, tier, &mut raw)?;
+        decode_states(dtype, bytemuck::cast_slice(&raw), out);
+        if home == Tier::Nvme {
+            runtime.move_to(id, Tier::Nvme)?.wait()?;
         }
         Ok(())
     }

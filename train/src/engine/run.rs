@@ -13,6 +13,7 @@ use super::ownership::{DirLock, Holder, lock_dir};
 use super::{ByteCorpus, Checkpoint, Engine, StepReport, StopRequest, TrainConfig};
 use crate::error::{Result, TrainError, os};
 use strata_comm::{Collective, InProcess};
+use strata_device::Cancel;
 use strata_runtime::Stats;
 use strata_runtime::Tier;
 
@@ -161,11 +162,11 @@ pub fn run(
         Some(path) => Some(Checkpoint::open(path)?),
         None => None,
     };
+    // Ranks as threads: the in-process group, the one place that names it.
     let collectives = InProcess::group(
         world,
         super::tensors::collective_elems_max(&*config.model.build()?, world),
     );
-    options.stop.watch(collectives[0].cancel_token());
     let (sender, receiver) = channel::<(StepReport, Stats, Option<f64>)>();
     let stop = options
         .stop_after
@@ -212,6 +213,7 @@ pub fn run(
         let mut handles = Vec::with_capacity(world);
         for collective in collectives {
             let rank = collective.rank();
+            let cancel = collective.cancel_token();
             let sender = sender.clone();
             let resume = resume.clone();
             let trace = if rank == 0 { trace.take() } else { None };
@@ -222,7 +224,7 @@ pub fn run(
                         rank_main(
                             config,
                             corpus,
-                            collective,
+                            (Box::new(collective), cancel),
                             resume,
                             trace,
                             (stop, &options.stop, options.faults),
@@ -289,10 +291,13 @@ pub fn run(
     })
 }
 
+/// One rank of a run over `collective`, whatever its backend; `cancel`
+/// ends the collective's waits (registered with the run's stop request,
+/// so an abort reaches them).
 fn rank_main(
     config: &TrainConfig,
     corpus: &ByteCorpus,
-    collective: InProcess,
+    (collective, cancel): (Box<dyn Collective>, Cancel),
     resume: Option<Checkpoint>,
     trace: Option<(PathBuf, std::fs::File)>,
     (stop, request, faults): (u64, &StopRequest, Option<super::Faults>),
@@ -300,7 +305,8 @@ fn rank_main(
 ) -> Result<Option<RunSummary>> {
     let rank = collective.rank();
     let world = collective.world();
-    let mut engine = Engine::with_faults(config, Box::new(collective), faults)?;
+    request.watch(cancel);
+    let mut engine = Engine::with_faults(config, collective, faults)?;
     request.watch(engine.runtime().cancel_token());
     if let Some(checkpoint) = &resume {
         engine.resume(checkpoint)?;

@@ -8,19 +8,21 @@ use strata_scheduler::{
     Mode, OpCost, Processor, StepModel, StepOp, StepShape, Updates, Work, build_step,
 };
 
-use super::Engine;
 use super::config::{Placement, TrainConfig};
-use super::tensors::{COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, state_index};
-use crate::model::Model;
+use super::env::Env;
+use super::tensors::{
+    COPY_BYTES_PER_S, FLOPS_PER_S, grad_index, param_index, saved_index, state_index,
+};
+use crate::model::{Model, OUTER};
 
 /// How the trace names an op's work: what, the group, the micro-batch.
 pub(super) fn label(work: Work) -> (&'static str, usize, Option<usize>) {
     match work {
-        Work::EmbedForward { m } => ("embed forward", 0, Some(m)),
+        Work::EmbedForward { m } => ("embed forward", OUTER, Some(m)),
         Work::Forward { m, layer, .. } => ("block forward", layer + 1, Some(m)),
-        Work::Head { m } => ("head", 0, Some(m)),
+        Work::Head { m } => ("head", OUTER, Some(m)),
         Work::Backward { m, layer, .. } => ("block backward", layer + 1, Some(m)),
-        Work::EmbedBackward { m } => ("embed backward", 0, Some(m)),
+        Work::EmbedBackward { m } => ("embed backward", OUTER, Some(m)),
         Work::Update { group, late } => (optimizer_label(late), group, None),
         Work::Norm => ("decide", 0, None),
         Work::Commit => ("commit", 0, None),
@@ -54,7 +56,9 @@ pub(super) fn shape_of(index: usize) -> (usize, bool, bool) {
 
 /// One shape of the engine's step as the step builder sees it.
 struct EngineStep<'a> {
-    engine: &'a Engine,
+    env: &'a Env,
+    /// Per block, whether its backward recomputes its forward.
+    recompute: &'a [bool],
     /// The state set the step's compute reads.
     current: usize,
     /// One block's forward, estimated.
@@ -72,7 +76,7 @@ impl StepModel for EngineStep<'_> {
     }
 
     fn saved(&self, m: usize, layer: usize) -> u32 {
-        self.engine.saved_index(m, layer) as u32
+        saved_index(self.env.groups().len(), self.env.model().layers(), m, layer) as u32
     }
 
     fn update(&self, group: usize, late: bool) -> Vec<sched::Access> {
@@ -90,24 +94,28 @@ impl StepModel for EngineStep<'_> {
     }
 
     fn name(&self, group: usize) -> String {
-        self.engine.groups[group].name.clone()
+        self.env.groups()[group].name.clone()
     }
 
     fn cost(&self, work: Work) -> OpCost {
         let (gpu, block_ns) = (Processor::Gpu, self.block_ns);
+        // The outer group's parts, relative to a block's forward as the
+        // model says.
+        let relative = |part: f64| (block_ns as f64 * part) as u64;
+        let costs = self.env.model().outer_costs();
         match work {
             Work::EmbedForward { .. } | Work::EmbedBackward { .. } => {
-                OpCost::compute(gpu, block_ns / 8)
+                OpCost::compute(gpu, relative(costs.embed))
             }
             Work::Forward { .. } => OpCost::compute(gpu, block_ns),
-            Work::Head { .. } => OpCost::compute(gpu, block_ns / 2),
+            Work::Head { .. } => OpCost::compute(gpu, relative(costs.head)),
             // Twice the forward, and the forward again when it recomputes.
             Work::Backward { layer, .. } => {
-                let recompute = u64::from(self.engine.recompute[layer]);
+                let recompute = u64::from(self.recompute[layer]);
                 OpCost::compute(gpu, (2 + recompute) * block_ns)
             }
             Work::Update { group, .. } => {
-                let shard = self.engine.groups[group].shard as f64;
+                let shard = self.env.groups()[group].shard as f64;
                 OpCost::compute(
                     self.optimizer,
                     (shard * 32.0 / COPY_BYTES_PER_S * 1e9) as u64,
@@ -125,40 +133,45 @@ pub(super) fn estimated_block_ns(config: &TrainConfig, model: &dyn Model) -> u64
     (model.block_forward_flops(tokens) / FLOPS_PER_S * 1e9) as u64
 }
 
-impl Engine {
-    /// The ops of one shape of step: `current` set, updates `speculate`d
-    /// in backward or not (then late, in the next step's forward), the last
-    /// step's `late` updates in forward or not. The norm is summed as
-    /// gradients are reduced: deciding there and committing touch no
-    /// tensor.
-    pub(super) fn step_ops(&self, current: usize, speculate: bool, late: bool) -> Vec<StepOp> {
-        let train = &self.config.train;
-        let shape = StepShape {
-            layers: self.model.layers(),
-            parts: 1,
-            micro_batches: train.grad_accumulation,
-            in_flight: train.in_flight(),
-            updates: if speculate {
-                Updates::InBackward
-            } else {
-                Updates::NextStep
-            },
-            late,
-            norm: true,
-            commit: true,
-            workspace_grads: true,
-        };
-        let block_ns = self.block_ns;
-        let optimizer = match self.config.placement.optimizer {
-            Placement::Device => Processor::Gpu,
-            _ => Processor::Cpu,
-        };
-        let model = EngineStep {
-            engine: self,
-            current,
-            block_ns,
-            optimizer,
-        };
-        build_step(&shape, &model)
-    }
+/// The ops of one shape of step: `current` set, updates `speculate`d in
+/// backward or not (then late, in the next step's forward), the last
+/// step's `late` updates in forward or not; blocks that `recompute`, one
+/// block's forward costed at `block_ns`. The norm is summed as gradients
+/// are reduced: deciding there and committing touch no tensor.
+pub(super) fn step_ops(
+    env: &Env,
+    recompute: &[bool],
+    block_ns: u64,
+    current: usize,
+    speculate: bool,
+    late: bool,
+) -> Vec<StepOp> {
+    let train = &env.config().train;
+    let shape = StepShape {
+        layers: env.model().layers(),
+        parts: 1,
+        micro_batches: train.grad_accumulation,
+        in_flight: train.in_flight(),
+        updates: if speculate {
+            Updates::InBackward
+        } else {
+            Updates::NextStep
+        },
+        late,
+        norm: true,
+        commit: true,
+        workspace_grads: true,
+    };
+    let optimizer = match env.config().placement.optimizer {
+        Placement::Device => Processor::Gpu,
+        _ => Processor::Cpu,
+    };
+    let model = EngineStep {
+        env,
+        recompute,
+        current,
+        block_ns,
+        optimizer,
+    };
+    build_step(&shape, &model)
 }

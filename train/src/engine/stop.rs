@@ -91,9 +91,12 @@ impl StopRequest {
         if self.aborted().is_some() {
             token.cancel();
         }
-        // Tokens of runs that ended are let go.
+        // Tokens of runs that ended are let go; a token watched already
+        // (the ranks of one in-process group share theirs) is kept once.
         watched.retain(|t| t.holders() > 1);
-        watched.push(token);
+        if !watched.iter().any(|t| t.same(&token)) {
+            watched.push(token);
+        }
     }
 }
 #[cfg(test)]
@@ -124,5 +127,24 @@ mod tests {
         assert_eq!((stop.requested(), stop.aborted()), (Some(15), Some(2)));
         stop.watch(after.clone());
         assert!(after.is_cancelled(), "a late watcher is cancelled at once");
+    }
+
+    /// The ranks of an in-process group each register the group's one
+    /// token: it is kept once, and let go once the run's clones are gone
+    /// (a request reused across runs does not grow by a token per rank).
+    #[test]
+    fn a_token_watched_again_is_kept_once_and_let_go_with_its_run() {
+        let stop = StopRequest::new();
+        let group = Cancel::new();
+        for _ in 0..4 {
+            stop.watch(group.clone());
+        }
+        assert_eq!(group.holders(), 2, "the group's and one watched clone");
+        drop(group);
+        let next = Cancel::new();
+        stop.watch(next.clone());
+        assert_eq!(next.holders(), 2);
+        stop.abort(1);
+        assert!(next.is_cancelled());
     }
 }

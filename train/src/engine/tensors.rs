@@ -4,15 +4,14 @@
 //! how the planner sees them (sizes, classes, tiers, links).
 
 use half::bf16;
-use strata_runtime::{Access, Completion, Dtype, Runtime, TensorId, TensorKind, TensorMeta, Tier};
+use strata_runtime::{Completion, Dtype, Runtime, TensorId, TensorKind, TensorMeta, Tier};
 use strata_scheduler as sched;
 use strata_scheduler::{Processor, TensorClass};
 
-use crate::error::Result;
 use crate::model::Model;
 
+use super::PER_GROUP;
 use super::config::{Placement, StateCache, StateDtype, TrainConfig};
-use super::{Engine, PER_GROUP};
 
 /// Trace indices of a group's tensors: parameter set `set` (0 or 1), state
 /// set `set`, and the gradient.
@@ -26,6 +25,12 @@ pub(super) fn state_index(g: usize, set: usize) -> usize {
 
 pub(super) fn grad_index(g: usize) -> usize {
     PER_GROUP * g + 4
+}
+
+/// Trace index of what block `b` keeps for its backward of micro-batch
+/// `m`: after every group's tensors, `layers` per micro-batch.
+pub(super) fn saved_index(groups: usize, layers: usize, m: usize, b: usize) -> usize {
+    PER_GROUP * groups + m * layers + b
 }
 
 /// A tensor of the trace and its runtime copy.
@@ -149,13 +154,13 @@ pub(super) fn encode_states(
     bytes.resize(4 * state_words(dtype, master.len()), 0);
 }
 
-/// Buffers [`Engine::load_group`] fills, kept from one group to the next
+/// Buffers [`super::moves::Moves::load_group`] fills, kept from one group to the next
 /// (fresh ones cost a page fault per page: at billions of parameters that
 /// was most of the start-up).
 #[derive(Default)]
 pub(super) struct LoadBuffers {
-    state: Vec<u8>,
-    param: Vec<bf16>,
+    pub(super) state: Vec<u8>,
+    pub(super) param: Vec<bf16>,
 }
 
 /// The inverse of [`encode_states`]: master, m and v as f32, one after
@@ -383,95 +388,6 @@ pub(super) const NVME_BYTES_PER_S: f64 = 2e9;
 
 /// What the planner assumes the compute runs at, per op.
 pub(super) const FLOPS_PER_S: f64 = 2e10;
-
-impl Engine {
-    /// Registers every persistent tensor at home with its initial values.
-    pub(super) fn initialize(&mut self) -> Result<()> {
-        let world = self.collective.world();
-        let rank = self.collective.rank();
-        let seed = self.config.train.seed;
-        let (mut full, mut buffers) = (Vec::new(), LoadBuffers::default());
-        for g in 0..self.groups.len() {
-            let group = self.groups[g].clone();
-            full.clear();
-            full.resize(group.padded(world), 0.0f32);
-            self.model.init(g, seed, &mut full[..group.params]);
-            let master = &full[rank * group.shard..(rank + 1) * group.shard];
-            self.load_group(g, master, None, &mut buffers)?;
-            self.place_persistent(grad_index(g), None)?;
-        }
-        Ok(())
-    }
-
-    /// Writes group `g`'s shard: master weights, moments (zero when none),
-    /// and the bf16 compute copy, into the current set; the other set is
-    /// registered at home, to be overwritten by the next update.
-    pub(super) fn load_group(
-        &mut self,
-        g: usize,
-        master: &[f32],
-        moments: Option<(&[f32], &[f32])>,
-        buffers: &mut LoadBuffers,
-    ) -> Result<()> {
-        debug_assert_eq!(master.len(), self.groups[g].shard);
-        encode_states(
-            self.config.optim.state_dtype,
-            master,
-            moments,
-            &mut buffers.state,
-        );
-        // The bf16 compute copy, to nearest even as `half` rounds, in SIMD.
-        buffers.param.clear();
-        buffers.param.resize(master.len(), bf16::ZERO);
-        strata_optim::narrow(
-            strata_optim::Isa::chosen(),
-            master,
-            strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
-        );
-        for set in 0..2 {
-            let current = set == self.current;
-            let p = param_index(g, set);
-            let s = state_index(g, set);
-            self.place_persistent(p, current.then_some(bytemuck::cast_slice(&buffers.param)))?;
-            self.place_persistent(s, current.then_some(&buffers.state))?;
-        }
-        Ok(())
-    }
-
-    /// (Re)creates a persistent tensor with `data` (all of its bytes; or
-    /// zeros) at its home.
-    pub(super) fn place_persistent(&mut self, index: usize, data: Option<&[u8]>) -> Result<()> {
-        if let Some(id) = self.slots[index].id.take() {
-            self.runtime.free(id)?;
-        }
-        let home = self.slots[index]
-            .home
-            .expect("persistent tensors have a home");
-        let first = if home == Tier::Device {
-            Tier::Device
-        } else {
-            Tier::Host
-        };
-        // Data is written whole (`write_from` takes exactly the tensor's
-        // size): no zeros under it (a fill of every byte, on one thread:
-        // seconds at billions of parameters).
-        let meta = self.slots[index].meta.clone();
-        let id = match data {
-            Some(_) => self.runtime.register_unfilled(meta, first)?,
-            None => self.runtime.register(meta, first)?,
-        };
-        self.slots[index].id = Some(id);
-        if let Some(data) = data {
-            self.runtime
-                .acquire(id, first, Access::Write)?
-                .write_from(data)?;
-        }
-        if home != first {
-            self.runtime.move_to(id, home)?.wait()?;
-        }
-        Ok(())
-    }
-}
 
 #[cfg(test)]
 mod tests {

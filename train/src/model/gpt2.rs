@@ -40,8 +40,8 @@ use strata_kernels::{Attention, Backend, Matrix, Readback};
 
 use super::init::fill_normal;
 use super::{
-    Arch, Architecture, Buffers, GroupSpec, Model, Parts, TensorSpec, TypedParts, Weights,
-    expect_len,
+    Arch, Architecture, Buffers, GroupSpec, Model, OuterCosts, Parts, TensorSpec, TypedParts,
+    Weights, expect_len,
 };
 use crate::engine::ModelConfig;
 use crate::error::Result;
@@ -853,6 +853,15 @@ impl Model for Gpt2 {
     fn block_forward_flops(&self, tokens: usize) -> f64 {
         // qkv 3h^2, proj h^2, the MLP 8h^2 multiply-adds a token.
         24.0 * tokens as f64 * (self.hidden * self.hidden) as f64
+    }
+
+    fn outer_costs(&self) -> OuterCosts {
+        // Lookups, and the tied head's three products of the vocabulary
+        // (small beside a block's at GPT-2's vocabulary and widths).
+        OuterCosts {
+            embed: 0.125,
+            head: 0.5,
+        }
     }
 
     fn buffers(&self, backend: &dyn Backend, batch: usize, dtype: Dtype) -> Result<Buffers> {

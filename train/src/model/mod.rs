@@ -179,6 +179,16 @@ impl<'a> Weights<'a> {
     }
 }
 
+/// What the outer group's parts cost, as fractions of one block's forward
+/// ([`Model::outer_costs`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OuterCosts {
+    /// The embeddings' forward, and again their backward.
+    pub embed: f64,
+    /// The head's forward and backward, with the loss.
+    pub head: f64,
+}
+
 /// The compute buffers of one block and of the head, for micro-batches of
 /// a fixed number of sequences, allocated once by [`Model::buffers`]. The
 /// architecture cuts each into its own parts; the engine sees only what a
@@ -271,6 +281,10 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// Matrix-product FLOPs of one block's forward over `tokens` tokens:
     /// what the plans are costed with when nothing was measured.
     fn block_forward_flops(&self, tokens: usize) -> f64;
+
+    /// What the outer group's parts cost the plans, as fractions of one
+    /// block's forward.
+    fn outer_costs(&self) -> OuterCosts;
 
     /// The compute buffers of one block and the head for `batch` sequences
     /// on `backend`, the activations of `dtype` (f32 or bf16).

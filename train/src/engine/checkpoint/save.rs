@@ -1,0 +1,269 @@
+//! The engine's side of a checkpoint: every rank's optimizer shard, the
+//! model's weights gathered group by group into its Hugging Face tensors
+//! on rank 0, `meta.json`; and resuming from one, refused by name where
+//! it does not match the run.
+
+use std::path::{Path, PathBuf};
+
+use strata_device::{View, ViewMut};
+
+use crate::engine::Engine;
+use crate::engine::durable::RealFs;
+use crate::engine::tensors::LoadBuffers;
+use crate::error::{Result, TrainError};
+use crate::model::export_group;
+
+use super::publish::{begin, commit, prune, write_synced};
+use super::{
+    Checkpoint, CheckpointMeta, FORMAT, HF_CONFIG, ROUNDING_STOCHASTIC, ROUNDING_STOCHASTIC_OLDER,
+    nearest, read_tensor, safetensors_bytes,
+};
+
+impl Engine {
+    /// Writes a checkpoint of the state after the last step under `root`
+    /// (see [`checkpoint`](self) for the layout); every rank calls it
+    /// together. Returns the checkpoint's directory.
+    pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
+        self.try_save_checkpoint(root)?
+    }
+
+    /// [`Engine::save_checkpoint`], telling the two kinds of failure
+    /// apart. The outer error is the engine's (a state it could not read,
+    /// a broken collective): training cannot go on. The inner one is the
+    /// checkpoint's files (a full or failing disk): every rank gets it,
+    /// the checkpoint before stays whole and `latest`, this one's
+    /// temporary directory is removed, and training can go on.
+    pub fn try_save_checkpoint(&mut self, root: &Path) -> Result<Result<PathBuf>> {
+        self.flush()?;
+        let env = &self.env;
+        let (rank, world) = (env.rank(), env.world());
+        let (config, groups) = (env.config(), env.groups());
+        let step = self.state.steps();
+        let tmp = root.join(format!(".tmp-step{step}"));
+        let begun = if rank == 0 {
+            begin(&RealFs, root, step).map(drop)
+        } else {
+            Ok(())
+        };
+        if let Err(err) = env.agree(begun)? {
+            return Ok(Err(err));
+        }
+        let specs = env.model().groups();
+        let mut shard = Vec::with_capacity(3 * groups.len());
+        let mut weights = Vec::new();
+        for (g, group) in groups.iter().enumerate() {
+            let n = group.shard;
+            let mut state = vec![0.0f32; 3 * n];
+            self.moves.read_state(env, g, &mut state)?;
+            // On the host: the states are read there, and the weights go
+            // to a file (a checkpoint, not the step path).
+            let mut gathered = vec![0.0f32; group.padded(world)];
+            env.collective()
+                .all_gather(
+                    View::host_slice(&state[..n]),
+                    ViewMut::host_slice(&mut gathered),
+                )?
+                .wait()?;
+            if rank == 0 {
+                let exported = export_group(&specs[g], &gathered[..group.params]);
+                weights.extend(exported.into_iter().map(|(n, s, v)| (n, s, v, false)));
+            }
+            // Each state in the width it is kept in: bf16 states take half
+            // the disk (exactly: their values are bf16).
+            let name = &group.name;
+            let dtype = config.optim.state_dtype;
+            let parts = [
+                ("master", 0..n, dtype.master_bytes()),
+                ("exp_avg", n..2 * n, dtype.moment_bytes()),
+                ("exp_avg_sq", 2 * n..3 * n, dtype.moment_bytes()),
+            ];
+            for (part, range, width) in parts {
+                shard.push((
+                    format!("{name}.{part}"),
+                    vec![n],
+                    state[range].to_vec(),
+                    width == 2,
+                ));
+            }
+        }
+        let written = (|| {
+            let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
+            write_synced(&RealFs, &path, &safetensors_bytes(&path, &shard)?)?;
+            if rank == 0 {
+                let path = tmp.join("model.safetensors");
+                write_synced(&RealFs, &path, &safetensors_bytes(&path, &weights)?)?;
+                let hf_config = env.model().hf_config();
+                let hf_config = serde_json::to_vec_pretty(&hf_config).expect("serializes");
+                write_synced(&RealFs, &tmp.join(HF_CONFIG), &hf_config)?;
+            }
+            Ok(())
+        })();
+        if let Err(err) = env.agree(written)? {
+            if rank == 0 {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            return Ok(Err(err));
+        }
+        let committed = if rank == 0 {
+            let meta = CheckpointMeta {
+                format: FORMAT,
+                step,
+                optimizer_steps: self.state.optimizer_steps(),
+                ranks: world,
+                seed: config.train.seed,
+                model: config.model,
+                loss_scaler: self.loss.scaler_state(),
+                state_dtype: config.optim.state_dtype,
+                rounding: if config.optim.state_dtype.stochastic() {
+                    ROUNDING_STOCHASTIC.into()
+                } else {
+                    nearest()
+                },
+                rounding_seed: config.optim.rounding_seed,
+                files: Default::default(),
+            };
+            let committed = commit(&RealFs, root, &tmp, meta);
+            if committed.is_err() {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            committed.map(|_| {
+                // The checkpoint is published: failing to remove old ones
+                // loses nothing, so it is reported, not fatal.
+                if let Err(err) = prune(&RealFs, root, config.train.checkpoints_kept) {
+                    tracing::warn!("could not prune old checkpoints: {err}");
+                }
+            })
+        } else {
+            Ok(())
+        };
+        Ok(env
+            .agree(committed)?
+            .map(|()| root.join(format!("step-{step:08}"))))
+    }
+
+    /// Loads a checkpoint written by a run of the same model, ranks and
+    /// seed: the next step computes what the uninterrupted run's did.
+    pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        self.state.usable()?;
+        let meta = &checkpoint.meta;
+        let env = &self.env;
+        let (config, rank, world) = (env.config(), env.rank(), env.world());
+        let path = checkpoint
+            .dir
+            .join(format!("optimizer-rank{rank}.safetensors"));
+        let mismatch = |what: &str, found: String, here: String| TrainError::Checkpoint {
+            path: checkpoint.dir.clone(),
+            problem: format!("it was written with {what} {found}, this run has {here}"),
+            fix: format!("resume with the {what} it was written with"),
+        };
+        if meta.model.arch != config.model.arch {
+            return Err(mismatch(
+                "[model]",
+                format!("model.arch = {:?}", meta.model.arch.name()),
+                format!("model.arch = {:?}", config.model.arch.name()),
+            ));
+        }
+        if meta.model != config.model {
+            // Named key by key, the ones that differ.
+            let (a, b) = (&meta.model, &config.model);
+            let fields = [
+                ("vocab", a.vocab, b.vocab),
+                ("seq", a.seq, b.seq),
+                ("hidden", a.hidden, b.hidden),
+                ("heads", a.heads, b.heads),
+                ("layers", a.layers, b.layers),
+            ];
+            let differ = |pick: fn(&(&str, usize, usize)) -> usize| {
+                fields
+                    .iter()
+                    .filter(|f| f.1 != f.2)
+                    .map(|f| format!("model.{} = {}", f.0, pick(f)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            return Err(mismatch("[model]", differ(|f| f.1), differ(|f| f.2)));
+        }
+        if meta.ranks != world {
+            return Err(mismatch(
+                "train.ranks",
+                meta.ranks.to_string(),
+                world.to_string(),
+            ));
+        }
+        if meta.state_dtype != config.optim.state_dtype {
+            return Err(mismatch(
+                "optim.state_dtype",
+                format!("{:?}", meta.state_dtype.name()),
+                format!("{:?}", config.optim.state_dtype.name()),
+            ));
+        }
+        if meta.seed != config.train.seed {
+            return Err(mismatch(
+                "train.seed",
+                meta.seed.to_string(),
+                config.train.seed.to_string(),
+            ));
+        }
+        // The state dtypes agree (checked above); the rounding must be the
+        // one they write.
+        let stochastic = config.optim.state_dtype.stochastic();
+        let expected = if stochastic {
+            ROUNDING_STOCHASTIC
+        } else {
+            "nearest"
+        };
+        match meta.rounding.as_str() {
+            r if r == expected => {}
+            older if stochastic && ROUNDING_STOCHASTIC_OLDER.contains(&older) => {
+                if rank == 0 {
+                    tracing::warn!(
+                        "{}: meta.json says rounding = {older:?}: it comes from an older strata, whose random bits for bf16 stochastic rounding differ from this one's ({ROUNDING_STOCHASTIC:?}); the run goes on from the checkpoint's states, unbiased, but does not replay the bits the old strata would have drawn",
+                        checkpoint.dir.display()
+                    );
+                }
+            }
+            other => {
+                return Err(TrainError::Checkpoint {
+                    path: checkpoint.dir.join("meta.json"),
+                    problem: format!(
+                        "rounding = {other:?} is not what optim.state_dtype = {:?} writes ({expected:?})",
+                        config.optim.state_dtype.name()
+                    ),
+                    fix: "resume it with the strata that wrote it, or from another checkpoint"
+                        .into(),
+                });
+            }
+        }
+        let rounding_seed = meta.rounding_seed.unwrap_or(meta.seed);
+        if config.optim.state_dtype.stochastic() && rounding_seed != config.rounding_seed() {
+            return Err(mismatch(
+                "optim.rounding_seed",
+                rounding_seed.to_string(),
+                config.rounding_seed().to_string(),
+            ));
+        }
+        if meta.files.contains_key(HF_CONFIG) {
+            checkpoint.read_file(HF_CONFIG)?;
+        }
+        let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
+        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| {
+            TrainError::Checkpoint {
+                path: path.clone(),
+                problem: format!("not a safetensors file: {err}"),
+                fix: "resume from another checkpoint".into(),
+            }
+        })?;
+        let mut buffers = LoadBuffers::default();
+        for (g, group) in env.groups().iter().enumerate() {
+            let (name, n) = (&group.name, group.shard);
+            let master = read_tensor(&path, &file, &format!("{name}.master"), n)?;
+            let m = read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
+            let v = read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
+            self.moves
+                .load_group(env, g, &master, Some((&m, &v)), &mut buffers)?;
+        }
+        self.loss.restore(meta.loss_scaler)?;
+        self.state.restore(meta.step, meta.optimizer_steps);
+        Ok(())
+    }
+}

@@ -1,0 +1,190 @@
+//! [`TrainConfig`]: what `strata train --config FILE` reads. Every table
+//! and field has a default (the built-in small model); unknown keys are
+//! rejected by name.
+
+//!
+//! One file a concern: `model.rs` (`[model]`, the compute dtype),
+//! `train.rs` (`[train]`: batch, optimizer, numerics), `schedule.rs`
+//! (`[train.schedule]`), `placement.rs` (`[placement]`, `[optim]`),
+//! `validate.rs` (the checks, the closed-form memory count), `device.rs`
+//! (the device `auto` resolves to, each rank's runtime tables).
+
+mod device;
+mod model;
+mod placement;
+mod schedule;
+mod train;
+mod validate;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use strata_storage::{ByteSize, StorageConfig};
+
+use strata_runtime::{DeviceChoice, DeviceConfig, HostConfig, LimitsConfig};
+pub use strata_scheduler::{Checkpointing, StateDtype};
+
+use crate::error::bad;
+use crate::error::{Result, TrainError};
+
+pub use model::{ComputeDtype, ModelConfig};
+pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
+pub use schedule::{COS_MIN_RATIO_DEFAULT, Schedule, WARMUP_NUM_STEPS_DEFAULT, WarmupType};
+pub use train::TrainSettings;
+
+/// The host buffer size when the config sets no classes.
+pub const HOST_BUFFER_BYTES: u64 = 256 << 10;
+/// Most data-parallel ranks (threads of one process).
+pub const RANKS_MAX: usize = 64;
+/// Most micro-batches accumulated into one step.
+pub const GRAD_ACCUMULATION_MAX: usize = 1024;
+/// The longest wait for an exited run's directory lock, in seconds.
+pub const LOCK_WAIT_S_MAX: f64 = 3600.0;
+/// The most sequences in one micro-batch.
+pub const MICRO_BATCH_MAX: usize = 1 << 16;
+
+/// A training run: the model, the schedule, placements and each rank's
+/// runtime (its device, host and NVMe budgets).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: ModelConfig,
+    /// Batch, schedule, optimizer.
+    pub train: TrainSettings,
+    /// Where model states live.
+    pub placement: PlacementConfig,
+    /// The CPU optimizer's threads and state dtype.
+    pub optim: OptimConfig,
+    /// Each rank's device; its budget holds the compute workspace and the
+    /// tensors the plan puts there.
+    pub device: DeviceConfig,
+    /// Each rank's pinned host pool (without `classes`: all in 256 KiB
+    /// buffers).
+    pub host: HostConfig,
+    /// Each rank's NVMe tier (a subdirectory per rank); absent: none.
+    pub nvme: Option<StorageConfig>,
+    /// Threads and limits of each rank's runtime.
+    pub runtime: LimitsConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            model: ModelConfig::default(),
+            train: TrainSettings::default(),
+            placement: PlacementConfig::default(),
+            optim: OptimConfig::default(),
+            device: DeviceConfig {
+                kind: DeviceChoice::Cpu,
+                ordinal: 0,
+                budget: ByteSize(24 << 20),
+            },
+            host: HostConfig {
+                budget: ByteSize(32 << 20),
+                classes: Vec::new(),
+                require_locked: false,
+            },
+            nvme: Some(StorageConfig {
+                dirs: vec![PathBuf::from("strata-train-swap")],
+                capacity: ByteSize(256 << 20),
+                // The built-in default's own directory; one a config names
+                // must exist.
+                create_dirs: true,
+                ..StorageConfig::default()
+            }),
+            runtime: LimitsConfig::default(),
+        }
+    }
+}
+
+/// An optimizer or loss-scaler hyperparameter refused by strata-optim,
+/// under the `[train]` key it comes from (`value`: what to show when the
+/// error names none of them).
+pub(super) fn named(err: strata_optim::OptimError, value: impl ToString) -> TrainError {
+    match err {
+        strata_optim::OptimError::InvalidHyperparameter {
+            name,
+            value,
+            expected,
+        } => {
+            let key = match name {
+                "lr" => "train.lr",
+                "beta1" => "train.beta1",
+                "beta2" => "train.beta2",
+                "eps" => "train.eps",
+                "weight_decay" => "train.weight_decay",
+                "init_scale" => "train.loss_scale",
+                "min_scale" => "train.loss_scale_min",
+                "growth_interval" => "train.loss_scale_growth_interval",
+                "hysteresis" => "train.loss_scale_hysteresis",
+                _ => "train",
+            };
+            // The key's own name (loss_scale, not the scaler's init_scale).
+            let shown = key.strip_prefix("train.").unwrap_or(name);
+            // Tiny and huge values in exponent form (1.4e-45, not 45 zeros).
+            let value = match value.abs() {
+                x if x != 0.0 && !(1e-4..1e9).contains(&x) => format!("{value:e}"),
+                _ => value.to_string(),
+            };
+            bad(key, value, format!("{shown} must be {expected}"))
+        }
+        other => bad("train", value.to_string(), other.to_string()),
+    }
+}
+
+/// " at line N (`the line`, in [section])" for the byte `at` of a TOML
+/// text: the key a parse error is about, which serde's message leaves out.
+fn where_in(text: &str, at: usize) -> String {
+    let at = at.min(text.len());
+    let line = text[..at].matches('\n').count() + 1;
+    let shown = text.lines().nth(line - 1).unwrap_or("").trim();
+    let section = text[..at]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('[') && !shown.starts_with('['));
+    let shown: String = shown.chars().take(80).collect();
+    match section {
+        Some(section) => format!(" at line {line} (`{shown}`, in {section})"),
+        None if !shown.is_empty() => format!(" at line {line} (`{shown}`)"),
+        None => format!(" at line {line}"),
+    }
+}
+
+impl TrainConfig {
+    /// Parses a TOML config; unknown keys and bad values are named.
+    pub fn from_toml(text: &str) -> Result<TrainConfig> {
+        let config: TrainConfig = toml::from_str(text).map_err(|err| TrainError::Config {
+            key: "config",
+            value: err.message().to_string(),
+            fix: format!(
+                "fix the file{}",
+                err.span()
+                    .map(|span| where_in(text, span.start))
+                    .unwrap_or_default()
+            ),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The seed of the bf16 states' stochastic rounding: `optim.rounding_seed`,
+    /// or `train.seed` without it.
+    pub fn rounding_seed(&self) -> u64 {
+        self.optim.rounding_seed.unwrap_or(self.train.seed)
+    }
+
+    /// The config as a TOML file that [`TrainConfig::from_toml`] reads back
+    /// to the same config (what `strata train --print-config` shows).
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self)
+            .map_err(|err| bad("config", err, "report this: every config field serializes"))
+    }
+
+    /// Whether a placement puts model states on NVMe: the NVMe tier is
+    /// opened (its directories locked, its swap files made) only then.
+    pub fn uses_nvme(&self) -> bool {
+        [self.placement.params, self.placement.optimizer].contains(&Placement::Nvme)
+    }
+}

@@ -1,0 +1,261 @@
+//! What every part of the engine reads and none writes: the run's config,
+//! the architecture, the parameter groups, the rank's runtime, the compute
+//! backend and the collective group. Opened once by [`Env::open`]; the
+//! parts borrow it for each call.
+
+use std::sync::Arc;
+
+use strata_comm::Collective;
+use strata_kernels::{Backend, CpuBackend};
+use strata_runtime::Runtime;
+
+use crate::error::{Result, TrainError, bad, os};
+use crate::model::{self, Model};
+
+use super::config::TrainConfig;
+use super::tensors::{Group, groups};
+
+/// The rank's read-only surroundings.
+pub(super) struct Env {
+    config: TrainConfig,
+    model: Arc<dyn Model>,
+    groups: Arc<Vec<Group>>,
+    runtime: Arc<Runtime>,
+    backend: Box<dyn Backend>,
+    collective: Box<dyn Collective>,
+}
+
+/// What [`Env::open`] opens before the runtime: the compute backend, the
+/// GPU context it computes on (none on the CPU device), the device bytes
+/// it holds, and the config with `device.kind` resolved.
+pub(super) struct Compute {
+    pub(super) backend: Box<dyn Backend>,
+    pub(super) context: Option<Arc<strata_device::cuda::Context>>,
+    pub(super) backend_bytes: u64,
+    pub(super) config: TrainConfig,
+    pub(super) model: Arc<dyn Model>,
+    pub(super) groups: Arc<Vec<Group>>,
+}
+
+impl Env {
+    /// The backend `config` resolves to for rank `collective.rank()`, with
+    /// the architecture and its groups: checks the world size, and with
+    /// `auto` falls back to the CPU device when the GPU's backend does not
+    /// open (said once).
+    pub(super) fn compute(config: &TrainConfig, collective: &dyn Collective) -> Result<Compute> {
+        let (world, rank) = (collective.world(), collective.rank());
+        if world != config.train.ranks {
+            return Err(bad(
+                "train.ranks",
+                config.train.ranks.to_string(),
+                format!("the collective group has {world} ranks: make them agree"),
+            ));
+        }
+        let model: Arc<dyn Model> = model::build(&config.model)?.into();
+        let groups = Arc::new(groups(&*model, world, rank));
+        let tokens = config.train.micro_batch * model.seq();
+        // `auto`: the GPU if one answers and its backend opens (a driver
+        // alone, an architecture strata does not compile for or a missing
+        // library leave the CPU device), said once.
+        let auto = config.device.kind == strata_runtime::DeviceChoice::Auto;
+        let (mut resolved, mut why_not_gpu) = config.with_device_resolved();
+        let (backend, context, backend_bytes) = match open_backend(&resolved, tokens) {
+            Err(err) if auto && resolved.device.kind == strata_runtime::DeviceChoice::Cuda => {
+                why_not_gpu = Some(err.to_string());
+                resolved.device.kind = strata_runtime::DeviceChoice::Cpu;
+                open_backend(&resolved, tokens)?
+            }
+            opened => opened?,
+        };
+        if rank == 0 && auto {
+            match &why_not_gpu {
+                None => tracing::info!("device.kind = auto: training on the GPU"),
+                Some(why) => {
+                    tracing::info!("device.kind = auto: training on the CPU device ({why})")
+                }
+            }
+        }
+        Ok(Compute {
+            backend,
+            context,
+            backend_bytes,
+            config: resolved,
+            model,
+            groups,
+        })
+    }
+
+    /// The surroundings once the runtime is open.
+    pub(super) fn new(
+        compute: Compute,
+        runtime: Arc<Runtime>,
+        collective: Box<dyn Collective>,
+    ) -> Env {
+        Env {
+            config: compute.config,
+            model: compute.model,
+            groups: compute.groups,
+            runtime,
+            backend: compute.backend,
+            collective,
+        }
+    }
+
+    pub(super) fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    pub(super) fn model(&self) -> &dyn Model {
+        &*self.model
+    }
+
+    /// The parameter groups and this rank's shard of each.
+    pub(super) fn groups(&self) -> &Arc<Vec<Group>> {
+        &self.groups
+    }
+
+    pub(super) fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    pub(super) fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    pub(super) fn collective(&self) -> &dyn Collective {
+        &*self.collective
+    }
+
+    pub(super) fn world(&self) -> usize {
+        self.collective.world()
+    }
+
+    pub(super) fn rank(&self) -> usize {
+        self.collective.rank()
+    }
+
+    /// Every rank's outcome of a part each did: this rank's error, or one
+    /// naming the rank that failed (the outer error: the collective
+    /// itself failed).
+    pub(super) fn agree(&self, outcome: Result<()>) -> Result<Result<()>> {
+        let (world, rank) = (self.world(), self.rank());
+        let mut failed = vec![0.0f64; world.min(strata_comm::SCALARS_MAX)];
+        if outcome.is_err() {
+            let slot = rank.min(failed.len() - 1);
+            failed[slot] = 1.0;
+        }
+        self.collective.all_reduce_scalars(&mut failed)?;
+        if outcome.is_err() {
+            return Ok(outcome);
+        }
+        Ok(match failed.iter().position(|&f| f > 0.0) {
+            Some(other) => Err(TrainError::Rank {
+                rank: other,
+                cause: "it could not write its part of the checkpoint".into(),
+            }),
+            None => Ok(()),
+        })
+    }
+
+    /// Whether any rank says `flag`; every rank calls it together.
+    pub(super) fn any_rank(&self, flag: bool) -> Result<bool> {
+        let mut any = [f64::from(u8::from(flag))];
+        self.collective.all_reduce_scalars(&mut any)?;
+        Ok(any[0] > 0.0)
+    }
+
+    /// Tokens one step takes from this rank: `grad_accumulation x
+    /// micro_batch` sequences of `seq + 1` tokens (inputs and the
+    /// next-token targets).
+    pub(super) fn tokens_per_step(&self) -> usize {
+        let train = &self.config.train;
+        train.grad_accumulation * train.micro_batch * (self.model.seq() + 1)
+    }
+}
+
+/// A compute backend, the GPU context it computes on (none on the CPU
+/// device), and the device bytes it holds.
+type Opened = (
+    Box<dyn Backend>,
+    Option<Arc<strata_device::cuda::Context>>,
+    u64,
+);
+
+/// The compute backend `config.device.kind` names (resolved: `cuda` or
+/// `cpu`) for micro-batches of `tokens` tokens; on a GPU on a context the
+/// runtime's device will share (one compute stream, the copy streams
+/// ordered by its events).
+fn open_backend(config: &TrainConfig, tokens: usize) -> Result<Opened> {
+    match config.device.kind {
+        strata_runtime::DeviceChoice::Cuda => {
+            let context = strata_device::cuda::Context::open(config.device.ordinal)?;
+            let limits = strata_kernels::cuda::CudaLimits {
+                rows_max: tokens,
+                upload_bytes_max: tokens * 4,
+            };
+            let backend = strata_kernels::cuda::CudaBackend::new(context.clone(), limits)?;
+            Ok((Box::new(backend), Some(context), limits.device_bytes()))
+        }
+        strata_runtime::DeviceChoice::Cpu | strata_runtime::DeviceChoice::Auto => {
+            Ok((Box::new(CpuBackend), None, 0))
+        }
+    }
+}
+
+/// Creates the NVMe directories of rank `rank` and opens its runtime.
+pub(super) fn open_runtime(
+    config: &TrainConfig,
+    rank: usize,
+    workspace_bytes: u64,
+    faults: Option<Faults>,
+    context: Option<Arc<strata_device::cuda::Context>>,
+    spread: Option<&dyn strata_runtime::Spread>,
+) -> Result<Arc<Runtime>> {
+    let runtime_config = config.rank_runtime(rank, workspace_bytes)?;
+    if let Some(nvme) = &runtime_config.nvme {
+        for dir in &nvme.dirs {
+            std::fs::create_dir_all(dir).map_err(|err| {
+                os(
+                    format!("create nvme.dirs entry {}", dir.display()),
+                    err,
+                    "choose a writable directory in nvme.dirs",
+                )
+            })?;
+        }
+    }
+    // Each rank's faults are its own, and the same on every replay.
+    let seeded = faults.map(|f| (f, f.seed ^ rank as u64));
+    let storage = seeded.map(|(f, seed)| (f.rates, seed));
+    // The backend's context, if any: the arena on its GPU, its streams.
+    let device = match context {
+        Some(context) => Some(Box::new(strata_runtime::CudaDevice::on_context(
+            context,
+            runtime_config.device.budget.0,
+        )?) as Box<dyn strata_runtime::Device>),
+        None => None,
+    };
+    let runtime = Runtime::open_with(&runtime_config, device, storage, spread)?;
+    if let Some((faults, seed)) = seeded {
+        runtime.inject_memory_faults(strata_runtime::MemoryFaults {
+            rate: faults.oom,
+            seed,
+        });
+    }
+    Ok(Arc::new(runtime))
+}
+
+/// Faults to inject into a run (simulations and tests): each I/O request of
+/// each rank's NVMe store fails, comes back short or with a flipped bit
+/// with the given probabilities, decided by a hash of the seed and the
+/// request (see [`strata_storage::FaultEngine`]); each placement in a
+/// memory tier is refused as if the tier were full with probability `oom`
+/// (see [`strata_runtime::MemoryFaults`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Faults {
+    /// Probabilities per request.
+    pub rates: strata_storage::FaultRates,
+    /// Probability that a placement in the device or host tier is refused.
+    pub oom: f64,
+    /// The seed.
+    pub seed: u64,
+}
