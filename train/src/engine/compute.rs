@@ -12,8 +12,8 @@ use strata_runtime::TensorId;
 use crate::error::Result;
 use crate::model::{Buffers, Model, OUTER, Weights};
 
+use super::access::{with_device_view, write_from_view};
 use super::env::Env;
-use super::moves::{with_device_view, write_from_view};
 use super::tensors::Group;
 
 /// The first `n` gathered parameters as the model reads them: f32, and the

@@ -59,6 +59,7 @@
 //! `checkpoint` writes and resumes; `run` drives whole runs over ranks and
 //! is the only place that names the in-process collective.
 
+mod access;
 mod activations;
 mod checkpoint;
 mod compute;

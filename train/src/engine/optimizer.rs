@@ -14,7 +14,7 @@ use strata_runtime::{Access, Guard, Runtime, TensorId, Tier};
 
 use crate::error::Result;
 
-use super::moves::guard;
+use super::access::guard;
 
 use super::config::StateDtype;
 use super::tensors::Group;

@@ -23,12 +23,13 @@
 //! ```
 //! use strata_device::{View, ViewMut};
 //! use strata_kernels::CpuBackend;
-//! use strata_train::model::gpt2::{Gpt2, embed_forward};
+//! use strata_train::model::Model;
+//! use strata_train::model::gpt2::Gpt2;
 //!
 //! let config = Gpt2 { vocab: 4, seq: 2, hidden: 2, heads: 1, layers: 1 };
 //! let embed = vec![0.5f32; config.embed_params()];
 //! let (tokens, mut x) = ([1u32, 3], vec![0.0f32; 4]);
-//! embed_forward(&CpuBackend, &config, View::host_slice(&embed), View::host_slice(&tokens),
+//! config.embed_forward(&CpuBackend, View::host_slice(&embed), View::host_slice(&tokens),
 //!     ViewMut::host_slice(&mut x)).unwrap();
 //! assert_eq!(x, [1.0; 4]);
 //! ```
@@ -40,10 +41,9 @@ use strata_kernels::{Attention, Backend, Matrix, Readback};
 
 use super::init::fill_normal;
 use super::{
-    Arch, Architecture, Buffers, GroupSpec, Model, OuterCosts, Parts, TensorSpec, TypedParts,
-    Weights, expect_len,
+    Arch, Architecture, Buffers, GroupSpec, Model, ModelConfig, OuterCosts, Parts, TensorSpec,
+    TypedParts, Weights, expect_len,
 };
-use crate::engine::ModelConfig;
 use crate::error::Result;
 use strata_storage::engine::SplitMix64;
 
@@ -408,185 +408,6 @@ fn linear_backward(
     )?;
     Ok(())
 }
-/// One block's forward for `batch` sequences: `out = block(x)`, keeping
-/// what the backward needs in `acts`.
-#[allow(clippy::too_many_arguments)]
-pub fn block_forward<'w>(
-    backend: &dyn Backend,
-    config: &Gpt2,
-    batch: usize,
-    params: impl Into<Weights<'w>>,
-    x: View<'_>,
-    buffers: &mut Buffers,
-    mut out: ViewMut<'_>,
-) -> Result<()> {
-    let (n, h) = (batch * config.seq, config.hidden);
-    let layout = BlockLayout::new(h);
-    let params = params.into();
-    params.check("block parameters", layout.total)?;
-    expect_len("block input", x.len(), n * h)?;
-    expect_len("block output", out.len(), n * h)?;
-    let p = layout.views(params);
-    let dtype = buffers.dtype();
-    let [workspace, ..] =
-        scratch_parts(backend, config, batch, dtype).split(buffers.scratch.view_mut());
-    let [
-        input,
-        mut a,
-        ln1,
-        mut qkv,
-        saved,
-        mut att,
-        mut x1,
-        mut c,
-        ln2,
-        mut f,
-        mut g,
-    ] = activation_parts(backend, config, batch, dtype).split(buffers.acts.view_mut());
-    backend.copy(x, input)?;
-    backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
-    linear(backend, a.view(), p[QKV_W], p[QKV_B], n, qkv.reborrow())?;
-    backend.attention(
-        attention_shape(config, batch),
-        qkv.view(),
-        att.reborrow(),
-        saved,
-        workspace,
-    )?;
-    linear(backend, att.view(), p[PROJ_W], p[PROJ_B], n, x1.reborrow())?;
-    backend.add(x1.reborrow(), x)?;
-    backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
-    // fc1 and its GELU in one fused GEMM where the backend can, keeping
-    // the pre-activation for the backward.
-    backend.gemm_bias_gelu(
-        Matrix::n(c.view().matrix(n, h)?),
-        Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
-        p[FC1_B],
-        f.reborrow().matrix(n, 4 * h)?,
-        g.reborrow().matrix(n, 4 * h)?,
-    )?;
-    linear(backend, g.view(), p[FC2_W], p[FC2_B], n, out.reborrow())?;
-    backend.add(out, x1.view())?;
-    Ok(())
-}
-
-/// One block's backward from the activations of its forward: writes `dx`
-/// and adds the parameter gradients to `dparams`.
-#[allow(clippy::too_many_arguments)]
-pub fn block_backward<'w>(
-    backend: &dyn Backend,
-    config: &Gpt2,
-    batch: usize,
-    params: impl Into<Weights<'w>>,
-    dout: View<'_>,
-    buffers: &mut Buffers,
-    mut dx: ViewMut<'_>,
-    dparams: ViewMut<'_>,
-) -> Result<()> {
-    let (n, h) = (batch * config.seq, config.hidden);
-    let layout = BlockLayout::new(h);
-    let params = params.into();
-    params.check("block parameters", layout.total)?;
-    expect_len("block gradients", dparams.len(), layout.total)?;
-    expect_len("block output gradient", dout.len(), n * h)?;
-    expect_len("block input gradient", dx.len(), n * h)?;
-    let p = layout.views(params);
-    let dtype = buffers.dtype();
-    let [x, a, ln1, qkv, saved, att, x1, c, ln2, f, g] =
-        activation_parts(backend, config, batch, dtype).views(buffers.acts.view());
-    let [
-        dln1,
-        dwqkv,
-        dbqkv,
-        dwproj,
-        dbproj,
-        dln2,
-        dwfc1,
-        dbfc1,
-        dwfc2,
-        dbfc2,
-    ] = layout.grads.split(dparams);
-    let [
-        workspace,
-        mut datt,
-        mut dqkv,
-        mut dx1,
-        mut dc,
-        mut dg,
-        mut df,
-        mut da,
-    ] = scratch_parts(backend, config, batch, dtype).split(buffers.scratch.view_mut());
-    // MLP: fc2's parameter gradients, then the gradient through fc2 and
-    // the GELU in one fused GEMM where the backend can (`dg` its scratch).
-    linear_param_grads(backend, g, dout, n, dwfc2, dbfc2)?;
-    backend.gemm_dgelu(
-        Matrix::n(dout.matrix(n, h)?),
-        Matrix::t(p[FC2_W].matrix(4 * h, h)?),
-        f.matrix(n, 4 * h)?,
-        dg.reborrow().matrix(n, 4 * h)?,
-        df.reborrow().matrix(n, 4 * h)?,
-    )?;
-    linear_backward(
-        backend,
-        c,
-        p[FC1_W],
-        df.view(),
-        n,
-        dwfc1,
-        dbfc1,
-        dc.reborrow(),
-    )?;
-    backend.copy(dout, dx1.reborrow())?;
-    backend.layer_norm_backward(dc.view(), x1, p[LN2_GAMMA], ln2, dx1.reborrow(), dln2)?;
-    // Attention.
-    linear_backward(
-        backend,
-        att,
-        p[PROJ_W],
-        dx1.view(),
-        n,
-        dwproj,
-        dbproj,
-        datt.reborrow(),
-    )?;
-    backend.attention_backward(
-        attention_shape(config, batch),
-        qkv,
-        att,
-        saved,
-        datt.view(),
-        dqkv.reborrow(),
-        workspace,
-    )?;
-    linear_backward(
-        backend,
-        a,
-        p[QKV_W],
-        dqkv.view(),
-        n,
-        dwqkv,
-        dbqkv,
-        da.reborrow(),
-    )?;
-    backend.copy(dx1.view(), dx.reborrow())?;
-    backend.layer_norm_backward(da.view(), x, p[LN1_GAMMA], ln1, dx, dln1)?;
-    Ok(())
-}
-
-/// The embeddings' forward: `x[b, t] = wte[tokens[b, t]] + wpe[t]`.
-pub fn embed_forward(
-    backend: &dyn Backend,
-    config: &Gpt2,
-    embed: View<'_>,
-    tokens: View<'_>,
-    x: ViewMut<'_>,
-) -> Result<()> {
-    let layout = EmbedLayout::new(config);
-    expect_len("embedding parameters", embed.len(), layout.total)?;
-    let [wte, wpe, _, _] = layout.parts.views(embed);
-    backend.embedding(wte, wpe, tokens, config.seq, x)?;
-    Ok(())
-}
 
 /// The parts of [`HeadBuffers`]: the final LayerNorm's output and saved
 /// statistics, the logits, their gradient, and the final LayerNorm
@@ -603,115 +424,6 @@ fn head_parts(config: &Gpt2, batch: usize, dtype: Dtype) -> TypedParts<5> {
             (n * h, dtype),
         ],
     )
-}
-
-/// The head's forward and backward: the mean cross-entropy of the last
-/// block's output `x` against `targets`; writes `dx` and adds to the
-/// embedding gradients `dembed` (tied LM head, final LayerNorm), both
-/// multiplied by `grad_scale`. The loss is read back without waiting for
-/// the device.
-#[allow(clippy::too_many_arguments)]
-pub fn head_forward_backward<'w>(
-    backend: &dyn Backend,
-    config: &Gpt2,
-    embed: impl Into<Weights<'w>>,
-    x: View<'_>,
-    targets: View<'_>,
-    grad_scale: f32,
-    buffers: &mut Buffers,
-    mut dx: ViewMut<'_>,
-    dembed: ViewMut<'_>,
-) -> Result<Readback> {
-    let (h, v) = (config.hidden, config.vocab);
-    let n = targets.len();
-    let layout = EmbedLayout::new(config);
-    let embed = embed.into();
-    embed.check("embedding parameters", layout.total)?;
-    expect_len("embedding gradients", dembed.len(), layout.total)?;
-    expect_len("head input", x.len(), n * h)?;
-    let [_, _, gamma, beta] = layout.parts.views(embed.f32);
-    let wte = embed.compute.range(layout.range(0)).matrix(v, h)?;
-    expect_len("head targets", n, buffers.batch * config.seq)?;
-    let parts = head_parts(config, buffers.batch, buffers.dtype());
-    let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] = parts.split(buffers.head.view_mut());
-    backend.layer_norm(x, gamma, beta, hf.reborrow(), ln.reborrow())?;
-    let hf = hf.view().matrix(n, h)?;
-    backend.gemm(
-        Matrix::n(hf),
-        Matrix::t(wte),
-        1.0,
-        0.0,
-        logits.reborrow().matrix(n, v)?,
-    )?;
-    let loss = backend.cross_entropy(logits.view(), targets, grad_scale, dlogits.reborrow())?;
-    let dlogits = dlogits.view().matrix(n, v)?;
-    backend.gemm(
-        Matrix::n(dlogits),
-        Matrix::n(wte),
-        1.0,
-        0.0,
-        dhf.reborrow().matrix(n, h)?,
-    )?;
-    let [dwte, _, dnorm] = layout.split_grads(dembed);
-    backend.gemm(
-        Matrix::t(dlogits),
-        Matrix::n(hf),
-        1.0,
-        1.0,
-        dwte.matrix(v, h)?,
-    )?;
-    backend.zero(dx.reborrow())?;
-    backend.layer_norm_backward(dhf.view(), x, gamma, ln.view(), dx, dnorm)?;
-    Ok(loss)
-}
-
-/// The head's forward alone: the logits (`rows x vocab`) of the last
-/// block's output `x` through the final LayerNorm and the tied LM head.
-pub fn head_logits<'w>(
-    backend: &dyn Backend,
-    config: &Gpt2,
-    embed: impl Into<Weights<'w>>,
-    x: View<'_>,
-    buffers: &mut Buffers,
-    logits: ViewMut<'_>,
-) -> Result<()> {
-    let (h, v) = (config.hidden, config.vocab);
-    let layout = EmbedLayout::new(config);
-    let embed = embed.into();
-    embed.check("embedding parameters", layout.total)?;
-    let n = x.len() / h;
-    expect_len("head input", x.len(), n * h)?;
-    let parts = head_parts(config, buffers.batch, buffers.dtype());
-    expect_len("head buffers", parts.lens[0], n * h)?;
-    expect_len("logits", logits.len(), n * v)?;
-    let [_, _, gamma, beta] = layout.parts.views(embed.f32);
-    let wte = embed.compute.range(layout.range(0));
-    let [mut hf, ln, ..] = parts.split(buffers.head.view_mut());
-    backend.layer_norm(x, gamma, beta, hf.reborrow(), ln)?;
-    backend.gemm(
-        Matrix::n(hf.view().matrix(n, h)?),
-        Matrix::t(wte.matrix(v, h)?),
-        1.0,
-        0.0,
-        logits.matrix(n, v)?,
-    )?;
-    Ok(())
-}
-
-/// The embeddings' backward: adds `dx` to the rows of the token and
-/// position embeddings it came from.
-pub fn embed_backward(
-    backend: &dyn Backend,
-    config: &Gpt2,
-    tokens: View<'_>,
-    dx: View<'_>,
-    dembed: ViewMut<'_>,
-) -> Result<()> {
-    let layout = EmbedLayout::new(config);
-    expect_len("embedding gradients", dembed.len(), layout.total)?;
-    let [dwte, dwpe, _] = layout.split_grads(dembed);
-    backend.embedding_backward(tokens, config.seq, dx, dwte, dwpe)?;
-    Ok(())
 }
 
 /// GPT-2's entry in the registry.
@@ -878,11 +590,15 @@ impl Model for Gpt2 {
     fn embed_forward(
         &self,
         backend: &dyn Backend,
-        outer: View<'_>,
+        embed: View<'_>,
         tokens: View<'_>,
         x: ViewMut<'_>,
     ) -> Result<()> {
-        embed_forward(backend, self, outer, tokens, x)
+        let layout = EmbedLayout::new(self);
+        expect_len("embedding parameters", embed.len(), layout.total)?;
+        let [wte, wpe, _, _] = layout.parts.views(embed);
+        backend.embedding(wte, wpe, tokens, self.seq, x)?;
+        Ok(())
     }
 
     fn block_forward(
@@ -892,9 +608,55 @@ impl Model for Gpt2 {
         params: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
-        out: ViewMut<'_>,
+        mut out: ViewMut<'_>,
     ) -> Result<()> {
-        block_forward(backend, self, batch, params, x, buffers, out)
+        let (n, h) = (batch * self.seq, self.hidden);
+        let layout = BlockLayout::new(h);
+        params.check("block parameters", layout.total)?;
+        expect_len("block input", x.len(), n * h)?;
+        expect_len("block output", out.len(), n * h)?;
+        let p = layout.views(params);
+        let dtype = buffers.dtype();
+        let [workspace, ..] =
+            scratch_parts(backend, self, batch, dtype).split(buffers.scratch.view_mut());
+        let [
+            input,
+            mut a,
+            ln1,
+            mut qkv,
+            saved,
+            mut att,
+            mut x1,
+            mut c,
+            ln2,
+            mut f,
+            mut g,
+        ] = activation_parts(backend, self, batch, dtype).split(buffers.acts.view_mut());
+        backend.copy(x, input)?;
+        backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
+        linear(backend, a.view(), p[QKV_W], p[QKV_B], n, qkv.reborrow())?;
+        backend.attention(
+            attention_shape(self, batch),
+            qkv.view(),
+            att.reborrow(),
+            saved,
+            workspace,
+        )?;
+        linear(backend, att.view(), p[PROJ_W], p[PROJ_B], n, x1.reborrow())?;
+        backend.add(x1.reborrow(), x)?;
+        backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
+        // fc1 and its GELU in one fused GEMM where the backend can, keeping
+        // the pre-activation for the backward.
+        backend.gemm_bias_gelu(
+            Matrix::n(c.view().matrix(n, h)?),
+            Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
+            p[FC1_B],
+            f.reborrow().matrix(n, 4 * h)?,
+            g.reborrow().matrix(n, 4 * h)?,
+        )?;
+        linear(backend, g.view(), p[FC2_W], p[FC2_B], n, out.reborrow())?;
+        backend.add(out, x1.view())?;
+        Ok(())
     }
 
     fn block_backward(
@@ -904,37 +666,180 @@ impl Model for Gpt2 {
         params: Weights<'_>,
         dout: View<'_>,
         buffers: &mut Buffers,
-        dx: ViewMut<'_>,
+        mut dx: ViewMut<'_>,
         dparams: ViewMut<'_>,
     ) -> Result<()> {
-        block_backward(backend, self, batch, params, dout, buffers, dx, dparams)
+        let (n, h) = (batch * self.seq, self.hidden);
+        let layout = BlockLayout::new(h);
+        params.check("block parameters", layout.total)?;
+        expect_len("block gradients", dparams.len(), layout.total)?;
+        expect_len("block output gradient", dout.len(), n * h)?;
+        expect_len("block input gradient", dx.len(), n * h)?;
+        let p = layout.views(params);
+        let dtype = buffers.dtype();
+        let [x, a, ln1, qkv, saved, att, x1, c, ln2, f, g] =
+            activation_parts(backend, self, batch, dtype).views(buffers.acts.view());
+        let [
+            dln1,
+            dwqkv,
+            dbqkv,
+            dwproj,
+            dbproj,
+            dln2,
+            dwfc1,
+            dbfc1,
+            dwfc2,
+            dbfc2,
+        ] = layout.grads.split(dparams);
+        let [
+            workspace,
+            mut datt,
+            mut dqkv,
+            mut dx1,
+            mut dc,
+            mut dg,
+            mut df,
+            mut da,
+        ] = scratch_parts(backend, self, batch, dtype).split(buffers.scratch.view_mut());
+        // MLP: fc2's parameter gradients, then the gradient through fc2 and
+        // the GELU in one fused GEMM where the backend can (`dg` its scratch).
+        linear_param_grads(backend, g, dout, n, dwfc2, dbfc2)?;
+        backend.gemm_dgelu(
+            Matrix::n(dout.matrix(n, h)?),
+            Matrix::t(p[FC2_W].matrix(4 * h, h)?),
+            f.matrix(n, 4 * h)?,
+            dg.reborrow().matrix(n, 4 * h)?,
+            df.reborrow().matrix(n, 4 * h)?,
+        )?;
+        linear_backward(
+            backend,
+            c,
+            p[FC1_W],
+            df.view(),
+            n,
+            dwfc1,
+            dbfc1,
+            dc.reborrow(),
+        )?;
+        backend.copy(dout, dx1.reborrow())?;
+        backend.layer_norm_backward(dc.view(), x1, p[LN2_GAMMA], ln2, dx1.reborrow(), dln2)?;
+        // Attention.
+        linear_backward(
+            backend,
+            att,
+            p[PROJ_W],
+            dx1.view(),
+            n,
+            dwproj,
+            dbproj,
+            datt.reborrow(),
+        )?;
+        backend.attention_backward(
+            attention_shape(self, batch),
+            qkv,
+            att,
+            saved,
+            datt.view(),
+            dqkv.reborrow(),
+            workspace,
+        )?;
+        linear_backward(
+            backend,
+            a,
+            p[QKV_W],
+            dqkv.view(),
+            n,
+            dwqkv,
+            dbqkv,
+            da.reborrow(),
+        )?;
+        backend.copy(dx1.view(), dx.reborrow())?;
+        backend.layer_norm_backward(da.view(), x, p[LN1_GAMMA], ln1, dx, dln1)?;
+        Ok(())
     }
 
     fn head_forward_backward(
         &self,
         backend: &dyn Backend,
-        outer: Weights<'_>,
+        embed: Weights<'_>,
         x: View<'_>,
         targets: View<'_>,
         grad_scale: f32,
         buffers: &mut Buffers,
-        dx: ViewMut<'_>,
-        douter: ViewMut<'_>,
+        mut dx: ViewMut<'_>,
+        dembed: ViewMut<'_>,
     ) -> Result<Readback> {
-        head_forward_backward(
-            backend, self, outer, x, targets, grad_scale, buffers, dx, douter,
-        )
+        let (h, v) = (self.hidden, self.vocab);
+        let n = targets.len();
+        let layout = EmbedLayout::new(self);
+        embed.check("embedding parameters", layout.total)?;
+        expect_len("embedding gradients", dembed.len(), layout.total)?;
+        expect_len("head input", x.len(), n * h)?;
+        let [_, _, gamma, beta] = layout.parts.views(embed.f32);
+        let wte = embed.compute.range(layout.range(0)).matrix(v, h)?;
+        expect_len("head targets", n, buffers.batch * self.seq)?;
+        let parts = head_parts(self, buffers.batch, buffers.dtype());
+        let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] =
+            parts.split(buffers.head.view_mut());
+        backend.layer_norm(x, gamma, beta, hf.reborrow(), ln.reborrow())?;
+        let hf = hf.view().matrix(n, h)?;
+        backend.gemm(
+            Matrix::n(hf),
+            Matrix::t(wte),
+            1.0,
+            0.0,
+            logits.reborrow().matrix(n, v)?,
+        )?;
+        let loss = backend.cross_entropy(logits.view(), targets, grad_scale, dlogits.reborrow())?;
+        let dlogits = dlogits.view().matrix(n, v)?;
+        backend.gemm(
+            Matrix::n(dlogits),
+            Matrix::n(wte),
+            1.0,
+            0.0,
+            dhf.reborrow().matrix(n, h)?,
+        )?;
+        let [dwte, _, dnorm] = layout.split_grads(dembed);
+        backend.gemm(
+            Matrix::t(dlogits),
+            Matrix::n(hf),
+            1.0,
+            1.0,
+            dwte.matrix(v, h)?,
+        )?;
+        backend.zero(dx.reborrow())?;
+        backend.layer_norm_backward(dhf.view(), x, gamma, ln.view(), dx, dnorm)?;
+        Ok(loss)
     }
 
     fn head_logits(
         &self,
         backend: &dyn Backend,
-        outer: Weights<'_>,
+        embed: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
         logits: ViewMut<'_>,
     ) -> Result<()> {
-        head_logits(backend, self, outer, x, buffers, logits)
+        let (h, v) = (self.hidden, self.vocab);
+        let layout = EmbedLayout::new(self);
+        embed.check("embedding parameters", layout.total)?;
+        let n = x.len() / h;
+        expect_len("head input", x.len(), n * h)?;
+        let parts = head_parts(self, buffers.batch, buffers.dtype());
+        expect_len("head buffers", parts.lens[0], n * h)?;
+        expect_len("logits", logits.len(), n * v)?;
+        let [_, _, gamma, beta] = layout.parts.views(embed.f32);
+        let wte = embed.compute.range(layout.range(0));
+        let [mut hf, ln, ..] = parts.split(buffers.head.view_mut());
+        backend.layer_norm(x, gamma, beta, hf.reborrow(), ln)?;
+        backend.gemm(
+            Matrix::n(hf.view().matrix(n, h)?),
+            Matrix::t(wte.matrix(v, h)?),
+            1.0,
+            0.0,
+            logits.matrix(n, v)?,
+        )?;
+        Ok(())
     }
 
     fn embed_backward(
@@ -942,9 +847,13 @@ impl Model for Gpt2 {
         backend: &dyn Backend,
         tokens: View<'_>,
         dx: View<'_>,
-        douter: ViewMut<'_>,
+        dembed: ViewMut<'_>,
     ) -> Result<()> {
-        embed_backward(backend, self, tokens, dx, douter)
+        let layout = EmbedLayout::new(self);
+        expect_len("embedding gradients", dembed.len(), layout.total)?;
+        let [dwte, dwpe, _] = layout.split_grads(dembed);
+        backend.embedding_backward(tokens, self.seq, dx, dwte, dwpe)?;
+        Ok(())
     }
 
     fn hf_config(&self) -> serde_json::Value {

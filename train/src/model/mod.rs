@@ -34,6 +34,7 @@
 //! assert_eq!(model.params(), model.groups().iter().map(|g| g.params()).sum::<usize>());
 //! ```
 
+mod config;
 pub mod gpt2;
 mod init;
 mod parts;
@@ -44,9 +45,9 @@ use std::ops::Range;
 use strata_device::{Buffer, Dtype, View, ViewMut};
 use strata_kernels::{Backend, Readback};
 
-use crate::engine::ModelConfig;
 use crate::error::{Result, TrainError};
 
+pub use config::ModelConfig;
 pub(crate) use parts::{Parts, TypedParts, expect_len};
 
 /// The outer group's index: the embeddings, the final norm and the LM head

@@ -1,16 +1,16 @@
 //! [`TrainConfig`]: what `strata train --config FILE` reads. Every table
 //! and field has a default (the built-in small model); unknown keys are
 //! rejected by name.
-
 //!
-//! One file a concern: `model.rs` (`[model]`, the compute dtype),
-//! `train.rs` (`[train]`: batch, optimizer, numerics), `schedule.rs`
+//! One file a concern: `compute.rs` (the compute dtype; `[model]` is the
+//! model interface's `ModelConfig`), `train.rs` (`[train]`: batch,
+//! optimizer, numerics), `schedule.rs`
 //! (`[train.schedule]`), `placement.rs` (`[placement]`, `[optim]`),
 //! `validate.rs` (the checks, the closed-form memory count), `device.rs`
 //! (the device `auto` resolves to, each rank's runtime tables).
 
+mod compute;
 mod device;
-mod model;
 mod placement;
 mod schedule;
 mod train;
@@ -27,7 +27,8 @@ pub use strata_scheduler::{Checkpointing, StateDtype};
 use crate::error::bad;
 use crate::error::{Result, TrainError};
 
-pub use model::{ComputeDtype, ModelConfig};
+pub use crate::model::ModelConfig;
+pub use compute::ComputeDtype;
 pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
 pub use schedule::{COS_MIN_RATIO_DEFAULT, Schedule, WARMUP_NUM_STEPS_DEFAULT, WarmupType};
 pub use train::TrainSettings;

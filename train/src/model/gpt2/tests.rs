@@ -81,46 +81,52 @@ fn loss_and_grads(m: &Params) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     let mut acts: Vec<Buffers> = (0..CONFIG.layers).map(|_| buffers()).collect();
     let mut x = vec![0.0; n * h];
     let tokens = View::host_slice(&tokens);
-    embed_forward(CPU, &CONFIG, v(&m.embed), tokens, w(&mut x)).unwrap();
+    CONFIG
+        .embed_forward(CPU, v(&m.embed), tokens, w(&mut x))
+        .unwrap();
     let mut next = vec![0.0; n * h];
     for (l, p) in m.blocks.iter().enumerate() {
-        block_forward(CPU, &CONFIG, BATCH, v(p), v(&x), &mut acts[l], w(&mut next)).unwrap();
+        CONFIG
+            .block_forward(CPU, BATCH, v(p).into(), v(&x), &mut acts[l], w(&mut next))
+            .unwrap();
         std::mem::swap(&mut x, &mut next);
     }
     let mut head = buffers();
     let mut dembed = vec![0.0; CONFIG.embed_params()];
     let mut dx = vec![0.0; n * h];
-    let loss = head_forward_backward(
-        CPU,
-        &CONFIG,
-        v(&m.embed),
-        v(&x),
-        View::host_slice(&targets),
-        1.0,
-        &mut head,
-        w(&mut dx),
-        w(&mut dembed),
-    )
-    .unwrap()
-    .get()
-    .unwrap() as f32;
+    let loss = CONFIG
+        .head_forward_backward(
+            CPU,
+            v(&m.embed).into(),
+            v(&x),
+            View::host_slice(&targets),
+            1.0,
+            &mut head,
+            w(&mut dx),
+            w(&mut dembed),
+        )
+        .unwrap()
+        .get()
+        .unwrap() as f32;
     let mut dblocks = vec![vec![0.0; CONFIG.block_params()]; CONFIG.layers];
     let mut dprev = vec![0.0; n * h];
     for l in (0..CONFIG.layers).rev() {
-        block_backward(
-            CPU,
-            &CONFIG,
-            BATCH,
-            v(&m.blocks[l]),
-            v(&dx),
-            &mut acts[l],
-            w(&mut dprev),
-            w(&mut dblocks[l]),
-        )
-        .unwrap();
+        CONFIG
+            .block_backward(
+                CPU,
+                BATCH,
+                v(&m.blocks[l]).into(),
+                v(&dx),
+                &mut acts[l],
+                w(&mut dprev),
+                w(&mut dblocks[l]),
+            )
+            .unwrap();
         std::mem::swap(&mut dx, &mut dprev);
     }
-    embed_backward(CPU, &CONFIG, tokens, v(&dx), w(&mut dembed)).unwrap();
+    CONFIG
+        .embed_backward(CPU, tokens, v(&dx), w(&mut dembed))
+        .unwrap();
     (loss, dembed, dblocks)
 }
 
@@ -180,14 +186,9 @@ fn recomputed_forward_gives_the_same_gradients() {
     let n = BATCH * CONFIG.seq;
     let h = CONFIG.hidden;
     let mut x = vec![0.0; n * h];
-    embed_forward(
-        CPU,
-        &CONFIG,
-        v(&m.embed),
-        View::host_slice(&tokens),
-        w(&mut x),
-    )
-    .unwrap();
+    CONFIG
+        .embed_forward(CPU, v(&m.embed), View::host_slice(&tokens), w(&mut x))
+        .unwrap();
     let mut out = vec![0.0; n * h];
     let dout = values(n * h, 2.0, 1.0);
     let mut grads = [
@@ -198,9 +199,13 @@ fn recomputed_forward_gives_the_same_gradients() {
     for (grads, dx) in grads.iter_mut().zip(&mut dx) {
         let mut acts = buffers();
         let p = v(&m.blocks[0]);
-        block_forward(CPU, &CONFIG, BATCH, p, v(&x), &mut acts, w(&mut out)).unwrap();
+        CONFIG
+            .block_forward(CPU, BATCH, p.into(), v(&x), &mut acts, w(&mut out))
+            .unwrap();
         assert_eq!(acts.input().host::<f32>().unwrap(), &x[..]);
-        block_backward(CPU, &CONFIG, BATCH, p, v(&dout), &mut acts, w(dx), w(grads)).unwrap();
+        CONFIG
+            .block_backward(CPU, BATCH, p.into(), v(&dout), &mut acts, w(dx), w(grads))
+            .unwrap();
     }
     assert_eq!(grads[0], grads[1]);
     assert_eq!(dx[0], dx[1]);
@@ -214,7 +219,9 @@ fn buffers_of_the_wrong_size_are_named_errors() {
     let mut acts = buffers();
     let (x, mut out) = (vec![0.0; n * h - 1], vec![0.0; n * h]);
     let p = v(&m.blocks[0]);
-    let error = block_forward(CPU, &CONFIG, BATCH, p, v(&x), &mut acts, w(&mut out)).unwrap_err();
+    let error = CONFIG
+        .block_forward(CPU, BATCH, p.into(), v(&x), &mut acts, w(&mut out))
+        .unwrap_err();
     assert!(
         matches!(
             error,
@@ -228,14 +235,9 @@ fn buffers_of_the_wrong_size_are_named_errors() {
     );
     // A token outside the vocabulary is the kernel's error, not a panic.
     let (tokens, mut x) = (vec![CONFIG.vocab as u32; n], vec![0.0; n * h]);
-    let error = embed_forward(
-        CPU,
-        &CONFIG,
-        v(&m.embed),
-        View::host_slice(&tokens),
-        w(&mut x),
-    )
-    .unwrap_err();
+    let error = CONFIG
+        .embed_forward(CPU, v(&m.embed), View::host_slice(&tokens), w(&mut x))
+        .unwrap_err();
     assert!(
         error.to_string().contains("outside the vocabulary"),
         "{error}"

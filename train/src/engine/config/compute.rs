@@ -1,9 +1,7 @@
-//! `[model]`: the architecture and its shape; the dtype it computes in.
+//! The dtype the model computes in (`[train] compute_dtype`); the
+//! `[model]` table itself is the model interface's ([`crate::model::ModelConfig`]).
 
 use serde::{Deserialize, Serialize};
-
-use crate::error::Result;
-use crate::model::{Arch, Model};
 
 /// The element type of activations and the matrix products' operands on
 /// the device (`[train] compute_dtype`).
@@ -43,45 +41,5 @@ impl ComputeDtype {
             (ComputeDtype::F32, _) | (ComputeDtype::Auto, DeviceKind::Cpu) => Dtype::F32,
             (ComputeDtype::Bf16, _) | (ComputeDtype::Auto, DeviceKind::Cuda) => Dtype::Bf16,
         }
-    }
-}
-
-/// The `[model]` table: the architecture (a name in
-/// [`crate::model::ARCHITECTURES`]) and its shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelConfig {
-    /// The architecture (`strata train --print-config` shows the default).
-    pub arch: Arch,
-    /// Vocabulary (256: byte-level tokens).
-    pub vocab: usize,
-    /// Sequence length.
-    pub seq: usize,
-    /// Hidden size.
-    pub hidden: usize,
-    /// Attention heads.
-    pub heads: usize,
-    /// Blocks.
-    pub layers: usize,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            arch: Arch::default(),
-            vocab: 256,
-            seq: 64,
-            hidden: 128,
-            heads: 4,
-            layers: 4,
-        }
-    }
-}
-
-impl ModelConfig {
-    /// The architecture of this shape ([`crate::model::build`]): its
-    /// shape checked, the error naming the key.
-    pub fn build(&self) -> Result<Box<dyn Model>> {
-        crate::model::build(self)
     }
 }
