@@ -1,8 +1,10 @@
 //! strata-train: model architectures written once over the kernels'
-//! `Backend` and comm's `Collective` behind one interface ([`model`]), and the training engine that runs it with its
-//! states tiered by `strata-runtime` under `strata-scheduler`'s plans:
-//! [`Engine`] (one data-parallel rank: `Engine::new(config, collective)`,
-//! then `engine.step(tokens)`), [`run`] (whole runs, ranks as threads,
+//! `Backend` and comm's `Collective` behind one interface ([`model`]: each
+//! in its own file, found by name in one registry), and the training engine
+//! that runs them with their states tiered by `strata-runtime` under
+//! `strata-scheduler`'s plans: [`Engine`] (one data-parallel rank, a few
+//! parts that own their fields: `Engine::new(config, collective)`, then
+//! `engine.step(tokens)`), [`run`] (whole runs, ranks as threads,
 //! checkpoints) and [`TrainConfig`].
 //!
 //! ```no_run

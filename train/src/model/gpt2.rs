@@ -44,7 +44,7 @@ use super::{
     Arch, Architecture, Buffers, GroupSpec, Model, ModelConfig, OuterCosts, Parts, TensorSpec,
     TypedParts, Weights, expect_len,
 };
-use crate::error::Result;
+use crate::error::{Result, bad};
 use strata_storage::engine::SplitMix64;
 
 /// The largest hidden size accepted (GPT-3 175B: 12288).
@@ -431,6 +431,7 @@ pub const ARCHITECTURE: Architecture = Architecture {
     name: "gpt2",
     build: Gpt2::build,
     for_params: Gpt2::for_params,
+    from_hf_config: Gpt2::from_hf_config,
 };
 
 impl Gpt2 {
@@ -957,6 +958,72 @@ fn hf_config(gpt: &Gpt2) -> serde_json::Value {
         "dtype": "float32",
         "torch_dtype": "float32",
     })
+}
+
+impl Gpt2 {
+    /// The `[model]` table of a `GPT2Config`: `vocab_size`, `n_positions`
+    /// (the position table's rows, so the sequence), `n_embd`, `n_layer`,
+    /// `n_head`. What strata does not compute that way is refused by key:
+    /// an `n_inner` other than 4 x `n_embd`, another activation than
+    /// `gelu_new`, an untied head, another LayerNorm epsilon, attention
+    /// scaled by the layer index.
+    fn from_hf_config(json: &serde_json::Value) -> Result<ModelConfig> {
+        let size = |key: &'static str| -> Result<usize> {
+            json.get(key)
+                .and_then(serde_json::Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| {
+                    bad(
+                        key,
+                        json.get(key).map_or("(none)".into(), |v| v.to_string()),
+                        "a GPT2Config gives it as a whole number",
+                    )
+                })
+        };
+        let config = ModelConfig {
+            arch: Arch::named(ARCHITECTURE.name)?,
+            vocab: size("vocab_size")?,
+            seq: size("n_positions")?,
+            hidden: size("n_embd")?,
+            heads: size("n_head")?,
+            layers: size("n_layer")?,
+        };
+        let refuse = |key: &'static str, value: &serde_json::Value, fix: &str| {
+            Err(bad(
+                key,
+                value,
+                format!("{fix}: strata's GPT-2 computes only that"),
+            ))
+        };
+        let null = serde_json::Value::Null;
+        let get = |key: &str| json.get(key).unwrap_or(&null);
+        match get("n_inner") {
+            serde_json::Value::Null => {}
+            v if v.as_u64() == Some(4 * config.hidden as u64) => {}
+            v => return refuse("n_inner", v, "give null or 4 x n_embd"),
+        }
+        match get("activation_function") {
+            serde_json::Value::Null => {}
+            v if v.as_str() == Some("gelu_new") => {}
+            v => return refuse("activation_function", v, "give \"gelu_new\""),
+        }
+        match get("tie_word_embeddings") {
+            serde_json::Value::Null | serde_json::Value::Bool(true) => {}
+            v => return refuse("tie_word_embeddings", v, "give true"),
+        }
+        match get("scale_attn_by_inverse_layer_idx") {
+            serde_json::Value::Null | serde_json::Value::Bool(false) => {}
+            v => return refuse("scale_attn_by_inverse_layer_idx", v, "give false"),
+        }
+        let epsilon = f64::from(strata_kernels::cpu::ops::LN_EPS);
+        match get("layer_norm_epsilon") {
+            serde_json::Value::Null => {}
+            v if v.as_f64().is_some_and(|e| (e - epsilon).abs() <= 1e-9) => {}
+            v => return refuse("layer_norm_epsilon", v, "give 1e-5"),
+        }
+        Gpt2::new(&config)?;
+        Ok(config)
+    }
 }
 
 #[cfg(test)]

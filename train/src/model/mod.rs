@@ -19,8 +19,8 @@
 //!
 //! Adding an architecture: a file `model/<arch>.rs` with a type that
 //! implements [`Model`] and its [`Architecture`] entry (a constructor from
-//! [`ModelConfig`], a standard shape by size), its module here and its
-//! entry in [`ARCHITECTURES`]. Whatever it computes differently (another
+//! [`ModelConfig`], a standard shape by size, its Hugging Face config read
+//! back), its module here and its entry in [`ARCHITECTURES`]. Whatever it computes differently (another
 //! norm, an MLP with a gate and its own width, fewer key/value heads than
 //! query heads, an untied head inside the outer group) stays inside its
 //! file: the engine sees groups of parameters, buffers and calls.
@@ -64,6 +64,10 @@ pub struct Architecture {
     /// A standard shape of about `params` parameters (`strata plan
     /// --params`): the `[model]` table, with its sequence and vocabulary.
     pub for_params: fn(f64) -> Result<ModelConfig>,
+    /// The `[model]` table of a Hugging Face `config.json` of this
+    /// architecture (its `model_type` is the architecture's name); what
+    /// strata does not compute as that config says is refused by key.
+    pub from_hf_config: fn(&serde_json::Value) -> Result<ModelConfig>,
 }
 
 /// The registry: every architecture strata trains. The first is the
@@ -94,6 +98,24 @@ pub fn architecture(name: &str) -> Result<&'static Architecture> {
                 ),
             )
         })
+}
+
+/// The `[model]` table of a Hugging Face `config.json`, by the
+/// architecture its `model_type` names.
+pub fn from_hf_config(config: &serde_json::Value) -> Result<ModelConfig> {
+    let model_type = config
+        .get("model_type")
+        .and_then(serde_json::Value::as_str)
+        .ok_or_else(|| {
+            crate::error::bad(
+                "config.json model_type",
+                config
+                    .get("model_type")
+                    .map_or("(none)".into(), |v| v.to_string()),
+                "a Hugging Face config.json names its model_type (a string)",
+            )
+        })?;
+    (architecture(model_type)?.from_hf_config)(config)
 }
 
 /// The architecture `config.arch` names, of `config`'s shape (checked).
@@ -527,6 +549,25 @@ mod tests {
                 model.arch()
             );
         }
+    }
+
+    #[test]
+    fn every_architectures_hugging_face_config_reads_back_as_its_table() {
+        for a in ARCHITECTURES {
+            let config = ModelConfig {
+                arch: Arch::named(a.name).unwrap(),
+                vocab: 300,
+                seq: 24,
+                layers: 3,
+                ..ModelConfig::default()
+            };
+            let written = build(&config).unwrap().hf_config();
+            assert_eq!(from_hf_config(&written).unwrap(), config, "{}", a.name);
+        }
+        let err = from_hf_config(&serde_json::json!({"n_layer": 2})).unwrap_err();
+        assert!(err.to_string().contains("model_type"), "{err}");
+        let err = from_hf_config(&serde_json::json!({"model_type": "nope"})).unwrap_err();
+        assert!(err.to_string().contains("strata trains these"), "{err}");
     }
 
     #[test]

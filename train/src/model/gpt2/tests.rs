@@ -263,3 +263,27 @@ fn bad_shapes_are_named() {
     assert!(CONFIG.validate().is_ok());
     assert_eq!(CONFIG.block_params(), 12 * 64 + 13 * 8);
 }
+
+#[test]
+fn a_config_json_strata_would_compute_otherwise_is_refused_by_key() {
+    let mut json = CONFIG.hf_config();
+    assert_eq!(Gpt2::from_hf_config(&json).unwrap().hidden, CONFIG.hidden);
+    for (key, value) in [
+        ("n_inner", serde_json::json!(3 * CONFIG.hidden)),
+        ("activation_function", serde_json::json!("relu")),
+        ("tie_word_embeddings", serde_json::json!(false)),
+        ("scale_attn_by_inverse_layer_idx", serde_json::json!(true)),
+        ("layer_norm_epsilon", serde_json::json!(1e-6)),
+        ("n_embd", serde_json::json!("eight")),
+    ] {
+        let kept = json[key].clone();
+        json[key] = value;
+        let err = Gpt2::from_hf_config(&json).unwrap_err().to_string();
+        assert!(err.contains(key), "{key}: {err}");
+        json[key] = kept;
+    }
+    // A shape strata refuses is named as the config's key.
+    json["n_head"] = serde_json::json!(3);
+    let err = Gpt2::from_hf_config(&json).unwrap_err().to_string();
+    assert!(err.contains("model.hidden"), "{err}");
+}
