@@ -56,23 +56,55 @@ impl<'a> Matrix<'a> {
     }
 }
 
-/// The shape of a causal self-attention over packed `q | k | v` rows.
+/// The shape of a causal self-attention over packed `q | k | v` rows:
+/// `heads` query heads, then `kv_heads` key heads and as many value heads
+/// (grouped-query attention when fewer: query head `i` reads key/value
+/// head `i / (heads / kv_heads)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Attention {
     /// Sequences.
     pub batch: usize,
     /// Tokens per sequence.
     pub seq: usize,
-    /// Heads.
+    /// Query heads.
     pub heads: usize,
+    /// Key and value heads; divides `heads` (equal to it: multi-head
+    /// attention).
+    pub kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
 }
 
 impl Attention {
-    /// Hidden width (`heads x head_dim`).
+    /// Multi-head attention: as many key/value heads as query heads.
+    pub fn mha(batch: usize, seq: usize, heads: usize, head_dim: usize) -> Attention {
+        Attention {
+            batch,
+            seq,
+            heads,
+            kv_heads: heads,
+            head_dim,
+        }
+    }
+
+    /// Hidden width (`heads x head_dim`): the queries', and the output's.
     pub fn hidden(&self) -> usize {
         self.heads * self.head_dim
+    }
+
+    /// Width of the keys (and of the values): `kv_heads x head_dim`.
+    pub fn kv_hidden(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Width of a packed `q | k | v` row.
+    pub fn qkv_width(&self) -> usize {
+        self.hidden() + 2 * self.kv_hidden()
+    }
+
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
     }
 
     /// Token rows (`batch x seq`).
@@ -93,6 +125,8 @@ enum Value {
     /// In slot `slot` of a backend's host-visible readback slots, once the
     /// fence has passed.
     Slot(std::sync::Arc<dyn ReadbackSlots>, usize),
+    /// A weighted sum of other readbacks (a loss taken in chunks).
+    Sum(Vec<(Readback, f64)>),
 }
 
 /// Where a backend's readbacks land: host-visible slots, each read once
@@ -111,6 +145,7 @@ impl std::fmt::Debug for Readback {
         match &self.value {
             Value::Ready(value) => write!(f, "Readback({value})"),
             Value::Slot(_, slot) => write!(f, "Readback(slot {slot})"),
+            Value::Sum(parts) => write!(f, "Readback(sum of {})", parts.len()),
         }
     }
 }
@@ -136,12 +171,28 @@ impl Readback {
         }
     }
 
+    /// `sum(weight x value)` of `parts`, readable once each part is (the
+    /// mean of a loss taken in chunks, each weighted by its share).
+    pub fn weighted_sum(parts: Vec<(Readback, f64)>) -> Readback {
+        Readback {
+            fence: Fence::ready(),
+            value: Value::Sum(parts),
+        }
+    }
+
     /// Waits for the fence and returns the value.
-    pub fn get(self) -> Result<f64> {
+    pub fn get(mut self) -> Result<f64> {
         self.fence.wait()?;
-        match &self.value {
+        match &mut self.value {
             Value::Ready(value) => Ok(*value),
             Value::Slot(slots, slot) => slots.read(*slot),
+            Value::Sum(parts) => {
+                let mut sum = 0.0;
+                for (part, weight) in parts.drain(..) {
+                    sum += part.get()? * weight;
+                }
+                Ok(sum)
+            }
         }
     }
 }
@@ -287,13 +338,62 @@ pub trait Backend: Send + Sync {
     /// GELU's backward: `dx = dout * gelu'(x)`.
     fn gelu_backward(&self, dout: View<'_>, x: View<'_>, dx: ViewMut<'_>) -> Result<()>;
 
+    /// RMSNorm of each row of `x` (`rows x gamma.len()`) into `out`:
+    /// `x / sqrt(mean(x^2) + eps) * gamma`; `saved` (`rows`) keeps each
+    /// row's 1/rms.
+    fn rms_norm(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        eps: f32,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// RMSNorm's backward: adds to `dx` and to `dgamma`.
+    fn rms_norm_backward(
+        &self,
+        dout: View<'_>,
+        x: View<'_>,
+        gamma: View<'_>,
+        saved: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// Rotary position embeddings, in place on the queries and keys of
+    /// `qkv` (`rows x shape.qkv_width()`): in each head, element `i` and
+    /// `i + head_dim / 2` turn by the angle `position x inv_freq[i]`
+    /// (transformers' `rotate_half` pairing), the position being the row's
+    /// place in its sequence. `inverse` turns them back (the backward,
+    /// applied to the gradients).
+    fn rotary(
+        &self,
+        shape: Attention,
+        inv_freq: View<'_>,
+        inverse: bool,
+        qkv: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// SwiGLU: `out = silu(gate) * up`, with `gate_up` (`rows x 2 f`) the
+    /// gate in its first `f` columns and the up projection in the rest.
+    fn swiglu(&self, gate_up: View<'_>, out: ViewMut<'_>) -> Result<()>;
+
+    /// SwiGLU's backward: writes `dgate_up` from `dout` (`rows x f`).
+    fn swiglu_backward(
+        &self,
+        dout: View<'_>,
+        gate_up: View<'_>,
+        dgate_up: ViewMut<'_>,
+    ) -> Result<()>;
+
     /// Elements the attention forward saves for its backward.
     fn attention_saved_elems(&self, shape: Attention) -> usize;
 
     /// Elements of scratch the attention ops need.
     fn attention_workspace_elems(&self, shape: Attention) -> usize;
 
-    /// Causal attention over `qkv` (`rows x 3 hidden`) into `out` (`rows x
+    /// Causal attention over `qkv` (`rows x qkv_width`) into `out` (`rows x
     /// hidden`), keeping what the backward needs in `saved`.
     fn attention(
         &self,
@@ -329,7 +429,9 @@ pub trait Backend: Send + Sync {
         dlogits: ViewMut<'_>,
     ) -> Result<Readback>;
 
-    /// `out[i] = table[tokens[i]] + positions[i % seq]` (rows of `hidden`).
+    /// `out[i] = table[tokens[i]] + positions[i % seq]` (rows of `hidden`);
+    /// an empty `positions` adds nothing (a model without a position
+    /// table).
     fn embedding(
         &self,
         table: View<'_>,
@@ -340,7 +442,8 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// The embedding's backward: adds each row of `dout` to the rows of
-    /// `dtable` and `dpositions` it came from, in token order (no atomics).
+    /// `dtable` and `dpositions` it came from, in token order (no atomics);
+    /// an empty `dpositions` takes nothing.
     fn embedding_backward(
         &self,
         tokens: View<'_>,

@@ -319,6 +319,7 @@ mod tests {
             batch: 1,
             seq: 1024,
             heads: 16,
+            kv_heads: 16,
             head_dim: 128,
         };
         // 4 * 16 * 1024^2 * 128 / 2
@@ -333,6 +334,7 @@ mod tests {
                 batch: 1,
                 seq: 17,
                 heads: 2,
+                kv_heads: 2,
                 head_dim: 8,
             },
             gemm: [16, 24, 8],

@@ -56,6 +56,18 @@ pub enum KernelError {
         /// The limit.
         max: u64,
     },
+    /// An op (or a form of one) this backend has no kernel for yet.
+    #[error("{op} on the {backend} backend: {what} has no kernel there yet; {fix}")]
+    Unsupported {
+        /// The op.
+        op: &'static str,
+        /// The backend's name.
+        backend: &'static str,
+        /// What is missing ("grouped-query heads").
+        what: &'static str,
+        /// What to do.
+        fix: &'static str,
+    },
     /// A token id outside the vocabulary.
     #[error(
         "{op}: token {token} at position {position} is outside the vocabulary of {vocab}; use a model whose vocab covers the data"

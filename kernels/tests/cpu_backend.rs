@@ -108,6 +108,7 @@ fn attention_matches_the_f64_reference_and_its_backward_the_finite_differences()
         batch: 2,
         seq: 5,
         heads: 3,
+        kv_heads: 3,
         head_dim: 3,
     };
     let h = shape.hidden();
@@ -532,6 +533,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
         batch: 1,
         seq: 5,
         heads: 2,
+        kv_heads: 2,
         head_dim: 4,
     };
     let h = shape.hidden();
@@ -666,4 +668,308 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("f32 or bf16"), "{err}");
+}
+
+/// Central differences of `objective` at every `step`-th element of `x`
+/// against `analytic`.
+fn check_gradient(
+    what: &str,
+    x: &[f32],
+    analytic: &[f32],
+    step: usize,
+    objective: impl Fn(&[f32]) -> f64,
+) {
+    for index in (0..x.len()).step_by(step) {
+        let eps = 1e-3;
+        let (mut plus, mut minus) = (x.to_vec(), x.to_vec());
+        plus[index] += eps;
+        minus[index] -= eps;
+        let numeric = (objective(&plus) - objective(&minus)) / (2.0 * f64::from(eps));
+        assert!(
+            (f64::from(analytic[index]) - numeric).abs() < 2e-3 * (1.0 + numeric.abs()),
+            "{what}[{index}]: {} vs {numeric}",
+            analytic[index]
+        );
+    }
+}
+
+#[test]
+fn grouped_query_attention_is_multi_head_attention_with_each_key_value_head_repeated() {
+    let backend = CpuBackend;
+    // 6 query heads over 2 key/value heads of 4; 2 sequences of 5 tokens.
+    let gqa = Attention {
+        batch: 2,
+        seq: 5,
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 4,
+    };
+    let mha = Attention::mha(2, 5, 6, 4);
+    let (d, rows) = (gqa.head_dim, gqa.rows());
+    let packed = values(rows * gqa.qkv_width(), 11);
+    // The same attention as multi-head: key/value head j copied to query
+    // heads 3j, 3j+1, 3j+2.
+    let repeat = |packed: &[f32]| -> Vec<f32> {
+        let mut wide = Vec::with_capacity(rows * mha.qkv_width());
+        for row in packed.chunks_exact(gqa.qkv_width()) {
+            wide.extend_from_slice(&row[..gqa.hidden()]);
+            for part in 0..2 {
+                let at = gqa.hidden() + part * gqa.kv_hidden();
+                for head in 0..gqa.heads {
+                    let kv = head / gqa.group();
+                    wide.extend_from_slice(&row[at + kv * d..][..d]);
+                }
+            }
+        }
+        wide
+    };
+    let run = |shape: Attention, qkv: &[f32], dout: &[f32]| -> (Vec<f32>, Vec<f32>) {
+        let mut saved = backend
+            .alloc(Dtype::F32, backend.attention_saved_elems(shape))
+            .unwrap();
+        let mut workspace = backend
+            .alloc(Dtype::F32, backend.attention_workspace_elems(shape))
+            .unwrap();
+        let mut out = vec![0.0f32; shape.rows() * shape.hidden()];
+        backend
+            .attention(
+                shape,
+                View::host_slice(qkv),
+                ViewMut::host_slice(&mut out),
+                saved.view_mut(),
+                workspace.view_mut(),
+            )
+            .unwrap();
+        let mut dqkv = vec![f32::NAN; qkv.len()];
+        backend
+            .attention_backward(
+                shape,
+                View::host_slice(qkv),
+                View::host_slice(&out),
+                saved.view(),
+                View::host_slice(dout),
+                ViewMut::host_slice(&mut dqkv),
+                workspace.view_mut(),
+            )
+            .unwrap();
+        (out, dqkv)
+    };
+    let dout = values(rows * gqa.hidden(), 12);
+    let (out, dqkv) = run(gqa, &packed, &dout);
+    let (out_mha, dqkv_mha) = run(mha, &repeat(&packed), &dout);
+    assert_eq!(out, out_mha);
+    for (r, (row, wide)) in dqkv
+        .chunks_exact(gqa.qkv_width())
+        .zip(dqkv_mha.chunks_exact(mha.qkv_width()))
+        .enumerate()
+    {
+        assert_eq!(row[..gqa.hidden()], wide[..mha.hidden()], "dq, row {r}");
+        for part in 0..2 {
+            for kv in 0..gqa.kv_heads {
+                for i in 0..d {
+                    let got = row[gqa.hidden() + part * gqa.kv_hidden() + kv * d + i];
+                    let want: f32 = (0..gqa.group())
+                        .map(|g| {
+                            let head = kv * gqa.group() + g;
+                            wide[mha.hidden() + part * mha.hidden() + head * d + i]
+                        })
+                        .sum();
+                    assert!(
+                        (got - want).abs() < 1e-6,
+                        "row {r} part {part}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+    // Heads that do not divide are refused by name.
+    let odd = Attention { kv_heads: 4, ..gqa };
+    let err = backend
+        .attention(
+            odd,
+            View::host_slice(&packed),
+            ViewMut::host_slice(&mut vec![0.0; rows * gqa.hidden()]),
+            backend.alloc(Dtype::F32, 1).unwrap().view_mut(),
+            backend.alloc(Dtype::F32, 1).unwrap().view_mut(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("kv_heads") && err.contains("6 query heads"),
+        "{err}"
+    );
+}
+
+#[test]
+fn rms_norm_matches_the_f64_reference_and_its_backward_the_finite_differences() {
+    let backend = CpuBackend;
+    let (rows, cols, eps) = (5, 7, 1e-6f32);
+    let x = values(rows * cols, 21);
+    let gamma: Vec<f32> = values(cols, 22).iter().map(|g| 1.0 + g).collect();
+    let reference = |x: &[f32]| -> Vec<f64> {
+        x.chunks_exact(cols)
+            .flat_map(|row| {
+                let ms = row.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / cols as f64;
+                let s = 1.0 / (ms + f64::from(eps)).sqrt();
+                row.iter()
+                    .zip(&gamma)
+                    .map(move |(v, g)| f64::from(*v) * s * f64::from(*g))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let (mut out, mut saved) = (vec![0.0f32; x.len()], vec![0.0f32; rows]);
+    backend
+        .rms_norm(
+            View::host_slice(&x),
+            View::host_slice(&gamma),
+            eps,
+            ViewMut::host_slice(&mut out),
+            ViewMut::host_slice(&mut saved),
+        )
+        .unwrap();
+    for (got, want) in out.iter().zip(reference(&x)) {
+        assert!((f64::from(*got) - want).abs() < 1e-5, "{got} vs {want}");
+    }
+    let dout = values(x.len(), 23);
+    let (mut dx, mut dgamma) = (vec![0.0f32; x.len()], vec![0.0f32; cols]);
+    backend
+        .rms_norm_backward(
+            View::host_slice(&dout),
+            View::host_slice(&x),
+            View::host_slice(&gamma),
+            View::host_slice(&saved),
+            ViewMut::host_slice(&mut dx),
+            ViewMut::host_slice(&mut dgamma),
+        )
+        .unwrap();
+    let dot = |y: Vec<f64>| -> f64 { y.iter().zip(&dout).map(|(a, b)| a * f64::from(*b)).sum() };
+    check_gradient("dx", &x, &dx, 1, |x| dot(reference(x)));
+    // dgamma: the sum over rows of dout * x * rstd.
+    for j in 0..cols {
+        let want: f64 = (0..rows)
+            .map(|r| f64::from(dout[r * cols + j] * x[r * cols + j] * saved[r]))
+            .sum();
+        assert!((f64::from(dgamma[j]) - want).abs() < 1e-5, "dgamma[{j}]");
+    }
+}
+
+#[test]
+fn rotary_turns_queries_and_keys_by_position_and_back() {
+    let backend = CpuBackend;
+    let shape = Attention {
+        batch: 2,
+        seq: 3,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 4,
+    };
+    let inv_freq = [1.0f32, 0.01];
+    let qkv = values(shape.rows() * shape.qkv_width(), 31);
+    let mut turned = qkv.clone();
+    backend
+        .rotary(
+            shape,
+            View::host_slice(&inv_freq),
+            false,
+            ViewMut::host_slice(&mut turned),
+        )
+        .unwrap();
+    let width = shape.qkv_width();
+    for r in 0..shape.rows() {
+        let position = (r % shape.seq) as f64;
+        for head in 0..(shape.heads + shape.kv_heads) {
+            let at = r * width + head * 4;
+            for i in 0..2 {
+                let angle = position * f64::from(inv_freq[i]);
+                let (a, b) = (f64::from(qkv[at + i]), f64::from(qkv[at + i + 2]));
+                let want = [
+                    a * angle.cos() - b * angle.sin(),
+                    b * angle.cos() + a * angle.sin(),
+                ];
+                for (got, want) in [turned[at + i], turned[at + i + 2]].iter().zip(want) {
+                    assert!((f64::from(*got) - want).abs() < 1e-6, "row {r} head {head}");
+                }
+            }
+        }
+        // The values are not turned.
+        let v = r * width + shape.hidden() + shape.kv_hidden();
+        assert_eq!(turned[v..(r + 1) * width], qkv[v..(r + 1) * width]);
+    }
+    let mut back = turned.clone();
+    backend
+        .rotary(
+            shape,
+            View::host_slice(&inv_freq),
+            true,
+            ViewMut::host_slice(&mut back),
+        )
+        .unwrap();
+    for (a, b) in back.iter().zip(&qkv) {
+        assert!((a - b).abs() < 1e-6);
+    }
+    let err = backend
+        .rotary(
+            shape,
+            View::host_slice(&inv_freq[..1]),
+            false,
+            ViewMut::host_slice(&mut back),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("inv_freq"), "{err}");
+}
+
+#[test]
+fn swiglu_matches_its_definition_and_its_backward_the_finite_differences() {
+    let backend = CpuBackend;
+    let (rows, f) = (3, 5);
+    let gate_up: Vec<f32> = values(rows * 2 * f, 41).iter().map(|v| 3.0 * v).collect();
+    let reference = |gu: &[f32]| -> Vec<f64> {
+        gu.chunks_exact(2 * f)
+            .flat_map(|row| {
+                (0..f).map(move |j| {
+                    let g = f64::from(row[j]);
+                    g / (1.0 + (-g).exp()) * f64::from(row[f + j])
+                })
+            })
+            .collect()
+    };
+    let mut out = vec![0.0f32; rows * f];
+    backend
+        .swiglu(
+            View::host_slice(&gate_up).matrix(rows, 2 * f).unwrap(),
+            ViewMut::host_slice(&mut out).matrix(rows, f).unwrap(),
+        )
+        .unwrap();
+    for (got, want) in out.iter().zip(reference(&gate_up)) {
+        assert!((f64::from(*got) - want).abs() < 1e-5, "{got} vs {want}");
+    }
+    let dout = values(rows * f, 42);
+    let mut dgate_up = vec![0.0f32; gate_up.len()];
+    backend
+        .swiglu_backward(
+            View::host_slice(&dout).matrix(rows, f).unwrap(),
+            View::host_slice(&gate_up).matrix(rows, 2 * f).unwrap(),
+            ViewMut::host_slice(&mut dgate_up)
+                .matrix(rows, 2 * f)
+                .unwrap(),
+        )
+        .unwrap();
+    check_gradient("dgate_up", &gate_up, &dgate_up, 1, |gu| {
+        reference(gu)
+            .iter()
+            .zip(&dout)
+            .map(|(a, b)| a * f64::from(*b))
+            .sum()
+    });
+    // A flat view cannot say where the gate ends: refused.
+    let err = backend
+        .swiglu(
+            View::host_slice(&gate_up),
+            ViewMut::host_slice(&mut out).matrix(rows, f).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("gate_up") && err.contains("3 x 10"), "{err}");
 }

@@ -98,12 +98,12 @@ pub fn run(args: KernelsArgs) -> anyhow::Result<()> {
         DeviceChoice::Auto => strata_device::cuda::probe_device().is_ok(),
     };
     let pick = |gpu: usize, cpu: usize| if cuda { gpu } else { cpu };
-    let attention = Attention {
-        batch: args.batch.unwrap_or(pick(4, 1)),
-        seq: args.seq.unwrap_or(pick(1024, 256)),
-        heads: args.heads.unwrap_or(pick(16, 4)),
-        head_dim: args.head_dim.unwrap_or(pick(128, 64)),
-    };
+    let attention = Attention::mha(
+        args.batch.unwrap_or(pick(4, 1)),
+        args.seq.unwrap_or(pick(1024, 256)),
+        args.heads.unwrap_or(pick(16, 4)),
+        args.head_dim.unwrap_or(pick(128, 64)),
+    );
     let dtype = args
         .dtype
         .unwrap_or(if cuda { Dtype::Bf16 } else { Dtype::F32 });

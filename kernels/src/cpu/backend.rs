@@ -215,6 +215,33 @@ fn operand<'a>(op: &'static str, name: &'static str, m: Matrix<'a>) -> Result<St
     })
 }
 
+/// `Shape` unless `gate_up` is `rows x 2 f` for an `out` of `rows x f`
+/// (both given as matrices).
+fn same_shape(op: &'static str, gate_up: Raw, out: Raw) -> Result<()> {
+    if gate_up.rows != out.rows || gate_up.cols != 2 * out.cols {
+        return Err(KernelError::Shape {
+            op,
+            operand: "gate_up",
+            actual: format!("{} x {}", gate_up.rows, gate_up.cols),
+            expected: format!("{} x {}", out.rows, 2 * out.cols),
+        });
+    }
+    Ok(())
+}
+
+/// `Shape` unless the key/value heads divide the query heads.
+fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
+    if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
+        return Err(KernelError::Shape {
+            op,
+            operand: "kv_heads",
+            actual: format!("{} key/value heads", shape.kv_heads),
+            expected: format!("a divisor of the {} query heads", shape.heads),
+        });
+    }
+    Ok(())
+}
+
 impl CpuBackend {
     /// Every (sequence, head) pair.
     fn heads(shape: Attention) -> impl Iterator<Item = (usize, usize)> {
@@ -242,17 +269,26 @@ impl CpuBackend {
     }
 }
 
-/// One head's query, key and value (columns `col..col + d` of each third
-/// of `qkv`), from row `row0` on, into `[q, k, v]`.
-fn gather_qkv(qkv: &[f32], shape: Attention, row0: usize, col: usize, into: [&mut [f32]; 3]) {
-    let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
-    for (part, buffer) in into.into_iter().enumerate() {
-        gather(qkv, 3 * h, row0, part * h + col, s, d, buffer);
+/// Query head `head`'s query and its key/value head's key and value, from
+/// row `row0` on, into `[q, k, v]`.
+fn gather_qkv(qkv: &[f32], shape: Attention, row0: usize, head: usize, into: [&mut [f32]; 3]) {
+    let (s, d, width) = (shape.seq, shape.head_dim, shape.qkv_width());
+    for (col, buffer) in qkv_columns(shape, head).into_iter().zip(into) {
+        gather(qkv, width, row0, col, s, d, buffer);
     }
 }
 
-/// Copies rows `b * seq..` of columns `col..col + d` of a matrix of row
-/// width `width` into the contiguous `seq x d` buffer, or back.
+/// The first columns of query head `head`'s query, and of its key/value
+/// head's key and value, in a packed `q | k | v` row.
+fn qkv_columns(shape: Attention, head: usize) -> [usize; 3] {
+    let (d, kv) = (shape.head_dim, head / shape.group().max(1));
+    [
+        head * d,
+        shape.hidden() + kv * d,
+        shape.hidden() + shape.kv_hidden() + kv * d,
+    ]
+}
+
 /// Copies rows `row0..row0 + rows`, columns `col..col + d` of a matrix of
 /// row width `width` into the contiguous `rows x d` buffer.
 fn gather(
@@ -270,6 +306,10 @@ fn gather(
     }
 }
 
+/// Writes the contiguous `rows x d` buffer into rows `row0..row0 + rows`,
+/// columns `col..col + d` of a matrix of row width `width`, or adds it
+/// there (`add`).
+#[allow(clippy::too_many_arguments)]
 fn scatter(
     buffer: &[f32],
     width: usize,
@@ -277,11 +317,17 @@ fn scatter(
     col: usize,
     rows: usize,
     d: usize,
+    add: bool,
     matrix: &mut [f32],
 ) {
     for i in 0..rows {
-        let to = (row0 + i) * width + col;
-        matrix[to..to + d].copy_from_slice(&buffer[i * d..(i + 1) * d]);
+        let to = &mut matrix[(row0 + i) * width + col..][..d];
+        let from = &buffer[i * d..(i + 1) * d];
+        if add {
+            to.iter_mut().zip(from).for_each(|(t, f)| *t += f);
+        } else {
+            to.copy_from_slice(from);
+        }
     }
 }
 
@@ -611,6 +657,164 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn rms_norm(
+        &self,
+        x: View<'_>,
+        gamma: View<'_>,
+        eps: f32,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        if any_bf16(&[x.raw(), out.raw()]) {
+            let (wx, mut wout) = (wide(OP, "x", x)?, wide_mut(OP, "out", &out)?);
+            self.rms_norm(
+                shaped(&wx, x.raw()),
+                gamma,
+                eps,
+                shaped_mut(&mut wout, out.raw()),
+                saved,
+            )?;
+            return narrow(OP, "out", &wout, out);
+        }
+        let gamma = contiguous::<f32>(OP, "gamma", gamma)?;
+        let cols = gamma.len();
+        let x = contiguous::<f32>(OP, "x", x)?;
+        let rows = x.len() / cols.max(1);
+        same_len(OP, "x", x.len(), rows * cols)?;
+        let out = sized_mut::<f32>(OP, "out", out, x.len())?;
+        let saved = sized_mut::<f32>(OP, "saved", saved, rows)?;
+        ops::rms_norm(x, gamma, eps, out, saved);
+        Ok(())
+    }
+
+    fn rms_norm_backward(
+        &self,
+        dout: View<'_>,
+        x: View<'_>,
+        gamma: View<'_>,
+        saved: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm_backward";
+        if any_bf16(&[dout.raw(), x.raw(), dx.raw()]) {
+            let (wdout, wx, mut wdx) = (
+                wide(OP, "dout", dout)?,
+                wide(OP, "x", x)?,
+                wide_mut(OP, "dx", &dx)?,
+            );
+            self.rms_norm_backward(
+                shaped(&wdout, dout.raw()),
+                shaped(&wx, x.raw()),
+                gamma,
+                saved,
+                shaped_mut(&mut wdx, dx.raw()),
+                dgamma,
+            )?;
+            return narrow(OP, "dx", &wdx, dx);
+        }
+        let gamma = contiguous::<f32>(OP, "gamma", gamma)?;
+        let cols = gamma.len();
+        let (dout, x) = (
+            contiguous::<f32>(OP, "dout", dout)?,
+            contiguous::<f32>(OP, "x", x)?,
+        );
+        let rows = x.len() / cols.max(1);
+        same_len(OP, "x", x.len(), rows * cols)?;
+        same_len(OP, "dout", dout.len(), x.len())?;
+        let saved = sized::<f32>(OP, "saved", saved, rows)?;
+        let dx = sized_mut::<f32>(OP, "dx", dx, x.len())?;
+        let dgamma = sized_mut::<f32>(OP, "dgamma", dgamma, cols)?;
+        ops::rms_norm_backward(dout, x, gamma, saved, dx, dgamma);
+        Ok(())
+    }
+
+    fn rotary(
+        &self,
+        shape: Attention,
+        inv_freq: View<'_>,
+        inverse: bool,
+        qkv: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "rotary";
+        if any_bf16(&[qkv.raw()]) {
+            let mut wqkv = wide_mut(OP, "qkv", &qkv)?;
+            self.rotary(shape, inv_freq, inverse, shaped_mut(&mut wqkv, qkv.raw()))?;
+            return narrow(OP, "qkv", &wqkv, qkv);
+        }
+        check_heads(OP, shape)?;
+        let d = shape.head_dim;
+        let inv_freq = sized::<f32>(OP, "inv_freq", inv_freq, d / 2)?;
+        if d % 2 != 0 {
+            return Err(KernelError::Shape {
+                op: OP,
+                operand: "head_dim",
+                actual: format!("{d} elements a head"),
+                expected: "an even number".into(),
+            });
+        }
+        let width = shape.qkv_width();
+        let qkv = sized_mut::<f32>(OP, "qkv", qkv, shape.rows() * width)?;
+        // The queries' and the keys' heads (the values are not turned).
+        let turned = shape.heads + shape.kv_heads;
+        for (r, row) in qkv.chunks_exact_mut(width).enumerate() {
+            let position = r % shape.seq.max(1);
+            for head in row[..turned * d].chunks_exact_mut(d) {
+                ops::rotate(head, inv_freq, position, inverse);
+            }
+        }
+        Ok(())
+    }
+
+    fn swiglu(&self, gate_up: View<'_>, out: ViewMut<'_>) -> Result<()> {
+        const OP: &str = "swiglu";
+        if any_bf16(&[gate_up.raw(), out.raw()]) {
+            let (wgu, mut wout) = (wide(OP, "gate_up", gate_up)?, wide_mut(OP, "out", &out)?);
+            self.swiglu(
+                shaped(&wgu, gate_up.raw()),
+                shaped_mut(&mut wout, out.raw()),
+            )?;
+            return narrow(OP, "out", &wout, out);
+        }
+        let f = out.raw().cols;
+        same_shape(OP, gate_up.raw(), out.raw())?;
+        let gate_up = contiguous::<f32>(OP, "gate_up", gate_up)?;
+        let out = contiguous_mut::<f32>(OP, "out", out)?;
+        same_len(OP, "gate_up", gate_up.len(), 2 * out.len())?;
+        ops::swiglu(gate_up, f, out);
+        Ok(())
+    }
+
+    fn swiglu_backward(
+        &self,
+        dout: View<'_>,
+        gate_up: View<'_>,
+        dgate_up: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_backward";
+        if any_bf16(&[dout.raw(), gate_up.raw(), dgate_up.raw()]) {
+            let (wdout, wgu, mut wdgu) = (
+                wide(OP, "dout", dout)?,
+                wide(OP, "gate_up", gate_up)?,
+                wide_mut(OP, "dgate_up", &dgate_up)?,
+            );
+            self.swiglu_backward(
+                shaped(&wdout, dout.raw()),
+                shaped(&wgu, gate_up.raw()),
+                shaped_mut(&mut wdgu, dgate_up.raw()),
+            )?;
+            return narrow(OP, "dgate_up", &wdgu, dgate_up);
+        }
+        let f = dout.raw().cols;
+        same_shape(OP, gate_up.raw(), dout.raw())?;
+        let dout = contiguous::<f32>(OP, "dout", dout)?;
+        let gate_up = sized::<f32>(OP, "gate_up", gate_up, 2 * dout.len())?;
+        let dgate_up = sized_mut::<f32>(OP, "dgate_up", dgate_up, gate_up.len())?;
+        ops::swiglu_backward(dout, gate_up, f, dgate_up);
+        Ok(())
+    }
+
     fn attention_saved_elems(&self, shape: Attention) -> usize {
         // The probabilities of every head: the CPU keeps the s x s matrix
         // (a flash-style GPU kernel keeps one log-sum-exp per row).
@@ -642,20 +846,21 @@ impl Backend for CpuBackend {
             )?;
             return narrow(OP, "out", &wout, out);
         }
+        check_heads(OP, shape)?;
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
-        let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
+        let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * shape.qkv_width())?;
         let out = sized_mut::<f32>(OP, "out", out, shape.rows() * h)?;
         let probs_all = sized_mut::<f32>(OP, "saved", saved, self.attention_saved_elems(shape))?;
         let ([q, k, v, o, ..], _) = self.attention_workspace(OP, shape, workspace)?;
         let scale = 1.0 / (d as f32).sqrt();
         for (b, head) in Self::heads(shape) {
-            let (row0, col) = (b * s, head * d);
-            gather_qkv(qkv, shape, row0, col, [&mut *q, &mut *k, &mut *v]);
+            let row0 = b * s;
+            gather_qkv(qkv, shape, row0, head, [&mut *q, &mut *k, &mut *v]);
             let probs = &mut probs_all[(b * shape.heads + head) * s * s..][..s * s];
             product(q, false, k, true, s, d, s, probs);
             ops::causal_softmax(probs, s, scale);
             product(probs, false, v, false, s, s, d, o);
-            scatter(o, h, row0, col, s, d, out);
+            scatter(o, h, row0, head * d, s, d, false, out);
         }
         Ok(())
     }
@@ -689,8 +894,9 @@ impl Backend for CpuBackend {
             )?;
             return narrow(OP, "dqkv", &wdqkv, dqkv);
         }
+        check_heads(OP, shape)?;
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
-        let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * 3 * h)?;
+        let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * shape.qkv_width())?;
         // The saved probabilities give everything `out` would.
         sized::<f32>(OP, "out", out, shape.rows() * h)?;
         let probs_all = sized::<f32>(OP, "saved", saved, self.attention_saved_elems(shape))?;
@@ -698,18 +904,24 @@ impl Backend for CpuBackend {
         let dqkv = sized_mut::<f32>(OP, "dqkv", dqkv, qkv.len())?;
         let ([q, k, v, o, dq, dk, dv], dp) = self.attention_workspace(OP, shape, workspace)?;
         let scale = 1.0 / (d as f32).sqrt();
+        let width = shape.qkv_width();
         for (b, head) in Self::heads(shape) {
-            let (row0, col) = (b * s, head * d);
+            let row0 = b * s;
             let probs = &probs_all[(b * shape.heads + head) * s * s..][..s * s];
-            gather_qkv(qkv, shape, row0, col, [&mut *q, &mut *k, &mut *v]);
-            gather(dout, h, row0, col, s, d, o);
+            gather_qkv(qkv, shape, row0, head, [&mut *q, &mut *k, &mut *v]);
+            gather(dout, h, row0, head * d, s, d, o);
             product(o, false, v, true, s, d, s, dp);
             product(probs, true, o, false, s, s, d, dv);
             ops::causal_softmax_backward(probs, dp, s, scale);
             product(dp, false, k, false, s, s, d, dq);
             product(dp, true, q, false, s, s, d, dk);
+            // A key/value head's gradients sum over its group of query
+            // heads, in head order: the first writes them, the rest add.
+            let first = head % shape.group() == 0;
+            let columns = qkv_columns(shape, head);
             for (part, buffer) in [&*dq, &*dk, &*dv].into_iter().enumerate() {
-                scatter(buffer, 3 * h, row0, part * h + col, s, d, dqkv);
+                let add = part > 0 && !first;
+                scatter(buffer, width, row0, columns[part], s, d, add, dqkv);
             }
         }
         Ok(())
@@ -786,7 +998,9 @@ impl Backend for CpuBackend {
         let out = contiguous_mut::<f32>(OP, "out", out)?;
         let hidden = out.len() / tokens.len().max(1);
         same_len(OP, "out", out.len(), hidden * tokens.len())?;
-        same_len(OP, "positions", positions.len(), seq * hidden)?;
+        if !positions.is_empty() {
+            same_len(OP, "positions", positions.len(), seq * hidden)?;
+        }
         let vocab = table.len() / hidden.max(1);
         for (i, (&token, row)) in tokens.iter().zip(out.chunks_exact_mut(hidden)).enumerate() {
             if token as usize >= vocab {
@@ -797,10 +1011,12 @@ impl Backend for CpuBackend {
                     vocab,
                 });
             }
-            let (te, pe) = (
-                &table[token as usize * hidden..][..hidden],
-                &positions[(i % seq) * hidden..][..hidden],
-            );
+            let te = &table[token as usize * hidden..][..hidden];
+            if positions.is_empty() {
+                row.copy_from_slice(te);
+                continue;
+            }
+            let pe = &positions[(i % seq) * hidden..][..hidden];
             for j in 0..hidden {
                 row[j] = te[j] + pe[j];
             }
@@ -831,7 +1047,10 @@ impl Backend for CpuBackend {
         let dout = contiguous::<f32>(OP, "dout", dout)?;
         let hidden = dout.len() / tokens.len().max(1);
         let dtable = contiguous_mut::<f32>(OP, "dtable", dtable)?;
-        let dpositions = sized_mut::<f32>(OP, "dpositions", dpositions, seq * hidden)?;
+        let dpositions = contiguous_mut::<f32>(OP, "dpositions", dpositions)?;
+        if !dpositions.is_empty() {
+            same_len(OP, "dpositions", dpositions.len(), seq * hidden)?;
+        }
         let vocab = dtable.len() / hidden.max(1);
         for (i, (&token, row)) in tokens.iter().zip(dout.chunks_exact(hidden)).enumerate() {
             if token as usize >= vocab {
@@ -845,6 +1064,9 @@ impl Backend for CpuBackend {
             let te = &mut dtable[token as usize * hidden..][..hidden];
             for j in 0..hidden {
                 te[j] += row[j];
+            }
+            if dpositions.is_empty() {
+                continue;
             }
             let pe = &mut dpositions[(i % seq) * hidden..][..hidden];
             for j in 0..hidden {

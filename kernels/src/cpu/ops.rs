@@ -174,3 +174,104 @@ pub fn cross_entropy(
     }
     (loss / rows as f64) as f32
 }
+
+/// RMSNorm: `out = x * rstd * gamma` per row of `cols`, with `rstd =
+/// 1 / sqrt(mean(x^2) + eps)` (transformers' `LlamaRMSNorm` in f32); saves
+/// each row's `rstd` for the backward pass.
+pub fn rms_norm(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32], rstd: &mut [f32]) {
+    let cols = gamma.len();
+    for ((row, o), r) in x
+        .chunks_exact(cols)
+        .zip(out.chunks_exact_mut(cols))
+        .zip(rstd.iter_mut())
+    {
+        let mean_square = row.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+        let s = 1.0 / (mean_square + eps).sqrt();
+        for j in 0..cols {
+            o[j] = gamma[j] * (row[j] * s);
+        }
+        *r = s;
+    }
+}
+
+/// Backward of [`rms_norm`]: adds to `dx` and `dgamma`.
+pub fn rms_norm_backward(
+    dout: &[f32],
+    x: &[f32],
+    gamma: &[f32],
+    rstd: &[f32],
+    dx: &mut [f32],
+    dgamma: &mut [f32],
+) {
+    let cols = gamma.len();
+    let n = cols as f32;
+    for (((d, row), dxr), &s) in dout
+        .chunks_exact(cols)
+        .zip(x.chunks_exact(cols))
+        .zip(dx.chunks_exact_mut(cols))
+        .zip(rstd)
+    {
+        let mut dot = 0.0;
+        for j in 0..cols {
+            let xhat = row[j] * s;
+            dot += d[j] * gamma[j] * xhat;
+            dgamma[j] += d[j] * xhat;
+        }
+        for j in 0..cols {
+            let xhat = row[j] * s;
+            dxr[j] += s * (d[j] * gamma[j] - xhat * dot / n);
+        }
+    }
+}
+
+/// Rotary position embeddings in place on one head's `d` elements at
+/// `position`: element `i` and `i + d/2` turn by `position * inv_freq[i]`
+/// (backwards when `inverse`).
+pub fn rotate(head: &mut [f32], inv_freq: &[f32], position: usize, inverse: bool) {
+    let half = inv_freq.len();
+    let (first, second) = head.split_at_mut(half);
+    for ((x1, x2), &f) in first.iter_mut().zip(second.iter_mut()).zip(inv_freq) {
+        // transformers: the angle in f32 (position x inv_freq), then its
+        // cosine and sine.
+        let angle = position as f32 * f;
+        let (sin, cos) = angle.sin_cos();
+        let sin = if inverse { -sin } else { sin };
+        let (a, b) = (*x1, *x2);
+        *x1 = a * cos - b * sin;
+        *x2 = b * cos + a * sin;
+    }
+}
+
+/// SiLU (`x * sigmoid(x)`).
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// SwiGLU per row: `out = silu(gate) * up`, `gate_up` holding each row's
+/// gate then its up projection (`2 f` columns), `out` `f` columns.
+pub fn swiglu(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    for (gu, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
+        let (gate, up) = gu.split_at(f);
+        for j in 0..f {
+            o[j] = silu(gate[j]) * up[j];
+        }
+    }
+}
+
+/// Backward of [`swiglu`]: writes `dgate_up` from `dout` (`f` columns).
+pub fn swiglu_backward(dout: &[f32], gate_up: &[f32], f: usize, dgate_up: &mut [f32]) {
+    for ((d, gu), dgu) in dout
+        .chunks_exact(f)
+        .zip(gate_up.chunks_exact(2 * f))
+        .zip(dgate_up.chunks_exact_mut(2 * f))
+    {
+        let (gate, up) = gu.split_at(f);
+        let (dgate, dup) = dgu.split_at_mut(f);
+        for j in 0..f {
+            let sig = 1.0 / (1.0 + (-gate[j]).exp());
+            let silu = gate[j] * sig;
+            dup[j] = d[j] * silu;
+            dgate[j] = d[j] * up[j] * sig * (1.0 + gate[j] * (1.0 - sig));
+        }
+    }
+}

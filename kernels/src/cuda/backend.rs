@@ -728,6 +728,52 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn rms_norm(
+        &self,
+        _x: View<'_>,
+        _gamma: View<'_>,
+        _eps: f32,
+        _out: ViewMut<'_>,
+        _saved: ViewMut<'_>,
+    ) -> Result<()> {
+        Err(llama_kernel("rms_norm", "RMSNorm"))
+    }
+
+    fn rms_norm_backward(
+        &self,
+        _dout: View<'_>,
+        _x: View<'_>,
+        _gamma: View<'_>,
+        _saved: View<'_>,
+        _dx: ViewMut<'_>,
+        _dgamma: ViewMut<'_>,
+    ) -> Result<()> {
+        Err(llama_kernel("rms_norm_backward", "RMSNorm"))
+    }
+
+    fn rotary(
+        &self,
+        _shape: Attention,
+        _inv_freq: View<'_>,
+        _inverse: bool,
+        _qkv: ViewMut<'_>,
+    ) -> Result<()> {
+        Err(llama_kernel("rotary", "rotary position embeddings"))
+    }
+
+    fn swiglu(&self, _gate_up: View<'_>, _out: ViewMut<'_>) -> Result<()> {
+        Err(llama_kernel("swiglu", "SwiGLU"))
+    }
+
+    fn swiglu_backward(
+        &self,
+        _dout: View<'_>,
+        _gate_up: View<'_>,
+        _dgate_up: ViewMut<'_>,
+    ) -> Result<()> {
+        Err(llama_kernel("swiglu_backward", "SwiGLU"))
+    }
+
     fn attention_saved_elems(&self, shape: Attention) -> usize {
         shape.batch * shape.heads * shape.seq
     }
@@ -745,6 +791,9 @@ impl Backend for CudaBackend {
         _workspace: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "attention";
+        if shape.kv_heads != shape.heads {
+            return Err(llama_kernel(OP, "grouped-query attention"));
+        }
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
         let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), None)?;
@@ -776,6 +825,9 @@ impl Backend for CudaBackend {
         workspace: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
+        if shape.kv_heads != shape.heads {
+            return Err(llama_kernel(OP, "grouped-query attention"));
+        }
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
         let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), None)?;
@@ -869,6 +921,9 @@ impl Backend for CudaBackend {
         const OP: &str = "embedding";
         let dtype = compute_dtype(OP, "out", out.raw())?;
         let (table_at, table_len) = on_device(OP, "table", table.raw(), Some(Dtype::F32))?;
+        if positions.is_empty() {
+            return Err(llama_kernel(OP, "an embedding without a position table"));
+        }
         let (positions_at, positions_len) =
             on_device(OP, "positions", positions.raw(), Some(Dtype::F32))?;
         let (tokens_at, count) = on_device(OP, "tokens", tokens.raw(), Some(Dtype::U32))?;
@@ -916,6 +971,9 @@ impl Backend for CudaBackend {
         let hidden = n / count.max(1);
         same_len(OP, "dout", n, hidden * count)?;
         let (dtable_at, dtable_len) = on_device(OP, "dtable", dtable.raw(), Some(Dtype::F32))?;
+        if dpositions.is_empty() {
+            return Err(llama_kernel(OP, "an embedding without a position table"));
+        }
         let (dpos_at, dpos_len) = on_device(OP, "dpositions", dpositions.raw(), Some(Dtype::F32))?;
         same_len(OP, "dpositions", dpos_len, seq as u64 * hidden)?;
         let vocab = dtable_len / hidden.max(1);
@@ -1027,5 +1085,16 @@ impl Backend for CudaBackend {
             }?;
             Ok(())
         })
+    }
+}
+
+/// The error of an op the Llama family needs and the CUDA backend does not
+/// have yet.
+fn llama_kernel(op: &'static str, what: &'static str) -> KernelError {
+    KernelError::Unsupported {
+        op,
+        backend: "cuda",
+        what,
+        fix: "the \"Llama on the GPU\" issue adds these kernels; until then train this model on [device] kind = \"cpu\"",
     }
 }

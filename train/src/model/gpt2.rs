@@ -281,6 +281,7 @@ fn attention_shape(config: &Gpt2, batch: usize) -> Attention {
         batch,
         seq: config.seq,
         heads: config.heads,
+        kv_heads: config.heads,
         head_dim: config.hidden / config.heads,
     }
 }
