@@ -31,6 +31,9 @@ pub struct Model {
     pub gated_mlp: bool,
     /// Whether the linear layers have biases.
     pub biases: bool,
+    /// Whether the query, key and value projections have biases where the
+    /// other layers have none.
+    pub qkv_biases: bool,
     /// Parameters of one norm: `2 x hidden` for a LayerNorm, `hidden` for
     /// an RMSNorm.
     pub norm_params: u64,
@@ -98,6 +101,7 @@ impl Model {
             ffn: 4 * hidden,
             gated_mlp: false,
             biases: true,
+            qkv_biases: false,
             norm_params: 2 * hidden,
             learned_positions: true,
             tied_head: true,
@@ -189,8 +193,9 @@ impl Model {
         let (h, f) = (self.hidden, self.ffn);
         let kv = h / u64::from(self.heads) * u64::from(self.kv_heads);
         let b = u64::from(self.biases);
+        let qkv_b = u64::from(self.biases || self.qkv_biases);
         let mut modules = vec![
-            ("qkv", h * (h + 2 * kv) + b * (h + 2 * kv)),
+            ("qkv", h * (h + 2 * kv) + qkv_b * (h + 2 * kv)),
             ("proj", h * h + b * h),
         ];
         if self.gated_mlp {
@@ -734,30 +739,32 @@ mod tests {
 
     #[test]
     fn a_gated_mlp_grouped_heads_and_an_untied_head_are_counted() {
-        // Llama 2 7B's shape: 6,738,415,616 parameters by its own count.
-        let llama = Model {
+        // A published 7B shape with a gated MLP and an untied head:
+        // 6,738,415,616 parameters by its own count.
+        let gated = Model {
             kv_heads: 32,
             ffn: 11008,
             gated_mlp: true,
             biases: false,
+            qkv_biases: false,
             norm_params: 4096,
             learned_positions: false,
             tied_head: false,
             ..Model::dense(32, 4096, 32, 4096, 32000)
         };
-        llama.validate().unwrap();
-        assert_eq!(llama.params(), 6_738_415_616);
-        assert_eq!(llama.head_params(), 32000 * 4096);
+        gated.validate().unwrap();
+        assert_eq!(gated.params(), 6_738_415_616);
+        assert_eq!(gated.head_params(), 32000 * 4096);
         // Fewer key/value heads shrink qkv and the kept activations.
         let grouped = Model {
             kv_heads: 8,
-            ..llama.clone()
+            ..gated.clone()
         };
         assert_eq!(
-            llama.block_params()[0].1 - grouped.block_params()[0].1,
+            gated.block_params()[0].1 - grouped.block_params()[0].1,
             2 * 4096 * (4096 - 1024)
         );
-        assert!(grouped.block_activation_bytes() < llama.block_activation_bytes());
+        assert!(grouped.block_activation_bytes() < gated.block_activation_bytes());
         // The dense shape keeps Korthikanti et al.'s 34sbh + 5as^2b.
         let dense = Model::dense(2, 64, 4, 16, 100);
         assert_eq!(

@@ -86,6 +86,17 @@ pub enum TrainError {
         /// What to do.
         fix: String,
     },
+    /// A Hugging Face folder (`config.json`, safetensors shards) cannot be
+    /// read as the model it names.
+    #[error("Hugging Face folder {path}: {problem}; {fix}")]
+    HfFolder {
+        /// The file or directory.
+        path: PathBuf,
+        /// What went wrong.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// A directory the run would own (checkpoints, swap) is another run's,
     /// or cannot be locked.
     #[error("{what} {dir}: {problem}; {fix}")]

@@ -18,6 +18,7 @@
 
 pub mod engine;
 mod error;
+pub mod hf;
 pub mod model;
 
 pub use engine::{

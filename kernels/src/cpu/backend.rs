@@ -746,7 +746,7 @@ impl Backend for CpuBackend {
         check_heads(OP, shape)?;
         let d = shape.head_dim;
         let inv_freq = sized::<f32>(OP, "inv_freq", inv_freq, d / 2)?;
-        if d % 2 != 0 {
+        if !d.is_multiple_of(2) {
             return Err(KernelError::Shape {
                 op: OP,
                 operand: "head_dim",

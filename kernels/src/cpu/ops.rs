@@ -176,7 +176,7 @@ pub fn cross_entropy(
 }
 
 /// RMSNorm: `out = x * rstd * gamma` per row of `cols`, with `rstd =
-/// 1 / sqrt(mean(x^2) + eps)` (transformers' `LlamaRMSNorm` in f32); saves
+/// 1 / sqrt(mean(x^2) + eps)` (transformers' RMSNorm in f32); saves
 /// each row's `rstd` for the backward pass.
 pub fn rms_norm(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32], rstd: &mut [f32]) {
     let cols = gamma.len();

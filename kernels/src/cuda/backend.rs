@@ -736,7 +736,7 @@ impl Backend for CudaBackend {
         _out: ViewMut<'_>,
         _saved: ViewMut<'_>,
     ) -> Result<()> {
-        Err(llama_kernel("rms_norm", "RMSNorm"))
+        Err(missing_kernel("rms_norm", "RMSNorm"))
     }
 
     fn rms_norm_backward(
@@ -748,7 +748,7 @@ impl Backend for CudaBackend {
         _dx: ViewMut<'_>,
         _dgamma: ViewMut<'_>,
     ) -> Result<()> {
-        Err(llama_kernel("rms_norm_backward", "RMSNorm"))
+        Err(missing_kernel("rms_norm_backward", "RMSNorm"))
     }
 
     fn rotary(
@@ -758,11 +758,11 @@ impl Backend for CudaBackend {
         _inverse: bool,
         _qkv: ViewMut<'_>,
     ) -> Result<()> {
-        Err(llama_kernel("rotary", "rotary position embeddings"))
+        Err(missing_kernel("rotary", "rotary position embeddings"))
     }
 
     fn swiglu(&self, _gate_up: View<'_>, _out: ViewMut<'_>) -> Result<()> {
-        Err(llama_kernel("swiglu", "SwiGLU"))
+        Err(missing_kernel("swiglu", "SwiGLU"))
     }
 
     fn swiglu_backward(
@@ -771,7 +771,7 @@ impl Backend for CudaBackend {
         _gate_up: View<'_>,
         _dgate_up: ViewMut<'_>,
     ) -> Result<()> {
-        Err(llama_kernel("swiglu_backward", "SwiGLU"))
+        Err(missing_kernel("swiglu_backward", "SwiGLU"))
     }
 
     fn attention_saved_elems(&self, shape: Attention) -> usize {
@@ -792,7 +792,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "attention";
         if shape.kv_heads != shape.heads {
-            return Err(llama_kernel(OP, "grouped-query attention"));
+            return Err(missing_kernel(OP, "grouped-query attention"));
         }
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
@@ -826,7 +826,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "attention_backward";
         if shape.kv_heads != shape.heads {
-            return Err(llama_kernel(OP, "grouped-query attention"));
+            return Err(missing_kernel(OP, "grouped-query attention"));
         }
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
@@ -922,7 +922,7 @@ impl Backend for CudaBackend {
         let dtype = compute_dtype(OP, "out", out.raw())?;
         let (table_at, table_len) = on_device(OP, "table", table.raw(), Some(Dtype::F32))?;
         if positions.is_empty() {
-            return Err(llama_kernel(OP, "an embedding without a position table"));
+            return Err(missing_kernel(OP, "an embedding without a position table"));
         }
         let (positions_at, positions_len) =
             on_device(OP, "positions", positions.raw(), Some(Dtype::F32))?;
@@ -972,7 +972,7 @@ impl Backend for CudaBackend {
         same_len(OP, "dout", n, hidden * count)?;
         let (dtable_at, dtable_len) = on_device(OP, "dtable", dtable.raw(), Some(Dtype::F32))?;
         if dpositions.is_empty() {
-            return Err(llama_kernel(OP, "an embedding without a position table"));
+            return Err(missing_kernel(OP, "an embedding without a position table"));
         }
         let (dpos_at, dpos_len) = on_device(OP, "dpositions", dpositions.raw(), Some(Dtype::F32))?;
         same_len(OP, "dpositions", dpos_len, seq as u64 * hidden)?;
@@ -1088,13 +1088,14 @@ impl Backend for CudaBackend {
     }
 }
 
-/// The error of an op the Llama family needs and the CUDA backend does not
-/// have yet.
-fn llama_kernel(op: &'static str, what: &'static str) -> KernelError {
+/// The error of an op (RMSNorm, rotary embeddings, SwiGLU, grouped-query
+/// attention, an embedding without positions) that the CUDA backend has
+/// no kernel for yet.
+fn missing_kernel(op: &'static str, what: &'static str) -> KernelError {
     KernelError::Unsupported {
         op,
         backend: "cuda",
         what,
-        fix: "the \"Llama on the GPU\" issue adds these kernels; until then train this model on [device] kind = \"cpu\"",
+        fix: "train this model on [device] kind = \"cpu\" until the GPU kernels for RMSNorm, rotary embeddings, SwiGLU and grouped-query attention land",
     }
 }

@@ -430,6 +430,7 @@ fn head_parts(config: &Gpt2, batch: usize, dtype: Dtype) -> TypedParts<5> {
 /// GPT-2's entry in the registry.
 pub const ARCHITECTURE: Architecture = Architecture {
     name: "gpt2",
+    source: "gpt2",
     build: Gpt2::build,
     for_params: Gpt2::for_params,
     from_hf_config: Gpt2::from_hf_config,
@@ -438,6 +439,13 @@ pub const ARCHITECTURE: Architecture = Architecture {
 impl Gpt2 {
     /// The shape `[model]` gives, checked.
     pub fn new(config: &ModelConfig) -> Result<Gpt2> {
+        if let Some(key) = config.optional_keys().first() {
+            return Err(bad(
+                key,
+                "set",
+                "GPT-2 has no such setting: leave it out, or choose an architecture that has it",
+            ));
+        }
         let gpt = Gpt2 {
             vocab: config.vocab,
             seq: config.seq,
@@ -466,6 +474,7 @@ impl Gpt2 {
             hidden: dense.hidden as usize,
             heads: dense.heads as usize,
             layers: dense.layers as usize,
+            ..ModelConfig::default()
         })
     }
 
@@ -988,6 +997,7 @@ impl Gpt2 {
             hidden: size("n_embd")?,
             heads: size("n_head")?,
             layers: size("n_layer")?,
+            ..ModelConfig::default()
         };
         let refuse = |key: &'static str, value: &serde_json::Value, fix: &str| {
             Err(bad(

@@ -37,6 +37,7 @@
 mod config;
 pub mod gpt2;
 mod init;
+pub mod llama;
 mod parts;
 
 use std::fmt;
@@ -47,7 +48,7 @@ use strata_kernels::{Backend, Readback};
 
 use crate::error::{Result, TrainError};
 
-pub use config::ModelConfig;
+pub use config::{ModelConfig, RopeScaling};
 pub(crate) use parts::{Parts, TypedParts, expect_len};
 
 /// The outer group's index: the embeddings, the final norm and the LM head
@@ -59,6 +60,10 @@ pub const OUTER: usize = 0;
 pub struct Architecture {
     /// Its name in `[model] arch`, `meta.json` and `strata plan --arch`.
     pub name: &'static str,
+    /// The file under `train/src/model/` that implements it (without
+    /// `.rs`): its own name, or its family's (variants of one design share
+    /// one implementation).
+    pub source: &'static str,
     /// The model of a `[model]` table's shape, checked.
     pub build: fn(&ModelConfig) -> Result<Box<dyn Model>>,
     /// A standard shape of about `params` parameters (`strata plan
@@ -72,7 +77,12 @@ pub struct Architecture {
 
 /// The registry: every architecture strata trains. The first is the
 /// default.
-pub const ARCHITECTURES: &[Architecture] = &[gpt2::ARCHITECTURE];
+pub const ARCHITECTURES: &[Architecture] = &[
+    gpt2::ARCHITECTURE,
+    llama::ARCHITECTURE,
+    llama::ARCHITECTURE_MISTRAL,
+    llama::ARCHITECTURE_QWEN2,
+];
 
 /// The default architecture's name (`[model] arch` when left out).
 pub fn default_arch() -> &'static str {
@@ -396,6 +406,13 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// This shape as the planners see it (`strata plan`, the cluster
     /// estimates), for micro-batches of `micro_batch` sequences.
     fn cost_model(&self, micro_batch: u64) -> strata_scheduler::Model;
+
+    /// What the CUDA backend has no kernels for yet among the ops this
+    /// architecture runs (`None`: it trains there): a CUDA run is refused
+    /// naming them, and `[device] kind = "auto"` picks the CPU.
+    fn cuda_missing(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// The whole model's forward for inference: the logits (`tokens x vocab`)
@@ -562,7 +579,23 @@ mod tests {
                 ..ModelConfig::default()
             };
             let written = build(&config).unwrap().hf_config();
-            assert_eq!(from_hf_config(&written).unwrap(), config, "{}", a.name);
+            let read = from_hf_config(&written).unwrap();
+            // Read back, the same model (an architecture may spell out
+            // the defaults it left implicit).
+            assert_eq!(build(&read).unwrap().hf_config(), written, "{}", a.name);
+            assert_eq!(
+                (
+                    read.arch,
+                    read.vocab,
+                    read.seq,
+                    read.hidden,
+                    read.heads,
+                    read.layers
+                ),
+                (config.arch, 300, 24, config.hidden, config.heads, 3),
+                "{}",
+                a.name
+            );
         }
         let err = from_hf_config(&serde_json::json!({"n_layer": 2})).unwrap_err();
         assert!(err.to_string().contains("model_type"), "{err}");

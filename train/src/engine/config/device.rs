@@ -24,7 +24,7 @@ impl TrainConfig {
 
     /// [`TrainConfig::with_device_resolved`] with `probe` telling whether a
     /// GPU answers (and why not).
-    pub(super) fn with_device_resolved_by(
+    pub(crate) fn with_device_resolved_by(
         &self,
         probe: impl FnOnce() -> std::result::Result<(), String>,
     ) -> (TrainConfig, Option<String>) {

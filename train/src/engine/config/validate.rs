@@ -216,6 +216,15 @@ impl TrainConfig {
     /// What a run on a CUDA device cannot do yet: several ranks (no NCCL
     /// yet), or optimizer states on the device in another dtype than fp32.
     pub(super) fn cuda_constraints(&self) -> Result<()> {
+        if let Some(missing) = self.model.build().ok().and_then(|m| m.cuda_missing()) {
+            return Err(bad(
+                "model.arch",
+                self.model.arch,
+                format!(
+                    "the CUDA backend has no kernels for its {missing} yet: set device.kind = \"cpu\" (\"auto\" picks the CPU for it)"
+                ),
+            ));
+        }
         if self.train.ranks > 1 {
             return Err(bad(
                 "train.ranks",

@@ -1,0 +1,395 @@
+//! Hugging Face folders in: `config.json` and the weights
+//! (`model.safetensors`, or shards named by `model.safetensors.index.json`)
+//! of a model strata trains, mapped (memmap2), never read whole. A group's
+//! tensors are converted to f32 straight from the mapped pages into the
+//! caller's buffer, so loading a model needs one group's f32 values at a
+//! time, not the model.
+//!
+//! Everything is checked before anything is read: each file's header,
+//! every tensor a model's groups name (present, of its shape, in bf16,
+//! fp16 or f32), and each shard the index names. An error names the file
+//! and what to do.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+
+use crate::error::{Result, TrainError};
+use crate::model::{GroupSpec, Model, ModelConfig};
+
+/// The index of a sharded checkpoint.
+pub const INDEX: &str = "model.safetensors.index.json";
+/// A single-file checkpoint's weights.
+pub const WEIGHTS: &str = "model.safetensors";
+/// The most shards an index may name.
+pub const SHARDS_MAX: usize = 1 << 16;
+/// The largest `config.json` or index read.
+const JSON_BYTES_MAX: u64 = 64 << 20;
+
+/// One tensor of a mapped file.
+#[derive(Debug, Clone)]
+struct Entry {
+    shard: usize,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    /// Its bytes in the file.
+    start: usize,
+    end: usize,
+}
+
+/// A mapped safetensors file.
+#[derive(Debug)]
+struct Shard {
+    path: PathBuf,
+    map: memmap2::Mmap,
+}
+
+/// A Hugging Face model folder, opened: its config parsed, its weight
+/// files mapped and their headers read.
+#[derive(Debug)]
+pub struct HfFolder {
+    dir: PathBuf,
+    config: serde_json::Value,
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, Entry>,
+}
+
+fn error(path: &Path, problem: impl Into<String>, fix: impl Into<String>) -> TrainError {
+    TrainError::HfFolder {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+        fix: fix.into(),
+    }
+}
+
+/// A JSON file, parsed; the error names the file.
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let len = std::fs::metadata(path)
+        .map_err(|e| {
+            error(
+                path,
+                format!("cannot be read ({e})"),
+                "give the folder a Hugging Face model was saved to (save_pretrained)",
+            )
+        })?
+        .len();
+    if len > JSON_BYTES_MAX {
+        return Err(error(
+            path,
+            format!("is {len} bytes, more than a model's JSON holds ({JSON_BYTES_MAX})"),
+            "check that the file is what its name says",
+        ));
+    }
+    let text = std::fs::read(path).map_err(|e| {
+        error(
+            path,
+            format!("cannot be read ({e})"),
+            "check its permissions",
+        )
+    })?;
+    serde_json::from_slice(&text).map_err(|e| {
+        error(
+            path,
+            format!("does not parse as JSON ({e})"),
+            "restore the file from the model's source",
+        )
+    })
+}
+
+impl HfFolder {
+    /// Opens `dir`: parses `config.json`, maps the weights (the index's
+    /// shards, or `model.safetensors`) and reads every header.
+    pub fn open(dir: &Path) -> Result<HfFolder> {
+        if !dir.is_dir() {
+            return Err(error(
+                dir,
+                "is not a directory",
+                "give the folder a Hugging Face model was saved to (with config.json and its safetensors)",
+            ));
+        }
+        let config = read_json(&dir.join("config.json"))?;
+        let index_path = dir.join(INDEX);
+        let files: Vec<String> = if index_path.exists() {
+            let index = read_json(&index_path)?;
+            let map = index
+                .get("weight_map")
+                .and_then(serde_json::Value::as_object)
+                .ok_or_else(|| {
+                    error(
+                        &index_path,
+                        "has no weight_map object",
+                        "restore the file from the model's source",
+                    )
+                })?;
+            let mut files: Vec<String> = Vec::new();
+            for (name, file) in map {
+                let file = file.as_str().ok_or_else(|| {
+                    error(
+                        &index_path,
+                        format!("names no file for {name}"),
+                        "restore the file from the model's source",
+                    )
+                })?;
+                if file.contains('/') || file.contains("..") {
+                    return Err(error(
+                        &index_path,
+                        format!("names {file:?}, outside the folder"),
+                        "a shard lies beside the index",
+                    ));
+                }
+                if !files.iter().any(|f| f == file) {
+                    files.push(file.to_string());
+                }
+            }
+            files.sort();
+            if files.len() > SHARDS_MAX {
+                return Err(error(
+                    &index_path,
+                    format!("names {} shards", files.len()),
+                    format!("strata reads at most {SHARDS_MAX}"),
+                ));
+            }
+            files
+        } else if dir.join(WEIGHTS).exists() {
+            vec![WEIGHTS.to_string()]
+        } else {
+            return Err(error(
+                dir,
+                format!("has neither {WEIGHTS} nor {INDEX}"),
+                "save the model's weights as safetensors (save_pretrained(dir, safe_serialization=True))",
+            ));
+        };
+        let mut folder = HfFolder {
+            dir: dir.to_path_buf(),
+            config,
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+        };
+        for file in files {
+            folder.map(&file)?;
+        }
+        Ok(folder)
+    }
+
+    /// Maps `file` and reads its header's tensors.
+    fn map(&mut self, file: &str) -> Result<()> {
+        let path = self.dir.join(file);
+        let handle = File::open(&path).map_err(|e| {
+            error(
+                &path,
+                format!("cannot be opened ({e})"),
+                "every shard the index names must be in the folder: download the missing one",
+            )
+        })?;
+        // SAFETY: the map is read only; a checkpoint changed under a run
+        // while it loads is outside what strata guards (as with any read).
+        let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| {
+            error(
+                &path,
+                format!("cannot be mapped ({e})"),
+                "check the file system",
+            )
+        })?;
+        let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
+            error(
+                &path,
+                format!("has a corrupt safetensors header at byte 0 (the header's length, then its JSON from byte 8): {e:?}"),
+                "download the file again",
+            )
+        })?;
+        let data_start = 8 + header_len;
+        let shard = self.shards.len();
+        for (name, info) in metadata.tensors() {
+            let (start, end) = info.data_offsets;
+            let (start, end) = (data_start + start, data_start + end);
+            if end > map.len() || start > end {
+                return Err(error(
+                    &path,
+                    format!(
+                        "says {name} lies at bytes {start}..{end}, past the file's {} bytes",
+                        map.len()
+                    ),
+                    "download the file again (it is cut short)",
+                ));
+            }
+            self.tensors.insert(
+                name.clone(),
+                Entry {
+                    shard,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start,
+                    end,
+                },
+            );
+        }
+        self.shards.push(Shard { path, map });
+        Ok(())
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `config.json`.
+    pub fn config(&self) -> &serde_json::Value {
+        &self.config
+    }
+
+    /// The `[model]` table `config.json` gives (its `model_type` picks the
+    /// architecture); an architecture strata does not train is refused
+    /// with the list it does.
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        crate::model::from_hf_config(&self.config).map_err(|e| {
+            let path = self.dir.join("config.json");
+            match e {
+                TrainError::Config { key, value, fix } => {
+                    error(&path, format!("{key} = {value}"), fix)
+                }
+                other => error(&path, other.to_string(), "give a model strata trains"),
+            }
+        })
+    }
+
+    /// Bytes of the mapped weights.
+    pub fn bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.map.len() as u64).sum()
+    }
+
+    /// The entry of `name`: the tensor of that name, or the one tensor
+    /// named `<prefix>.<name>` with a one-word prefix (a model class may
+    /// save its body under its base model's name).
+    fn entry(&self, name: &str) -> Option<&Entry> {
+        if let Some(entry) = self.tensors.get(name) {
+            return Some(entry);
+        }
+        let mut found = self.tensors.iter().filter(|(key, _)| {
+            key.strip_suffix(name)
+                .and_then(|prefix| prefix.strip_suffix('.'))
+                .is_some_and(|prefix| !prefix.is_empty() && !prefix.contains('.'))
+        });
+        match (found.next(), found.next()) {
+            (Some((_, entry)), None) => Some(entry),
+            _ => None,
+        }
+    }
+
+    /// Checks that every tensor of `model`'s groups is in the folder, of
+    /// its shape and of a dtype strata reads (before anything is written).
+    pub fn check(&self, model: &dyn Model) -> Result<()> {
+        for group in model.groups() {
+            for tensor in &group.tensors {
+                let Some(entry) = self.entry(&tensor.name) else {
+                    return Err(error(
+                        &self.dir,
+                        format!("holds no tensor {}", tensor.name),
+                        "the weights must be those of the model config.json describes",
+                    ));
+                };
+                let path = &self.shards[entry.shard].path;
+                if entry.shape != tensor.shape {
+                    return Err(error(
+                        path,
+                        format!(
+                            "holds {} of shape {:?}, but the config's model needs {:?}",
+                            tensor.name, entry.shape, tensor.shape
+                        ),
+                        "the weights must be those of the model config.json describes",
+                    ));
+                }
+                if !matches!(
+                    entry.dtype,
+                    safetensors::Dtype::BF16 | safetensors::Dtype::F16 | safetensors::Dtype::F32
+                ) {
+                    return Err(error(
+                        path,
+                        format!("holds {} as {:?}", tensor.name, entry.dtype),
+                        "strata reads bf16, fp16 and f32 weights: convert the checkpoint (quantized ones are not trained)",
+                    ));
+                }
+                let elems: usize = entry.shape.iter().product();
+                let width = match entry.dtype {
+                    safetensors::Dtype::F32 => 4,
+                    _ => 2,
+                };
+                if entry.end - entry.start != elems * width {
+                    return Err(error(
+                        path,
+                        format!(
+                            "gives {} {} bytes for {elems} elements of {:?}",
+                            tensor.name,
+                            entry.end - entry.start,
+                            entry.dtype
+                        ),
+                        "download the file again",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the elements `range` of `group`'s flat f32 view (its tensors
+    /// in layout order) into `out`, widened from the file's dtype. Call
+    /// [`HfFolder::check`] first.
+    pub fn read(
+        &self,
+        group: &GroupSpec,
+        range: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        assert_eq!(out.len(), range.len(), "one f32 per element read");
+        for tensor in &group.tensors {
+            let (lo, hi) = (
+                range.start.max(tensor.range.start),
+                range.end.min(tensor.range.end),
+            );
+            if lo >= hi {
+                continue;
+            }
+            let entry = self.entry(&tensor.name).ok_or_else(|| {
+                error(
+                    &self.dir,
+                    format!("holds no tensor {}", tensor.name),
+                    "check the folder first (HfFolder::check)",
+                )
+            })?;
+            let bytes = &self.shards[entry.shard].map[entry.start..entry.end];
+            let (from, to) = (lo - tensor.range.start, hi - tensor.range.start);
+            let dst = &mut out[lo - range.start..hi - range.start];
+            widen(entry.dtype, bytes, from, to, dst);
+        }
+        Ok(())
+    }
+
+    /// Reads all of `group` into `out` (its [`GroupSpec::params`]).
+    pub fn read_group(&self, group: &GroupSpec, out: &mut [f32]) -> Result<()> {
+        self.read(group, 0..group.params(), out)
+    }
+}
+
+/// Elements `from..to` of little-endian `bytes` of `dtype` into `dst` as
+/// f32.
+fn widen(dtype: safetensors::Dtype, bytes: &[u8], from: usize, to: usize, dst: &mut [f32]) {
+    match dtype {
+        safetensors::Dtype::F32 => {
+            for (d, b) in dst.iter_mut().zip(bytes[4 * from..4 * to].chunks_exact(4)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        safetensors::Dtype::BF16 => {
+            for (d, b) in dst.iter_mut().zip(bytes[2 * from..2 * to].chunks_exact(2)) {
+                *d = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        safetensors::Dtype::F16 => {
+            for (d, b) in dst.iter_mut().zip(bytes[2 * from..2 * to].chunks_exact(2)) {
+                *d = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        other => unreachable!("checked: {other:?} is not read"),
+    }
+}
