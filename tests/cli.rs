@@ -1814,3 +1814,295 @@ fn train_says_what_the_command_line_changes_or_leaves_out() {
     );
     assert!(zero.contains("--stop-after 0 runs no step"), "{zero}");
 }
+
+/// A token file of `count` ids below `vocab` (u16), seeded.
+fn token_file(path: &std::path::Path, count: usize, vocab: u16) {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let bytes: Vec<u8> = (0..count)
+        .flat_map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state % u64::from(vocab)) as u16).to_le_bytes()
+        })
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// The committed Hugging Face fixture (train/tests/fixtures/hf/) with the
+/// most to check: fewer key/value heads than query heads, an untied head,
+/// scaled rotary frequencies (the first such by name).
+fn hf_fixture() -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("train/tests/fixtures/hf");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    dirs.into_iter()
+        .find(|dir| {
+            let c = read_json(&dir.join("config.json"));
+            c["tie_word_embeddings"] == false
+                && c["num_key_value_heads"].as_u64() < c["num_attention_heads"].as_u64()
+                && c["rope_parameters"]["factor"].is_number()
+        })
+        .expect("a fixture with grouped-query heads, an untied head and scaled rotary frequencies")
+}
+
+#[test]
+fn train_init_from_a_hugging_face_folder_fine_tunes_checkpoints_and_resumes_bit_identically() {
+    let dir = tempdir();
+    token_file(&dir.path().join("tok.bin"), 4096, 48);
+    // Small shards, so the checkpoint's weights come with an index.
+    std::fs::write(
+        dir.path().join("ft.toml"),
+        "[train]\nsteps = 20\nmicro_batch = 2\ncheckpoint_every = 10\nwarmup_steps = 2\n[checkpoint]\nmax_shard_size = \"8KiB\"\n",
+    )
+    .unwrap();
+    let fixture = hf_fixture();
+    let theirs = read_json(&fixture.join("config.json"));
+    let base = |ck: &str| -> Vec<String> {
+        [
+            "train",
+            "--config",
+            "ft.toml",
+            "--init-from",
+            fixture.to_str().unwrap(),
+            "--tokens",
+            "tok.bin",
+            "--checkpoint-dir",
+            ck,
+            "--json",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let run = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        strata_in(dir.path(), &args)
+    };
+    let whole = last_json_line(&run(base("a")));
+    assert_eq!(whole["steps"], 20);
+    assert!(
+        whole["loss_last"].as_f64() < whole["loss_first"].as_f64(),
+        "{whole}"
+    );
+    // The fixture's loss is about ln(48) = 3.87 from its weights: the
+    // first step starts from them, not from a fresh initialization.
+    let first = whole["loss_first"].as_f64().unwrap();
+    assert!((3.5..4.5).contains(&first), "{whole}");
+    // Interrupted at step 10 and resumed: the same bits at step 20.
+    let mut part = base("b");
+    part.extend(["--stop-after".into(), "10".into()]);
+    last_json_line(&run(part));
+    let mut resumed = base("b");
+    resumed.extend(["--resume".into(), "b".into()]);
+    last_json_line(&run(resumed));
+    let (a, b) = (
+        dir.path().join("a/step-00000020"),
+        dir.path().join("b/step-00000020"),
+    );
+    let mut files: Vec<String> = std::fs::read_dir(&a)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "meta.json" && n != "meta.json.xxh3")
+        .collect();
+    files.sort();
+    for name in &files {
+        assert_eq!(
+            std::fs::read(a.join(name)).unwrap(),
+            std::fs::read(b.join(name)).unwrap(),
+            "{name} differs between the whole run and the resumed one"
+        );
+    }
+    // A Hugging Face folder: config, generation config, bf16 shards and
+    // their index.
+    assert!(
+        files.contains(&"generation_config.json".to_string()),
+        "{files:?}"
+    );
+    assert!(
+        files.contains(&"model.safetensors.index.json".to_string()),
+        "{files:?}"
+    );
+    let config = read_json(&a.join("config.json"));
+    for key in [
+        "architectures",
+        "model_type",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "intermediate_size",
+        "rms_norm_eps",
+    ] {
+        assert_eq!(config[key], theirs[key], "{key}");
+    }
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    assert_eq!(
+        config["rope_scaling"]["factor"],
+        theirs["rope_parameters"]["factor"]
+    );
+    // Every tensor transformers saved, under its name, and no other.
+    let index = read_json(&a.join("model.safetensors.index.json"));
+    let map = index["weight_map"].as_object().unwrap();
+    let mut ours: Vec<&String> = map.keys().collect();
+    let their_index = read_json(&fixture.join("model.safetensors.index.json"));
+    let mut saved: Vec<&String> = their_index["weight_map"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .collect();
+    ours.sort();
+    saved.sort();
+    assert_eq!(ours, saved);
+    for shard in map.values().map(|v| v.as_str().unwrap()) {
+        let bytes = std::fs::read(a.join(shard)).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in file.tensors() {
+            assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name}");
+        }
+    }
+    // The step directory starts another run as it is.
+    let again = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--init-from",
+            a.to_str().unwrap(),
+            "--tokens",
+            "tok.bin",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    );
+    let again = last_json_line(&again);
+    let last = whole["loss_last"].as_f64().unwrap();
+    assert!(
+        (again["loss_first"].as_f64().unwrap() - last).abs() < 0.5,
+        "{again} after {whole}"
+    );
+    // transformers opens it, where a Python with it is named.
+    if let Ok(python) = std::env::var("STRATA_FIXTURE_PYTHON") {
+        let out = Command::new(python)
+            .args([
+                "-c",
+                "import sys, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); print(type(m).__name__, m.dtype)",
+            ])
+            .arg(&a)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let class = theirs["architectures"][0].as_str().unwrap();
+        assert!(text.contains(&format!("{class} torch.bfloat16")), "{text}");
+    } else {
+        println!(
+            "skipped transformers' from_pretrained: set STRATA_FIXTURE_PYTHON to a Python with transformers"
+        );
+    }
+}
+
+#[test]
+fn train_init_from_bad_folders_are_refused_naming_the_file_and_the_fix() {
+    let dir = tempdir();
+    token_file(&dir.path().join("tok.bin"), 1024, 48);
+    let copy = |name: &str| -> std::path::PathBuf {
+        let to = dir.path().join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        for entry in std::fs::read_dir(hf_fixture()).unwrap().flatten() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+        to
+    };
+    let refused = |folder: &std::path::Path, extra: &[&str]| -> String {
+        let mut args = vec![
+            "train",
+            "--init-from",
+            folder.to_str().unwrap(),
+            "--tokens",
+            "tok.bin",
+            "--steps",
+            "2",
+        ];
+        args.extend(extra);
+        let output = strata_in(dir.path(), &args);
+        stderr_of_failure(&output, folder)
+    };
+    let missing = dir.path().join("nowhere");
+    let err = refused(&missing, &[]);
+    assert!(
+        err.contains("nowhere") && err.contains("not a directory"),
+        "{err}"
+    );
+    let shard = copy("shard");
+    std::fs::remove_file(shard.join("model-00002-of-00003.safetensors")).unwrap();
+    let err = refused(&shard, &[]);
+    assert!(
+        err.contains("model-00002-of-00003.safetensors")
+            && err.contains("download the missing one"),
+        "{err}"
+    );
+    let corrupt = copy("corrupt");
+    let file = corrupt.join("model-00001-of-00003.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[12] = b'#';
+    std::fs::write(&file, bytes).unwrap();
+    let err = refused(&corrupt, &[]);
+    assert!(
+        err.contains("model-00001-of-00003.safetensors")
+            && err.contains("corrupt safetensors header"),
+        "{err}"
+    );
+    let unparsed = copy("unparsed");
+    std::fs::write(unparsed.join("config.json"), "{\"model_type\": ").unwrap();
+    let err = refused(&unparsed, &[]);
+    assert!(
+        err.contains("config.json") && err.contains("does not parse"),
+        "{err}"
+    );
+    let unknown = copy("unknown");
+    let mut config = read_json(&unknown.join("config.json"));
+    config["model_type"] = "falcon".into();
+    std::fs::write(unknown.join("config.json"), config.to_string()).unwrap();
+    let err = refused(&unknown, &[]);
+    assert!(
+        err.contains("falcon") && err.contains("strata trains these architectures: \""),
+        "{err}"
+    );
+    let shape = copy("shape");
+    let mut config = read_json(&shape.join("config.json"));
+    let (ffn, hidden) = (
+        config["intermediate_size"].as_u64().unwrap(),
+        config["hidden_size"].as_u64().unwrap(),
+    );
+    config["intermediate_size"] = (ffn + 8).into();
+    std::fs::write(shape.join("config.json"), config.to_string()).unwrap();
+    let err = refused(&shape, &[]);
+    assert!(
+        err.contains(&format!("of shape [{ffn}, {hidden}]"))
+            && err.contains(&format!("needs [{}, {hidden}]", ffn + 8)),
+        "{err}"
+    );
+    std::fs::write(
+        dir.path().join("h.toml"),
+        format!("[model]\nhidden = {}\n", 2 * hidden),
+    )
+    .unwrap();
+    let err = refused(&hf_fixture(), &["--config", "h.toml"]);
+    assert!(
+        err.contains(&format!("model.hidden = {hidden}"))
+            && err.contains(&format!("sets {}", 2 * hidden)),
+        "{err}"
+    );
+}

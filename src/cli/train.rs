@@ -47,6 +47,13 @@ pub struct TrainArgs {
     /// How --tokens stores each id: u16 or u32.
     #[arg(long, default_value = "u16", requires = "tokens")]
     token_dtype: engine::TokenDtype,
+    /// Start from a Hugging Face model folder (config.json and safetensors
+    /// weights, one file or shards with an index; bf16, fp16 or f32):
+    /// its config gives [model] (a [model] key that disagrees is refused;
+    /// model.seq may be shorter), its weights the initial values, read
+    /// group by group straight into their tiers (sets model.init_from).
+    #[arg(long, value_name = "DIR")]
+    init_from: Option<PathBuf>,
     /// Resume from a checkpoint (a step-* directory, or a checkpoint_dir
     /// whose `latest` names one).
     #[arg(long)]
@@ -82,14 +89,21 @@ const SIGNAL_GRACE_DEFAULT_S: f64 = 25.0;
 /// The run's config: `--config` (or the defaults), then `--deepspeed`'s
 /// keys, then the flags.
 fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
-    let mut config = match &args.config {
+    let (mut config, model_keys) = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read config {}", path.display()))?;
-            TrainConfig::from_toml(&text).with_context(|| format!("config {}", path.display()))?
+            let config = TrainConfig::from_toml(&text)
+                .with_context(|| format!("config {}", path.display()))?;
+            (config, TrainConfig::model_keys_in(&text))
         }
-        None => TrainConfig::default(),
+        None => (TrainConfig::default(), Default::default()),
     };
+    if let Some(dir) = &args.init_from {
+        config.model.init_from = Some(dir.clone());
+    }
+    // [model] from the folder's config.json, before anything else reads it.
+    config = config.with_init_from(&model_keys)?;
     if let Some(path) = &args.deepspeed {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read --deepspeed {}", path.display()))?;

@@ -607,6 +607,7 @@ fn every_checkpoint_file_and_meta_json_itself_are_verified_and_a_finished_run_sa
         files,
         [
             "config.json",
+            "generation_config.json",
             "model.safetensors",
             "optimizer-rank0.safetensors"
         ]

@@ -333,16 +333,40 @@ impl Moves {
         }
     }
 
-    /// Registers every persistent tensor at home with its initial values.
+    /// Registers every persistent tensor at home with its initial values:
+    /// the model's initialization, or `model.init_from`'s weights, each
+    /// rank reading only its shard of each group, one group at a time.
     pub(super) fn initialize(&mut self, env: &Env) -> Result<()> {
         let (world, rank) = (env.world(), env.rank());
         let seed = env.config().train.seed;
-        let (mut full, mut buffers) = (Vec::new(), LoadBuffers::default());
+        let folder = match &env.config().model.init_from {
+            Some(dir) => {
+                let folder = crate::hf::HfFolder::open(dir)?;
+                folder.check(env.model())?;
+                Some(folder)
+            }
+            None => None,
+        };
+        let specs = env.model().groups();
+        let (mut values, mut buffers) = (Vec::new(), LoadBuffers::default());
         for (g, group) in env.groups().iter().enumerate() {
-            full.clear();
-            full.resize(group.padded(world), 0.0f32);
-            env.model().init(g, seed, &mut full[..group.params]);
-            let master = &full[rank * group.shard..(rank + 1) * group.shard];
+            values.clear();
+            let master = match &folder {
+                Some(folder) => {
+                    // This rank's shard, zero past the group's end.
+                    values.resize(group.shard, 0.0f32);
+                    let start = (rank * group.shard).min(group.params);
+                    let end = ((rank + 1) * group.shard).min(group.params);
+                    folder.read(&specs[g], start..end, &mut values[..end - start])?;
+                    folder.release(&specs[g]);
+                    &values[..]
+                }
+                None => {
+                    values.resize(group.padded(world), 0.0f32);
+                    env.model().init(g, seed, &mut values[..group.params]);
+                    &values[rank * group.shard..(rank + 1) * group.shard]
+                }
+            };
             self.load_group(env, g, master, None, &mut buffers)?;
             self.place_persistent(env, grad_index(g), None)?;
         }

@@ -152,6 +152,22 @@ pub fn run(
 ) -> Result<RunSummary> {
     config.validate()?;
     corpus.check_vocab(config.model.vocab)?;
+    // The starting weights, checked before anything is planned or written;
+    // a resumed run takes its weights from the checkpoint instead.
+    let resumed;
+    let config = if options.resume.is_some() {
+        resumed = TrainConfig {
+            model: crate::ModelConfig {
+                init_from: None,
+                ..config.model.clone()
+            },
+            ..config.clone()
+        };
+        &resumed
+    } else {
+        drop(config.check_init_from()?);
+        config
+    };
     let world = config.train.ranks;
     let _owned = own_directories(config, options)?;
     let checkpoint_estimate_s = match &config.train.checkpoint_dir {

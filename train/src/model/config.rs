@@ -1,5 +1,7 @@
 //! The `[model]` table: which architecture, and its shape.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use super::{Arch, Model};
@@ -10,11 +12,17 @@ use crate::error::Result;
 /// belong to architectures with grouped-query heads, rotary embeddings and
 /// gated MLPs; left out, each takes its architecture's default, and an
 /// architecture without them refuses any that is set.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// The architecture (`strata train --print-config` shows the default).
     pub arch: Arch,
+    /// A Hugging Face model folder to start from (`config.json` and
+    /// safetensors weights; `strata train --init-from`): its config gives
+    /// the architecture and shape ([`crate::TrainConfig::with_init_from`]),
+    /// its weights the initial values.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     /// Vocabulary (256: byte-level tokens).
     pub vocab: usize,
     /// Sequence length.
@@ -77,6 +85,7 @@ impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
             arch: Arch::default(),
+            init_from: None,
             vocab: 256,
             seq: 64,
             hidden: 128,

@@ -767,6 +767,7 @@ impl Llama {
         let seq = max_positions.min(window.unwrap_or(usize::MAX));
         let config = ModelConfig {
             arch: Arch::named(variant.name)?,
+            init_from: None,
             vocab: size(json, "vocab_size")?,
             seq,
             hidden,

@@ -454,22 +454,6 @@ pub fn forward_logits(
     Ok(())
 }
 
-/// A parameter group's values (f32, its layout order) as the named tensors
-/// of a Hugging Face checkpoint: (name, shape, values).
-pub fn export_group(group: &GroupSpec, values: &[f32]) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    group
-        .tensors
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                t.shape.clone(),
-                values[t.range.clone()].to_vec(),
-            )
-        })
-        .collect()
-}
-
 /// The name of an architecture in the registry, as `[model] arch` holds
 /// it: `Copy`, and only ever one of [`ARCHITECTURES`]' names.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,7 +1,12 @@
-//! Checkpoints: the fp32 weights as `model.safetensors` (the
-//! architecture's Hugging Face tensor names and layouts) beside
-//! `config.json` (its Hugging Face config, [`crate::model::Model::hf_config`]),
-//! so that a step directory opens in transformers as it is, each rank's
+//! Checkpoints: the weights (bf16, or the f32 masters with
+//! `[checkpoint] weights_dtype = "f32"`) as `model.safetensors`, or shards
+//! past `[checkpoint] max_shard_size` with their index (the
+//! architecture's Hugging Face tensor names and layouts; written group by
+//! group as each is gathered, [`crate::hf::ShardWriter`]), beside
+//! `config.json` (its Hugging Face config, [`crate::model::Model::hf_config`])
+//! and `generation_config.json` (and the tokenizer's files of the folder
+//! the run started from), so that a step directory opens in transformers
+//! as it is, each rank's
 //! optimizer shard (master weights and moments) as
 //! `optimizer-rank{r}.safetensors`, and `meta.json` (step, loss-scaler
 //! state, the run's shape, a checksum of every file). A checkpoint is
@@ -49,6 +54,18 @@ pub const FORMAT: u32 = 1;
 
 /// The Hugging Face config beside the weights.
 const HF_CONFIG: &str = "config.json";
+/// transformers' generation defaults beside it.
+const GENERATION_CONFIG: &str = "generation_config.json";
+/// A tokenizer's files, copied from the folder a run started from.
+const TOKENIZER_FILES: [&str; 7] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+];
 /// meta.json's own checksum (xxh3-64 of its bytes, hex), beside it: every
 /// other file's checksum is in meta.json.
 pub const META_HASH: &str = "meta.json.xxh3";

@@ -11,12 +11,13 @@ use crate::engine::Engine;
 use crate::engine::durable::RealFs;
 use crate::engine::tensors::LoadBuffers;
 use crate::error::{Result, TrainError};
-use crate::model::export_group;
+use crate::hf::{Planned, ShardWriter};
+use crate::model::Model;
 
 use super::publish::{begin, commit, prune, write_synced};
 use super::{
-    Checkpoint, CheckpointMeta, FORMAT, HF_CONFIG, ROUNDING_STOCHASTIC, ROUNDING_STOCHASTIC_OLDER,
-    nearest, read_tensor, safetensors_bytes,
+    Checkpoint, CheckpointMeta, FORMAT, GENERATION_CONFIG, HF_CONFIG, ROUNDING_STOCHASTIC,
+    ROUNDING_STOCHASTIC_OLDER, TOKENIZER_FILES, nearest, read_tensor, safetensors_bytes,
 };
 
 impl Engine {
@@ -50,7 +51,23 @@ impl Engine {
         }
         let specs = env.model().groups();
         let mut shard = Vec::with_capacity(3 * groups.len());
-        let mut weights = Vec::new();
+        // Rank 0 writes the weights group by group as they are gathered:
+        // no rank holds more than one group's. A failed write is kept and
+        // agreed on after the loop (the gathers go on: every rank takes
+        // part in each).
+        let mut weights = (rank == 0).then(|| {
+            let planned = specs
+                .iter()
+                .flat_map(|g| &g.tensors)
+                .map(|t| Planned {
+                    name: t.name.clone(),
+                    shape: t.shape.clone(),
+                })
+                .collect();
+            let c = &config.checkpoint;
+            ShardWriter::new(&tmp, planned, c.weights_dtype, c.max_shard_size.0)
+        });
+        let mut weights_failed: Option<TrainError> = None;
         for (g, group) in groups.iter().enumerate() {
             let n = group.shard;
             let mut state = vec![0.0f32; 3 * n];
@@ -64,9 +81,13 @@ impl Engine {
                     ViewMut::host_slice(&mut gathered),
                 )?
                 .wait()?;
-            if rank == 0 {
-                let exported = export_group(&specs[g], &gathered[..group.params]);
-                weights.extend(exported.into_iter().map(|(n, s, v)| (n, s, v, false)));
+            if let Some(writer) = weights.as_mut().filter(|_| weights_failed.is_none()) {
+                for t in &specs[g].tensors {
+                    if let Err(err) = writer.write(&t.name, &gathered[t.range.clone()]) {
+                        weights_failed = Some(err);
+                        break;
+                    }
+                }
             }
             // Each state in the width it is kept in: bf16 states take half
             // the disk (exactly: their values are bf16).
@@ -89,12 +110,12 @@ impl Engine {
         let written = (|| {
             let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
             write_synced(&RealFs, &path, &safetensors_bytes(&path, &shard)?)?;
-            if rank == 0 {
-                let path = tmp.join("model.safetensors");
-                write_synced(&RealFs, &path, &safetensors_bytes(&path, &weights)?)?;
-                let hf_config = env.model().hf_config();
-                let hf_config = serde_json::to_vec_pretty(&hf_config).expect("serializes");
-                write_synced(&RealFs, &tmp.join(HF_CONFIG), &hf_config)?;
+            if let Some(err) = weights_failed {
+                return Err(err);
+            }
+            if let Some(writer) = weights {
+                writer.finish()?;
+                write_hf_files(config, env.model(), &tmp)?;
             }
             Ok(())
         })();
@@ -111,7 +132,7 @@ impl Engine {
                 optimizer_steps: self.state.optimizer_steps(),
                 ranks: world,
                 seed: config.train.seed,
-                model: config.model,
+                model: config.model.clone(),
                 loss_scaler: self.loss.scaler_state(),
                 state_dtype: config.optim.state_dtype,
                 rounding: if config.optim.state_dtype.stochastic() {
@@ -163,7 +184,13 @@ impl Engine {
                 format!("model.arch = {:?}", config.model.arch.name()),
             ));
         }
-        if meta.model != config.model {
+        // Where the run's first weights came from does not matter once it
+        // has a checkpoint.
+        let started = |m: &crate::ModelConfig| crate::ModelConfig {
+            init_from: None,
+            ..m.clone()
+        };
+        if started(&meta.model) != started(&config.model) {
             // Named key by key, the ones that differ.
             let (a, b) = (&meta.model, &config.model);
             let fields = [
@@ -266,4 +293,37 @@ impl Engine {
         self.state.restore(meta.step, meta.optimizer_steps);
         Ok(())
     }
+}
+
+/// The Hugging Face files beside the weights: `config.json` (with the
+/// weights' dtype), `generation_config.json`, and the tokenizer's files of
+/// the folder the run started from, when it has them.
+fn write_hf_files(config: &crate::TrainConfig, model: &dyn Model, dir: &Path) -> Result<()> {
+    let mut hf_config = model.hf_config();
+    let dtype = config.checkpoint.weights_dtype.torch();
+    hf_config["torch_dtype"] = dtype.into();
+    hf_config["dtype"] = dtype.into();
+    let json = serde_json::to_vec_pretty(&hf_config).expect("serializes");
+    write_synced(&RealFs, &dir.join(HF_CONFIG), &json)?;
+    let generation = serde_json::json!({
+        "_from_model_config": true,
+        "bos_token_id": hf_config.get("bos_token_id"),
+        "eos_token_id": hf_config.get("eos_token_id"),
+    });
+    let json = serde_json::to_vec_pretty(&generation).expect("serializes");
+    write_synced(&RealFs, &dir.join(GENERATION_CONFIG), &json)?;
+    if let Some(from) = &config.model.init_from {
+        for name in TOKENIZER_FILES {
+            let source = from.join(name);
+            if source.is_file() {
+                let bytes = std::fs::read(&source).map_err(|err| TrainError::Checkpoint {
+                    path: source.clone(),
+                    problem: format!("cannot read the tokenizer file: {err}"),
+                    fix: "keep the folder the run started from (model.init_from) readable".into(),
+                })?;
+                write_synced(&RealFs, &dir.join(name), &bytes)?;
+            }
+        }
+    }
+    Ok(())
 }

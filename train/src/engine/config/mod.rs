@@ -7,10 +7,12 @@
 //! optimizer, numerics), `schedule.rs`
 //! (`[train.schedule]`), `placement.rs` (`[placement]`, `[optim]`),
 //! `validate.rs` (the checks, the closed-form memory count), `device.rs`
-//! (the device `auto` resolves to, each rank's runtime tables).
+//! (the device `auto` resolves to, each rank's runtime tables),
+//! `init_from.rs` (`[model]` from a Hugging Face folder's config).
 
 mod compute;
 mod device;
+mod init_from;
 mod placement;
 mod schedule;
 mod train;
@@ -29,6 +31,7 @@ use crate::error::{Result, TrainError};
 
 pub use crate::model::ModelConfig;
 pub use compute::ComputeDtype;
+pub use init_from::INIT_SEQ_DEFAULT_MAX;
 pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
 pub use schedule::{COS_MIN_RATIO_DEFAULT, Schedule, WARMUP_NUM_STEPS_DEFAULT, WarmupType};
 pub use train::TrainSettings;
@@ -67,6 +70,34 @@ pub struct TrainConfig {
     pub nvme: Option<StorageConfig>,
     /// Threads and limits of each rank's runtime.
     pub runtime: LimitsConfig,
+    /// How a checkpoint's Hugging Face weights are written.
+    pub checkpoint: CheckpointConfig,
+}
+
+/// The `[checkpoint]` table: how each step directory's Hugging Face
+/// weights are written (where and how often: `train.checkpoint_dir`,
+/// `train.checkpoint_every`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// The weights' dtype: "bf16" (default), or "f32" for the master
+    /// weights exactly.
+    pub weights_dtype: crate::hf::WeightsDtype,
+    /// The largest safetensors file; more weights are sharded with an
+    /// index (transformers' `max_shard_size`).
+    pub max_shard_size: ByteSize,
+}
+
+/// The most bytes of weights one safetensors shard holds by default.
+pub const MAX_SHARD_SIZE_DEFAULT: u64 = 5 << 30;
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            weights_dtype: crate::hf::WeightsDtype::Bf16,
+            max_shard_size: ByteSize(MAX_SHARD_SIZE_DEFAULT),
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -95,6 +126,7 @@ impl Default for TrainConfig {
                 ..StorageConfig::default()
             }),
             runtime: LimitsConfig::default(),
+            checkpoint: CheckpointConfig::default(),
         }
     }
 }

@@ -18,6 +18,13 @@ impl TrainConfig {
     /// the placement fits: [`crate::engine::Engine::new`] plans that).
     pub fn validate(&self) -> Result<()> {
         self.model.build()?;
+        if self.checkpoint.max_shard_size.0 == 0 {
+            return Err(bad(
+                "checkpoint.max_shard_size",
+                self.checkpoint.max_shard_size,
+                "give the largest safetensors file, e.g. \"5GiB\"",
+            ));
+        }
         let t = &self.train;
         if t.steps == 0 {
             return Err(bad("train.steps", t.steps, "run at least 1 step"));

@@ -48,6 +48,8 @@ fn tiny(dir: &Path) -> TrainConfig {
     config.train.warmup_steps = 0;
     config.train.clip_norm = 0.0;
     config.train.checkpoint_dir = Some(dir.join("ckpt"));
+    // The master weights exactly, to compare logits at f32's precision.
+    config.checkpoint.weights_dtype = crate::hf::WeightsDtype::F32;
     config.device.budget = ByteSize(2 << 20);
     config.host.budget = ByteSize(4 << 20);
     config.nvme.as_mut().unwrap().dirs = vec![dir.join("swap")];

@@ -1,4 +1,4 @@
-//! Hugging Face folders in: `config.json` and the weights
+//! Hugging Face folders in and out. In ([`HfFolder`]): `config.json` and the weights
 //! (`model.safetensors`, or shards named by `model.safetensors.index.json`)
 //! of a model strata trains, mapped (memmap2), never read whole. A group's
 //! tensors are converted to f32 straight from the mapped pages into the
@@ -8,7 +8,12 @@
 //! Everything is checked before anything is read: each file's header,
 //! every tensor a model's groups name (present, of its shape, in bf16,
 //! fp16 or f32), and each shard the index names. An error names the file
-//! and what to do.
+//! and what to do. Out ([`ShardWriter`]): a model's tensors written as they
+//! arrive into sharded safetensors with their index.
+
+mod write;
+
+pub use write::{Planned, ShardWriter, WeightsDtype};
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -363,6 +368,32 @@ impl HfFolder {
             widen(entry.dtype, bytes, from, to, dst);
         }
         Ok(())
+    }
+
+    /// Gives back the mapped pages of `group`'s tensors (read once, they
+    /// would otherwise stay in the process's memory until the folder is
+    /// dropped): a load holds one group's pages at a time.
+    pub fn release(&self, group: &GroupSpec) {
+        for tensor in &group.tensors {
+            let Some(entry) = self.entry(&tensor.name) else {
+                continue;
+            };
+            let map = &self.shards[entry.shard].map;
+            // SAFETY: a private read-only file mapping: MADV_DONTNEED drops
+            // its pages from this process, and a later read faults them in
+            // again from the file (no write is lost, no reference dangles:
+            // `read` borrows the map only while it copies).
+            let dropped = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    entry.start,
+                    entry.end - entry.start,
+                )
+            };
+            if let Err(err) = dropped {
+                tracing::debug!("madvise(DONTNEED) of {}: {err}", tensor.name);
+            }
+        }
     }
 
     /// Reads all of `group` into `out` (its [`GroupSpec::params`]).
