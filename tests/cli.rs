@@ -2106,3 +2106,71 @@ fn train_init_from_bad_folders_are_refused_naming_the_file_and_the_fix() {
         "{err}"
     );
 }
+
+#[test]
+fn bench_load_json_contract_tiny() {
+    let dir = tempdir();
+    let d = dir.path().join("load");
+    let output = strata(&[
+        "bench",
+        "load",
+        "--dir",
+        d.to_str().unwrap(),
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--ffn",
+        "64",
+        "--vocab",
+        "500",
+        "--seq",
+        "16",
+        "--steps",
+        "2",
+        "--max-shard-size",
+        "16KiB",
+        "--nvme-size",
+        "8MiB",
+        "--device-budget",
+        "64MiB",
+        "--json",
+    ]);
+    let report = stdout_json(&output);
+    assert_eq!(report["steps"], 2, "{report}");
+    let file_bytes = report["file_bytes"].as_u64().unwrap();
+    assert!(
+        file_bytes > 2 * report["params"].as_u64().unwrap(),
+        "{report}"
+    );
+    for key in [
+        "first_step_s",
+        "bound_s",
+        "ratio",
+        "load_s",
+        "read_bw_bytes",
+        "write_bw_bytes",
+    ] {
+        assert!(report[key].as_f64().unwrap() > 0.0, "{key} in {report}");
+    }
+    assert!(
+        report["load_written_bytes"].as_u64().unwrap() > 0,
+        "{report}"
+    );
+    let peak = report["peak_bytes"].as_u64().unwrap();
+    assert!(
+        peak > 0 && peak <= report["peak_bound_bytes"].as_u64().unwrap(),
+        "{report}"
+    );
+    // Everything it made is removed.
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

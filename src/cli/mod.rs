@@ -4,6 +4,7 @@ mod adam;
 mod chart;
 mod checkpoint;
 mod kernels;
+mod load;
 mod nvme;
 mod plan;
 mod signals;
@@ -62,6 +63,11 @@ enum Bench {
     /// The compute backend's attention (forward, backward) and a GEMM in
     /// TFLOPS.
     Kernels(kernels::KernelsArgs),
+    /// A Hugging Face model (random, of Llama 3.2 1B's shape by default)
+    /// loaded from evicted files onto NVMe, a few steps and a checkpoint:
+    /// the time to the first step against the disk's rates, and the peak
+    /// memory against the budgets.
+    Load(load::LoadArgs),
 }
 
 /// Runs the parsed command; the exit status it asks for.
@@ -72,6 +78,7 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Bench(Bench::Adam(args)) => adam::run(args),
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
         Command::Bench(Bench::Kernels(args)) => kernels::run(args),
+        Command::Bench(Bench::Load(args)) => load::run(args),
         Command::Plan(args) => plan::run(*args),
         Command::Train(args) => return train::run(*args),
         Command::Checkpoint(command) => checkpoint::run(command),

@@ -249,7 +249,22 @@ impl Engine {
         let planned = planner.plan(candidates.recompute, kept)?;
         let planned_at = started.elapsed();
         let mut moves = Moves::new(planned.slots, planned.cache_groups, env.groups().len());
+        let io_before = process_io();
         moves.initialize(&env)?;
+        if let Some(dir) = &env.config().model.init_from {
+            // What the load cost the disk (the process's counters: exact
+            // with one rank, the whole run's with several).
+            let ((read0, written0), (read1, written1)) = (io_before, process_io());
+            let seconds = (started.elapsed() - planned_at).as_secs_f64();
+            tracing::info!(
+                "rank {rank}: parameters loaded from {} in {seconds:.1} s: {} bytes read from disk, {} bytes written (read_bytes={} written_bytes={} seconds={seconds:.3})",
+                dir.display(),
+                read1.saturating_sub(read0),
+                written1.saturating_sub(written0),
+                read1.saturating_sub(read0),
+                written1.saturating_sub(written0),
+            );
+        }
         let mut lane = Lane::new(optimizer_pool(1, 1)?, moves.len());
         if let Some(pool) = pool {
             // With the compute elsewhere (a GPU), the pool's cores wait for
@@ -342,4 +357,18 @@ impl Engine {
         self.state.usable()?;
         self.apply_late()
     }
+}
+
+/// The process's bytes read from and written to storage so far
+/// (`/proc/self/io`'s `read_bytes` and `write_bytes`; zeros where the
+/// kernel does not say).
+fn process_io() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/self/io").unwrap_or_default();
+    let field = |key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("read_bytes:"), field("write_bytes:"))
 }

@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{INDEX, WEIGHTS};
 use crate::error::{Result, TrainError};
 
 /// The dtype weights are written in.
@@ -58,18 +57,24 @@ impl WeightsDtype {
     }
 }
 
-/// A tensor to be written: its name and shape.
+/// A tensor to be written: its name, shape and dtype.
 #[derive(Clone, Debug)]
 pub struct Planned {
     /// Its name in the checkpoint.
     pub name: String,
     /// Its shape.
     pub shape: Vec<usize>,
+    /// Its dtype in the file.
+    pub dtype: WeightsDtype,
 }
 
 impl Planned {
     fn elems(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    fn bytes(&self) -> usize {
+        self.elems() * self.dtype.bytes()
     }
 }
 
@@ -77,7 +82,9 @@ impl Planned {
 /// safetensors files under a directory.
 pub struct ShardWriter {
     dir: PathBuf,
-    dtype: WeightsDtype,
+    /// The files' stem (`model`: `model.safetensors`, or
+    /// `model-00001-of-00002.safetensors` and `model.safetensors.index.json`).
+    stem: String,
     /// Each shard's file name and the tensors in it (indices into
     /// `tensors`).
     shards: Vec<(String, std::ops::Range<usize>)>,
@@ -99,18 +106,14 @@ fn error(path: &Path, problem: impl Into<String>) -> TrainError {
 }
 
 impl ShardWriter {
-    /// Plans the shards of `tensors` (written in this order) in `dtype`,
-    /// at most `max_shard_bytes` of data a shard.
-    pub fn new(
-        dir: &Path,
-        tensors: Vec<Planned>,
-        dtype: WeightsDtype,
-        max_shard_bytes: u64,
-    ) -> ShardWriter {
+    /// Plans the shards of `tensors` (written in this order), at most
+    /// `max_shard_bytes` of data a shard, named by `stem` (`"model"`:
+    /// transformers' names).
+    pub fn new(dir: &Path, stem: &str, tensors: Vec<Planned>, max_shard_bytes: u64) -> ShardWriter {
         let mut cuts = Vec::new();
         let (mut start, mut bytes) = (0, 0u64);
         for (i, tensor) in tensors.iter().enumerate() {
-            let size = (tensor.elems() * dtype.bytes()) as u64;
+            let size = tensor.bytes() as u64;
             if i > start && bytes + size > max_shard_bytes {
                 cuts.push(start..i);
                 (start, bytes) = (i, 0);
@@ -124,16 +127,16 @@ impl ShardWriter {
             .enumerate()
             .map(|(k, range)| {
                 let name = if count == 1 {
-                    WEIGHTS.to_string()
+                    format!("{stem}.safetensors")
                 } else {
-                    format!("model-{:05}-of-{count:05}.safetensors", k + 1)
+                    format!("{stem}-{:05}-of-{count:05}.safetensors", k + 1)
                 };
                 (name, range)
             })
             .collect();
         ShardWriter {
             dir: dir.to_path_buf(),
-            dtype,
+            stem: stem.to_string(),
             shards,
             tensors,
             next: 0,
@@ -160,6 +163,7 @@ impl ShardWriter {
             values.len(),
             "{name}: its planned elements"
         );
+        let dtype = planned.dtype;
         let shard = self
             .shards
             .iter()
@@ -170,7 +174,7 @@ impl ShardWriter {
             self.open = Some((shard, self.start(shard)?));
         }
         self.bytes.clear();
-        match self.dtype {
+        match dtype {
             WeightsDtype::F32 => self
                 .bytes
                 .extend(values.iter().flat_map(|v| v.to_le_bytes())),
@@ -196,11 +200,11 @@ impl ShardWriter {
         header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
         let mut at = 0usize;
         for tensor in &self.tensors[range.clone()] {
-            let len = tensor.elems() * self.dtype.bytes();
+            let len = tensor.bytes();
             header.insert(
                 tensor.name.clone(),
                 serde_json::json!({
-                    "dtype": self.dtype.safetensors(),
+                    "dtype": tensor.dtype.safetensors(),
                     "shape": tensor.shape,
                     "data_offsets": [at, at + len],
                 }),
@@ -242,11 +246,7 @@ impl ShardWriter {
         );
         self.close()?;
         if self.shards.len() > 1 {
-            let total: usize = self
-                .tensors
-                .iter()
-                .map(|t| t.elems() * self.dtype.bytes())
-                .sum();
+            let total: usize = self.tensors.iter().map(Planned::bytes).sum();
             let mut map = serde_json::Map::new();
             for (file, range) in &self.shards {
                 for tensor in &self.tensors[range.clone()] {
@@ -257,7 +257,9 @@ impl ShardWriter {
                 "metadata": {"total_size": total},
                 "weight_map": map,
             });
-            let path = self.dir.join(INDEX);
+            let path = self
+                .dir
+                .join(format!("{}.safetensors.index.json", self.stem));
             let bytes = serde_json::to_vec_pretty(&index).expect("an index serializes");
             let mut file =
                 File::create(&path).map_err(|e| error(&path, format!("cannot create it: {e}")))?;
@@ -276,20 +278,20 @@ mod tests {
     #[test]
     fn shards_read_back_through_the_crate_and_the_folder_reader() {
         let dir = tempfile::tempdir().unwrap();
-        let tensors = vec![
-            Planned {
-                name: "a".into(),
-                shape: vec![3, 5],
-            },
-            Planned {
-                name: "b".into(),
-                shape: vec![7],
-            },
-            Planned {
-                name: "c".into(),
-                shape: vec![2, 2, 2],
-            },
-        ];
+        // `b` is f32 whatever the others are (a master beside bf16 moments).
+        let planned = |dtype| {
+            let tensor = |name: &str, shape: Vec<usize>, dtype| Planned {
+                name: name.into(),
+                shape,
+                dtype,
+            };
+            vec![
+                tensor("a", vec![3, 5], dtype),
+                tensor("b", vec![7], WeightsDtype::F32),
+                tensor("c", vec![2, 2, 2], dtype),
+            ]
+        };
+        let tensors = planned(WeightsDtype::F32);
         let values: Vec<Vec<f32>> = tensors
             .iter()
             .enumerate()
@@ -301,18 +303,18 @@ mod tests {
             .collect();
         for (dtype, max, files) in [
             (WeightsDtype::F32, 1 << 20, 1),
-            (WeightsDtype::Bf16, 30, 2),
+            (WeightsDtype::Bf16, 50, 2),
             (WeightsDtype::F32, 1, 3),
         ] {
             let out = dir.path().join(format!("{dtype:?}-{max}"));
             std::fs::create_dir(&out).unwrap();
-            let mut writer = ShardWriter::new(&out, tensors.clone(), dtype, max);
+            let mut writer = ShardWriter::new(&out, "model", planned(dtype), max);
             assert_eq!(writer.files().count(), files);
             for (p, v) in tensors.iter().zip(&values) {
                 writer.write(&p.name, v).unwrap();
             }
             writer.finish().unwrap();
-            assert_eq!(out.join(INDEX).exists(), files > 1);
+            assert_eq!(out.join(super::super::INDEX).exists(), files > 1);
             for file in std::fs::read_dir(&out).unwrap().flatten() {
                 let name = file.file_name().to_string_lossy().into_owned();
                 if name.ends_with(".safetensors") {

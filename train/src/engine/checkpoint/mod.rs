@@ -248,47 +248,6 @@ impl Checkpoint {
     }
 }
 
-/// A named tensor for [`safetensors_bytes`]: its shape, its values, and
-/// whether it is stored as bf16 (values that are bf16 already, as bf16
-/// states are: stored exactly in half the bytes) rather than f32.
-pub(crate) type Named = (String, Vec<usize>, Vec<f32>, bool);
-
-/// Serializes named tensors as safetensors (f32, or bf16 where marked),
-/// with transformers' `{"format": "pt"}` header (some of its versions
-/// refuse a file without).
-pub(crate) fn safetensors_bytes(path: &Path, tensors: &[Named]) -> Result<Vec<u8>> {
-    let narrowed: Vec<Option<Vec<u8>>> = tensors
-        .iter()
-        .map(|(_, _, data, bf16)| {
-            bf16.then(|| {
-                data.iter()
-                    .flat_map(|&x| {
-                        let narrow = half::bf16::from_f32(x);
-                        debug_assert!(x.is_nan() || narrow.to_f32() == x, "not a bf16 value");
-                        narrow.to_le_bytes()
-                    })
-                    .collect()
-            })
-        })
-        .collect();
-    let views = tensors
-        .iter()
-        .zip(&narrowed)
-        .map(|((name, shape, data, _), narrowed)| {
-            let (dtype, bytes) = match narrowed {
-                Some(bytes) => (safetensors::Dtype::BF16, &bytes[..]),
-                None => (safetensors::Dtype::F32, bytemuck::cast_slice(data)),
-            };
-            safetensors::tensor::TensorView::new(dtype, shape.clone(), bytes)
-                .map(|view| (name.clone(), view))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|err| problem(path, err, "this is a bug: report it"))?;
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize(views, Some(metadata))
-        .map_err(|err| problem(path, err, "this is a bug: report it"))
-}
-
 /// The tensor `name` of a safetensors file, `len` elements, f32 or bf16
 /// (widened exactly).
 pub(crate) fn read_tensor(

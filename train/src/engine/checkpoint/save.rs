@@ -11,13 +11,13 @@ use crate::engine::Engine;
 use crate::engine::durable::RealFs;
 use crate::engine::tensors::LoadBuffers;
 use crate::error::{Result, TrainError};
-use crate::hf::{Planned, ShardWriter};
+use crate::hf::{Planned, ShardWriter, WeightsDtype};
 use crate::model::Model;
 
 use super::publish::{begin, commit, prune, write_synced};
 use super::{
     Checkpoint, CheckpointMeta, FORMAT, GENERATION_CONFIG, HF_CONFIG, ROUNDING_STOCHASTIC,
-    ROUNDING_STOCHASTIC_OLDER, TOKENIZER_FILES, nearest, read_tensor, safetensors_bytes,
+    ROUNDING_STOCHASTIC_OLDER, TOKENIZER_FILES, nearest, read_tensor,
 };
 
 impl Engine {
@@ -50,24 +50,45 @@ impl Engine {
             return Ok(Err(err));
         }
         let specs = env.model().groups();
-        let mut shard = Vec::with_capacity(3 * groups.len());
-        // Rank 0 writes the weights group by group as they are gathered:
-        // no rank holds more than one group's. A failed write is kept and
-        // agreed on after the loop (the gathers go on: every rank takes
-        // part in each).
+        // Each rank writes its optimizer shard, and rank 0 the weights,
+        // group by group as they are read and gathered: no rank holds more
+        // than one group's. A failed write is kept and agreed on after the
+        // loop (the gathers go on: every rank takes part in each).
+        let dtype = config.optim.state_dtype;
+        let width = |bytes: usize| match bytes {
+            2 => WeightsDtype::Bf16,
+            _ => WeightsDtype::F32,
+        };
+        let parts = [
+            ("master", width(dtype.master_bytes())),
+            ("exp_avg", width(dtype.moment_bytes())),
+            ("exp_avg_sq", width(dtype.moment_bytes())),
+        ];
+        let planned = groups
+            .iter()
+            .flat_map(|group| {
+                parts.iter().map(|(part, dtype)| Planned {
+                    name: format!("{}.{part}", group.name),
+                    shape: vec![group.shard],
+                    dtype: *dtype,
+                })
+            })
+            .collect();
+        let mut shard = ShardWriter::new(&tmp, &format!("optimizer-rank{rank}"), planned, u64::MAX);
         let mut weights = (rank == 0).then(|| {
+            let c = &config.checkpoint;
             let planned = specs
                 .iter()
                 .flat_map(|g| &g.tensors)
                 .map(|t| Planned {
                     name: t.name.clone(),
                     shape: t.shape.clone(),
+                    dtype: c.weights_dtype,
                 })
                 .collect();
-            let c = &config.checkpoint;
-            ShardWriter::new(&tmp, planned, c.weights_dtype, c.max_shard_size.0)
+            ShardWriter::new(&tmp, "model", planned, c.max_shard_size.0)
         });
-        let mut weights_failed: Option<TrainError> = None;
+        let mut failed: Option<TrainError> = None;
         for (g, group) in groups.iter().enumerate() {
             let n = group.shard;
             let mut state = vec![0.0f32; 3 * n];
@@ -81,38 +102,29 @@ impl Engine {
                     ViewMut::host_slice(&mut gathered),
                 )?
                 .wait()?;
-            if let Some(writer) = weights.as_mut().filter(|_| weights_failed.is_none()) {
-                for t in &specs[g].tensors {
-                    if let Err(err) = writer.write(&t.name, &gathered[t.range.clone()]) {
-                        weights_failed = Some(err);
-                        break;
+            if failed.is_none() {
+                // Each state in the width it is kept in: bf16 states take
+                // half the disk (exactly: their values are bf16).
+                let mut write = || -> Result<()> {
+                    for (k, (part, _)) in parts.iter().enumerate() {
+                        let name = format!("{}.{part}", group.name);
+                        shard.write(&name, &state[k * n..(k + 1) * n])?;
                     }
-                }
-            }
-            // Each state in the width it is kept in: bf16 states take half
-            // the disk (exactly: their values are bf16).
-            let name = &group.name;
-            let dtype = config.optim.state_dtype;
-            let parts = [
-                ("master", 0..n, dtype.master_bytes()),
-                ("exp_avg", n..2 * n, dtype.moment_bytes()),
-                ("exp_avg_sq", 2 * n..3 * n, dtype.moment_bytes()),
-            ];
-            for (part, range, width) in parts {
-                shard.push((
-                    format!("{name}.{part}"),
-                    vec![n],
-                    state[range].to_vec(),
-                    width == 2,
-                ));
+                    if let Some(writer) = weights.as_mut() {
+                        for t in &specs[g].tensors {
+                            writer.write(&t.name, &gathered[t.range.clone()])?;
+                        }
+                    }
+                    Ok(())
+                };
+                failed = write().err();
             }
         }
         let written = (|| {
-            let path = tmp.join(format!("optimizer-rank{rank}.safetensors"));
-            write_synced(&RealFs, &path, &safetensors_bytes(&path, &shard)?)?;
-            if let Some(err) = weights_failed {
+            if let Some(err) = failed {
                 return Err(err);
             }
+            shard.finish()?;
             if let Some(writer) = weights {
                 writer.finish()?;
                 write_hf_files(config, env.model(), &tmp)?;
