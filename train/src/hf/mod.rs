@@ -198,11 +198,16 @@ impl HfFolder {
             )
         })?;
         let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
-            error(
-                &path,
-                format!("has a corrupt safetensors header at byte 0 (the header's length, then its JSON from byte 8): {e:?}"),
-                "download the file again",
-            )
+            let problem = match e {
+                safetensors::SafeTensorError::MetadataIncompleteBuffer => format!(
+                    "is cut short: its header describes more than the file's {} bytes",
+                    map.len()
+                ),
+                e => format!(
+                    "has a corrupt safetensors header at byte 0 (the header's length, then its JSON from byte 8): {e:?}"
+                ),
+            };
+            error(&path, problem, "download the file again")
         })?;
         let data_start = 8 + header_len;
         let shard = self.shards.len();
@@ -422,5 +427,123 @@ fn widen(dtype: safetensors::Dtype, bytes: &[u8], from: usize, to: usize, dst: &
             }
         }
         other => unreachable!("checked: {other:?} is not read"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Arch, ModelConfig};
+
+    /// A folder of a tiny model of `arch` whose weights `tensor` builds.
+    fn folder(
+        dir: &Path,
+        arch: &str,
+        tensor: impl Fn(&str, &[usize]) -> (safetensors::Dtype, Vec<u8>),
+    ) -> Box<dyn Model> {
+        let config = ModelConfig {
+            arch: Arch::named(arch).unwrap(),
+            vocab: 10,
+            seq: 4,
+            hidden: 8,
+            heads: 2,
+            layers: 1,
+            ..ModelConfig::default()
+        };
+        let model = config.build().unwrap();
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("config.json"), model.hf_config().to_string()).unwrap();
+        let data: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = model
+            .groups()
+            .iter()
+            .flat_map(|g| g.tensors.clone())
+            .map(|t| {
+                let (dtype, bytes) = tensor(&t.name, &t.shape);
+                (t.name, t.shape, dtype, bytes)
+            })
+            .collect();
+        let views = data.iter().map(|(name, shape, dtype, bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap();
+            (name.clone(), view)
+        });
+        std::fs::write(
+            dir.join(WEIGHTS),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+        model
+    }
+
+    #[test]
+    fn every_dtype_strata_reads_widens_exactly_and_others_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        for (k, dtype) in [
+            safetensors::Dtype::F32,
+            safetensors::Dtype::BF16,
+            safetensors::Dtype::F16,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let at = dir.path().join(format!("ok{k}"));
+            let model = folder(&at, "llama", |_, shape| {
+                let n: usize = shape.iter().product();
+                let values = (0..n).map(|i| (i % 7) as f32 * 0.5 - 1.0);
+                let bytes = match dtype {
+                    safetensors::Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
+                    safetensors::Dtype::BF16 => values
+                        .flat_map(|v| bf16::from_f32(v).to_le_bytes())
+                        .collect(),
+                    _ => values
+                        .flat_map(|v| f16::from_f32(v).to_le_bytes())
+                        .collect(),
+                };
+                (dtype, bytes)
+            });
+            let opened = HfFolder::open(&at).unwrap();
+            opened.check(model.as_ref()).unwrap();
+            for group in model.groups() {
+                let mut out = vec![f32::NAN; group.params()];
+                opened.read_group(&group, &mut out).unwrap();
+                for t in &group.tensors {
+                    for (i, v) in out[t.range.clone()].iter().enumerate() {
+                        assert_eq!(*v, (i % 7) as f32 * 0.5 - 1.0, "{dtype:?} {}", t.name);
+                    }
+                }
+                opened.release(&group);
+            }
+        }
+        let at = dir.path().join("ints");
+        let model = folder(&at, "llama", |name, shape| {
+            let n: usize = shape.iter().product();
+            match name.ends_with("norm.weight") {
+                true => (safetensors::Dtype::I32, vec![0; 4 * n]),
+                false => (safetensors::Dtype::F32, vec![0; 4 * n]),
+            }
+        });
+        let err = HfFolder::open(&at)
+            .unwrap()
+            .check(model.as_ref())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("model.safetensors")
+                && err.contains("as I32")
+                && err.contains("strata reads bf16, fp16 and f32"),
+            "{err}"
+        );
+        // A tensor cut short in its file.
+        let at = dir.path().join("short");
+        folder(&at, "llama", |_, shape| {
+            let n: usize = shape.iter().product();
+            (safetensors::Dtype::F32, vec![0; 4 * n])
+        });
+        let bytes = std::fs::read(at.join(WEIGHTS)).unwrap();
+        std::fs::write(at.join(WEIGHTS), &bytes[..bytes.len() - 16]).unwrap();
+        let err = HfFolder::open(&at).unwrap_err().to_string();
+        assert!(
+            err.contains("is cut short") && err.contains("download the file again"),
+            "{err}"
+        );
     }
 }
