@@ -1264,7 +1264,8 @@ fn checkpoint_verify_exit_codes_tiny() {
     let report: serde_json::Value = serde_json::from_str(&stdout_text(&whole)).unwrap();
     assert_eq!(report["whole"], true);
     assert_eq!(report["meta_json_checksummed"], true);
-    assert_eq!(report["files"].as_array().unwrap().len(), 3, "{report}");
+    // config.json, generation_config.json, the weights, the optimizer shard.
+    assert_eq!(report["files"].as_array().unwrap().len(), 4, "{report}");
     let text = stdout_text(&strata(&["checkpoint", "verify", root.to_str().unwrap()]));
     assert!(
         text.contains("ok  model.safetensors") && text.contains("whole"),

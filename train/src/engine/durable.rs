@@ -21,6 +21,9 @@ pub(crate) trait Fs {
     fn write_synced(&self, path: &Path, bytes: &[u8]) -> io::Result<()>;
     /// The bytes of `path`.
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// The bytes of `path`, handed to `each` a piece at a time (a file
+    /// larger than memory is never held whole); its length.
+    fn read_pieces(&self, path: &Path, each: &mut dyn FnMut(&[u8])) -> io::Result<u64>;
     /// Renames `from` to `to`, replacing a file there.
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Swaps the entries `a` and `b` (both exist) in one step.
@@ -31,6 +34,28 @@ pub(crate) trait Fs {
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// Whether `path` exists.
     fn exists(&self, path: &Path) -> bool;
+}
+
+/// Bytes a file is read in by [`read_pieces`].
+const PIECE_BYTES: usize = 8 << 20;
+
+/// The bytes of the file at `path`, handed to `each` [`PIECE_BYTES`] at a
+/// time; its length.
+pub(crate) fn read_pieces(path: &Path, each: &mut dyn FnMut(&[u8])) -> io::Result<u64> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut buffer = vec![0u8; PIECE_BYTES];
+    let mut total = 0u64;
+    loop {
+        let read = match file.read(&mut buffer) {
+            Ok(0) => return Ok(total),
+            Ok(read) => read,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        };
+        each(&buffer[..read]);
+        total += read as u64;
+    }
 }
 
 /// Creates `dir` and its missing parents, and fsyncs the parent of each
@@ -80,6 +105,10 @@ impl Fs for RealFs {
 
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         std::fs::read(path)
+    }
+
+    fn read_pieces(&self, path: &Path, each: &mut dyn FnMut(&[u8])) -> io::Result<u64> {
+        read_pieces(path, each)
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
@@ -292,6 +321,12 @@ mod sim {
                     synced,
                 },
             )
+        }
+
+        fn read_pieces(&self, path: &Path, each: &mut dyn FnMut(&[u8])) -> io::Result<u64> {
+            let bytes = self.read(path)?;
+            each(&bytes);
+            Ok(bytes.len() as u64)
         }
 
         fn read(&self, path: &Path) -> io::Result<Vec<u8>> {

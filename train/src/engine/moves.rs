@@ -19,8 +19,8 @@ use super::optimizer::{OptJob, Update};
 use super::schedule::StepSchedule;
 use super::steps::update_sets;
 use super::tensors::{
-    LoadBuffers, Slot, decode_states, encode_states, grad_index, param_index, runtime_tier,
-    state_index, state_words,
+    LoadBuffers, Slot, encode_states, grad_index, param_index, runtime_tier, state_index,
+    state_words,
 };
 
 /// Whether an action releases a copy (issued after its op ran).
@@ -448,9 +448,10 @@ impl Moves {
         Ok(())
     }
 
-    /// Group `g`'s current master weights and moments, read where they
-    /// are and left at home.
-    pub(super) fn read_state(&self, env: &Env, g: usize, out: &mut [f32]) -> Result<()> {
+    /// Group `g`'s current master weights and moments as they are kept
+    /// (`encode_states`' words: master, m and v in the state dtype's
+    /// formats), read where they are and left at home.
+    pub(super) fn read_state(&self, env: &Env, g: usize, words: &mut Vec<f32>) -> Result<()> {
         let runtime = env.runtime();
         let index = state_index(g, self.current);
         let id = self.id(index);
@@ -461,9 +462,9 @@ impl Moves {
             Tier::Host
         };
         let dtype = env.config().optim.state_dtype;
-        let mut raw = vec![0f32; state_words(dtype, out.len() / 3)];
-        read_f32(runtime, id, tier, &mut raw)?;
-        decode_states(dtype, bytemuck::cast_slice(&raw), out);
+        words.clear();
+        words.resize(state_words(dtype, env.groups()[g].shard), 0.0);
+        read_f32(runtime, id, tier, words)?;
         if home == Tier::Nvme {
             runtime.move_to(id, Tier::Nvme)?.wait()?;
         }

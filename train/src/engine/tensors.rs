@@ -163,30 +163,6 @@ pub(super) struct LoadBuffers {
     pub(super) param: Vec<bf16>,
 }
 
-/// The inverse of [`encode_states`]: master, m and v as f32, one after
-/// another in `out` (3 x the shard).
-pub(super) fn decode_states(dtype: StateDtype, bytes: &[u8], out: &mut [f32]) {
-    let n = out.len() / 3;
-    assert_eq!(bytes.len(), 4 * state_words(dtype, n), "state tensor size");
-    let widths = [
-        dtype.master_bytes(),
-        dtype.moment_bytes(),
-        dtype.moment_bytes(),
-    ];
-    let mut rest = bytes;
-    for (out, width) in out.chunks_exact_mut(n.max(1)).zip(widths) {
-        let (part, after) = rest.split_at(width * n);
-        rest = after;
-        if width == 4 {
-            out.copy_from_slice(bytemuck::cast_slice(part));
-        } else {
-            for (x, b) in out.iter_mut().zip(part.chunks_exact(2)) {
-                *x = bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32();
-            }
-        }
-    }
-}
-
 /// The parameter groups (embeddings, then each block) and this rank's
 /// shard of each.
 pub(super) fn groups(model: &dyn Model, world: usize, rank: usize) -> Vec<Group> {

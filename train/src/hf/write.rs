@@ -164,15 +164,7 @@ impl ShardWriter {
             "{name}: its planned elements"
         );
         let dtype = planned.dtype;
-        let shard = self
-            .shards
-            .iter()
-            .position(|(_, r)| r.contains(&self.next))
-            .expect("planned");
-        if self.open.as_ref().map(|(k, _)| *k) != Some(shard) {
-            self.close()?;
-            self.open = Some((shard, self.start(shard)?));
-        }
+        let shard = self.shard_of_next()?;
         self.bytes.clear();
         match dtype {
             WeightsDtype::F32 => self
@@ -190,6 +182,39 @@ impl ShardWriter {
             .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
         self.next += 1;
         Ok(())
+    }
+
+    /// Writes the next planned tensor from its bytes as they are in the
+    /// file (its planned dtype, little-endian): states kept in that dtype
+    /// go out without a copy in f32.
+    pub fn write_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let planned = &self.tensors[self.next];
+        assert_eq!(
+            planned.name, name,
+            "tensors are written in the planned order"
+        );
+        assert_eq!(planned.bytes(), bytes.len(), "{name}: its planned bytes");
+        let shard = self.shard_of_next()?;
+        let path = self.dir.join(&self.shards[shard].0);
+        let (_, file) = self.open.as_mut().expect("opened by shard_of_next");
+        file.write_all(bytes)
+            .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// The shard of the next tensor, open (the one before closed).
+    fn shard_of_next(&mut self) -> Result<usize> {
+        let shard = self
+            .shards
+            .iter()
+            .position(|(_, r)| r.contains(&self.next))
+            .expect("planned");
+        if self.open.as_ref().map(|(k, _)| *k) != Some(shard) {
+            self.close()?;
+            self.open = Some((shard, self.start(shard)?));
+        }
+        Ok(shard)
     }
 
     /// Creates shard `k` and writes its header.

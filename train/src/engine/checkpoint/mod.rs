@@ -198,8 +198,8 @@ impl Checkpoint {
         names.sort();
         let mut checked = Vec::with_capacity(names.len());
         for name in names {
-            let bytes = self.read_file(name)?;
-            checked.push((name.clone(), bytes.len() as u64));
+            let len = self.check_file(name)?;
+            checked.push((name.clone(), len));
         }
         let entries = std::fs::read_dir(&self.dir)
             .map_err(|err| problem(&self.dir, format!("cannot list it: {err}"), io_fix(&err)))?;
@@ -220,6 +220,30 @@ impl Checkpoint {
     /// before strata recorded it have none).
     pub fn meta_checksummed(&self) -> bool {
         self.dir.join(META_HASH).exists()
+    }
+
+    /// Checks file `name` against its recorded checksum, reading it a
+    /// piece at a time; its length.
+    pub fn check_file(&self, name: &str) -> Result<u64> {
+        let path = self.dir.join(name);
+        let expected = self.meta.files.get(name).ok_or_else(|| {
+            problem(
+                &path,
+                "meta.json lists no such file",
+                "the checkpoint is incomplete: resume from another",
+            )
+        })?;
+        let (found, len) = publish::file_hash_len(&crate::engine::durable::RealFs, &path)?;
+        if &found != expected {
+            return Err(problem(
+                &path,
+                format!(
+                    "checksum {found} does not match meta.json's {expected}: the file is corrupt"
+                ),
+                "resume from another checkpoint",
+            ));
+        }
+        Ok(len)
     }
 
     /// Reads file `name`, checking it against its recorded checksum.

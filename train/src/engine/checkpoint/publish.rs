@@ -186,11 +186,18 @@ pub(super) fn hash_hex(bytes: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
+/// [`hash_hex`] of the file at `path`, read a piece at a time.
 pub(super) fn file_hash(fs: &dyn Fs, path: &Path) -> Result<String> {
-    let bytes = fs
-        .read(path)
+    Ok(file_hash_len(fs, path)?.0)
+}
+
+/// [`file_hash`] and the file's length.
+pub(super) fn file_hash_len(fs: &dyn Fs, path: &Path) -> Result<(String, u64)> {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let len = fs
+        .read_pieces(path, &mut |piece| hasher.update(piece))
         .map_err(|err| problem(path, format!("cannot read it: {err}"), io_fix(&err)))?;
-    Ok(hash_hex(&bytes))
+    Ok((format!("{:016x}", hasher.digest()), len))
 }
 
 /// Publishing under the crash model of [`crate::engine::durable`]: a power cut

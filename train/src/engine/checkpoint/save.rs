@@ -89,16 +89,28 @@ impl Engine {
             ShardWriter::new(&tmp, "model", planned, c.max_shard_size.0)
         });
         let mut failed: Option<TrainError> = None;
+        // Kept from one group to the next (the largest group's size).
+        let (mut words, mut master, mut gathered) = (Vec::new(), Vec::new(), Vec::new());
         for (g, group) in groups.iter().enumerate() {
             let n = group.shard;
-            let mut state = vec![0.0f32; 3 * n];
-            self.moves.read_state(env, g, &mut state)?;
+            self.moves.read_state(env, g, &mut words)?;
+            // The states as they are kept: master, m and v one after the
+            // other in their widths (little-endian, as the file wants).
+            let bytes: &[u8] = bytemuck::cast_slice(&words);
+            let ends = {
+                let (m, w) = (n * dtype.master_bytes(), n * dtype.moment_bytes());
+                [0, m, m + w, m + 2 * w]
+            };
+            master.clear();
+            master.resize(n, 0.0f32);
+            decode_master(dtype, &bytes[..ends[1]], &mut master);
             // On the host: the states are read there, and the weights go
             // to a file (a checkpoint, not the step path).
-            let mut gathered = vec![0.0f32; group.padded(world)];
+            gathered.clear();
+            gathered.resize(group.padded(world), 0.0f32);
             env.collective()
                 .all_gather(
-                    View::host_slice(&state[..n]),
+                    View::host_slice(&master),
                     ViewMut::host_slice(&mut gathered),
                 )?
                 .wait()?;
@@ -108,7 +120,7 @@ impl Engine {
                 let mut write = || -> Result<()> {
                     for (k, (part, _)) in parts.iter().enumerate() {
                         let name = format!("{}.{part}", group.name);
-                        shard.write(&name, &state[k * n..(k + 1) * n])?;
+                        shard.write_bytes(&name, &bytes[ends[k]..ends[k + 1]])?;
                     }
                     if let Some(writer) = weights.as_mut() {
                         for t in &specs[g].tensors {
@@ -338,4 +350,23 @@ fn write_hf_files(config: &crate::TrainConfig, model: &dyn Model, dir: &Path) ->
         }
     }
     Ok(())
+}
+
+// The states' bytes are native-endian (`encode_states`) and go into the
+// checkpoint as they are: safetensors is little-endian.
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "checkpoints are little-endian"
+);
+
+/// The master weights of a state tensor's bytes (`encode_states`' first
+/// part) as f32.
+fn decode_master(dtype: crate::StateDtype, bytes: &[u8], out: &mut [f32]) {
+    if dtype.master_bytes() == 4 {
+        out.copy_from_slice(bytemuck::cast_slice(bytes));
+    } else {
+        for (x, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+            *x = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+        }
+    }
 }
