@@ -1257,3 +1257,97 @@ fn bf16_compute_follows_f32_and_repeats_its_bits() {
     let err = TrainConfig::from_toml("[train]\ncompute_dtype = \"fp8\"\n").unwrap_err();
     assert!(err.to_string().contains("compute_dtype"), "{err}");
 }
+
+/// A Hugging Face folder of a model whose embedding is larger than the
+/// load's piece (4M elements) goes into the tiers a piece at a time: the
+/// step-0 checkpoint gives back every value (f32 masters), and its
+/// optimizer shard the masters with zero moments, for each state dtype.
+#[test]
+fn a_folder_loads_a_piece_at_a_time_and_a_checkpoint_gives_back_its_values() {
+    use strata_train::hf::{Planned, ShardWriter, WeightsDtype};
+    let dir = tempfile::tempdir().unwrap();
+    let shape = strata_train::ModelConfig {
+        arch: strata_train::model::Arch::named(strata_train::model::ARCHITECTURES[1].name).unwrap(),
+        vocab: 70_000,
+        seq: 8,
+        hidden: 64,
+        heads: 4,
+        layers: 1,
+        kv_heads: Some(2),
+        ffn: Some(128),
+        tie_embeddings: Some(true),
+        ..strata_train::ModelConfig::default()
+    };
+    let model = shape.build().unwrap();
+    let groups = model.groups();
+    assert!(groups[0].params() > 1 << 22, "more than one piece");
+    let folder = dir.path().join("folder");
+    std::fs::create_dir(&folder).unwrap();
+    let planned = groups
+        .iter()
+        .flat_map(|g| &g.tensors)
+        .map(|t| Planned {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            dtype: WeightsDtype::F32,
+        })
+        .collect();
+    let mut writer = ShardWriter::new(&folder, "model", planned, 8 << 20);
+    let values: Vec<Vec<f32>> = groups
+        .iter()
+        .enumerate()
+        .map(|(g, spec)| {
+            let mut v = vec![0f32; spec.params()];
+            model.init(g, 5, &mut v);
+            for t in &spec.tensors {
+                writer.write(&t.name, &v[t.range.clone()]).unwrap();
+            }
+            v
+        })
+        .collect();
+    writer.finish().unwrap();
+    std::fs::write(folder.join("config.json"), model.hf_config().to_string()).unwrap();
+    for state_dtype in [StateDtype::Fp32, StateDtype::Bf16] {
+        let mut config = tiny(&dir.path().join(format!("{state_dtype:?}")));
+        config.model.init_from = Some(folder.clone());
+        config.optim.state_dtype = state_dtype;
+        config.checkpoint.weights_dtype = WeightsDtype::F32;
+        config.device.budget = ByteSize(256 << 20);
+        config.host.budget = ByteSize(512 << 20);
+        config.nvme.as_mut().unwrap().capacity = ByteSize(1 << 30);
+        config.nvme.as_mut().unwrap().create_dirs = true;
+        let config = config.with_init_from(&Default::default()).unwrap();
+        assert_eq!(config.model.seq, 8, "the folder's positions");
+        let group = strata_comm::InProcess::group(1, 1 << 24).pop().unwrap();
+        let mut engine = strata_train::Engine::new(&config, Box::new(group)).unwrap();
+        let root = dir.path().join(format!("ckpt-{state_dtype:?}"));
+        let step = engine.save_checkpoint(&root).unwrap();
+        let bytes = std::fs::read(step.join("model.safetensors")).unwrap();
+        let weights = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let stored = |x: f32| match state_dtype {
+            StateDtype::Fp32 => x,
+            _ => half::bf16::from_f32(x).to_f32(),
+        };
+        for (spec, v) in groups.iter().zip(&values) {
+            for t in &spec.tensors {
+                let got: Vec<f32> = weights
+                    .tensor(&t.name)
+                    .unwrap()
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                let want: Vec<f32> = v[t.range.clone()].iter().map(|x| stored(*x)).collect();
+                assert!(got == want, "{state_dtype:?} {}", t.name);
+            }
+        }
+        let bytes = std::fs::read(step.join("optimizer-rank0.safetensors")).unwrap();
+        let states = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let m = states.tensor("embed.exp_avg").unwrap();
+        assert!(
+            m.data().iter().all(|b| *b == 0),
+            "{state_dtype:?}: zero moments"
+        );
+        assert_eq!(m.shape(), [groups[0].params()]);
+    }
+}

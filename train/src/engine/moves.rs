@@ -6,6 +6,8 @@
 //! write-backs of cached states; every tensor returned home at the end of
 //! a step; persistent tensors registered, loaded and read back.
 
+use std::ops::Range;
+
 use half::bf16;
 use strata_runtime::RuntimeError;
 use strata_runtime::{Access, TensorId, Tier};
@@ -19,9 +21,20 @@ use super::optimizer::{OptJob, Update};
 use super::schedule::StepSchedule;
 use super::steps::update_sets;
 use super::tensors::{
-    LoadBuffers, Slot, encode_states, grad_index, param_index, runtime_tier, state_index,
-    state_words,
+    LoadBuffers, Slot, encode_masters, encode_states, grad_index, param_index, runtime_tier,
+    state_index, state_words,
 };
+
+/// Elements of a group's shard loaded at a time from a Hugging Face
+/// folder (16 MiB of f32): a load holds this much of a group, not the
+/// group.
+const LOAD_PIECE: usize = 1 << 22;
+
+/// Fills a range of a group's shard with master weights (a load's source).
+pub(super) type Source<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
+
+/// Writes bytes at an offset of a tensor being placed.
+type Write<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
 
 /// Whether an action releases a copy (issued after its op ran).
 pub(super) fn release(action: &Action) -> bool {
@@ -350,25 +363,96 @@ impl Moves {
         let specs = env.model().groups();
         let (mut values, mut buffers) = (Vec::new(), LoadBuffers::default());
         for (g, group) in env.groups().iter().enumerate() {
-            values.clear();
-            let master = match &folder {
+            match &folder {
                 Some(folder) => {
-                    // This rank's shard, zero past the group's end.
-                    values.resize(group.shard, 0.0f32);
-                    let start = (rank * group.shard).min(group.params);
-                    let end = ((rank + 1) * group.shard).min(group.params);
-                    folder.read(&specs[g], start..end, &mut values[..end - start])?;
+                    // This rank's shard, a piece at a time straight from the
+                    // mapped files (zero past the group's end): a group is
+                    // never held whole.
+                    let base = rank * group.shard;
+                    let mut source = |range: Range<usize>, out: &mut [f32]| -> Result<()> {
+                        let (start, end) = (
+                            (base + range.start).min(group.params),
+                            (base + range.end).min(group.params),
+                        );
+                        out.fill(0.0);
+                        folder.read(&specs[g], start..end, &mut out[..end - start])
+                    };
+                    self.load_group_from(env, g, LOAD_PIECE, &mut source, &mut buffers)?;
                     folder.release(&specs[g]);
-                    &values[..]
                 }
                 None => {
+                    values.clear();
                     values.resize(group.padded(world), 0.0f32);
                     env.model().init(g, seed, &mut values[..group.params]);
-                    &values[rank * group.shard..(rank + 1) * group.shard]
+                    let master = &values[rank * group.shard..(rank + 1) * group.shard];
+                    self.load_group(env, g, master, None, &mut buffers)?;
                 }
-            };
-            self.load_group(env, g, master, None, &mut buffers)?;
+            }
             self.place_persistent(env, grad_index(g), None)?;
+        }
+        Ok(())
+    }
+
+    /// [`Moves::load_group`] with the master weights from `source` (which
+    /// fills any range of the shard) and zero moments, `piece` elements at
+    /// a time: the same bytes, without the group's values in memory.
+    pub(super) fn load_group_from(
+        &mut self,
+        env: &Env,
+        g: usize,
+        piece: usize,
+        source: &mut Source<'_>,
+        buffers: &mut LoadBuffers,
+    ) -> Result<()> {
+        let n = env.groups()[g].shard;
+        let dtype = env.config().optim.state_dtype;
+        let piece = piece.clamp(1, n.max(1));
+        let mut values = vec![0f32; piece];
+        for set in 0..2 {
+            let (p, s) = (param_index(g, set), state_index(g, set));
+            if set != self.current {
+                self.place_persistent(env, p, None)?;
+                self.place_persistent(env, s, None)?;
+                continue;
+            }
+            // The bf16 compute copy, as `load_group` narrows it.
+            self.place_persistent_with(env, p, &mut |write| {
+                for start in (0..n).step_by(piece) {
+                    let end = (start + piece).min(n);
+                    let values = &mut values[..end - start];
+                    source(start..end, values)?;
+                    buffers.param.clear();
+                    buffers.param.resize(values.len(), bf16::ZERO);
+                    strata_optim::narrow(
+                        strata_optim::Isa::chosen(),
+                        values,
+                        strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
+                    );
+                    write(2 * start, bytemuck::cast_slice(&buffers.param))?;
+                }
+                Ok(())
+            })?;
+            // The states: the masters, then zero moments and padding.
+            let master_end = n * dtype.master_bytes();
+            let total = 4 * state_words(dtype, n);
+            self.place_persistent_with(env, s, &mut |write| {
+                for start in (0..n).step_by(piece) {
+                    let end = (start + piece).min(n);
+                    let values = &mut values[..end - start];
+                    source(start..end, values)?;
+                    encode_masters(dtype, values, &mut buffers.state);
+                    write(start * dtype.master_bytes(), &buffers.state)?;
+                }
+                buffers.state.clear();
+                buffers.state.resize(piece * 4, 0);
+                let mut at = master_end;
+                while at < total {
+                    let len = (total - at).min(buffers.state.len());
+                    write(at, &buffers.state[..len])?;
+                    at += len;
+                }
+                Ok(())
+            })?;
         }
         Ok(())
     }
@@ -409,6 +493,50 @@ impl Moves {
                 current.then_some(bytemuck::cast_slice(&buffers.param)),
             )?;
             self.place_persistent(env, s, current.then_some(&buffers.state))?;
+        }
+        Ok(())
+    }
+
+    /// (Re)creates a persistent tensor at its home with the bytes `fill`
+    /// writes (every byte, through the `write(offset, bytes)` it is given),
+    /// a piece at a time into the host copy; a copy first made on the
+    /// device is written whole once `fill` is done.
+    fn place_persistent_with(
+        &mut self,
+        env: &Env,
+        index: usize,
+        fill: &mut dyn FnMut(&mut Write<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let runtime = env.runtime();
+        if let Some(id) = self.slots[index].id.take() {
+            runtime.free(id)?;
+        }
+        let home = self.slots[index]
+            .home
+            .expect("persistent tensors have a home");
+        let meta = self.slots[index].meta.clone();
+        let len = meta.len_bytes() as usize;
+        if home == Tier::Device {
+            let mut whole = vec![0u8; len];
+            fill(&mut |at, bytes| {
+                whole[at..at + bytes.len()].copy_from_slice(bytes);
+                Ok(())
+            })?;
+            let id = runtime.register_unfilled(meta, Tier::Device)?;
+            self.slots[index].id = Some(id);
+            runtime
+                .acquire(id, Tier::Device, Access::Write)?
+                .write_from(&whole)?;
+            return Ok(());
+        }
+        let id = runtime.register_unfilled(meta, Tier::Host)?;
+        self.slots[index].id = Some(id);
+        {
+            let mut guard = runtime.acquire(id, Tier::Host, Access::Write)?;
+            fill(&mut |at, bytes| Ok(guard.write_range(at as u64, bytes)?))?;
+        }
+        if home != Tier::Host {
+            runtime.move_to(id, home)?.wait()?;
         }
         Ok(())
     }

@@ -154,6 +154,19 @@ pub(super) fn encode_states(
     bytes.resize(4 * state_words(dtype, master.len()), 0);
 }
 
+/// The master weights `values` in `dtype`'s master format into `bytes`
+/// (its old contents dropped): a piece of [`encode_states`]' first part.
+pub(super) fn encode_masters(dtype: StateDtype, values: &[f32], bytes: &mut Vec<u8>) {
+    bytes.clear();
+    if dtype.master_bytes() == 4 {
+        bytes.extend_from_slice(bytemuck::cast_slice(values));
+    } else {
+        for x in values {
+            bytes.extend_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
+        }
+    }
+}
+
 /// Buffers [`super::moves::Moves::load_group`] fills, kept from one group to the next
 /// (fresh ones cost a page fault per page: at billions of parameters that
 /// was most of the start-up).
