@@ -41,21 +41,11 @@ use strata_kernels::{Attention, Backend, Matrix, Readback};
 
 use super::init::fill_normal;
 use super::{
-    Arch, Architecture, Buffers, GroupSpec, Model, ModelConfig, OuterCosts, Parts, TensorSpec,
-    TypedParts, Weights, expect_len,
+    Arch, Architecture, Buffers, GroupSpec, HIDDEN_MAX, LAYERS_MAX, Model, ModelConfig, OuterCosts,
+    Parts, SEQ_MAX, TensorSpec, TypedParts, VOCAB_MAX, Weights, check_sizes, expect_len,
 };
 use crate::error::{Result, bad};
 use strata_storage::engine::SplitMix64;
-
-/// The largest hidden size accepted (GPT-3 175B: 12288).
-pub const HIDDEN_MAX: usize = 1 << 16;
-/// The most blocks accepted (GPT-3 175B: 96).
-pub const LAYERS_MAX: usize = 1 << 12;
-/// The longest sequence accepted.
-pub const SEQ_MAX: usize = 1 << 20;
-/// The largest vocabulary accepted. With the other limits, every
-/// parameter and activation count fits in 63 bits.
-pub const VOCAB_MAX: usize = 1 << 24;
 
 /// A model's shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,34 +65,19 @@ pub struct Gpt2 {
 impl Gpt2 {
     /// Checks the shape; the error names the field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |key, value: usize, fix: String| Err(crate::error::bad(key, value, fix));
-        for (key, value) in [
-            ("model.vocab", self.vocab),
-            ("model.seq", self.seq),
-            ("model.hidden", self.hidden),
-            ("model.heads", self.heads),
-            ("model.layers", self.layers),
-        ] {
-            if value == 0 {
-                return bad(key, value, "it must be at least 1".into());
-            }
-        }
-        if !self.hidden.is_multiple_of(self.heads) {
-            return bad(
-                "model.hidden",
-                self.hidden,
-                format!("it must be a multiple of model.heads ({})", self.heads),
-            );
-        }
-        for (key, value, max) in [
+        check_sizes(&[
             ("model.vocab", self.vocab, VOCAB_MAX),
             ("model.seq", self.seq, SEQ_MAX),
             ("model.hidden", self.hidden, HIDDEN_MAX),
+            ("model.heads", self.heads, self.hidden.max(1)),
             ("model.layers", self.layers, LAYERS_MAX),
-        ] {
-            if value > max {
-                return bad(key, value, format!("use at most {max}"));
-            }
+        ])?;
+        if !self.hidden.is_multiple_of(self.heads) {
+            return Err(crate::error::bad(
+                "model.hidden",
+                self.hidden,
+                format!("it must be a multiple of model.heads ({})", self.heads),
+            ));
         }
         Ok(())
     }

@@ -29,21 +29,12 @@ use strata_storage::engine::SplitMix64;
 use super::config::RopeScaling;
 use super::init::fill_normal;
 use super::{
-    Arch, Architecture, Buffers, GroupSpec, Model, ModelConfig, OuterCosts, Parts, TensorSpec,
-    TypedParts, Weights, expect_len,
+    Arch, Architecture, Buffers, FFN_MAX, GroupSpec, HIDDEN_MAX, LAYERS_MAX, Model, ModelConfig,
+    OuterCosts, Parts, SEQ_MAX, TensorSpec, TypedParts, VOCAB_MAX, Weights, check_sizes,
+    expect_len,
 };
 use crate::error::{Result, bad};
 
-/// The largest hidden size accepted.
-pub const HIDDEN_MAX: usize = 1 << 16;
-/// The widest MLP accepted.
-pub const FFN_MAX: usize = 1 << 18;
-/// The most blocks accepted.
-pub const LAYERS_MAX: usize = 1 << 12;
-/// The longest sequence accepted.
-pub const SEQ_MAX: usize = 1 << 20;
-/// The largest vocabulary accepted.
-pub const VOCAB_MAX: usize = 1 << 24;
 /// Logits the head holds at once (a chunk of rows times the vocabulary):
 /// 64 MiB in bf16.
 pub const LOGITS_CHUNK_ELEMS: usize = 1 << 25;
@@ -263,30 +254,15 @@ impl Llama {
 
     /// Checks the shape; the error names the key.
     pub fn validate(&self) -> Result<()> {
-        for (key, value) in [
-            ("model.vocab", self.vocab),
-            ("model.seq", self.seq),
-            ("model.hidden", self.hidden),
-            ("model.heads", self.heads),
-            ("model.kv_heads", self.kv_heads),
-            ("model.ffn", self.ffn),
-            ("model.layers", self.layers),
-        ] {
-            if value == 0 {
-                return Err(bad(key, value, "it must be at least 1"));
-            }
-        }
-        for (key, value, max) in [
+        check_sizes(&[
             ("model.vocab", self.vocab, VOCAB_MAX),
             ("model.seq", self.seq, SEQ_MAX),
             ("model.hidden", self.hidden, HIDDEN_MAX),
+            ("model.heads", self.heads, self.hidden.max(1)),
+            ("model.kv_heads", self.kv_heads, self.heads.max(1)),
             ("model.ffn", self.ffn, FFN_MAX),
             ("model.layers", self.layers, LAYERS_MAX),
-        ] {
-            if value > max {
-                return Err(bad(key, value, format!("use at most {max}")));
-            }
-        }
+        ])?;
         if !self.hidden.is_multiple_of(self.heads) || !self.head_dim().is_multiple_of(2) {
             return Err(bad(
                 "model.hidden",

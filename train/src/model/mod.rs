@@ -55,6 +55,32 @@ pub(crate) use parts::{Parts, TypedParts, expect_len};
 /// (tied or not); block `b` is group `b + 1`.
 pub const OUTER: usize = 0;
 
+/// The largest hidden size an architecture accepts (GPT-3 175B: 12288).
+pub const HIDDEN_MAX: usize = 1 << 16;
+/// The widest MLP accepted.
+pub const FFN_MAX: usize = 1 << 18;
+/// The most blocks accepted (GPT-3 175B: 96).
+pub const LAYERS_MAX: usize = 1 << 12;
+/// The longest sequence accepted.
+pub const SEQ_MAX: usize = 1 << 20;
+/// The largest vocabulary accepted. With the other limits, every
+/// parameter and activation count fits in 63 bits.
+pub const VOCAB_MAX: usize = 1 << 24;
+
+/// Checks each `(key, value, max)` of a shape: at least 1 and at most
+/// `max`, in order; the error names the key.
+pub(crate) fn check_sizes(sizes: &[(&'static str, usize, usize)]) -> Result<()> {
+    for &(key, value, max) in sizes {
+        if value == 0 {
+            return Err(crate::error::bad(key, value, "it must be at least 1"));
+        }
+        if value > max {
+            return Err(crate::error::bad(key, value, format!("use at most {max}")));
+        }
+    }
+    Ok(())
+}
+
 /// One entry of the registry: an architecture's name and constructors.
 #[derive(Clone, Copy)]
 pub struct Architecture {
