@@ -256,6 +256,19 @@ impl TrainConfig {
 mod tests {
     use super::*;
 
+    /// `[model] arch` names an architecture of the registry, or the error
+    /// lists them; left out, the default; written out, read back.
+    #[test]
+    fn an_unknown_architecture_in_the_model_table_is_named() {
+        let toml = "[model]\narch = \"nope\"\n";
+        let err = TrainConfig::from_toml(toml).unwrap_err().to_string();
+        assert!(err.contains("arch \"nope\" is not known"), "{err}");
+        let config = TrainConfig::from_toml("[model]\nlayers = 2\n").unwrap();
+        assert_eq!(config.model.arch.name(), crate::model::default_arch());
+        let again = TrainConfig::from_toml(&config.to_toml().unwrap()).unwrap();
+        assert_eq!(again, config);
+    }
+
     /// A value of the wrong type or an unknown key is shown with its line
     /// and section (serde's message names neither the key nor the table).
     #[test]
