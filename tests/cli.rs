@@ -1949,6 +1949,14 @@ fn train_init_from_a_hugging_face_folder_fine_tunes_checkpoints_and_resumes_bit_
         config["rope_scaling"]["factor"],
         theirs["rope_parameters"]["factor"]
     );
+    // The special tokens and generation settings of the folder it came from.
+    for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+        assert_eq!(config[key], theirs[key], "{key}");
+    }
+    assert_eq!(
+        std::fs::read(a.join("generation_config.json")).unwrap(),
+        std::fs::read(fixture.join("generation_config.json")).unwrap()
+    );
     // Every tensor transformers saved, under its name, and no other.
     let index = read_json(&a.join("model.safetensors.index.json"));
     let map = index["weight_map"].as_object().unwrap();
@@ -2093,6 +2101,31 @@ fn train_init_from_bad_folders_are_refused_naming_the_file_and_the_fix() {
     assert!(
         err.contains(&format!("of shape [{ffn}, {hidden}]"))
             && err.contains(&format!("needs [{}, {hidden}]", ffn + 8)),
+        "{err}"
+    );
+    // A model whose positions are a table trains at exactly its rows.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("train/tests/fixtures/hf");
+    let table = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.join("config.json").exists()
+                && read_json(&p.join("config.json"))["n_positions"].is_u64()
+        })
+        .expect("a fixture with a position table");
+    let rows = read_json(&table.join("config.json"))["n_positions"]
+        .as_u64()
+        .unwrap();
+    std::fs::write(
+        dir.path().join("s.toml"),
+        format!("[model]\nseq = {}\n", rows / 2),
+    )
+    .unwrap();
+    let err = refused(&table, &["--config", "s.toml"]);
+    assert!(
+        err.contains(&format!("a table of {rows} positions"))
+            && err.contains(&format!("model.seq = {rows}")),
         "{err}"
     );
     std::fs::write(

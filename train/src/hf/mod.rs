@@ -200,7 +200,7 @@ impl HfFolder {
         let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
             let problem = match e {
                 safetensors::SafeTensorError::MetadataIncompleteBuffer => format!(
-                    "is cut short: its header describes more than the file's {} bytes",
+                    "is {} bytes, not the size its header describes (cut short, or with bytes after its data)",
                     map.len()
                 ),
                 e => format!(
@@ -542,7 +542,8 @@ mod tests {
         std::fs::write(at.join(WEIGHTS), &bytes[..bytes.len() - 16]).unwrap();
         let err = HfFolder::open(&at).unwrap_err().to_string();
         assert!(
-            err.contains("is cut short") && err.contains("download the file again"),
+            err.contains("not the size its header describes")
+                && err.contains("download the file again"),
             "{err}"
         );
     }

@@ -50,6 +50,10 @@ pub struct Variant {
     pub qkv_bias: bool,
     /// Whether a sliding attention window is part of its config.
     pub window: bool,
+    /// Whether the window applies when the config has no
+    /// `use_sliding_window` (Mistral: yes; Qwen2: no, transformers'
+    /// default is false).
+    pub window_by_default: bool,
 }
 
 /// Llama 2 and 3.
@@ -58,6 +62,7 @@ pub const LLAMA: Variant = Variant {
     class: "LlamaForCausalLM",
     qkv_bias: false,
     window: false,
+    window_by_default: false,
 };
 /// Mistral.
 pub const MISTRAL: Variant = Variant {
@@ -65,6 +70,7 @@ pub const MISTRAL: Variant = Variant {
     class: "MistralForCausalLM",
     qkv_bias: false,
     window: true,
+    window_by_default: true,
 };
 /// Qwen2 (and Qwen2.5).
 pub const QWEN2: Variant = Variant {
@@ -72,6 +78,7 @@ pub const QWEN2: Variant = Variant {
     class: "Qwen2ForCausalLM",
     qkv_bias: true,
     window: true,
+    window_by_default: false,
 };
 
 /// Llama's entry in the registry.
@@ -726,8 +733,10 @@ impl Llama {
             get("use_sliding_window"),
         ) {
             (false, _, _) => None,
-            // Qwen2 keeps a window in its config that it does not use.
+            // A window in the config that is not used (Qwen2's, unless
+            // use_sliding_window says so).
             (true, _, serde_json::Value::Bool(false)) => None,
+            (true, _, serde_json::Value::Null) if !variant.window_by_default => None,
             (true, serde_json::Value::Null, _) => None,
             (true, v, _) => Some(v.as_u64().ok_or_else(|| {
                 bad(

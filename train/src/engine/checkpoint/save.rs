@@ -139,7 +139,23 @@ impl Engine {
             shard.finish()?;
             if let Some(writer) = weights {
                 writer.finish()?;
-                write_hf_files(config, env.model(), &tmp)?;
+                // The side files come from the folder the run started from,
+                // or, resumed, from its newest checkpoint (which has them).
+                // (Only a checkpoint of this model, before this step: one
+                // of another run left in the directory is not this run's.)
+                let source = config.model.init_from.clone().or_else(|| {
+                    let mine = |m: &crate::ModelConfig| crate::ModelConfig {
+                        init_from: None,
+                        ..m.clone()
+                    };
+                    Checkpoint::open(root)
+                        .ok()
+                        .filter(|c| {
+                            c.meta.step < step && mine(&c.meta.model) == mine(&config.model)
+                        })
+                        .map(|latest| latest.dir)
+                });
+                write_hf_files(config, env.model(), source.as_deref(), &tmp)?;
             }
             Ok(())
         })();
@@ -215,24 +231,27 @@ impl Engine {
             ..m.clone()
         };
         if started(&meta.model) != started(&config.model) {
-            // Named key by key, the ones that differ.
-            let (a, b) = (&meta.model, &config.model);
-            let fields = [
-                ("vocab", a.vocab, b.vocab),
-                ("seq", a.seq, b.seq),
-                ("hidden", a.hidden, b.hidden),
-                ("heads", a.heads, b.heads),
-                ("layers", a.layers, b.layers),
-            ];
-            let differ = |pick: fn(&(&str, usize, usize)) -> usize| {
-                fields
-                    .iter()
-                    .filter(|f| f.1 != f.2)
-                    .map(|f| format!("model.{} = {}", f.0, pick(f)))
+            // Named key by key, every one that differs (a key left out
+            // shows as its default's absence).
+            let as_map = |m: &crate::ModelConfig| match serde_json::to_value(started(m)) {
+                Ok(serde_json::Value::Object(map)) => map,
+                _ => unreachable!("a model config serializes as an object"),
+            };
+            let (a, b) = (as_map(&meta.model), as_map(&config.model));
+            let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            let show = |map: &serde_json::Map<String, serde_json::Value>| {
+                keys.iter()
+                    .filter(|k| a.get(**k) != b.get(**k))
+                    .map(|k| match map.get(*k) {
+                        Some(v) => format!("model.{k} = {v}"),
+                        None => format!("no model.{k}"),
+                    })
                     .collect::<Vec<_>>()
                     .join(", ")
             };
-            return Err(mismatch("[model]", differ(|f| f.1), differ(|f| f.2)));
+            return Err(mismatch("[model]", show(&a), show(&b)));
         }
         if meta.ranks != world {
             return Err(mismatch(
@@ -320,24 +339,50 @@ impl Engine {
 }
 
 /// The Hugging Face files beside the weights: `config.json` (with the
-/// weights' dtype), `generation_config.json`, and the tokenizer's files of
-/// the folder the run started from, when it has them.
-fn write_hf_files(config: &crate::TrainConfig, model: &dyn Model, dir: &Path) -> Result<()> {
+/// weights' dtype and `source`'s special tokens), `generation_config.json`,
+/// and `source`'s tokenizer files, when it has them (`source`: the folder
+/// the run started from, or a checkpoint of the run).
+fn write_hf_files(
+    config: &crate::TrainConfig,
+    model: &dyn Model,
+    source: Option<&Path>,
+    dir: &Path,
+) -> Result<()> {
     let mut hf_config = model.hf_config();
     let dtype = config.checkpoint.weights_dtype.torch();
     hf_config["torch_dtype"] = dtype.into();
     hf_config["dtype"] = dtype.into();
+    // The special tokens of the model the run started from (what
+    // generation stops at), as its config.json gives them.
+    if let Some(from) = source {
+        let path = from.join(HF_CONFIG);
+        let theirs: serde_json::Value = std::fs::read(&path)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .ok_or_else(|| TrainError::Checkpoint {
+                path: path.clone(),
+                problem: "cannot read it back".into(),
+                fix: "keep the folder the run started from (model.init_from) readable".into(),
+            })?;
+        for key in SPECIAL_TOKENS {
+            if let Some(id) = theirs.get(key) {
+                hf_config[key] = id.clone();
+            }
+        }
+    }
     let json = serde_json::to_vec_pretty(&hf_config).expect("serializes");
     write_synced(&RealFs, &dir.join(HF_CONFIG), &json)?;
     let generation = serde_json::json!({
         "_from_model_config": true,
         "bos_token_id": hf_config.get("bos_token_id"),
         "eos_token_id": hf_config.get("eos_token_id"),
+        "pad_token_id": hf_config.get("pad_token_id"),
     });
     let json = serde_json::to_vec_pretty(&generation).expect("serializes");
     write_synced(&RealFs, &dir.join(GENERATION_CONFIG), &json)?;
-    if let Some(from) = &config.model.init_from {
-        for name in TOKENIZER_FILES {
+    if let Some(from) = source {
+        // The source's generation settings replace the ones made above.
+        for name in TOKENIZER_FILES.iter().chain(&[GENERATION_CONFIG]) {
             let source = from.join(name);
             if source.is_file() {
                 let bytes = std::fs::read(&source).map_err(|err| TrainError::Checkpoint {
@@ -358,6 +403,10 @@ const _: () = assert!(
     cfg!(target_endian = "little"),
     "checkpoints are little-endian"
 );
+
+/// The special token ids a checkpoint's config.json carries over from the
+/// folder the run started from.
+const SPECIAL_TOKENS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 
 /// The master weights of a state tensor's bytes (`encode_states`' first
 /// part) as f32.

@@ -72,6 +72,25 @@ impl TrainConfig {
             theirs.max_positions = None;
         }
         theirs.init_from = Some(dir.clone());
+        if theirs.seq != positions && theirs.build().is_err() {
+            // An architecture whose positions are a table of parameters
+            // trains at exactly its rows.
+            let without = ModelConfig {
+                seq: positions,
+                max_positions: None,
+                ..theirs.clone()
+            };
+            if without.build().is_ok() {
+                return Err(TrainError::HfFolder {
+                    path: dir.join("config.json"),
+                    problem: format!(
+                        "its model has a table of {positions} positions, and the run's model.seq is {}",
+                        theirs.seq
+                    ),
+                    fix: format!("train this model at model.seq = {positions}"),
+                });
+            }
+        }
         let resolved = TrainConfig {
             model: theirs,
             ..self.clone()

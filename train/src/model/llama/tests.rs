@@ -127,6 +127,20 @@ fn configs_read_back_and_what_is_not_computed_is_refused_by_key() {
     json["max_position_embeddings"] = 64.into();
     let read = Llama::from_hf_config(MISTRAL, &json).unwrap();
     assert_eq!((read.seq, read.max_positions), (4, Some(64)));
+    // Qwen2's window applies only where use_sliding_window says so
+    // (transformers' default: false).
+    let mut json = Llama::new(QWEN2, &config(QWEN2)).unwrap().hf_config();
+    json["sliding_window"] = 4.into();
+    json.as_object_mut().unwrap().remove("use_sliding_window");
+    assert_eq!(
+        Llama::from_hf_config(QWEN2, &json).unwrap().sliding_window,
+        None
+    );
+    json["use_sliding_window"] = true.into();
+    assert_eq!(
+        Llama::from_hf_config(QWEN2, &json).unwrap().sliding_window,
+        Some(4)
+    );
     let err = Llama::new(MISTRAL, &ModelConfig { seq: 5, ..read })
         .unwrap_err()
         .to_string();
