@@ -1,5 +1,7 @@
 //! `strata bench load`: a Hugging Face model loaded and saved at scale.
-//! A random model of the given shape (by default Llama 3.2 1B's) is
+//! A random model of the given shape (by default 1,235,814,400 parameters:
+//! hidden 2048, 16 blocks, 32 query heads over 8 key/value heads, an MLP of
+//! 8192, a tied 128,256-token vocabulary, scaled rotary frequencies) is
 //! written as a Hugging Face folder of bf16 shards (or `--from` names
 //! one), its files are evicted from the page cache, and `strata train
 //! --init-from` runs a few steps from it with parameters and states on
@@ -31,7 +33,11 @@ pub struct LoadArgs {
     /// Start from this Hugging Face folder instead of a random model.
     #[arg(long, value_name = "DIR")]
     from: Option<PathBuf>,
-    /// The random model's blocks (Llama 3.2 1B: 16).
+    /// The architecture of the random model (default: the first registered
+    /// one that has grouped-query heads and rotary embeddings).
+    #[arg(long)]
+    arch: Option<String>,
+    /// The random model's blocks.
     #[arg(long, default_value_t = 16)]
     layers: usize,
     /// Its hidden size.
@@ -79,10 +85,27 @@ pub struct LoadArgs {
     json: bool,
 }
 
-/// The random model's `[model]` table: Llama 3's rotary base and scaling.
+/// The random model's `[model]` table (rotary base 500000, frequencies
+/// scaled by 32 past 8192 positions), of `--arch` or else the first
+/// registered architecture that takes it.
 fn shape(args: &LoadArgs) -> anyhow::Result<ModelConfig> {
-    Ok(ModelConfig {
-        arch: Arch::named("llama")?,
+    let of = |arch: Arch| ModelConfig {
+        arch,
+        ..table(args)
+    };
+    if let Some(name) = &args.arch {
+        return Ok(of(Arch::named(name)?));
+    }
+    model::ARCHITECTURES
+        .iter()
+        .map(|a| of(Arch::named(a.name).expect("registered")))
+        .find(|config| config.build().is_ok())
+        .context("no registered architecture has grouped-query heads and rotary embeddings")
+}
+
+/// The shape's `[model]` keys.
+fn table(args: &LoadArgs) -> ModelConfig {
+    ModelConfig {
         vocab: args.vocab,
         seq: args.seq,
         hidden: args.hidden,
@@ -101,7 +124,7 @@ fn shape(args: &LoadArgs) -> anyhow::Result<ModelConfig> {
         max_positions: Some(131_072.max(args.seq)),
         norm_eps: Some(1e-5),
         ..ModelConfig::default()
-    })
+    }
 }
 
 /// Writes a random model of `config`'s shape into `dir` as a Hugging Face

@@ -63,10 +63,10 @@ enum Bench {
     /// The compute backend's attention (forward, backward) and a GEMM in
     /// TFLOPS.
     Kernels(kernels::KernelsArgs),
-    /// A Hugging Face model (random, of Llama 3.2 1B's shape by default)
-    /// loaded from evicted files onto NVMe, a few steps and a checkpoint:
-    /// the time to the first step against the disk's rates, and the peak
-    /// memory against the budgets.
+    /// A Hugging Face model (random, of a 1.24B-parameter shape with
+    /// grouped-query heads by default) loaded from evicted files onto NVMe,
+    /// a few steps and a checkpoint: the time to the first step against the
+    /// disk's rates, and the peak memory against the budgets.
     Load(load::LoadArgs),
 }
 

@@ -435,6 +435,16 @@ mod tests {
     use super::*;
     use crate::model::{Arch, ModelConfig};
 
+    /// An architecture other than the default (whose norms end in
+    /// `norm.weight`).
+    fn other_arch() -> &'static str {
+        crate::model::ARCHITECTURES
+            .iter()
+            .map(|a| a.name)
+            .find(|name| *name != crate::model::default_arch())
+            .expect("more than one architecture")
+    }
+
     /// A folder of a tiny model of `arch` whose weights `tensor` builds.
     fn folder(
         dir: &Path,
@@ -486,7 +496,7 @@ mod tests {
         .enumerate()
         {
             let at = dir.path().join(format!("ok{k}"));
-            let model = folder(&at, "llama", |_, shape| {
+            let model = folder(&at, other_arch(), |_, shape| {
                 let n: usize = shape.iter().product();
                 let values = (0..n).map(|i| (i % 7) as f32 * 0.5 - 1.0);
                 let bytes = match dtype {
@@ -514,7 +524,7 @@ mod tests {
             }
         }
         let at = dir.path().join("ints");
-        let model = folder(&at, "llama", |name, shape| {
+        let model = folder(&at, other_arch(), |name, shape| {
             let n: usize = shape.iter().product();
             match name.ends_with("norm.weight") {
                 true => (safetensors::Dtype::I32, vec![0; 4 * n]),
@@ -534,7 +544,7 @@ mod tests {
         );
         // A tensor cut short in its file.
         let at = dir.path().join("short");
-        folder(&at, "llama", |_, shape| {
+        folder(&at, other_arch(), |_, shape| {
             let n: usize = shape.iter().product();
             (safetensors::Dtype::F32, vec![0; 4 * n])
         });

@@ -55,11 +55,11 @@ pub(crate) use parts::{Parts, TypedParts, expect_len};
 /// (tied or not); block `b` is group `b + 1`.
 pub const OUTER: usize = 0;
 
-/// The largest hidden size an architecture accepts (GPT-3 175B: 12288).
+/// The largest hidden size an architecture accepts (a 175B model's: 12288).
 pub const HIDDEN_MAX: usize = 1 << 16;
 /// The widest MLP accepted.
 pub const FFN_MAX: usize = 1 << 18;
-/// The most blocks accepted (GPT-3 175B: 96).
+/// The most blocks accepted (a 175B model's: 96).
 pub const LAYERS_MAX: usize = 1 << 12;
 /// The longest sequence accepted.
 pub const SEQ_MAX: usize = 1 << 20;
