@@ -1,7 +1,7 @@
 //! `strata bench load`: a Hugging Face model loaded and saved at scale.
 //! A random model of the given shape (by default 1,235,814,400 parameters:
 //! hidden 2048, 16 blocks, 32 query heads over 8 key/value heads, an MLP of
-//! 8192, a tied 128,256-token vocabulary, scaled rotary frequencies) is
+//! 8192, a tied 128,256-token vocabulary) is
 //! written as a Hugging Face folder of bf16 shards (or `--from` names
 //! one), its files are evicted from the page cache, and `strata train
 //! --init-from` runs a few steps from it with parameters and states on
@@ -21,7 +21,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use strata_storage::ByteSize;
 use strata_train::hf::{Planned, ShardWriter, WeightsDtype};
-use strata_train::model::{self, Arch, ModelConfig, RopeScaling};
+use strata_train::model::{self, Arch, ModelConfig};
 
 /// Options of `strata bench load`.
 #[derive(Args, Debug)]
@@ -34,7 +34,7 @@ pub struct LoadArgs {
     #[arg(long, value_name = "DIR")]
     from: Option<PathBuf>,
     /// The architecture of the random model (default: the first registered
-    /// one that has grouped-query heads and rotary embeddings).
+    /// one that builds the shape).
     #[arg(long)]
     arch: Option<String>,
     /// The random model's blocks.
@@ -85,9 +85,9 @@ pub struct LoadArgs {
     json: bool,
 }
 
-/// The random model's `[model]` table (rotary base 500000, frequencies
-/// scaled by 32 past 8192 positions), of `--arch` or else the first
-/// registered architecture that takes it.
+/// The random model's `[model]` table (the architecture's own defaults
+/// for everything the flags do not set), of `--arch` or else the first
+/// registered architecture that builds it.
 fn shape(args: &LoadArgs) -> anyhow::Result<ModelConfig> {
     let of = |arch: Arch| ModelConfig {
         arch,
@@ -100,7 +100,7 @@ fn shape(args: &LoadArgs) -> anyhow::Result<ModelConfig> {
         .iter()
         .map(|a| of(Arch::named(a.name).expect("registered")))
         .find(|config| config.build().is_ok())
-        .context("no registered architecture has grouped-query heads and rotary embeddings")
+        .context("no registered architecture builds this shape: give --arch")
 }
 
 /// The shape's `[model]` keys.
@@ -113,16 +113,8 @@ fn table(args: &LoadArgs) -> ModelConfig {
         layers: args.layers,
         kv_heads: Some(args.kv_heads),
         ffn: Some(args.ffn),
-        rope_theta: Some(500_000.0),
-        rope_scaling: Some(RopeScaling {
-            factor: 32.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_positions: 8192,
-        }),
         tie_embeddings: Some(true),
         max_positions: Some(131_072.max(args.seq)),
-        norm_eps: Some(1e-5),
         ..ModelConfig::default()
     }
 }

@@ -188,8 +188,9 @@ impl HfFolder {
                 "every shard the index names must be in the folder: download the missing one",
             )
         })?;
-        // SAFETY: the map is read only; a checkpoint changed under a run
-        // while it loads is outside what strata guards (as with any read).
+        // A checkpoint changed under a run while it loads is outside what
+        // strata guards (as with any read).
+        // SAFETY: the map is read only and lives as long as the folder.
         let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| {
             error(
                 &path,
@@ -384,10 +385,10 @@ impl HfFolder {
                 continue;
             };
             let map = &self.shards[entry.shard].map;
-            // SAFETY: a private read-only file mapping: MADV_DONTNEED drops
-            // its pages from this process, and a later read faults them in
-            // again from the file (no write is lost, no reference dangles:
-            // `read` borrows the map only while it copies).
+            // A private read-only file mapping: MADV_DONTNEED drops its
+            // pages from this process, and a later read faults them in again
+            // from the file.
+            // SAFETY: no write is lost and no reference dangles (`read` borrows the map only while it copies).
             let dropped = unsafe {
                 map.unchecked_advise_range(
                     memmap2::UncheckedAdvice::DontNeed,
