@@ -974,11 +974,69 @@ fn train_default_json_contract_tiny() {
         "{summary}"
     );
     assert!(
-        dir.path().join("strata-train-swap/rank0").is_dir(),
-        "swaps under the current directory"
+        !dir.path().join("strata-train-swap").exists(),
+        "the swap directory the run created is removed at its end"
     );
     let text = stdout_text(&output);
     assert!(text.contains("peak memory per tier"), "{text}");
+    assert!(
+        text.contains("moved per link (rank 0): host->device "),
+        "{text}"
+    );
+    assert!(summary["moved_bytes"][1].as_u64() > Some(0), "{summary}");
+}
+
+/// Every step's record goes to metrics.jsonl beside the checkpoints; the
+/// step line is short and printed every --log-every steps (and the first
+/// and last).
+#[test]
+fn train_writes_every_step_to_metrics_and_prints_every_log_every() {
+    let dir = tempdir();
+    let output = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--steps",
+            "5",
+            "--checkpoint-dir",
+            "ck",
+            "--log-every",
+            "2",
+        ],
+    );
+    stdout_text(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let steps: Vec<&str> = stderr.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 4, "steps 1, 2, 4 and 5: {stderr}");
+    for line in &steps {
+        assert!(line.len() < 80, "a short step line: {line}");
+        assert!(line.contains(" loss ") && line.contains(" lr ") && line.contains(" tok/s "));
+    }
+    let metrics = std::fs::read_to_string(dir.path().join("ck/metrics.jsonl")).unwrap();
+    let records: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 5, "{metrics}");
+    for (i, r) in records.iter().enumerate() {
+        assert_eq!(r["step"], i as u64 + 1);
+        for key in [
+            "loss",
+            "lr",
+            "grad_norm",
+            "seconds",
+            "tokens",
+            "unix_time_s",
+        ] {
+            assert!(r[key].is_number(), "{key} in {r}");
+        }
+        assert!(r["moved_bytes"]["nvme_to_host"].is_u64(), "{r}");
+    }
+    let zero = stderr_of_failure(
+        &strata_in(dir.path(), &["train", "--log-every", "0"]),
+        "--log-every 0",
+    );
+    assert!(zero.contains("--log-every 0 prints no step"), "{zero}");
 }
 
 #[test]
@@ -1139,9 +1197,17 @@ fn train_deepspeed_print_config_shows_the_strata_toml_and_one_warning() {
         .filter(|line| line.contains("no strata meaning"))
         .collect();
     assert_eq!(warnings.len(), 1, "{stderr}");
+    // One warning, the keys one per line under it.
+    let listed: Vec<&str> = stderr
+        .lines()
+        .skip_while(|line| !line.contains("no strata meaning"))
+        .skip(1)
+        .take_while(|line| line.starts_with("  "))
+        .map(str::trim)
+        .collect();
     assert!(
-        warnings[0].contains("zero_optimization.stage3_prefetch_bucket_size")
-            && warnings[0].contains("steps_per_print"),
+        listed.contains(&"zero_optimization.stage3_prefetch_bucket_size")
+            && listed.contains(&"steps_per_print"),
         "{stderr}"
     );
     // Printing trains nothing: no swap directory appears.
@@ -1362,7 +1428,7 @@ fn train_child(
 ) {
     use std::io::BufRead;
     let mut child = strata_command()
-        .arg("train")
+        .args(["train", "--log-every", "1"])
         .args(args)
         .current_dir(dir)
         .stdout(std::process::Stdio::piped())
@@ -1443,21 +1509,57 @@ fn train_sigterm_stops_at_a_step_boundary_checkpoints_and_resumes_bit_identical(
     assert_eq!(latest.trim(), format!("step-{stopped_at:08}"));
     assert_eq!(swap_files(dir.path()), Vec::<String>::new(), "swap removed");
 
-    // Resumed to step 8, the losses are the uninterrupted run's, bit for bit.
+    // Resumed with --resume alone (the checkpoint holds the run's config),
+    // the losses are the uninterrupted run's, bit for bit.
     let steps = (stopped_at + 3).to_string();
-    let resumed = last_json_line(&strata_in(
+    let resumed_run = strata_in(
         dir.path(),
         &[
             "train",
-            "--config",
-            config,
             "--resume",
             "ckpt",
             "--stop-after",
             &steps,
             "--json",
+            "--log-level",
+            "info",
         ],
-    ));
+    );
+    let said = String::from_utf8_lossy(&resumed_run.stderr);
+    assert!(
+        said.contains(&format!("resumed from step {stopped_at} of 400")),
+        "{said}"
+    );
+    let resumed = last_json_line(&resumed_run);
+    // A flag that would change the run is refused, naming both values.
+    let refused = stderr_of_failure(
+        &strata_in(dir.path(), &["train", "--resume", "ckpt", "--steps", "500"]),
+        "--steps changed on resume",
+    );
+    assert!(
+        refused.contains("train.steps = 400 in the checkpoint's run, 500 in this one"),
+        "{refused}"
+    );
+    let refused = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &[
+                "train",
+                "--resume",
+                "ckpt",
+                "--micro-batch",
+                "2",
+                "--lr",
+                "0.1",
+            ],
+        ),
+        "batch and lr changed on resume",
+    );
+    assert!(
+        refused.contains("train.lr = 0.003 in the checkpoint's run, 0.1 in this one")
+            && refused.contains("train.micro_batch = 4 in the checkpoint's run, 2 in this one"),
+        "{refused}"
+    );
     let other = tempdir();
     let whole = last_json_line(&strata_in(
         other.path(),
@@ -1792,11 +1894,29 @@ fn train_says_what_the_command_line_changes_or_leaves_out() {
         warned.contains("train.warmup_steps 100 would not end within the run"),
         "{warned}"
     );
-    let (_, resume) = printed(&["--resume", "ckpt"]);
+    let (_, long) = printed(&["--steps", "40", "--lr", "0.01"]);
+    assert!(!long.contains("never reaches"), "{long}");
+    std::fs::write(
+        dir.path().join("w.toml"),
+        "[train]\nsteps = 50\nwarmup_steps = 60\n",
+    )
+    .unwrap();
+    let warm = strata(&[
+        "train",
+        "--config",
+        dir.path().join("w.toml").to_str().unwrap(),
+        "--print-config",
+    ]);
+    let stderr = String::from_utf8_lossy(&warm.stderr);
     assert!(
-        resume.contains("this run writes no checkpoints"),
-        "{resume}"
+        stderr.contains("the warmup (60 steps) is at least as long as the run (train.steps = 50)"),
+        "{stderr}"
     );
+    let missing = stderr_of_failure(
+        &strata(&["train", "--resume", "nowhere"]),
+        "--resume nowhere",
+    );
+    assert!(missing.contains("no checkpoint there"), "{missing}");
     std::fs::write(dir.path().join("e.toml"), "[train]\ncheckpoint_every = 5\n").unwrap();
     let every = strata(&[
         "train",
@@ -1916,7 +2036,18 @@ fn train_init_from_a_hugging_face_folder_fine_tunes_checkpoints_and_resumes_bit_
         .filter(|n| n != "meta.json" && n != "meta.json.xxh3")
         .collect();
     files.sort();
-    for name in &files {
+    // The run's config differs only in where its checkpoints went and
+    // where it started (a resumed run starts from its checkpoint).
+    let config = |dir: &std::path::Path| {
+        std::fs::read_to_string(dir.join("strata.toml"))
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("checkpoint_dir = ") && !l.starts_with("init_from = "))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(config(&a), config(&b));
+    for name in files.iter().filter(|n| *n != "strata.toml") {
         assert_eq!(
             std::fs::read(a.join(name)).unwrap(),
             std::fs::read(b.join(name)).unwrap(),

@@ -18,9 +18,11 @@ pub const DEFAULT_TEXT: &str = include_str!("../../examples/data/tiers.txt");
 /// Options of `strata train`.
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// A TOML config ([model], [train], [placement], [device], [host],
-    /// [nvme], [runtime]); see examples/configs/. Without it: the built-in
-    /// small model, states on NVMe under ./strata-train-swap.
+    /// A TOML config ([model], [train], [data], [placement], [device],
+    /// [host], [nvme], [runtime], [checkpoint]); see examples/configs/.
+    /// Without it: the built-in small model, states on NVMe under
+    /// ./strata-train-swap (removed at the end of the run), or, with
+    /// --resume, the config of the run the checkpoint comes from.
     #[arg(long)]
     config: Option<PathBuf>,
     /// A DeepSpeed config (ds_config.json) to run: its keys override the
@@ -32,21 +34,36 @@ pub struct TrainArgs {
     /// without training.
     #[arg(long)]
     print_config: bool,
-    /// Steps to run (overrides train.steps; a train.warmup_steps as long
-    /// as the run or longer is cut to a quarter of it, with a warning).
+    /// Steps to run (train.steps; a train.warmup_steps as long as the run
+    /// or longer is cut to a quarter of it, with a warning). On --resume:
+    /// only to extend a finished run.
     #[arg(long)]
     steps: Option<u64>,
-    /// A text to train on instead of the bundled one (byte tokens).
+    /// Peak learning rate (train.lr).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Sequences per rank per micro-batch (train.micro_batch).
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// Micro-batches per step (train.grad_accumulation).
+    #[arg(long)]
+    grad_accumulation: Option<usize>,
+    /// Seed of the initial weights and the data order (train.seed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// A text to train on instead of the bundled one (byte tokens; sets
+    /// [data] path and format = "text").
     #[arg(long, conflicts_with = "tokens")]
     data: Option<PathBuf>,
     /// A file of token ids to train on (little-endian, see --token-dtype;
     /// nanoGPT's train.bin is u16), mapped, not read into memory; the
-    /// model's vocab must cover its ids.
+    /// model's vocab must cover its ids (sets [data] path and format =
+    /// "tokens").
     #[arg(long)]
     tokens: Option<PathBuf>,
-    /// How --tokens stores each id: u16 or u32.
-    #[arg(long, default_value = "u16", requires = "tokens")]
-    token_dtype: engine::TokenDtype,
+    /// How --tokens stores each id: u16 (default) or u32.
+    #[arg(long, requires = "tokens")]
+    token_dtype: Option<engine::TokenDtype>,
     /// Start from a Hugging Face model folder (config.json and safetensors
     /// weights, one file or shards with an index; bf16, fp16 or f32):
     /// its config gives [model] (a [model] key that disagrees is refused;
@@ -55,10 +72,13 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     init_from: Option<PathBuf>,
     /// Resume from a checkpoint (a step-* directory, or a checkpoint_dir
-    /// whose `latest` names one).
+    /// whose `latest` names one): alone, it continues the run as it was
+    /// (the checkpoint holds its config, data and placement); a flag or
+    /// config that would change what the run computes is refused.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Write checkpoints here (overrides train.checkpoint_dir).
+    /// Write checkpoints here (train.checkpoint_dir; on --resume, by
+    /// default the directory resumed from).
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
     /// Start a new run in a checkpoint directory that holds another run's
@@ -69,6 +89,10 @@ pub struct TrainArgs {
     /// interrupt and resume.
     #[arg(long)]
     stop_after: Option<u64>,
+    /// Print a step line every N steps (and the first and last); each
+    /// step's full record goes to metrics.jsonl beside the checkpoints.
+    #[arg(long, value_name = "N", default_value_t = LOG_EVERY_DEFAULT)]
+    log_every: u64,
     /// Write rank 0's Chrome/Perfetto trace of transfers, spills and waits.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -85,25 +109,61 @@ pub struct TrainArgs {
 
 /// `--signal-grace`'s default: under the 30 s most schedulers give.
 const SIGNAL_GRACE_DEFAULT_S: f64 = 25.0;
+/// `--log-every`'s default (DeepSpeed's `steps_per_print`).
+const LOG_EVERY_DEFAULT: u64 = 10;
 
-/// The run's config: `--config` (or the defaults), then `--deepspeed`'s
-/// keys, then the flags.
-fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
-    let (mut config, model_keys) = match &args.config {
-        Some(path) => {
+/// Where the run's config starts: a file, a checkpoint's own, or the
+/// built-in default.
+enum Base {
+    File(String),
+    Checkpoint,
+    Default,
+}
+
+/// The run's config: `--config` (or, resuming, the checkpoint's run's
+/// config, or the defaults), then `--deepspeed`'s keys, then the flags.
+fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
+    let checkpoint = match &args.resume {
+        Some(path) => Some(engine::Checkpoint::open(path)?),
+        None => None,
+    };
+    let saved = match &checkpoint {
+        Some(checkpoint) => checkpoint.run_config()?,
+        None => None,
+    };
+    let (mut config, base) = match (&args.config, saved) {
+        (Some(path), _) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read config {}", path.display()))?;
             let config = TrainConfig::from_toml(&text)
                 .with_context(|| format!("config {}", path.display()))?;
-            (config, TrainConfig::model_keys_in(&text))
+            (config, Base::File(text))
         }
-        None => (TrainConfig::default(), Default::default()),
+        (None, Some(saved)) => (saved, Base::Checkpoint),
+        (None, None) => {
+            if let Some(checkpoint) = &checkpoint {
+                tracing::warn!(
+                    "{}: the checkpoint holds no {} (it comes from an older strata): the run starts \
+                     from the built-in config; pass the run's --config if it had one",
+                    checkpoint.dir.display(),
+                    engine::RUN_CONFIG
+                );
+            }
+            (TrainConfig::default(), Base::Default)
+        }
     };
     if let Some(dir) = &args.init_from {
         config.model.init_from = Some(dir.clone());
     }
-    // [model] from the folder's config.json, before anything else reads it.
-    config = config.with_init_from(&model_keys)?;
+    // [model] from the folder's config.json, before anything else reads it
+    // (a checkpoint's config has it already, and the folder may be gone).
+    if !matches!(base, Base::Checkpoint) || args.init_from.is_some() {
+        let model_keys = match &base {
+            Base::File(text) => TrainConfig::model_keys_in(text),
+            _ => Default::default(),
+        };
+        config = config.with_init_from(&model_keys)?;
+    }
     if let Some(path) = &args.deepspeed {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read --deepspeed {}", path.display()))?;
@@ -111,9 +171,9 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
             .with_context(|| format!("--deepspeed {}", path.display()))?;
         if !mapping.ignored.is_empty() {
             tracing::warn!(
-                "--deepspeed {}: these keys have no strata meaning and are ignored: {} (see docs/deepspeed-config.md)",
+                "--deepspeed {}: these keys have no strata meaning and are ignored (see docs/deepspeed-config.md):\n  {}",
                 path.display(),
-                mapping.ignored.join(", ")
+                mapping.ignored.join("\n  ")
             );
         }
         for note in &mapping.notes {
@@ -121,46 +181,126 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<TrainConfig> {
         }
         config = mapping.config;
     }
+    let t = &mut config.train;
+    if let Some(lr) = args.lr {
+        t.lr = lr;
+    }
+    if let Some(micro_batch) = args.micro_batch {
+        t.micro_batch = micro_batch;
+    }
+    if let Some(grad_accumulation) = args.grad_accumulation {
+        t.grad_accumulation = grad_accumulation;
+    }
+    if let Some(seed) = args.seed {
+        t.seed = seed;
+    }
     if let Some(steps) = args.steps {
         if steps == 0 {
             bail!("--steps must be at least 1");
         }
-        config.train.steps = steps;
+        t.steps = steps;
         // A warmup that would not end within the run is cut to a quarter
         // of it, and said so; one that ends within it is left as set (a
         // silent cut changed the schedule of runs that named their steps,
         // and of a resumed run against the one it resumes).
-        let warmup = config.train.warmup_steps;
+        let warmup = t.warmup_steps;
         if warmup >= steps {
-            config.train.warmup_steps = steps / 4;
+            t.warmup_steps = steps / 4;
             tracing::warn!(
                 "--steps {steps}: train.warmup_steps {warmup} would not end within the run; \
                  warming up for {} steps (a quarter of it) instead",
-                config.train.warmup_steps
+                t.warmup_steps
             );
         }
+    }
+    // However set (a file, a DeepSpeed schedule, a flag), a warmup that
+    // outlasts the run is said: the rate would never reach train.lr.
+    if let Some(warmup) = config.train.warmup_len() {
+        if warmup > 0 && warmup >= config.train.steps {
+            tracing::warn!(
+                "the warmup ({warmup} steps) is at least as long as the run (train.steps = {}): \
+                 the learning rate never reaches train.lr = {}; shorten the warmup or lengthen the run",
+                config.train.steps,
+                config.train.lr
+            );
+        }
+    }
+    match (&args.data, &args.tokens) {
+        (Some(path), _) => {
+            config.data = engine::DataConfig {
+                path: Some(absolute(path, "--data")?),
+                format: engine::DataFormat::Text,
+                token_dtype: Default::default(),
+            }
+        }
+        (None, Some(path)) => {
+            config.data = engine::DataConfig {
+                path: Some(absolute(path, "--tokens")?),
+                format: engine::DataFormat::Tokens,
+                token_dtype: args.token_dtype.unwrap_or_default(),
+            }
+        }
+        (None, None) => {}
     }
     if let Some(dir) = &args.checkpoint_dir {
         config.train.checkpoint_dir = Some(dir.clone());
+    } else if let (Some(checkpoint), Some(given)) = (&checkpoint, &args.resume) {
+        // Resumed: checkpoints go on where they were found (the directory
+        // given, or the one holding the step directory given).
+        let root = if given.join("latest").exists() {
+            given.clone()
+        } else {
+            checkpoint
+                .dir
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+        };
+        config.train.checkpoint_dir = Some(root);
     }
-    if config.train.checkpoint_dir.is_none() {
+    if config.train.checkpoint_dir.is_none() && config.train.checkpoint_every > 0 {
         // Said at once: found out at a SIGTERM, it costs the steps since.
-        if let Some(resume) = &args.resume {
-            tracing::warn!(
-                "--resume {}: this run writes no checkpoints (no --checkpoint-dir, no \
-                 train.checkpoint_dir): pass --checkpoint-dir to go on writing them",
-                resume.display()
-            );
-        } else if config.train.checkpoint_every > 0 {
-            tracing::warn!(
-                "train.checkpoint_every = {} but no checkpoint directory: the run writes no \
-                 checkpoints; pass --checkpoint-dir or set train.checkpoint_dir",
-                config.train.checkpoint_every
-            );
-        }
+        tracing::warn!(
+            "train.checkpoint_every = {} but no checkpoint directory: the run writes no \
+             checkpoints; pass --checkpoint-dir or set train.checkpoint_dir",
+            config.train.checkpoint_every
+        );
     }
     config.validate()?;
-    Ok(config)
+    // Only a file the user wrote sets a safety switch for a file printed
+    // from it (the built-in default creates its own swap directory; a
+    // config started from it must not create a mistyped one).
+    let create_dirs_set = match &base {
+        Base::File(text) => text
+            .parse::<toml::Table>()
+            .ok()
+            .and_then(|t| t.get("nvme")?.get("create_dirs").cloned())
+            .is_some(),
+        _ => false,
+    };
+    Ok((config, create_dirs_set))
+}
+
+/// The corpus `[data]` names, or the bundled text.
+fn open_data(data: &engine::DataConfig, seq: usize) -> anyhow::Result<engine::Corpus> {
+    Ok(match (&data.path, data.format) {
+        (None, _) => ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), seq)?,
+        (Some(path), engine::DataFormat::Tokens) => {
+            engine::Corpus::open_tokens(path, data.token_dtype, seq)?
+        }
+        (Some(path), engine::DataFormat::Text) => ByteCorpus::new(
+            std::fs::read(path)
+                .with_context(|| format!("cannot read data.path {}", path.display()))?,
+            seq,
+        )?,
+    })
+}
+
+/// `path` made absolute (a checkpoint's config names it from any directory),
+/// or an error naming the flag when it does not exist.
+fn absolute(path: &Path, flag: &str) -> anyhow::Result<PathBuf> {
+    std::fs::canonicalize(path)
+        .with_context(|| format!("{flag} {}: cannot find the file", path.display()))
 }
 
 /// Runs `strata train`: exits 0, or 128 + the signal that stopped it.
@@ -173,20 +313,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     // Before any thread starts, so that every one inherits the mask.
     let blocked = super::signals::block().context("block SIGINT and SIGTERM for the run")?;
-    let config = load_config(&args)?;
+    let (config, create_dirs_set) = load_config(&args)?;
     if args.print_config {
-        print!("{}", config.to_toml()?);
+        let mut shown = config.clone();
+        if let Some(nvme) = shown.nvme.as_mut().filter(|_| !create_dirs_set) {
+            nvme.create_dirs = false;
+        }
+        print!("{}", shown.to_toml()?);
         return Ok(ExitCode::SUCCESS);
     }
-    let corpus = match (&args.tokens, &args.data) {
-        (Some(path), _) => engine::Corpus::open_tokens(path, args.token_dtype, config.model.seq)?,
-        (None, Some(path)) => ByteCorpus::new(
-            std::fs::read(path)
-                .with_context(|| format!("cannot read --data {}", path.display()))?,
-            config.model.seq,
-        )?,
-        (None, None) => ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), config.model.seq)?,
-    };
+    let corpus = open_data(&config.data, config.model.seq)?;
     if args.stop_after == Some(0) {
         bail!("--stop-after 0 runs no step: give the step to stop after, from 1");
     }
@@ -231,6 +367,28 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         config.placement.params,
         config.placement.optimizer,
     );
+    // Swap directories this run creates (the built-in default's) are
+    // removed when it ends, however it ends: a checkpoint, not the swap,
+    // is what a resume reads.
+    let created: Vec<PathBuf> = match &config.nvme {
+        Some(nvme) if nvme.create_dirs && config.uses_nvme() => nvme
+            .dirs
+            .iter()
+            .filter(|dir| !dir.exists())
+            .cloned()
+            .collect(),
+        _ => Vec::new(),
+    };
+    let _swap = RemoveOnDrop(created);
+    if args.log_every == 0 {
+        bail!(
+            "--log-every 0 prints no step: give a number of steps from 1 (default {LOG_EVERY_DEFAULT})"
+        );
+    }
+    let mut metrics = Metrics::open(
+        config.train.checkpoint_dir.as_deref(),
+        args.resume.is_some(),
+    );
     let mut moved_before = [0u64; 4];
     let mut timing = StopTiming::default();
     let summary = engine::run(&config, &corpus, &options, &mut |progress| {
@@ -241,44 +399,50 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             args.signal_grace,
         );
         let moved: [u64; 4] = [0, 1, 2, 3].map(|i| progress.stats.links[i].bytes);
-        let step_moved: Vec<String> = moved
-            .iter()
-            .zip(moved_before)
-            .map(|(now, before)| mib(now - before))
-            .collect();
+        let step_moved: [u64; 4] = [0, 1, 2, 3].map(|i| moved[i] - moved_before[i]);
         moved_before = moved;
+        metrics.write(r, &step_moved);
+        let tokens_per_s = r.tokens as f64 / r.seconds;
         bar.set_position(r.step);
         bar.set_message(format!(
-            // Stats' links are in `Link` order: h->nvme, nvme->h, h->d, d->h.
-            "loss {:.4}  {:.0} tok/s  moved h->d {} d->h {} nvme->h {} h->nvme {}",
-            r.loss,
-            r.tokens as f64 / r.seconds,
-            step_moved[Link::HostToDevice.index()],
-            step_moved[Link::DeviceToHost.index()],
-            step_moved[Link::NvmeToHost.index()],
-            step_moved[Link::HostToNvme.index()],
+            "loss {:.4}  lr {:.2e}  {:.0} tok/s",
+            r.loss, r.lr, tokens_per_s
         ));
-        if bar.is_hidden() && !args.json {
+        let note = if r.skipped {
+            "  (overflow: skipped)"
+        } else if r.clip < 1.0 {
+            "  (clipped)"
+        } else {
+            ""
+        };
+        if bar.is_hidden()
+            && !args.json
+            && (r.step % args.log_every == 0 || r.step == 1 || r.step == total)
+        {
             eprintln!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  grad-norm {:.3}{}  {:.0} tok/s  (waited {:.0} ms for the optimizer; it ran at {:.3} G params/s)",
-                r.step,
-                r.loss,
-                r.lr,
-                r.grad_norm,
-                if r.skipped {
-                    "  (overflow: skipped)"
-                } else if r.late && r.clip < 1.0 {
-                    "  (clipped: updated during the next forward)"
-                } else if r.late {
-                    "  (updated during the next forward)"
-                } else {
-                    ""
-                },
-                r.tokens as f64 / r.seconds,
-                r.optimizer_wait_s * 1e3,
-                r.optimizer_params_per_s / 1e9,
+                "step {:>5}  loss {:.4}  lr {:.2e}  {:.0} tok/s  {:.2} s{note}",
+                r.step, r.loss, r.lr, tokens_per_s, r.seconds,
             );
         }
+        // Stats' links are in `Link` order: h->nvme, nvme->h, h->d, d->h.
+        tracing::debug!(
+            "step {}: grad-norm {:.3} clip {:.3} loss-scale {} {}; waited {:.0} ms for the optimizer, which ran at {:.3} G params/s; moved h->d {} d->h {} nvme->h {} h->nvme {}",
+            r.step,
+            r.grad_norm,
+            r.clip,
+            r.loss_scale,
+            if r.late {
+                "(updated during the next forward)"
+            } else {
+                "(updated before the next forward)"
+            },
+            r.optimizer_wait_s * 1e3,
+            r.optimizer_params_per_s / 1e9,
+            size(step_moved[Link::HostToDevice.index()]),
+            size(step_moved[Link::DeviceToHost.index()]),
+            size(step_moved[Link::NvmeToHost.index()]),
+            size(step_moved[Link::HostToNvme.index()]),
+        );
     });
     bar.finish_and_clear();
     let summary = match summary {
@@ -289,7 +453,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 last_checkpoint(config.train.checkpoint_dir.as_deref()),
                 match &config.train.checkpoint_dir {
                     Some(dir) if dir.join("latest").exists() =>
-                        format!("; go on with: strata train ... --resume {}", dir.display()),
+                        format!("; go on with: strata train --resume {}", dir.display()),
                     _ => String::new(),
                 }
             );
@@ -307,7 +471,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         summary.last_step,
         match (&config.train.checkpoint_dir, summary.checkpoints.last()) {
             (Some(dir), Some(_)) =>
-                format!("; go on with: strata train ... --resume {}", dir.display()),
+                format!("; go on with: strata train --resume {}", dir.display()),
             _ => " (no checkpoint: the run writes none)".into(),
         }
     );
@@ -367,6 +531,95 @@ fn mib(bytes: u64) -> String {
     format!("{:.1}MiB", bytes as f64 / (1 << 20) as f64)
 }
 
+/// Bytes in the unit that reads best: GiB from 1 GiB, else MiB.
+fn size(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2}GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        mib(bytes)
+    }
+}
+
+/// Directories removed when dropped (errors warned about).
+struct RemoveOnDrop(Vec<PathBuf>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for dir in &self.0 {
+            if let Err(err) = std::fs::remove_dir_all(dir) {
+                if err.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!("cannot remove the swap directory {}: {err}", dir.display());
+                }
+            }
+        }
+    }
+}
+
+/// Every step's record as one JSON line in `metrics.jsonl` beside the
+/// checkpoints (appended to on a resume, started afresh otherwise). A
+/// failure to write is warned about once and ends the file, not the run.
+struct Metrics {
+    file: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
+}
+
+/// The file `Metrics` writes in the checkpoint directory.
+const METRICS_FILE: &str = "metrics.jsonl";
+
+impl Metrics {
+    fn open(dir: Option<&Path>, resumed: bool) -> Metrics {
+        let Some(dir) = dir else {
+            return Metrics { file: None };
+        };
+        let path = dir.join(METRICS_FILE);
+        let opened = std::fs::create_dir_all(dir).and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(resumed)
+                .write(true)
+                .truncate(!resumed)
+                .open(&path)
+        });
+        match opened {
+            Ok(file) => Metrics {
+                file: Some((path, std::io::BufWriter::new(file))),
+            },
+            Err(err) => {
+                tracing::warn!(
+                    "cannot write {}: {err}; the run goes on without a metrics file",
+                    path.display()
+                );
+                Metrics { file: None }
+            }
+        }
+    }
+
+    fn write(&mut self, report: &engine::StepReport, moved: &[u64; 4]) {
+        use std::io::Write;
+        let Some((path, out)) = &mut self.file else {
+            return;
+        };
+        let mut line = serde_json::to_value(report).expect("a step report serializes");
+        line["moved_bytes"] = serde_json::json!({
+            "host_to_device": moved[Link::HostToDevice.index()],
+            "device_to_host": moved[Link::DeviceToHost.index()],
+            "nvme_to_host": moved[Link::NvmeToHost.index()],
+            "host_to_nvme": moved[Link::HostToNvme.index()],
+        });
+        line["unix_time_s"] = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+            .into();
+        let written = writeln!(out, "{line}").and_then(|()| out.flush());
+        if let Err(err) = written {
+            tracing::warn!(
+                "cannot write {}: {err}; the run goes on without more metrics",
+                path.display()
+            );
+            self.file = None;
+        }
+    }
+}
+
 fn print_summary(summary: &RunSummary, layers: usize, json: bool) -> anyhow::Result<()> {
     println!(
         "trained {} steps: loss {:.4} -> {:.4}, {:.0} tokens/s",
@@ -415,6 +668,14 @@ fn print_summary(summary: &RunSummary, layers: usize, json: bool) -> anyhow::Res
             mib(summary.state_cache_bytes)
         );
     }
+    let moved = summary.moved_bytes;
+    println!(
+        "moved per link (rank 0): host->device {}, device->host {}, nvme->host {}, host->nvme {}",
+        size(moved[Link::HostToDevice.index()]),
+        size(moved[Link::DeviceToHost.index()]),
+        size(moved[Link::NvmeToHost.index()]),
+        size(moved[Link::HostToNvme.index()]),
+    );
     for path in &summary.checkpoints {
         println!("checkpoint: {}", path.display());
     }

@@ -23,9 +23,10 @@ pub mod model;
 
 pub use engine::{
     ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
-    DeepSpeedMapping, Engine, Faults, GRAD_ACCUMULATION_MAX, ModelConfig, OptimConfig, Placement,
-    PlacementConfig, Prediction, Progress, RANKS_MAX, ROUNDING_STOCHASTIC, RunOptions, RunSummary,
-    Schedule, StateCache, StateDtype, StepReport, StopRequest, TierBytes, TokenDtype, TrainConfig,
-    TrainSettings, WarmupType, from_deepspeed_json, run, window_start,
+    DataConfig, DataFormat, DeepSpeedMapping, Difference, Engine, Faults, GRAD_ACCUMULATION_MAX,
+    ModelConfig, OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX,
+    ROUNDING_STOCHASTIC, RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype,
+    StepReport, StopRequest, TierBytes, TokenDtype, TrainConfig, TrainSettings, WarmupType,
+    from_deepspeed_json, run, window_start,
 };
 pub use error::{Result, TrainError};

@@ -11,9 +11,11 @@ use crate::error::{bad, os};
 
 /// How a token file stores each id: little-endian u16 (nanoGPT's
 /// `train.bin`; vocabularies up to 65536) or u32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TokenDtype {
     /// Two bytes per token.
+    #[default]
     U16,
     /// Four bytes per token.
     U32,

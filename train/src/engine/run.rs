@@ -169,13 +169,18 @@ pub fn run(
         config
     };
     let world = config.train.ranks;
+    // Refused before any directory is taken or file written.
+    let resume = match &options.resume {
+        Some(path) => {
+            let checkpoint = Checkpoint::open(path)?;
+            check_resumed_run(config, &checkpoint)?;
+            Some(checkpoint)
+        }
+        None => None,
+    };
     let _owned = own_directories(config, options)?;
     let checkpoint_estimate_s = match &config.train.checkpoint_dir {
         Some(dir) => Some(estimate_checkpoint_s(config, dir)?),
-        None => None,
-    };
-    let resume = match &options.resume {
-        Some(path) => Some(Checkpoint::open(path)?),
         None => None,
     };
     // Ranks as threads: the in-process group, the one place that names it.
@@ -209,6 +214,12 @@ pub fn run(
         }
         // Every file, the weights included, before any rank starts.
         checkpoint.verify()?;
+        tracing::info!(
+            "resumed from step {} of {} ({})",
+            checkpoint.meta.step,
+            config.train.steps,
+            checkpoint.dir.display()
+        );
     }
     // The trace file is created now, so an unwritable path fails before
     // step 1 rather than after the run.
@@ -305,6 +316,55 @@ pub fn run(
             (None, _) => Ok(summary.expect("rank 0 reports")),
         }
     })
+}
+
+/// Refuses a resumed run that would compute another run than the one its
+/// checkpoint comes from (its config, [`crate::RUN_CONFIG`], against this
+/// one's), every differing key named with both values; a longer
+/// `train.steps` may extend a run that finished, and says so.
+fn check_resumed_run(config: &TrainConfig, checkpoint: &Checkpoint) -> Result<()> {
+    let Some(saved) = checkpoint.run_config()? else {
+        return Ok(());
+    };
+    let step = checkpoint.meta.step;
+    let (finished, longer) = (
+        step >= saved.train.steps,
+        config.train.steps > saved.train.steps,
+    );
+    let differences: Vec<String> = config
+        .resume_differences(&saved)
+        .into_iter()
+        .filter(|d| !(d.key == "train.steps" && finished && longer))
+        .map(|d| d.to_string())
+        .collect();
+    if !differences.is_empty() {
+        return Err(TrainError::Checkpoint {
+            path: checkpoint.dir.join(crate::RUN_CONFIG),
+            problem: format!(
+                "resuming would change the run it comes from: {}",
+                differences.join("; ")
+            ),
+            fix: format!(
+                "resume without the flags or config keys that change it (`strata train --resume {}` \
+                 alone continues the run as it was; --steps may only extend a finished run), or \
+                 start a new run from its weights with --init-from {}",
+                checkpoint.dir.display(),
+                checkpoint.dir.display()
+            ),
+        });
+    }
+    if finished && longer {
+        tracing::warn!(
+            "train.steps = {}: extending the run, which finished at step {step}, by {} steps; \
+             the learning-rate schedule now spans {} steps (step {} runs at lr {:.3e})",
+            config.train.steps,
+            config.train.steps - step,
+            config.train.steps,
+            step + 1,
+            config.train.lr_at(step + 1)
+        );
+    }
+    Ok(())
 }
 
 /// One rank of a run over `collective`, whatever its backend; `cancel`

@@ -8,7 +8,9 @@
 //! the run started from), so that a step directory opens in transformers
 //! as it is, each rank's
 //! optimizer shard (master weights and moments) as
-//! `optimizer-rank{r}.safetensors`, and `meta.json` (step, loss-scaler
+//! `optimizer-rank{r}.safetensors`, `strata.toml` (the run's config, so
+//! that `strata train --resume DIR` alone continues the run), and
+//! `meta.json` (step, loss-scaler
 //! state, the run's shape, a checksum of every file). A checkpoint is
 //! written into a temporary directory, every file and the directory
 //! fsynced, then renamed to `step-NNNNNNNN`, and only then does the
@@ -269,6 +271,33 @@ impl Checkpoint {
             ));
         }
         Ok(bytes)
+    }
+
+    /// The config of the run that wrote it ([`crate::RUN_CONFIG`]), or
+    /// None for a checkpoint from before it was written.
+    pub fn run_config(&self) -> Result<Option<crate::TrainConfig>> {
+        let name = crate::engine::config::RUN_CONFIG;
+        if !self.meta.files.contains_key(name) {
+            return Ok(None);
+        }
+        let bytes = self.read_file(name)?;
+        let path = self.dir.join(name);
+        let text = String::from_utf8(bytes).map_err(|_| {
+            problem(
+                &path,
+                "it is not UTF-8 text",
+                "resume from another checkpoint",
+            )
+        })?;
+        // Parsed, not validated: the run validates the config it comes to
+        // (with the flags given now) once.
+        toml::from_str(&text).map(Some).map_err(|err| {
+            problem(
+                &path,
+                format!("it is not a config this strata reads: {}", err.message()),
+                "resume with the strata that wrote it, or pass --config with the run's config",
+            )
+        })
     }
 }
 

@@ -156,6 +156,12 @@ impl Engine {
                         .map(|latest| latest.dir)
                 });
                 write_hf_files(config, env.model(), source.as_deref(), &tmp)?;
+                // The run's own config: `--resume DIR` alone starts from it.
+                write_synced(
+                    &RealFs,
+                    &tmp.join(crate::engine::config::RUN_CONFIG),
+                    config.to_toml()?.as_bytes(),
+                )?;
             }
             Ok(())
         })();

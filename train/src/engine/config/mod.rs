@@ -8,12 +8,16 @@
 //! (`[train.schedule]`), `placement.rs` (`[placement]`, `[optim]`),
 //! `validate.rs` (the checks, the closed-form memory count), `device.rs`
 //! (the device `auto` resolves to, each rank's runtime tables),
-//! `init_from.rs` (`[model]` from a Hugging Face folder's config).
+//! `init_from.rs` (`[model]` from a Hugging Face folder's config),
+//! `data.rs` (`[data]`: what the run trains on), `resume.rs` (what a
+//! resumed run may change).
 
 mod compute;
+mod data;
 mod device;
 mod init_from;
 mod placement;
+mod resume;
 mod schedule;
 mod train;
 mod validate;
@@ -31,8 +35,10 @@ use crate::error::{Result, TrainError};
 
 pub use crate::model::ModelConfig;
 pub use compute::ComputeDtype;
+pub use data::{DataConfig, DataFormat};
 pub use init_from::INIT_SEQ_DEFAULT_MAX;
 pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
+pub use resume::{Difference, RUN_CONFIG};
 pub use schedule::{COS_MIN_RATIO_DEFAULT, Schedule, WARMUP_NUM_STEPS_DEFAULT, WarmupType};
 pub use train::TrainSettings;
 
@@ -72,6 +78,8 @@ pub struct TrainConfig {
     pub runtime: LimitsConfig,
     /// How a checkpoint's Hugging Face weights are written.
     pub checkpoint: CheckpointConfig,
+    /// What the run trains on.
+    pub data: DataConfig,
 }
 
 /// The `[checkpoint]` table: how each step directory's Hugging Face
@@ -127,6 +135,7 @@ impl Default for TrainConfig {
             }),
             runtime: LimitsConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            data: DataConfig::default(),
         }
     }
 }

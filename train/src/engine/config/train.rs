@@ -136,6 +136,23 @@ impl TrainSettings {
         }
     }
 
+    /// Steps of the schedule's warmup (`warmup_steps`, or a DeepSpeed
+    /// schedule's `warmup_num_steps`); None for a schedule without one.
+    pub fn warmup_len(&self) -> Option<u64> {
+        match self.schedule {
+            Schedule::Cosine => Some(self.warmup_steps),
+            Schedule::WarmupLr {
+                warmup_num_steps, ..
+            }
+            | Schedule::WarmupDecayLr {
+                warmup_num_steps, ..
+            }
+            | Schedule::WarmupCosineLr {
+                warmup_num_steps, ..
+            } => Some(warmup_num_steps),
+        }
+    }
+
     /// The learning rate of step `step` (from 1), as [`Schedule`] defines
     /// it.
     pub fn lr_at(&self, step: u64) -> f64 {
