@@ -1055,7 +1055,10 @@ fn train_bad_configs_are_named_before_training() {
     let output = strata_in(dir.path(), &["train", "--config", config.to_str().unwrap()]);
     let stderr = stderr_of_failure(&output, "a placement that cannot fit");
     assert!(
-        stderr.contains("does not fit") && stderr.contains("bytes"),
+        stderr.contains("the device tier needs at least 28.0 MiB")
+            && stderr.contains(
+                "raise device.budget to at least 28.0 MiB, or set placement.optimizer = \"nvme\""
+            ),
         "{stderr}"
     );
     // Each message names the field at fault, once, with the right number.
@@ -1070,7 +1073,19 @@ fn train_bad_configs_are_named_before_training() {
         ),
         (
             "[host]\nbudget = \"1MiB\"\n",
-            "the model does not fit: the model states placed there need at least 6674432 bytes on the host tier",
+            "the model does not fit: the host tier needs at least 6.4 MiB (16-bit parameters (two sets) 3.2 MiB, fp32 gradients",
+        ),
+        // A 70B Llama with everything on NVMe: what runs out is the host,
+        // with the fp32 gradients, in GiB, and a fix that applies.
+        (
+            "[model]\narch = \"llama\"\nhidden = 8192\nlayers = 80\nheads = 64\nkv_heads = 8\nffn = 28672\nvocab = 128256\nseq = 2048\n[train]\nmicro_batch = 1\n[placement]\nparams = \"nvme\"\noptimizer = \"nvme\"\n[host]\nbudget = \"100GiB\"\n[device]\nbudget = \"70GiB\"\n[nvme]\ndirs = [\".\"]\ncapacity = \"4TiB\"\n",
+            "the model does not fit: the host tier needs at least 262.83 GiB (fp32 gradients (on the host unless the optimizer is on the device) 262.83 GiB), and host.budget is 100.00 GiB",
+        ),
+        // The device `auto` resolves to without a GPU is this machine's
+        // memory: a budget past it is refused before anything is allocated.
+        (
+            "[device]\nkind = \"auto\"\nbudget = \"100TiB\"\n",
+            "invalid setting device.budget = 100TiB: 1 rank(s) x (device.budget 100TiB on the CPU device + host.budget 32MiB) need 102400.03 GiB of memory",
         ),
         // Sizes past the limits, and a model that cannot fit, are refused
         // by a closed-form count before anything is planned or allocated;
@@ -1081,7 +1096,7 @@ fn train_bad_configs_are_named_before_training() {
         ),
         (
             "[model]\nhidden = 8192\nheads = 64\nlayers = 64\n",
-            "the model does not fit: the model states placed on the device and the compute workspace need at least",
+            "the model does not fit: the device tier needs at least 6.06 GiB (compute workspace",
         ),
         (
             "[model]\nvocab = 100\n",

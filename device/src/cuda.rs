@@ -94,6 +94,21 @@ pub fn probe_device() -> std::result::Result<(), String> {
     }
 }
 
+/// Total memory of device `ordinal`, in bytes, as the driver counts it;
+/// or why it cannot be read (no driver, no such device).
+pub fn device_total_bytes(ordinal: usize) -> std::result::Result<u64, String> {
+    probe_device()?;
+    let index = std::ffi::c_int::try_from(ordinal)
+        .map_err(|_| format!("device ordinal {ordinal} is out of range"))?;
+    let device = result::device::get(index)
+        .map_err(|err| format!("cuDeviceGet({ordinal}) failed: {err:?}"))?;
+    // SAFETY: `device` is a handle the driver returned just now, after
+    // cuInit (in probe_device); cuDeviceTotalMem only reads it.
+    let bytes = unsafe { result::device::total_mem(device) }
+        .map_err(|err| format!("cuDeviceTotalMem({ordinal}) failed: {err:?}"))?;
+    Ok(bytes as u64)
+}
+
 fn cuda_error(op: &'static str) -> impl Fn(result::DriverError) -> DeviceError {
     move |err| DeviceError::Cuda {
         op,

@@ -2,14 +2,28 @@
 
 use crate::tier::Tier;
 
+/// Bytes as GiB with two decimals, or MiB under 1 GiB (a few MiB would
+/// read as 0.00 GiB).
+pub fn gib(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
 /// Everything that can go wrong while planning or simulating.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SchedulerError {
     /// One op's tensors cannot be on its tier at once, whatever is evicted.
     #[error(
-        "op {op} ({op_name}) needs {needed_bytes} bytes on {tier} but only {available_bytes} of \
-         {capacity_bytes} can be made free (the rest is used by this op); give {tier} more \
-         memory, split the op's tensors, or offload them"
+        "op {op} ({op_name}) needs {} on {tier} but only {} of its {} can be made free (the rest \
+         holds what this op uses at once); give {tier} at least {} more, lower the micro-batch \
+         or the sequence, or place fewer states on {tier}",
+        gib(*needed_bytes),
+        gib(*available_bytes),
+        gib(*capacity_bytes),
+        gib(needed_bytes.saturating_sub(*available_bytes).max(1))
     )]
     DoesNotFit {
         /// Index of the op in the trace.
@@ -27,8 +41,11 @@ pub enum SchedulerError {
     },
     /// A tier cannot hold what is placed on it before the step starts.
     #[error(
-        "the step starts with {placed_bytes} bytes on {tier}, more than the {capacity_bytes} bytes the plan may use there; \
-         place fewer tensors there"
+        "the step starts with {} on {tier}, more than the {} the plan may use there; give {tier} \
+         at least {} more, or place fewer model states there",
+        gib(*placed_bytes),
+        gib(*capacity_bytes),
+        gib(placed_bytes.saturating_sub(*capacity_bytes))
     )]
     InitialPlacement {
         /// The tier.

@@ -34,7 +34,7 @@ mod trace;
 
 pub use builder::{OpCost, StepModel, StepOp, StepShape, Updates, Work, build_step};
 pub use cluster::{Estimate, Policies};
-pub use error::SchedulerError;
+pub use error::{SchedulerError, gib};
 pub use model::{Hardware, Model, Parallelism, StateDtype, deepspeed_zero3_estimate};
 pub use plan::{
     Action, ActionKind, ClassRule, Eviction, Lane, Link, Links, Plan, PlanConfig, Policy, plan,

@@ -803,7 +803,8 @@ impl<'a> Planner<'a> {
                     // Done for the step: home now, evicting only what is
                     // needed after its first use in the next step.
                     let next = self.next_use(t, k);
-                    self.fetch(t, home, k, NO_OP as usize, Some(next));
+                    // Best effort: a copy that cannot go home now stays.
+                    let _ = self.fetch(t, home, k, NO_OP as usize, Some(next));
                 }
             }
             let staging = tier == Tier::Device
@@ -824,22 +825,41 @@ impl<'a> Planner<'a> {
             if self.has(t, tier) {
                 continue;
             }
-            let ok = if access.mode == Mode::Write {
-                self.make_room(tier, self.bytes(t), k, None) && {
+            let done = if access.mode == Mode::Write {
+                if self.make_room(tier, self.bytes(t), k, None) {
                     self.emit(k, t, ActionKind::Alloc { tier }, k as u32);
-                    true
+                    Ok(())
+                } else {
+                    Err(tier)
                 }
             } else {
                 self.fetch(t, tier, k, k, None)
             };
-            if !ok {
-                return Err(self.does_not_fit(k, tier));
+            if let Err(short) = done {
+                return Err(self.does_not_fit(k, tier, short, t));
             }
         }
         Ok(())
     }
 
-    fn does_not_fit(&self, k: usize, tier: Tier) -> SchedulerError {
+    /// The error for op `k` (on `tier`) when room for its tensor `t` ran
+    /// out on `short`: its own tier, or a tier on the way there (the
+    /// host, staging a copy from NVMe), which is then the one named.
+    fn does_not_fit(&self, k: usize, tier: Tier, short: Tier, t: u32) -> SchedulerError {
+        if short != tier {
+            let capacity_bytes = self.config.capacity_bytes[short.index()];
+            return SchedulerError::DoesNotFit {
+                op: k,
+                op_name: format!(
+                    "{}, staging {} through {short}",
+                    self.trace.ops[k].name, self.trace.tensors[t as usize].name
+                ),
+                tier: short,
+                needed_bytes: self.bytes(t),
+                available_bytes: self.free_bytes(short).min(capacity_bytes),
+                capacity_bytes,
+            };
+        }
         let op = &self.trace.ops[k];
         let mine = |t: u32| op.accesses.iter().any(|a| a.tensor == t);
         let mine_bytes: u64 = op
@@ -871,19 +891,27 @@ impl<'a> Planner<'a> {
     }
 
     /// Brings `tensor` to `target` for op `for_op`, hop by hop, issuing at
-    /// boundary `k`. `bar` limits victims (prefetch). Returns false when a
-    /// hop cannot get room; hops already issued stay (they are useful).
-    fn fetch(&mut self, t: u32, target: Tier, k: usize, for_op: usize, bar: Option<u64>) -> bool {
+    /// boundary `k`. `bar` limits victims (prefetch). Fails with the tier
+    /// of a hop that cannot get room; hops already issued stay (they are
+    /// useful).
+    fn fetch(
+        &mut self,
+        t: u32,
+        target: Tier,
+        k: usize,
+        for_op: usize,
+        bar: Option<u64>,
+    ) -> Result<(), Tier> {
         let bytes = self.bytes(t);
         while !self.has(t, target) {
             let source = nearest_copy(self.copies[t as usize], target);
             let to = source.toward(target);
             if !self.make_room(to, bytes, k, bar) {
-                return false;
+                return Err(to);
             }
             self.emit(k, t, ActionKind::Fetch { from: source, to }, for_op as u32);
         }
-        true
+        Ok(())
     }
 
     fn prefetch(&mut self, k: usize) {

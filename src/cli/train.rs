@@ -180,6 +180,15 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
             tracing::warn!("--deepspeed {}: {note}", path.display());
         }
         config = mapping.config;
+        if matches!(base, Base::Default) {
+            // A DeepSpeed config takes the machine it runs on, not the
+            // built-in demo's tiny budgets and CPU device.
+            let (sized, said) = config.with_budgets_for_this_machine()?;
+            tracing::info!(
+                "--deepspeed without --config: device.kind = \"auto\", {said} (set them in a --config to choose)"
+            );
+            config = sized;
+        }
     }
     let t = &mut config.train;
     if let Some(lr) = args.lr {

@@ -55,7 +55,9 @@ pub enum TrainError {
     /// The model and batch cannot fit a tier's budget: a closed-form
     /// count made before any planning or allocation.
     #[error(
-        "the model does not fit: {what} need at least {needed_bytes} bytes on the {tier} tier ({detail}), and {budget_key} is {budget_bytes} bytes; {fix}"
+        "the model does not fit: the {tier} tier needs at least {} ({what}), and {budget_key} is {} ({detail}); {fix}",
+        strata_scheduler::gib(*needed_bytes),
+        strata_scheduler::gib(*budget_bytes)
     )]
     Memory {
         /// What needs the room.

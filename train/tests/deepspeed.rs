@@ -320,17 +320,40 @@ fn values_strata_cannot_honor_are_refused_by_key() {
 fn keys_without_strata_meaning_are_listed_sorted() {
     let mapping = map(
         r#"{"steps_per_print": 5, "tensorboard": {"enabled": true, "output_path": "x"},
-            "no_such_key": 1, "bf16": {"enabled": true, "immediate_grad_update": true}}"#,
+            "bf16": {"enabled": true, "immediate_grad_update": true, "no_such_key": 1}}"#,
     );
     assert_eq!(
         mapping.ignored,
         [
             "bf16.immediate_grad_update",
-            "no_such_key",
+            "bf16.no_such_key",
             "steps_per_print",
             "tensorboard.enabled",
             "tensorboard.output_path"
         ]
+    );
+}
+
+/// A top-level key DeepSpeed does not read is a typo that would drop its
+/// section whole: refused, naming the nearest key DeepSpeed reads.
+#[test]
+fn an_unknown_top_level_key_is_refused_with_the_nearest_one() {
+    let err = strata_train::from_deepspeed_json(
+        r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {"stage": 3}}"#,
+        None,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("zero_optimisation") && err.contains("did you mean \"zero_optimization\"?"),
+        "{err}"
+    );
+    let err = strata_train::from_deepspeed_json(r#"{"no_such_key": 1}"#, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("DeepSpeed has no top-level key \"no_such_key\": remove it"),
+        "{err}"
     );
 }
 

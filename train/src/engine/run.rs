@@ -169,6 +169,9 @@ pub fn run(
         config
     };
     let world = config.train.ranks;
+    // Budgets the machine cannot give, refused before anything is
+    // allocated (the device `auto` resolves to decides which memory).
+    config.with_device_resolved().0.check_machine()?;
     // Refused before any directory is taken or file written.
     let resume = match &options.resume {
         Some(path) => {

@@ -10,7 +10,157 @@ use crate::error::bad;
 
 use super::*;
 
+/// The share of a GPU's memory a machine-sized config gives the device.
+const DEVICE_SHARE_GPU: f64 = 0.9;
+/// The shares of the memory the process may take that a machine-sized
+/// config gives the CPU device and the pinned host pool.
+const DEVICE_SHARE_CPU: f64 = 0.25;
+const HOST_SHARE: f64 = 0.5;
+/// The least budget a machine-sized config gives a tier.
+const MACHINE_BUDGET_MIN: u64 = 256 << 20;
+
 impl TrainConfig {
+    /// This config with `device.kind = "auto"` and budgets sized for this
+    /// machine instead of the small demo's (what `strata train --deepspeed`
+    /// without `--config` runs with, as DeepSpeed takes the machine it
+    /// runs on): `device.budget` 90% of the GPU's memory, or, without a
+    /// GPU, up to a quarter of the memory this process may take;
+    /// `host.budget` up to half of it. The pinned pool is committed whole,
+    /// so without a GPU each budget is also held to twice what the
+    /// closed-form count says the run needs there (at least 256 MiB).
+    /// Also what was read and chosen, for a log line.
+    pub fn with_budgets_for_this_machine(&self) -> Result<(TrainConfig, String)> {
+        let mut config = self.clone();
+        config.device.kind = DeviceChoice::Auto;
+        let needs = self.tier_needs()?;
+        let need = |tier: strata_runtime::Tier| -> f64 {
+            let bytes = needs[tier.index()]
+                .iter()
+                .fold(0u64, |sum, (_, b)| sum.saturating_add(*b));
+            (2 * bytes).max(MACHINE_BUDGET_MIN) as f64
+        };
+        let mib = |bytes: f64| ByteSize((bytes as u64) & !((1 << 20) - 1));
+        let available = strata_storage::sys::mem_available_bytes();
+        let gpu = match config.with_device_resolved().0.device.kind {
+            DeviceChoice::Cuda => {
+                strata_device::cuda::device_total_bytes(config.device.ordinal).ok()
+            }
+            _ => None,
+        };
+        let mut said = Vec::new();
+        match (gpu, available) {
+            (Some(total), _) => {
+                config.device.budget = mib(total as f64 * DEVICE_SHARE_GPU);
+                said.push(format!(
+                    "device.budget = {} ({:.0}% of GPU {}'s {})",
+                    config.device.budget,
+                    DEVICE_SHARE_GPU * 100.0,
+                    config.device.ordinal,
+                    strata_scheduler::gib(total)
+                ));
+            }
+            (None, Some(bytes)) => {
+                config.device.budget =
+                    mib((bytes as f64 * DEVICE_SHARE_CPU).min(need(strata_runtime::Tier::Device)));
+                said.push(format!(
+                    "device.budget = {} (the CPU device: twice the count's need, at most a quarter of the {} this process may take)",
+                    config.device.budget,
+                    strata_scheduler::gib(bytes)
+                ));
+            }
+            (None, None) => {}
+        }
+        if let Some(bytes) = available {
+            let share = bytes as f64 * HOST_SHARE;
+            config.host.budget = mib(match gpu {
+                Some(_) => share,
+                None => share.min(need(strata_runtime::Tier::Host)),
+            });
+            said.push(format!(
+                "host.budget = {} (at most half of the {} this process may take)",
+                config.host.budget,
+                strata_scheduler::gib(bytes)
+            ));
+        }
+        Ok((config, said.join(", ")))
+    }
+
+    /// Refuses, before anything is allocated, budgets this machine cannot
+    /// give (a resolved config: `device.kind` is `cpu` or `cuda`): on the
+    /// CPU device every rank's device and host budgets come from the
+    /// memory this process may take; on a GPU the device budget from the
+    /// GPU's memory and the host budgets from the process's.
+    pub fn check_machine(&self) -> Result<()> {
+        self.check_machine_with(
+            strata_storage::sys::mem_available_bytes(),
+            strata_device::cuda::device_total_bytes(self.device.ordinal).ok(),
+        )
+    }
+
+    /// [`TrainConfig::check_machine`] with the memory the process may take
+    /// and the GPU's, as read.
+    pub(crate) fn check_machine_with(
+        &self,
+        available: Option<u64>,
+        gpu: Option<u64>,
+    ) -> Result<()> {
+        let gib = strata_scheduler::gib;
+        let ranks = self.train.ranks as u64;
+        if self.device.kind == DeviceChoice::Cuda
+            && let Some(total) = gpu
+            && self.device.budget.0 > total
+        {
+            return Err(bad(
+                "device.budget",
+                self.device.budget,
+                format!(
+                    "GPU {} has {} in all: set device.budget to at most {} (leave room for the CUDA context), or \"auto\" sizing with --deepspeed",
+                    self.device.ordinal,
+                    gib(total),
+                    gib((total as f64 * DEVICE_SHARE_GPU) as u64)
+                ),
+            ));
+        }
+        let Some(available) = available else {
+            return Ok(());
+        };
+        let cpu = self.device.kind == DeviceChoice::Cpu;
+        let per_rank = self.host.budget.0 + if cpu { self.device.budget.0 } else { 0 };
+        let needed = per_rank.saturating_mul(ranks);
+        if needed <= available {
+            return Ok(());
+        }
+        let (key, value) = if cpu && self.device.budget.0 >= self.host.budget.0 {
+            ("device.budget", self.device.budget)
+        } else {
+            ("host.budget", self.host.budget)
+        };
+        let other = per_rank - value.0;
+        let most = (available / ranks).saturating_sub(other);
+        Err(bad(
+            key,
+            value,
+            format!(
+                "{} rank(s) x ({}host.budget {}) need {} of memory, and this process may take {} (MemAvailable, its cgroup's limit, ulimit -v): set {key} to at most {}{}",
+                ranks,
+                if cpu {
+                    format!("device.budget {} on the CPU device + ", self.device.budget)
+                } else {
+                    String::new()
+                },
+                self.host.budget,
+                gib(needed),
+                gib(available),
+                gib(most),
+                if cpu {
+                    " (on the CPU device, the device's memory is this machine's too)"
+                } else {
+                    ""
+                }
+            ),
+        ))
+    }
+
     /// This config with `device.kind = "auto"` made `cuda` or `cpu`: the
     /// GPU when a driver and a device answer and the run can train there
     /// ([`TrainConfig::cuda_constraints`]), else the CPU device, with the

@@ -30,6 +30,15 @@ impl Placement {
             Placement::Nvme => Tier::Nvme,
         }
     }
+
+    /// The name a config writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Device => "device",
+            Placement::Cpu => "cpu",
+            Placement::Nvme => "nvme",
+        }
+    }
 }
 
 /// The `[placement]` table: where each class of model state lives, and how

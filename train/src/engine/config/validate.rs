@@ -129,17 +129,18 @@ impl TrainConfig {
         self.check_memory()
     }
 
-    /// Refuses, by a closed-form count and before anything proportional to
-    /// the model is planned or allocated, a model and batch whose rank
-    /// cannot fit its tiers: the model states each tier holds between uses
-    /// (two bf16 parameter sets, two optimizer-state sets, the fp32
-    /// gradient) and, on the device, the least compute workspace (one
-    /// block's gathered parameters and gradient, the streams between
-    /// blocks). The counts are lower bounds: what passes may still not fit
-    /// the plan, which says so with its own numbers. Needs the limits
+    /// What each tier must hold at the least for a rank, by a closed-form
+    /// count (before anything proportional to the model is planned or
+    /// allocated), part by part: the model states between uses (two
+    /// 16-bit parameter sets on the parameters' tier, two optimizer-state
+    /// sets on the optimizer's, the fp32 gradient on the device when the
+    /// optimizer is there, else on the host) and, on the device, the least
+    /// compute workspace (one block's gathered parameters and gradient,
+    /// the streams between blocks). Lower bounds: what fits may still not
+    /// fit the plan, which says so with its own numbers. Needs the limits
     /// [`validate`](Self::validate) checks first (they keep every count
     /// within 64 bits; the arithmetic saturates regardless).
-    fn check_memory(&self) -> Result<()> {
+    pub fn tier_needs(&self) -> Result<[Vec<(&'static str, u64)>; 3]> {
         let model = self.model.build()?;
         let world = self.train.ranks as u64;
         let groups: Vec<u64> = model.groups().iter().map(|g| g.params() as u64).collect();
@@ -149,19 +150,30 @@ impl TrainConfig {
             .iter()
             .fold(0u64, |sum, &params| sum.saturating_add(shard(params)));
         let state_bytes = self.optim.state_dtype.bytes_per_param() as u64;
-        let mut homed = [0u64; 3];
-        let mut add = |tier: Tier, bytes_per_param: u64| {
-            let bytes = shard_params.saturating_mul(bytes_per_param);
-            homed[tier.index()] = homed[tier.index()].saturating_add(bytes);
+        let mut needs: [Vec<(&'static str, u64)>; 3] = Default::default();
+        let mut add = |tier: Tier, part: &'static str, bytes_per_param: u64| {
+            needs[tier.index()].push((part, shard_params.saturating_mul(bytes_per_param)));
         };
-        add(self.placement.params.tier(), 2 * 2);
-        add(self.placement.optimizer.tier(), 2 * state_bytes);
+        add(
+            self.placement.params.tier(),
+            "16-bit parameters (two sets)",
+            2 * 2,
+        );
+        add(
+            self.placement.optimizer.tier(),
+            "optimizer states (master weights and moments, two sets)",
+            2 * state_bytes,
+        );
         let grads = if self.placement.optimizer == Placement::Device {
             Tier::Device
         } else {
             Tier::Host
         };
-        add(grads, 4);
+        add(
+            grads,
+            "fp32 gradients (on the host unless the optimizer is on the device)",
+            4,
+        );
         let group_max = shard(groups.iter().copied().max().unwrap_or(0)).saturating_mul(world);
         let stream = [self.train.micro_batch, model.seq(), model.stream_width()]
             .iter()
@@ -169,55 +181,111 @@ impl TrainConfig {
         let in_flight = self.train.in_flight() as u64;
         // Gathered parameters and gradient (fp32), y and dx, and each
         // micro-batch in flight's x and dy (fp32).
-        let workspace = group_max
-            .saturating_mul(8)
-            .saturating_add(stream.saturating_mul(4).saturating_mul(2 + 2 * in_flight));
-        let states = format!(
-            "{} parameters per rank: bf16 parameters x2 sets on {:?}, {:?} optimizer states x2 on {:?}, fp32 gradients",
-            shard_params, self.placement.params, self.optim.state_dtype, self.placement.optimizer
-        );
-        let device_needed = homed[Tier::Device.index()].saturating_add(workspace);
-        if device_needed > self.device.budget.0 {
-            return Err(TrainError::Memory {
-                what: "the model states placed on the device and the compute workspace".into(),
-                tier: "device",
-                needed_bytes: device_needed,
-                budget_key: "device.budget",
-                budget_bytes: self.device.budget.0,
-                detail: format!(
-                    "{} bytes of model states ({states}) and a workspace of at least {workspace} bytes (one block's gathered fp32 parameters and gradient, {} fp32 activations per stream: micro_batch x seq x hidden)",
-                    homed[Tier::Device.index()],
-                    stream
-                ),
-                fix: "raise device.budget, place params or optimizer on cpu or nvme, use more train.ranks, or make the model or train.micro_batch smaller".into(),
-            });
-        }
-        let tiers: [(Tier, &'static str, &'static str, u64); 2] = [
-            (Tier::Host, "host", "host.budget", self.host.budget.0),
+        needs[Tier::Device.index()].push((
+            "compute workspace (one block's gathered fp32 parameters and gradient)",
+            group_max.saturating_mul(8),
+        ));
+        needs[Tier::Device.index()].push((
+            "activations between blocks (micro_batch x seq x hidden, fp32, per micro-batch in flight)",
+            stream.saturating_mul(4).saturating_mul(2 + 2 * in_flight),
+        ));
+        Ok(needs)
+    }
+
+    /// Each tier's budget and the key that sets it.
+    fn budgets(&self) -> [(&'static str, u64); 3] {
+        [
+            ("device.budget", self.device.budget.0),
+            ("host.budget", self.host.budget.0),
             (
-                Tier::Nvme,
-                "nvme",
                 "nvme.capacity",
                 self.nvme.as_ref().map_or(0, |n| n.capacity.0),
             ),
-        ];
-        for (tier, name, key, budget) in tiers {
-            let needed = homed[tier.index()];
-            if needed > budget {
-                return Err(TrainError::Memory {
-                    what: "the model states placed there".into(),
-                    tier: name,
-                    needed_bytes: needed,
-                    budget_key: key,
-                    budget_bytes: budget,
-                    detail: states,
-                    fix: format!(
-                        "raise {key}, place params or optimizer elsewhere, use more train.ranks, or make the model smaller"
-                    ),
-                });
+        ]
+    }
+
+    /// The first tier whose closed-form need passes its budget: the tier,
+    /// the need.
+    fn short_tier(&self) -> Result<Option<(Tier, u64)>> {
+        let needs = self.tier_needs()?;
+        let budgets = self.budgets();
+        Ok(Tier::ALL.into_iter().find_map(|tier| {
+            let needed = needs[tier.index()]
+                .iter()
+                .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes));
+            (needed > budgets[tier.index()].1).then_some((tier, needed))
+        }))
+    }
+
+    /// Refuses a model and batch whose rank cannot fit its tiers by
+    /// [`TrainConfig::tier_needs`], naming the tier, what fills it and the
+    /// fixes that would make every tier fit (each checked by counting
+    /// again): the smallest budget, and other placements, more ranks or
+    /// a smaller micro-batch where one of them does.
+    fn check_memory(&self) -> Result<()> {
+        let Some((tier, needed)) = self.short_tier()? else {
+            return Ok(());
+        };
+        let needs = self.tier_needs()?;
+        let (budget_key, budget_bytes) = self.budgets()[tier.index()];
+        let parts: Vec<String> = needs[tier.index()]
+            .iter()
+            .filter(|(_, bytes)| *bytes > 0)
+            .map(|(part, bytes)| format!("{part} {}", strata_scheduler::gib(*bytes)))
+            .collect();
+        let mut fixes = vec![format!(
+            "raise {budget_key} to at least {}",
+            strata_scheduler::gib(needed)
+        )];
+        let fits = |edit: &dyn Fn(&mut TrainConfig)| {
+            let mut other = self.clone();
+            edit(&mut other);
+            matches!(other.short_tier(), Ok(None))
+        };
+        for place in [Placement::Nvme, Placement::Cpu, Placement::Device] {
+            if place != self.placement.optimizer && fits(&|c| c.placement.optimizer = place) {
+                fixes.push(format!("set placement.optimizer = \"{}\"", place.name()));
+            }
+            if place != self.placement.params && fits(&|c| c.placement.params = place) {
+                fixes.push(format!("set placement.params = \"{}\"", place.name()));
             }
         }
-        Ok(())
+        if let Some(ranks) =
+            (self.train.ranks + 1..=RANKS_MAX).find(|&r| fits(&|c| c.train.ranks = r))
+        {
+            fixes.push(format!("shard over train.ranks = {ranks}"));
+        }
+        if tier == Tier::Device
+            && let Some(mb) = (1..self.train.micro_batch)
+                .rev()
+                .find(|&mb| fits(&|c| c.train.micro_batch = mb))
+        {
+            fixes.push(format!(
+                "lower train.micro_batch to {mb} (raise train.grad_accumulation to keep the batch)"
+            ));
+        }
+        let nvme_unset = tier == Tier::Nvme && self.nvme.is_none();
+        Err(TrainError::Memory {
+            what: parts.join(", "),
+            tier: match tier {
+                Tier::Device => "device",
+                Tier::Host => "host",
+                Tier::Nvme => "nvme",
+            },
+            needed_bytes: needed,
+            budget_key,
+            budget_bytes,
+            detail: format!(
+                "{} parameters per rank, states {:?}; a closed-form lower bound, counted before anything is allocated",
+                needs_params(self)?,
+                self.optim.state_dtype.name()
+            ),
+            fix: if nvme_unset {
+                format!("add an [nvme] table, or {}", fixes.join(", or "))
+            } else {
+                fixes.join(", or ")
+            },
+        })
     }
 
     /// What a run on a CUDA device cannot do yet: several ranks (no NCCL
@@ -250,6 +318,15 @@ impl TrainConfig {
         }
         Ok(())
     }
+}
+
+/// Parameters per rank (every group's shard, padded).
+fn needs_params(config: &TrainConfig) -> Result<u64> {
+    let model = config.model.build()?;
+    let world = config.train.ranks as u64;
+    Ok(model.groups().iter().fold(0u64, |sum, g| {
+        sum.saturating_add((g.params() as u64).div_ceil(world))
+    }))
 }
 
 #[cfg(test)]
@@ -324,6 +401,79 @@ mod tests {
             let got = text(edit);
             assert!(got.contains(expected), "{got}");
         }
+    }
+
+    /// Budgets the machine cannot give are refused naming the budget, the
+    /// memory in GiB and the most that fits; what fits passes.
+    #[test]
+    fn budgets_past_the_machines_memory_are_refused_with_the_most_that_fits() {
+        let gib = 1u64 << 30;
+        let mut config = TrainConfig::default();
+        config.device.budget = ByteSize(80 * gib);
+        config.host.budget = ByteSize(gib);
+        let err = config
+            .check_machine_with(Some(24 * gib), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("device.budget = 80GiB")
+                && err.contains("need 81.00 GiB of memory")
+                && err.contains("may take 24.00 GiB")
+                && err.contains("set device.budget to at most 23.00 GiB"),
+            "{err}"
+        );
+        config.device.budget = ByteSize(8 * gib);
+        config.train.ranks = 4;
+        let err = config
+            .check_machine_with(Some(24 * gib), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("set device.budget to at most 5.00 GiB"),
+            "{err}"
+        );
+        config.train.ranks = 2;
+        config.check_machine_with(Some(24 * gib), None).unwrap();
+        config.check_machine_with(None, None).unwrap();
+        // On a GPU the device budget is the GPU's; the host's the process's.
+        config.device.kind = DeviceChoice::Cuda;
+        config.device.budget = ByteSize(200 * gib);
+        let err = config
+            .check_machine_with(Some(24 * gib), Some(141 * gib))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GPU 0 has 141.00 GiB in all"), "{err}");
+        config.device.budget = ByteSize(100 * gib);
+        config.host.budget = ByteSize(20 * gib);
+        let err = config
+            .check_machine_with(Some(24 * gib), Some(141 * gib))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("set host.budget to at most 12.00 GiB"),
+            "{err}"
+        );
+    }
+
+    /// A tier that does not fit is named with what fills it in GiB and
+    /// fixes that would make every tier fit (checked by counting again).
+    #[test]
+    fn a_tier_that_does_not_fit_names_its_parts_and_fixes_that_fit() {
+        let mut config = TrainConfig::default();
+        config.host.budget = ByteSize(4 << 20);
+        let err = config.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("the host tier needs at least 6.4 MiB (16-bit parameters (two sets) 3.2 MiB, fp32 gradients")
+                && err.contains("raise host.budget to at least 6.4 MiB")
+                && err.contains("shard over train.ranks = 2"),
+            "{err}"
+        );
+        let mut fixed = config.clone();
+        fixed.host.budget = ByteSize((6.4 * (1 << 20) as f64) as u64 + (64 << 10));
+        fixed.validate().unwrap();
+        fixed = config.clone();
+        fixed.train.ranks = 2;
+        fixed.validate().unwrap();
     }
 
     /// `auto` takes the GPU when one answers and the run can train there,

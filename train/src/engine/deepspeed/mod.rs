@@ -93,7 +93,7 @@ pub(super) const fn ignored(key: &'static str, how: &'static str) -> KeyRule {
 
 /// The DeepSpeed keys strata reads but that are not in [`KEYS`] fall here:
 /// ignored, with a warning.
-const UNKNOWN_IS_IGNORED: &str = "Any other key: no strata meaning; listed in the warning.";
+const UNKNOWN_IS_IGNORED: &str = "Any other key inside a section: no strata meaning; listed in the warning, one per line. A top-level key DeepSpeed itself does not read (a typo such as `zero_optimisation`, which would drop its section whole) is an error naming the nearest key DeepSpeed reads.";
 
 /// Maps a DeepSpeed config (`text`, JSON) onto `base` (strata's defaults
 /// when `None`): see the module documentation for the precedence, and
@@ -113,6 +113,7 @@ pub fn from_deepspeed_json(text: &str, base: Option<&TrainConfig>) -> Result<Dee
             "a DeepSpeed config is a JSON object",
         ));
     };
+    check_top_level(&root)?;
     let applied = mapper::apply(&root, base.cloned().unwrap_or_default())?;
     let mut leaves = Vec::new();
     collect_leaves(&root, "", &mut leaves);
@@ -126,6 +127,95 @@ pub fn from_deepspeed_json(text: &str, base: Option<&TrainConfig>) -> Result<Dee
         ignored,
         notes: applied.notes,
     })
+}
+
+/// Every top-level key DeepSpeed reads (its `runtime/constants.py` and the
+/// sections other modules read): one outside it is a typo, and a typo at
+/// the top drops a whole section, so it is an error, not a warning.
+const DEEPSPEED_TOP_LEVEL: &[&str] = &[
+    "activation_checkpointing",
+    "aio",
+    "amp",
+    "autotuning",
+    "bf16",
+    "bfloat16",
+    "checkpoint",
+    "comet",
+    "communication_data_type",
+    "comms_logger",
+    "compile",
+    "compression_training",
+    "csv_monitor",
+    "curriculum_learning",
+    "data_efficiency",
+    "data_types",
+    "dataloader_drop_last",
+    "disable_allgather",
+    "dump_state",
+    "eigenvalue",
+    "elasticity",
+    "flops_profiler",
+    "fp16",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "gradient_predivide_factor",
+    "graph_harvesting",
+    "hybrid_engine",
+    "memory_breakdown",
+    "nebula",
+    "optimizer",
+    "pipeline",
+    "prescale_gradients",
+    "progressive_layer_drop",
+    "quantize_training",
+    "scheduler",
+    "seq_parallel_comm_data_type",
+    "sparse_attention",
+    "sparse_gradients",
+    "steps_per_print",
+    "tensor_parallel",
+    "tensorboard",
+    "timers",
+    "torch_autocast",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism",
+    "vocabulary_size",
+    "wall_clock_breakdown",
+    "wandb",
+    "weight_quantization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "zero_optimization",
+];
+
+/// Refuses a top-level key DeepSpeed does not read, with the nearest one
+/// it does.
+fn check_top_level(root: &Map<String, Value>) -> Result<()> {
+    for (key, value) in root {
+        if DEEPSPEED_TOP_LEVEL.contains(&key.as_str()) {
+            continue;
+        }
+        let nearest = DEEPSPEED_TOP_LEVEL
+            .iter()
+            .map(|known| (strsim::damerau_levenshtein(key, known), *known))
+            .min()
+            .filter(|(distance, known)| *distance <= (known.len() / 3).max(2));
+        let shown: String = value.to_string().chars().take(60).collect();
+        return Err(ds_error(
+            key,
+            shown,
+            match nearest {
+                Some((_, known)) => format!(
+                    "DeepSpeed has no top-level key {key:?} (its section would be dropped whole): did you mean {known:?}?"
+                ),
+                None => format!(
+                    "DeepSpeed has no top-level key {key:?}: remove it, or fix its name (docs/deepspeed-config.md lists the keys strata reads)"
+                ),
+            },
+        ));
+    }
+    Ok(())
 }
 
 /// The rule for `key`: its row, or the section row (`prefix.*`) it
