@@ -107,9 +107,18 @@ fn bench_nvme_table_recommendation_and_chart_tiny() {
     ]);
     let text = stdout_text(&output);
     assert!(
-        text.contains("[storage]") && text.contains("engine = \"threads\""),
+        text.contains("[nvme]") && text.contains("engine = \"threads\""),
         "{text}"
     );
+    // The snippet is a table `strata train` reads as it is.
+    let snippet: String = text[text.find("[nvme]").unwrap()..]
+        .lines()
+        .take_while(|l| !l.trim().is_empty() && !l.starts_with("chart:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let config = strata::train::TrainConfig::from_toml(&snippet)
+        .unwrap_or_else(|err| panic!("{err}: {snippet}"));
+    assert_eq!(config.nvme.unwrap().dirs, [dir.path()]);
     let svg = std::fs::read_to_string(&chart).unwrap();
     assert!(
         svg.starts_with("<svg") && svg.contains("GB/s"),
@@ -823,9 +832,57 @@ fn plan_table_and_chart() {
     );
 }
 
+/// Sizes take units (`512GiB`, `4TB`); a plain number keeps the flags'
+/// older unit (GB, or TB for a drive).
+#[test]
+fn plan_sizes_take_units() {
+    let hardware = |extra: &[&str]| {
+        let mut args = vec!["plan", "--params", "13B", "--json"];
+        args.extend_from_slice(extra);
+        stdout_json(&strata(&args))["hardware"].clone()
+    };
+    let with_units = hardware(&[
+        "--host-memory",
+        "512GiB",
+        "--gpu-memory",
+        "24GB",
+        "--nvme-capacity",
+        "4TB",
+    ]);
+    assert_eq!(with_units["host_memory_bytes"], 512u64 << 30);
+    assert_eq!(with_units["gpu_memory_bytes"], 24_000_000_000u64);
+    assert_eq!(with_units["nvme_bytes"], 4_000_000_000_000u64);
+    let plain = hardware(&["--host-memory-gb", "512", "--nvme-capacity-tb", "4"]);
+    assert_eq!(plain["host_memory_bytes"], 512_000_000_000u64);
+    assert_eq!(plain["nvme_bytes"], 4_000_000_000_000u64);
+}
+
+/// `--arch llama --params 70B` plans Llama 3 70B's shape and vocabulary.
+#[test]
+fn plan_a_llama_size_takes_its_published_shape() {
+    let json = stdout_json(&strata(&[
+        "plan", "--arch", "llama", "--params", "70B", "--json",
+    ]));
+    let model = &json["model"];
+    assert_eq!(
+        (
+            &model["layers"],
+            &model["hidden"],
+            &model["heads"],
+            &model["vocab"]
+        ),
+        (&80.into(), &8192.into(), &64.into(), &128256.into()),
+        "{model}"
+    );
+}
+
 #[test]
 fn plan_bad_options_are_named() {
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 13] = [
+        (
+            &["plan", "--params", "13B", "--host-memory", "512XB"],
+            "unknown unit \"XB\" in size \"512XB\"",
+        ),
         (
             &["plan", "--params", "13B", "--checkpoint", "sometimes"],
             "is not every (true), none (false) or auto",

@@ -383,9 +383,11 @@ fn print_recommendation(dirs: &[PathBuf], best: &Best, points: usize) {
         show(best.read_bw_bytes),
         show(best.write_bw_bytes)
     );
-    println!("Paste into your strata config:");
+    println!(
+        "Paste into the config of `strata train --config` (with placement.params or placement.optimizer = \"nvme\"; add capacity = the room a rank may use):"
+    );
     println!();
-    println!("[storage]");
+    println!("[nvme]");
     let dirs: Vec<String> = dirs
         .iter()
         .map(|d| format!("{:?}", d.display().to_string()))

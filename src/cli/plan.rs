@@ -75,9 +75,10 @@ pub struct PlanArgs {
     /// Sequences per micro-batch per GPU.
     #[arg(long, default_value_t = 1)]
     micro_batch: u64,
-    /// Vocabulary size.
-    #[arg(long, default_value_t = 50257)]
-    vocab: u64,
+    /// Vocabulary size (default: the architecture's, e.g. 50257 for
+    /// GPT-2, 128256 for Llama 3).
+    #[arg(long)]
+    vocab: Option<u64>,
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     grad_accumulation: u32,
@@ -124,9 +125,9 @@ pub struct PlanArgs {
     /// GPUs per node.
     #[arg(long)]
     gpus_per_node: Option<u32>,
-    /// HBM per GPU, GB.
-    #[arg(long)]
-    gpu_memory_gb: Option<f64>,
+    /// HBM per GPU: a size (80GB, 141GiB; a plain number is GB).
+    #[arg(long, alias = "gpu-memory-gb", value_name = "SIZE", value_parser = size_gb)]
+    gpu_memory: Option<u64>,
     /// Peak dense 16-bit TFLOP/s per GPU.
     #[arg(long)]
     gpu_tflops: Option<f64>,
@@ -139,9 +140,9 @@ pub struct PlanArgs {
     /// rates instead of --gpu-tflops x --gpu-efficiency).
     #[arg(long, conflicts_with_all = ["gpu_tflops", "gpu_efficiency"])]
     kernels: Option<PathBuf>,
-    /// Host RAM per node, GB.
-    #[arg(long)]
-    host_memory_gb: Option<f64>,
+    /// Host RAM per node: a size (512GiB, 2TB; a plain number is GB).
+    #[arg(long, alias = "host-memory-gb", value_name = "SIZE", value_parser = size_gb)]
+    host_memory: Option<u64>,
     /// PCIe GB/s per GPU, each direction.
     #[arg(long)]
     pcie_gbps: Option<f64>,
@@ -160,9 +161,9 @@ pub struct PlanArgs {
     /// Write GB/s per drive.
     #[arg(long)]
     nvme_write_gbps: Option<f64>,
-    /// Capacity per drive, TB.
-    #[arg(long)]
-    nvme_capacity_tb: Option<f64>,
+    /// Capacity per drive: a size (4TB, 3.5TiB; a plain number is TB).
+    #[arg(long, alias = "nvme-capacity-tb", value_name = "SIZE", value_parser = size_tb)]
+    nvme_capacity: Option<u64>,
     /// CPU Adam throughput per node, parameters/s.
     #[arg(long, value_parser = parse_count)]
     cpu_adam_params_per_s: Option<f64>,
@@ -212,6 +213,31 @@ fn measured_rates(path: &std::path::Path) -> anyhow::Result<[f64; 3]> {
 }
 
 /// "1T", "175B", "350M", "13e9" -> a count.
+/// A size with its unit (`512GiB`, `4TB`), or a plain number of `unit`
+/// bytes (the flags' older form).
+fn size_in(text: &str, unit: f64, name: &str) -> Result<u64, String> {
+    if let Ok(value) = text.trim().parse::<f64>() {
+        return if value.is_finite() && value > 0.0 {
+            Ok((value * unit) as u64)
+        } else {
+            Err(format!("{text:?} is not a size: give a positive one"))
+        };
+    }
+    match text.parse::<strata_storage::ByteSize>() {
+        Ok(size) if size.0 > 0 => Ok(size.0),
+        Ok(_) => Err(format!("{text:?} is not a size: give a positive one")),
+        Err(err) => Err(format!("{err} (a plain number is {name})")),
+    }
+}
+
+fn size_gb(text: &str) -> Result<u64, String> {
+    size_in(text, 1e9, "GB")
+}
+
+fn size_tb(text: &str) -> Result<u64, String> {
+    size_in(text, 1e12, "TB")
+}
+
 fn parse_count(text: &str) -> Result<f64, String> {
     let text = text.trim();
     let (number, scale) = match text.char_indices().last() {
@@ -237,8 +263,8 @@ impl PlanArgs {
         if let Some(v) = self.gpus_per_node {
             hardware.gpus_per_node = v;
         }
-        if let Some(v) = self.gpu_memory_gb {
-            hardware.gpu_memory_bytes = gb(v) as u64;
+        if let Some(bytes) = self.gpu_memory {
+            hardware.gpu_memory_bytes = bytes;
         }
         if let Some(v) = self.gpu_tflops {
             hardware.gpu_flops = v * 1e12;
@@ -252,8 +278,8 @@ impl PlanArgs {
             hardware.gpu_efficiency = 1.0;
             hardware.attention_flops_per_s = Some((forward, backward));
         }
-        if let Some(v) = self.host_memory_gb {
-            hardware.host_memory_bytes = gb(v) as u64;
+        if let Some(bytes) = self.host_memory {
+            hardware.host_memory_bytes = bytes;
         }
         let speeds = [
             (self.pcie_gbps, &mut hardware.pcie_bytes_per_s),
@@ -270,8 +296,8 @@ impl PlanArgs {
         if let Some(v) = self.nvme_drives {
             hardware.nvme_drives = v;
         }
-        if let Some(v) = self.nvme_capacity_tb {
-            hardware.nvme_bytes = (v * 1e12) as u64;
+        if let Some(bytes) = self.nvme_capacity {
+            hardware.nvme_bytes = bytes;
         }
         if let Some(v) = self.cpu_adam_params_per_s {
             hardware.cpu_optimizer_params_per_s = v;
@@ -300,6 +326,8 @@ impl PlanArgs {
             (Some(params), _) => (arch.for_params)(params)?,
             (None, [true, true, true]) => strata_train::ModelConfig {
                 arch: strata_train::model::Arch::named(arch.name)?,
+                // The architecture's standard vocabulary (its shapes').
+                vocab: (arch.for_params)(1e9)?.vocab,
                 layers: self.layers.unwrap_or_default() as usize,
                 hidden: self.hidden.unwrap_or_default() as usize,
                 heads: self.heads.unwrap_or_default() as usize,
@@ -311,7 +339,9 @@ impl PlanArgs {
             (None, _) => bail!("an exact shape needs all of --layers, --hidden and --heads"),
         };
         config.seq = self.seq as usize;
-        config.vocab = self.vocab as usize;
+        if let Some(vocab) = self.vocab {
+            config.vocab = vocab as usize;
+        }
         // The flags' own limits first, named by flag.
         strata_scheduler::Model {
             micro_batch: self.micro_batch,
@@ -320,7 +350,7 @@ impl PlanArgs {
                 config.hidden as u64,
                 config.heads as u32,
                 self.seq,
-                self.vocab,
+                config.vocab as u64,
             )
         }
         .validate()?;

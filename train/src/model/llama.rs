@@ -145,6 +145,50 @@ pub struct Llama {
 
 /// The default MLP width for a hidden size: 8/3 of it, rounded up to a
 /// multiple of 64.
+/// Llama 3's published shapes (3.2 1B and 3B, 3.1 8B, 70B and 405B):
+/// hidden, layers, heads, key/value heads, MLP width, tied head.
+const LLAMA3_SHAPES: [(usize, usize, usize, usize, usize, bool); 5] = [
+    (2048, 16, 32, 8, 8192, true),
+    (3072, 28, 24, 8, 8192, true),
+    (4096, 32, 32, 8, 14336, false),
+    (8192, 80, 64, 8, 28672, false),
+    (16384, 126, 128, 8, 53248, false),
+];
+
+/// The Llama 3 shape nearest `params` (by ratio), when one is within 1.5x
+/// of it: `--params 70B` is Llama 3 70B, not a dense table's shape.
+fn llama3_shape(params: f64) -> Option<ModelConfig> {
+    let config = |&(hidden, layers, heads, kv_heads, ffn, tied): &(
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+    )| ModelConfig {
+        arch: Arch::named(LLAMA.name).expect("llama is registered"),
+        vocab: 128_256,
+        seq: 2048,
+        hidden,
+        heads,
+        layers,
+        kv_heads: Some(kv_heads),
+        ffn: Some(ffn),
+        rope_theta: Some(500_000.0),
+        tie_embeddings: Some(tied),
+        ..ModelConfig::default()
+    };
+    let count = |c: &ModelConfig| c.build().map(|m| m.params() as f64).ok();
+    LLAMA3_SHAPES
+        .iter()
+        .map(config)
+        .filter_map(|c| Some((count(&c)?, c)))
+        .map(|(n, c)| ((n / params).ln().abs(), c))
+        .filter(|(distance, _)| *distance <= 1.5f64.ln())
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, c)| c)
+}
+
 fn default_ffn(hidden: usize) -> usize {
     (8 * hidden).div_ceil(3).next_multiple_of(64)
 }
@@ -338,11 +382,17 @@ impl Llama {
         Ok(())
     }
 
-    /// A standard shape of about `params` parameters: the dense table's
+    /// A standard shape of about `params` parameters: for Llama, the Llama 3
+    /// shape within 1.5x of it; otherwise (or past them) the dense table's
     /// layers, hidden size and heads with the variant's MLP (8/3 x
     /// hidden), grouped-query heads (8 key/value heads from 32 heads up),
     /// at 2048 tokens with Llama 3's vocabulary and an untied head.
     fn for_params(variant: Variant, params: f64) -> Result<ModelConfig> {
+        if variant.name == LLAMA.name
+            && let Some(shape) = llama3_shape(params)
+        {
+            return Ok(shape);
+        }
         let dense = strata_scheduler::Model::for_params(params)?;
         let heads = dense.heads as usize;
         Ok(ModelConfig {

@@ -232,3 +232,25 @@ fn a_cuda_run_is_refused_naming_the_missing_kernels() {
     assert_eq!(resolved.device.kind, strata_runtime::DeviceChoice::Cpu);
     assert!(why.unwrap().contains("RMSNorm"));
 }
+
+/// `--params` near a Llama 3 size picks its published shape (70B is
+/// hidden 8192, 80 layers, 64 heads, 8 key/value heads); far from every
+/// one, the dense table's.
+#[test]
+fn a_size_near_a_llama_3_model_takes_its_shape() {
+    let arch = crate::model::architecture("llama").unwrap();
+    let c = (arch.for_params)(70e9).unwrap();
+    assert_eq!(
+        (c.hidden, c.layers, c.heads, c.kv_heads, c.ffn, c.vocab),
+        (8192, 80, 64, Some(8), Some(28672), 128_256)
+    );
+    let params = c.build().unwrap().params() as f64;
+    assert!((params / 70.55e9 - 1.0).abs() < 0.01, "{params}");
+    let c = (arch.for_params)(8e9).unwrap();
+    assert_eq!((c.hidden, c.layers, c.ffn), (4096, 32, Some(14336)));
+    let c = (arch.for_params)(1.2e9).unwrap();
+    assert_eq!((c.hidden, c.tie_embeddings), (2048, Some(true)));
+    // 1T is past 405B by more than 1.5x: the dense table's shape.
+    let c = (arch.for_params)(1e12).unwrap();
+    assert_ne!(c.hidden, 16384);
+}
