@@ -857,23 +857,33 @@ fn plan_sizes_take_units() {
     assert_eq!(plain["nvme_bytes"], 4_000_000_000_000u64);
 }
 
-/// `--arch llama --params 70B` plans Llama 3 70B's shape and vocabulary.
+/// `--arch NAME --params 70B` plans the shape and vocabulary that
+/// architecture gives that size (a published one where it has one).
 #[test]
-fn plan_a_llama_size_takes_its_published_shape() {
-    let json = stdout_json(&strata(&[
-        "plan", "--arch", "llama", "--params", "70B", "--json",
-    ]));
-    let model = &json["model"];
-    assert_eq!(
-        (
-            &model["layers"],
-            &model["hidden"],
-            &model["heads"],
-            &model["vocab"]
-        ),
-        (&80.into(), &8192.into(), &64.into(), &128256.into()),
-        "{model}"
-    );
+fn plan_takes_each_architectures_shape_and_vocabulary() {
+    for arch in strata::train::model::ARCHITECTURES {
+        let shape = (arch.for_params)(70e9).unwrap();
+        let json = stdout_json(&strata(&[
+            "plan", "--arch", arch.name, "--params", "70B", "--json",
+        ]));
+        let model = &json["model"];
+        assert_eq!(
+            (
+                &model["layers"],
+                &model["hidden"],
+                &model["heads"],
+                &model["vocab"]
+            ),
+            (
+                &shape.layers.into(),
+                &shape.hidden.into(),
+                &shape.heads.into(),
+                &shape.vocab.into()
+            ),
+            "{}: {model}",
+            arch.name
+        );
+    }
 }
 
 #[test]
@@ -1096,6 +1106,43 @@ fn train_writes_every_step_to_metrics_and_prints_every_log_every() {
     assert!(zero.contains("--log-every 0 prints no step"), "{zero}");
 }
 
+/// A 70B model (the first registered architecture whose 70B shape has
+/// grouped-query heads) with everything on NVMe runs out of host memory
+/// for its fp32 gradients: the message names the tier, the parts in GiB
+/// and a fix that applies, before anything is allocated.
+#[test]
+fn train_a_70b_model_on_nvme_names_the_host_its_gradients_and_a_fix() {
+    use strata::train::{Placement, TrainConfig, model::ARCHITECTURES};
+    let dir = tempdir();
+    let model = ARCHITECTURES
+        .iter()
+        .map(|arch| (arch.for_params)(70e9).unwrap())
+        .find(|shape| shape.kv_heads.is_some_and(|kv| kv < shape.heads))
+        .expect("an architecture with grouped-query heads");
+    let mut config = TrainConfig {
+        model,
+        ..TrainConfig::default()
+    };
+    config.train.micro_batch = 1;
+    config.placement.params = Placement::Nvme;
+    config.placement.optimizer = Placement::Nvme;
+    config.host.budget = "100GiB".parse().unwrap();
+    config.device.budget = "70GiB".parse().unwrap();
+    let nvme = config.nvme.as_mut().unwrap();
+    nvme.dirs = vec![".".into()];
+    nvme.capacity = "4TiB".parse().unwrap();
+    nvme.create_dirs = false;
+    let path = dir.path().join("70b.toml");
+    std::fs::write(&path, config.to_toml().unwrap()).unwrap();
+    let output = strata_in(dir.path(), &["train", "--config", path.to_str().unwrap()]);
+    let stderr = stderr_of_failure(&output, "70B on NVMe");
+    assert!(
+        stderr.contains("the model does not fit: the host tier needs at least 262.83 GiB (fp32 gradients (on the host unless the optimizer is on the device) 262.83 GiB), and host.budget is 100.00 GiB")
+            && stderr.contains("raise host.budget to at least 262.83 GiB, or shard over train.ranks = 3"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn train_bad_configs_are_named_before_training() {
     let dir = tempdir();
@@ -1131,12 +1178,6 @@ fn train_bad_configs_are_named_before_training() {
         (
             "[host]\nbudget = \"1MiB\"\n",
             "the model does not fit: the host tier needs at least 6.4 MiB (16-bit parameters (two sets) 3.2 MiB, fp32 gradients",
-        ),
-        // A 70B Llama with everything on NVMe: what runs out is the host,
-        // with the fp32 gradients, in GiB, and a fix that applies.
-        (
-            "[model]\narch = \"llama\"\nhidden = 8192\nlayers = 80\nheads = 64\nkv_heads = 8\nffn = 28672\nvocab = 128256\nseq = 2048\n[train]\nmicro_batch = 1\n[placement]\nparams = \"nvme\"\noptimizer = \"nvme\"\n[host]\nbudget = \"100GiB\"\n[device]\nbudget = \"70GiB\"\n[nvme]\ndirs = [\".\"]\ncapacity = \"4TiB\"\n",
-            "the model does not fit: the host tier needs at least 262.83 GiB (fp32 gradients (on the host unless the optimizer is on the device) 262.83 GiB), and host.budget is 100.00 GiB",
         ),
         // The device `auto` resolves to without a GPU is this machine's
         // memory: a budget past it is refused before anything is allocated.

@@ -75,8 +75,7 @@ pub struct PlanArgs {
     /// Sequences per micro-batch per GPU.
     #[arg(long, default_value_t = 1)]
     micro_batch: u64,
-    /// Vocabulary size (default: the architecture's, e.g. 50257 for
-    /// GPT-2, 128256 for Llama 3).
+    /// Vocabulary size (default: the architecture's own).
     #[arg(long)]
     vocab: Option<u64>,
     /// Micro-batches per optimizer step.
