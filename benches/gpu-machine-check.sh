@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# A lent GPU machine's checks in one prepared run, sized to its device time
-# (a command may run 10 minutes; a session has 15 in all, machine start
-# included): the CUDA tests, the pinned pool and copies, the kernels, the
+# A GPU machine's checks in one prepared run of at most about 10 minutes
+# (BUDGET): the CUDA tests, the pinned pool and copies, the kernels, the
 # training comparison with DeepSpeed and torch, and the CPU optimizer's
 # server bars on its 16-core host. benches/gpu-machine-prepare.sh fills
-# gpu-bin/ with what it needs; docs/gpu-validation.md has the call.
+# gpu-bin/ with what it needs; docs/gpu-validation.md has the command.
 #
 # Parts (default: all in this order, cuda only with CUDA_TESTS set; the
 # limits are each part's most):
@@ -60,7 +59,7 @@
 #            (`strip -o gpu-bin/strata target/release/strata`, ~10 MB; the
 #            folder git-ignored) with STRATA=gpu-bin/strata.
 #   WHEELS   a folder of wheels, installed in a temporary folder (not in
-#            $OUT, whose files a device call brings back) when DeepSpeed's
+#            $OUT, the results folder copied back) when DeepSpeed's
 #            CPU Adam cannot be imported: see docs/gpu-validation.md for
 #            the list and the commands (Python 3.12 binary wheels).
 #   CUDA_TESTS  a folder of CUDA test binaries, for the cuda part.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Fills gpu-bin/ (git-ignored) with what benches/gpu-machine-check.sh needs
-# on a lent GPU machine, which has no Rust toolchain and no network: the
+# on a GPU machine that has no Rust toolchain and no network: the
 # stripped strata binary, the CUDA test binaries (the device library
 # probe, every kernel against the CPU backend, the runtime's copies, the
 # engine), and the Python 3.12 wheels DeepSpeed 0.19.8 needs beyond what
 # that machine has (torch, numpy, ninja, psutil and the rest are there).
 # Wheels come from ./wheels when it holds them, else from the network.
-# Prints the folder's size: a device call carries at most 64 MiB.
+# Prints the folder's size (copy it to the GPU machine with the repository).
 #
 # Usage: bash benches/gpu-machine-prepare.sh [folder]   (default gpu-bin)
 set -euo pipefail

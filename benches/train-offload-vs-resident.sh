@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# offload.toml against resident.toml in one session, alternating which runs
+# offload.toml against resident.toml in one run, alternating which runs
 # first each round; prints each round's tokens/s and the median ratio.
 #   benches/train-offload-vs-resident.sh [rounds] [steps] [strata binary]
 set -euo pipefail

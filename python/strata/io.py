@@ -93,8 +93,9 @@ class AsyncIO(_AsyncIO):
         ``example_tensor``'s dtype (a torch tensor or a numpy array). Free it
         with ``free_cpu_locked_tensor``. Warns once when RLIMIT_MEMLOCK keeps
         the memory from being locked (it still works, unlocked)."""
-        itemsize = _itemsize(example_tensor)
-        buffer = LockedBuffer(int(num_elem) * itemsize)
+        num_elem = _count("new_cpu_locked_tensor", "num_elem", num_elem)
+        itemsize = _itemsize("new_cpu_locked_tensor", "example_tensor", example_tensor)
+        buffer = LockedBuffer(num_elem * itemsize)
         if not buffer.locked:
             warnings.warn(
                 f"could not page-lock {int(num_elem) * itemsize} bytes: RLIMIT_MEMLOCK is too low "
@@ -109,7 +110,7 @@ class AsyncIO(_AsyncIO):
     def free_cpu_locked_tensor(self, tensor):
         """Releases a tensor from ``new_cpu_locked_tensor`` (its memory goes
         when the last reference to the tensor does)."""
-        if self._locked.pop(_address(tensor), None) is None:
+        if self._locked.pop(_address(tensor, "free_cpu_locked_tensor", "tensor"), None) is None:
             raise ValueError("free_cpu_locked_tensor: this tensor did not come from new_cpu_locked_tensor")
         return True
 
@@ -130,16 +131,31 @@ def _bytes(buffer):
     return buffer
 
 
-def _itemsize(example):
-    if hasattr(example, "element_size"):
+def _count(function, name, value):
+    """``value`` as a count of elements, or TypeError/ValueError naming the
+    argument."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{function}: {name} must be an integer count of elements, not {type(value).__name__}")
+    value = value.__index__()
+    if value < 0:
+        raise ValueError(f"{function}: {name} must be at least 0, not {value}")
+    return value
+
+
+def _itemsize(function, name, example):
+    if hasattr(example, "element_size") and hasattr(example, "dtype"):
         return example.element_size()
-    return example.itemsize
+    if hasattr(example, "itemsize") and hasattr(example, "dtype"):
+        return example.itemsize
+    raise TypeError(f"{function}: {name} must be a torch tensor or a numpy array (its dtype is used), not {type(example).__name__}")
 
 
-def _address(tensor):
+def _address(tensor, function="is_pinned", name="buffer"):
     if hasattr(tensor, "data_ptr"):
         return tensor.data_ptr()
-    return tensor.__array_interface__["data"][0]
+    if hasattr(tensor, "__array_interface__"):
+        return tensor.__array_interface__["data"][0]
+    raise TypeError(f"{function}: {name} must be a torch tensor or a numpy array, not {type(tensor).__name__}")
 
 
 def _wrap(buffer, example, num_elem):

@@ -68,6 +68,15 @@ def test_locked_tensors(tmp_path):
     assert h.free_cpu_locked_tensor(t) and h.free_cpu_locked_tensor(u)
     with pytest.raises(ValueError, match="did not come from new_cpu_locked_tensor"):
         h.free_cpu_locked_tensor(np.zeros(4))
+    # Wrong arguments are TypeError/ValueError naming the argument.
+    with pytest.raises(TypeError, match="new_cpu_locked_tensor: example_tensor must be a torch tensor or a numpy array"):
+        h.new_cpu_locked_tensor(10, None)
+    with pytest.raises(TypeError, match="new_cpu_locked_tensor: num_elem must be an integer count of elements, not str"):
+        h.new_cpu_locked_tensor("10", like)
+    with pytest.raises(ValueError, match="new_cpu_locked_tensor: num_elem must be at least 0, not -1"):
+        h.new_cpu_locked_tensor(-1, like)
+    with pytest.raises(TypeError, match="free_cpu_locked_tensor: tensor must be a torch tensor or a numpy array, not list"):
+        h.free_cpu_locked_tensor([1, 2])
     assert len(LockedBuffer(10)) == 10
     # Unlocked (the optimizers' states): zeroed, writable, page-aligned.
     plain = np.frombuffer(LockedBuffer(3 << 20, lock=False), dtype=np.float32)

@@ -304,7 +304,7 @@ impl PlanArgs {
         Ok(hardware)
     }
 
-    fn model(&self) -> anyhow::Result<Model> {
+    fn model(&self) -> anyhow::Result<(Model, strata_train::ModelConfig)> {
         let exact = [
             self.layers.is_some(),
             self.hidden.is_some(),
@@ -355,7 +355,63 @@ impl PlanArgs {
         .validate()?;
         let model = config.build()?.cost_model(self.micro_batch);
         model.validate()?;
-        Ok(model)
+        Ok((model, config))
+    }
+
+    /// Whether strata's engine can hold this run, by the count `strata
+    /// train` refuses a config with ([`strata_train::TrainConfig::check_needs`]):
+    /// each GPU a rank, the host's memory and the drives' room shared by
+    /// a node's GPUs. None when it fits, or for a run the engine does not
+    /// train (ZeRO stages below 3, tensor or pipeline parallelism).
+    fn engine_shortfall(
+        &self,
+        model: &strata_train::ModelConfig,
+        parallelism: &Parallelism,
+        hardware: &Hardware,
+    ) -> anyhow::Result<Option<String>> {
+        if parallelism.zero_stage != 3 || parallelism.tensor * parallelism.pipeline > 1 {
+            return Ok(None);
+        }
+        let place = |offload: Offload| match offload {
+            Offload::Device => strata_train::Placement::Device,
+            Offload::Cpu => strata_train::Placement::Cpu,
+            Offload::Nvme => strata_train::Placement::Nvme,
+        };
+        let mut config = strata_train::TrainConfig {
+            model: model.clone(),
+            ..strata_train::TrainConfig::default()
+        };
+        config.train.micro_batch = self.micro_batch as usize;
+        config.train.grad_accumulation = self.grad_accumulation as usize;
+        config.train.ranks = parallelism.data as usize;
+        config.train.compute_dtype = strata_train::ComputeDtype::Bf16;
+        config.device.kind = strata_runtime::DeviceChoice::Cuda;
+        config.placement.params = place(self.offload_param);
+        config.placement.optimizer = place(self.offload_optimizer);
+        config.optim.state_dtype = self.state_dtype;
+        let gpus = u64::from(hardware.gpus_per_node.max(1));
+        let budgets = [
+            ("--gpu-memory", hardware.gpu_memory_bytes),
+            (
+                "the host memory per GPU (--host-memory / --gpus-per-node)",
+                hardware.host_memory_bytes / gpus,
+            ),
+            (
+                "the NVMe room per GPU (--nvme-capacity x --nvme-drives / --gpus-per-node)",
+                hardware.nvme_bytes_per_node() / gpus,
+            ),
+        ];
+        let keys = strata_train::Keys {
+            params: "--offload-param",
+            optimizer: "--offload-optimizer",
+            ranks: "data-parallel GPUs:",
+            ranks_max: 1 << 16,
+            micro_batch: "--micro-batch",
+            config: false,
+        };
+        Ok(config.check_needs(&budgets, &keys).err().map(|err| {
+            format!("strata's engine cannot hold it (the count `strata train` checks a config with): {err}")
+        }))
     }
 
     fn parallelism(&self, hardware: &Hardware) -> anyhow::Result<Parallelism> {
@@ -420,9 +476,18 @@ pub fn run(args: PlanArgs) -> anyhow::Result<()> {
         bail!("--deepspeed-pipelined applies to --policy deepspeed (or --compare)");
     }
     let hardware = args.hardware()?;
-    let model = args.model()?;
+    let (model, config) = args.model()?;
     let parallelism = args.parallelism(&hardware)?;
-    let estimate = cluster::estimate(&model, &parallelism, &hardware, args.policy(args.policy))?;
+    let mut estimate =
+        cluster::estimate(&model, &parallelism, &hardware, args.policy(args.policy))?;
+    // The step's plan may fit where the engine's own count does not: the
+    // engine's count decides (what `strata train` would refuse).
+    if args.policy == PolicyChoice::Strata
+        && let Some(reason) = args.engine_shortfall(&config, &parallelism, &hardware)?
+    {
+        estimate.fits = false;
+        estimate.reason = Some(reason);
+    }
     let other = match args.policy {
         PolicyChoice::Strata => PolicyChoice::Deepspeed,
         PolicyChoice::Deepspeed => PolicyChoice::Strata,

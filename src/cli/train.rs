@@ -224,15 +224,16 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
     }
     // However set (a file, a DeepSpeed schedule, a flag), a warmup that
     // outlasts the run is said: the rate would never reach train.lr.
-    if let Some(warmup) = config.train.warmup_len() {
-        if warmup > 0 && warmup >= config.train.steps {
-            tracing::warn!(
-                "the warmup ({warmup} steps) is at least as long as the run (train.steps = {}): \
-                 the learning rate never reaches train.lr = {}; shorten the warmup or lengthen the run",
-                config.train.steps,
-                config.train.lr
-            );
-        }
+    if let Some(warmup) = config.train.warmup_len()
+        && warmup > 0
+        && warmup >= config.train.steps
+    {
+        tracing::warn!(
+            "the warmup ({warmup} steps) is at least as long as the run (train.steps = {}): \
+             the learning rate never reaches train.lr = {}; shorten the warmup or lengthen the run",
+            config.train.steps,
+            config.train.lr
+        );
     }
     match (&args.data, &args.tokens) {
         (Some(path), _) => {
@@ -555,10 +556,10 @@ struct RemoveOnDrop(Vec<PathBuf>);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         for dir in &self.0 {
-            if let Err(err) = std::fs::remove_dir_all(dir) {
-                if err.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!("cannot remove the swap directory {}: {err}", dir.display());
-                }
+            if let Err(err) = std::fs::remove_dir_all(dir)
+                && err.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!("cannot remove the swap directory {}: {err}", dir.display());
             }
         }
     }

@@ -24,7 +24,7 @@ pub mod model;
 pub use engine::{
     ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
     DataConfig, DataFormat, DeepSpeedMapping, Difference, Engine, Faults, GRAD_ACCUMULATION_MAX,
-    ModelConfig, OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX,
+    Keys, ModelConfig, OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX,
     ROUNDING_STOCHASTIC, RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype,
     StepReport, StopRequest, TierBytes, TokenDtype, TrainConfig, TrainSettings, WarmupType,
     from_deepspeed_json, run, window_start,

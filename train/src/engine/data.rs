@@ -63,6 +63,25 @@ enum Tokens {
     },
 }
 
+/// Bytes of a token file looked at to tell whether it is text.
+const TEXT_SNIFF_BYTES: usize = 4096;
+
+/// Whether `bytes` read as text: UTF-8 (a character cut at the end
+/// allowed) with no control character but tab, newline and return.
+fn looks_like_text(bytes: &[u8]) -> bool {
+    let valid = match std::str::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(err) if err.error_len().is_none() => {
+            std::str::from_utf8(&bytes[..err.valid_up_to()]).expect("valid up to there")
+        }
+        Err(_) => return false,
+    };
+    !valid.is_empty()
+        && valid
+            .chars()
+            .all(|c| !c.is_control() || matches!(c, '\t' | '\n' | '\r'))
+}
+
 /// The tokens a run trains on.
 #[derive(Clone, Debug)]
 pub struct Corpus {
@@ -180,12 +199,22 @@ impl Corpus {
             .unwrap_or(0);
         let fix = match &self.tokens {
             Tokens::Bytes(bytes) => format!(
-                "the data holds token {max} (byte {} first at offset {at}): use a vocab above {max} (256 covers every byte)",
-                bytes[at]
+                "the text's largest byte is {max}, past the model's vocabulary (the first such byte is {} at offset {at}): set model.vocab to at least {} (256 covers every byte)",
+                bytes[at],
+                max + 1
             ),
+            Tokens::File { map, .. }
+                if looks_like_text(&map[..map.len().min(TEXT_SNIFF_BYTES)]) =>
+            {
+                format!(
+                    "the token file's largest id is {max}, past the model's vocabulary, and the file reads as text: pass a text with --data (one token per byte), not --tokens; or, if it holds token ids, set model.vocab to at least {}",
+                    max + 1
+                )
+            }
             Tokens::File { .. } => format!(
-                "the token file holds token {max} (token {} first at token {at}): use a vocab above {max}",
-                self.token(at)
+                "the token file's largest id is {max}, past the model's vocabulary (the first such id is {}, token {at} of the file): set model.vocab to at least {}, or check --token-dtype",
+                self.token(at),
+                max + 1
             ),
         };
         Err(bad("model.vocab", vocab, fix))

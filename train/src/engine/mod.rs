@@ -84,7 +84,7 @@ mod tensors;
 pub use checkpoint::{Checkpoint, CheckpointMeta, ROUNDING_STOCHASTIC};
 pub use config::{
     COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, DataConfig, DataFormat, Difference,
-    GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, ModelConfig, OptimConfig, Placement,
+    GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig, Placement,
     PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache, StateDtype, TrainConfig,
     TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };

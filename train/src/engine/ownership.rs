@@ -54,8 +54,11 @@ impl Holder {
 
     fn describe(&self) -> String {
         format!(
-            "run {} (pid {} on {}, started at Unix time {})",
-            self.run_id, self.pid, self.host, self.started_unix_s
+            "run {} (pid {} on {}, started {})",
+            self.run_id,
+            self.pid,
+            self.host,
+            local_time(self.started_unix_s)
         )
     }
 
@@ -66,6 +69,20 @@ impl Holder {
         }
         !Path::new(&format!("/proc/{}", self.pid)).exists()
     }
+}
+
+/// A Unix time as this machine's local date and time, ISO-style
+/// (`2026-11-29 12:04:31 CET`); the raw number where it cannot be one.
+pub(crate) fn local_time(unix_s: u64) -> String {
+    i64::try_from(unix_s)
+        .ok()
+        .and_then(|s| jiff::Timestamp::from_second(s).ok())
+        .map(|t| {
+            t.to_zoned(jiff::tz::TimeZone::system())
+                .strftime("%Y-%m-%d %H:%M:%S %Z")
+                .to_string()
+        })
+        .unwrap_or_else(|| format!("at Unix time {unix_s}"))
 }
 
 fn host_name() -> String {
@@ -172,6 +189,18 @@ fn read_holder(file: &mut File) -> Option<Holder> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Lock messages say when a holder started as a local date and time.
+    #[test]
+    fn a_start_time_reads_as_a_local_date_and_time() {
+        let shown = local_time(1_795_925_183);
+        let date = &shown[..10];
+        assert!(
+            ["2026-11-28", "2026-11-29"].contains(&date) && shown.as_bytes()[13] == b':',
+            "{shown}"
+        );
+        assert!(!shown.contains("Unix"), "{shown}");
+    }
 
     #[test]
     fn a_second_holder_is_refused_by_name_and_the_lock_goes_with_the_first() {

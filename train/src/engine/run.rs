@@ -171,7 +171,10 @@ pub fn run(
     let world = config.train.ranks;
     // Budgets the machine cannot give, refused before anything is
     // allocated (the device `auto` resolves to decides which memory).
-    config.with_device_resolved().0.check_machine()?;
+    let resolved = config.with_device_resolved().0;
+    resolved.check_machine()?;
+    // Counted again with the device known (the gradients' width follows it).
+    resolved.validate()?;
     // Refused before any directory is taken or file written.
     let resume = match &options.resume {
         Some(path) => {

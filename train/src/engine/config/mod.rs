@@ -41,6 +41,7 @@ pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
 pub use resume::{Difference, RUN_CONFIG};
 pub use schedule::{COS_MIN_RATIO_DEFAULT, Schedule, WARMUP_NUM_STEPS_DEFAULT, WarmupType};
 pub use train::TrainSettings;
+pub use validate::Keys;
 
 /// The host buffer size when the config sets no classes.
 pub const HOST_BUFFER_BYTES: u64 = 256 << 10;

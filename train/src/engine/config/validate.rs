@@ -164,16 +164,32 @@ impl TrainConfig {
             "optimizer states (master weights and moments, two sets)",
             2 * state_bytes,
         );
-        let grads = if self.placement.optimizer == Placement::Device {
-            Tier::Device
-        } else {
-            Tier::Host
+        // Gradients stay where the optimizer reads them: f32 for the
+        // device's AdamW; for the CPU optimizer, in the compute dtype (bf16
+        // on a GPU under "auto"; a device not yet resolved counts the
+        // lower bound, bf16).
+        let (grads, grad_part, grad_bytes) = match (
+            self.placement.optimizer,
+            self.train.compute_dtype,
+            self.device.kind,
+        ) {
+            (Placement::Device, _, _) => (
+                Tier::Device,
+                "fp32 gradients (on the device with the optimizer)",
+                4,
+            ),
+            (_, ComputeDtype::F32, _) | (_, ComputeDtype::Auto, DeviceChoice::Cpu) => (
+                Tier::Host,
+                "fp32 gradients (on the host unless the optimizer is on the device)",
+                4,
+            ),
+            _ => (
+                Tier::Host,
+                "bf16 gradients (on the host unless the optimizer is on the device)",
+                2,
+            ),
         };
-        add(
-            grads,
-            "fp32 gradients (on the host unless the optimizer is on the device)",
-            4,
-        );
+        add(grads, grad_part, grad_bytes);
         let group_max = shard(groups.iter().copied().max().unwrap_or(0)).saturating_mul(world);
         let stream = [self.train.micro_batch, model.seq(), model.stream_width()]
             .iter()
@@ -204,11 +220,10 @@ impl TrainConfig {
         ]
     }
 
-    /// The first tier whose closed-form need passes its budget: the tier,
-    /// the need.
-    fn short_tier(&self) -> Result<Option<(Tier, u64)>> {
+    /// The first tier whose closed-form need passes its budget in
+    /// `budgets`: the tier, the need.
+    fn short_tier(&self, budgets: &[(&'static str, u64); 3]) -> Result<Option<(Tier, u64)>> {
         let needs = self.tier_needs()?;
-        let budgets = self.budgets();
         Ok(Tier::ALL.into_iter().find_map(|tier| {
             let needed = needs[tier.index()]
                 .iter()
@@ -218,16 +233,24 @@ impl TrainConfig {
     }
 
     /// Refuses a model and batch whose rank cannot fit its tiers by
-    /// [`TrainConfig::tier_needs`], naming the tier, what fills it and the
-    /// fixes that would make every tier fit (each checked by counting
-    /// again): the smallest budget, and other placements, more ranks or
-    /// a smaller micro-batch where one of them does.
+    /// [`TrainConfig::tier_needs`] (see [`TrainConfig::check_needs`]).
     fn check_memory(&self) -> Result<()> {
-        let Some((tier, needed)) = self.short_tier()? else {
+        self.check_needs(&self.budgets(), &Keys::CONFIG)
+    }
+
+    /// Refuses a rank whose [`TrainConfig::tier_needs`] pass `budgets` (a
+    /// budget per tier, with the name of what sets it), naming the tier,
+    /// what fills it in GiB and the fixes that would make every tier fit,
+    /// each checked by counting again: the smallest budget, and other
+    /// placements, more ranks or a smaller micro-batch where one of them
+    /// does (named as `keys` says: a config's keys, or `strata plan`'s
+    /// flags). `strata train` and `strata plan` both count with it.
+    pub fn check_needs(&self, budgets: &[(&'static str, u64); 3], keys: &Keys) -> Result<()> {
+        let Some((tier, needed)) = self.short_tier(budgets)? else {
             return Ok(());
         };
         let needs = self.tier_needs()?;
-        let (budget_key, budget_bytes) = self.budgets()[tier.index()];
+        let (budget_key, budget_bytes) = budgets[tier.index()];
         let parts: Vec<String> = needs[tier.index()]
             .iter()
             .filter(|(_, bytes)| *bytes > 0)
@@ -240,20 +263,24 @@ impl TrainConfig {
         let fits = |edit: &dyn Fn(&mut TrainConfig)| {
             let mut other = self.clone();
             edit(&mut other);
-            matches!(other.short_tier(), Ok(None))
+            matches!(other.short_tier(budgets), Ok(None))
         };
         for place in [Placement::Nvme, Placement::Cpu, Placement::Device] {
             if place != self.placement.optimizer && fits(&|c| c.placement.optimizer = place) {
-                fixes.push(format!("set placement.optimizer = \"{}\"", place.name()));
+                fixes.push(format!(
+                    "set {} {}",
+                    keys.optimizer,
+                    keys.quote(place.name())
+                ));
             }
             if place != self.placement.params && fits(&|c| c.placement.params = place) {
-                fixes.push(format!("set placement.params = \"{}\"", place.name()));
+                fixes.push(format!("set {} {}", keys.params, keys.quote(place.name())));
             }
         }
         if let Some(ranks) =
-            (self.train.ranks + 1..=RANKS_MAX).find(|&r| fits(&|c| c.train.ranks = r))
+            (self.train.ranks + 1..=keys.ranks_max).find(|&r| fits(&|c| c.train.ranks = r))
         {
-            fixes.push(format!("shard over train.ranks = {ranks}"));
+            fixes.push(format!("shard over {} {ranks}", keys.ranks));
         }
         if tier == Tier::Device
             && let Some(mb) = (1..self.train.micro_batch)
@@ -261,10 +288,11 @@ impl TrainConfig {
                 .find(|&mb| fits(&|c| c.train.micro_batch = mb))
         {
             fixes.push(format!(
-                "lower train.micro_batch to {mb} (raise train.grad_accumulation to keep the batch)"
+                "lower {} to {mb} (accumulate more micro-batches to keep the batch)",
+                keys.micro_batch
             ));
         }
-        let nvme_unset = tier == Tier::Nvme && self.nvme.is_none();
+        let nvme_unset = tier == Tier::Nvme && budget_bytes == 0 && keys.config;
         Err(TrainError::Memory {
             what: parts.join(", "),
             tier: match tier {
@@ -317,6 +345,43 @@ impl TrainConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// How [`TrainConfig::check_needs`] names the settings its fixes change.
+#[derive(Clone, Copy, Debug)]
+pub struct Keys {
+    /// Where the parameters live.
+    pub params: &'static str,
+    /// Where the optimizer states live.
+    pub optimizer: &'static str,
+    /// The ranks that shard the states.
+    pub ranks: &'static str,
+    /// The most ranks to suggest.
+    pub ranks_max: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: &'static str,
+    /// Whether these are a config's keys (`key = "value"`), not flags.
+    pub config: bool,
+}
+
+impl Keys {
+    /// A config file's keys.
+    pub const CONFIG: Keys = Keys {
+        params: "placement.params =",
+        optimizer: "placement.optimizer =",
+        ranks: "train.ranks =",
+        ranks_max: RANKS_MAX,
+        micro_batch: "train.micro_batch",
+        config: true,
+    };
+
+    fn quote(&self, value: &str) -> String {
+        if self.config {
+            format!("\"{value}\"")
+        } else {
+            value.to_string()
+        }
     }
 }
 
