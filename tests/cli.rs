@@ -842,6 +842,54 @@ fn plan_table_and_chart() {
     );
 }
 
+/// A 13B plan on one 24 GB GPU that does not fit says which tier runs
+/// out, what fills it in GiB and a fix that applies: with its parameters
+/// on the device, the engine's count (the one `strata train` refuses a
+/// config with); on a host smaller than the plan's reserve, the host.
+#[test]
+fn plan_13b_on_a_24gb_gpu_names_the_tier_its_parts_and_a_fix() {
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--params",
+            "13B",
+            "--preset",
+            "dgx-a100",
+            "--gpus-per-node",
+            "1",
+            "--gpu-memory",
+            "24GB",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let json = stdout_json(&strata(&args));
+        assert_eq!(json["fits"], false, "{json}");
+        json["reason"].as_str().unwrap().to_string()
+    };
+    let device = plan(&["--offload-param", "device"]);
+    assert!(
+        device.contains(
+            "the device tier needs at least 50.38 GiB (16-bit parameters (two sets) 47.88 GiB"
+        ) && device
+            .contains("raise --gpu-memory to at least 50.38 GiB, or set --offload-param nvme"),
+        "{device}"
+    );
+    let host = plan(&[
+        "--host-memory",
+        "64GB",
+        "--offload-param",
+        "nvme",
+        "--offload-optimizer",
+        "nvme",
+    ]);
+    assert!(
+        host.contains(
+            "the host has no room for the plan: its 59.60 GiB is within the 64.00 GiB kept"
+        ) && host.contains("give the host more than 64.00 GiB"),
+        "{host}"
+    );
+}
+
 /// Sizes take units (`512GiB`, `4TB`); a plain number keeps the flags'
 /// older unit (GB, or TB for a drive).
 #[test]
@@ -1453,8 +1501,9 @@ fn checkpoint_verify_exit_codes_tiny() {
     let report: serde_json::Value = serde_json::from_str(&stdout_text(&whole)).unwrap();
     assert_eq!(report["whole"], true);
     assert_eq!(report["meta_json_checksummed"], true);
-    // config.json, generation_config.json, the weights, the optimizer shard.
-    assert_eq!(report["files"].as_array().unwrap().len(), 4, "{report}");
+    // config.json, generation_config.json, the weights, the optimizer
+    // shard, the run's strata.toml.
+    assert_eq!(report["files"].as_array().unwrap().len(), 5, "{report}");
     let text = stdout_text(&strata(&["checkpoint", "verify", root.to_str().unwrap()]));
     assert!(
         text.contains("ok  model.safetensors") && text.contains("whole"),

@@ -5,8 +5,9 @@
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 
-use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt};
 use strata_storage::{
     AlignedBuf, EngineKind, HandleConfig, IoHandle, Op, PAGE_BYTES, StorageError,
 };
@@ -29,6 +30,79 @@ fn os_error(err: StorageError) -> PyErr {
     }
 }
 
+/// Argument `name` of `function` as a count of at least `least`: a
+/// TypeError when it is not an integer, a ValueError when it is out of
+/// range, each naming the argument (PyO3's own extraction errors do not).
+fn count_arg(value: &Bound<'_, PyAny>, function: &str, name: &str, least: u64) -> PyResult<u64> {
+    let kind = || {
+        value
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_string(), |n| n.to_string())
+    };
+    if value.is_instance_of::<PyBool>() || !value.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "{function}: {name} must be an integer, not {}",
+            kind()
+        )));
+    }
+    let number: i64 = value
+        .extract()
+        .map_err(|_| PyValueError::new_err(format!("{function}: {name} = {value} is too large")))?;
+    u64::try_from(number)
+        .ok()
+        .filter(|&n| n >= least)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{function}: {name} must be at least {least}, not {number}"
+            ))
+        })
+}
+
+/// Argument `name` of `function` as a path: a TypeError naming it when it
+/// is not a str or an os.PathLike.
+fn path_arg(value: &Bound<'_, PyAny>, function: &str, name: &str) -> PyResult<PathBuf> {
+    value.extract::<PathBuf>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{function}: {name} must be a path (str or os.PathLike), not {}",
+            value
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".to_string(), |n| n.to_string())
+        ))
+    })
+}
+
+/// An optional count argument: its default when absent.
+fn count_or(
+    value: Option<&Bound<'_, PyAny>>,
+    default: u64,
+    function: &str,
+    name: &str,
+    least: u64,
+) -> PyResult<usize> {
+    let n = match value {
+        Some(value) => count_arg(value, function, name, least)?,
+        None => default,
+    };
+    usize::try_from(n)
+        .map_err(|_| PyValueError::new_err(format!("{function}: {name} = {n} is too large")))
+}
+
+/// A verb's path and offset (0 when absent), checked by name.
+fn place(
+    function: &str,
+    path: &Bound<'_, PyAny>,
+    offset: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(PathBuf, u64)> {
+    let path = path_arg(path, function, "path")?;
+    let offset = match offset {
+        Some(offset) => count_arg(offset, function, "offset", 0)?,
+        None => 0,
+    };
+    Ok((path, offset))
+}
+
 /// Asynchronous whole-tensor reads and writes at (path, offset).
 #[pyclass(module = "strata._strata", subclass)]
 pub(crate) struct AsyncIO {
@@ -43,8 +117,16 @@ impl AsyncIO {
     /// `engine`: "uring" (default), "threads" (pread/pwrite on a pool,
     /// where io_uring is blocked) or "auto".
     #[new]
-    #[pyo3(signature = (block_size=1 << 20, queue_depth=32, threads=1, engine="auto"))]
-    fn new(block_size: usize, queue_depth: usize, threads: usize, engine: &str) -> PyResult<Self> {
+    #[pyo3(signature = (block_size=None, queue_depth=None, threads=None, engine="auto"))]
+    fn new(
+        block_size: Option<&Bound<'_, PyAny>>,
+        queue_depth: Option<&Bound<'_, PyAny>>,
+        threads: Option<&Bound<'_, PyAny>>,
+        engine: &str,
+    ) -> PyResult<Self> {
+        let block_size = count_or(block_size, 1 << 20, "AsyncIO", "block_size", 1)?;
+        let queue_depth = count_or(queue_depth, 32, "AsyncIO", "queue_depth", 1)?;
+        let threads = count_or(threads, 1, "AsyncIO", "threads", 1)?;
         let engine = match engine {
             "uring" => EngineKind::Uring,
             "threads" => EngineKind::Threads,
@@ -97,53 +179,57 @@ impl AsyncIO {
 
     /// Starts reading `len(buffer)` bytes of `path` at `offset` into
     /// `buffer`; returns at once. `buffer` must not be touched until wait().
-    #[pyo3(signature = (buffer, path, offset=0))]
+    #[pyo3(signature = (buffer, path, offset=None))]
     fn async_pread(
         &mut self,
         buffer: &Bound<'_, PyAny>,
-        path: PathBuf,
-        offset: u64,
+        path: &Bound<'_, PyAny>,
+        offset: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<i64> {
+        let (path, offset) = place("async_pread", path, offset)?;
         self.start(Op::Read, buffer, path, offset)?;
         Ok(0)
     }
 
     /// Starts writing `buffer` to `path` at `offset` (created if missing,
     /// never truncated); returns at once.
-    #[pyo3(signature = (buffer, path, offset=0))]
+    #[pyo3(signature = (buffer, path, offset=None))]
     fn async_pwrite(
         &mut self,
         buffer: &Bound<'_, PyAny>,
-        path: PathBuf,
-        offset: u64,
+        path: &Bound<'_, PyAny>,
+        offset: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<i64> {
+        let (path, offset) = place("async_pwrite", path, offset)?;
         self.start(Op::Write, buffer, path, offset)?;
         Ok(0)
     }
 
     /// Reads and waits (for this and every operation still pending).
     /// Returns the number of operations completed.
-    #[pyo3(signature = (buffer, path, offset=0))]
+    #[pyo3(signature = (buffer, path, offset=None))]
     fn sync_pread(
         &mut self,
         py: Python<'_>,
         buffer: &Bound<'_, PyAny>,
-        path: PathBuf,
-        offset: u64,
+        path: &Bound<'_, PyAny>,
+        offset: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
+        let (path, offset) = place("sync_pread", path, offset)?;
         self.start(Op::Read, buffer, path, offset)?;
         self.wait(py)
     }
 
     /// Writes and waits, as sync_pread.
-    #[pyo3(signature = (buffer, path, offset=0))]
+    #[pyo3(signature = (buffer, path, offset=None))]
     fn sync_pwrite(
         &mut self,
         py: Python<'_>,
         buffer: &Bound<'_, PyAny>,
-        path: PathBuf,
-        offset: u64,
+        path: &Bound<'_, PyAny>,
+        offset: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
+        let (path, offset) = place("sync_pwrite", path, offset)?;
         self.start(Op::Write, buffer, path, offset)?;
         self.wait(py)
     }
@@ -204,7 +290,8 @@ impl LockedBuffer {
     /// RLIMIT_MEMLOCK allows (see `locked`).
     #[new]
     #[pyo3(signature = (nbytes, lock = true))]
-    fn new(nbytes: usize, lock: bool) -> PyResult<Self> {
+    fn new(nbytes: &Bound<'_, PyAny>, lock: bool) -> PyResult<Self> {
+        let nbytes = count_or(Some(nbytes), 0, "LockedBuffer", "nbytes", 0)?;
         let rounded = nbytes
             .max(1)
             .checked_next_multiple_of(PAGE_BYTES)

@@ -115,6 +115,18 @@ def test_errors_name_the_path_and_errno(tmp_path):
         AsyncIO(block_size=1000)
     with pytest.raises(ValueError, match="engine"):
         AsyncIO(engine="libaio")
+    # Wrong arguments name the argument: TypeError for the wrong type,
+    # ValueError for a value out of range.
+    with pytest.raises(TypeError, match="AsyncIO: block_size must be an integer, not str"):
+        AsyncIO(block_size="1MiB")
+    with pytest.raises(ValueError, match="AsyncIO: queue_depth must be at least 1, not 0"):
+        AsyncIO(queue_depth=0)
+    with pytest.raises(TypeError, match=r"sync_pwrite: path must be a path \(str or os.PathLike\), not int"):
+        h.sync_pwrite(buf, 3)
+    with pytest.raises(ValueError, match="async_pwrite: offset must be at least 0, not -1"):
+        h.async_pwrite(buf, tmp_path / "x.bin", -1)
+    with pytest.raises(ValueError, match="LockedBuffer: nbytes must be at least 0, not -1"):
+        LockedBuffer(-1)
     assert h.wait() == 0
 
 

@@ -787,6 +787,15 @@ fn estimate_with(
         ));
         return Ok(estimate);
     }
+    if host_per_gpu == 0 {
+        estimate.reason = Some(format!(
+            "the host has no room for the plan: its {} is within the {} kept for the OS, the framework and the CUDA driver; give the host more than {}",
+            crate::gib(hardware.host_memory_bytes),
+            crate::gib(HOST_RESERVE_BYTES),
+            crate::gib(HOST_RESERVE_BYTES)
+        ));
+        return Ok(estimate);
+    }
     let (made, report) = match run(steady) {
         Ok(done) => done,
         Err(

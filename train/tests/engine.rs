@@ -207,7 +207,7 @@ fn a_placement_that_cannot_fit_is_refused_before_training_with_the_plans_numbers
     let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
     let text = err.to_string();
     assert!(
-        text.contains("does not fit") && text.contains("bytes"),
+        text.contains("does not fit") && text.contains("MiB on device"),
         "{text}"
     );
 }
@@ -609,7 +609,8 @@ fn every_checkpoint_file_and_meta_json_itself_are_verified_and_a_finished_run_sa
             "config.json",
             "generation_config.json",
             "model.safetensors",
-            "optimizer-rank0.safetensors"
+            "optimizer-rank0.safetensors",
+            "strata.toml"
         ]
     );
 
@@ -825,7 +826,7 @@ fn odd_shards_train_and_resume_with_bf16_states() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("written with [model] model.hidden = 9, this run has model.hidden = 12"),
+        err.contains("model.hidden = 9 in the checkpoint's run, 12 in this one"),
         "{err}"
     );
 }

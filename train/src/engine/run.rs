@@ -169,11 +169,8 @@ pub fn run(
         config
     };
     let world = config.train.ranks;
-    // Budgets the machine cannot give, refused before anything is
-    // allocated (the device `auto` resolves to decides which memory).
-    let resolved = config.with_device_resolved().0;
-    resolved.check_machine()?;
     // Counted again with the device known (the gradients' width follows it).
+    let resolved = config.with_device_resolved().0;
     resolved.validate()?;
     // Refused before any directory is taken or file written.
     let resume = match &options.resume {
@@ -189,6 +186,9 @@ pub fn run(
         Some(dir) => Some(estimate_checkpoint_s(config, dir)?),
         None => None,
     };
+    // Budgets the machine cannot give, refused before anything is
+    // allocated (the device `auto` resolves to decides which memory).
+    resolved.check_machine()?;
     // Ranks as threads: the in-process group, the one place that names it.
     let collectives = InProcess::group(
         world,
