@@ -1162,6 +1162,53 @@ fn train_writes_every_step_to_metrics_and_prints_every_log_every() {
         "--log-every 0",
     );
     assert!(zero.contains("--log-every 0 prints no step"), "{zero}");
+
+    // A run that went past its last checkpoint (as a killed one does) and
+    // is resumed keeps each step's record once: the records after the
+    // checkpoint are dropped, then the resumed steps appended.
+    std::fs::write(
+        dir.path().join("every.toml"),
+        "[train]\nsteps = 6\ncheckpoint_every = 3\n",
+    )
+    .unwrap();
+    let ck = dir.path().join("ck2");
+    stdout_text(&strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            "every.toml",
+            "--checkpoint-dir",
+            "ck2",
+            "--stop-after",
+            "5",
+        ],
+    ));
+    // Only step 3's checkpoint survives the "crash"; step 5's records stay.
+    std::fs::remove_dir_all(ck.join("step-00000005")).unwrap();
+    // A step that `latest` does not name is resumed only into another
+    // directory (its later checkpoints are another future of the run).
+    std::fs::write(ck.join("latest"), "step-00000005").unwrap();
+    let mixed = stderr_of_failure(
+        &strata_in(dir.path(), &["train", "--resume", "ck2/step-00000003"]),
+        "a step latest does not name",
+    );
+    assert!(
+        mixed.contains("names step-00000005, a later checkpoint of the run: give --checkpoint-dir"),
+        "{mixed}"
+    );
+    std::fs::write(ck.join("latest"), "step-00000003").unwrap();
+    stdout_text(&strata_in(dir.path(), &["train", "--resume", "ck2"]));
+    let steps: Vec<u64> = std::fs::read_to_string(ck.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
 }
 
 /// A 70B model (the first registered architecture whose 70B shape has
@@ -1196,7 +1243,7 @@ fn train_a_70b_model_on_nvme_names_the_host_its_gradients_and_a_fix() {
     let stderr = stderr_of_failure(&output, "70B on NVMe");
     assert!(
         stderr.contains("the model does not fit: the host tier needs at least 262.83 GiB (fp32 gradients (on the host unless the optimizer is on the device) 262.83 GiB), and host.budget is 100.00 GiB")
-            && stderr.contains("raise host.budget to at least 262.83 GiB, or shard over train.ranks = 3"),
+            && stderr.contains("raise host.budget to at least 262.83 GiB, or shard over train.ranks = 3 (each rank has its own host.budget: 300.00 GiB in all)"),
         "{stderr}"
     );
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use pyo3::exceptions::{PyMemoryError, PyOSError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt};
+use pyo3::types::PyBool;
 use strata_storage::{
     AlignedBuf, EngineKind, HandleConfig, IoHandle, Op, PAGE_BYTES, StorageError,
 };
@@ -40,13 +40,19 @@ fn count_arg(value: &Bound<'_, PyAny>, function: &str, name: &str, least: u64) -
             .name()
             .map_or_else(|_| "?".to_string(), |n| n.to_string())
     };
-    if value.is_instance_of::<PyBool>() || !value.is_instance_of::<PyInt>() {
+    // Any integer (a numpy one too: whatever has __index__), not a bool.
+    let index = if value.is_instance_of::<PyBool>() {
+        None
+    } else {
+        value.call_method0("__index__").ok()
+    };
+    let Some(index) = index else {
         return Err(PyTypeError::new_err(format!(
             "{function}: {name} must be an integer, not {}",
             kind()
         )));
-    }
-    let number: i64 = value
+    };
+    let number: i64 = index
         .extract()
         .map_err(|_| PyValueError::new_err(format!("{function}: {name} = {value} is too large")))?;
     u64::try_from(number)

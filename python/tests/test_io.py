@@ -127,6 +127,11 @@ def test_errors_name_the_path_and_errno(tmp_path):
         h.async_pwrite(buf, tmp_path / "x.bin", -1)
     with pytest.raises(ValueError, match="LockedBuffer: nbytes must be at least 0, not -1"):
         LockedBuffer(-1)
+    with pytest.raises(TypeError, match="LockedBuffer: nbytes must be an integer, not bool"):
+        LockedBuffer(True)
+    # numpy integers are integers.
+    assert len(LockedBuffer(np.int64(10))) == 10
+    assert AsyncIO(block_size=np.int32(1 << 20)).block_size == 1 << 20
     assert h.wait() == 0
 
 

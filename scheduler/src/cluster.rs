@@ -799,7 +799,9 @@ fn estimate_with(
     let (made, report) = match run(steady) {
         Ok(done) => done,
         Err(
-            error @ (SchedulerError::DoesNotFit { .. } | SchedulerError::InitialPlacement { .. }),
+            error @ (SchedulerError::DoesNotFit { .. }
+            | SchedulerError::StagingDoesNotFit { .. }
+            | SchedulerError::InitialPlacement { .. }),
         ) => {
             estimate.reason = Some(error.to_string());
             return Ok(estimate);

@@ -12,18 +12,27 @@ pub fn gib(bytes: u64) -> String {
     }
 }
 
+/// "at least N more" for a shortfall, or "more room" where the bytes
+/// free would cover it but not at once (what else the op holds).
+fn more(needed: u64, available: u64) -> String {
+    match needed.saturating_sub(available) {
+        0 => "more room".into(),
+        short => format!("at least {} more", gib(short)),
+    }
+}
+
 /// Everything that can go wrong while planning or simulating.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SchedulerError {
     /// One op's tensors cannot be on its tier at once, whatever is evicted.
     #[error(
         "op {op} ({op_name}) needs {} on {tier} but only {} of its {} can be made free (the rest \
-         holds what this op uses at once); give {tier} at least {} more, lower the micro-batch \
-         or the sequence, or place fewer states on {tier}",
+         holds what this op uses at once); give {tier} {}, lower the micro-batch or the \
+         sequence, or place fewer states on {tier}",
         gib(*needed_bytes),
         gib(*available_bytes),
         gib(*capacity_bytes),
-        gib(needed_bytes.saturating_sub(*available_bytes).max(1))
+        more(*needed_bytes, *available_bytes)
     )]
     DoesNotFit {
         /// Index of the op in the trace.
@@ -35,6 +44,32 @@ pub enum SchedulerError {
         /// Bytes the op needs there at once.
         needed_bytes: u64,
         /// Bytes that could be freed or were free.
+        available_bytes: u64,
+        /// The tier's capacity.
+        capacity_bytes: u64,
+    },
+    /// A copy on its way to an op's tier finds no room on a tier between
+    /// (a parameter from NVMe staged through the host).
+    #[error(
+        "op {op} ({op_name}) stages {tensor} ({}) through {tier}, and only {} of {tier}'s {} \
+         can be made free; give {tier} {}, or place fewer states on {tier}",
+        gib(*needed_bytes),
+        gib(*available_bytes),
+        gib(*capacity_bytes),
+        more(*needed_bytes, *available_bytes)
+    )]
+    StagingDoesNotFit {
+        /// Index of the op in the trace.
+        op: usize,
+        /// Its name.
+        op_name: String,
+        /// The tensor being staged.
+        tensor: String,
+        /// The tier it is staged through.
+        tier: Tier,
+        /// Its bytes.
+        needed_bytes: u64,
+        /// Bytes that were free there.
         available_bytes: u64,
         /// The tier's capacity.
         capacity_bytes: u64,

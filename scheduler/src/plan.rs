@@ -376,7 +376,9 @@ impl Plan {
 }
 
 /// Plans one step. Fails with [`SchedulerError::DoesNotFit`] when some op
-/// cannot have its tensors on its tier at once, or
+/// cannot have its tensors on its tier at once,
+/// [`SchedulerError::StagingDoesNotFit`] when a tier a copy passes through
+/// on its way has no room for it, or
 /// [`SchedulerError::InitialPlacement`] when the start placement is over a
 /// budget.
 pub fn plan(trace: &Trace, config: &PlanConfig) -> Result<Plan, SchedulerError> {
@@ -848,12 +850,10 @@ impl<'a> Planner<'a> {
     fn does_not_fit(&self, k: usize, tier: Tier, short: Tier, t: u32) -> SchedulerError {
         if short != tier {
             let capacity_bytes = self.config.capacity_bytes[short.index()];
-            return SchedulerError::DoesNotFit {
+            return SchedulerError::StagingDoesNotFit {
                 op: k,
-                op_name: format!(
-                    "{}, staging {} through {short}",
-                    self.trace.ops[k].name, self.trace.tensors[t as usize].name
-                ),
+                op_name: self.trace.ops[k].name.clone(),
+                tensor: self.trace.tensors[t as usize].name.clone(),
                 tier: short,
                 needed_bytes: self.bytes(t),
                 available_bytes: self.free_bytes(short).min(capacity_bytes),

@@ -141,7 +141,10 @@ proptest! {
             // a write-back (or a tier with none at all, where a tensor must
             // pass through it on its way home): the planner says so with
             // the numbers.
-            Err(SchedulerError::DoesNotFit { needed_bytes, .. }) => {
+            Err(
+                SchedulerError::DoesNotFit { needed_bytes, .. }
+                | SchedulerError::StagingDoesNotFit { needed_bytes, .. },
+            ) => {
                 prop_assert!(needed_bytes > 0);
             }
             Err(other) => prop_assert!(false, "{other}"),

@@ -122,7 +122,15 @@ enum Base {
 
 /// The run's config: `--config` (or, resuming, the checkpoint's run's
 /// config, or the defaults), then `--deepspeed`'s keys, then the flags.
-fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
+/// What `load_config` comes to: the config, whether the user's file set
+/// `nvme.create_dirs`, and the step resumed from.
+struct Loaded {
+    config: TrainConfig,
+    create_dirs_set: bool,
+    resumed_step: Option<u64>,
+}
+
+fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
     let checkpoint = match &args.resume {
         Some(path) => Some(engine::Checkpoint::open(path)?),
         None => None,
@@ -213,7 +221,7 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
         // silent cut changed the schedule of runs that named their steps,
         // and of a resumed run against the one it resumes).
         let warmup = t.warmup_steps;
-        if warmup >= steps {
+        if t.schedule == engine::Schedule::Cosine && warmup >= steps {
             t.warmup_steps = steps / 4;
             tracing::warn!(
                 "--steps {steps}: train.warmup_steps {warmup} would not end within the run; \
@@ -250,22 +258,39 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
                 token_dtype: args.token_dtype.unwrap_or_default(),
             }
         }
-        (None, None) => {}
+        (None, None) => {
+            // However it was named, the data is recorded by its absolute
+            // path: a resume from another directory reads the same file.
+            if let Some(path) = &config.data.path {
+                config.data.path = Some(absolute(path, "data.path")?);
+            }
+        }
     }
     if let Some(dir) = &args.checkpoint_dir {
         config.train.checkpoint_dir = Some(dir.clone());
     } else if let (Some(checkpoint), Some(given)) = (&checkpoint, &args.resume) {
         // Resumed: checkpoints go on where they were found (the directory
-        // given, or the one holding the step directory given).
+        // given, or the one holding the step directory given) - unless
+        // the step is not the one that directory's `latest` names: the
+        // later checkpoints there are another future of the run, which
+        // this one's would be mixed with (and pruned against).
+        let step_dir = absolute(&checkpoint.dir, "--resume")?;
         let root = if given.join("latest").exists() {
-            given.clone()
+            absolute(given, "--resume")?
         } else {
-            checkpoint
-                .dir
+            step_dir
                 .parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+                .map_or_else(|| step_dir.clone(), Path::to_path_buf)
         };
+        let latest = std::fs::read_to_string(root.join("latest")).unwrap_or_default();
+        if step_dir.file_name().and_then(|n| n.to_str()) != Some(latest.trim()) {
+            bail!(
+                "--resume {}: {} names {}, a later checkpoint of the run: give --checkpoint-dir (a new directory) to go on from this step, so that its checkpoints and the later ones stay apart",
+                given.display(),
+                root.join("latest").display(),
+                latest.trim()
+            );
+        }
         config.train.checkpoint_dir = Some(root);
     }
     if config.train.checkpoint_dir.is_none() && config.train.checkpoint_every > 0 {
@@ -288,7 +313,11 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<(TrainConfig, bool)> {
             .is_some(),
         _ => false,
     };
-    Ok((config, create_dirs_set))
+    Ok(Loaded {
+        config,
+        create_dirs_set,
+        resumed_step: checkpoint.map(|c| c.meta.step),
+    })
 }
 
 /// The corpus `[data]` names, or the bundled text.
@@ -323,7 +352,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     // Before any thread starts, so that every one inherits the mask.
     let blocked = super::signals::block().context("block SIGINT and SIGTERM for the run")?;
-    let (config, create_dirs_set) = load_config(&args)?;
+    let Loaded {
+        config,
+        create_dirs_set,
+        resumed_step,
+    } = load_config(&args)?;
     if args.print_config {
         let mut shown = config.clone();
         if let Some(nvme) = shown.nvme.as_mut().filter(|_| !create_dirs_set) {
@@ -377,28 +410,42 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         config.placement.params,
         config.placement.optimizer,
     );
-    // Swap directories this run creates (the built-in default's) are
-    // removed when it ends, however it ends: a checkpoint, not the swap,
-    // is what a resume reads.
+    // The built-in default's swap directory, when this run creates it, is
+    // removed when the run ends, however it ends (a checkpoint, not the
+    // swap, is what a resume reads) - once the run has trained a step, so
+    // holding the directory's lock: a run refused at the lock removes
+    // nothing. Never one that holds the run's other outputs.
+    let defaults = TrainConfig::default()
+        .nvme
+        .map(|n| n.dirs)
+        .unwrap_or_default();
+    let outputs: Vec<&Path> = [
+        config.train.checkpoint_dir.as_deref(),
+        args.trace.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let created: Vec<PathBuf> = match &config.nvme {
-        Some(nvme) if nvme.create_dirs && config.uses_nvme() => nvme
+        Some(nvme) if nvme.create_dirs && config.uses_nvme() && nvme.dirs == defaults => nvme
             .dirs
             .iter()
             .filter(|dir| !dir.exists())
+            .filter(|dir| !outputs.iter().any(|out| out.starts_with(dir)))
             .cloned()
             .collect(),
         _ => Vec::new(),
     };
-    let _swap = RemoveOnDrop(created);
+    let swap = RemoveOnDrop {
+        dirs: created,
+        armed: std::cell::Cell::new(false),
+    };
     if args.log_every == 0 {
         bail!(
             "--log-every 0 prints no step: give a number of steps from 1 (default {LOG_EVERY_DEFAULT})"
         );
     }
-    let mut metrics = Metrics::open(
-        config.train.checkpoint_dir.as_deref(),
-        args.resume.is_some(),
-    );
+    let mut metrics = Metrics::new(config.train.checkpoint_dir.as_deref(), resumed_step);
     let mut moved_before = [0u64; 4];
     let mut timing = StopTiming::default();
     let summary = engine::run(&config, &corpus, &options, &mut |progress| {
@@ -411,6 +458,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         let moved: [u64; 4] = [0, 1, 2, 3].map(|i| progress.stats.links[i].bytes);
         let step_moved: [u64; 4] = [0, 1, 2, 3].map(|i| moved[i] - moved_before[i]);
         moved_before = moved;
+        // The engine holds its directories now: the metrics file and the
+        // swap directory are this run's.
+        swap.armed.set(true);
         metrics.write(r, &step_moved);
         let tokens_per_s = r.tokens as f64 / r.seconds;
         bar.set_position(r.step);
@@ -550,12 +600,50 @@ fn size(bytes: u64) -> String {
     }
 }
 
-/// Directories removed when dropped (errors warned about).
-struct RemoveOnDrop(Vec<PathBuf>);
+/// `path` for this run's records: emptied for a new run; for one resumed
+/// from `resumed`, rewritten (by rename) with only the records up to that
+/// step, then appended to.
+fn open_metrics(path: &Path, resumed: Option<u64>) -> std::io::Result<std::fs::File> {
+    use std::io::Write;
+    if let Some(step) = resumed
+        && let Ok(text) = std::fs::read_to_string(path)
+    {
+        let kept: String = text
+            .lines()
+            .filter(|line| {
+                serde_json::from_str::<serde_json::Value>(line)
+                    .ok()
+                    .and_then(|r| r["step"].as_u64())
+                    .is_some_and(|s| s <= step)
+            })
+            .map(|line| format!("{line}\n"))
+            .collect();
+        let tmp = path.with_extension("jsonl.tmp");
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(kept.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(resumed.is_some())
+        .write(true)
+        .truncate(resumed.is_none())
+        .open(path)
+}
+
+/// Directories removed when dropped once armed (errors warned about).
+struct RemoveOnDrop {
+    dirs: Vec<PathBuf>,
+    armed: std::cell::Cell<bool>,
+}
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        for dir in &self.0 {
+        if !self.armed.get() {
+            return;
+        }
+        for dir in &self.dirs {
             if let Err(err) = std::fs::remove_dir_all(dir)
                 && err.kind() != std::io::ErrorKind::NotFound
             {
@@ -566,9 +654,14 @@ impl Drop for RemoveOnDrop {
 }
 
 /// Every step's record as one JSON line in `metrics.jsonl` beside the
-/// checkpoints (appended to on a resume, started afresh otherwise). A
-/// failure to write is warned about once and ends the file, not the run.
+/// checkpoints: opened at the first step (the engine holds the directory
+/// then), started afresh by a new run, and, on a resume, kept up to the
+/// step resumed from and appended to (so a file read after a resume holds
+/// each step once). A failure to write is warned about once and ends the
+/// file, not the run.
 struct Metrics {
+    dir: Option<PathBuf>,
+    resumed_step: Option<u64>,
     file: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
 }
 
@@ -576,36 +669,33 @@ struct Metrics {
 const METRICS_FILE: &str = "metrics.jsonl";
 
 impl Metrics {
-    fn open(dir: Option<&Path>, resumed: bool) -> Metrics {
-        let Some(dir) = dir else {
-            return Metrics { file: None };
-        };
-        let path = dir.join(METRICS_FILE);
-        let opened = std::fs::create_dir_all(dir).and_then(|()| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(resumed)
-                .write(true)
-                .truncate(!resumed)
-                .open(&path)
-        });
-        match opened {
-            Ok(file) => Metrics {
-                file: Some((path, std::io::BufWriter::new(file))),
-            },
-            Err(err) => {
-                tracing::warn!(
+    fn new(dir: Option<&Path>, resumed_step: Option<u64>) -> Metrics {
+        Metrics {
+            dir: dir.map(Path::to_path_buf),
+            resumed_step,
+            file: None,
+        }
+    }
+
+    /// The file, opened as this run keeps it; None after a failure.
+    fn open(&mut self) -> Option<&mut (PathBuf, std::io::BufWriter<std::fs::File>)> {
+        if self.file.is_none() {
+            let dir = self.dir.take()?;
+            let path = dir.join(METRICS_FILE);
+            match open_metrics(&path, self.resumed_step) {
+                Ok(file) => self.file = Some((path, std::io::BufWriter::new(file))),
+                Err(err) => tracing::warn!(
                     "cannot write {}: {err}; the run goes on without a metrics file",
                     path.display()
-                );
-                Metrics { file: None }
+                ),
             }
         }
+        self.file.as_mut()
     }
 
     fn write(&mut self, report: &engine::StepReport, moved: &[u64; 4]) {
         use std::io::Write;
-        let Some((path, out)) = &mut self.file else {
+        let Some((path, out)) = self.open() else {
             return;
         };
         let mut line = serde_json::to_value(report).expect("a step report serializes");

@@ -200,9 +200,9 @@ pub type Result<T, E = TrainError> = std::result::Result<T, E>;
 impl From<SchedulerError> for TrainError {
     fn from(cause: SchedulerError) -> Self {
         match cause {
-            SchedulerError::DoesNotFit { .. } | SchedulerError::InitialPlacement { .. } => {
-                TrainError::DoesNotFit { cause }
-            }
+            SchedulerError::DoesNotFit { .. }
+            | SchedulerError::StagingDoesNotFit { .. }
+            | SchedulerError::InitialPlacement { .. } => TrainError::DoesNotFit { cause },
             other => TrainError::Scheduler(other),
         }
     }

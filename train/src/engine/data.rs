@@ -125,7 +125,7 @@ impl Corpus {
             os(
                 format!("open token file {}", path.display()),
                 err,
-                "check --tokens names an existing, readable file",
+                "check that --tokens (or [data] path) names an existing, readable file",
             )
         })?;
         let bytes = file
@@ -137,7 +137,7 @@ impl Corpus {
                 "tokens",
                 path.display(),
                 format!(
-                    "it holds {bytes} bytes, not a whole number of {dtype} tokens ({} bytes each): is --token-dtype right?",
+                    "it holds {bytes} bytes, not a whole number of {dtype} tokens ({} bytes each): is --token-dtype (data.token_dtype) right?",
                     dtype.bytes()
                 ),
             ));

@@ -186,6 +186,7 @@ impl<'a> Planner<'a> {
             Ok(plan) => plan,
             Err(
                 sched::SchedulerError::DoesNotFit { .. }
+                | sched::SchedulerError::StagingDoesNotFit { .. }
                 | sched::SchedulerError::InitialPlacement { .. },
             ) => return Ok(None),
             Err(err) => return Err(err.into()),

@@ -360,6 +360,22 @@ fn check_resumed_run(config: &TrainConfig, checkpoint: &Checkpoint) -> Result<()
         });
     }
     if finished && longer {
+        use crate::engine::config::Schedule;
+        if let Schedule::WarmupDecayLr {
+            total_num_steps: Some(end),
+            ..
+        }
+        | Schedule::WarmupCosineLr {
+            total_num_steps: Some(end),
+            ..
+        } = config.train.schedule
+            && end < config.train.steps
+        {
+            tracing::warn!(
+                "train.schedule.total_num_steps = {end} ends before the extended run's {} steps: the steps past it run at the schedule's final rate; set total_num_steps to extend the schedule too",
+                config.train.steps
+            );
+        }
         tracing::warn!(
             "train.steps = {}: extending the run, which finished at step {step}, by {} steps; \
              the learning-rate schedule now spans {} steps (step {} runs at lr {:.3e})",

@@ -137,6 +137,31 @@ impl TrainConfig {
         };
         let other = per_rank - value.0;
         let most = (available / ranks).saturating_sub(other);
+        if most < (64 << 20) {
+            // The other budget alone takes (nearly) all of it.
+            return Err(bad(
+                key,
+                value,
+                format!(
+                    "{} rank(s) x ({}host.budget {}) need {} of memory, and this process may take {} (MemAvailable, its cgroup's limit, ulimit -v): lower them together to at most {} per rank{}",
+                    ranks,
+                    if cpu {
+                        format!("device.budget {} on the CPU device + ", self.device.budget)
+                    } else {
+                        String::new()
+                    },
+                    self.host.budget,
+                    gib(needed),
+                    gib(available),
+                    gib(available / ranks),
+                    if ranks > 1 {
+                        ", or train fewer ranks"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
         Err(bad(
             key,
             value,

@@ -277,10 +277,24 @@ impl TrainConfig {
                 fixes.push(format!("set {} {}", keys.params, keys.quote(place.name())));
             }
         }
-        if let Some(ranks) =
-            (self.train.ranks + 1..=keys.ranks_max).find(|&r| fits(&|c| c.train.ranks = r))
+        // More ranks split the states, but each rank of a config has its
+        // own budgets (the machine gives them all), and a CUDA run trains
+        // one rank for now: offered to a config only on the CPU device,
+        // with what it takes in all.
+        let ranks_apply = !keys.config || self.device.kind == DeviceChoice::Cpu;
+        if ranks_apply
+            && let Some(ranks) =
+                (self.train.ranks + 1..=keys.ranks_max).find(|&r| fits(&|c| c.train.ranks = r))
         {
-            fixes.push(format!("shard over {} {ranks}", keys.ranks));
+            fixes.push(if keys.config {
+                format!(
+                    "shard over {} {ranks} (each rank has its own {budget_key}: {} in all)",
+                    keys.ranks,
+                    strata_scheduler::gib(budget_bytes.saturating_mul(ranks as u64))
+                )
+            } else {
+                format!("shard over {} {ranks}", keys.ranks)
+            });
         }
         if tier == Tier::Device
             && let Some(mb) = (1..self.train.micro_batch)
@@ -499,6 +513,19 @@ mod tests {
         );
         config.train.ranks = 2;
         config.check_machine_with(Some(24 * gib), None).unwrap();
+        // Each budget alone takes it all: they are to shrink together.
+        let mut both = config.clone();
+        both.train.ranks = 1;
+        both.device.budget = ByteSize(30 * gib);
+        both.host.budget = ByteSize(30 * gib);
+        let err = both
+            .check_machine_with(Some(24 * gib), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("lower them together to at most 24.00 GiB per rank"),
+            "{err}"
+        );
         config.check_machine_with(None, None).unwrap();
         // On a GPU the device budget is the GPU's; the host's the process's.
         config.device.kind = DeviceChoice::Cuda;

@@ -170,6 +170,7 @@ const DEEPSPEED_TOP_LEVEL: &[&str] = &[
     "quantize_training",
     "scheduler",
     "seq_parallel_comm_data_type",
+    "sequence_parallel_size",
     "sparse_attention",
     "sparse_gradients",
     "steps_per_print",
