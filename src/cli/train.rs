@@ -498,10 +498,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             },
             r.optimizer_wait_s * 1e3,
             r.optimizer_params_per_s / 1e9,
-            size(step_moved[Link::HostToDevice.index()]),
-            size(step_moved[Link::DeviceToHost.index()]),
-            size(step_moved[Link::NvmeToHost.index()]),
-            size(step_moved[Link::HostToNvme.index()]),
+            strata_scheduler::gib(step_moved[Link::HostToDevice.index()]),
+            strata_scheduler::gib(step_moved[Link::DeviceToHost.index()]),
+            strata_scheduler::gib(step_moved[Link::NvmeToHost.index()]),
+            strata_scheduler::gib(step_moved[Link::HostToNvme.index()]),
         );
     });
     bar.finish_and_clear();
@@ -589,15 +589,6 @@ impl StopTiming {
 
 fn mib(bytes: u64) -> String {
     format!("{:.1}MiB", bytes as f64 / (1 << 20) as f64)
-}
-
-/// Bytes in the unit that reads best: GiB from 1 GiB, else MiB.
-fn size(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{:.2}GiB", bytes as f64 / (1u64 << 30) as f64)
-    } else {
-        mib(bytes)
-    }
 }
 
 /// `path` for this run's records: emptied for a new run; for one resumed
@@ -771,10 +762,10 @@ fn print_summary(summary: &RunSummary, layers: usize, json: bool) -> anyhow::Res
     let moved = summary.moved_bytes;
     println!(
         "moved per link (rank 0): host->device {}, device->host {}, nvme->host {}, host->nvme {}",
-        size(moved[Link::HostToDevice.index()]),
-        size(moved[Link::DeviceToHost.index()]),
-        size(moved[Link::NvmeToHost.index()]),
-        size(moved[Link::HostToNvme.index()]),
+        strata_scheduler::gib(moved[Link::HostToDevice.index()]),
+        strata_scheduler::gib(moved[Link::DeviceToHost.index()]),
+        strata_scheduler::gib(moved[Link::NvmeToHost.index()]),
+        strata_scheduler::gib(moved[Link::HostToNvme.index()]),
     );
     for path in &summary.checkpoints {
         println!("checkpoint: {}", path.display());

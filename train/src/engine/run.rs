@@ -171,7 +171,9 @@ pub fn run(
     let world = config.train.ranks;
     // Counted again with the device known (the gradients' width follows it).
     let resolved = config.with_device_resolved().0;
-    resolved.validate()?;
+    if resolved != *config {
+        resolved.validate()?;
+    }
     // Refused before any directory is taken or file written.
     let resume = match &options.resume {
         Some(path) => {

@@ -137,53 +137,41 @@ impl TrainConfig {
         };
         let other = per_rank - value.0;
         let most = (available / ranks).saturating_sub(other);
-        if most < (64 << 20) {
+        // What the budgets come to, against what the machine gives.
+        let asked = format!(
+            "{ranks} rank(s) x ({}host.budget {}) need {} of memory, and this process may take {} (MemAvailable, its cgroup's limit, ulimit -v)",
+            if cpu {
+                format!("device.budget {} on the CPU device + ", self.device.budget)
+            } else {
+                String::new()
+            },
+            self.host.budget,
+            gib(needed),
+            gib(available),
+        );
+        let fix = if most < (64 << 20) {
             // The other budget alone takes (nearly) all of it.
-            return Err(bad(
-                key,
-                value,
-                format!(
-                    "{} rank(s) x ({}host.budget {}) need {} of memory, and this process may take {} (MemAvailable, its cgroup's limit, ulimit -v): lower them together to at most {} per rank{}",
-                    ranks,
-                    if cpu {
-                        format!("device.budget {} on the CPU device + ", self.device.budget)
-                    } else {
-                        String::new()
-                    },
-                    self.host.budget,
-                    gib(needed),
-                    gib(available),
-                    gib(available / ranks),
-                    if ranks > 1 {
-                        ", or train fewer ranks"
-                    } else {
-                        ""
-                    }
-                ),
-            ));
-        }
-        Err(bad(
-            key,
-            value,
             format!(
-                "{} rank(s) x ({}host.budget {}) need {} of memory, and this process may take {} (MemAvailable, its cgroup's limit, ulimit -v): set {key} to at most {}{}",
-                ranks,
-                if cpu {
-                    format!("device.budget {} on the CPU device + ", self.device.budget)
+                "lower them together to at most {} per rank{}",
+                gib(available / ranks),
+                if ranks > 1 {
+                    ", or train fewer ranks"
                 } else {
-                    String::new()
-                },
-                self.host.budget,
-                gib(needed),
-                gib(available),
+                    ""
+                }
+            )
+        } else {
+            format!(
+                "set {key} to at most {}{}",
                 gib(most),
                 if cpu {
                     " (on the CPU device, the device's memory is this machine's too)"
                 } else {
                     ""
                 }
-            ),
-        ))
+            )
+        };
+        Err(bad(key, value, format!("{asked}: {fix}")))
     }
 
     /// This config with `device.kind = "auto"` made `cuda` or `cpu`: the

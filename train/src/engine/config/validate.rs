@@ -143,12 +143,7 @@ impl TrainConfig {
     pub fn tier_needs(&self) -> Result<[Vec<(&'static str, u64)>; 3]> {
         let model = self.model.build()?;
         let world = self.train.ranks as u64;
-        let groups: Vec<u64> = model.groups().iter().map(|g| g.params() as u64).collect();
-        // Every group is cut into `world` equal shards (padded).
-        let shard = |params: u64| params.div_ceil(world);
-        let shard_params = groups
-            .iter()
-            .fold(0u64, |sum, &params| sum.saturating_add(shard(params)));
+        let shard_params = shard_params(&*model, world);
         let state_bytes = self.optim.state_dtype.bytes_per_param() as u64;
         let mut needs: [Vec<(&'static str, u64)>; 3] = Default::default();
         let mut add = |tier: Tier, part: &'static str, bytes_per_param: u64| {
@@ -190,7 +185,8 @@ impl TrainConfig {
             ),
         };
         add(grads, grad_part, grad_bytes);
-        let group_max = shard(groups.iter().copied().max().unwrap_or(0)).saturating_mul(world);
+        let largest = model.groups().iter().map(|g| g.params() as u64).max();
+        let group_max = largest.unwrap_or(0).div_ceil(world).saturating_mul(world);
         let stream = [self.train.micro_batch, model.seq(), model.stream_width()]
             .iter()
             .fold(1u64, |n, &d| n.saturating_mul(d as u64));
@@ -220,18 +216,6 @@ impl TrainConfig {
         ]
     }
 
-    /// The first tier whose closed-form need passes its budget in
-    /// `budgets`: the tier, the need.
-    fn short_tier(&self, budgets: &[(&'static str, u64); 3]) -> Result<Option<(Tier, u64)>> {
-        let needs = self.tier_needs()?;
-        Ok(Tier::ALL.into_iter().find_map(|tier| {
-            let needed = needs[tier.index()]
-                .iter()
-                .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes));
-            (needed > budgets[tier.index()].1).then_some((tier, needed))
-        }))
-    }
-
     /// Refuses a model and batch whose rank cannot fit its tiers by
     /// [`TrainConfig::tier_needs`] (see [`TrainConfig::check_needs`]).
     fn check_memory(&self) -> Result<()> {
@@ -246,10 +230,10 @@ impl TrainConfig {
     /// does (named as `keys` says: a config's keys, or `strata plan`'s
     /// flags). `strata train` and `strata plan` both count with it.
     pub fn check_needs(&self, budgets: &[(&'static str, u64); 3], keys: &Keys) -> Result<()> {
-        let Some((tier, needed)) = self.short_tier(budgets)? else {
+        let needs = self.tier_needs()?;
+        let Some((tier, needed)) = short_tier(&needs, budgets) else {
             return Ok(());
         };
-        let needs = self.tier_needs()?;
         let (budget_key, budget_bytes) = budgets[tier.index()];
         let parts: Vec<String> = needs[tier.index()]
             .iter()
@@ -263,7 +247,9 @@ impl TrainConfig {
         let fits = |edit: &dyn Fn(&mut TrainConfig)| {
             let mut other = self.clone();
             edit(&mut other);
-            matches!(other.short_tier(budgets), Ok(None))
+            other
+                .tier_needs()
+                .is_ok_and(|needs| short_tier(&needs, budgets).is_none())
         };
         for place in [Placement::Nvme, Placement::Cpu, Placement::Device] {
             if place != self.placement.optimizer && fits(&|c| c.placement.optimizer = place) {
@@ -283,8 +269,9 @@ impl TrainConfig {
         // with what it takes in all.
         let ranks_apply = !keys.config || self.device.kind == DeviceChoice::Cpu;
         if ranks_apply
-            && let Some(ranks) =
-                (self.train.ranks + 1..=keys.ranks_max).find(|&r| fits(&|c| c.train.ranks = r))
+            && let Some(ranks) = first_true(self.train.ranks + 1, keys.ranks_max, &|r| {
+                fits(&|c| c.train.ranks = r)
+            })
         {
             fixes.push(if keys.config {
                 format!(
@@ -296,10 +283,16 @@ impl TrainConfig {
                 format!("shard over {} {ranks}", keys.ranks)
             });
         }
+        // The largest smaller micro-batch that fits: one below the first
+        // that does not, counting up from 1.
+        let smaller = self.train.micro_batch.saturating_sub(1);
+        let largest_fitting =
+            match first_true(1, smaller, &|mb| !fits(&|c| c.train.micro_batch = mb)) {
+                Some(failing) => failing.checked_sub(1).filter(|&mb| mb >= 1),
+                None => Some(smaller).filter(|&mb| mb >= 1),
+            };
         if tier == Tier::Device
-            && let Some(mb) = (1..self.train.micro_batch)
-                .rev()
-                .find(|&mb| fits(&|c| c.train.micro_batch = mb))
+            && let Some(mb) = largest_fitting
         {
             fixes.push(format!(
                 "lower {} to {mb} (accumulate more micro-batches to keep the batch)",
@@ -319,7 +312,7 @@ impl TrainConfig {
             budget_bytes,
             detail: format!(
                 "{} parameters per rank, states {:?}; a closed-form lower bound, counted before anything is allocated",
-                needs_params(self)?,
+                shard_params(&*self.model.build()?, self.train.ranks as u64),
                 self.optim.state_dtype.name()
             ),
             fix: if nvme_unset {
@@ -399,13 +392,47 @@ impl Keys {
     }
 }
 
-/// Parameters per rank (every group's shard, padded).
-fn needs_params(config: &TrainConfig) -> Result<u64> {
-    let model = config.model.build()?;
-    let world = config.train.ranks as u64;
-    Ok(model.groups().iter().fold(0u64, |sum, g| {
+/// Parameters per rank of `world`: every group cut into `world` equal
+/// shards (padded).
+fn shard_params(model: &dyn crate::model::Model, world: u64) -> u64 {
+    model.groups().iter().fold(0u64, |sum, g| {
         sum.saturating_add((g.params() as u64).div_ceil(world))
-    }))
+    })
+}
+
+/// The smallest `x` in `lo..=hi` for which `holds(x)`, by bisection: the
+/// counts are monotone in ranks and micro-batch (a bound as large as
+/// `strata plan`'s GPU count takes a few dozen counts, not one a value).
+/// None when it holds nowhere in the range.
+fn first_true(lo: usize, hi: usize, holds: &dyn Fn(usize) -> bool) -> Option<usize> {
+    if lo > hi || !holds(hi) {
+        return None;
+    }
+    let (mut lo, mut hi) = (lo, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Some(lo)
+}
+
+/// The first tier whose need in `needs` (parts per tier, from
+/// [`TrainConfig::tier_needs`]) passes its budget in `budgets`: the tier,
+/// the need.
+fn short_tier(
+    needs: &[Vec<(&'static str, u64)>; 3],
+    budgets: &[(&'static str, u64); 3],
+) -> Option<(Tier, u64)> {
+    Tier::ALL.into_iter().find_map(|tier| {
+        let needed = needs[tier.index()]
+            .iter()
+            .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes));
+        (needed > budgets[tier.index()].1).then_some((tier, needed))
+    })
 }
 
 #[cfg(test)]
@@ -490,10 +517,12 @@ mod tests {
         let mut config = TrainConfig::default();
         config.device.budget = ByteSize(80 * gib);
         config.host.budget = ByteSize(gib);
-        let err = config
-            .check_machine_with(Some(24 * gib), None)
-            .unwrap_err()
-            .to_string();
+        let refused = |c: &TrainConfig, gpu: Option<u64>| {
+            c.check_machine_with(Some(24 * gib), gpu)
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refused(&config, None);
         assert!(
             err.contains("device.budget = 80GiB")
                 && err.contains("need 81.00 GiB of memory")
@@ -503,10 +532,7 @@ mod tests {
         );
         config.device.budget = ByteSize(8 * gib);
         config.train.ranks = 4;
-        let err = config
-            .check_machine_with(Some(24 * gib), None)
-            .unwrap_err()
-            .to_string();
+        let err = refused(&config, None);
         assert!(
             err.contains("set device.budget to at most 5.00 GiB"),
             "{err}"
@@ -518,10 +544,7 @@ mod tests {
         both.train.ranks = 1;
         both.device.budget = ByteSize(30 * gib);
         both.host.budget = ByteSize(30 * gib);
-        let err = both
-            .check_machine_with(Some(24 * gib), None)
-            .unwrap_err()
-            .to_string();
+        let err = refused(&both, None);
         assert!(
             err.contains("lower them together to at most 24.00 GiB per rank"),
             "{err}"
@@ -530,17 +553,11 @@ mod tests {
         // On a GPU the device budget is the GPU's; the host's the process's.
         config.device.kind = DeviceChoice::Cuda;
         config.device.budget = ByteSize(200 * gib);
-        let err = config
-            .check_machine_with(Some(24 * gib), Some(141 * gib))
-            .unwrap_err()
-            .to_string();
+        let err = refused(&config, Some(141 * gib));
         assert!(err.contains("GPU 0 has 141.00 GiB in all"), "{err}");
         config.device.budget = ByteSize(100 * gib);
         config.host.budget = ByteSize(20 * gib);
-        let err = config
-            .check_machine_with(Some(24 * gib), Some(141 * gib))
-            .unwrap_err()
-            .to_string();
+        let err = refused(&config, Some(141 * gib));
         assert!(
             err.contains("set host.budget to at most 12.00 GiB"),
             "{err}"
