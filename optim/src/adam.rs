@@ -318,7 +318,7 @@ pub fn adam_step_bf16_master(
 /// If the slices differ in length, the moments in and out differ in
 /// format, or `isa` is not available.
 #[allow(clippy::too_many_arguments)]
-pub fn adam_step_out_of_place<P: Element>(
+pub fn adam_step_out_of_place<P: Master>(
     isa: Isa,
     coefficients: &AdamCoefficients,
     params_in: &[P],
@@ -397,11 +397,42 @@ impl<P> Split for OutOfPlaceShard<'_, P> {
 /// elements long: whether its outputs are streamed past the caches follows
 /// the whole update's length, so a large update walked stretch by stretch
 /// (host chunks of a few hundred KiB) is streamed like one call.
-pub(crate) fn adam_step_out_of_place_part<P: Element>(
+pub(crate) fn adam_step_out_of_place_part<P: Master>(
     isa: Isa,
     shard: OutOfPlaceShard<'_, P>,
     whole_len: usize,
 ) {
+    P::out_of_place_part(isa, shard, whole_len)
+}
+
+/// The element type of master weights in an out-of-place step: f32 or
+/// bf16 (sealed, as [`Element`]).
+///
+/// Its one method is not generic, so each type's update, and the dozens of
+/// kernels (gradient, moment and copy formats, times each instruction set)
+/// that it dispatches to, are compiled once, in this crate. A generic
+/// function that reached them directly would be compiled again in every
+/// crate that calls it with a concrete type, and would double the build.
+pub trait Master: Element {
+    /// [`adam_step_out_of_place_part`] for masters of this type.
+    #[doc(hidden)]
+    fn out_of_place_part(isa: Isa, shard: OutOfPlaceShard<'_, Self>, whole_len: usize);
+}
+
+macro_rules! master {
+    ($($t:ty),*) => {$(
+        impl Master for $t {
+            #[inline(never)]
+            fn out_of_place_part(isa: Isa, shard: OutOfPlaceShard<'_, Self>, whole_len: usize) {
+                out_of_place_part(isa, shard, whole_len)
+            }
+        }
+    )*};
+}
+master!(f32, bf16);
+
+/// The body of [`adam_step_out_of_place_part`], reached through [`Master`].
+fn out_of_place_part<P: Element>(isa: Isa, shard: OutOfPlaceShard<'_, P>, whole_len: usize) {
     let call = Call {
         isa,
         coefficients: shard.coefficients,

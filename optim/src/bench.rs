@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 
 use crate::{
-    AdagradConfig, AdamCoefficients, AdamConfig, Element, LionConfig, LowPrecisionMut, Moments,
+    AdagradConfig, AdamCoefficients, AdamConfig, LionConfig, LowPrecisionMut, Master, Moments,
     MomentsRef, OptimError, OutOfPlaceShard, Pool, Rounding, Values,
 };
 
@@ -306,7 +306,7 @@ type MomentViews<T> =
 /// in host chunks ([`ENGINE_STRETCH_ELEMS`]) as the engine walks a group's
 /// states, in one pool call. `stochastic`: bf16 states rounded so, keyed by
 /// each chunk's first element.
-fn engine_step<T: Element>(
+fn engine_step<T: Master>(
     pool: &Pool,
     c: &AdamCoefficients,
     step: u64,

@@ -54,7 +54,7 @@ mod values;
 
 pub use adagrad::{AdagradCoefficients, AdagradConfig, adagrad_step};
 pub use adam::{
-    AdamCoefficients, AdamConfig, FLUSH_V_EPS_MIN, OutOfPlaceShard, adam_step,
+    AdamCoefficients, AdamConfig, FLUSH_V_EPS_MIN, Master, OutOfPlaceShard, adam_step,
     adam_step_bf16_master, adam_step_out_of_place, adam_step_rounded,
 };
 pub use error::OptimError;

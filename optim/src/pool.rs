@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::adagrad::AdagradCoefficients;
 use crate::adam::{
-    AdamCoefficients, OutOfPlaceShard, adam_step_bf16_master, adam_step_out_of_place_part,
+    AdamCoefficients, Master, OutOfPlaceShard, adam_step_bf16_master, adam_step_out_of_place_part,
     adam_step_part,
 };
 use crate::grads::{self, GradNorm};
@@ -28,7 +28,7 @@ use crate::rounding::Rounding;
 use crate::single_state;
 use crate::topology::{CpuTopology, pin_current_thread};
 use crate::values::{LowPrecisionMut, Moments, MomentsRef, Split, Values};
-use crate::{Element, Isa, OptimError};
+use crate::{Isa, OptimError};
 
 /// Most threads a pool may have.
 pub const THREADS_MAX: usize = 256;
@@ -271,7 +271,7 @@ impl Pool {
 
     /// [`crate::adam_step_out_of_place`] over the pool.
     #[allow(clippy::too_many_arguments)]
-    pub fn adam_step_out_of_place<P: Element>(
+    pub fn adam_step_out_of_place<P: Master>(
         &self,
         coefficients: &AdamCoefficients,
         params_in: &[P],
@@ -371,7 +371,7 @@ impl Pool {
     /// engine's update of a group whose states lie in host chunks of a few
     /// hundred KiB. Whether the outputs are streamed past the caches
     /// follows the whole call's length, not a stretch's.
-    pub fn adam_step_out_of_place_many<P: Element>(&self, shards: Vec<OutOfPlaceShard<'_, P>>) {
+    pub fn adam_step_out_of_place_many<P: Master>(&self, shards: Vec<OutOfPlaceShard<'_, P>>) {
         let isa = self.isa;
         let whole_len = shards.iter().map(|s| s.params_out.len()).sum();
         self.split_many(shards, |s| s.params_out.len(), &|s| {

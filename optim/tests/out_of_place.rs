@@ -6,7 +6,7 @@ mod common;
 
 use common::PageAligned;
 use strata_optim::{
-    AdamCoefficients, AdamConfig, Element, Isa, LowPrecisionMut, Moments, MomentsRef,
+    AdamCoefficients, AdamConfig, Isa, LowPrecisionMut, Master, Moments, MomentsRef,
     OutOfPlaceShard, Pool, PoolConfig, Rounding, Values, adam_step_out_of_place, adam_step_rounded,
     bf16,
 };
@@ -112,7 +112,7 @@ fn compare(isa: Isa, len: usize, offset: usize, bf16_moments: bool, rounding: Ro
 
 /// [`adam_step_out_of_place`] over `r` of masters `p` and bf16 m, v and
 /// gradients, into masters `p2`, bf16 m, v and the bf16 copy.
-fn step_bf16_range<P: Element>(
+fn step_bf16_range<P: Master>(
     isa: Isa,
     coefficients: &AdamCoefficients,
     (p, [m, v, g]): (&[P], [&[bf16]; 3]),

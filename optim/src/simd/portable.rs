@@ -1,6 +1,8 @@
-//! The portable back end: eight f32 lanes as an array, each operation a
-//! fixed-length loop the compiler vectorizes for the target's baseline
-//! (SSE2 on x86-64, NEON on aarch64). No FMA: `mul_add` rounds twice, since
+//! The portable back end: four f32 lanes as an array (one SSE2 or NEON
+//! register), each operation a fixed-length loop the compiler vectorizes
+//! for the target's baseline. Four, not eight: every kernel is compiled
+//! once per back end, and this one, unrolled lane by lane, was the largest
+//! part of the crate's build. No FMA: `mul_add` rounds twice, since
 //! a fused multiply-add without hardware support is a slow libm call.
 //! Conversions go through `half`, the reference the SIMD paths are tested
 //! against.
@@ -10,7 +12,7 @@ use half::{bf16, f16};
 use super::Simd;
 use crate::rounding::{aes_column, round_bf16_stochastic};
 
-const LANES: usize = 8;
+const LANES: usize = 4;
 
 /// `x`, or +0 where its exponent field is zero (a subnormal or a zero): the
 /// scalar rule of [`Simd::flush_subnormal`]. Adam reads its moments through

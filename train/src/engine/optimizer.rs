@@ -197,7 +197,7 @@ pub(super) fn adam_group(
 /// cuts the group's elements across its threads (the stretches are host
 /// chunks, far shorter than a call the pool would split on its own) and
 /// streams the outputs past the caches by the group's whole length.
-fn adam_group_as<P: strata_optim::Element + bytemuck::Pod>(
+fn adam_group_as<P: strata_optim::Master + bytemuck::Pod>(
     pool: &Pool,
     group: &Group,
     job: &OptJob,
