@@ -1,6 +1,9 @@
 //! The model's element-wise and row kernels, free functions over slices.
 //! Each has a scalar form only: they are memory-bound next to the matrix
-//! products, which go through the GEMM crate.
+//! products, which go through the GEMM crate. GELU, whose `tanh` is not,
+//! cuts long slices across rayon's threads.
+
+use rayon::prelude::*;
 
 /// LayerNorm epsilon.
 pub const LN_EPS: f32 = 1e-5;
@@ -73,16 +76,49 @@ pub fn layer_norm_backward(
 
 const GELU_C: f32 = 0.797_884_6; // sqrt(2 / pi)
 
-/// GELU, tanh approximation (transformers' `gelu_new`).
+/// Elements below which an elementwise op stays on the caller's thread.
+const PARALLEL_ELEMS_MIN: usize = 1 << 15;
+/// Elements per piece of an elementwise op cut across rayon's threads
+/// (some 100 us of `tanh`). Each element is computed as on one thread, so
+/// the bits do not depend on the cut.
+const PIECE_ELEMS: usize = 1 << 14;
+
+/// GELU, tanh approximation (transformers' `gelu_new`). libm's `tanh`
+/// made it about a third of a small model's step on one core, so a long
+/// slice is cut across threads.
 pub fn gelu(x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "gelu: x and out differ in length");
+    if x.len() < PARALLEL_ELEMS_MIN {
+        return gelu_piece(x, out);
+    }
+    out.par_chunks_mut(PIECE_ELEMS)
+        .zip(x.par_chunks(PIECE_ELEMS))
+        .for_each(|(out, x)| gelu_piece(x, out));
+}
+
+fn gelu_piece(x: &[f32], out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
         let t = (GELU_C * (v + 0.044_715 * v * v * v)).tanh();
         *o = 0.5 * v * (1.0 + t);
     }
 }
 
-/// Backward of [`gelu`]: `dx = dout * gelu'(x)`.
+/// Backward of [`gelu`]: `dx = dout * gelu'(x)`, cut across threads as it.
 pub fn gelu_backward(dout: &[f32], x: &[f32], dx: &mut [f32]) {
+    assert!(
+        dout.len() == x.len() && x.len() == dx.len(),
+        "gelu_backward: dout, x and dx differ in length"
+    );
+    if x.len() < PARALLEL_ELEMS_MIN {
+        return gelu_backward_piece(dout, x, dx);
+    }
+    dx.par_chunks_mut(PIECE_ELEMS)
+        .zip(dout.par_chunks(PIECE_ELEMS))
+        .zip(x.par_chunks(PIECE_ELEMS))
+        .for_each(|((dx, dout), x)| gelu_backward_piece(dout, x, dx));
+}
+
+fn gelu_backward_piece(dout: &[f32], x: &[f32], dx: &mut [f32]) {
     for ((g, &d), &v) in dx.iter_mut().zip(dout).zip(x) {
         let u = GELU_C * (v + 0.044_715 * v * v * v);
         let t = u.tanh();
