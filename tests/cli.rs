@@ -2577,3 +2577,67 @@ fn bench_load_json_contract_tiny() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// A `[model]` key set to the value transformers takes for a key the
+/// folder's config.json leaves out agrees with the folder, and
+/// `max_positions` set in the config is the run's, not the folder's.
+#[test]
+fn train_init_from_takes_transformers_defaults_and_the_configs_positions() {
+    let dir = tempdir();
+    let folder = dir.path().join("folder");
+    std::fs::create_dir_all(&folder).unwrap();
+    for entry in std::fs::read_dir(hf_fixture()).unwrap().flatten() {
+        std::fs::copy(entry.path(), folder.join(entry.file_name())).unwrap();
+    }
+    let mut config = read_json(&folder.join("config.json"));
+    config.as_object_mut().unwrap().remove("rms_norm_eps");
+    std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+    let arch = config["model_type"].as_str().unwrap().to_owned();
+    std::fs::write(
+        dir.path().join("run.toml"),
+        format!("[model]\narch = \"{arch}\"\nnorm_eps = 1e-6\nmax_positions = 4096\n"),
+    )
+    .unwrap();
+    let output = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            "run.toml",
+            "--init-from",
+            folder.to_str().unwrap(),
+            "--print-config",
+        ],
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        stderr_of_failure(&output, "print-config")
+    );
+    let printed: toml::Table = toml::from_str(&String::from_utf8_lossy(&output.stdout)).unwrap();
+    let model = printed["model"].as_table().unwrap();
+    assert_eq!(model["norm_eps"].as_float(), Some(1e-6), "{model:?}");
+    assert_eq!(model["max_positions"].as_integer(), Some(4096), "{model:?}");
+    // A value other than transformers' default disagrees with the folder.
+    std::fs::write(
+        dir.path().join("run.toml"),
+        format!("[model]\narch = \"{arch}\"\nnorm_eps = 1e-5\n"),
+    )
+    .unwrap();
+    let output = strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            "run.toml",
+            "--init-from",
+            folder.to_str().unwrap(),
+            "--print-config",
+        ],
+    );
+    let err = stderr_of_failure(&output, "disagreeing norm_eps");
+    assert!(
+        err.contains("model.norm_eps") && err.contains("1e-6"),
+        "{err}"
+    );
+}

@@ -54,7 +54,39 @@ pub struct Variant {
     /// `use_sliding_window` (Mistral: yes; Qwen2: no, transformers'
     /// default is false).
     pub window_by_default: bool,
+    /// What transformers' config class takes for a key `config.json`
+    /// leaves out (`save_pretrained` writes only the keys that differ).
+    pub defaults: HfDefaults,
 }
+
+/// transformers' defaults (5.x) for the keys of a config class that
+/// `config.json` may leave out; the rest of them (`rms_norm_eps` 1e-6,
+/// `rope_theta` 10000, untied embeddings) are the same for the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HfDefaults {
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// `hidden_size`.
+    pub hidden_size: usize,
+    /// `intermediate_size`.
+    pub intermediate_size: usize,
+    /// `num_hidden_layers`.
+    pub num_hidden_layers: usize,
+    /// `num_attention_heads`.
+    pub num_attention_heads: usize,
+    /// `num_key_value_heads`; None: as many as the query heads (Llama's
+    /// rule, and every class's for an explicit null).
+    pub num_key_value_heads: Option<usize>,
+    /// `max_position_embeddings`.
+    pub max_position_embeddings: usize,
+    /// `sliding_window` (an explicit null is no window).
+    pub sliding_window: Option<usize>,
+}
+
+/// The family's `rms_norm_eps` where `config.json` gives none.
+const HF_NORM_EPS: f64 = 1e-6;
+/// The family's `rope_theta` where `config.json` gives none.
+const HF_ROPE_THETA: f64 = 10_000.0;
 
 /// Llama 2 and 3.
 pub const LLAMA: Variant = Variant {
@@ -63,6 +95,16 @@ pub const LLAMA: Variant = Variant {
     qkv_bias: false,
     window: false,
     window_by_default: false,
+    defaults: HfDefaults {
+        vocab_size: 32_000,
+        hidden_size: 4096,
+        intermediate_size: 11_008,
+        num_hidden_layers: 32,
+        num_attention_heads: 32,
+        num_key_value_heads: None,
+        max_position_embeddings: 2048,
+        sliding_window: None,
+    },
 };
 /// Mistral.
 pub const MISTRAL: Variant = Variant {
@@ -71,6 +113,16 @@ pub const MISTRAL: Variant = Variant {
     qkv_bias: false,
     window: true,
     window_by_default: true,
+    defaults: HfDefaults {
+        vocab_size: 32_000,
+        hidden_size: 4096,
+        intermediate_size: 14_336,
+        num_hidden_layers: 32,
+        num_attention_heads: 32,
+        num_key_value_heads: Some(8),
+        max_position_embeddings: 131_072,
+        sliding_window: Some(4096),
+    },
 };
 /// Qwen2 (and Qwen2.5).
 pub const QWEN2: Variant = Variant {
@@ -79,6 +131,16 @@ pub const QWEN2: Variant = Variant {
     qkv_bias: true,
     window: true,
     window_by_default: false,
+    defaults: HfDefaults {
+        vocab_size: 151_936,
+        hidden_size: 4096,
+        intermediate_size: 22_016,
+        num_hidden_layers: 32,
+        num_attention_heads: 32,
+        num_key_value_heads: Some(32),
+        max_position_embeddings: 32_768,
+        sliding_window: None,
+    },
 };
 
 /// Llama's entry in the registry.
@@ -670,6 +732,15 @@ fn linear_backward(
 
 /// transformers' `LlamaConfig` and its kin, read: a whole number under
 /// `key`.
+/// `key` of `config.json` as a whole number; `default` where the key is
+/// absent (or null).
+fn size_or(json: &serde_json::Value, key: &'static str, default: usize) -> Result<usize> {
+    match json.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(default),
+        Some(_) => size(json, key),
+    }
+}
+
 fn size(json: &serde_json::Value, key: &'static str) -> Result<usize> {
     json.get(key)
         .and_then(serde_json::Value::as_u64)
@@ -701,9 +772,10 @@ impl Llama {
                 format!("{fix}: strata's {} computes only that", variant.name),
             ))
         };
+        let d = variant.defaults;
         let (hidden, heads) = (
-            size(json, "hidden_size")?,
-            size(json, "num_attention_heads")?,
+            size_or(json, "hidden_size", d.hidden_size)?,
+            size_or(json, "num_attention_heads", d.num_attention_heads)?,
         );
         match get("hidden_act") {
             serde_json::Value::Null => {}
@@ -742,7 +814,7 @@ impl Llama {
                 v.as_f64()
                     .ok_or_else(|| bad("rope_theta", v, "the config gives it as a number"))?,
             ),
-            _ => None,
+            _ => Some(HF_ROPE_THETA),
         };
         let rope_type = rope
             .get("rope_type")
@@ -787,6 +859,10 @@ impl Llama {
             // use_sliding_window says so).
             (true, _, serde_json::Value::Bool(false)) => None,
             (true, _, serde_json::Value::Null) if !variant.window_by_default => None,
+            // Absent: the class's default; null: no window.
+            (true, serde_json::Value::Null, _) if json.get("sliding_window").is_none() => {
+                d.sliding_window
+            }
             (true, serde_json::Value::Null, _) => None,
             (true, v, _) => Some(v.as_u64().ok_or_else(|| {
                 bad(
@@ -798,32 +874,35 @@ impl Llama {
         };
         // Sequences as long as the model takes (within its window); a run
         // may train on fewer (`model.seq`).
-        let max_positions = size(json, "max_position_embeddings")?;
+        let max_positions = size_or(json, "max_position_embeddings", d.max_position_embeddings)?;
         let seq = max_positions.min(window.unwrap_or(usize::MAX));
         let config = ModelConfig {
             arch: Arch::named(variant.name)?,
             init_from: None,
-            vocab: size(json, "vocab_size")?,
+            vocab: size_or(json, "vocab_size", d.vocab_size)?,
             seq,
             hidden,
             heads,
-            layers: size(json, "num_hidden_layers")?,
-            kv_heads: Some(match get("num_key_value_heads") {
-                serde_json::Value::Null => heads,
-                _ => size(json, "num_key_value_heads")?,
+            layers: size_or(json, "num_hidden_layers", d.num_hidden_layers)?,
+            // Absent: the class's default (Mistral's 8, Qwen2's 32);
+            // null: one per query head, as transformers takes None.
+            kv_heads: Some(match json.get("num_key_value_heads") {
+                None => d.num_key_value_heads.unwrap_or(heads),
+                Some(serde_json::Value::Null) => heads,
+                Some(_) => size(json, "num_key_value_heads")?,
             }),
-            ffn: Some(size(json, "intermediate_size")?),
+            ffn: Some(size_or(json, "intermediate_size", d.intermediate_size)?),
             rope_theta: theta,
             rope_scaling,
             norm_eps: match get("rms_norm_eps") {
-                serde_json::Value::Null => None,
+                serde_json::Value::Null => Some(HF_NORM_EPS),
                 v => Some(
                     v.as_f64()
                         .ok_or_else(|| bad("rms_norm_eps", v, "the config gives it as a number"))?,
                 ),
             },
             tie_embeddings: match get("tie_word_embeddings") {
-                serde_json::Value::Null => None,
+                serde_json::Value::Null => Some(false),
                 v => Some(v.as_bool().ok_or_else(|| {
                     bad("tie_word_embeddings", v, "the config gives true or false")
                 })?),

@@ -61,7 +61,12 @@ impl TrainConfig {
                 });
             }
         }
-        let positions = theirs.max_positions.unwrap_or(theirs.seq);
+        // The positions the written config.json gives: the run's, where
+        // its [model] sets them, else the folder's.
+        let positions = match (set.contains("max_positions"), ours.max_positions) {
+            (true, Some(mine)) => mine,
+            _ => theirs.max_positions.unwrap_or(theirs.seq),
+        };
         theirs.max_positions = Some(positions);
         theirs.seq = if set.contains("seq") {
             ours.seq

@@ -254,3 +254,52 @@ fn a_size_near_a_llama_3_model_takes_its_shape() {
     let c = (arch.for_params)(1e12).unwrap();
     assert_ne!(c.hidden, 16384);
 }
+
+#[test]
+fn keys_a_config_leaves_out_take_transformers_defaults() {
+    // save_pretrained writes only the keys that differ from the class's
+    // defaults, so a folder's config.json may leave any of them out.
+    let minimal = serde_json::json!({
+        "hidden_size": 64,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+    });
+    let read = |variant: Variant, patch: serde_json::Value| -> ModelConfig {
+        let mut json = minimal.clone();
+        for (k, v) in patch.as_object().unwrap() {
+            json[k] = v.clone();
+        }
+        Llama::from_hf_config(variant, &json).unwrap()
+    };
+    let llama = read(LLAMA, serde_json::json!({}));
+    assert_eq!(llama.kv_heads, Some(16));
+    assert_eq!(llama.norm_eps, Some(1e-6));
+    assert_eq!(llama.rope_theta, Some(10_000.0));
+    assert_eq!(llama.tie_embeddings, Some(false));
+    assert_eq!((llama.seq, llama.max_positions), (2048, None));
+    // Mistral: 8 key/value heads and a window of 4096 unless the config
+    // says otherwise; null is no window (and kv heads as many as heads).
+    let mistral = read(MISTRAL, serde_json::json!({}));
+    assert_eq!(mistral.kv_heads, Some(8));
+    assert_eq!(mistral.sliding_window, Some(4096));
+    assert_eq!((mistral.seq, mistral.max_positions), (4096, Some(131_072)));
+    let mistral = read(
+        MISTRAL,
+        serde_json::json!({"sliding_window": null, "num_key_value_heads": null}),
+    );
+    assert_eq!((mistral.sliding_window, mistral.kv_heads), (None, Some(16)));
+    // Qwen2: 32 key/value heads (16 query heads cannot share them: the
+    // config is refused by name), no window.
+    let mut json = minimal.clone();
+    json["num_attention_heads"] = 32.into();
+    json["hidden_size"] = 128.into();
+    let qwen = Llama::from_hf_config(QWEN2, &json).unwrap();
+    assert_eq!((qwen.kv_heads, qwen.sliding_window), (Some(32), None));
+    assert_eq!(qwen.seq, 32_768);
+    let err = Llama::from_hf_config(QWEN2, &minimal)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("kv_heads"), "{err}");
+}
