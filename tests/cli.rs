@@ -2593,22 +2593,25 @@ fn train_init_from_takes_transformers_defaults_and_the_configs_positions() {
     config.as_object_mut().unwrap().remove("rms_norm_eps");
     std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
     let arch = config["model_type"].as_str().unwrap().to_owned();
-    std::fs::write(
-        dir.path().join("run.toml"),
-        format!("[model]\narch = \"{arch}\"\nnorm_eps = 1e-6\nmax_positions = 4096\n"),
-    )
-    .unwrap();
-    let output = strata_in(
-        dir.path(),
-        &[
+    // `strata train --print-config` of a run.toml whose [model] has `keys`.
+    let print_config = |keys: &str| {
+        std::fs::write(
+            dir.path().join("run.toml"),
+            format!("[model]\narch = \"{arch}\"\n{keys}"),
+        )
+        .unwrap();
+        let folder = folder.to_str().unwrap();
+        let args = [
             "train",
             "--config",
             "run.toml",
             "--init-from",
-            folder.to_str().unwrap(),
+            folder,
             "--print-config",
-        ],
-    );
+        ];
+        strata_in(dir.path(), &args)
+    };
+    let output = print_config("norm_eps = 1e-6\nmax_positions = 4096\n");
     assert!(
         output.status.success(),
         "{}",
@@ -2619,22 +2622,7 @@ fn train_init_from_takes_transformers_defaults_and_the_configs_positions() {
     assert_eq!(model["norm_eps"].as_float(), Some(1e-6), "{model:?}");
     assert_eq!(model["max_positions"].as_integer(), Some(4096), "{model:?}");
     // A value other than transformers' default disagrees with the folder.
-    std::fs::write(
-        dir.path().join("run.toml"),
-        format!("[model]\narch = \"{arch}\"\nnorm_eps = 1e-5\n"),
-    )
-    .unwrap();
-    let output = strata_in(
-        dir.path(),
-        &[
-            "train",
-            "--config",
-            "run.toml",
-            "--init-from",
-            folder.to_str().unwrap(),
-            "--print-config",
-        ],
-    );
+    let output = print_config("norm_eps = 1e-5\n");
     let err = stderr_of_failure(&output, "disagreeing norm_eps");
     assert!(
         err.contains("model.norm_eps") && err.contains("1e-6"),
