@@ -2621,6 +2621,16 @@ fn train_init_from_takes_transformers_defaults_and_the_configs_positions() {
     let model = printed["model"].as_table().unwrap();
     assert_eq!(model["norm_eps"].as_float(), Some(1e-6), "{model:?}");
     assert_eq!(model["max_positions"].as_integer(), Some(4096), "{model:?}");
+    // Positions below the folder's bound the sequence a run takes from it
+    // (through the library: a config file's own check asks for a seq
+    // within its max_positions first).
+    let positions = config["max_position_embeddings"].as_u64().unwrap() as usize;
+    let mut run = strata::train::TrainConfig::default();
+    run.model.init_from = Some(folder.clone());
+    run.model.max_positions = Some(positions / 2);
+    let set = ["max_positions".to_string()].into_iter().collect();
+    let resolved = run.with_init_from(&set).unwrap();
+    assert_eq!(resolved.model.seq, positions / 2);
     // A value other than transformers' default disagrees with the folder.
     let output = print_config("norm_eps = 1e-5\n");
     let err = stderr_of_failure(&output, "disagreeing norm_eps");

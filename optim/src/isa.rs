@@ -12,7 +12,7 @@ use crate::OptimError;
 /// every target; [`Isa::is_available`] says which the running CPU has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Isa {
-    /// Plain Rust over 8-lane arrays, vectorized for the target's baseline
+    /// Plain Rust over 4-lane arrays, vectorized for the target's baseline
     /// (SSE2 on x86-64, NEON on aarch64). Always available.
     Portable,
     /// AVX2 with FMA, F16C and AES-NI (stochastic rounding's random bits).

@@ -55,7 +55,8 @@ pub struct Variant {
     /// default is false).
     pub window_by_default: bool,
     /// What transformers' config class takes for a key `config.json`
-    /// leaves out (`save_pretrained` writes only the keys that differ).
+    /// leaves out (a config written by hand, trimmed, or saved by another
+    /// version).
     pub defaults: HfDefaults,
 }
 
@@ -139,7 +140,7 @@ pub const QWEN2: Variant = Variant {
         num_attention_heads: 32,
         num_key_value_heads: Some(32),
         max_position_embeddings: 32_768,
-        sliding_window: None,
+        sliding_window: Some(4096),
     },
 };
 
@@ -730,10 +731,8 @@ fn linear_backward(
     Ok(())
 }
 
-/// transformers' `LlamaConfig` and its kin, read: a whole number under
-/// `key`.
 /// `key` of `config.json` as a whole number; `default` where the key is
-/// absent (or null).
+/// absent or null (transformers' class takes its default for both).
 fn size_or(json: &serde_json::Value, key: &'static str, default: usize) -> Result<usize> {
     match json.get(key) {
         None | Some(serde_json::Value::Null) => Ok(default),
@@ -741,6 +740,8 @@ fn size_or(json: &serde_json::Value, key: &'static str, default: usize) -> Resul
     }
 }
 
+/// transformers' `LlamaConfig` and its kin, read: a whole number under
+/// `key`.
 fn size(json: &serde_json::Value, key: &'static str) -> Result<usize> {
     json.get(key)
         .and_then(serde_json::Value::as_u64)

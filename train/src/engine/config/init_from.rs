@@ -16,7 +16,8 @@ use super::*;
 pub const INIT_SEQ_DEFAULT_MAX: usize = 2048;
 
 /// Keys that may differ from `config.json`: the sequence a run trains at,
-/// the folder itself.
+/// the folder itself, and the positions the checkpoints' config.json gives
+/// (where the architecture takes them as a setting).
 const FREE_KEYS: [&str; 3] = ["seq", "init_from", "max_positions"];
 
 impl TrainConfig {
@@ -34,9 +35,11 @@ impl TrainConfig {
     /// This config with `[model]` from `model.init_from`'s `config.json`
     /// (unchanged without it): the architecture and shape are the folder's;
     /// a key in `set` (the `[model]` keys the run's config gives) that
-    /// disagrees is refused naming both values; `seq` is the config's if
-    /// set (at most the model's positions), else the model's positions up
-    /// to [`INIT_SEQ_DEFAULT_MAX`].
+    /// disagrees is refused naming both values; `max_positions` is the
+    /// config's if set (refused where the architecture's positions are a
+    /// table, whose rows the folder gives), else the folder's; `seq` is the
+    /// config's if set (at most the positions), else the positions up to
+    /// [`INIT_SEQ_DEFAULT_MAX`].
     pub fn with_init_from(&self, set: &BTreeSet<String>) -> Result<TrainConfig> {
         let Some(dir) = &self.model.init_from else {
             return Ok(self.clone());
@@ -62,16 +65,35 @@ impl TrainConfig {
             }
         }
         // The positions the written config.json gives: the run's, where
-        // its [model] sets them, else the folder's.
+        // its [model] sets them and the architecture takes them as a
+        // setting (not the rows of a table of parameters), else the
+        // folder's.
+        let folder_positions = theirs.max_positions.unwrap_or(theirs.seq);
         let positions = match (set.contains("max_positions"), ours.max_positions) {
-            (true, Some(mine)) => mine,
-            _ => theirs.max_positions.unwrap_or(theirs.seq),
+            (true, Some(mine)) if mine != folder_positions => {
+                let probe = ModelConfig {
+                    seq: theirs.seq.min(mine),
+                    max_positions: Some(mine),
+                    ..theirs.clone()
+                };
+                if let Err(err) = probe.build() {
+                    return Err(TrainError::HfFolder {
+                        path: dir.join("config.json"),
+                        problem: format!(
+                            "its model has {folder_positions} positions, and the run's [model] sets max_positions = {mine}: {err}"
+                        ),
+                        fix: "leave model.max_positions out of [model] (the folder's config.json gives them)".into(),
+                    });
+                }
+                mine
+            }
+            _ => folder_positions,
         };
         theirs.max_positions = Some(positions);
         theirs.seq = if set.contains("seq") {
             ours.seq
         } else {
-            theirs.seq.min(INIT_SEQ_DEFAULT_MAX)
+            theirs.seq.min(INIT_SEQ_DEFAULT_MAX).min(positions)
         };
         if theirs.max_positions == Some(theirs.seq) {
             theirs.max_positions = None;

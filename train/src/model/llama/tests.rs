@@ -257,8 +257,8 @@ fn a_size_near_a_llama_3_model_takes_its_shape() {
 
 #[test]
 fn keys_a_config_leaves_out_take_transformers_defaults() {
-    // save_pretrained writes only the keys that differ from the class's
-    // defaults, so a folder's config.json may leave any of them out.
+    // A config.json written by hand, trimmed or from another version may
+    // leave any key out: transformers' class takes its default.
     let minimal = serde_json::json!({
         "hidden_size": 64,
         "num_attention_heads": 16,
@@ -298,6 +298,10 @@ fn keys_a_config_leaves_out_take_transformers_defaults() {
     let qwen = Llama::from_hf_config(QWEN2, &json).unwrap();
     assert_eq!((qwen.kv_heads, qwen.sliding_window), (Some(32), None));
     assert_eq!(qwen.seq, 32_768);
+    // Its window of 4096 applies where use_sliding_window says so.
+    json["use_sliding_window"] = true.into();
+    let qwen = Llama::from_hf_config(QWEN2, &json).unwrap();
+    assert_eq!((qwen.sliding_window, qwen.seq), (Some(4096), 4096));
     let err = Llama::from_hf_config(QWEN2, &minimal)
         .unwrap_err()
         .to_string();
