@@ -414,7 +414,8 @@ pub(crate) fn adam_step_out_of_place_part<P: Master>(
 /// function that reached them directly would be compiled again in every
 /// crate that calls it with a concrete type, and would double the build.
 pub trait Master: Element {
-    /// [`adam_step_out_of_place_part`] for masters of this type.
+    /// One part of [`adam_step_out_of_place`] (of an update `whole_len`
+    /// elements long) for masters of this type.
     #[doc(hidden)]
     fn out_of_place_part(isa: Isa, shard: OutOfPlaceShard<'_, Self>, whole_len: usize);
 }

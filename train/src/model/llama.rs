@@ -84,9 +84,9 @@ pub struct HfDefaults {
     pub sliding_window: Option<usize>,
 }
 
-/// The family's `rms_norm_eps` where `config.json` gives none.
+/// The family's `rms_norm_eps` where `config.json` or `[model]` gives none.
 const HF_NORM_EPS: f64 = 1e-6;
-/// The family's `rope_theta` where `config.json` gives none.
+/// The family's `rope_theta` where `config.json` or `[model]` gives none.
 const HF_ROPE_THETA: f64 = 10_000.0;
 
 /// Llama 2 and 3.
@@ -328,9 +328,9 @@ impl Llama {
             kv_heads: config.kv_heads.unwrap_or(heads),
             ffn: config.ffn.unwrap_or(default_ffn(config.hidden)),
             layers: config.layers,
-            rope_theta: config.rope_theta.unwrap_or(10_000.0),
+            rope_theta: config.rope_theta.unwrap_or(HF_ROPE_THETA),
             rope_scaling: config.rope_scaling,
-            norm_eps: config.norm_eps.unwrap_or(1e-6),
+            norm_eps: config.norm_eps.unwrap_or(HF_NORM_EPS),
             tied: config.tie_embeddings.unwrap_or(false),
             max_positions: config.max_positions.unwrap_or(config.seq),
             sliding_window: config.sliding_window,
@@ -852,7 +852,7 @@ impl Llama {
         };
         let window = match (
             variant.window,
-            get("sliding_window"),
+            json.get("sliding_window"),
             get("use_sliding_window"),
         ) {
             (false, _, _) => None,
@@ -861,11 +861,9 @@ impl Llama {
             (true, _, serde_json::Value::Bool(false)) => None,
             (true, _, serde_json::Value::Null) if !variant.window_by_default => None,
             // Absent: the class's default; null: no window.
-            (true, serde_json::Value::Null, _) if json.get("sliding_window").is_none() => {
-                d.sliding_window
-            }
-            (true, serde_json::Value::Null, _) => None,
-            (true, v, _) => Some(v.as_u64().ok_or_else(|| {
+            (true, None, _) => d.sliding_window,
+            (true, Some(serde_json::Value::Null), _) => None,
+            (true, Some(v), _) => Some(v.as_u64().ok_or_else(|| {
                 bad(
                     "sliding_window",
                     v,
