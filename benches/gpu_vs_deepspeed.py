@@ -22,8 +22,8 @@ the Python peers), bf16 compute with fp32 master weights, AdamW, gradient
 clipping (1.0, or --clip-all: a threshold every step passes, so every step
 is clipped), micro-batch x accumulation sequences per step. The tokens come
 from one shared file of uint16 ids (--tokens, else a seeded one written
-first); each step's windows are strata's (`strata_train::window_start`,
-replayed here), so all peers see the same sequences.
+first); each step's windows are strata's random order
+(`[data] order = "random"`, `strata_train::window_start`, replayed here), so all peers see the same sequences.
 
 Each peer runs --warmup steps untimed (NVRTC compiles, cuBLASLt plans,
 DeepSpeed's JIT ops, allocator warm-up), then --steps timed. Reported per
@@ -318,6 +318,9 @@ def strata_toml(peer, a, device_kind):
         "[placement]",
         f'params = "{params}"',
         f'optimizer = "{"cpu" if peer == "strata-offload" else "device"}"',
+        # The order the peers replay (`window_start`), not the epoch order.
+        "[data]",
+        'order = "random"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -1936,6 +1936,200 @@ fn train_reads_a_token_file_tiny() {
     );
 }
 
+/// A word-level tokenizer of `words` (id = place, then `<unk>` and
+/// `<eos>`), with a `tokenizer_config.json` naming `<eos>`, in `dir`.
+fn word_tokenizer(dir: &std::path::Path, words: &[&str]) {
+    let mut vocab: Vec<String> = words.iter().map(|w| format!("{w:?}")).collect();
+    vocab.push("\"<unk>\"".into());
+    vocab.push("\"<eos>\"".into());
+    let vocab: Vec<String> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, w)| format!("{w}: {i}"))
+        .collect();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        format!(
+            r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": {{"type": "Whitespace"}},
+                "post_processor": null, "decoder": null,
+                "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "<unk>"}}}}"#,
+            vocab.join(", ")
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": "<eos>"}"#,
+    )
+    .unwrap();
+}
+
+/// `--data docs.jsonl --tokenizer DIR` tokenizes the documents once into
+/// a cache and trains on every window once per epoch; a resume reads on
+/// mid-epoch bit for bit, a resume on changed data is refused naming both,
+/// and a tokenizer with more ids than the model's vocabulary is refused.
+#[test]
+fn train_tokenizes_jsonl_once_and_resumes_mid_epoch_tiny() {
+    let dir = tempdir();
+    let words = [
+        "the", "tiers", "hold", "every", "tensor", "and", "move", "it",
+    ];
+    word_tokenizer(&dir.path().join("tok"), &words);
+    let lines: String = (0..400)
+        .map(|i| {
+            let doc: Vec<&str> = (0..(i % 7 + 3))
+                .map(|j| words[(i * 3 + j * 5) % 8])
+                .collect();
+            format!("{{\"text\": \"{}\"}}\n", doc.join(" "))
+        })
+        .collect();
+    std::fs::write(dir.path().join("docs.jsonl"), lines).unwrap();
+    std::fs::write(
+        dir.path().join("small.toml"),
+        "[model]\nvocab = 64\nseq = 16\n[train]\nsteps = 6\nmicro_batch = 4\nwarmup_steps = 1\n",
+    )
+    .unwrap();
+    let base = [
+        "train",
+        "--config",
+        "small.toml",
+        "--data",
+        "docs.jsonl",
+        "--tokenizer",
+        "tok",
+        "--json",
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        base.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let run = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        strata_in(dir.path(), &args)
+    };
+    let whole = last_json_line(&run(with(&["--checkpoint-dir", "whole"])));
+    let cache: Vec<String> = std::fs::read_dir(dir.path().join(".strata-cache"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(cache.len(), 2, "one token file and its record: {cache:?}");
+    // Stopped after step 2 (8 of an epoch's windows read), then resumed.
+    run(with(&["--checkpoint-dir", "part", "--stop-after", "2"]));
+    let meta: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("part/step-00000002/meta.json")).unwrap(),
+    )
+    .unwrap();
+    let windows = meta["data"]["windows"].as_u64().unwrap();
+    assert!(windows > 8, "{meta}");
+    assert_eq!(meta["data"]["samples"], 8);
+    assert_eq!(meta["data"]["epoch"], 0);
+    assert_eq!(meta["data"]["epoch_position"], 8);
+    let resumed = last_json_line(&strata_in(
+        dir.path(),
+        &["train", "--resume", "part", "--json"],
+    ));
+    let losses = whole["losses"].as_array().unwrap();
+    assert_eq!(resumed["losses"].as_array().unwrap()[..], losses[2..]);
+    let again: Vec<String> = std::fs::read_dir(dir.path().join(".strata-cache"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        again.len(),
+        2,
+        "the cache was read, not made again: {again:?}"
+    );
+    // The data changed under the checkpoint: refused, naming both.
+    let text = std::fs::read_to_string(dir.path().join("docs.jsonl")).unwrap();
+    std::fs::write(
+        dir.path().join("docs.jsonl"),
+        text.replace("tiers", "tensor"),
+    )
+    .unwrap();
+    run(with(&["--checkpoint-dir", "other", "--stop-after", "1"]));
+    let err = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &[
+                "train",
+                "--resume",
+                "part/step-00000002",
+                "--checkpoint-dir",
+                "third",
+            ],
+        ),
+        "resume on changed data",
+    );
+    assert!(
+        err.contains("was trained on") && err.contains("and [data] now gives"),
+        "{err}"
+    );
+    // A tokenizer with more ids than the model's vocabulary.
+    std::fs::write(
+        dir.path().join("tiny.toml"),
+        "[model]\nvocab = 8\nseq = 16\n",
+    )
+    .unwrap();
+    let err = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &[
+                "train",
+                "--config",
+                "tiny.toml",
+                "--data",
+                "docs.jsonl",
+                "--tokenizer",
+                "tok",
+            ],
+        ),
+        "a tokenizer past the vocabulary",
+    );
+    assert!(
+        err.contains("has 10 ids, more than the model's vocabulary")
+            && err.contains("model.vocab to at least 10"),
+        "{err}"
+    );
+}
+
+/// A directory of token shards trains as one corpus (its files in name
+/// order); a shard shorter than a window is named.
+#[test]
+fn train_reads_a_directory_of_token_shards_tiny() {
+    let dir = tempdir();
+    let shards = dir.path().join("shards");
+    std::fs::create_dir(&shards).unwrap();
+    for (n, len) in [(0u32, 3000u32), (1, 2000)] {
+        let ids: Vec<u8> = (0..len)
+            .flat_map(|i| ((i * 7 + n * 13) as u16 % 200).to_le_bytes())
+            .collect();
+        std::fs::write(shards.join(format!("part-{n}.bin")), ids).unwrap();
+    }
+    std::fs::write(dir.path().join("vocab.toml"), "[model]\nvocab = 256\n").unwrap();
+    let args = [
+        "train",
+        "--config",
+        "vocab.toml",
+        "--tokens",
+        "shards",
+        "--steps",
+        "2",
+        "--json",
+    ];
+    let first = last_json_line(&strata_in(dir.path(), &args));
+    assert_eq!(first["losses"].as_array().unwrap().len(), 2);
+    std::fs::write(shards.join("part-2.bin"), [0u8; 10]).unwrap();
+    let err = stderr_of_failure(
+        &strata_in(dir.path(), &args),
+        "a shard shorter than a window",
+    );
+    assert!(
+        err.contains("part-2.bin: it holds 5 tokens, no whole window of model.seq + 1 = 65 tokens"),
+        "{err}"
+    );
+}
+
 /// `benches/gpu_vs_deepspeed.py --tiny`: strata's peers train on the shared
 /// token file and report tokens/s; peers whose libraries (torch,
 /// DeepSpeed) or GPU are missing say so instead of failing; a peer that

@@ -51,16 +51,22 @@ pub struct TrainArgs {
     /// Seed of the initial weights and the data order (train.seed).
     #[arg(long)]
     seed: Option<u64>,
-    /// A text to train on instead of the bundled one (byte tokens; sets
-    /// [data] path and format = "text").
-    #[arg(long, conflicts_with = "tokens")]
-    data: Option<PathBuf>,
-    /// A file of token ids to train on (little-endian, see --token-dtype;
-    /// nanoGPT's train.bin is u16), mapped, not read into memory; the
-    /// model's vocab must cover its ids (sets [data] path and format =
-    /// "tokens").
-    #[arg(long)]
-    tokens: Option<PathBuf>,
+    /// Texts to train on instead of the bundled one (byte tokens), files
+    /// or directories of them (sets [data] path and format = "text").
+    #[arg(long, num_args = 1.., value_name = "FILE", conflicts_with = "tokens")]
+    data: Vec<PathBuf>,
+    /// Files of token ids to train on (little-endian, see --token-dtype;
+    /// nanoGPT's train.bin is u16), or directories of such shards, mapped,
+    /// not read into memory; the model's vocab must cover their ids (sets
+    /// [data] path and format = "tokens").
+    #[arg(long, num_args = 1.., value_name = "FILE")]
+    tokens: Vec<PathBuf>,
+    /// The model's tokenizer (a Hugging Face folder holding tokenizer.json,
+    /// or the file) for --data: texts and JSONL (`.jsonl`, a document per
+    /// line in its "text" field) are tokenized with it once, on every
+    /// core, into a cache beside the data (sets [data] tokenizer).
+    #[arg(long, value_name = "DIR", conflicts_with = "tokens")]
+    tokenizer: Option<PathBuf>,
     /// How --tokens stores each id: u16 (default) or u32.
     #[arg(long, requires = "tokens")]
     token_dtype: Option<engine::TokenDtype>,
@@ -243,29 +249,46 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
             config.train.lr
         );
     }
-    match (&args.data, &args.tokens) {
-        (Some(path), _) => {
-            config.data = engine::DataConfig {
-                path: Some(absolute(path, "--data")?),
-                format: engine::DataFormat::Text,
-                token_dtype: Default::default(),
-            }
-        }
-        (None, Some(path)) => {
-            config.data = engine::DataConfig {
-                path: Some(absolute(path, "--tokens")?),
-                format: engine::DataFormat::Tokens,
-                token_dtype: args.token_dtype.unwrap_or_default(),
-            }
-        }
-        (None, None) => {
-            // However it was named, the data is recorded by its absolute
-            // path: a resume from another directory reads the same file.
-            if let Some(path) = &config.data.path {
-                config.data.path = Some(absolute(path, "data.path")?);
-            }
-        }
-    }
+    // However they were named, the files are recorded by their absolute
+    // paths: a resume from another directory reads the same files.
+    let jsonl = |paths: &[PathBuf]| {
+        paths
+            .iter()
+            .all(|p| p.extension().is_some_and(|e| e == "jsonl"))
+    };
+    let (paths, flag, format) = match (args.data.is_empty(), args.tokens.is_empty()) {
+        (false, _) if jsonl(&args.data) => (&args.data, "--data", engine::DataFormat::Jsonl),
+        (false, _) => (&args.data, "--data", engine::DataFormat::Text),
+        (true, false) => (&args.tokens, "--tokens", engine::DataFormat::Tokens),
+        (true, true) => (&config.data.path.0, "data.path", config.data.format),
+    };
+    let paths = paths
+        .iter()
+        .map(|path| absolute(path, flag))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    config.data = engine::DataConfig {
+        path: engine::DataPaths(paths),
+        format,
+        token_dtype: if !args.tokens.is_empty() {
+            args.token_dtype.unwrap_or_default()
+        } else if !args.data.is_empty() {
+            Default::default()
+        } else {
+            config.data.token_dtype
+        },
+        tokenizer: match (&args.tokenizer, args.data.is_empty()) {
+            (Some(dir), _) => Some(absolute(dir, "--tokenizer")?),
+            // --data without --tokenizer: byte tokens, whatever the file said.
+            (None, false) => None,
+            (None, true) => config
+                .data
+                .tokenizer
+                .as_deref()
+                .map(|dir| absolute(dir, "data.tokenizer"))
+                .transpose()?,
+        },
+        ..config.data.clone()
+    };
     if let Some(dir) = &args.checkpoint_dir {
         config.train.checkpoint_dir = Some(dir.clone());
     } else if let (Some(checkpoint), Some(given)) = (&checkpoint, &args.resume) {
@@ -320,19 +343,46 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
     })
 }
 
-/// The corpus `[data]` names, or the bundled text.
-fn open_data(data: &engine::DataConfig, seq: usize) -> anyhow::Result<engine::Corpus> {
-    Ok(match (&data.path, data.format) {
-        (None, _) => ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), seq)?,
-        (Some(path), engine::DataFormat::Tokens) => {
-            engine::Corpus::open_tokens(path, data.token_dtype, seq)?
-        }
-        (Some(path), engine::DataFormat::Text) => ByteCorpus::new(
-            std::fs::read(path)
-                .with_context(|| format!("cannot read data.path {}", path.display()))?,
-            seq,
-        )?,
-    })
+/// The corpus `[data]` names, or the bundled text; texts with a tokenizer
+/// are tokenized first (or their cache found), with a progress bar.
+fn open_data(config: &TrainConfig, json: bool) -> anyhow::Result<engine::Corpus> {
+    let (data, seq) = (&config.data, config.model.seq);
+    if data.path.is_empty() {
+        return Ok(ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), seq)?);
+    }
+    if data.tokenizer.is_none() {
+        return Ok(engine::Corpus::open(data, seq)?);
+    }
+    let bar = super::progress_bar(
+        engine::tokenize_bytes(data)?,
+        json,
+        "{spinner} tokenizing [{bar:30}] {bytes}/{total_bytes} ({elapsed})",
+    );
+    let started = std::time::Instant::now();
+    let tokenized = engine::tokenize(data, config.model.vocab, &|n| bar.inc(n))?;
+    bar.finish_and_clear();
+    if tokenized.reused {
+        tracing::info!(
+            "tokenized data from the cache {} ({} documents, {} tokens)",
+            tokenized.path.display(),
+            tokenized.documents,
+            tokenized.tokens
+        );
+    } else {
+        let seconds = started.elapsed().as_secs_f64();
+        tracing::info!(
+            "tokenized {} documents into {} tokens in {seconds:.1} s ({:.0} tokens/s), cached in {}",
+            tokenized.documents,
+            tokenized.tokens,
+            tokenized.tokens as f64 / seconds,
+            tokenized.path.display()
+        );
+    }
+    Ok(engine::Corpus::open_tokens(
+        &tokenized.path,
+        tokenized.dtype,
+        seq,
+    )?)
 }
 
 /// `path` made absolute (a checkpoint's config names it from any directory),
@@ -365,7 +415,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         print!("{}", shown.to_toml()?);
         return Ok(ExitCode::SUCCESS);
     }
-    let corpus = open_data(&config.data, config.model.seq)?;
+    let corpus = open_data(&config, args.json)?;
     if args.stop_after == Some(0) {
         bail!("--stop-after 0 runs no step: give the step to stop after, from 1");
     }
@@ -409,6 +459,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         config.train.ranks,
         config.placement.params,
         config.placement.optimizer,
+    );
+    let t = &config.train;
+    tracing::info!(
+        "data: {}, {:?} order",
+        corpus.describe(t.ranks * t.micro_batch * t.grad_accumulation),
+        config.data.order
     );
     // The built-in default's swap directory, when this run creates it, is
     // removed when the run ends, however it ends (a checkpoint, not the

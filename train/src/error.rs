@@ -99,6 +99,17 @@ pub enum TrainError {
         /// What to do.
         fix: String,
     },
+    /// The data a run trains on cannot be read as `[data]` says, or is not
+    /// the data a resumed checkpoint was trained on.
+    #[error("data {path}: {problem}; {fix}")]
+    Data {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong, with its position.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// A directory the run would own (checkpoints, swap) is another run's,
     /// or cannot be locked.
     #[error("{what} {dir}: {problem}; {fix}")]

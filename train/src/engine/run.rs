@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::ownership::{DirLock, Holder, lock_dir};
-use super::{ByteCorpus, Checkpoint, Engine, StepReport, StopRequest, TrainConfig};
+use super::{ByteCorpus, Checkpoint, DataReader, Engine, StepReport, StopRequest, TrainConfig};
 use crate::error::{Result, TrainError, os};
 use strata_comm::{Collective, InProcess};
 use strata_device::Cancel;
@@ -179,6 +179,9 @@ pub fn run(
         Some(path) => {
             let checkpoint = Checkpoint::open(path)?;
             check_resumed_run(config, &checkpoint)?;
+            if let Some(saved) = &checkpoint.meta.data {
+                corpus.check_position(saved, &checkpoint.dir)?;
+            }
             Some(checkpoint)
         }
         None => None,
@@ -412,6 +415,23 @@ fn rank_main(
         engine.resume(checkpoint)?;
     }
     let t = &config.train;
+    // Sequences read before the next step: the checkpoint's record, or
+    // (a checkpoint from before it, in the random order) its steps' worth.
+    let samples = resume.as_ref().map_or(0, |checkpoint| {
+        checkpoint.meta.data.as_ref().map_or(
+            checkpoint.meta.step * (world * t.grad_accumulation * t.micro_batch) as u64,
+            |data| data.samples,
+        )
+    });
+    let mut data = DataReader::new(
+        corpus,
+        config.data.order,
+        t.seed,
+        (rank, world),
+        t.grad_accumulation,
+        t.micro_batch,
+        samples,
+    );
     let mut tokens = vec![0u32; engine.tokens_per_step()];
     let mut reports = Vec::new();
     let mut checkpoints = Vec::new();
@@ -420,16 +440,7 @@ fn rank_main(
     let mut stopped_by = None;
     while engine.steps_done() < stop {
         let step = engine.steps_done() + 1;
-        corpus.step_tokens(
-            t.seed,
-            step,
-            rank,
-            world,
-            t.grad_accumulation,
-            t.micro_batch,
-            config.model.seq,
-            &mut tokens,
-        );
+        data.step_tokens(step, &mut tokens);
         let started = Instant::now();
         let report = engine.step(&tokens)?;
         if !reports.is_empty() || stop == engine.steps_done() {
@@ -447,7 +458,7 @@ fn rank_main(
             let last = step == stop || stopped_by.is_some();
             if due || last {
                 let started = Instant::now();
-                let saved = engine.try_save_checkpoint(dir)?;
+                let saved = engine.try_save_checkpoint(dir, Some(&data.position()))?;
                 checkpoint_s = Some(started.elapsed().as_secs_f64());
                 match saved {
                     Ok(path) => checkpoints.push(path),

@@ -104,6 +104,11 @@ pub struct CheckpointMeta {
     /// keyed by `seed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_seed: Option<u64>,
+    /// Where the run stood in its data (absent in checkpoints from before
+    /// the epoch order, whose runs drew random windows by step, and in
+    /// those an engine wrote without a data reader).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::engine::DataPosition>,
     /// xxh3-64 of each file, by name.
     pub files: HashMap<String, String>,
 }
@@ -291,7 +296,22 @@ impl Checkpoint {
         })?;
         // Parsed, not validated: the run validates the config it comes to
         // (with the flags given now) once.
-        toml::from_str(&text).map(Some).map_err(|err| {
+        let mut table: toml::Table = toml::from_str(&text).map_err(|err| {
+            problem(
+                &path,
+                format!("it is not TOML: {}", err.message()),
+                "resume from another checkpoint",
+            )
+        })?;
+        // A run from before the epoch order drew random windows by step;
+        // its config says nothing of an order.
+        let data = table
+            .entry("data")
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if let Some(data) = data.as_table_mut() {
+            data.entry("order").or_insert_with(|| "random".into());
+        }
+        table.try_into().map(Some).map_err(|err: toml::de::Error| {
             problem(
                 &path,
                 format!("it is not a config this strata reads: {}", err.message()),

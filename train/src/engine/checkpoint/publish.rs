@@ -226,6 +226,7 @@ mod crash_tests {
             state_dtype: StateDtype::Fp32,
             rounding: nearest(),
             rounding_seed: None,
+            data: None,
             files: HashMap::new(),
         }
     }

@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 
 use strata_device::{View, ViewMut};
 
-use crate::engine::Engine;
 use crate::engine::durable::RealFs;
 use crate::engine::tensors::LoadBuffers;
+use crate::engine::{DataPosition, Engine};
 use crate::error::{Result, TrainError};
 use crate::hf::{Planned, ShardWriter, WeightsDtype};
 use crate::model::Model;
@@ -25,7 +25,7 @@ impl Engine {
     /// (see [`checkpoint`](self) for the layout); every rank calls it
     /// together. Returns the checkpoint's directory.
     pub fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf> {
-        self.try_save_checkpoint(root)?
+        self.try_save_checkpoint(root, None)?
     }
 
     /// [`Engine::save_checkpoint`], telling the two kinds of failure
@@ -33,8 +33,14 @@ impl Engine {
     /// a broken collective): training cannot go on. The inner one is the
     /// checkpoint's files (a full or failing disk): every rank gets it,
     /// the checkpoint before stays whole and `latest`, this one's
-    /// temporary directory is removed, and training can go on.
-    pub fn try_save_checkpoint(&mut self, root: &Path) -> Result<Result<PathBuf>> {
+    /// temporary directory is removed, and training can go on. `data` is
+    /// where the run stands in its data, recorded in `meta.json` for a
+    /// resume to go on from.
+    pub fn try_save_checkpoint(
+        &mut self,
+        root: &Path,
+        data: Option<&DataPosition>,
+    ) -> Result<Result<PathBuf>> {
         self.flush()?;
         let env = &self.env;
         let (rank, world) = (env.rank(), env.world());
@@ -187,6 +193,7 @@ impl Engine {
                     nearest()
                 },
                 rounding_seed: config.optim.rounding_seed,
+                data: data.cloned(),
                 files: Default::default(),
             };
             let committed = commit(&RealFs, root, &tmp, meta);

@@ -5,19 +5,79 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::data::TokenDtype;
+use crate::engine::data::{DataOrder, TokenDtype};
 
 /// The `[data]` table.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
-    /// The file: a text (`format = "text"`, byte tokens) or token ids
-    /// (`format = "tokens"`); absent: the text bundled with strata.
-    pub path: Option<PathBuf>,
-    /// How the file is read.
+    /// The files: texts (`format = "text"`, byte tokens) or token ids
+    /// (`format = "tokens"`), one path or a list, a directory standing for
+    /// its files in name order; none: the text bundled with strata.
+    #[serde(skip_serializing_if = "DataPaths::is_empty")]
+    pub path: DataPaths,
+    /// How the files are read.
     pub format: DataFormat,
     /// How a token file stores each id (`format = "tokens"`).
     pub token_dtype: TokenDtype,
+    /// Which windows each step reads: every window once per epoch
+    /// (`"epoch"`) or windows drawn with replacement (`"random"`).
+    pub order: DataOrder,
+    /// The model's tokenizer (a directory holding `tokenizer.json`, or the
+    /// file): texts and JSONL are tokenized with it (once, into the
+    /// cache) instead of read a byte per token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// The field of each JSONL line that holds its document's text
+    /// (default `"text"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text_field: Option<String>,
+    /// Where tokenized data is cached (default: `.strata-cache` beside the
+    /// first file).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl DataConfig {
+    /// The JSONL field that holds each document's text.
+    pub fn text_field(&self) -> &str {
+        self.text_field.as_deref().unwrap_or("text")
+    }
+}
+
+/// `[data] path`: one path (written as a string) or several (a list).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DataPaths(pub Vec<PathBuf>);
+
+impl DataPaths {
+    /// Whether no path is named (the bundled text).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Serialize for DataPaths {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [one] => one.serialize(serializer),
+            many => many.serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DataPaths {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(PathBuf),
+            Many(Vec<PathBuf>),
+        }
+        Ok(DataPaths(match OneOrMany::deserialize(deserializer)? {
+            OneOrMany::One(path) => vec![path],
+            OneOrMany::Many(paths) => paths,
+        }))
+    }
 }
 
 /// How `[data] path` is read.
@@ -29,4 +89,33 @@ pub enum DataFormat {
     Text,
     /// Little-endian token ids of `token_dtype` (nanoGPT's `train.bin`).
     Tokens,
+    /// JSON lines, each a document whose text is in `text_field`
+    /// (tokenized with `tokenizer`).
+    Jsonl,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_is_one_string_or_a_list() {
+        let one: DataConfig = toml::from_str("path = \"a.bin\"").unwrap();
+        assert_eq!(one.path, DataPaths(vec!["a.bin".into()]));
+        assert_eq!(one.order, DataOrder::Epoch);
+        let many: DataConfig =
+            toml::from_str("path = [\"a.bin\", \"shards\"]\norder = \"random\"").unwrap();
+        assert_eq!(many.path.0.len(), 2);
+        assert_eq!(many.order, DataOrder::Random);
+        for config in [one, many, DataConfig::default()] {
+            let text = toml::to_string(&config).unwrap();
+            assert_eq!(
+                toml::from_str::<DataConfig>(&text).unwrap(),
+                config,
+                "{text}"
+            );
+        }
+        let err = toml::from_str::<DataConfig>("order = \"sequential\"").unwrap_err();
+        assert!(err.message().contains("sequential"), "{}", err.message());
+    }
 }

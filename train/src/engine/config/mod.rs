@@ -35,7 +35,7 @@ use crate::error::{Result, TrainError};
 
 pub use crate::model::ModelConfig;
 pub use compute::ComputeDtype;
-pub use data::{DataConfig, DataFormat};
+pub use data::{DataConfig, DataFormat, DataPaths};
 pub use init_from::INIT_SEQ_DEFAULT_MAX;
 pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
 pub use resume::{Difference, RUN_CONFIG};

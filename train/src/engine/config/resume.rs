@@ -14,7 +14,7 @@ pub const RUN_CONFIG: &str = "strata.toml";
 /// (recomputing gives the same bits) and the folder the first weights came
 /// from (the checkpoint holds the weights now). A table name covers every
 /// key in it.
-const FREE: [&str; 13] = [
+const FREE: [&str; 14] = [
     "placement",
     "device",
     "host",
@@ -23,6 +23,7 @@ const FREE: [&str; 13] = [
     "checkpoint",
     "optim.threads",
     "model.init_from",
+    "data.cache_dir",
     "train.checkpoint_every",
     "train.checkpoint_dir",
     "train.checkpoints_kept",
@@ -131,7 +132,7 @@ mod tests {
         let mut changed = saved.clone();
         changed.train.lr = 1e-4;
         changed.train.micro_batch = 2;
-        changed.data.path = Some("other.txt".into());
+        changed.data.path = crate::DataPaths(vec!["other.txt".into()]);
         let found = changed.resume_differences(&saved);
         let keys: Vec<&str> = found.iter().map(|d| d.key.as_str()).collect();
         assert_eq!(keys, ["data.path", "train.lr", "train.micro_batch"]);

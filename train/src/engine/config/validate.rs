@@ -25,6 +25,7 @@ impl TrainConfig {
                 "give the largest safetensors file, e.g. \"5GiB\"",
             ));
         }
+        self.validate_data()?;
         let t = &self.train;
         if t.steps == 0 {
             return Err(bad("train.steps", t.steps, "run at least 1 step"));
@@ -433,6 +434,40 @@ fn short_tier(
             .fold(0u64, |sum, (_, bytes)| sum.saturating_add(*bytes));
         (needed > budgets[tier.index()].1).then_some((tier, needed))
     })
+}
+
+impl TrainConfig {
+    /// `[data]`'s keys agree: JSONL needs a tokenizer, token files take
+    /// none, a text field only means something for JSONL.
+    fn validate_data(&self) -> Result<()> {
+        use super::DataFormat;
+        let d = &self.data;
+        match (d.format, &d.tokenizer) {
+            (DataFormat::Jsonl, None) => {
+                return Err(bad(
+                    "data.format",
+                    "jsonl",
+                    "set data.tokenizer (--tokenizer DIR): JSONL documents are tokenized with the model's tokenizer",
+                ));
+            }
+            (DataFormat::Tokens, Some(tokenizer)) => {
+                return Err(bad(
+                    "data.tokenizer",
+                    tokenizer.display(),
+                    "token files are tokenized already: leave data.tokenizer out, or give texts or JSONL (--data)",
+                ));
+            }
+            _ => {}
+        }
+        if d.text_field.is_some() && d.format != DataFormat::Jsonl {
+            return Err(bad(
+                "data.text_field",
+                d.text_field(),
+                "a text field names a JSONL line's document: set data.format = \"jsonl\", or leave it out",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

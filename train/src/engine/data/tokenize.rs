@@ -1,0 +1,646 @@
+//! Texts through the model's tokenizer: plain text files or JSONL with a
+//! text field, tokenized once (documents in parallel on every core) into a
+//! token file in a cache beside the data, named by a key over the sources'
+//! checksums and the tokenizer's. A run over unchanged sources and
+//! tokenizer reads the cache; a change of either makes another key, so a
+//! stale cache is never read.
+//!
+//! Each document is the tokenizer's encoding with its special tokens (a
+//! begin-of-text token where its post-processor adds one), as
+//! transformers' `tokenizer(text)["input_ids"]` gives it, then the end-of-text token
+//! `tokenizer_config.json` names (`eos_token`), when it names one, so that
+//! documents stay apart in the token stream.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::{TokenDtype, data_error, data_files};
+use crate::engine::config::{DataConfig, DataFormat};
+use crate::error::{Result, bad, os};
+
+/// The layout of a cache file; a change makes every key new.
+const CACHE_FORMAT: u32 = 1;
+
+/// Text handed to the tokenizer at once (a batch of documents).
+const BATCH_BYTES: usize = 8 << 20;
+
+/// The largest plain text file, tokenized as one document in memory.
+pub const TEXT_DOCUMENT_BYTES_MAX: u64 = 1 << 30;
+
+/// Bytes read at a time when a source is checksummed.
+const HASH_BYTES: usize = 1 << 20;
+
+/// What [`tokenize`] made or found.
+#[derive(Clone, Debug)]
+pub struct Tokenized {
+    /// The token file.
+    pub path: PathBuf,
+    /// How it stores each id.
+    pub dtype: TokenDtype,
+    /// Documents in it.
+    pub documents: u64,
+    /// Tokens in it.
+    pub tokens: u64,
+    /// Whether it was there already (unchanged sources and tokenizer).
+    pub reused: bool,
+}
+
+/// The record beside a cache file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct CacheMeta {
+    key: String,
+    tokenizer: PathBuf,
+    sources: Vec<PathBuf>,
+    documents: u64,
+    tokens: u64,
+    dtype: TokenDtype,
+}
+
+/// The tokenizer `[data] tokenizer` names: a directory holding
+/// `tokenizer.json`, or the file itself; and the end-of-text id its
+/// `tokenizer_config.json` names.
+struct Loaded {
+    tokenizer: tokenizers::Tokenizer,
+    file: PathBuf,
+    bytes: Vec<u8>,
+    eos: Option<u32>,
+}
+
+fn load_tokenizer(path: &Path) -> Result<Loaded> {
+    let file = if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    };
+    let bytes = std::fs::read(&file).map_err(|err| {
+        os(
+            format!("read tokenizer {}", file.display()),
+            err,
+            "name a directory holding tokenizer.json (a Hugging Face model folder), or the file, with --tokenizer (data.tokenizer)",
+        )
+    })?;
+    let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|err| {
+        data_error(
+            &file,
+            format!("it is not a tokenizer the tokenizers library reads: {err}"),
+            "give the tokenizer.json of a Hugging Face fast tokenizer",
+        )
+    })?;
+    let config = file.with_file_name("tokenizer_config.json");
+    let eos = match std::fs::read(&config) {
+        Ok(text) => eos_token(&config, &text)?.and_then(|t| tokenizer.token_to_id(&t)),
+        Err(_) => None,
+    };
+    Ok(Loaded {
+        tokenizer,
+        file,
+        bytes,
+        eos,
+    })
+}
+
+/// `eos_token` of a `tokenizer_config.json`: a string, or an added token's
+/// `content`.
+fn eos_token(path: &Path, text: &[u8]) -> Result<Option<String>> {
+    let value: serde_json::Value = serde_json::from_slice(text).map_err(|err| {
+        data_error(
+            path,
+            format!("it does not parse as JSON: {err}"),
+            "fix or remove the file",
+        )
+    })?;
+    Ok(match value.get("eos_token") {
+        Some(serde_json::Value::String(token)) => Some(token.clone()),
+        Some(token) => token
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(String::from),
+        None => None,
+    })
+}
+
+/// xxh3-64 of a file's bytes, read a piece at a time.
+fn checksum(path: &Path, progress: &dyn Fn(u64)) -> Result<u64> {
+    let mut file = std::fs::File::open(path).map_err(|err| {
+        os(
+            format!("open data {}", path.display()),
+            err,
+            "check that --data (or [data] path) names readable files",
+        )
+    })?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buffer = vec![0; HASH_BYTES];
+    loop {
+        let n = std::io::Read::read(&mut file, &mut buffer).map_err(|err| {
+            os(
+                format!("read data {}", path.display()),
+                err,
+                "check the file",
+            )
+        })?;
+        if n == 0 {
+            return Ok(hasher.digest());
+        }
+        hasher.update(&buffer[..n]);
+        progress(n as u64);
+    }
+}
+
+/// Bytes [`tokenize`] reads for `data`: each source twice (checksummed,
+/// then tokenized, unless a cache is found), for a progress bar's length.
+pub fn tokenize_bytes(data: &DataConfig) -> Result<u64> {
+    let mut total = 0;
+    for path in data_files(&data.path.0)? {
+        total += std::fs::metadata(&path)
+            .map_err(|err| os(format!("stat {}", path.display()), err, "check the file"))?
+            .len();
+    }
+    Ok(2 * total)
+}
+
+/// Tokenizes `data`'s sources with its tokenizer into a token file in the
+/// cache, or finds the one made from the same sources and tokenizer.
+/// Refuses a tokenizer with more ids than `vocab`. `progress` is told of
+/// each stretch of source bytes read.
+pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Result<Tokenized> {
+    let tokenizer_path = data
+        .tokenizer
+        .as_deref()
+        .expect("tokenize is called for a [data] with a tokenizer");
+    let files = data_files(&data.path.0)?;
+    let loaded = load_tokenizer(tokenizer_path)?;
+    let ids = loaded.tokenizer.get_vocab_size(true);
+    if ids > vocab {
+        return Err(bad(
+            "model.vocab",
+            vocab,
+            format!(
+                "the tokenizer {} has {ids} ids, more than the model's vocabulary: set model.vocab to at least {ids}, or use the model's own tokenizer",
+                loaded.file.display()
+            ),
+        ));
+    }
+    let dtype = if ids <= 1 << 16 {
+        TokenDtype::U16
+    } else {
+        TokenDtype::U32
+    };
+    let field = data.text_field();
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    hasher.update(&CACHE_FORMAT.to_le_bytes());
+    hasher.update(&xxhash_rust::xxh3::xxh3_64(&loaded.bytes).to_le_bytes());
+    hasher.update(&loaded.eos.map_or(u64::MAX, u64::from).to_le_bytes());
+    hasher.update(format!("{:?} {field}", data.format).as_bytes());
+    for path in &files {
+        hasher.update(&checksum(path, progress)?.to_le_bytes());
+    }
+    let key = format!("{:016x}", hasher.digest());
+    let dir = match &data.cache_dir {
+        Some(dir) => dir.clone(),
+        None => files[0]
+            .parent()
+            .unwrap_or(Path::new("."))
+            .join(".strata-cache"),
+    };
+    let stem = files[0]
+        .file_stem()
+        .map_or_else(|| "data".into(), |s| s.to_string_lossy().into_owned());
+    let path = dir.join(format!("{stem}-{key}.{dtype}"));
+    let meta_path = path.with_extension(format!("{dtype}.json"));
+    if let Some(meta) = std::fs::read(&meta_path)
+        .ok()
+        .and_then(|bytes| serde_json::from_slice::<CacheMeta>(&bytes).ok())
+        .filter(|meta| meta.key == key)
+    {
+        let len = std::fs::metadata(&path)
+            .map(|m| m.len())
+            .unwrap_or(u64::MAX);
+        if len == meta.tokens * dtype.bytes() as u64 {
+            return Ok(Tokenized {
+                path,
+                dtype,
+                documents: meta.documents,
+                tokens: meta.tokens,
+                reused: true,
+            });
+        }
+    }
+    std::fs::create_dir_all(&dir).map_err(|err| {
+        os(
+            format!("create the token cache {}", dir.display()),
+            err,
+            "set data.cache_dir to a writable directory",
+        )
+    })?;
+    let tmp = path.with_extension(format!("{dtype}.tmp-{}", std::process::id()));
+    let written = write_tokens(&loaded, data, &files, dtype, &tmp, progress);
+    let (documents, tokens) = match written {
+        Ok(counts) => counts,
+        Err(err) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(err);
+        }
+    };
+    let meta = CacheMeta {
+        key,
+        tokenizer: loaded.file.clone(),
+        sources: files,
+        documents,
+        tokens,
+        dtype,
+    };
+    let publish = || -> std::io::Result<()> {
+        std::fs::rename(&tmp, &path)?;
+        let json = serde_json::to_vec_pretty(&meta).expect("serializes");
+        std::fs::write(&meta_path, json)
+    };
+    publish().map_err(|err| {
+        let _ = std::fs::remove_file(&tmp);
+        os(
+            format!("write the token cache {}", path.display()),
+            err,
+            "check the cache directory's room and permissions (data.cache_dir)",
+        )
+    })?;
+    Ok(Tokenized {
+        path,
+        dtype,
+        documents,
+        tokens,
+        reused: false,
+    })
+}
+
+/// Tokenizes every document of `files` into `target`, returning the
+/// documents and tokens written.
+fn write_tokens(
+    loaded: &Loaded,
+    data: &DataConfig,
+    files: &[PathBuf],
+    dtype: TokenDtype,
+    target: &Path,
+    progress: &dyn Fn(u64),
+) -> Result<(u64, u64)> {
+    let file = std::fs::File::create(target).map_err(|err| {
+        os(
+            format!("create the token cache {}", target.display()),
+            err,
+            "set data.cache_dir to a writable directory",
+        )
+    })?;
+    let mut out = Writer {
+        file: std::io::BufWriter::with_capacity(1 << 20, file),
+        dtype,
+        target,
+        tokens: 0,
+        documents: 0,
+    };
+    let mut batch = Batch::default();
+    for path in files {
+        match data.format {
+            DataFormat::Jsonl => {
+                for_each_line(path, data.text_field(), &mut |text| {
+                    batch.push(text);
+                    if batch.bytes >= BATCH_BYTES {
+                        batch.encode(loaded, &mut out, progress)?;
+                    }
+                    Ok(())
+                })?;
+            }
+            DataFormat::Text => {
+                let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+                if len > TEXT_DOCUMENT_BYTES_MAX {
+                    return Err(data_error(
+                        path,
+                        format!(
+                            "a text file is tokenized as one document, and it holds {len} bytes, past {TEXT_DOCUMENT_BYTES_MAX}"
+                        ),
+                        "split it into several files, or give JSONL with a document per line",
+                    ));
+                }
+                let text = std::fs::read_to_string(path).map_err(|err| {
+                    os(
+                        format!("read text {}", path.display()),
+                        err,
+                        "give UTF-8 text files to --data with --tokenizer",
+                    )
+                })?;
+                batch.push(text);
+                if batch.bytes >= BATCH_BYTES {
+                    batch.encode(loaded, &mut out, progress)?;
+                }
+            }
+            DataFormat::Tokens => unreachable!("token files are not tokenized"),
+        }
+    }
+    batch.encode(loaded, &mut out, progress)?;
+    if out.tokens == 0 {
+        return Err(data_error(
+            &files[0],
+            "the data holds no text to tokenize",
+            "give files with text in them",
+        ));
+    }
+    let file = out
+        .file
+        .into_inner()
+        .map_err(|err| err.into_error())
+        .and_then(|file| file.sync_all().map(|()| file));
+    file.map_err(|err| {
+        os(
+            format!("write the token cache {}", target.display()),
+            err,
+            "check the cache directory's room (data.cache_dir)",
+        )
+    })?;
+    Ok((out.documents, out.tokens))
+}
+
+/// Calls `each` with the text field of every line of a JSONL file (blank
+/// lines skipped); a line that does not parse, or lacks the field as a
+/// string, is refused with its number.
+fn for_each_line(
+    path: &Path,
+    field: &str,
+    each: &mut dyn FnMut(String) -> Result<()>,
+) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|err| {
+        os(
+            format!("open data {}", path.display()),
+            err,
+            "check that --data (or [data] path) names readable files",
+        )
+    })?;
+    for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let number = index + 1;
+        let line = line.map_err(|err| {
+            data_error(
+                path,
+                format!("line {number} cannot be read as UTF-8 text: {err}"),
+                "give UTF-8 JSONL, one JSON object per line",
+            )
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value = serde_json::from_str(&line).map_err(|err| {
+            data_error(
+                path,
+                format!("line {number} does not parse as JSON: {err}"),
+                "give JSONL, one JSON object per line",
+            )
+        })?;
+        let Some(text) = value.get(field).and_then(|t| t.as_str()) else {
+            return Err(data_error(
+                path,
+                format!("line {number} has no string field {field:?}"),
+                "set data.text_field to the field that holds each document's text",
+            ));
+        };
+        each(text.to_string())?;
+    }
+    Ok(())
+}
+
+/// Documents waiting to be encoded together.
+#[derive(Default)]
+struct Batch {
+    texts: Vec<String>,
+    bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, text: String) {
+        if !text.is_empty() {
+            self.bytes += text.len();
+            self.texts.push(text);
+        }
+    }
+
+    /// Encodes the documents (in parallel, by the tokenizers library's
+    /// pool) and writes their ids in order.
+    fn encode(
+        &mut self,
+        loaded: &Loaded,
+        out: &mut Writer<'_>,
+        progress: &dyn Fn(u64),
+    ) -> Result<()> {
+        if self.texts.is_empty() {
+            return Ok(());
+        }
+        let texts = std::mem::take(&mut self.texts);
+        let encodings = loaded
+            .tokenizer
+            .encode_batch_fast(texts, true)
+            .map_err(|err| {
+                data_error(
+                    &loaded.file,
+                    format!("the tokenizer failed on the data: {err}"),
+                    "check the tokenizer and the text",
+                )
+            })?;
+        for encoding in &encodings {
+            out.document(encoding.get_ids(), loaded.eos)?;
+        }
+        progress(self.bytes as u64);
+        self.bytes = 0;
+        Ok(())
+    }
+}
+
+/// The token file being written.
+struct Writer<'a> {
+    file: std::io::BufWriter<std::fs::File>,
+    dtype: TokenDtype,
+    target: &'a Path,
+    tokens: u64,
+    documents: u64,
+}
+
+impl Writer<'_> {
+    fn document(&mut self, ids: &[u32], eos: Option<u32>) -> Result<()> {
+        let written = ids
+            .iter()
+            .chain(eos.as_ref())
+            .try_for_each(|&id| match self.dtype {
+                TokenDtype::U16 => self.file.write_all(&(id as u16).to_le_bytes()),
+                TokenDtype::U32 => self.file.write_all(&id.to_le_bytes()),
+            });
+        written.map_err(|err| {
+            os(
+                format!("write the token cache {}", self.target.display()),
+                err,
+                "check the cache directory's room (data.cache_dir)",
+            )
+        })?;
+        self.tokens += (ids.len() + usize::from(eos.is_some())) as u64;
+        self.documents += 1;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::config::DataPaths;
+
+    /// A word-level tokenizer of `words` (id = place) plus `<unk>` and
+    /// `<eos>`, split on whitespace, saved in `dir` with a
+    /// `tokenizer_config.json` naming `<eos>`.
+    fn word_tokenizer(dir: &Path, words: &[&str]) {
+        let mut vocab: std::collections::HashMap<String, u32> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.to_string(), i as u32))
+            .collect();
+        vocab.insert("<unk>".into(), words.len() as u32);
+        vocab.insert("<eos>".into(), words.len() as u32 + 1);
+        let model = tokenizers::models::wordlevel::WordLevel::builder()
+            .vocab(vocab.into_iter().collect())
+            .unk_token("<unk>".into())
+            .build()
+            .unwrap();
+        let mut tokenizer = tokenizers::Tokenizer::new(model);
+        tokenizer.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+        tokenizer.save(dir.join("tokenizer.json"), false).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": {"content": "<eos>", "special": true}}"#,
+        )
+        .unwrap();
+    }
+
+    fn jsonl(dir: &Path, path: &Path) -> DataConfig {
+        DataConfig {
+            path: DataPaths(vec![path.to_path_buf()]),
+            format: DataFormat::Jsonl,
+            tokenizer: Some(dir.to_path_buf()),
+            ..DataConfig::default()
+        }
+    }
+
+    fn ids(tokenized: &Tokenized) -> Vec<u16> {
+        std::fs::read(&tokenized.path)
+            .unwrap()
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect()
+    }
+
+    #[test]
+    fn documents_are_tokenized_once_and_the_cache_read_until_a_source_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        word_tokenizer(dir.path(), &["the", "cat", "sat", "on", "mat"]);
+        let data = dir.path().join("docs.jsonl");
+        std::fs::write(
+            &data,
+            "{\"text\": \"the cat sat\"}\n\n{\"text\": \"on the mat\", \"id\": 2}\n{\"text\": \"dog\"}\n",
+        )
+        .unwrap();
+        let config = jsonl(dir.path(), &data);
+        let read = std::sync::atomic::AtomicU64::new(0);
+        let progress = |n: u64| {
+            read.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        };
+        let first = tokenize(&config, 64, &progress).unwrap();
+        assert!(!first.reused);
+        assert_eq!(
+            (first.documents, first.tokens, first.dtype),
+            (3, 10, TokenDtype::U16)
+        );
+        // Each document's ids, then <eos> (6); "dog" is <unk> (5).
+        assert_eq!(ids(&first), [0, 1, 2, 6, 3, 0, 4, 6, 5, 6]);
+        assert!(first.path.starts_with(dir.path().join(".strata-cache")));
+        assert!(read.load(std::sync::atomic::Ordering::Relaxed) > 0);
+        let again = tokenize(&config, 64, &|_| {}).unwrap();
+        assert!(again.reused);
+        assert_eq!((again.path.clone(), again.tokens), (first.path.clone(), 10));
+        // Another text, or another tokenizer: another cache, made anew.
+        std::fs::write(&data, "{\"text\": \"the mat\"}\n").unwrap();
+        let changed = tokenize(&config, 64, &|_| {}).unwrap();
+        assert!(!changed.reused);
+        assert_ne!(changed.path, first.path);
+        assert_eq!(ids(&changed), [0, 4, 6]);
+        word_tokenizer(dir.path(), &["mat", "the"]);
+        let retokenized = tokenize(&config, 64, &|_| {}).unwrap();
+        assert!(!retokenized.reused);
+        assert_eq!(ids(&retokenized), [1, 0, 3]);
+        // A plain text file is one document.
+        let text = dir.path().join("book.txt");
+        std::fs::write(&text, "the mat\nthe mat\n").unwrap();
+        let whole = tokenize(
+            &DataConfig {
+                format: DataFormat::Text,
+                ..jsonl(dir.path(), &text)
+            },
+            64,
+            &|_| {},
+        )
+        .unwrap();
+        assert_eq!(ids(&whole), [1, 0, 1, 0, 3]);
+        // The cache dir may be set elsewhere.
+        let elsewhere = dir.path().join("cache");
+        let moved = tokenize(
+            &DataConfig {
+                cache_dir: Some(elsewhere.clone()),
+                ..config
+            },
+            64,
+            &|_| {},
+        )
+        .unwrap();
+        assert!(moved.path.starts_with(&elsewhere) && !moved.reused);
+    }
+
+    #[test]
+    fn bad_jsonl_and_tokenizers_are_named_with_the_line_and_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        word_tokenizer(dir.path(), &["a", "b"]);
+        let data = dir.path().join("bad.jsonl");
+        let err = |text: &str, vocab: usize| {
+            std::fs::write(&data, text).unwrap();
+            tokenize(&jsonl(dir.path(), &data), vocab, &|_| {})
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err("{\"text\": \"a\"}\n{\"text\": \"b\"\n", 64);
+        assert!(
+            e.contains("bad.jsonl: line 2 does not parse as JSON"),
+            "{e}"
+        );
+        let e = err("{\"body\": \"a\"}\n", 64);
+        assert!(
+            e.contains("line 1 has no string field \"text\"") && e.contains("data.text_field"),
+            "{e}"
+        );
+        let e = err("\n\n", 64);
+        assert!(e.contains("holds no text to tokenize"), "{e}");
+        let e = err("{\"text\": \"a\"}\n", 3);
+        assert!(
+            e.contains("has 4 ids, more than the model's vocabulary")
+                && e.contains("set model.vocab to at least 4"),
+            "{e}"
+        );
+        let e = tokenize(&jsonl(&dir.path().join("none"), &data), 64, &|_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("read tokenizer") && e.contains("--tokenizer"),
+            "{e}"
+        );
+        std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 1}").unwrap();
+        let e = err("{\"text\": \"a\"}\n", 64);
+        assert!(
+            e.contains("not a tokenizer the tokenizers library reads"),
+            "{e}"
+        );
+        // No temporary file left behind by a failed tokenization.
+        let cache = dir.path().join(".strata-cache");
+        let left: Vec<_> = std::fs::read_dir(&cache)
+            .map(|d| d.map(|e| e.unwrap().file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{left:?}");
+    }
+}
