@@ -2093,6 +2093,47 @@ fn train_tokenizes_jsonl_once_and_resumes_mid_epoch_tiny() {
     );
 }
 
+/// `strata bench tokenize` in a tiny mode: the documents, tokens and
+/// tokens/s of a JSONL file, the kept token file holding each document's
+/// ids then the end-of-text id.
+#[test]
+fn bench_tokenize_json_contract_tiny() {
+    let dir = tempdir();
+    word_tokenizer(&dir.path().join("tok"), &["a", "b", "c"]);
+    std::fs::write(
+        dir.path().join("docs.jsonl"),
+        "{\"text\": \"a b\"}\n{\"text\": \"c a c\"}\n",
+    )
+    .unwrap();
+    let out = stdout_json(&strata_in(
+        dir.path(),
+        &[
+            "bench",
+            "tokenize",
+            "--data",
+            "docs.jsonl",
+            "--tokenizer",
+            "tok",
+            "--rounds",
+            "2",
+            "--json",
+            "--keep",
+            "kept",
+        ],
+    ));
+    assert_eq!(
+        (out["documents"].as_u64(), out["tokens"].as_u64()),
+        (Some(2), Some(7))
+    );
+    assert!(out["tokens_per_s"].as_f64().unwrap() > 0.0, "{out}");
+    let ids: Vec<u16> = std::fs::read(out["token_file"].as_str().unwrap())
+        .unwrap()
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    assert_eq!(ids, [0, 1, 4, 2, 0, 2, 4]);
+}
+
 /// A directory of token shards trains as one corpus (its files in name
 /// order); a shard shorter than a window is named.
 #[test]

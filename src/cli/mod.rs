@@ -10,6 +10,7 @@ mod plan;
 mod signals;
 mod swap;
 mod tiers;
+mod tokenize;
 mod train;
 
 use std::io::IsTerminal;
@@ -68,6 +69,9 @@ enum Bench {
     /// a few steps and a checkpoint: the time to the first step against the
     /// disk's rates, and the peak memory against the budgets.
     Load(load::LoadArgs),
+    /// Texts or JSONL through a tokenizer as `strata train --tokenizer`
+    /// tokenizes them, in tokens/s.
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 /// Runs the parsed command; the exit status it asks for.
@@ -79,6 +83,7 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Bench(Bench::Tiers(args)) => tiers::run(args),
         Command::Bench(Bench::Kernels(args)) => kernels::run(args),
         Command::Bench(Bench::Load(args)) => load::run(args),
+        Command::Bench(Bench::Tokenize(args)) => tokenize::run(args),
         Command::Plan(args) => plan::run(*args),
         Command::Train(args) => return train::run(*args),
         Command::Checkpoint(command) => checkpoint::run(command),
