@@ -121,15 +121,20 @@ fn eos_token(path: &Path, text: &[u8]) -> Result<Option<String>> {
     })
 }
 
-/// xxh3-64 of a file's bytes, read a piece at a time.
-fn checksum(path: &Path, progress: &dyn Fn(u64)) -> Result<u64> {
-    let mut file = std::fs::File::open(path).map_err(|err| {
+/// A source file opened for reading.
+fn open_source(path: &Path) -> Result<std::fs::File> {
+    std::fs::File::open(path).map_err(|err| {
         os(
             format!("open data {}", path.display()),
             err,
             "check that --data (or [data] path) names readable files",
         )
-    })?;
+    })
+}
+
+/// xxh3-64 of a file's bytes, read a piece at a time.
+fn checksum(path: &Path, progress: &dyn Fn(u64)) -> Result<u64> {
+    let mut file = open_source(path)?;
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     let mut buffer = vec![0; HASH_BYTES];
     loop {
@@ -302,11 +307,7 @@ fn write_tokens(
         match data.format {
             DataFormat::Jsonl => {
                 for_each_line(path, data.text_field(), &mut |text| {
-                    batch.push(text);
-                    if batch.bytes >= BATCH_BYTES {
-                        batch.encode(loaded, &mut out, progress)?;
-                    }
-                    Ok(())
+                    batch.add(text, loaded, &mut out, progress)
                 })?;
             }
             DataFormat::Text => {
@@ -327,10 +328,7 @@ fn write_tokens(
                         "give UTF-8 text files to --data with --tokenizer",
                     )
                 })?;
-                batch.push(text);
-                if batch.bytes >= BATCH_BYTES {
-                    batch.encode(loaded, &mut out, progress)?;
-                }
+                batch.add(text, loaded, &mut out, progress)?;
             }
             DataFormat::Tokens => unreachable!("token files are not tokenized"),
         }
@@ -366,13 +364,7 @@ fn for_each_line(
     field: &str,
     each: &mut dyn FnMut(String) -> Result<()>,
 ) -> Result<()> {
-    let file = std::fs::File::open(path).map_err(|err| {
-        os(
-            format!("open data {}", path.display()),
-            err,
-            "check that --data (or [data] path) names readable files",
-        )
-    })?;
+    let file = open_source(path)?;
     for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
         let number = index + 1;
         let line = line.map_err(|err| {
@@ -412,11 +404,23 @@ struct Batch {
 }
 
 impl Batch {
-    fn push(&mut self, text: String) {
+    /// Adds a document (an empty one is none), encoding the batch once it
+    /// holds [`BATCH_BYTES`].
+    fn add(
+        &mut self,
+        text: String,
+        loaded: &Loaded,
+        out: &mut Writer<'_>,
+        progress: &dyn Fn(u64),
+    ) -> Result<()> {
         if !text.is_empty() {
             self.bytes += text.len();
             self.texts.push(text);
         }
+        if self.bytes >= BATCH_BYTES {
+            self.encode(loaded, out, progress)?;
+        }
+        Ok(())
     }
 
     /// Encodes the documents (in parallel, by the tokenizers library's
