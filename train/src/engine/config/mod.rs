@@ -13,7 +13,6 @@
 //! resumed run may change).
 
 mod compute;
-mod data;
 mod device;
 mod init_from;
 mod placement;
@@ -33,9 +32,9 @@ pub use strata_scheduler::{Checkpointing, StateDtype};
 use crate::error::bad;
 use crate::error::{Result, TrainError};
 
+pub use super::data::{DataConfig, DataFormat, DataPaths};
 pub use crate::model::ModelConfig;
 pub use compute::ComputeDtype;
-pub use data::{DataConfig, DataFormat, DataPaths};
 pub use init_from::INIT_SEQ_DEFAULT_MAX;
 pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
 pub use resume::{Difference, RUN_CONFIG};

@@ -12,14 +12,15 @@
 //! [`window_start`] reads what the random order reads.
 
 mod order;
+mod table;
 mod tokenize;
 
+pub use table::{DataConfig, DataFormat, DataPaths};
 pub use tokenize::{TEXT_DOCUMENT_BYTES_MAX, Tokenized, tokenize, tokenize_bytes};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::engine::config::{DataConfig, DataFormat};
 use crate::error::{Result, TrainError};
 use crate::error::{bad, os};
 
@@ -736,7 +737,6 @@ fn mix(seed: u64, step: u64, window: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::config::DataPaths;
 
     /// Rank `rank` of `world`'s tokens of step `step` (one micro-batch
     /// count and size), `samples` sequences into the run.

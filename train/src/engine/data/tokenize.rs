@@ -16,8 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{TokenDtype, data_error, data_files};
-use crate::engine::config::{DataConfig, DataFormat};
+use super::{DataConfig, DataFormat, TokenDtype, data_error, data_files};
 use crate::error::{Result, bad, os};
 
 /// The layout of a cache file; a change makes every key new.
@@ -487,8 +486,8 @@ impl Writer<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::DataPaths;
     use super::*;
-    use crate::engine::config::DataPaths;
 
     /// A word-level tokenizer of `words` (id = place) plus `<unk>` and
     /// `<eos>`, split on whitespace, saved in `dir` with a

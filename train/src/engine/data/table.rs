@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::engine::data::{DataOrder, TokenDtype};
+use super::{DataOrder, TokenDtype};
 
 /// The `[data]` table.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
