@@ -80,7 +80,9 @@ def train_tokenizer(corpus, directory, vocab):
 
 def read_texts(corpus):
     with open(corpus) as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
+        texts = (json.loads(line)["text"] for line in f if line.strip())
+        # strata skips empty documents (they would be a lone end-of-text).
+        return [text for text in texts if text]
 
 
 def run_strata(a, corpus, keep):

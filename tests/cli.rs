@@ -2166,7 +2166,9 @@ fn train_reads_a_directory_of_token_shards_tiny() {
         "a shard shorter than a window",
     );
     assert!(
-        err.contains("part-2.bin: it holds 5 tokens, no whole window of model.seq + 1 = 65 tokens"),
+        err.contains(
+            "part-2.bin: it holds 5 tokens, and a file needs more than model.seq + 1 = 65 tokens"
+        ),
         "{err}"
     );
 }

@@ -69,7 +69,10 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     let bytes = strata_train::tokenize_bytes(&data)? / 2;
     let (mut seconds, mut last) = (Vec::new(), None);
     for round in 0..args.rounds {
-        data.cache_dir = Some(root.join(format!("round-{round}")));
+        // Each round tokenizes: a cache left by an earlier run would be read.
+        let dir = root.join(format!("round-{round}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        data.cache_dir = Some(dir);
         let started = Instant::now();
         let tokenized = strata_train::tokenize(&data, u32::MAX as usize, &|_| {})?;
         seconds.push(started.elapsed().as_secs_f64());

@@ -266,27 +266,40 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
         .iter()
         .map(|path| absolute(path, flag))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let given = !args.data.is_empty() || !args.tokens.is_empty();
+    let tokenizer = match &args.tokenizer {
+        Some(dir) => Some(dir.as_path()),
+        // Token files take no tokenizer; texts keep the config's.
+        None if !args.tokens.is_empty() => None,
+        None => config.data.tokenizer.as_deref(),
+    };
+    let tokenizer = tokenizer
+        .map(|dir| absolute(dir, "--tokenizer (data.tokenizer)"))
+        .transpose()?;
     config.data = engine::DataConfig {
         path: engine::DataPaths(paths),
         format,
         token_dtype: if !args.tokens.is_empty() {
             args.token_dtype.unwrap_or_default()
-        } else if !args.data.is_empty() {
+        } else if given {
             Default::default()
         } else {
             config.data.token_dtype
         },
-        tokenizer: match (&args.tokenizer, args.data.is_empty()) {
-            (Some(dir), _) => Some(absolute(dir, "--tokenizer")?),
-            // --data without --tokenizer: byte tokens, whatever the file said.
-            (None, false) => None,
-            (None, true) => config
-                .data
-                .tokenizer
-                .as_deref()
-                .map(|dir| absolute(dir, "data.tokenizer"))
-                .transpose()?,
-        },
+        tokenizer,
+        // A text field is JSONL's alone.
+        text_field: config
+            .data
+            .text_field
+            .clone()
+            .filter(|_| format == engine::DataFormat::Jsonl),
+        // Where the cache is, from anywhere a resume runs.
+        cache_dir: config
+            .data
+            .cache_dir
+            .as_deref()
+            .map(std::path::absolute)
+            .transpose()?,
         ..config.data.clone()
     };
     if let Some(dir) = &args.checkpoint_dir {

@@ -179,8 +179,18 @@ pub fn run(
         Some(path) => {
             let checkpoint = Checkpoint::open(path)?;
             check_resumed_run(config, &checkpoint)?;
-            if let Some(saved) = &checkpoint.meta.data {
-                corpus.check_position(saved, &checkpoint.dir)?;
+            match &checkpoint.meta.data {
+                Some(saved) => corpus.check_position(saved, &checkpoint.dir)?,
+                // Written before the epoch order: its run drew random
+                // windows by step, which only the random order goes on with.
+                None if config.data.order != super::DataOrder::Random => {
+                    return Err(TrainError::Checkpoint {
+                        path: checkpoint.dir.clone(),
+                        problem: "it records no place in the data: its run drew random windows by step, before the epoch order".into(),
+                        fix: "resume it with [data] order = \"random\" (as `strata train --resume DIR` alone does when the checkpoint holds its config)".into(),
+                    });
+                }
+                None => {}
             }
             Some(checkpoint)
         }

@@ -447,7 +447,7 @@ impl TrainConfig {
                 return Err(bad(
                     "data.format",
                     "jsonl",
-                    "set data.tokenizer (--tokenizer DIR): JSONL documents are tokenized with the model's tokenizer",
+                    "set data.tokenizer (--tokenizer DIR): JSONL documents (every .jsonl file --data names is read as JSONL) are tokenized with the model's tokenizer",
                 ));
             }
             (DataFormat::Tokens, Some(tokenizer)) => {
@@ -458,6 +458,13 @@ impl TrainConfig {
                 ));
             }
             _ => {}
+        }
+        if d.path.is_empty() && (d.tokenizer.is_some() || d.format == DataFormat::Jsonl) {
+            return Err(bad(
+                "data.path",
+                "none",
+                "name the texts or JSONL files to tokenize (--data FILE... or [data] path); the bundled text is read a byte per token",
+            ));
         }
         if d.text_field.is_some() && d.format != DataFormat::Jsonl {
             return Err(bad(

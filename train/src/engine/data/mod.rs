@@ -288,6 +288,13 @@ impl Corpus {
     /// order. Texts are read (one token per byte), token files mapped.
     /// Each file must hold more than one window of `seq + 1` tokens.
     pub fn open(data: &DataConfig, seq: usize) -> Result<Corpus> {
+        if data.path.is_empty() {
+            return Err(bad(
+                "data.path",
+                "none",
+                "name the files to train on (--data, --tokens)",
+            ));
+        }
         let files = data_files(&data.path.0)?;
         let mut sources = Vec::with_capacity(files.len());
         for path in &files {
@@ -319,7 +326,7 @@ impl Corpus {
                 return Err(data_error(
                     path,
                     format!(
-                        "it holds {} {unit}, no whole window of model.seq + 1 = {} {unit}",
+                        "it holds {} {unit}, and a file needs more than model.seq + 1 = {} {unit}",
                         source.len,
                         seq + 1
                     ),
@@ -910,6 +917,18 @@ mod tests {
         );
     }
 
+    /// The values `benches/gpu_vs_deepspeed.py`'s Python `window_start`
+    /// gives: the peers there read the windows strata reads.
+    #[test]
+    fn window_starts_match_the_benchs_python_replay() {
+        assert_eq!(window_start(1, 1, 0, 1_000_000, 1024), 736_099);
+        assert_eq!(window_start(7, 3, 5, 3000, 16), 541);
+        assert_eq!(
+            window_start((1 << 63) + 5, 12345, 999, 1_000_000_000, 1024),
+            88_261_132
+        );
+    }
+
     #[test]
     fn a_text_shorter_than_a_window_is_refused() {
         let err = ByteCorpus::new(b"short".to_vec(), 64).unwrap_err();
@@ -943,7 +962,7 @@ mod tests {
             .to_string();
         assert!(
             err.contains(
-                "short.bin: it holds 10 tokens, no whole window of model.seq + 1 = 17 tokens"
+                "short.bin: it holds 10 tokens, and a file needs more than model.seq + 1 = 17 tokens"
             ),
             "{err}"
         );

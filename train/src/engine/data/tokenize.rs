@@ -80,13 +80,19 @@ fn load_tokenizer(path: &Path) -> Result<Loaded> {
             "name a directory holding tokenizer.json (a Hugging Face model folder), or the file, with --tokenizer (data.tokenizer)",
         )
     })?;
-    let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|err| {
+    let mut tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|err| {
         data_error(
             &file,
             format!("it is not a tokenizer the tokenizers library reads: {err}"),
             "give the tokenizer.json of a Hugging Face fast tokenizer",
         )
     })?;
+    // Documents whole and unpadded, as transformers' plain call encodes
+    // them: a tokenizer.json may carry truncation and padding settings.
+    tokenizer.with_padding(None);
+    tokenizer
+        .with_truncation(None)
+        .expect("turning truncation off cannot fail");
     let config = file.with_file_name("tokenizer_config.json");
     let eos = match std::fs::read(&config) {
         Ok(text) => eos_token(&config, &text)?.and_then(|t| tokenizer.token_to_id(&t)),
@@ -169,13 +175,30 @@ pub fn tokenize_bytes(data: &DataConfig) -> Result<u64> {
 /// Refuses a tokenizer with more ids than `vocab`. `progress` is told of
 /// each stretch of source bytes read.
 pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Result<Tokenized> {
-    let tokenizer_path = data
-        .tokenizer
-        .as_deref()
-        .expect("tokenize is called for a [data] with a tokenizer");
+    let Some(tokenizer_path) = data.tokenizer.as_deref() else {
+        return Err(bad(
+            "data.tokenizer",
+            "none",
+            "name the model's tokenizer (--tokenizer DIR) to tokenize texts or JSONL",
+        ));
+    };
+    if data.path.is_empty() {
+        return Err(bad(
+            "data.path",
+            "none",
+            "name the texts or JSONL files to tokenize (--data)",
+        ));
+    }
     let files = data_files(&data.path.0)?;
     let loaded = load_tokenizer(tokenizer_path)?;
-    let ids = loaded.tokenizer.get_vocab_size(true);
+    // Ids may have gaps (an added token past the vocabulary): the largest
+    // bounds the model's vocabulary and the file's width, not the count.
+    let ids = loaded
+        .tokenizer
+        .get_vocab(true)
+        .values()
+        .max()
+        .map_or(0, |&id| id as usize + 1);
     if ids > vocab {
         return Err(bad(
             "model.vocab",
@@ -191,6 +214,24 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
     } else {
         TokenDtype::U32
     };
+    if data.format == DataFormat::Tokens {
+        return Err(bad(
+            "data.tokenizer",
+            loaded.file.display(),
+            "token files are tokenized already: leave data.tokenizer out, or give texts or JSONL (--data)",
+        ));
+    }
+    if data.format == DataFormat::Text
+        && let Some(jsonl) = files
+            .iter()
+            .find(|f| f.extension().is_some_and(|e| e == "jsonl"))
+    {
+        return Err(data_error(
+            jsonl,
+            "a .jsonl file among texts, which would be tokenized as one document of JSON",
+            "set data.format = \"jsonl\" (--data infers it when every file named ends in .jsonl), or keep texts and JSONL apart",
+        ));
+    }
     let field = data.text_field();
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     hasher.update(&CACHE_FORMAT.to_le_bytes());
@@ -329,7 +370,7 @@ fn write_tokens(
                 })?;
                 batch.add(text, loaded, &mut out, progress)?;
             }
-            DataFormat::Tokens => unreachable!("token files are not tokenized"),
+            DataFormat::Tokens => unreachable!("refused before the sources are read"),
         }
     }
     batch.encode(loaded, &mut out, progress)?;
@@ -468,7 +509,12 @@ impl Writer<'_> {
             .iter()
             .chain(eos.as_ref())
             .try_for_each(|&id| match self.dtype {
-                TokenDtype::U16 => self.file.write_all(&(id as u16).to_le_bytes()),
+                // The width was chosen from the largest id the tokenizer has.
+                TokenDtype::U16 => self.file.write_all(
+                    &u16::try_from(id)
+                        .expect("ids fit the width chosen for them")
+                        .to_le_bytes(),
+                ),
                 TokenDtype::U32 => self.file.write_all(&id.to_le_bytes()),
             });
         written.map_err(|err| {
@@ -583,6 +629,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ids(&whole), [1, 0, 1, 0, 3]);
+        // A tokenizer.json that asks for truncation and padding encodes
+        // whole, unpadded documents all the same (as transformers' plain
+        // call does).
+        let mut saved =
+            tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+        saved
+            .with_truncation(Some(tokenizers::TruncationParams {
+                max_length: 1,
+                ..Default::default()
+            }))
+            .unwrap();
+        saved.with_padding(Some(tokenizers::PaddingParams::default()));
+        saved
+            .save(dir.path().join("tokenizer.json"), false)
+            .unwrap();
+        std::fs::write(&data, "{\"text\": \"the mat the\"}\n{\"text\": \"mat\"}\n").unwrap();
+        assert_eq!(
+            ids(&tokenize(&config, 64, &|_| {}).unwrap()),
+            [1, 0, 1, 3, 0, 3]
+        );
+        // A .jsonl among texts would be one document of JSON: refused.
+        let err = tokenize(
+            &DataConfig {
+                format: DataFormat::Text,
+                path: DataPaths(vec![text.clone(), data.clone()]),
+                ..jsonl(dir.path(), &text)
+            },
+            64,
+            &|_| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("a .jsonl file among texts"), "{err}");
         // The cache dir may be set elsewhere.
         let elsewhere = dir.path().join("cache");
         let moved = tokenize(
