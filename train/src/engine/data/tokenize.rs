@@ -296,15 +296,27 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
         tokens,
         dtype,
     };
+    // The record first, then the token file: the token file's rename is
+    // the commit. A record without its token file (a crash between the
+    // two) is never read, as the token file's length is checked against it.
+    let meta_tmp = meta_path.with_extension(format!("json.tmp-{}", std::process::id()));
     let publish = || -> std::io::Result<()> {
-        std::fs::rename(&tmp, &path)?;
         let json = serde_json::to_vec_pretty(&meta).expect("serializes");
-        std::fs::write(&meta_path, json)
+        std::fs::write(&meta_tmp, json)?;
+        std::fs::rename(&meta_tmp, &meta_path)?;
+        std::fs::rename(&tmp, &path)?;
+        std::fs::File::open(&dir)?.sync_all()
     };
     publish().map_err(|err| {
-        let _ = std::fs::remove_file(&tmp);
+        for left in [&tmp, &meta_tmp] {
+            let _ = std::fs::remove_file(left);
+        }
         os(
-            format!("write the token cache {}", path.display()),
+            format!(
+                "write the token cache {} and its record {}",
+                path.display(),
+                meta_path.display()
+            ),
             err,
             "check the cache directory's room and permissions (data.cache_dir)",
         )
@@ -346,8 +358,8 @@ fn write_tokens(
     for path in files {
         match data.format {
             DataFormat::Jsonl => {
-                for_each_line(path, data.text_field(), &mut |text| {
-                    batch.add(text, loaded, &mut out, progress)
+                for_each_line(path, data.text_field(), progress, &mut |text| {
+                    batch.add(text, loaded, &mut out)
                 })?;
             }
             DataFormat::Text => {
@@ -368,12 +380,13 @@ fn write_tokens(
                         "give UTF-8 text files to --data with --tokenizer",
                     )
                 })?;
-                batch.add(text, loaded, &mut out, progress)?;
+                batch.add(text, loaded, &mut out)?;
+                progress(len);
             }
             DataFormat::Tokens => unreachable!("refused before the sources are read"),
         }
     }
-    batch.encode(loaded, &mut out, progress)?;
+    batch.encode(loaded, &mut out)?;
     if out.tokens == 0 {
         return Err(data_error(
             &files[0],
@@ -397,11 +410,13 @@ fn write_tokens(
 }
 
 /// Calls `each` with the text field of every line of a JSONL file (blank
-/// lines skipped); a line that does not parse, or lacks the field as a
-/// string, is refused with its number.
+/// lines skipped), telling `progress` of each line's bytes; a line that
+/// does not parse, or lacks the field as a string, is refused with its
+/// number.
 fn for_each_line(
     path: &Path,
     field: &str,
+    progress: &dyn Fn(u64),
     each: &mut dyn FnMut(String) -> Result<()>,
 ) -> Result<()> {
     let file = open_source(path)?;
@@ -414,6 +429,8 @@ fn for_each_line(
                 "give UTF-8 JSONL, one JSON object per line",
             )
         })?;
+        // Its bytes and the newline, as the progress bar counts the file.
+        progress(line.len() as u64 + 1);
         if line.trim().is_empty() {
             continue;
         }
@@ -446,31 +463,20 @@ struct Batch {
 impl Batch {
     /// Adds a document (an empty one is none), encoding the batch once it
     /// holds [`BATCH_BYTES`].
-    fn add(
-        &mut self,
-        text: String,
-        loaded: &Loaded,
-        out: &mut Writer<'_>,
-        progress: &dyn Fn(u64),
-    ) -> Result<()> {
+    fn add(&mut self, text: String, loaded: &Loaded, out: &mut Writer<'_>) -> Result<()> {
         if !text.is_empty() {
             self.bytes += text.len();
             self.texts.push(text);
         }
         if self.bytes >= BATCH_BYTES {
-            self.encode(loaded, out, progress)?;
+            self.encode(loaded, out)?;
         }
         Ok(())
     }
 
     /// Encodes the documents (in parallel, by the tokenizers library's
     /// pool) and writes their ids in order.
-    fn encode(
-        &mut self,
-        loaded: &Loaded,
-        out: &mut Writer<'_>,
-        progress: &dyn Fn(u64),
-    ) -> Result<()> {
+    fn encode(&mut self, loaded: &Loaded, out: &mut Writer<'_>) -> Result<()> {
         if self.texts.is_empty() {
             return Ok(());
         }
@@ -488,7 +494,6 @@ impl Batch {
         for encoding in &encodings {
             out.document(encoding.get_ids(), loaded.eos)?;
         }
-        progress(self.bytes as u64);
         self.bytes = 0;
         Ok(())
     }
@@ -602,7 +607,23 @@ mod tests {
         // Each document's ids, then <eos> (6); "dog" is <unk> (5).
         assert_eq!(ids(&first), [0, 1, 2, 6, 3, 0, 4, 6, 5, 6]);
         assert!(first.path.starts_with(dir.path().join(".strata-cache")));
-        assert!(read.load(std::sync::atomic::Ordering::Relaxed) > 0);
+        // The progress bar's length is what a fresh tokenization reads.
+        assert_eq!(
+            read.load(std::sync::atomic::Ordering::Relaxed),
+            tokenize_bytes(&config).unwrap()
+        );
+        let cache = dir.path().join(".strata-cache");
+        let mut names: Vec<String> = std::fs::read_dir(&cache)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names.len(),
+            2,
+            "the token file and its record alone: {names:?}"
+        );
+        assert!(names[1].ends_with(".u16.json"), "{names:?}");
         let again = tokenize(&config, 64, &|_| {}).unwrap();
         assert!(again.reused);
         assert_eq!((again.path.clone(), again.tokens), (first.path.clone(), 10));
