@@ -41,10 +41,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     if args.rounds == 0 {
         bail!("--rounds 0 measures nothing: give at least 1");
     }
-    let jsonl = args
-        .data
-        .iter()
-        .all(|p| p.extension().is_some_and(|e| e == "jsonl"));
+    let format = DataFormat::of_texts(&args.data);
     let scratch = match &args.keep {
         Some(_) => None,
         None => Some(Scratch(
@@ -57,13 +54,9 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     };
     let mut data = DataConfig {
         path: DataPaths(args.data.clone()),
-        format: if jsonl {
-            DataFormat::Jsonl
-        } else {
-            DataFormat::Text
-        },
+        format,
         tokenizer: Some(args.tokenizer.clone()),
-        text_field: jsonl.then(|| args.text_field.clone()),
+        text_field: (format == DataFormat::Jsonl).then(|| args.text_field.clone()),
         ..DataConfig::default()
     };
     let bytes = strata_train::tokenize_bytes(&data)? / 2;

@@ -251,14 +251,12 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
     }
     // However they were named, the files are recorded by their absolute
     // paths: a resume from another directory reads the same files.
-    let jsonl = |paths: &[PathBuf]| {
-        paths
-            .iter()
-            .all(|p| p.extension().is_some_and(|e| e == "jsonl"))
-    };
     let (paths, flag, format) = match (args.data.is_empty(), args.tokens.is_empty()) {
-        (false, _) if jsonl(&args.data) => (&args.data, "--data", engine::DataFormat::Jsonl),
-        (false, _) => (&args.data, "--data", engine::DataFormat::Text),
+        (false, _) => (
+            &args.data,
+            "--data",
+            engine::DataFormat::of_texts(&args.data),
+        ),
         (true, false) => (&args.tokens, "--tokens", engine::DataFormat::Tokens),
         (true, true) => (&config.data.path.0, "data.path", config.data.format),
     };
@@ -476,7 +474,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let t = &config.train;
     tracing::info!(
         "data: {}, {:?} order",
-        corpus.describe(t.ranks * t.micro_batch * t.grad_accumulation),
+        corpus.describe(t.sequences_per_step()),
         config.data.order
     );
     // The built-in default's swap directory, when this run creates it, is

@@ -429,7 +429,7 @@ fn rank_main(
     // (a checkpoint from before it, in the random order) its steps' worth.
     let samples = resume.as_ref().map_or(0, |checkpoint| {
         checkpoint.meta.data.as_ref().map_or(
-            checkpoint.meta.step * (world * t.grad_accumulation * t.micro_batch) as u64,
+            checkpoint.meta.step * t.sequences_per_step() as u64,
             |data| data.samples,
         )
     });

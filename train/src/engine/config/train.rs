@@ -116,6 +116,12 @@ impl Default for TrainSettings {
 }
 
 impl TrainSettings {
+    /// Sequences every rank together reads in a step (`ranks x
+    /// micro_batch x grad_accumulation`): the global batch.
+    pub fn sequences_per_step(&self) -> usize {
+        self.ranks * self.micro_batch * self.grad_accumulation
+    }
+
     /// Micro-batches in flight at once: all of them, block by block, so
     /// that each block's parameters are fetched once per pass.
     pub(crate) fn in_flight(&self) -> usize {

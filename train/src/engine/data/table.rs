@@ -80,6 +80,23 @@ impl<'de> Deserialize<'de> for DataPaths {
     }
 }
 
+impl DataFormat {
+    /// How files named as texts (`--data`) are read: as JSONL when every
+    /// one ends in `.jsonl`, else as texts.
+    pub fn of_texts(paths: &[PathBuf]) -> DataFormat {
+        if paths.iter().all(|p| is_jsonl(p)) {
+            DataFormat::Jsonl
+        } else {
+            DataFormat::Text
+        }
+    }
+}
+
+/// Whether a file's name says JSONL (`.jsonl`).
+pub fn is_jsonl(path: &std::path::Path) -> bool {
+    path.extension().is_some_and(|e| e == "jsonl")
+}
+
 /// How `[data] path` is read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -222,9 +222,7 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
         ));
     }
     if data.format == DataFormat::Text
-        && let Some(jsonl) = files
-            .iter()
-            .find(|f| f.extension().is_some_and(|e| e == "jsonl"))
+        && let Some(jsonl) = files.iter().find(|f| super::table::is_jsonl(f))
     {
         return Err(data_error(
             jsonl,
