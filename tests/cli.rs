@@ -2093,6 +2093,105 @@ fn train_tokenizes_jsonl_once_and_resumes_mid_epoch_tiny() {
     );
 }
 
+/// `--sft` trains on supervised JSONL (prompt and response fields): the
+/// run says how many of the tokens are loss targets, and a checkpoint's
+/// config (format = "sft" kept) resumes it bit for bit; read as plain
+/// JSONL the lines lack their text field, named; without a tokenizer
+/// `--sft` is refused.
+#[test]
+fn train_sft_masks_prompts_and_resumes_tiny() {
+    let dir = tempdir();
+    let words = ["what", "is", "a", "tier", "the", "place", "of", "tensor"];
+    word_tokenizer(&dir.path().join("tok"), &words);
+    let lines: String = (0..300)
+        .map(|i| {
+            let pick = |n: usize, k: usize| -> String {
+                (0..n)
+                    .map(|j| words[(i * k + j * 3) % 8])
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            format!(
+                "{{\"prompt\": \"{}\", \"response\": \"{}\"}}\n",
+                pick(i % 4 + 2, 5),
+                pick(i % 3 + 2, 7)
+            )
+        })
+        .collect();
+    std::fs::write(dir.path().join("sft.jsonl"), lines).unwrap();
+    std::fs::write(
+        dir.path().join("small.toml"),
+        "[model]\nvocab = 16\nseq = 16\n[train]\nsteps = 4\nmicro_batch = 4\nwarmup_steps = 1\n",
+    )
+    .unwrap();
+    let args = |extra: &[&'static str]| -> Vec<&'static str> {
+        let mut args = vec![
+            "train",
+            "--config",
+            "small.toml",
+            "--data",
+            "sft.jsonl",
+            "--tokenizer",
+            "tok",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        args
+    };
+    let output = strata_command()
+        .args(args(&["--sft", "--checkpoint-dir", "whole"]))
+        .env("STRATA_LOG", "info")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        output.status.success(),
+        "{log}{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    assert!(
+        log.contains("loss masks:") && log.contains("are loss targets"),
+        "{log}"
+    );
+    let sft = last_json_line(&output);
+    let config = std::fs::read_to_string(dir.path().join("whole/step-00000004/strata.toml"))
+        .unwrap_or_default();
+    assert!(config.contains("format = \"sft\""), "{config}");
+    let part = strata_in(
+        dir.path(),
+        &args(&["--sft", "--checkpoint-dir", "part", "--stop-after", "2"]),
+    );
+    assert!(part.status.success());
+    let resumed = last_json_line(&strata_in(
+        dir.path(),
+        &["train", "--resume", "part", "--json"],
+    ));
+    let losses = sft["losses"].as_array().unwrap();
+    assert_eq!(resumed["losses"].as_array().unwrap()[..], losses[2..]);
+    let plain = strata_in(dir.path(), &args(&["--checkpoint-dir", "plain"]));
+    let err = String::from_utf8_lossy(&plain.stderr).into_owned();
+    assert!(err.contains("no string field \"text\""), "{err}");
+    let err = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &[
+                "train",
+                "--config",
+                "small.toml",
+                "--data",
+                "sft.jsonl",
+                "--sft",
+            ],
+        ),
+        "--sft without a tokenizer",
+    );
+    assert!(
+        err.contains("data.tokenizer") && err.contains("sft"),
+        "{err}"
+    );
+}
+
 /// `strata bench tokenize` in a tiny mode: the documents, tokens and
 /// tokens/s of a JSONL file, the kept token file holding each document's
 /// ids then the end-of-text id.

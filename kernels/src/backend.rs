@@ -113,6 +113,10 @@ impl Attention {
     }
 }
 
+/// The target of a row that is not a loss target ([`Backend::cross_entropy`]):
+/// transformers' label -100, a prompt token in supervised fine-tuning.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
 /// A scalar computed on the device, readable once its fence passes
 /// (a loss, a norm), without synchronizing the whole device.
 pub struct Readback {
@@ -420,7 +424,10 @@ pub trait Backend: Send + Sync {
 
     /// Softmax cross-entropy of each row of `logits` (`rows x vocab`)
     /// against `targets` (u32): writes `dlogits` (the gradient of the
-    /// mean, times `grad_scale`) and returns the mean loss.
+    /// mean, times `grad_scale`) and returns the mean loss. A row whose
+    /// target is [`IGNORE_TARGET`] adds nothing (no loss, zero gradient)
+    /// and still counts in the mean's divisor, `rows`: a caller that means
+    /// the mean over the counted rows scales by `rows / counted`.
     fn cross_entropy(
         &self,
         logits: View<'_>,

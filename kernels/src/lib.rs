@@ -11,6 +11,6 @@ pub mod cpu;
 pub mod cuda;
 mod error;
 
-pub use backend::{Attention, Backend, Matrix, Readback, ReadbackSlots};
+pub use backend::{Attention, Backend, IGNORE_TARGET, Matrix, Readback, ReadbackSlots};
 pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};

@@ -973,3 +973,63 @@ fn swiglu_matches_its_definition_and_its_backward_the_finite_differences() {
         .to_string();
     assert!(err.contains("gate_up") && err.contains("3 x 10"), "{err}");
 }
+
+/// A row whose target is `IGNORE_TARGET` adds no loss and gets a zero
+/// gradient; the others' loss and gradient are those of the rows alone,
+/// the mean still over every row (the caller rescales to its count).
+#[test]
+fn ignored_targets_add_no_loss_and_no_gradient() {
+    use strata_kernels::IGNORE_TARGET;
+    let cpu = CpuBackend;
+    let vocab = 7;
+    let logits = values(5 * vocab, 40);
+    let targets = [3, IGNORE_TARGET, 6, IGNORE_TARGET, 0];
+    let mut dl = vec![1.0f32; logits.len()];
+    let loss = cpu
+        .cross_entropy(
+            View::host_slice(&logits),
+            View::host_slice(&targets),
+            2.0,
+            ViewMut::host_slice(&mut dl),
+        )
+        .unwrap()
+        .get()
+        .unwrap();
+    // The counted rows alone, each as a batch of one (mean = its loss).
+    let mut want_loss = 0.0;
+    for (row, &target) in targets.iter().enumerate() {
+        let cut = &logits[row * vocab..][..vocab];
+        let d = &dl[row * vocab..][..vocab];
+        if target == IGNORE_TARGET {
+            assert!(d.iter().all(|&x| x == 0.0), "row {row}: {d:?}");
+            continue;
+        }
+        let mut alone = vec![0.0f32; vocab];
+        let one = cpu
+            .cross_entropy(
+                View::host_slice(cut),
+                View::host_slice(&targets[row..=row]),
+                2.0 / 5.0,
+                ViewMut::host_slice(&mut alone),
+            )
+            .unwrap()
+            .get()
+            .unwrap();
+        want_loss += one / 5.0;
+        assert_eq!(d, alone.as_slice(), "row {row}");
+    }
+    assert!(
+        (loss - want_loss).abs() < 1e-6,
+        "{loss} against {want_loss}"
+    );
+    // An id past the vocabulary is still refused.
+    let err = cpu
+        .cross_entropy(
+            View::host_slice(&logits),
+            View::host_slice(&[3, 7, 6, 1, 0]),
+            1.0,
+            ViewMut::host_slice(&mut dl),
+        )
+        .unwrap_err();
+    assert!(matches!(err, KernelError::Token { token: 7, .. }), "{err}");
+}

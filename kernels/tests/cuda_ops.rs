@@ -403,11 +403,22 @@ fn cross_entropy_sums_casts_and_adamw_match_the_cpu() {
     let s = &gpu.stream;
     let (rows, vocab) = (19usize, 50_257usize);
     let logits: Vec<f32> = values(11, rows * vocab).iter().map(|v| v * 4.0).collect();
+    // Every fifth row is not a target (transformers' label -100).
     let targets: Vec<u32> = (0..rows as u32)
-        .map(|i| (i * 7919) % vocab as u32)
+        .map(|i| match i % 5 {
+            4 => strata_kernels::IGNORE_TARGET,
+            _ => (i * 7919) % vocab as u32,
+        })
         .collect();
     let mut dlogits = vec![0.0; rows * vocab];
-    let loss = ops::cross_entropy(&logits, &targets, vocab, 0.5, &mut dlogits);
+    let loss = ops::cross_entropy(
+        &logits,
+        &targets,
+        vocab,
+        0.5,
+        strata_kernels::IGNORE_TARGET,
+        &mut dlogits,
+    );
     let (dl, dt, dd, row_loss, mean, bad) = (
         gpu.up(&logits),
         gpu.up(&targets),

@@ -67,6 +67,12 @@ pub struct TrainArgs {
     /// core, into a cache beside the data (sets [data] tokenizer).
     #[arg(long, value_name = "DIR", conflicts_with = "tokens")]
     tokenizer: Option<PathBuf>,
+    /// Read the JSONL files of --data (or [data] path) as supervised
+    /// fine-tuning data: each line a "prompt" and its "response"
+    /// ([data] prompt_field, response_field), the loss on the responses'
+    /// tokens alone (sets [data] format = "sft"; needs --tokenizer).
+    #[arg(long, conflicts_with = "tokens")]
+    sft: bool,
     /// How --tokens stores each id: u16 (default) or u32.
     #[arg(long, requires = "tokens")]
     token_dtype: Option<engine::TokenDtype>,
@@ -260,6 +266,11 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
         (true, false) => (&args.tokens, "--tokens", engine::DataFormat::Tokens),
         (true, true) => (&config.data.path.0, "data.path", config.data.format),
     };
+    let format = if args.sft {
+        engine::DataFormat::Sft
+    } else {
+        format
+    };
     let paths = paths
         .iter()
         .map(|path| absolute(path, flag))
@@ -291,6 +302,17 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
             .text_field
             .clone()
             .filter(|_| format == engine::DataFormat::Jsonl),
+        // Prompt and response fields are supervised data's alone.
+        prompt_field: config
+            .data
+            .prompt_field
+            .clone()
+            .filter(|_| format == engine::DataFormat::Sft),
+        response_field: config
+            .data
+            .response_field
+            .clone()
+            .filter(|_| format == engine::DataFormat::Sft),
         // Where the cache is, from anywhere a resume runs.
         cache_dir: config
             .data
@@ -389,11 +411,14 @@ fn open_data(config: &TrainConfig, json: bool) -> anyhow::Result<engine::Corpus>
             tokenized.path.display()
         );
     }
-    Ok(engine::Corpus::open_tokens(
-        &tokenized.path,
-        tokenized.dtype,
-        seq,
-    )?)
+    if tokenized.masked {
+        tracing::info!(
+            "loss masks: {} of the {} tokens are loss targets (the responses and their ends of text)",
+            tokenized.targets,
+            tokenized.tokens
+        );
+    }
+    Ok(engine::Corpus::open_tokenized(&tokenized, seq)?)
 }
 
 /// `path` made absolute (a checkpoint's config names it from any directory),
@@ -473,9 +498,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     );
     let t = &config.train;
     tracing::info!(
-        "data: {}, {:?} order",
+        "data: {}, {} order",
         corpus.describe(t.sequences_per_step()),
-        config.data.order
+        match config.data.order {
+            engine::DataOrder::Epoch => "epoch",
+            engine::DataOrder::Random => "random",
+        }
     );
     // The built-in default's swap directory, when this run creates it, is
     // removed when the run ends, however it ends (a checkpoint, not the

@@ -25,9 +25,9 @@ pub use engine::{
     ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
     DATA_FILES_MAX, DataConfig, DataFormat, DataOrder, DataPaths, DataPosition, DataReader,
     DeepSpeedMapping, Difference, Engine, Faults, GRAD_ACCUMULATION_MAX, Keys, ModelConfig,
-    OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX, ROUNDING_STOCHASTIC,
-    RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, StopRequest,
-    TierBytes, TokenDtype, Tokenized, TrainConfig, TrainSettings, WarmupType, from_deepspeed_json,
-    run, tokenize, tokenize_bytes, window_start,
+    NOT_A_TARGET, OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX,
+    ROUNDING_STOCHASTIC, RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype,
+    StepReport, StopRequest, TierBytes, TokenDtype, Tokenized, TrainConfig, TrainSettings,
+    WarmupType, from_deepspeed_json, run, tokenize, tokenize_bytes, window_start,
 };
 pub use error::{Result, TrainError};

@@ -15,7 +15,7 @@ use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam
 
 use super::gemm::{Strided, gemm_strided};
 use super::ops;
-use crate::backend::{Attention, Backend, Matrix, Readback};
+use crate::backend::{Attention, Backend, IGNORE_TARGET, Matrix, Readback};
 use crate::error::{KernelError, Result, same_len};
 
 /// The CPU reference backend.
@@ -956,7 +956,7 @@ impl Backend for CpuBackend {
         if let Some((position, &token)) = targets
             .iter()
             .enumerate()
-            .find(|(_, t)| **t as usize >= vocab)
+            .find(|(_, t)| **t as usize >= vocab && **t != IGNORE_TARGET)
         {
             return Err(KernelError::Token {
                 op: OP,
@@ -966,7 +966,7 @@ impl Backend for CpuBackend {
             });
         }
         let dlogits = sized_mut::<f32>(OP, "dlogits", dlogits, logits.len())?;
-        let loss = ops::cross_entropy(logits, targets, vocab, grad_scale, dlogits);
+        let loss = ops::cross_entropy(logits, targets, vocab, grad_scale, IGNORE_TARGET, dlogits);
         Ok(Readback::ready(f64::from(loss)))
     }
 

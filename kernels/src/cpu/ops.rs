@@ -183,12 +183,14 @@ pub fn causal_softmax_backward(p: &[f32], dp: &mut [f32], rows: usize, scale: f3
 /// Softmax cross-entropy of each row of `logits` against `targets`;
 /// writes `dlogits` (the gradient of the mean over rows, times
 /// `grad_scale`: a loss scale, or a share of a larger batch) and returns
-/// the mean loss.
+/// the mean loss. A row whose target is `ignore` adds no loss and gets a
+/// zero gradient; the mean still divides by every row.
 pub fn cross_entropy(
     logits: &[f32],
     targets: &[u32],
     cols: usize,
     grad_scale: f32,
+    ignore: u32,
     dlogits: &mut [f32],
 ) -> f32 {
     let rows = targets.len();
@@ -199,6 +201,10 @@ pub fn cross_entropy(
         .zip(dlogits.chunks_exact_mut(cols))
         .zip(targets)
     {
+        if t == ignore {
+            d.fill(0.0);
+            continue;
+        }
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
         let log_sum = sum.ln() + max;

@@ -119,3 +119,14 @@ pub fn ops_kernels() -> Vec<String> {
         .chain(OPS_SINGLE.iter().map(|op| op.to_string()))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernels_read_the_ignored_target_the_rust_side_writes() {
+        let define = format!("#define IGNORE_TARGET {:#x}u", crate::IGNORE_TARGET);
+        assert!(OPS_SOURCE.contains(&define), "ops.cu lacks {define:?}");
+    }
+}

@@ -223,9 +223,14 @@ __device__ void layer_norm_backward_params(const T *dout, const T *x, const floa
     }
 }
 
+// A row that is not a loss target (strata_kernels::IGNORE_TARGET).
+#define IGNORE_TARGET 0xffffffffu
+
 // One block per row: the row's loss into row_loss, the gradient of the
 // mean (times grad_scale) into dlogits. A target outside the vocabulary
-// sets *bad to its row + 1 (the host checks it) and gives the row no loss.
+// sets *bad to its row + 1 (the host checks it) and gives the row no loss;
+// an IGNORE_TARGET row has no loss and a zero gradient, and still counts
+// in the mean's divisor.
 template <typename T>
 __device__ void cross_entropy(const T *logits, const unsigned *targets, u64 rows, u64 vocab,
                               float grad_scale, T *dlogits, float *row_loss, u64 *bad) {
@@ -233,7 +238,18 @@ __device__ void cross_entropy(const T *logits, const unsigned *targets, u64 rows
     const float per_row = grad_scale / (float)rows;
     for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const u64 base = r * vocab;
-        const u64 target = targets[r];
+        const unsigned target = targets[r];
+        if (target == IGNORE_TARGET) {
+            // Not a loss target: no loss, a zero gradient (the whole block
+            // takes the same branch: one row per block at a time).
+            for (u64 c = threadIdx.x; c < vocab; c += BLOCK) {
+                store(dlogits, base + c, 0.0f);
+            }
+            if (threadIdx.x == 0) {
+                row_loss[r] = 0.0f;
+            }
+            continue;
+        }
         float max = -__int_as_float(0x7f800000);
         for (u64 c = threadIdx.x; c < vocab; c += BLOCK) {
             max = fmaxf(max, load(logits, base + c));

@@ -6,13 +6,14 @@
 //! hands it the runtime tensors to read and write.
 
 use strata_device::{Buffer, Dtype, View};
-use strata_kernels::{Backend, Readback};
+use strata_kernels::{Backend, IGNORE_TARGET, Readback};
 use strata_runtime::TensorId;
 
 use crate::error::Result;
 use crate::model::{Buffers, Model, OUTER, Weights};
 
 use super::access::{with_device_view, write_from_view};
+use super::data::NOT_A_TARGET;
 use super::env::Env;
 use super::tensors::Group;
 
@@ -30,7 +31,8 @@ fn weights<'a>(gathered: &'a Buffer, gathered16: &'a Buffer, n: usize) -> Weight
 }
 
 /// Micro-batch `m`'s inputs and next-token targets out of the step's
-/// sequences of `seq + 1` tokens.
+/// sequences of `seq + 1` tokens: a token marked [`NOT_A_TARGET`] is read
+/// as its id and is no target ([`IGNORE_TARGET`]).
 pub(super) fn split_tokens(
     tokens: &[u32],
     m: usize,
@@ -41,8 +43,18 @@ pub(super) fn split_tokens(
 ) {
     let micro = &tokens[m * batch * (seq + 1)..(m + 1) * batch * (seq + 1)];
     for (i, sequence) in micro.chunks_exact(seq + 1).enumerate() {
-        inputs[i * seq..(i + 1) * seq].copy_from_slice(&sequence[..seq]);
-        targets[i * seq..(i + 1) * seq].copy_from_slice(&sequence[1..]);
+        for (input, &token) in inputs[i * seq..(i + 1) * seq].iter_mut().zip(sequence) {
+            *input = token & !NOT_A_TARGET;
+        }
+        for (target, &token) in targets[i * seq..(i + 1) * seq]
+            .iter_mut()
+            .zip(&sequence[1..])
+        {
+            *target = match token & NOT_A_TARGET {
+                0 => token,
+                _ => IGNORE_TARGET,
+            };
+        }
     }
 }
 

@@ -38,6 +38,11 @@ pub(super) struct Loss {
     sum_squares: Vec<f64>,
     /// Computed on the device, not read yet.
     scalars: VecDeque<(Scalar, Readback)>,
+    /// With loss masks: the weight of each micro-batch's mean (its rows
+    /// over the step's counted targets on every rank), so that the step's
+    /// loss is the mean over its counted targets; none: every target
+    /// counts and the step's loss is the mean of the micro-batches'.
+    per_row: Option<f64>,
 }
 
 impl Loss {
@@ -47,21 +52,29 @@ impl Loss {
             loss_sum: 0.0,
             sum_squares: vec![0.0; groups],
             scalars: VecDeque::with_capacity(SCALARS_PENDING_MAX),
+            per_row: None,
         })
     }
 
     /// Starts a step: nothing summed, nothing pending (what a step that
-    /// failed part way left nothing will read). Returns its loss scale.
-    pub(super) fn begin_step(&mut self) -> f32 {
+    /// failed part way left nothing will read), each micro-batch's mean
+    /// weighted by `per_row` (loss masks) or not. Returns its loss scale.
+    pub(super) fn begin_step(&mut self, per_row: Option<f64>) -> f32 {
         self.loss_sum = 0.0;
         self.sum_squares.fill(0.0);
         self.scalars.clear();
+        self.per_row = per_row;
         self.scaler.scale()
     }
 
-    /// The loss scale now.
-    pub(super) fn scale(&self) -> f32 {
-        self.scaler.scale()
+    /// The gradient scale of a micro-batch's head, one of `micro_batches`
+    /// over every rank: the loss scale times the micro-batch's share of
+    /// the step's loss.
+    pub(super) fn head_scale(&self, micro_batches: usize) -> f32 {
+        match self.per_row {
+            None => self.scaler.scale() / micro_batches as f32,
+            Some(per_row) => (f64::from(self.scaler.scale()) * per_row) as f32,
+        }
     }
 
     /// Keeps a scalar the device computes, to read at the barrier; past
@@ -79,7 +92,7 @@ impl Loss {
         let value = value.get()?;
         match into {
             // Added in the order the micro-batches ran.
-            Scalar::Loss => self.loss_sum += value,
+            Scalar::Loss => self.loss_sum += value * self.per_row.unwrap_or(1.0),
             Scalar::Norm(g) => self.sum_squares[g] = value,
         }
         Ok(())
@@ -99,7 +112,7 @@ impl Loss {
     }
 
     /// Ends a step of `micro_batches` micro-batches over every rank: its
-    /// mean loss, the scale backed off after an overflow (`skipped`) or
+    /// mean loss (over its counted targets, with loss masks), the scale backed off after an overflow (`skipped`) or
     /// grown. A dynamic scale that overflows at its floor cannot go lower:
     /// the gradients are not finite at any scale (a static one skips on).
     pub(super) fn finish(
@@ -109,7 +122,10 @@ impl Loss {
         dynamic: bool,
         micro_batches: f64,
     ) -> Result<f64> {
-        let loss = self.loss_sum / micro_batches;
+        let loss = match self.per_row {
+            None => self.loss_sum / micro_batches,
+            Some(_) => self.loss_sum,
+        };
         if skipped && dynamic && self.scaler.at_floor() {
             return Err(TrainError::Diverged {
                 step,

@@ -89,7 +89,7 @@ pub use config::{
     TrainConfig, TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{
-    ByteCorpus, Corpus, DATA_FILES_MAX, DataOrder, DataPosition, DataReader,
+    ByteCorpus, Corpus, DATA_FILES_MAX, DataOrder, DataPosition, DataReader, NOT_A_TARGET,
     TEXT_DOCUMENT_BYTES_MAX, TokenDtype, Tokenized, tokenize, tokenize_bytes, window_start,
 };
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};

@@ -16,6 +16,7 @@ use strata_scheduler::{Op, StepOp, Work};
 use crate::error::{Result, TrainError};
 use crate::model::OUTER;
 
+use super::data::NOT_A_TARGET;
 use super::loss::Scalar;
 use super::moves::Boundary;
 use super::optimizer::Update;
@@ -112,7 +113,8 @@ impl Engine {
         self.state.step += 1;
         let step = self.state.step;
         let lr = self.env.config().train.lr_at(step);
-        let loss_scale = self.loss.begin_step();
+        let per_row = self.loss_weight(step, tokens)?;
+        let loss_scale = self.loss.begin_step(per_row);
         let shape = shape_index(
             self.moves.current(),
             self.state.speculate,
@@ -166,6 +168,35 @@ impl Engine {
             optimizer_wait_s: self.lane.take_wait_s(),
             optimizer_params_per_s: self.lane.take_rate(),
         })
+    }
+
+    /// With loss masks in the step's tokens (on any rank), the weight of
+    /// each micro-batch's mean: its rows over the targets the step counts
+    /// on every rank, so that the loss is the mean over those (as
+    /// transformers' over labels other than -100 in one batch), whatever
+    /// the micro-batches and ranks. None when every target counts: the
+    /// mean of the micro-batches' means, the same number.
+    fn loss_weight(&self, step: u64, tokens: &[u32]) -> Result<Option<f64>> {
+        let seq = self.env.model().seq();
+        let rows = (self.env.config().train.micro_batch * seq) as f64;
+        let targets = tokens.len() / (seq + 1) * seq;
+        let mut counts = [
+            count_targets(tokens, seq) as f64,
+            (targets * self.env.world()) as f64,
+        ];
+        if self.env.world() > 1 {
+            self.env.collective().all_reduce_scalars(&mut counts[..1])?;
+        }
+        let [counted, all] = counts;
+        if counted == all {
+            return Ok(None);
+        }
+        if counted == 0.0 && self.env.rank() == 0 {
+            tracing::warn!(
+                "step {step} has no loss target (every target of its {all} is masked): its gradient is zero and its loss 0"
+            );
+        }
+        Ok(Some(if counted == 0.0 { 0.0 } else { rows / counted }))
     }
 
     /// Runs the ops of one step and returns the decision; keeps the update
@@ -375,7 +406,9 @@ impl Engine {
         }
         self.gather(OUTER)?;
         let train = &self.env.config().train;
-        let scale = self.loss.scale() / (train.grad_accumulation * self.env.world()) as f32;
+        let scale = self
+            .loss
+            .head_scale(train.grad_accumulation * self.env.world());
         let loss = self.ws.head(&self.env, m, scale)?;
         self.loss.defer(Scalar::Loss, loss)
     }
@@ -438,4 +471,13 @@ impl Engine {
         self.moves.return_home(&self.env)?;
         self.schedule.end_step()
     }
+}
+
+/// The targets of `tokens` (sequences of `seq + 1`: each one's last `seq`)
+/// that a loss counts: those without [`NOT_A_TARGET`].
+pub(super) fn count_targets(tokens: &[u32], seq: usize) -> usize {
+    tokens
+        .chunks_exact(seq + 1)
+        .map(|s| s[1..].iter().filter(|&&t| t & NOT_A_TARGET == 0).count())
+        .sum()
 }

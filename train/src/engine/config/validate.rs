@@ -437,8 +437,9 @@ fn short_tier(
 }
 
 impl TrainConfig {
-    /// `[data]`'s keys agree: JSONL needs a tokenizer, token files take
-    /// none, a text field only means something for JSONL.
+    /// `[data]`'s keys agree: JSONL and supervised JSONL need a
+    /// tokenizer, token files take none, a text field only means something
+    /// for JSONL, prompt and response fields only for supervised JSONL.
     fn validate_data(&self) -> Result<()> {
         use super::DataFormat;
         let d = &self.data;
@@ -450,6 +451,13 @@ impl TrainConfig {
                     "set data.tokenizer (--tokenizer DIR): JSONL documents (every .jsonl file --data names is read as JSONL) are tokenized with the model's tokenizer",
                 ));
             }
+            (DataFormat::Sft, None) => {
+                return Err(bad(
+                    "data.format",
+                    "sft",
+                    "set data.tokenizer (--tokenizer DIR): supervised JSONL (prompts and responses) is tokenized with the model's tokenizer",
+                ));
+            }
             (DataFormat::Tokens, Some(tokenizer)) => {
                 return Err(bad(
                     "data.tokenizer",
@@ -459,7 +467,7 @@ impl TrainConfig {
             }
             _ => {}
         }
-        if d.path.is_empty() && (d.tokenizer.is_some() || d.format == DataFormat::Jsonl) {
+        if d.path.is_empty() && (d.tokenizer.is_some() || d.format.is_json_lines()) {
             return Err(bad(
                 "data.path",
                 "none",
@@ -473,6 +481,18 @@ impl TrainConfig {
                 "a text field names a JSONL line's document: set data.format = \"jsonl\", or leave it out",
             ));
         }
+        for (key, set) in [
+            ("data.prompt_field", &d.prompt_field),
+            ("data.response_field", &d.response_field),
+        ] {
+            if let Some(field) = set.as_deref().filter(|_| d.format != DataFormat::Sft) {
+                return Err(bad(
+                    key,
+                    field,
+                    "prompt and response fields name a supervised line's parts: set data.format = \"sft\" (--sft), or leave it out",
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -480,6 +500,31 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Supervised data needs a tokenizer; its prompt and response fields
+    /// mean nothing for other formats.
+    #[test]
+    fn supervised_data_keys_are_checked_against_the_format() {
+        let err = |toml: &str| TrainConfig::from_toml(toml).unwrap_err().to_string();
+        let e = err("[data]\npath = \"a.jsonl\"\nformat = \"sft\"\n");
+        assert!(
+            e.contains("data.format") && e.contains("data.tokenizer"),
+            "{e}"
+        );
+        let e = err(
+            "[data]\npath = \"a.jsonl\"\nformat = \"jsonl\"\ntokenizer = \"t\"\nprompt_field = \"q\"\n",
+        );
+        assert!(
+            e.contains("data.prompt_field") && e.contains("--sft"),
+            "{e}"
+        );
+        let ok = "[data]\npath = \"a.jsonl\"\nformat = \"sft\"\ntokenizer = \"t\"\nprompt_field = \"q\"\nresponse_field = \"a\"\n";
+        let config = TrainConfig::from_toml(ok).unwrap();
+        assert_eq!(
+            (config.data.prompt_field(), config.data.response_field()),
+            ("q", "a")
+        );
+    }
 
     /// `[model] arch` names an architecture of the registry, or the error
     /// lists them; left out, the default; written out, read back.

@@ -117,6 +117,14 @@ impl std::str::FromStr for DataOrder {
 /// Files a corpus may hold (a directory of shards).
 pub const DATA_FILES_MAX: usize = 65_536;
 
+/// The bit a token carries when it is no loss target (a prompt token in
+/// supervised fine-tuning, transformers' label -100): the model reads the
+/// id below it, and the loss does not score the token's prediction. Ids
+/// stay below [`crate::model::VOCAB_MAX`], far under it. Only token files
+/// strata wrote with loss masks (`format = "sft"`'s cache) carry it: in any
+/// other token file such a value is an id past the vocabulary.
+pub const NOT_A_TARGET: u32 = 1 << 31;
+
 /// Bytes hashed and scanned at a time when a token file is opened.
 const SCAN_BYTES: usize = 1 << 20;
 
@@ -124,10 +132,12 @@ const SCAN_BYTES: usize = 1 << 20;
 enum Tokens {
     /// A text: each byte a token (vocabulary 256).
     Bytes(Vec<u8>),
-    /// A token file, mapped (not read into memory).
+    /// A token file, mapped (not read into memory); `masked`: its ids
+    /// carry [`NOT_A_TARGET`] (strata's cache of supervised data).
     File {
         map: Arc<memmap2::Mmap>,
         dtype: TokenDtype,
+        masked: bool,
     },
 }
 
@@ -146,11 +156,19 @@ impl Tokens {
         }
     }
 
-    /// Token `i`.
+    /// The bits of a token that are flags, not its id.
+    fn flags(&self) -> u32 {
+        match self {
+            Tokens::File { masked: true, .. } => NOT_A_TARGET,
+            _ => 0,
+        }
+    }
+
+    /// Token `i`, with its flags.
     fn token(&self, i: usize) -> u32 {
         match self {
             Tokens::Bytes(bytes) => u32::from(bytes[i]),
-            Tokens::File { map, dtype } => {
+            Tokens::File { map, dtype, .. } => {
                 let at = i * dtype.bytes();
                 match dtype {
                     TokenDtype::U16 => u32::from(u16::from_le_bytes([map[at], map[at + 1]])),
@@ -162,8 +180,10 @@ impl Tokens {
         }
     }
 
-    /// The largest id in `bytes`, whole tokens of this encoding.
+    /// The largest id in `bytes`, whole tokens of this encoding, flags
+    /// left out.
     fn max_in(&self, bytes: &[u8]) -> u32 {
+        let ids = !self.flags();
         match self.dtype_bytes() {
             1 => bytes.iter().copied().max().map_or(0, u32::from),
             2 => bytes
@@ -173,7 +193,7 @@ impl Tokens {
                 .map_or(0, u32::from),
             _ => bytes
                 .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & ids)
                 .max()
                 .unwrap_or(0),
         }
@@ -276,7 +296,17 @@ impl Corpus {
     /// (the file must not change while a run reads it). Its length must be
     /// a whole number of tokens, more than one window.
     pub fn open_tokens(path: &Path, dtype: TokenDtype, seq: usize) -> Result<Corpus> {
-        let source = open_token_file(path, dtype)?;
+        let source = open_token_file(path, dtype, false)?;
+        if source.len <= seq + 1 {
+            return Err(too_short(source.len, "tokens", seq));
+        }
+        Ok(Corpus::of(vec![source], seq))
+    }
+
+    /// The token file [`tokenize`] made or found (with loss masks when its
+    /// data was supervised), as [`Corpus::open_tokens`] opens one.
+    pub fn open_tokenized(tokenized: &Tokenized, seq: usize) -> Result<Corpus> {
+        let source = open_token_file(&tokenized.path, tokenized.dtype, tokenized.masked)?;
         if source.len <= seq + 1 {
             return Err(too_short(source.len, "tokens", seq));
         }
@@ -299,7 +329,7 @@ impl Corpus {
         let mut sources = Vec::with_capacity(files.len());
         for path in &files {
             let source = match data.format {
-                DataFormat::Tokens => open_token_file(path, data.token_dtype)?,
+                DataFormat::Tokens => open_token_file(path, data.token_dtype, false)?,
                 DataFormat::Text => {
                     let bytes = std::fs::read(path).map_err(|err| {
                         os(
@@ -310,7 +340,7 @@ impl Corpus {
                     })?;
                     Source::scan(path.clone(), Tokens::Bytes(bytes))
                 }
-                DataFormat::Jsonl => {
+                DataFormat::Jsonl | DataFormat::Sft => {
                     return Err(data_error(
                         path,
                         "JSONL is read through a tokenizer",
@@ -369,8 +399,9 @@ impl Corpus {
             return Ok(());
         };
         let max = source.max_token as usize;
+        let ids = !source.tokens.flags();
         let at = (0..source.len)
-            .find(|&i| source.tokens.token(i) as usize >= vocab)
+            .find(|&i| (source.tokens.token(i) & ids) as usize >= vocab)
             .unwrap_or(0);
         let file = if self.sources.len() > 1 {
             format!(" (in {})", source.name.display())
@@ -393,7 +424,7 @@ impl Corpus {
             }
             Tokens::File { .. } => format!(
                 "the token file's largest id is {max}, past the model's vocabulary (the first such id is {}, token {at} of the file{file}): set model.vocab to at least {}, or check --token-dtype",
-                source.tokens.token(at),
+                source.tokens.token(at) & ids,
                 max + 1
             ),
         };
@@ -561,8 +592,9 @@ fn data_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// A token file of `dtype`, mapped and scanned.
-fn open_token_file(path: &Path, dtype: TokenDtype) -> Result<Source> {
+/// A token file of `dtype`, mapped and scanned; `masked`: its ids carry
+/// [`NOT_A_TARGET`].
+fn open_token_file(path: &Path, dtype: TokenDtype, masked: bool) -> Result<Source> {
     let file = std::fs::File::open(path).map_err(|err| {
         os(
             format!("open token file {}", path.display()),
@@ -611,6 +643,7 @@ fn open_token_file(path: &Path, dtype: TokenDtype) -> Result<Source> {
         Tokens::File {
             map: Arc::new(map),
             dtype,
+            masked,
         },
     ))
 }

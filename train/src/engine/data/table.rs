@@ -36,12 +36,30 @@ pub struct DataConfig {
     /// first file).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
+    /// The field of each supervised (`format = "sft"`) line that holds its
+    /// prompt, read but not scored (default `"prompt"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_field: Option<String>,
+    /// The field of each supervised line that holds its response, the
+    /// loss's targets (default `"response"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response_field: Option<String>,
 }
 
 impl DataConfig {
     /// The JSONL field that holds each document's text.
     pub fn text_field(&self) -> &str {
         self.text_field.as_deref().unwrap_or("text")
+    }
+
+    /// The supervised JSONL field that holds each prompt.
+    pub fn prompt_field(&self) -> &str {
+        self.prompt_field.as_deref().unwrap_or("prompt")
+    }
+
+    /// The supervised JSONL field that holds each response.
+    pub fn response_field(&self) -> &str {
+        self.response_field.as_deref().unwrap_or("response")
     }
 }
 
@@ -109,6 +127,18 @@ pub enum DataFormat {
     /// JSON lines, each a document whose text is in `text_field`
     /// (tokenized with `tokenizer`).
     Jsonl,
+    /// Supervised fine-tuning: JSON lines, each a prompt (`prompt_field`)
+    /// and its response (`response_field`), tokenized with `tokenizer`
+    /// into one document, the loss on the response's tokens (and the end
+    /// of text) alone.
+    Sft,
+}
+
+impl DataFormat {
+    /// Whether its files are JSON lines.
+    pub fn is_json_lines(self) -> bool {
+        matches!(self, DataFormat::Jsonl | DataFormat::Sft)
+    }
 }
 
 #[cfg(test)]

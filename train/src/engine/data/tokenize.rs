@@ -10,13 +10,21 @@
 //! transformers' `tokenizer(text)["input_ids"]` gives it, then the end-of-text token
 //! `tokenizer_config.json` names (`eos_token`), when it names one, so that
 //! documents stay apart in the token stream.
+//!
+//! A supervised line (`format = "sft"`) is one document: its prompt
+//! encoded with the special tokens, its response without them (as
+//! `tokenizer(prompt)["input_ids"] + tokenizer(response,
+//! add_special_tokens=False)["input_ids"]`), then the end-of-text token.
+//! The prompt's tokens carry [`NOT_A_TARGET`] (transformers' label -100):
+//! the loss is on the response and the end of text alone. Such a cache is
+//! u32 whatever the vocabulary, for the flag.
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{DataConfig, DataFormat, TokenDtype, data_error, data_files};
+use super::{DataConfig, DataFormat, NOT_A_TARGET, TokenDtype, data_error, data_files};
 use crate::error::{Result, bad, os};
 
 /// The layout of a cache file; a change makes every key new.
@@ -44,6 +52,11 @@ pub struct Tokenized {
     pub tokens: u64,
     /// Whether it was there already (unchanged sources and tokenizer).
     pub reused: bool,
+    /// Whether its ids carry [`NOT_A_TARGET`] (supervised data: the
+    /// prompts' tokens are no loss targets).
+    pub masked: bool,
+    /// Tokens that are loss targets (all of them without masks).
+    pub targets: u64,
 }
 
 /// The record beside a cache file.
@@ -55,6 +68,10 @@ struct CacheMeta {
     documents: u64,
     tokens: u64,
     dtype: TokenDtype,
+    #[serde(default)]
+    masked: bool,
+    #[serde(default)]
+    targets: u64,
 }
 
 /// The tokenizer `[data] tokenizer` names: a directory holding
@@ -209,7 +226,8 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
             ),
         ));
     }
-    let dtype = if ids <= 1 << 16 {
+    let masked = data.format == DataFormat::Sft;
+    let dtype = if ids <= 1 << 16 && !masked {
         TokenDtype::U16
     } else {
         TokenDtype::U32
@@ -230,7 +248,10 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
             "set data.format = \"jsonl\" (--data infers it when every file named ends in .jsonl), or keep texts and JSONL apart",
         ));
     }
-    let field = data.text_field();
+    let field = match data.format {
+        DataFormat::Sft => format!("{} {}", data.prompt_field(), data.response_field()),
+        _ => data.text_field().to_string(),
+    };
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     hasher.update(&CACHE_FORMAT.to_le_bytes());
     hasher.update(&xxhash_rust::xxh3::xxh3_64(&loaded.bytes).to_le_bytes());
@@ -267,6 +288,8 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
                 documents: meta.documents,
                 tokens: meta.tokens,
                 reused: true,
+                masked,
+                targets: meta.targets,
             });
         }
     }
@@ -279,7 +302,7 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
     })?;
     let tmp = path.with_extension(format!("{dtype}.tmp-{}", std::process::id()));
     let written = write_tokens(&loaded, data, &files, dtype, &tmp, progress);
-    let (documents, tokens) = match written {
+    let (documents, tokens, targets) = match written {
         Ok(counts) => counts,
         Err(err) => {
             let _ = std::fs::remove_file(&tmp);
@@ -293,6 +316,8 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
         documents,
         tokens,
         dtype,
+        masked,
+        targets,
     };
     // The record first, then the token file: the token file's rename is
     // the commit. A record without its token file (a crash between the
@@ -325,11 +350,13 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
         documents,
         tokens,
         reused: false,
+        masked,
+        targets,
     })
 }
 
 /// Tokenizes every document of `files` into `target`, returning the
-/// documents and tokens written.
+/// documents, tokens and loss targets written.
 fn write_tokens(
     loaded: &Loaded,
     data: &DataConfig,
@@ -337,7 +364,7 @@ fn write_tokens(
     dtype: TokenDtype,
     target: &Path,
     progress: &dyn Fn(u64),
-) -> Result<(u64, u64)> {
+) -> Result<(u64, u64, u64)> {
     let file = std::fs::File::create(target).map_err(|err| {
         os(
             format!("create the token cache {}", target.display()),
@@ -349,15 +376,26 @@ fn write_tokens(
         file: std::io::BufWriter::with_capacity(1 << 20, file),
         dtype,
         target,
+        masked: data.format == DataFormat::Sft,
         tokens: 0,
         documents: 0,
+        targets: 0,
     };
     let mut batch = Batch::default();
     for path in files {
         match data.format {
             DataFormat::Jsonl => {
-                for_each_line(path, data.text_field(), progress, &mut |text| {
-                    batch.add(text, loaded, &mut out)
+                for_each_line(path, &[data.text_field()], progress, &mut |mut fields| {
+                    let text = fields.pop().expect("one field");
+                    batch.add(text, None, loaded, &mut out)
+                })?;
+            }
+            DataFormat::Sft => {
+                let names = [data.prompt_field(), data.response_field()];
+                for_each_line(path, &names, progress, &mut |mut fields| {
+                    let response = fields.pop().expect("two fields");
+                    let prompt = fields.pop().expect("two fields");
+                    batch.add(prompt, Some(response), loaded, &mut out)
                 })?;
             }
             DataFormat::Text => {
@@ -378,7 +416,7 @@ fn write_tokens(
                         "give UTF-8 text files to --data with --tokenizer",
                     )
                 })?;
-                batch.add(text, loaded, &mut out)?;
+                batch.add(text, None, loaded, &mut out)?;
                 progress(len);
             }
             DataFormat::Tokens => unreachable!("refused before the sources are read"),
@@ -404,18 +442,18 @@ fn write_tokens(
             "check the cache directory's room (data.cache_dir)",
         )
     })?;
-    Ok((out.documents, out.tokens))
+    Ok((out.documents, out.tokens, out.targets))
 }
 
-/// Calls `each` with the text field of every line of a JSONL file (blank
-/// lines skipped), telling `progress` of each line's bytes; a line that
-/// does not parse, or lacks the field as a string, is refused with its
+/// Calls `each` with the string `fields` of every line of a JSONL file
+/// (blank lines skipped), telling `progress` of each line's bytes; a line
+/// that does not parse, or lacks a field as a string, is refused with its
 /// number.
 fn for_each_line(
     path: &Path,
-    field: &str,
+    fields: &[&str],
     progress: &dyn Fn(u64),
-    each: &mut dyn FnMut(String) -> Result<()>,
+    each: &mut dyn FnMut(Vec<String>) -> Result<()>,
 ) -> Result<()> {
     let file = open_source(path)?;
     for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
@@ -439,30 +477,53 @@ fn for_each_line(
                 "give JSONL, one JSON object per line",
             )
         })?;
-        let Some(text) = value.get(field).and_then(|t| t.as_str()) else {
-            return Err(data_error(
-                path,
-                format!("line {number} has no string field {field:?}"),
-                "set data.text_field to the field that holds each document's text",
-            ));
-        };
-        each(text.to_string())?;
+        let mut texts = Vec::with_capacity(fields.len());
+        for &field in fields {
+            let Some(text) = value.get(field).and_then(|t| t.as_str()) else {
+                let fix = match fields {
+                    [_] => "set data.text_field to the field that holds each document's text",
+                    _ => {
+                        "set data.prompt_field and data.response_field to the fields that hold each line's prompt and response"
+                    }
+                };
+                return Err(data_error(
+                    path,
+                    format!("line {number} has no string field {field:?}"),
+                    fix,
+                ));
+            };
+            texts.push(text.to_string());
+        }
+        each(texts)?;
     }
     Ok(())
 }
 
-/// Documents waiting to be encoded together.
+/// Documents waiting to be encoded together: texts, or supervised
+/// prompts (`texts`) and their responses.
 #[derive(Default)]
 struct Batch {
     texts: Vec<String>,
+    responses: Vec<String>,
     bytes: usize,
 }
 
 impl Batch {
-    /// Adds a document (an empty one is none), encoding the batch once it
-    /// holds [`BATCH_BYTES`].
-    fn add(&mut self, text: String, loaded: &Loaded, out: &mut Writer<'_>) -> Result<()> {
-        if !text.is_empty() {
+    /// Adds a document, or a prompt and its `response` (an empty text is
+    /// no document; a supervised line always is one), encoding the batch
+    /// once it holds [`BATCH_BYTES`].
+    fn add(
+        &mut self,
+        text: String,
+        response: Option<String>,
+        loaded: &Loaded,
+        out: &mut Writer<'_>,
+    ) -> Result<()> {
+        if let Some(response) = response {
+            self.bytes += text.len() + response.len();
+            self.texts.push(text);
+            self.responses.push(response);
+        } else if !text.is_empty() {
             self.bytes += text.len();
             self.texts.push(text);
         }
@@ -478,19 +539,28 @@ impl Batch {
         if self.texts.is_empty() {
             return Ok(());
         }
-        let texts = std::mem::take(&mut self.texts);
-        let encodings = loaded
-            .tokenizer
-            .encode_batch_fast(texts, true)
-            .map_err(|err| {
-                data_error(
-                    &loaded.file,
-                    format!("the tokenizer failed on the data: {err}"),
-                    "check the tokenizer and the text",
-                )
-            })?;
-        for encoding in &encodings {
-            out.document(encoding.get_ids(), loaded.eos)?;
+        let encode = |texts: Vec<String>, special: bool| {
+            loaded
+                .tokenizer
+                .encode_batch_fast(texts, special)
+                .map_err(|err| {
+                    data_error(
+                        &loaded.file,
+                        format!("the tokenizer failed on the data: {err}"),
+                        "check the tokenizer and the text",
+                    )
+                })
+        };
+        let texts = encode(std::mem::take(&mut self.texts), true)?;
+        if self.responses.is_empty() {
+            for encoding in &texts {
+                out.document(&[], encoding.get_ids(), loaded.eos)?;
+            }
+        } else {
+            let responses = encode(std::mem::take(&mut self.responses), false)?;
+            for (prompt, response) in texts.iter().zip(&responses) {
+                out.document(prompt.get_ids(), response.get_ids(), loaded.eos)?;
+            }
         }
         self.bytes = 0;
         Ok(())
@@ -502,23 +572,44 @@ struct Writer<'a> {
     file: std::io::BufWriter<std::fs::File>,
     dtype: TokenDtype,
     target: &'a Path,
+    /// Supervised data: prompts and each document's first token are
+    /// marked [`NOT_A_TARGET`].
+    masked: bool,
     tokens: u64,
     documents: u64,
+    targets: u64,
 }
 
 impl Writer<'_> {
-    fn document(&mut self, ids: &[u32], eos: Option<u32>) -> Result<()> {
-        let written = ids
+    /// Writes a document: its `prompt` (supervised data), its `ids`, then
+    /// the end of text. With masks the prompt's tokens are marked
+    /// [`NOT_A_TARGET`], and so is the first token when the prompt is
+    /// empty: nothing before it in the document predicts it.
+    fn document(&mut self, prompt: &[u32], ids: &[u32], eos: Option<u32>) -> Result<()> {
+        let len = prompt.len() + ids.len() + usize::from(eos.is_some());
+        let marked = prompt.len().max(usize::from(self.masked)).min(len);
+        let (masked, dtype, file) = (self.masked, self.dtype, &mut self.file);
+        let written = prompt
             .iter()
+            .chain(ids)
             .chain(eos.as_ref())
-            .try_for_each(|&id| match self.dtype {
-                // The width was chosen from the largest id the tokenizer has.
-                TokenDtype::U16 => self.file.write_all(
-                    &u16::try_from(id)
-                        .expect("ids fit the width chosen for them")
-                        .to_le_bytes(),
-                ),
-                TokenDtype::U32 => self.file.write_all(&id.to_le_bytes()),
+            .enumerate()
+            .try_for_each(|(i, &id)| {
+                let id = if masked && i < marked {
+                    id | NOT_A_TARGET
+                } else {
+                    id
+                };
+                match dtype {
+                    // The width was chosen from the largest id the
+                    // tokenizer has (u32 with masks).
+                    TokenDtype::U16 => file.write_all(
+                        &u16::try_from(id)
+                            .expect("ids fit the width chosen for them")
+                            .to_le_bytes(),
+                    ),
+                    TokenDtype::U32 => file.write_all(&id.to_le_bytes()),
+                }
             });
         written.map_err(|err| {
             os(
@@ -527,7 +618,8 @@ impl Writer<'_> {
                 "check the cache directory's room (data.cache_dir)",
             )
         })?;
-        self.tokens += (ids.len() + usize::from(eos.is_some())) as u64;
+        self.tokens += len as u64;
+        self.targets += (len - if self.masked { marked } else { 0 }) as u64;
         self.documents += 1;
         Ok(())
     }
@@ -743,5 +835,51 @@ mod tests {
             .map(|d| d.map(|e| e.unwrap().file_name()).collect())
             .unwrap_or_default();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// A supervised line is its prompt (special tokens and all) marked
+    /// NOT_A_TARGET, its response, then the end of text; an empty prompt
+    /// still marks the document's first token; the cache is u32 and its
+    /// corpus reads the ids under the marks; a line without its response
+    /// is named.
+    #[test]
+    fn supervised_lines_mark_their_prompts_as_no_targets() {
+        let dir = tempfile::tempdir().unwrap();
+        word_tokenizer(dir.path(), &["the", "cat", "sat", "on", "mat"]);
+        let data = dir.path().join("sft.jsonl");
+        std::fs::write(
+            &data,
+            "{\"prompt\": \"the cat\", \"response\": \"sat on\"}\n{\"prompt\": \"\", \"response\": \"mat mat\"}\n",
+        )
+        .unwrap();
+        let config = DataConfig {
+            format: DataFormat::Sft,
+            ..jsonl(dir.path(), &data)
+        };
+        let tokenized = tokenize(&config, 64, &|_| {}).unwrap();
+        assert!(tokenized.masked);
+        assert_eq!(tokenized.dtype, TokenDtype::U32);
+        let ids: Vec<u32> = std::fs::read(&tokenized.path)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (m, eos) = (NOT_A_TARGET, 6);
+        assert_eq!(ids, [m, 1 | m, 2, 3, eos, 4 | m, 4, eos]);
+        assert_eq!((tokenized.tokens, tokenized.targets), (8, 5));
+        let again = tokenize(&config, 64, &|_| {}).unwrap();
+        assert!(again.reused && again.masked && again.targets == 5);
+        // Its corpus reads the ids under the marks: the largest is the end of text.
+        let corpus = super::super::Corpus::open_tokenized(&tokenized, 4).unwrap();
+        corpus.check_vocab(7).unwrap();
+        let err = corpus.check_vocab(6).unwrap_err().to_string();
+        assert!(err.contains("largest id is 6"), "{err}");
+        std::fs::write(&data, "{\"prompt\": \"the\"}\n").unwrap();
+        let err = tokenize(&config, 64, &|_| {}).unwrap_err().to_string();
+        assert!(
+            err.contains("line 1 has no string field \"response\"")
+                && err.contains("data.response_field"),
+            "{err}"
+        );
     }
 }
