@@ -2095,11 +2095,16 @@ fn train_tokenizes_jsonl_once_and_resumes_mid_epoch_tiny() {
 
 /// `--sft` trains on supervised JSONL (prompt and response fields): the
 /// run says how many of the tokens are loss targets, and a checkpoint's
-/// config (format = "sft" kept) resumes it bit for bit; read as plain
-/// JSONL the lines lack their text field, named; without a tokenizer
-/// `--sft` is refused.
+/// config (format = "sft" kept) resumes it bit for bit; with `[data]
+/// attention = "document"` its documents are kept apart (the tokenizer's
+/// end of text between them); `strata eval` gives the checkpoint's loss
+/// over the data (every window once, or the first few); `strata generate`
+/// continues a prompt from
+/// the checkpoint through the run's tokenizer (greedy, or sampled the same
+/// for a seed); read as plain JSONL the lines lack their text field,
+/// named; without a tokenizer `--sft` is refused.
 #[test]
-fn train_sft_masks_prompts_and_resumes_tiny() {
+fn train_sft_masks_prompts_resumes_and_generates_tiny() {
     let dir = tempdir();
     let words = ["what", "is", "a", "tier", "the", "place", "of", "tensor"];
     word_tokenizer(&dir.path().join("tok"), &words);
@@ -2169,6 +2174,114 @@ fn train_sft_masks_prompts_and_resumes_tiny() {
     ));
     let losses = sft["losses"].as_array().unwrap();
     assert_eq!(resumed["losses"].as_array().unwrap()[..], losses[2..]);
+    // Packed and kept apart: positions restart at each document, which
+    // attends to itself alone (the tokenizer's end of text tells them).
+    std::fs::write(
+        dir.path().join("apart.toml"),
+        "[model]\nvocab = 16\nseq = 16\n[train]\nsteps = 2\nmicro_batch = 4\nwarmup_steps = 1\n[data]\nattention = \"document\"\n",
+    )
+    .unwrap();
+    let apart = strata_command()
+        .args([
+            "train",
+            "--config",
+            "apart.toml",
+            "--data",
+            "sft.jsonl",
+            "--tokenizer",
+            "tok",
+            "--sft",
+            "--json",
+        ])
+        .env("STRATA_LOG", "info")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&apart.stderr).into_owned();
+    assert!(apart.status.success(), "{log}");
+    assert!(
+        log.contains("documents kept apart: each starts after token 9"),
+        "{log}"
+    );
+    let apart = last_json_line(&apart);
+    assert_ne!(apart["losses"][1], sft["losses"][1]);
+    // What the trained model writes after a prompt, through the run's
+    // tokenizer: the same tokens for the same seed.
+    let generate = |extra: &[&str]| {
+        let mut all = vec![
+            "generate",
+            "--checkpoint",
+            "whole",
+            "--prompt",
+            "what is",
+            "--max-new-tokens",
+            "5",
+            "--json",
+        ];
+        all.extend_from_slice(extra);
+        stdout_json(&strata_in(dir.path(), &all))
+    };
+    let greedy = generate(&[]);
+    assert_eq!(
+        greedy["prompt_tokens"],
+        serde_json::json!([0, 1]),
+        "{greedy}"
+    );
+    let made = greedy["tokens"].as_array().unwrap().len();
+    assert!(made == 5 || greedy["stopped"] == "end_of_text", "{greedy}");
+    let sampled = ["--temperature", "1.0", "--top-k", "4", "--seed", "9"];
+    assert_eq!(generate(&sampled)["tokens"], generate(&sampled)["tokens"]);
+    let err = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &[
+                "generate",
+                "--checkpoint",
+                "whole",
+                "--prompt",
+                "a",
+                "--temperature",
+                "-1",
+            ],
+        ),
+        "a negative temperature",
+    );
+    assert!(err.contains("temperature"), "{err}");
+    let err = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &["generate", "--checkpoint", "nowhere", "--prompt", "a"],
+        ),
+        "a missing checkpoint",
+    );
+    assert!(err.contains("nowhere"), "{err}");
+    // Its loss over the data, forward only, every window once (the first
+    // three with --max-windows), the prompts masked as in training.
+    let eval = |extra: &[&str]| {
+        let mut all = vec![
+            "eval",
+            "--checkpoint",
+            "whole",
+            "--data",
+            "sft.jsonl",
+            "--sft",
+            "--json",
+        ];
+        all.extend_from_slice(extra);
+        stdout_json(&strata_in(dir.path(), &all))
+    };
+    let whole_data = eval(&[]);
+    let loss = whole_data["loss"].as_f64().unwrap();
+    assert!(loss.is_finite() && loss > 0.0, "{whole_data}");
+    assert!(
+        (whole_data["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9 * loss.exp(),
+        "{whole_data}"
+    );
+    let windows = whole_data["windows"].as_u64().unwrap();
+    let first = eval(&["--max-windows", "3", "--micro-batch", "2"]);
+    assert_eq!(first["windows"], 3);
+    assert!(first["targets"].as_u64().unwrap() < whole_data["targets"].as_u64().unwrap());
+    assert!(windows > 3);
     let plain = strata_in(dir.path(), &args(&["--checkpoint-dir", "plain"]));
     let err = String::from_utf8_lossy(&plain.stderr).into_owned();
     assert!(err.contains("no string field \"text\""), "{err}");

@@ -113,6 +113,12 @@ impl Attention {
     }
 }
 
+/// Position ids for ops that take them when every row's position is its
+/// place in its sequence (no documents packed): an empty view.
+pub fn no_position_ids() -> View<'static> {
+    View::host_slice::<u32>(&[])
+}
+
 /// The target of a row that is not a loss target ([`Backend::cross_entropy`]):
 /// transformers' label -100, a prompt token in supervised fine-tuning.
 pub const IGNORE_TARGET: u32 = u32::MAX;
@@ -369,11 +375,12 @@ pub trait Backend: Send + Sync {
     /// `qkv` (`rows x shape.qkv_width()`): in each head, element `i` and
     /// `i + head_dim / 2` turn by the angle `position x inv_freq[i]`
     /// (transformers' `rotate_half` pairing), the position being the row's
-    /// place in its sequence. `inverse` turns them back (the backward,
-    /// applied to the gradients).
+    /// `position_ids` entry (empty: its place in its sequence). `inverse`
+    /// turns them back (the backward, applied to the gradients).
     fn rotary(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         inv_freq: View<'_>,
         inverse: bool,
         qkv: ViewMut<'_>,
@@ -398,10 +405,18 @@ pub trait Backend: Send + Sync {
     fn attention_workspace_elems(&self, shape: Attention) -> usize;
 
     /// Causal attention over `qkv` (`rows x qkv_width`) into `out` (`rows x
-    /// hidden`), keeping what the backward needs in `saved`.
+    /// hidden`), keeping what the backward needs in `saved`. With
+    /// `position_ids` (u32, one per row; empty: each row's place in its
+    /// sequence) row `r` attends to the rows of its sequence from
+    /// `r - position_ids[r]` to `r`: ids that restart at 0 per document
+    /// make it block-diagonal, no attention across the documents packed
+    /// into a sequence. An id past the row's place in its sequence is
+    /// refused (rotary takes any position, the embedding any row of its
+    /// position table: decoding reads them one row at a time).
     fn attention(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         qkv: View<'_>,
         out: ViewMut<'_>,
         saved: ViewMut<'_>,
@@ -409,17 +424,35 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// Attention's backward: writes `dqkv` from `dout`, given the
-    /// forward's `qkv`, `out` and `saved`.
+    /// forward's `position_ids`, `qkv`, `out` and `saved`.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         qkv: View<'_>,
         out: View<'_>,
         saved: View<'_>,
         dout: View<'_>,
         dqkv: ViewMut<'_>,
         workspace: ViewMut<'_>,
+    ) -> Result<()>;
+
+    /// Decoding: one new row's attention over a key/value cache. `q` is
+    /// its queries (`shape.heads x shape.head_dim`), `keys` and `values`
+    /// the cache's first `len` rows (`len x shape.kv_hidden()`, the new
+    /// row's own last), `out` its output (`shape.hidden()`); grouped-query
+    /// heads as in [`Backend::attention`], whose row `len - 1` of a
+    /// sequence of `len` it equals. `shape.batch` and `shape.seq` are not
+    /// read.
+    fn attention_decode(
+        &self,
+        shape: Attention,
+        len: usize,
+        q: View<'_>,
+        keys: View<'_>,
+        values: View<'_>,
+        out: ViewMut<'_>,
     ) -> Result<()>;
 
     /// Softmax cross-entropy of each row of `logits` (`rows x vocab`)
@@ -436,24 +469,28 @@ pub trait Backend: Send + Sync {
         dlogits: ViewMut<'_>,
     ) -> Result<Readback>;
 
-    /// `out[i] = table[tokens[i]] + positions[i % seq]` (rows of `hidden`);
-    /// an empty `positions` adds nothing (a model without a position
-    /// table).
+    /// `out[i] = table[tokens[i]] + positions[position_ids[i]]` (rows of
+    /// `hidden`; an empty `position_ids`: `i % seq`); an empty `positions`
+    /// adds nothing (a model without a position table).
     fn embedding(
         &self,
         table: View<'_>,
         positions: View<'_>,
         tokens: View<'_>,
+        position_ids: View<'_>,
         seq: usize,
         out: ViewMut<'_>,
     ) -> Result<()>;
 
     /// The embedding's backward: adds each row of `dout` to the rows of
     /// `dtable` and `dpositions` it came from, in token order (no atomics);
-    /// an empty `dpositions` takes nothing.
+    /// an empty `dpositions` takes nothing; `position_ids` as the
+    /// forward's.
+    #[allow(clippy::too_many_arguments)]
     fn embedding_backward(
         &self,
         tokens: View<'_>,
+        position_ids: View<'_>,
         seq: usize,
         dout: View<'_>,
         dtable: ViewMut<'_>,

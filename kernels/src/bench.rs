@@ -229,6 +229,7 @@ impl Buffers {
         match op {
             Op::Forward => backend.attention(
                 shape,
+                crate::no_position_ids(),
                 self.qkv.view(),
                 self.out.view_mut(),
                 self.saved.view_mut(),
@@ -236,6 +237,7 @@ impl Buffers {
             ),
             Op::Backward => backend.attention_backward(
                 shape,
+                crate::no_position_ids(),
                 self.qkv.view(),
                 self.out.view(),
                 self.saved.view(),

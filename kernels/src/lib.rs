@@ -11,6 +11,8 @@ pub mod cpu;
 pub mod cuda;
 mod error;
 
-pub use backend::{Attention, Backend, IGNORE_TARGET, Matrix, Readback, ReadbackSlots};
+pub use backend::{
+    Attention, Backend, IGNORE_TARGET, Matrix, Readback, ReadbackSlots, no_position_ids,
+};
 pub use cpu::CpuBackend;
 pub use error::{KernelError, Result};

@@ -124,6 +124,7 @@ fn attention_matches_the_f64_reference_and_its_backward_the_finite_differences()
         backend
             .attention(
                 shape,
+                strata_kernels::no_position_ids(),
                 View::host_slice(qkv),
                 ViewMut::host_slice(&mut out),
                 saved.view_mut(),
@@ -142,6 +143,7 @@ fn attention_matches_the_f64_reference_and_its_backward_the_finite_differences()
     backend
         .attention_backward(
             shape,
+            strata_kernels::no_position_ids(),
             View::host_slice(&qkv),
             View::host_slice(&out),
             saved.view(),
@@ -227,6 +229,7 @@ fn layer_norm_embedding_and_cross_entropy_check_their_operands_by_name() {
             View::host_slice(&table),
             View::host_slice(&positions),
             View::host_slice(&[1u32, 5]),
+            strata_kernels::no_position_ids(),
             seq,
             ViewMut::host_slice(&mut embedded),
         )
@@ -546,6 +549,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
     );
     cpu.attention(
         shape,
+        strata_kernels::no_position_ids(),
         View::host_slice(&qkv16),
         ViewMut::host_slice(&mut att16),
         ViewMut::host_slice(&mut saved),
@@ -555,6 +559,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
     let saved16 = saved.clone();
     cpu.attention(
         shape,
+        strata_kernels::no_position_ids(),
         View::host_slice(&qkv32),
         ViewMut::host_slice(&mut att32),
         ViewMut::host_slice(&mut saved),
@@ -571,6 +576,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
     );
     cpu.attention_backward(
         shape,
+        strata_kernels::no_position_ids(),
         View::host_slice(&qkv16),
         View::host_slice(&att16),
         View::host_slice(&saved),
@@ -581,6 +587,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
     .unwrap();
     cpu.attention_backward(
         shape,
+        strata_kernels::no_position_ids(),
         View::host_slice(&qkv32),
         View::host_slice(&att16_as32),
         View::host_slice(&saved),
@@ -632,6 +639,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
             View::host_slice(&table),
             View::host_slice(&positions),
             View::host_slice(&targets),
+            strata_kernels::no_position_ids(),
             2,
             out,
         )
@@ -642,6 +650,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
     let (mut dp16, mut dp32) = (vec![0.0f32; 2 * hidden], vec![0.0f32; 2 * hidden]);
     cpu.embedding_backward(
         View::host_slice(&targets),
+        strata_kernels::no_position_ids(),
         2,
         View::host_slice(&e16),
         ViewMut::host_slice(&mut dt16),
@@ -651,6 +660,7 @@ fn bf16_operands_compute_in_f32_and_round_once_on_store() {
     let e16_as32: Vec<f32> = e16.iter().map(|v| v.to_f32()).collect();
     cpu.embedding_backward(
         View::host_slice(&targets),
+        strata_kernels::no_position_ids(),
         2,
         View::host_slice(&e16_as32),
         ViewMut::host_slice(&mut dt32),
@@ -734,6 +744,7 @@ fn grouped_query_attention_is_multi_head_attention_with_each_key_value_head_repe
         backend
             .attention(
                 shape,
+                strata_kernels::no_position_ids(),
                 View::host_slice(qkv),
                 ViewMut::host_slice(&mut out),
                 saved.view_mut(),
@@ -744,6 +755,7 @@ fn grouped_query_attention_is_multi_head_attention_with_each_key_value_head_repe
         backend
             .attention_backward(
                 shape,
+                strata_kernels::no_position_ids(),
                 View::host_slice(qkv),
                 View::host_slice(&out),
                 saved.view(),
@@ -787,6 +799,7 @@ fn grouped_query_attention_is_multi_head_attention_with_each_key_value_head_repe
     let err = backend
         .attention(
             odd,
+            strata_kernels::no_position_ids(),
             View::host_slice(&packed),
             ViewMut::host_slice(&mut vec![0.0; rows * gqa.hidden()]),
             backend.alloc(Dtype::F32, 1).unwrap().view_mut(),
@@ -870,6 +883,7 @@ fn rotary_turns_queries_and_keys_by_position_and_back() {
     backend
         .rotary(
             shape,
+            strata_kernels::no_position_ids(),
             View::host_slice(&inv_freq),
             false,
             ViewMut::host_slice(&mut turned),
@@ -900,6 +914,7 @@ fn rotary_turns_queries_and_keys_by_position_and_back() {
     backend
         .rotary(
             shape,
+            strata_kernels::no_position_ids(),
             View::host_slice(&inv_freq),
             true,
             ViewMut::host_slice(&mut back),
@@ -911,6 +926,7 @@ fn rotary_turns_queries_and_keys_by_position_and_back() {
     let err = backend
         .rotary(
             shape,
+            strata_kernels::no_position_ids(),
             View::host_slice(&inv_freq[..1]),
             false,
             ViewMut::host_slice(&mut back),
@@ -1032,4 +1048,189 @@ fn ignored_targets_add_no_loss_and_no_gradient() {
         )
         .unwrap_err();
     assert!(matches!(err, KernelError::Token { token: 7, .. }), "{err}");
+}
+
+/// Documents packed into one sequence with position ids restarting at 0:
+/// attention (and its backward) and rotary embeddings give each document
+/// what it gets alone, and the embedding reads each row's position by its
+/// id; an id past a row's place in its sequence is refused.
+#[test]
+fn position_ids_keep_packed_documents_apart() {
+    let cpu = CpuBackend;
+    let shape = |seq| Attention {
+        batch: 1,
+        seq,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+    };
+    let (lens, seq) = ([3usize, 4], 7);
+    let ids: Vec<u32> = lens.iter().flat_map(|&n| 0..n as u32).collect();
+    let packed = shape(seq);
+    let width = packed.qkv_width();
+    let qkv = values(seq * width, 50);
+    let dout = values(seq * packed.hidden(), 51);
+    // Forward, backward and rotary of `rows` alone, or packed with `ids`.
+    let run = |shape: Attention, ids: &[u32], qkv: &[f32], dout: &[f32]| {
+        let mut saved = vec![0.0f32; cpu.attention_saved_elems(shape)];
+        let mut workspace = vec![0.0f32; cpu.attention_workspace_elems(shape)];
+        let mut out = vec![0.0f32; dout.len()];
+        let ids = View::host_slice(ids);
+        cpu.attention(
+            shape,
+            ids,
+            View::host_slice(qkv),
+            ViewMut::host_slice(&mut out),
+            ViewMut::host_slice(&mut saved),
+            ViewMut::host_slice(&mut workspace),
+        )
+        .unwrap();
+        let mut dqkv = vec![0.0f32; qkv.len()];
+        cpu.attention_backward(
+            shape,
+            ids,
+            View::host_slice(qkv),
+            View::host_slice(&out),
+            View::host_slice(&saved),
+            View::host_slice(dout),
+            ViewMut::host_slice(&mut dqkv),
+            ViewMut::host_slice(&mut workspace),
+        )
+        .unwrap();
+        let mut turned = qkv.to_vec();
+        let inv_freq = [1.0f32, 0.25];
+        cpu.rotary(
+            shape,
+            ids,
+            View::host_slice(&inv_freq),
+            false,
+            ViewMut::host_slice(&mut turned),
+        )
+        .unwrap();
+        (out, dqkv, turned)
+    };
+    let together = run(packed, &ids, &qkv, &dout);
+    let mut row = 0;
+    for &n in &lens {
+        let h = packed.hidden();
+        let alone = run(
+            shape(n),
+            &[],
+            &qkv[row * width..(row + n) * width],
+            &dout[row * h..(row + n) * h],
+        );
+        let close = |what: &str, got: &[f32], want: &[f32]| {
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                    "{what}: {g} vs {w}"
+                );
+            }
+        };
+        close("out", &together.0[row * h..(row + n) * h], &alone.0);
+        close(
+            "dqkv",
+            &together.1[row * width..(row + n) * width],
+            &alone.1,
+        );
+        close(
+            "rotary",
+            &together.2[row * width..(row + n) * width],
+            &alone.2,
+        );
+        row += n;
+    }
+    // The embedding adds the position row each id names.
+    let (hidden, vocab) = (2, 3);
+    let (table, positions) = (values(vocab * hidden, 52), values(seq * hidden, 53));
+    let tokens: Vec<u32> = (0..seq as u32).map(|i| i % vocab as u32).collect();
+    let mut out = vec![0.0f32; seq * hidden];
+    cpu.embedding(
+        View::host_slice(&table),
+        View::host_slice(&positions),
+        View::host_slice(&tokens),
+        View::host_slice(&ids),
+        seq,
+        ViewMut::host_slice(&mut out),
+    )
+    .unwrap();
+    for (i, row) in out.chunks_exact(hidden).enumerate() {
+        let (t, p) = (tokens[i] as usize, ids[i] as usize);
+        for j in 0..hidden {
+            assert_eq!(row[j], table[t * hidden + j] + positions[p * hidden + j]);
+        }
+    }
+    // A document cannot start before its sequence does.
+    let mut bad = ids.clone();
+    bad[4] = 5;
+    let mut out = vec![0.0f32; seq * packed.hidden()];
+    let err = cpu
+        .attention(
+            packed,
+            View::host_slice(&bad),
+            View::host_slice(&qkv),
+            ViewMut::host_slice(&mut out),
+            ViewMut::host_slice(&mut vec![0.0; cpu.attention_saved_elems(packed)]),
+            ViewMut::host_slice(&mut vec![0.0; cpu.attention_workspace_elems(packed)]),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            KernelError::Index {
+                value: 5,
+                max: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+/// Decoding: a row's attention over a key/value cache of the rows up to
+/// it is that row of the causal attention over the sequence, for every
+/// length and with grouped-query heads.
+#[test]
+fn attention_decode_is_the_last_row_of_causal_attention() {
+    let cpu = CpuBackend;
+    for len in 1..=6 {
+        let shape = Attention {
+            batch: 1,
+            seq: len,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 3,
+        };
+        let (h, kv, width) = (shape.hidden(), shape.kv_hidden(), shape.qkv_width());
+        let qkv = values(len * width, 60 + len as u64);
+        let mut out = vec![0.0f32; len * h];
+        cpu.attention(
+            shape,
+            strata_kernels::no_position_ids(),
+            View::host_slice(&qkv),
+            ViewMut::host_slice(&mut out),
+            ViewMut::host_slice(&mut vec![0.0; cpu.attention_saved_elems(shape)]),
+            ViewMut::host_slice(&mut vec![0.0; cpu.attention_workspace_elems(shape)]),
+        )
+        .unwrap();
+        let rows = |from: usize| -> Vec<f32> {
+            qkv.chunks_exact(width)
+                .flat_map(|r| r[from..from + kv].to_vec())
+                .collect()
+        };
+        let (keys, vals) = (rows(h), rows(h + kv));
+        let mut one = vec![0.0f32; h];
+        cpu.attention_decode(
+            shape,
+            len,
+            View::host_slice(&qkv[(len - 1) * width..][..h]),
+            View::host_slice(&keys),
+            View::host_slice(&vals),
+            ViewMut::host_slice(&mut one),
+        )
+        .unwrap();
+        for (got, want) in one.iter().zip(&out[(len - 1) * h..]) {
+            assert!((got - want).abs() <= 1e-6, "len {len}: {got} vs {want}");
+        }
+    }
 }

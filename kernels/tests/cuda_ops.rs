@@ -856,6 +856,7 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
         let mut workspace = vec![0.0f32; cpu.attention_workspace_elems(shape)];
         cpu.attention(
             shape,
+            strata_kernels::no_position_ids(),
             View::host_slice(&qkv),
             ViewMut::host_slice(&mut out),
             ViewMut::host_slice(&mut saved),
@@ -865,6 +866,7 @@ fn attention_matches_the_cpu_backend_forward_and_backward() {
         let mut dqkv = vec![0.0f32; qkv.len()];
         cpu.attention_backward(
             shape,
+            strata_kernels::no_position_ids(),
             View::host_slice(&qkv),
             View::host_slice(&out),
             View::host_slice(&saved),

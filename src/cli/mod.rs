@@ -3,6 +3,8 @@
 mod adam;
 mod chart;
 mod checkpoint;
+mod eval;
+mod generate;
 mod kernels;
 mod load;
 mod nvme;
@@ -45,6 +47,12 @@ enum Command {
     /// Inspect checkpoints without training.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
+    /// A checkpoint's loss and perplexity over held-out data (forward
+    /// only, every window once).
+    Eval(Box<eval::EvalArgs>),
+    /// What a trained model writes after a prompt: a token at a time with
+    /// a key/value cache, greedy or sampled, printed as it is made.
+    Generate(Box<generate::GenerateArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -87,6 +95,8 @@ pub fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Plan(args) => plan::run(*args),
         Command::Train(args) => return train::run(*args),
         Command::Checkpoint(command) => checkpoint::run(command),
+        Command::Eval(args) => eval::run(*args),
+        Command::Generate(args) => generate::run(*args),
     };
     done.map(|()| std::process::ExitCode::SUCCESS)
 }

@@ -378,13 +378,39 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
 
 /// The corpus `[data]` names, or the bundled text; texts with a tokenizer
 /// are tokenized first (or their cache found), with a progress bar.
-fn open_data(config: &TrainConfig, json: bool) -> anyhow::Result<engine::Corpus> {
+pub(super) fn open_data(config: &TrainConfig, json: bool) -> anyhow::Result<engine::Corpus> {
+    let data = &config.data;
+    let (corpus, eos) = read_data(config, json)?;
+    if data.attention != engine::DataAttention::Document {
+        return Ok(corpus);
+    }
+    let Some(eos) = data.eos_id.or(eos) else {
+        bail!(
+            "data.attention = \"document\": documents are told apart by their end-of-text token, and {}: set data.eos_id to the end-of-document id",
+            match data.tokenizer {
+                Some(_) => "the tokenizer's tokenizer_config.json names no eos_token",
+                None => "token files and texts name none",
+            }
+        );
+    };
+    tracing::info!(
+        "documents kept apart: each starts after token {eos}, its positions from 0, attending to itself alone"
+    );
+    Ok(corpus.with_documents(eos))
+}
+
+/// The corpus `[data]` names, and the tokenizer's end-of-text id when it
+/// was tokenized.
+fn read_data(config: &TrainConfig, json: bool) -> anyhow::Result<(engine::Corpus, Option<u32>)> {
     let (data, seq) = (&config.data, config.model.seq);
     if data.path.is_empty() {
-        return Ok(ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), seq)?);
+        return Ok((
+            ByteCorpus::new(DEFAULT_TEXT.as_bytes().to_vec(), seq)?,
+            None,
+        ));
     }
     if data.tokenizer.is_none() {
-        return Ok(engine::Corpus::open(data, seq)?);
+        return Ok((engine::Corpus::open(data, seq)?, None));
     }
     let bar = super::progress_bar(
         engine::tokenize_bytes(data)?,
@@ -418,12 +444,15 @@ fn open_data(config: &TrainConfig, json: bool) -> anyhow::Result<engine::Corpus>
             tokenized.tokens
         );
     }
-    Ok(engine::Corpus::open_tokenized(&tokenized, seq)?)
+    Ok((
+        engine::Corpus::open_tokenized(&tokenized, seq)?,
+        tokenized.eos,
+    ))
 }
 
 /// `path` made absolute (a checkpoint's config names it from any directory),
 /// or an error naming the flag when it does not exist.
-fn absolute(path: &Path, flag: &str) -> anyhow::Result<PathBuf> {
+pub(super) fn absolute(path: &Path, flag: &str) -> anyhow::Result<PathBuf> {
     std::fs::canonicalize(path)
         .with_context(|| format!("{flag} {}: cannot find the file", path.display()))
 }

@@ -228,6 +228,10 @@ fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("optim.state_dtype"), "{err}");
+    let err =
+        TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[data]\nattention = \"document\"\n")
+            .unwrap_err();
+    assert!(err.to_string().contains("data.attention"), "{err}");
     TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n")
         .expect("fp32 states on the GPU are accepted");
     if let Err(reason) = strata_device::cuda::probe_device() {

@@ -10,10 +10,13 @@
 
 use std::path::{Path, PathBuf};
 
-use strata_device::{Dtype, View, ViewMut};
-use strata_kernels::{Backend, CpuBackend};
+use strata_device::{View, ViewMut};
+use strata_kernels::CpuBackend;
 use strata_train::hf::HfFolder;
-use strata_train::model::{self, Model, Weights};
+use strata_train::model;
+
+mod common;
+use common::step;
 
 /// The fixtures' sequence length (make.py's SEQ).
 const SEQ: usize = 8;
@@ -65,88 +68,6 @@ fn close(what: &str, got: &[f32], want: &[f32], tolerance: f64) {
         worst <= tolerance * scale,
         "{what}: off by {worst:e}, more than {tolerance:e} x {scale:e}"
     );
-}
-
-/// One forward and backward of `model` over `tokens` against `targets`:
-/// the loss and each group's gradient.
-fn step(
-    model: &dyn Model,
-    groups: &[Vec<f32>],
-    tokens: &[u32],
-    targets: &[u32],
-) -> (f64, Vec<Vec<f32>>) {
-    let backend = CpuBackend;
-    let batch = tokens.len() / model.seq();
-    let n = tokens.len() * model.stream_width();
-    let mut buffers = model.buffers(&backend, batch, Dtype::F32).unwrap();
-    let mut kept = Vec::new();
-    let mut x = vec![0f32; n];
-    model
-        .embed_forward(
-            &backend,
-            View::host_slice(&groups[0]),
-            View::host_slice(tokens),
-            ViewMut::host_slice(&mut x),
-        )
-        .unwrap();
-    for params in &groups[1..] {
-        let mut y = vec![0f32; n];
-        model
-            .block_forward(
-                &backend,
-                batch,
-                Weights::from(View::host_slice(params)),
-                View::host_slice(&x),
-                &mut buffers,
-                ViewMut::host_slice(&mut y),
-            )
-            .unwrap();
-        let mut saved = backend.alloc(Dtype::F32, buffers.kept().len()).unwrap();
-        backend.copy(buffers.kept(), saved.view_mut()).unwrap();
-        kept.push(saved);
-        x = y;
-    }
-    let mut grads: Vec<Vec<f32>> = groups.iter().map(|g| vec![0f32; g.len()]).collect();
-    let mut dx = vec![0f32; n];
-    let loss = model
-        .head_forward_backward(
-            &backend,
-            Weights::from(View::host_slice(&groups[0])),
-            View::host_slice(&x),
-            View::host_slice(targets),
-            1.0,
-            &mut buffers,
-            ViewMut::host_slice(&mut dx),
-            ViewMut::host_slice(&mut grads[0]),
-        )
-        .unwrap()
-        .get()
-        .unwrap();
-    for b in (0..model.layers()).rev() {
-        backend.copy(kept[b].view(), buffers.kept_mut()).unwrap();
-        let mut dprev = vec![0f32; n];
-        model
-            .block_backward(
-                &backend,
-                batch,
-                Weights::from(View::host_slice(&groups[b + 1])),
-                View::host_slice(&dx),
-                &mut buffers,
-                ViewMut::host_slice(&mut dprev),
-                ViewMut::host_slice(&mut grads[b + 1]),
-            )
-            .unwrap();
-        dx = dprev;
-    }
-    model
-        .embed_backward(
-            &backend,
-            View::host_slice(tokens),
-            View::host_slice(&dx),
-            ViewMut::host_slice(&mut grads[0]),
-        )
-        .unwrap();
-    (loss, grads)
 }
 
 #[test]

@@ -269,6 +269,62 @@ impl CpuBackend {
     }
 }
 
+/// `position_ids` as attention reads them: empty (each row's place in its
+/// sequence), or one u32 per row of `rows`, each at most the row's place
+/// in its sequence of `seq` (a document starts in the sequence).
+fn read_position_ids<'a>(
+    op: &'static str,
+    ids: View<'a>,
+    rows: usize,
+    seq: usize,
+) -> Result<&'a [u32]> {
+    let ids = read_positions(op, ids, rows, None)?;
+    if let Some((row, &id)) = ids
+        .iter()
+        .enumerate()
+        .find(|&(row, &id)| id as usize > row % seq.max(1))
+    {
+        return Err(KernelError::Index {
+            op,
+            what: "position_ids (a row's place in its document, at most its place in its sequence)",
+            value: u64::from(id),
+            max: (row % seq.max(1)) as u64,
+        });
+    }
+    Ok(ids)
+}
+
+/// `position_ids` as positions (rotary angles, a position table's rows):
+/// empty, or one u32 per row of `rows`, each below `limit` when there is
+/// one (the table's rows).
+fn read_positions<'a>(
+    op: &'static str,
+    ids: View<'a>,
+    rows: usize,
+    limit: Option<usize>,
+) -> Result<&'a [u32]> {
+    if ids.is_empty() {
+        return Ok(&[]);
+    }
+    let ids = sized::<u32>(op, "position_ids", ids, rows)?;
+    if let Some(limit) = limit
+        && let Some(&id) = ids.iter().find(|&&id| id as usize >= limit)
+    {
+        return Err(KernelError::Index {
+            op,
+            what: "position_ids (a position, below the position table's rows)",
+            value: u64::from(id),
+            max: limit.saturating_sub(1) as u64,
+        });
+    }
+    Ok(ids)
+}
+
+/// Sequence `b`'s position ids (of `seq` rows), or none.
+fn sequence_ids(ids: &[u32], b: usize, seq: usize) -> &[u32] {
+    ids.get(b * seq..(b + 1) * seq).unwrap_or(&[])
+}
+
 /// Query head `head`'s query and its key/value head's key and value, from
 /// row `row0` on, into `[q, k, v]`.
 fn gather_qkv(qkv: &[f32], shape: Attention, row0: usize, head: usize, into: [&mut [f32]; 3]) {
@@ -733,6 +789,7 @@ impl Backend for CpuBackend {
     fn rotary(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         inv_freq: View<'_>,
         inverse: bool,
         qkv: ViewMut<'_>,
@@ -740,7 +797,13 @@ impl Backend for CpuBackend {
         const OP: &str = "rotary";
         if any_bf16(&[qkv.raw()]) {
             let mut wqkv = wide_mut(OP, "qkv", &qkv)?;
-            self.rotary(shape, inv_freq, inverse, shaped_mut(&mut wqkv, qkv.raw()))?;
+            self.rotary(
+                shape,
+                position_ids,
+                inv_freq,
+                inverse,
+                shaped_mut(&mut wqkv, qkv.raw()),
+            )?;
             return narrow(OP, "qkv", &wqkv, qkv);
         }
         check_heads(OP, shape)?;
@@ -755,11 +818,12 @@ impl Backend for CpuBackend {
             });
         }
         let width = shape.qkv_width();
+        let ids = read_positions(OP, position_ids, shape.rows(), None)?;
         let qkv = sized_mut::<f32>(OP, "qkv", qkv, shape.rows() * width)?;
         // The queries' and the keys' heads (the values are not turned).
         let turned = shape.heads + shape.kv_heads;
         for (r, row) in qkv.chunks_exact_mut(width).enumerate() {
-            let position = r % shape.seq.max(1);
+            let position = ids.get(r).map_or(r % shape.seq.max(1), |&p| p as usize);
             for head in row[..turned * d].chunks_exact_mut(d) {
                 ops::rotate(head, inv_freq, position, inverse);
             }
@@ -829,6 +893,7 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         qkv: View<'_>,
         out: ViewMut<'_>,
         saved: ViewMut<'_>,
@@ -839,6 +904,7 @@ impl Backend for CpuBackend {
             let (wqkv, mut wout) = (wide(OP, "qkv", qkv)?, wide_mut(OP, "out", &out)?);
             self.attention(
                 shape,
+                position_ids,
                 shaped(&wqkv, qkv.raw()),
                 shaped_mut(&mut wout, out.raw()),
                 saved,
@@ -848,6 +914,7 @@ impl Backend for CpuBackend {
         }
         check_heads(OP, shape)?;
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
+        let ids = read_position_ids(OP, position_ids, shape.rows(), s)?;
         let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * shape.qkv_width())?;
         let out = sized_mut::<f32>(OP, "out", out, shape.rows() * h)?;
         let probs_all = sized_mut::<f32>(OP, "saved", saved, self.attention_saved_elems(shape))?;
@@ -858,7 +925,7 @@ impl Backend for CpuBackend {
             gather_qkv(qkv, shape, row0, head, [&mut *q, &mut *k, &mut *v]);
             let probs = &mut probs_all[(b * shape.heads + head) * s * s..][..s * s];
             product(q, false, k, true, s, d, s, probs);
-            ops::causal_softmax(probs, s, scale);
+            ops::causal_softmax(probs, s, scale, sequence_ids(ids, b, s));
             product(probs, false, v, false, s, s, d, o);
             scatter(o, h, row0, head * d, s, d, false, out);
         }
@@ -868,6 +935,7 @@ impl Backend for CpuBackend {
     fn attention_backward(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         qkv: View<'_>,
         out: View<'_>,
         saved: View<'_>,
@@ -885,6 +953,7 @@ impl Backend for CpuBackend {
             );
             self.attention_backward(
                 shape,
+                position_ids,
                 shaped(&wqkv, qkv.raw()),
                 shaped(&wout, out.raw()),
                 saved,
@@ -896,6 +965,7 @@ impl Backend for CpuBackend {
         }
         check_heads(OP, shape)?;
         let (s, d, h) = (shape.seq, shape.head_dim, shape.hidden());
+        let ids = read_position_ids(OP, position_ids, shape.rows(), s)?;
         let qkv = sized::<f32>(OP, "qkv", qkv, shape.rows() * shape.qkv_width())?;
         // The saved probabilities give everything `out` would.
         sized::<f32>(OP, "out", out, shape.rows() * h)?;
@@ -912,7 +982,7 @@ impl Backend for CpuBackend {
             gather(dout, h, row0, head * d, s, d, o);
             product(o, false, v, true, s, d, s, dp);
             product(probs, true, o, false, s, s, d, dv);
-            ops::causal_softmax_backward(probs, dp, s, scale);
+            ops::causal_softmax_backward(probs, dp, s, scale, sequence_ids(ids, b, s));
             product(dp, false, k, false, s, s, d, dq);
             product(dp, true, q, false, s, s, d, dk);
             // A key/value head's gradients sum over its group of query
@@ -923,6 +993,44 @@ impl Backend for CpuBackend {
                 let add = part > 0 && !first;
                 scatter(buffer, width, row0, columns[part], s, d, add, dqkv);
             }
+        }
+        Ok(())
+    }
+
+    fn attention_decode(
+        &self,
+        shape: Attention,
+        len: usize,
+        q: View<'_>,
+        keys: View<'_>,
+        values: View<'_>,
+        out: ViewMut<'_>,
+    ) -> Result<()> {
+        const OP: &str = "attention_decode";
+        check_heads(OP, shape)?;
+        let (d, kv) = (shape.head_dim, shape.kv_hidden());
+        let q = sized::<f32>(OP, "q", q, shape.hidden())?;
+        let keys = sized::<f32>(OP, "keys", keys, len * kv)?;
+        let values = sized::<f32>(OP, "values", values, len * kv)?;
+        let out = sized_mut::<f32>(OP, "out", out, shape.hidden())?;
+        if len == 0 {
+            return Err(KernelError::Index {
+                op: OP,
+                what: "cached rows (the new row's own at least)",
+                value: 0,
+                max: 0,
+            });
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        for head in 0..shape.heads {
+            let column = head / shape.group().max(1) * d;
+            ops::attend_one(
+                &q[head * d..(head + 1) * d],
+                (keys, values),
+                (kv, column),
+                scale,
+                &mut out[head * d..(head + 1) * d],
+            );
         }
         Ok(())
     }
@@ -975,6 +1083,7 @@ impl Backend for CpuBackend {
         table: View<'_>,
         positions: View<'_>,
         tokens: View<'_>,
+        position_ids: View<'_>,
         seq: usize,
         out: ViewMut<'_>,
     ) -> Result<()> {
@@ -985,6 +1094,7 @@ impl Backend for CpuBackend {
                 table,
                 positions,
                 tokens,
+                position_ids,
                 seq,
                 shaped_mut(&mut wout, out.raw()),
             )?;
@@ -995,6 +1105,7 @@ impl Backend for CpuBackend {
             contiguous::<f32>(OP, "positions", positions)?,
         );
         let tokens = contiguous::<u32>(OP, "tokens", tokens)?;
+        let ids = read_positions(OP, position_ids, tokens.len(), Some(seq))?;
         let out = contiguous_mut::<f32>(OP, "out", out)?;
         let hidden = out.len() / tokens.len().max(1);
         same_len(OP, "out", out.len(), hidden * tokens.len())?;
@@ -1016,7 +1127,8 @@ impl Backend for CpuBackend {
                 row.copy_from_slice(te);
                 continue;
             }
-            let pe = &positions[(i % seq) * hidden..][..hidden];
+            let place = ids.get(i).map_or(i % seq, |&p| p as usize);
+            let pe = &positions[place * hidden..][..hidden];
             for j in 0..hidden {
                 row[j] = te[j] + pe[j];
             }
@@ -1027,6 +1139,7 @@ impl Backend for CpuBackend {
     fn embedding_backward(
         &self,
         tokens: View<'_>,
+        position_ids: View<'_>,
         seq: usize,
         dout: View<'_>,
         dtable: ViewMut<'_>,
@@ -1037,6 +1150,7 @@ impl Backend for CpuBackend {
             let wdout = wide(OP, "dout", dout)?;
             return self.embedding_backward(
                 tokens,
+                position_ids,
                 seq,
                 shaped(&wdout, dout.raw()),
                 dtable,
@@ -1044,6 +1158,7 @@ impl Backend for CpuBackend {
             );
         }
         let tokens = contiguous::<u32>(OP, "tokens", tokens)?;
+        let ids = read_positions(OP, position_ids, tokens.len(), Some(seq))?;
         let dout = contiguous::<f32>(OP, "dout", dout)?;
         let hidden = dout.len() / tokens.len().max(1);
         let dtable = contiguous_mut::<f32>(OP, "dtable", dtable)?;
@@ -1068,7 +1183,8 @@ impl Backend for CpuBackend {
             if dpositions.is_empty() {
                 continue;
             }
-            let pe = &mut dpositions[(i % seq) * hidden..][..hidden];
+            let place = ids.get(i).map_or(i % seq, |&p| p as usize);
+            let pe = &mut dpositions[place * hidden..][..hidden];
             for j in 0..hidden {
                 pe[j] += row[j];
             }

@@ -145,38 +145,97 @@ pub fn bias_backward(d: &[f32], dbias: &mut [f32]) {
     }
 }
 
+/// The first column row `i` of a sequence sees: 0, or with `position_ids`
+/// (the rows' places in their documents) the row its document starts at.
+fn first_seen(position_ids: &[u32], i: usize) -> usize {
+    position_ids.get(i).map_or(0, |&p| i - p as usize)
+}
+
 /// Row-wise causal softmax of `scores` (`rows x rows`, row `i` sees
-/// columns `0..=i`), scaled by `scale`, in place; masked entries become 0.
-pub fn causal_softmax(scores: &mut [f32], rows: usize, scale: f32) {
+/// columns `first..=i`, `first` being 0 or, with `position_ids`, the
+/// start of its document: `i - position_ids[i]`), scaled by `scale`, in
+/// place; masked entries become 0.
+pub fn causal_softmax(scores: &mut [f32], rows: usize, scale: f32, position_ids: &[u32]) {
     for (i, row) in scores.chunks_exact_mut(rows).enumerate() {
-        let max = row[..=i]
+        let first = first_seen(position_ids, i);
+        let seen = &mut row[first..=i];
+        let max = seen
             .iter()
             .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
         let mut sum = 0.0;
-        for v in &mut row[..=i] {
+        for v in seen.iter_mut() {
             *v = (*v * scale - max).exp();
             sum += *v;
         }
-        for v in &mut row[..=i] {
+        for v in seen.iter_mut() {
             *v /= sum;
         }
+        row[..first].fill(0.0);
         row[i + 1..].fill(0.0);
     }
 }
 
 /// Backward of [`causal_softmax`] in place: `dp` (gradient of the
 /// probabilities `p`) becomes the gradient of the raw scores.
-pub fn causal_softmax_backward(p: &[f32], dp: &mut [f32], rows: usize, scale: f32) {
+pub fn causal_softmax_backward(
+    p: &[f32],
+    dp: &mut [f32],
+    rows: usize,
+    scale: f32,
+    position_ids: &[u32],
+) {
     for (i, (pr, dr)) in p
         .chunks_exact(rows)
         .zip(dp.chunks_exact_mut(rows))
         .enumerate()
     {
-        let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
-        for j in 0..=i {
+        let first = first_seen(position_ids, i);
+        let dot: f32 = pr[first..=i]
+            .iter()
+            .zip(&dr[first..=i])
+            .map(|(a, b)| a * b)
+            .sum();
+        for j in first..=i {
             dr[j] = pr[j] * (dr[j] - dot) * scale;
         }
+        dr[..first].fill(0.0);
         dr[i + 1..].fill(0.0);
+    }
+}
+
+/// One query's attention over cached rows (online softmax: one pass, no
+/// scratch): `out = sum_j softmax_j(scale q.k_j) v_j` over every row `j`
+/// of `keys` and `values` (rows of `width`, the head's `d` elements from
+/// `column`).
+pub fn attend_one(
+    query: &[f32],
+    (keys, values): (&[f32], &[f32]),
+    (width, column): (usize, usize),
+    scale: f32,
+    out: &mut [f32],
+) {
+    let d = query.len();
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    out.fill(0.0);
+    for (key, value) in keys.chunks_exact(width).zip(values.chunks_exact(width)) {
+        let (key, value) = (&key[column..column + d], &value[column..column + d]);
+        let score = query.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * scale;
+        if score > max {
+            let shrink = (max - score).exp();
+            sum *= shrink;
+            for o in out.iter_mut() {
+                *o *= shrink;
+            }
+            max = score;
+        }
+        let weight = (score - max).exp();
+        sum += weight;
+        for (o, v) in out.iter_mut().zip(value) {
+            *o += weight * v;
+        }
+    }
+    for o in out.iter_mut() {
+        *o /= sum;
     }
 }
 

@@ -754,6 +754,7 @@ impl Backend for CudaBackend {
     fn rotary(
         &self,
         _shape: Attention,
+        _position_ids: View<'_>,
         _inv_freq: View<'_>,
         _inverse: bool,
         _qkv: ViewMut<'_>,
@@ -785,6 +786,7 @@ impl Backend for CudaBackend {
     fn attention(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         qkv: View<'_>,
         out: ViewMut<'_>,
         saved: ViewMut<'_>,
@@ -793,6 +795,9 @@ impl Backend for CudaBackend {
         const OP: &str = "attention";
         if shape.kv_heads != shape.heads {
             return Err(missing_kernel(OP, "grouped-query attention"));
+        }
+        if !position_ids.is_empty() {
+            return Err(missing_kernel(OP, PACKED));
         }
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
@@ -817,6 +822,7 @@ impl Backend for CudaBackend {
     fn attention_backward(
         &self,
         shape: Attention,
+        position_ids: View<'_>,
         qkv: View<'_>,
         out: View<'_>,
         saved: View<'_>,
@@ -827,6 +833,9 @@ impl Backend for CudaBackend {
         const OP: &str = "attention_backward";
         if shape.kv_heads != shape.heads {
             return Err(missing_kernel(OP, "grouped-query attention"));
+        }
+        if !position_ids.is_empty() {
+            return Err(missing_kernel(OP, PACKED));
         }
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
@@ -910,15 +919,34 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn attention_decode(
+        &self,
+        _shape: Attention,
+        _len: usize,
+        _q: View<'_>,
+        _keys: View<'_>,
+        _values: View<'_>,
+        _out: ViewMut<'_>,
+    ) -> Result<()> {
+        Err(missing_kernel(
+            "attention_decode",
+            "attention over a key/value cache (generation)",
+        ))
+    }
+
     fn embedding(
         &self,
         table: View<'_>,
         positions: View<'_>,
         tokens: View<'_>,
+        position_ids: View<'_>,
         seq: usize,
         out: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "embedding";
+        if !position_ids.is_empty() {
+            return Err(missing_kernel(OP, PACKED));
+        }
         let dtype = compute_dtype(OP, "out", out.raw())?;
         let (table_at, table_len) = on_device(OP, "table", table.raw(), Some(Dtype::F32))?;
         if positions.is_empty() {
@@ -959,12 +987,16 @@ impl Backend for CudaBackend {
     fn embedding_backward(
         &self,
         tokens: View<'_>,
+        position_ids: View<'_>,
         seq: usize,
         dout: View<'_>,
         dtable: ViewMut<'_>,
         dpositions: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "embedding_backward";
+        if !position_ids.is_empty() {
+            return Err(missing_kernel(OP, PACKED));
+        }
         let dtype = compute_dtype(OP, "dout", dout.raw())?;
         let (tokens_at, count) = on_device(OP, "tokens", tokens.raw(), Some(Dtype::U32))?;
         let (dout_at, n) = on_device(OP, "dout", dout.raw(), None)?;
@@ -1091,6 +1123,10 @@ impl Backend for CudaBackend {
 /// The error of an op (RMSNorm, rotary embeddings, SwiGLU, grouped-query
 /// attention, an embedding without positions) that the CUDA backend has
 /// no kernel for yet.
+/// What the CUDA kernels do not compute yet for packed sequences.
+const PACKED: &str =
+    "position ids (documents packed into a sequence: attention within each, positions restarting)";
+
 fn missing_kernel(op: &'static str, what: &'static str) -> KernelError {
     KernelError::Unsupported {
         op,

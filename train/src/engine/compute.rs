@@ -6,14 +6,14 @@
 //! hands it the runtime tensors to read and write.
 
 use strata_device::{Buffer, Dtype, View};
-use strata_kernels::{Backend, IGNORE_TARGET, Readback};
+use strata_kernels::{Backend, Readback, no_position_ids};
 use strata_runtime::TensorId;
 
 use crate::error::Result;
 use crate::model::{Buffers, Model, OUTER, Weights};
 
 use super::access::{with_device_view, write_from_view};
-use super::data::NOT_A_TARGET;
+use super::data::split_tokens;
 use super::env::Env;
 use super::tensors::Group;
 
@@ -27,34 +27,6 @@ fn weights<'a>(gathered: &'a Buffer, gathered16: &'a Buffer, n: usize) -> Weight
             f32,
             compute: gathered16.view().range(0..n),
         },
-    }
-}
-
-/// Micro-batch `m`'s inputs and next-token targets out of the step's
-/// sequences of `seq + 1` tokens: a token marked [`NOT_A_TARGET`] is read
-/// as its id and is no target ([`IGNORE_TARGET`]).
-pub(super) fn split_tokens(
-    tokens: &[u32],
-    m: usize,
-    batch: usize,
-    seq: usize,
-    inputs: &mut [u32],
-    targets: &mut [u32],
-) {
-    let micro = &tokens[m * batch * (seq + 1)..(m + 1) * batch * (seq + 1)];
-    for (i, sequence) in micro.chunks_exact(seq + 1).enumerate() {
-        for (input, &token) in inputs[i * seq..(i + 1) * seq].iter_mut().zip(sequence) {
-            *input = token & !NOT_A_TARGET;
-        }
-        for (target, &token) in targets[i * seq..(i + 1) * seq]
-            .iter_mut()
-            .zip(&sequence[1..])
-        {
-            *target = match token & NOT_A_TARGET {
-                0 => token,
-                _ => IGNORE_TARGET,
-            };
-        }
     }
 }
 
@@ -76,6 +48,7 @@ pub(super) struct Workspace {
     /// their upload.
     inputs_host: Vec<u32>,
     targets_host: Vec<u32>,
+    position_ids_host: Vec<u32>,
     /// Per micro-batch of the step (all are in flight at once): the forward
     /// stream, the backward stream, the input and target tokens.
     streams: Vec<Stream>,
@@ -94,6 +67,19 @@ struct Stream {
     dy: Buffer,
     inputs: Buffer,
     targets: Buffer,
+    /// The tokens' places in their documents, when documents start inside
+    /// its sequences (`packed`); else unread.
+    position_ids: Buffer,
+    packed: bool,
+}
+
+/// The position ids the model reads of a stream's `position_ids`: the
+/// uploaded ones when `packed`.
+fn ids(position_ids: &Buffer, packed: bool) -> View<'_> {
+    match packed {
+        true => position_ids.view(),
+        false => no_position_ids(),
+    }
 }
 
 impl Workspace {
@@ -120,6 +106,8 @@ impl Workspace {
                     dy: acts(stream)?,
                     inputs: backend.alloc(Dtype::U32, tokens)?,
                     targets: backend.alloc(Dtype::U32, tokens)?,
+                    position_ids: backend.alloc(Dtype::U32, tokens)?,
+                    packed: false,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -132,6 +120,7 @@ impl Workspace {
             dx: acts(stream)?,
             inputs_host: vec![0; tokens],
             targets_host: vec![0; tokens],
+            position_ids_host: vec![0; tokens],
             streams,
             dembed: f32s(embed_padded)?,
             gathered16: match dtype {
@@ -146,7 +135,13 @@ impl Workspace {
         let streams: u64 = self
             .streams
             .iter()
-            .map(|s| s.x.bytes() + s.dy.bytes() + s.inputs.bytes() + s.targets.bytes())
+            .map(|s| {
+                s.x.bytes()
+                    + s.dy.bytes()
+                    + s.inputs.bytes()
+                    + s.targets.bytes()
+                    + s.position_ids.bytes()
+            })
             .sum();
         [
             &self.dembed,
@@ -181,6 +176,7 @@ impl Workspace {
         model.block_forward(
             backend,
             batch,
+            no_position_ids(),
             weights(&self.gathered, &self.gathered16, block_params),
             self.streams[0].x.view(),
             &mut self.buffers,
@@ -192,13 +188,16 @@ impl Workspace {
     /// step's, uploaded, looked up in the gathered outer group.
     pub(super) fn embed_forward(&mut self, env: &Env, m: usize, tokens: &[u32]) -> Result<()> {
         let (backend, model) = (env.backend(), env.model());
-        split_tokens(
+        let packed = split_tokens(
             tokens,
             m,
             env.config().train.micro_batch,
             model.seq(),
-            &mut self.inputs_host,
-            &mut self.targets_host,
+            (
+                &mut self.inputs_host,
+                &mut self.targets_host,
+                &mut self.position_ids_host,
+            ),
         );
         let stream = &mut self.streams[m];
         backend.upload(
@@ -209,10 +208,18 @@ impl Workspace {
             View::host_slice(&self.targets_host),
             stream.targets.view_mut(),
         )?;
+        stream.packed = packed;
+        if packed {
+            backend.upload(
+                View::host_slice(&self.position_ids_host),
+                stream.position_ids.view_mut(),
+            )?;
+        }
         model.embed_forward(
             backend,
             self.gathered.view().range(0..env.groups()[OUTER].params),
             stream.inputs.view(),
+            ids(&stream.position_ids, stream.packed),
             stream.x.view_mut(),
         )
     }
@@ -223,6 +230,7 @@ impl Workspace {
         env.model().block_forward(
             env.backend(),
             env.config().train.micro_batch,
+            ids(&stream.position_ids, stream.packed),
             weights(&self.gathered, &self.gathered16, env.groups()[b + 1].params),
             stream.x.view(),
             &mut self.buffers,
@@ -282,10 +290,19 @@ impl Workspace {
         let params = weights(&self.gathered, &self.gathered16, group.params);
         let dtype = self.buffers.dtype();
         let (buffers, y) = (&mut self.buffers, &mut self.y);
+        let position_ids = ids(&self.streams[m].position_ids, self.streams[m].packed);
         if recomputes {
             // The recompute reads the kept input where it lies.
             with_device_view(env.runtime(), backend, saved, dtype, |input| {
-                model.block_forward(backend, batch, params, input, buffers, y.view_mut())
+                model.block_forward(
+                    backend,
+                    batch,
+                    position_ids,
+                    params,
+                    input,
+                    buffers,
+                    y.view_mut(),
+                )
             })?;
         } else {
             // Copied straight back into the block's activations.
@@ -303,6 +320,7 @@ impl Workspace {
         model.block_backward(
             backend,
             batch,
+            ids(&stream.position_ids, stream.packed),
             params,
             stream.dy.view(),
             &mut self.buffers,
@@ -321,6 +339,7 @@ impl Workspace {
         env.model().embed_backward(
             env.backend(),
             stream.inputs.view(),
+            ids(&stream.position_ids, stream.packed),
             stream.dy.view(),
             self.dembed.view_mut().range(0..outer_params),
         )
@@ -407,5 +426,69 @@ impl Workspace {
         let norm = backend.sum_squares(shard)?;
         write_from_view(env.runtime(), backend, id, shard, dtype)?;
         Ok(norm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use strata_kernels::IGNORE_TARGET;
+
+    use super::super::data::{DOCUMENT_START, NOT_A_TARGET};
+    use super::*;
+
+    /// A micro-batch's inputs are the ids under the marks, its targets
+    /// the next tokens but the marked ones, its position ids restart at
+    /// each document start (and it says so).
+    #[test]
+    fn split_tokens_reads_ids_targets_and_positions_through_the_marks() {
+        let (seq, batch) = (4, 2);
+        let s = DOCUMENT_START;
+        let tokens = [
+            // Micro-batch 0: a plain sequence, and one with a prompt.
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7 | NOT_A_TARGET,
+            8,
+            9,
+            10,
+            // Micro-batch 1: a document starting inside the window.
+            11,
+            12,
+            13 | s | NOT_A_TARGET,
+            14,
+            15,
+            16,
+            17,
+            18 | s,
+            19,
+            20,
+        ];
+        let (mut inputs, mut targets, mut ids) = ([0; 8], [0; 8], [0; 8]);
+        let packed = split_tokens(
+            &tokens,
+            0,
+            batch,
+            seq,
+            (&mut inputs, &mut targets, &mut ids),
+        );
+        assert!(!packed);
+        assert_eq!(inputs, [1, 2, 3, 4, 6, 7, 8, 9]);
+        let x = IGNORE_TARGET;
+        assert_eq!(targets, [2, 3, 4, 5, x, 8, 9, 10]);
+        let packed = split_tokens(
+            &tokens,
+            1,
+            batch,
+            seq,
+            (&mut inputs, &mut targets, &mut ids),
+        );
+        assert!(packed);
+        assert_eq!(inputs, [11, 12, 13, 14, 16, 17, 18, 19]);
+        assert_eq!(targets, [12, x, 14, 15, 17, x, 19, 20]);
+        assert_eq!(ids, [0, 1, 0, 1, 0, 1, 0, 1]);
     }
 }

@@ -64,7 +64,7 @@ mod activations;
 mod checkpoint;
 mod compute;
 mod config;
-mod data;
+pub(crate) mod data;
 pub mod deepspeed;
 mod durable;
 mod env;
@@ -83,14 +83,15 @@ mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta, ROUNDING_STOCHASTIC};
 pub use config::{
-    COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, DataConfig, DataFormat, DataPaths,
-    Difference, GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig,
-    Placement, PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache, StateDtype,
-    TrainConfig, TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
+    COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, DataAttention, DataConfig, DataFormat,
+    DataPaths, Difference, GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig,
+    OptimConfig, Placement, PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache,
+    StateDtype, TrainConfig, TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{
-    ByteCorpus, Corpus, DATA_FILES_MAX, DataOrder, DataPosition, DataReader, NOT_A_TARGET,
-    TEXT_DOCUMENT_BYTES_MAX, TokenDtype, Tokenized, tokenize, tokenize_bytes, window_start,
+    ByteCorpus, Corpus, DATA_FILES_MAX, DOCUMENT_START, DataOrder, DataPosition, DataReader,
+    NOT_A_TARGET, TEXT_DOCUMENT_BYTES_MAX, TextTokenizer, TokenDtype, Tokenized, tokenize,
+    tokenize_bytes, window_start,
 };
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
 pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, TierBytes, run};

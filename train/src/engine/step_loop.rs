@@ -16,7 +16,7 @@ use strata_scheduler::{Op, StepOp, Work};
 use crate::error::{Result, TrainError};
 use crate::model::OUTER;
 
-use super::data::NOT_A_TARGET;
+use super::data::is_target;
 use super::loss::Scalar;
 use super::moves::Boundary;
 use super::optimizer::Update;
@@ -474,10 +474,10 @@ impl Engine {
 }
 
 /// The targets of `tokens` (sequences of `seq + 1`: each one's last `seq`)
-/// that a loss counts: those without [`NOT_A_TARGET`].
+/// that a loss counts ([`is_target`]).
 pub(super) fn count_targets(tokens: &[u32], seq: usize) -> usize {
     tokens
         .chunks_exact(seq + 1)
-        .map(|s| s[1..].iter().filter(|&&t| t & NOT_A_TARGET == 0).count())
+        .map(|s| s[1..].iter().filter(|&&t| is_target(t)).count())
         .sum()
 }

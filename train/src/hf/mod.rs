@@ -51,6 +51,10 @@ struct Shard {
     map: memmap2::Mmap,
 }
 
+/// A model and each of its groups' values in host memory, f32
+/// ([`HfFolder::read_model`]).
+pub type HostModel = (Box<dyn Model>, Vec<Vec<f32>>);
+
 /// A Hugging Face model folder, opened: its config parsed, its weight
 /// files mapped and their headers read.
 #[derive(Debug)]
@@ -286,6 +290,29 @@ impl HfFolder {
             (Some((_, entry)), None) => Some(entry),
             _ => None,
         }
+    }
+
+    /// The folder's model (its `config.json`; `seq` tokens a sequence when
+    /// given, at most its positions) with every parameter read into host
+    /// memory as f32, a vector per group: for inference (evaluation,
+    /// generation), not the tiered load a run does.
+    pub fn read_model(&self, seq: Option<usize>) -> Result<HostModel> {
+        let mut config = self.model_config()?;
+        if let Some(seq) = seq {
+            config.seq = seq;
+        }
+        let model = crate::model::build(&config)?;
+        self.check(&*model)?;
+        let groups = model
+            .groups()
+            .iter()
+            .map(|group| {
+                let mut values = vec![0f32; group.params()];
+                self.read_group(group, &mut values)?;
+                Ok(values)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((model, groups))
     }
 
     /// Checks that every tensor of `model`'s groups is in the folder, of

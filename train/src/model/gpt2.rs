@@ -22,7 +22,7 @@
 //!
 //! ```
 //! use strata_device::{View, ViewMut};
-//! use strata_kernels::CpuBackend;
+//! use strata_kernels::{CpuBackend, no_position_ids};
 //! use strata_train::model::Model;
 //! use strata_train::model::gpt2::Gpt2;
 //!
@@ -30,7 +30,7 @@
 //! let embed = vec![0.5f32; config.embed_params()];
 //! let (tokens, mut x) = ([1u32, 3], vec![0.0f32; 4]);
 //! config.embed_forward(&CpuBackend, View::host_slice(&embed), View::host_slice(&tokens),
-//!     ViewMut::host_slice(&mut x)).unwrap();
+//!     no_position_ids(), ViewMut::host_slice(&mut x)).unwrap();
 //! assert_eq!(x, [1.0; 4]);
 //! ```
 
@@ -402,6 +402,13 @@ fn head_parts(config: &Gpt2, batch: usize, dtype: Dtype) -> TypedParts<5> {
     )
 }
 
+/// One decoding step's working rows (f32): ln1's output and statistics,
+/// qkv, attention's output, the residual after it, ln2's output and
+/// statistics, fc1's pre-activation and its GELU.
+fn decode_parts(h: usize) -> Parts<9> {
+    Parts::new([h, 2, 3 * h, h, h, h, 2, 4 * h, 4 * h])
+}
+
 /// GPT-2's entry in the registry.
 pub const ARCHITECTURE: Architecture = Architecture {
     name: "gpt2",
@@ -578,12 +585,13 @@ impl Model for Gpt2 {
         backend: &dyn Backend,
         embed: View<'_>,
         tokens: View<'_>,
+        position_ids: View<'_>,
         x: ViewMut<'_>,
     ) -> Result<()> {
         let layout = EmbedLayout::new(self);
         expect_len("embedding parameters", embed.len(), layout.total)?;
         let [wte, wpe, _, _] = layout.parts.views(embed);
-        backend.embedding(wte, wpe, tokens, self.seq, x)?;
+        backend.embedding(wte, wpe, tokens, position_ids, self.seq, x)?;
         Ok(())
     }
 
@@ -591,6 +599,7 @@ impl Model for Gpt2 {
         &self,
         backend: &dyn Backend,
         batch: usize,
+        position_ids: View<'_>,
         params: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
@@ -623,6 +632,7 @@ impl Model for Gpt2 {
         linear(backend, a.view(), p[QKV_W], p[QKV_B], n, qkv.reborrow())?;
         backend.attention(
             attention_shape(self, batch),
+            position_ids,
             qkv.view(),
             att.reborrow(),
             saved,
@@ -649,6 +659,7 @@ impl Model for Gpt2 {
         &self,
         backend: &dyn Backend,
         batch: usize,
+        position_ids: View<'_>,
         params: Weights<'_>,
         dout: View<'_>,
         buffers: &mut Buffers,
@@ -722,6 +733,7 @@ impl Model for Gpt2 {
         )?;
         backend.attention_backward(
             attention_shape(self, batch),
+            position_ids,
             qkv,
             att,
             saved,
@@ -812,11 +824,14 @@ impl Model for Gpt2 {
         let n = x.len() / h;
         expect_len("head input", x.len(), n * h)?;
         let parts = head_parts(self, buffers.batch, buffers.dtype());
-        expect_len("head buffers", parts.lens[0], n * h)?;
+        if n * h > parts.lens[0] {
+            expect_len("head buffers", parts.lens[0], n * h)?;
+        }
         expect_len("logits", logits.len(), n * v)?;
         let [_, _, gamma, beta] = layout.parts.views(embed.f32);
         let wte = embed.compute.range(layout.range(0));
-        let [mut hf, ln, ..] = parts.split(buffers.head.view_mut());
+        let [hf, ln, ..] = parts.split(buffers.head.view_mut());
+        let (mut hf, ln) = (hf.range(0..n * h), ln.range(0..2 * n));
         backend.layer_norm(x, gamma, beta, hf.reborrow(), ln)?;
         backend.gemm(
             Matrix::n(hf.view().matrix(n, h)?),
@@ -828,17 +843,96 @@ impl Model for Gpt2 {
         Ok(())
     }
 
+    fn kv_cache_elems(&self, capacity: usize) -> usize {
+        2 * capacity * self.hidden
+    }
+
+    fn decode_scratch_elems(&self) -> usize {
+        decode_parts(self.hidden).total()
+    }
+
+    fn block_decode(
+        &self,
+        backend: &dyn Backend,
+        params: Weights<'_>,
+        position: usize,
+        x: View<'_>,
+        cache: ViewMut<'_>,
+        scratch: ViewMut<'_>,
+        mut out: ViewMut<'_>,
+    ) -> Result<()> {
+        let h = self.hidden;
+        let layout = BlockLayout::new(h);
+        params.check("block parameters", layout.total)?;
+        expect_len("block input", x.len(), h)?;
+        expect_len("block output", out.len(), h)?;
+        let capacity = cache.len() / (2 * h).max(1);
+        expect_len("key/value cache", cache.len(), 2 * capacity * h)?;
+        if position >= capacity {
+            return Err(crate::error::bad(
+                "position",
+                position,
+                format!("the key/value cache holds {capacity} positions"),
+            ));
+        }
+        expect_len("decode scratch", scratch.len(), self.decode_scratch_elems())?;
+        let p = layout.views(params);
+        let [
+            mut a,
+            ln1,
+            mut qkv,
+            mut att,
+            mut x1,
+            mut c,
+            ln2,
+            mut f,
+            mut g,
+        ] = decode_parts(h).split(scratch);
+        let [mut keys, mut values] = Parts::new([capacity * h; 2]).split(cache);
+        backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
+        linear(backend, a.view(), p[QKV_W], p[QKV_B], 1, qkv.reborrow())?;
+        let row = position * h..(position + 1) * h;
+        backend.copy(
+            qkv.view().range(h..2 * h),
+            keys.reborrow().range(row.clone()),
+        )?;
+        backend.copy(qkv.view().range(2 * h..3 * h), values.reborrow().range(row))?;
+        let seen = (position + 1) * h;
+        backend.attention_decode(
+            attention_shape(self, 1),
+            position + 1,
+            qkv.view().range(0..h),
+            keys.view().range(0..seen),
+            values.view().range(0..seen),
+            att.reborrow(),
+        )?;
+        linear(backend, att.view(), p[PROJ_W], p[PROJ_B], 1, x1.reborrow())?;
+        backend.add(x1.reborrow(), x)?;
+        backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
+        backend.gemm_bias_gelu(
+            Matrix::n(c.view().matrix(1, h)?),
+            Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
+            p[FC1_B],
+            f.reborrow().matrix(1, 4 * h)?,
+            g.reborrow().matrix(1, 4 * h)?,
+        )?;
+        linear(backend, g.view(), p[FC2_W], p[FC2_B], 1, out.reborrow())?;
+        backend.add(out, x1.view())?;
+        Ok(())
+    }
+
     fn embed_backward(
         &self,
         backend: &dyn Backend,
         tokens: View<'_>,
+        position_ids: View<'_>,
         dx: View<'_>,
         dembed: ViewMut<'_>,
     ) -> Result<()> {
         let layout = EmbedLayout::new(self);
         expect_len("embedding gradients", dembed.len(), layout.total)?;
         let [dwte, dwpe, _] = layout.split_grads(dembed);
-        backend.embedding_backward(tokens, self.seq, dx, dwte, dwpe)?;
+        backend.embedding_backward(tokens, position_ids, self.seq, dx, dwte, dwpe)?;
         Ok(())
     }
 

@@ -633,6 +633,26 @@ impl Llama {
         )
     }
 
+    /// One decoding step's working rows (f32): the first norm's output and
+    /// 1/rms, q | k | v, the rotary frequencies, attention's output, the
+    /// residual after it, the second norm's output and 1/rms, gate | up,
+    /// the SwiGLU's output.
+    fn decode_parts(&self) -> Parts<10> {
+        let (h, f) = (self.hidden, self.ffn);
+        Parts::new([
+            h,
+            1,
+            self.qkv_width(),
+            self.head_dim() / 2,
+            h,
+            h,
+            h,
+            1,
+            2 * f,
+            f,
+        ])
+    }
+
     /// The head's buffers: the final norm's output and 1/rms, a chunk's
     /// logits and their gradient, the norm output's gradient.
     fn head_parts(&self, batch: usize, dtype: Dtype) -> TypedParts<5> {
@@ -993,12 +1013,13 @@ impl Model for Llama {
         backend: &dyn Backend,
         outer: View<'_>,
         tokens: View<'_>,
+        position_ids: View<'_>,
         x: ViewMut<'_>,
     ) -> Result<()> {
         let parts = self.outer_parts();
         expect_len("embedding parameters", outer.len(), parts.total())?;
         let table = outer.range(parts.range(EMBED));
-        backend.embedding(table, outer.range(0..0), tokens, self.seq, x)?;
+        backend.embedding(table, outer.range(0..0), tokens, position_ids, self.seq, x)?;
         Ok(())
     }
 
@@ -1006,6 +1027,7 @@ impl Model for Llama {
         &self,
         backend: &dyn Backend,
         batch: usize,
+        position_ids: View<'_>,
         params: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
@@ -1048,8 +1070,15 @@ impl Model for Llama {
         linear(backend, a.view(), w_qkv, bias, n, qkv.reborrow())?;
         let shape = self.attention_shape(batch);
         backend.upload(View::host_slice(&self.inv_freq), freq.reborrow())?;
-        backend.rotary(shape, freq.view(), false, qkv.reborrow())?;
-        backend.attention(shape, qkv.view(), att.reborrow(), saved, workspace)?;
+        backend.rotary(shape, position_ids, freq.view(), false, qkv.reborrow())?;
+        backend.attention(
+            shape,
+            position_ids,
+            qkv.view(),
+            att.reborrow(),
+            saved,
+            workspace,
+        )?;
         linear(backend, att.view(), p[O_W], None, n, x1.reborrow())?;
         backend.add(x1.reborrow(), x)?;
         backend.rms_norm(x1.view(), p[LN2], eps, c.reborrow(), r2)?;
@@ -1068,6 +1097,7 @@ impl Model for Llama {
         &self,
         backend: &dyn Backend,
         batch: usize,
+        position_ids: View<'_>,
         params: Weights<'_>,
         dout: View<'_>,
         buffers: &mut Buffers,
@@ -1146,6 +1176,7 @@ impl Model for Llama {
         let shape = self.attention_shape(batch);
         backend.attention_backward(
             shape,
+            position_ids,
             qkv,
             att,
             saved,
@@ -1155,7 +1186,7 @@ impl Model for Llama {
         )?;
         // The queries and keys were turned after the product: turn their
         // gradients back.
-        backend.rotary(shape, freq.view(), true, dqkv.reborrow())?;
+        backend.rotary(shape, position_ids, freq.view(), true, dqkv.reborrow())?;
         let w_qkv = weights.range(parts.span(Q_W, V_W));
         let db = self.variant.qkv_bias.then_some(db_qkv);
         linear_backward(backend, a, w_qkv, dqkv.view(), n, dw_qkv, db, da.reborrow())?;
@@ -1261,10 +1292,13 @@ impl Model for Llama {
         expect_len("head input", x.len(), n * h)?;
         expect_len("logits", logits.len(), n * v)?;
         let head = self.head_parts(buffers.batch, buffers.dtype());
-        expect_len("head buffers", head.lens[0], n * h)?;
+        if n * h > head.lens[0] {
+            expect_len("head buffers", head.lens[0], n * h)?;
+        }
         let gamma = outer.f32.range(parts.range(NORM));
         let w = self.head_weight(outer);
-        let [mut hf, r, ..] = head.split(buffers.head.view_mut());
+        let [hf, r, ..] = head.split(buffers.head.view_mut());
+        let (mut hf, r) = (hf.range(0..n * h), r.range(0..n));
         backend.rms_norm(x, gamma, self.norm_eps as f32, hf.reborrow(), r)?;
         backend.gemm(
             Matrix::n(hf.view().matrix(n, h)?),
@@ -1276,10 +1310,113 @@ impl Model for Llama {
         Ok(())
     }
 
+    fn kv_cache_elems(&self, capacity: usize) -> usize {
+        2 * capacity * self.kv_hidden()
+    }
+
+    fn decode_scratch_elems(&self) -> usize {
+        self.decode_parts().total()
+    }
+
+    fn block_decode(
+        &self,
+        backend: &dyn Backend,
+        params: Weights<'_>,
+        position: usize,
+        x: View<'_>,
+        cache: ViewMut<'_>,
+        scratch: ViewMut<'_>,
+        mut out: ViewMut<'_>,
+    ) -> Result<()> {
+        let (h, kvh) = (self.hidden, self.kv_hidden());
+        let parts = self.block_parts();
+        params.check("block parameters", parts.total())?;
+        expect_len("block input", x.len(), h)?;
+        expect_len("block output", out.len(), h)?;
+        let capacity = cache.len() / (2 * kvh).max(1);
+        expect_len("key/value cache", cache.len(), 2 * capacity * kvh)?;
+        if position >= capacity {
+            return Err(crate::error::bad(
+                "position",
+                position,
+                format!("the key/value cache holds {capacity} positions"),
+            ));
+        }
+        expect_len("decode scratch", scratch.len(), self.decode_scratch_elems())?;
+        let p = self.block_views(params);
+        let weights = params.compute;
+        let [
+            mut a,
+            r1,
+            mut qkv,
+            mut freq,
+            mut att,
+            mut x1,
+            mut c,
+            r2,
+            mut gu,
+            mut m,
+        ] = self.decode_parts().split(scratch);
+        let [mut keys, mut values] = Parts::new([capacity * kvh; 2]).split(cache);
+        let eps = self.norm_eps as f32;
+        backend.rms_norm(x, p[LN1], eps, a.reborrow(), r1)?;
+        let bias = self
+            .variant
+            .qkv_bias
+            .then(|| params.f32.range(parts.span(Q_B, V_B)));
+        let w_qkv = weights.range(parts.span(Q_W, V_W));
+        linear(backend, a.view(), w_qkv, bias, 1, qkv.reborrow())?;
+        let shape = Attention {
+            batch: 1,
+            seq: 1,
+            ..self.attention_shape(1)
+        };
+        let place = [u32::try_from(position).expect("positions fit u32")];
+        backend.upload(View::host_slice(&self.inv_freq), freq.reborrow())?;
+        backend.rotary(
+            shape,
+            View::host_slice(&place),
+            freq.view(),
+            false,
+            qkv.reborrow(),
+        )?;
+        let row = position * kvh..(position + 1) * kvh;
+        backend.copy(
+            qkv.view().range(h..h + kvh),
+            keys.reborrow().range(row.clone()),
+        )?;
+        backend.copy(
+            qkv.view().range(h + kvh..h + 2 * kvh),
+            values.reborrow().range(row),
+        )?;
+        let seen = (position + 1) * kvh;
+        backend.attention_decode(
+            shape,
+            position + 1,
+            qkv.view().range(0..h),
+            keys.view().range(0..seen),
+            values.view().range(0..seen),
+            att.reborrow(),
+        )?;
+        linear(backend, att.view(), p[O_W], None, 1, x1.reborrow())?;
+        backend.add(x1.reborrow(), x)?;
+        backend.rms_norm(x1.view(), p[LN2], eps, c.reborrow(), r2)?;
+        let w_gate_up = weights.range(parts.span(GATE_W, UP_W));
+        linear(backend, c.view(), w_gate_up, None, 1, gu.reborrow())?;
+        backend.swiglu(
+            gu.view().matrix(1, 2 * self.ffn)?,
+            m.reborrow().matrix(1, self.ffn)?,
+        )?;
+        linear(backend, m.view(), p[DOWN_W], None, 1, out.reborrow())?;
+        backend.add(out, x1.view())?;
+        Ok(())
+    }
+
     fn embed_backward(
         &self,
         backend: &dyn Backend,
         tokens: View<'_>,
+        position_ids: View<'_>,
         dx: View<'_>,
         douter: ViewMut<'_>,
     ) -> Result<()> {
@@ -1287,7 +1424,7 @@ impl Model for Llama {
         expect_len("embedding gradients", douter.len(), parts.total())?;
         let [dtable, none, _] =
             douter.split_parts([parts.lens[EMBED], 0, parts.lens[NORM] + parts.lens[LM_HEAD]]);
-        backend.embedding_backward(tokens, self.seq, dx, dtable, none)?;
+        backend.embedding_backward(tokens, position_ids, self.seq, dx, dtable, none)?;
         Ok(())
     }
 

@@ -350,22 +350,29 @@ pub trait Model: Send + Sync + fmt::Debug {
     fn buffers(&self, backend: &dyn Backend, batch: usize, dtype: Dtype) -> Result<Buffers>;
 
     /// The embeddings' forward: `x` (`tokens x stream_width`) from the
-    /// token ids, with the outer group's parameters in f32.
+    /// token ids, with the outer group's parameters in f32. `position_ids`
+    /// (u32 per token; empty: each token's place in its sequence) are the
+    /// tokens' places in their documents when documents are packed into a
+    /// sequence ([`Backend::attention`]): a model's positions restart per
+    /// document, and its attention stays inside one.
     fn embed_forward(
         &self,
         backend: &dyn Backend,
         outer: View<'_>,
         tokens: View<'_>,
+        position_ids: View<'_>,
         x: ViewMut<'_>,
     ) -> Result<()>;
 
     /// One block's forward for `batch` sequences: `out = block(x)`, keeping
-    /// what its backward needs in `buffers`.
+    /// what its backward needs in `buffers`; `position_ids` as
+    /// [`Model::embed_forward`]'s.
     #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         backend: &dyn Backend,
         batch: usize,
+        position_ids: View<'_>,
         params: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
@@ -373,12 +380,14 @@ pub trait Model: Send + Sync + fmt::Debug {
     ) -> Result<()>;
 
     /// One block's backward from what its forward kept in `buffers`:
-    /// writes `dx` and adds the parameter gradients to `dparams`.
+    /// writes `dx` and adds the parameter gradients to `dparams`
+    /// (`position_ids` as the forward's).
     #[allow(clippy::too_many_arguments)]
     fn block_backward(
         &self,
         backend: &dyn Backend,
         batch: usize,
+        position_ids: View<'_>,
         params: Weights<'_>,
         dout: View<'_>,
         buffers: &mut Buffers,
@@ -403,8 +412,33 @@ pub trait Model: Send + Sync + fmt::Debug {
         douter: ViewMut<'_>,
     ) -> Result<Readback>;
 
+    /// Elements (f32) of one block's key/value cache for `capacity`
+    /// positions (decoding: [`Model::block_decode`]).
+    fn kv_cache_elems(&self, capacity: usize) -> usize;
+
+    /// Elements (f32) of the scratch one [`Model::block_decode`] works in.
+    fn decode_scratch_elems(&self) -> usize;
+
+    /// Decoding, in f32: one token's row `x` (`stream_width`) at
+    /// `position` through a block into `out`, its key and value written
+    /// into row `position` of the block's `cache` (the rows before it hold
+    /// the tokens before it), attending over rows `0..=position`. `out` is
+    /// that row of [`Model::block_forward`] over the sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn block_decode(
+        &self,
+        backend: &dyn Backend,
+        params: Weights<'_>,
+        position: usize,
+        x: View<'_>,
+        cache: ViewMut<'_>,
+        scratch: ViewMut<'_>,
+        out: ViewMut<'_>,
+    ) -> Result<()>;
+
     /// The head's forward alone: the logits (`rows x vocab`) of the last
-    /// block's output `x`.
+    /// block's output `x`, any number of rows up to `buffers`' (one, when
+    /// decoding).
     fn head_logits(
         &self,
         backend: &dyn Backend,
@@ -415,11 +449,12 @@ pub trait Model: Send + Sync + fmt::Debug {
     ) -> Result<()>;
 
     /// The embeddings' backward: adds `dx`'s contribution to the outer
-    /// group's gradients `douter`.
+    /// group's gradients `douter` (`position_ids` as the forward's).
     fn embed_backward(
         &self,
         backend: &dyn Backend,
         tokens: View<'_>,
+        position_ids: View<'_>,
         dx: View<'_>,
         douter: ViewMut<'_>,
     ) -> Result<()>;
@@ -462,11 +497,13 @@ pub fn forward_logits(
     let mut buffers = model.buffers(backend, batch, Dtype::F32)?;
     let mut x = backend.alloc(Dtype::F32, n)?;
     let mut y = backend.alloc(Dtype::F32, n)?;
-    model.embed_forward(backend, outer, tokens, x.view_mut())?;
+    let ids = strata_kernels::no_position_ids();
+    model.embed_forward(backend, outer, tokens, ids, x.view_mut())?;
     for &params in blocks {
         model.block_forward(
             backend,
             batch,
+            ids,
             params.into(),
             x.view(),
             &mut buffers,

@@ -32,7 +32,7 @@ pub use strata_scheduler::{Checkpointing, StateDtype};
 use crate::error::bad;
 use crate::error::{Result, TrainError};
 
-pub use super::data::{DataConfig, DataFormat, DataPaths};
+pub use super::data::{DataAttention, DataConfig, DataFormat, DataPaths};
 pub use crate::model::ModelConfig;
 pub use compute::ComputeDtype;
 pub use init_from::INIT_SEQ_DEFAULT_MAX;

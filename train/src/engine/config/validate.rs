@@ -336,6 +336,13 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.data.attention == super::DataAttention::Document {
+            return Err(bad(
+                "data.attention",
+                "\"document\"",
+                "the CUDA kernels do not keep packed documents apart yet (position ids in attention, rotary and the embedding): set device.kind = \"cpu\", or data.attention = \"causal\"",
+            ));
+        }
         if self.train.ranks > 1 {
             return Err(bad(
                 "train.ranks",

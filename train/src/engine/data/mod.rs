@@ -15,11 +15,13 @@ mod order;
 mod table;
 mod tokenize;
 
-pub use table::{DataConfig, DataFormat, DataPaths};
-pub use tokenize::{TEXT_DOCUMENT_BYTES_MAX, Tokenized, tokenize, tokenize_bytes};
+pub use table::{DataAttention, DataConfig, DataFormat, DataPaths};
+pub use tokenize::{TEXT_DOCUMENT_BYTES_MAX, TextTokenizer, Tokenized, tokenize, tokenize_bytes};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use strata_kernels::IGNORE_TARGET;
 
 use crate::error::{Result, TrainError};
 use crate::error::{bad, os};
@@ -124,6 +126,65 @@ pub const DATA_FILES_MAX: usize = 65_536;
 /// strata wrote with loss masks (`format = "sft"`'s cache) carry it: in any
 /// other token file such a value is an id past the vocabulary.
 pub const NOT_A_TARGET: u32 = 1 << 31;
+
+/// The bit a token carries when it starts a document packed into a
+/// sequence after another (`[data] attention = "document"`): its position
+/// restarts at 0, no token of it attends to the document before, and it is
+/// no loss target (nothing in its document predicts it). Set on the
+/// windows as they are read, never stored.
+pub const DOCUMENT_START: u32 = 1 << 30;
+
+/// The bits of a token that are its id (below the marks).
+pub const TOKEN_ID: u32 = !(NOT_A_TARGET | DOCUMENT_START);
+
+/// Micro-batch `m`'s inputs, next-token targets and position ids out of
+/// the step's sequences of `seq + 1` tokens: a token marked
+/// [`NOT_A_TARGET`] or [`DOCUMENT_START`] is read as its id and is no
+/// target ([`IGNORE_TARGET`]); a [`DOCUMENT_START`] restarts the positions
+/// at 0 (and attention: no row sees the document before it). Returns
+/// whether any document starts inside a sequence (else the position ids
+/// are each token's place in its sequence, and need not be given).
+pub(crate) fn split_tokens(
+    tokens: &[u32],
+    m: usize,
+    batch: usize,
+    seq: usize,
+    (inputs, targets, position_ids): (&mut [u32], &mut [u32], &mut [u32]),
+) -> bool {
+    let micro = &tokens[m * batch * (seq + 1)..(m + 1) * batch * (seq + 1)];
+    let mut packed = false;
+    for (i, sequence) in micro.chunks_exact(seq + 1).enumerate() {
+        let rows = i * seq..(i + 1) * seq;
+        let mut place = 0u32;
+        for (j, ((input, id), &token)) in inputs[rows.clone()]
+            .iter_mut()
+            .zip(&mut position_ids[rows.clone()])
+            .zip(sequence)
+            .enumerate()
+        {
+            *input = token & TOKEN_ID;
+            if j > 0 && token & DOCUMENT_START != 0 {
+                place = 0;
+                packed = true;
+            }
+            *id = place;
+            place += 1;
+        }
+        for (target, &token) in targets[rows].iter_mut().zip(&sequence[1..]) {
+            *target = match is_target(token) {
+                true => token,
+                false => IGNORE_TARGET,
+            };
+        }
+    }
+    packed
+}
+
+/// Whether the loss scores `token` as the target of the one before it:
+/// neither [`NOT_A_TARGET`] nor [`DOCUMENT_START`].
+pub fn is_target(token: u32) -> bool {
+    token & !TOKEN_ID == 0
+}
 
 /// Bytes hashed and scanned at a time when a token file is opened.
 const SCAN_BYTES: usize = 1 << 20;
@@ -261,6 +322,9 @@ pub struct Corpus {
     tokens: u64,
     /// xxh3-64 over each source's length and checksum.
     checksum: u64,
+    /// With documents kept apart: the end-of-document id, after which a
+    /// token is marked [`DOCUMENT_START`].
+    eos: Option<u32>,
 }
 
 /// The name the corpus had when it held only texts.
@@ -390,7 +454,16 @@ impl Corpus {
             starts,
             tokens,
             checksum: hasher.digest(),
+            eos: None,
         }
+    }
+
+    /// This corpus with its documents kept apart in each window (`[data]
+    /// attention = "document"`): a token after the id `eos` is marked
+    /// [`DOCUMENT_START`] as the windows are read.
+    pub fn with_documents(mut self, eos: u32) -> Corpus {
+        self.eos = Some(eos);
+        self
     }
 
     /// Errors unless a model of `vocab` tokens covers every token.
@@ -509,12 +582,33 @@ impl Corpus {
         ))
     }
 
-    /// Copies the `seq + 1` tokens from `offset` of source `source`.
+    /// Copies the `seq + 1` tokens from `offset` of source `source`, with
+    /// documents kept apart the ones after an end of document marked.
     fn copy_window(&self, source: usize, offset: usize, out: &mut [u32]) {
         let tokens = &self.sources[source].tokens;
+        let mut after_eos = false;
         for (i, token) in out.iter_mut().enumerate() {
             *token = tokens.token(offset + i);
+            if let Some(eos) = self.eos {
+                if after_eos {
+                    *token |= DOCUMENT_START;
+                }
+                after_eos = *token & TOKEN_ID == eos;
+            }
         }
+    }
+
+    /// Window `window` (below [`Corpus::windows`]) in file order, `seq + 1`
+    /// tokens with their marks: what an evaluation reads, every window
+    /// once.
+    pub fn window(&self, window: u64, out: &mut [u32]) {
+        assert!(window < self.windows, "window {window} of {}", self.windows);
+        self.epoch_window(window, out);
+    }
+
+    /// Model tokens in a sequence of its windows.
+    pub fn seq(&self) -> usize {
+        self.seq
     }
 
     /// Window `window` of the epoch order.
@@ -1076,5 +1170,34 @@ mod tests {
             err.contains("open token file") && err.contains("--tokens"),
             "{err}"
         );
+    }
+
+    /// Documents kept apart: a token after the end of document is marked
+    /// DOCUMENT_START in the windows as read (never stored), including
+    /// across the window's first token, and its id stays below the mark.
+    #[test]
+    fn documents_kept_apart_mark_each_start_in_the_windows() {
+        // Byte tokens: documents end at byte 0.
+        let text: Vec<u8> = b"ab\0cde\0f\0ghij\0".repeat(4);
+        let corpus = Corpus::new(text.clone(), 7).unwrap().with_documents(0);
+        let mut window = vec![0u32; 8];
+        corpus.epoch_window(0, &mut window);
+        let want: Vec<u32> = [b'a', b'b', 0, b'c', b'd', b'e', 0, b'f']
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| match i {
+                3 | 7 => u32::from(b) | DOCUMENT_START,
+                _ => u32::from(b),
+            })
+            .collect();
+        assert_eq!(window, want);
+        assert!(!is_target(window[3]) && is_target(window[4]));
+        assert!(window.iter().all(|t| (t & TOKEN_ID) < 256));
+        // Without it, the same ids unmarked.
+        let plain = Corpus::new(text, 7).unwrap();
+        let mut unmarked = vec![0u32; 8];
+        plain.epoch_window(0, &mut unmarked);
+        let ids: Vec<u32> = window.iter().map(|t| t & TOKEN_ID).collect();
+        assert_eq!(unmarked, ids);
     }
 }

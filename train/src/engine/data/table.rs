@@ -36,6 +36,16 @@ pub struct DataConfig {
     /// first file).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
+    /// Whether a token attends to the documents before its own in its
+    /// window (`"causal"`, the default) or to its own alone
+    /// (`"document"`: documents packed into a sequence, positions
+    /// restarting at each, block-diagonal causal attention; the first
+    /// token of each is no target).
+    pub attention: DataAttention,
+    /// The end-of-document token id that tells documents apart for
+    /// `attention = "document"` (default: the tokenizer's end of text).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eos_id: Option<u32>,
     /// The field of each supervised (`format = "sft"`) line that holds its
     /// prompt, read but not scored (default `"prompt"`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -113,6 +123,19 @@ impl DataFormat {
 /// Whether a file's name says JSONL (`.jsonl`).
 pub fn is_jsonl(path: &std::path::Path) -> bool {
     path.extension().is_some_and(|e| e == "jsonl")
+}
+
+/// `[data] attention`: what a token attends to in its window.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataAttention {
+    /// Every token before it in the window, whatever document it is in.
+    #[default]
+    Causal,
+    /// The tokens before it in its own document (after the last
+    /// end-of-document token), its position counted from its document's
+    /// start.
+    Document,
 }
 
 /// How `[data] path` is read.

@@ -57,6 +57,9 @@ pub struct Tokenized {
     pub masked: bool,
     /// Tokens that are loss targets (all of them without masks).
     pub targets: u64,
+    /// The end-of-text id that ends each document, where the tokenizer's
+    /// `tokenizer_config.json` names one.
+    pub eos: Option<u32>,
 }
 
 /// The record beside a cache file.
@@ -82,6 +85,56 @@ struct Loaded {
     file: PathBuf,
     bytes: Vec<u8>,
     eos: Option<u32>,
+}
+
+/// The model's tokenizer for text in and out (a prompt, what a model
+/// writes): as [`tokenize`] reads it, with its end-of-text id.
+pub struct TextTokenizer(Loaded);
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("file", &self.0.file)
+            .field("eos", &self.0.eos)
+            .finish()
+    }
+}
+
+impl TextTokenizer {
+    /// The tokenizer at `path`: a directory holding `tokenizer.json`, or
+    /// the file.
+    pub fn open(path: &Path) -> Result<TextTokenizer> {
+        load_tokenizer(path).map(TextTokenizer)
+    }
+
+    /// `text`'s ids, with the special tokens (transformers'
+    /// `tokenizer(text)["input_ids"]`).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self.0.tokenizer.encode(text, true).map_err(|err| {
+            data_error(
+                &self.0.file,
+                format!("the tokenizer failed on the text: {err}"),
+                "check the tokenizer and the text",
+            )
+        })?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The text of `ids`, special tokens included.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.0.tokenizer.decode(ids, false).map_err(|err| {
+            data_error(
+                &self.0.file,
+                format!("the tokenizer cannot decode the ids: {err}"),
+                "check that the tokenizer is the model's",
+            )
+        })
+    }
+
+    /// The end-of-text id its `tokenizer_config.json` names.
+    pub fn eos(&self) -> Option<u32> {
+        self.0.eos
+    }
 }
 
 fn load_tokenizer(path: &Path) -> Result<Loaded> {
@@ -290,6 +343,7 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
                 reused: true,
                 masked,
                 targets: meta.targets,
+                eos: loaded.eos,
             });
         }
     }
@@ -352,6 +406,7 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
         reused: false,
         masked,
         targets,
+        eos: loaded.eos,
     })
 }
 

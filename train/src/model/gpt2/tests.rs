@@ -82,12 +82,26 @@ fn loss_and_grads(m: &Params) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
     let mut x = vec![0.0; n * h];
     let tokens = View::host_slice(&tokens);
     CONFIG
-        .embed_forward(CPU, v(&m.embed), tokens, w(&mut x))
+        .embed_forward(
+            CPU,
+            v(&m.embed),
+            tokens,
+            strata_kernels::no_position_ids(),
+            w(&mut x),
+        )
         .unwrap();
     let mut next = vec![0.0; n * h];
     for (l, p) in m.blocks.iter().enumerate() {
         CONFIG
-            .block_forward(CPU, BATCH, v(p).into(), v(&x), &mut acts[l], w(&mut next))
+            .block_forward(
+                CPU,
+                BATCH,
+                strata_kernels::no_position_ids(),
+                v(p).into(),
+                v(&x),
+                &mut acts[l],
+                w(&mut next),
+            )
             .unwrap();
         std::mem::swap(&mut x, &mut next);
     }
@@ -115,6 +129,7 @@ fn loss_and_grads(m: &Params) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
             .block_backward(
                 CPU,
                 BATCH,
+                strata_kernels::no_position_ids(),
                 v(&m.blocks[l]).into(),
                 v(&dx),
                 &mut acts[l],
@@ -125,7 +140,13 @@ fn loss_and_grads(m: &Params) -> (f32, Vec<f32>, Vec<Vec<f32>>) {
         std::mem::swap(&mut dx, &mut dprev);
     }
     CONFIG
-        .embed_backward(CPU, tokens, v(&dx), w(&mut dembed))
+        .embed_backward(
+            CPU,
+            tokens,
+            strata_kernels::no_position_ids(),
+            v(&dx),
+            w(&mut dembed),
+        )
         .unwrap();
     (loss, dembed, dblocks)
 }
@@ -187,7 +208,13 @@ fn recomputed_forward_gives_the_same_gradients() {
     let h = CONFIG.hidden;
     let mut x = vec![0.0; n * h];
     CONFIG
-        .embed_forward(CPU, v(&m.embed), View::host_slice(&tokens), w(&mut x))
+        .embed_forward(
+            CPU,
+            v(&m.embed),
+            View::host_slice(&tokens),
+            strata_kernels::no_position_ids(),
+            w(&mut x),
+        )
         .unwrap();
     let mut out = vec![0.0; n * h];
     let dout = values(n * h, 2.0, 1.0);
@@ -200,11 +227,28 @@ fn recomputed_forward_gives_the_same_gradients() {
         let mut acts = buffers();
         let p = v(&m.blocks[0]);
         CONFIG
-            .block_forward(CPU, BATCH, p.into(), v(&x), &mut acts, w(&mut out))
+            .block_forward(
+                CPU,
+                BATCH,
+                strata_kernels::no_position_ids(),
+                p.into(),
+                v(&x),
+                &mut acts,
+                w(&mut out),
+            )
             .unwrap();
         assert_eq!(acts.input().host::<f32>().unwrap(), &x[..]);
         CONFIG
-            .block_backward(CPU, BATCH, p.into(), v(&dout), &mut acts, w(dx), w(grads))
+            .block_backward(
+                CPU,
+                BATCH,
+                strata_kernels::no_position_ids(),
+                p.into(),
+                v(&dout),
+                &mut acts,
+                w(dx),
+                w(grads),
+            )
             .unwrap();
     }
     assert_eq!(grads[0], grads[1]);
@@ -220,7 +264,15 @@ fn buffers_of_the_wrong_size_are_named_errors() {
     let (x, mut out) = (vec![0.0; n * h - 1], vec![0.0; n * h]);
     let p = v(&m.blocks[0]);
     let error = CONFIG
-        .block_forward(CPU, BATCH, p.into(), v(&x), &mut acts, w(&mut out))
+        .block_forward(
+            CPU,
+            BATCH,
+            strata_kernels::no_position_ids(),
+            p.into(),
+            v(&x),
+            &mut acts,
+            w(&mut out),
+        )
         .unwrap_err();
     assert!(
         matches!(
@@ -236,7 +288,13 @@ fn buffers_of_the_wrong_size_are_named_errors() {
     // A token outside the vocabulary is the kernel's error, not a panic.
     let (tokens, mut x) = (vec![CONFIG.vocab as u32; n], vec![0.0; n * h]);
     let error = CONFIG
-        .embed_forward(CPU, v(&m.embed), View::host_slice(&tokens), w(&mut x))
+        .embed_forward(
+            CPU,
+            v(&m.embed),
+            View::host_slice(&tokens),
+            strata_kernels::no_position_ids(),
+            w(&mut x),
+        )
         .unwrap_err();
     assert!(
         error.to_string().contains("outside the vocabulary"),
