@@ -2227,8 +2227,19 @@ fn train_sft_masks_prompts_resumes_and_generates_tiny() {
         serde_json::json!([0, 1]),
         "{greedy}"
     );
-    let made = greedy["tokens"].as_array().unwrap().len();
-    assert!(made == 5 || greedy["stopped"] == "end_of_text", "{greedy}");
+    let made = greedy["tokens"].as_array().unwrap();
+    assert!(
+        (made.len() == 5 && greedy["stopped"] == "max_new_tokens")
+            || (made.len() < 5 && greedy["stopped"] == "end_of_text"),
+        "{greedy}"
+    );
+    // Ids of the model's vocabulary (16) but its end of text (9), and the
+    // same every time.
+    assert!(
+        made.iter().all(|t| t.as_u64().unwrap() < 16 && t != 9),
+        "{greedy}"
+    );
+    assert_eq!(generate(&[])["tokens"], greedy["tokens"]);
     let sampled = ["--temperature", "1.0", "--top-k", "4", "--seed", "9"];
     assert_eq!(generate(&sampled)["tokens"], generate(&sampled)["tokens"]);
     let err = stderr_of_failure(
@@ -2301,6 +2312,68 @@ fn train_sft_masks_prompts_resumes_and_generates_tiny() {
     );
     assert!(
         err.contains("data.tokenizer") && err.contains("sft"),
+        "{err}"
+    );
+}
+
+/// `[eval]` evaluates held-out data every N steps and at the last: the
+/// loss is in those steps' reports (and lines), and equals `strata eval`
+/// of the final checkpoint on the same windows; `eval.every` without
+/// files is refused by name.
+#[test]
+fn train_evaluates_held_out_data_every_n_steps_tiny() {
+    let dir = tempdir();
+    let held: String = (0..40)
+        .map(|i| format!("held-out line {i}: the tiers move every tensor where it is needed.\n"))
+        .collect();
+    std::fs::write(dir.path().join("held.txt"), held).unwrap();
+    std::fs::write(
+        dir.path().join("eval.toml"),
+        "[model]\nseq = 32\n[train]\nsteps = 5\nmicro_batch = 4\nwarmup_steps = 1\n[eval]\nevery = 2\nwindows = 4\npath = \"held.txt\"\n[checkpoint]\nweights_dtype = \"f32\"\n",
+    )
+    .unwrap();
+    let summary = last_json_line(&strata_in(
+        dir.path(),
+        &[
+            "train",
+            "--config",
+            "eval.toml",
+            "--checkpoint-dir",
+            "ck",
+            "--json",
+        ],
+    ));
+    let reports = summary["reports"].as_array().unwrap();
+    let evaluated: Vec<u64> = reports
+        .iter()
+        .filter(|r| r.get("eval_loss").is_some())
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evaluated, [2, 4, 5], "{summary}");
+    let last = reports[4]["eval_loss"].as_f64().unwrap();
+    let after = stdout_json(&strata_in(
+        dir.path(),
+        &[
+            "eval",
+            "--checkpoint",
+            "ck",
+            "--data",
+            "held.txt",
+            "--max-windows",
+            "4",
+            "--json",
+        ],
+    ));
+    assert_eq!(after["windows"], 4);
+    let relative = (after["loss"].as_f64().unwrap() - last).abs() / last;
+    assert!(relative < 1e-6, "{after} against {last}");
+    std::fs::write(dir.path().join("bad.toml"), "[eval]\nevery = 2\n").unwrap();
+    let err = stderr_of_failure(
+        &strata_in(dir.path(), &["train", "--config", "bad.toml"]),
+        "eval.every without eval.path",
+    );
+    assert!(
+        err.contains("eval.every") && err.contains("eval.path"),
         "{err}"
     );
 }

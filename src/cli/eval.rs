@@ -54,6 +54,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             args.checkpoint.display()
         );
     }
+    if args.max_windows == Some(0) {
+        anyhow::bail!("--max-windows 0: evaluate at least one window, or leave it out for all");
+    }
+    // A folder of no run keeps its own sequence length.
+    let seq = run.as_ref().map(|c| c.model.seq);
     let mut config = run.unwrap_or_default();
     if given {
         let (paths, flag, format) = match args.tokens.is_empty() {
@@ -70,13 +75,37 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             (Some(dir), _) => Some(absolute(dir, "--tokenizer")?),
             (None, _) => config.data.tokenizer.clone(),
         };
+        // The run's end of documents: its eos_id, or its tokenizer's end
+        // of text (token files carry no tokenizer of their own).
+        let eos_id = match (config.data.eos_id, &config.data.tokenizer) {
+            (Some(id), _) => Some(id),
+            (None, Some(dir)) if config.data.attention == strata_train::DataAttention::Document => {
+                strata_train::TextTokenizer::open(dir)?.eos()
+            }
+            _ => None,
+        };
+        let run_data = &config.data;
         config.data = DataConfig {
             path: DataPaths(paths),
             format,
             token_dtype: args.token_dtype.unwrap_or_default(),
             tokenizer,
-            attention: config.data.attention,
-            eos_id: config.data.eos_id,
+            attention: run_data.attention,
+            eos_id,
+            // The run's fields, where the format reads them.
+            text_field: run_data
+                .text_field
+                .clone()
+                .filter(|_| format == DataFormat::Jsonl),
+            prompt_field: run_data
+                .prompt_field
+                .clone()
+                .filter(|_| format == DataFormat::Sft),
+            response_field: run_data
+                .response_field
+                .clone()
+                .filter(|_| format == DataFormat::Sft),
+            cache_dir: run_data.cache_dir.clone(),
             ..DataConfig::default()
         };
     } else {
@@ -85,8 +114,17 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         );
     }
     let (model, groups) = HfFolder::open(&folder)?
-        .read_model(Some(config.model.seq))
+        .read_model(seq)
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
+    if config.data.tokenizer.is_none()
+        && config.data.format != DataFormat::Tokens
+        && model.vocab() != 256
+    {
+        anyhow::bail!(
+            "texts without a tokenizer are read a token per byte, for the built-in model's 256 ids, and this model has {}: give its tokenizer with --tokenizer, or token files with --tokens",
+            model.vocab()
+        );
+    }
     config.model.seq = model.seq();
     config.model.vocab = model.vocab();
     let corpus = open_data(&config, args.json)?;

@@ -65,13 +65,12 @@ impl Codec {
     /// out until they are).
     fn decode(&self, ids: &[u32]) -> String {
         match self {
+            // A tokenizer that cannot decode the model's ids shows nothing
+            // for them rather than stopping the generation.
             Codec::Tokenizer(tokenizer) => tokenizer.decode(ids).unwrap_or_default(),
             Codec::Bytes => {
                 let bytes: Vec<u8> = ids.iter().map(|&id| id as u8).collect();
-                match std::str::from_utf8(&bytes) {
-                    Ok(text) => text.to_string(),
-                    Err(err) => String::from_utf8_lossy(&bytes[..err.valid_up_to()]).into_owned(),
-                }
+                String::from_utf8_lossy(&bytes[..whole_characters(&bytes)]).into_owned()
             }
         }
     }
@@ -82,6 +81,26 @@ impl Codec {
             Codec::Bytes => None,
         }
     }
+}
+
+/// The bytes of `bytes` before a character its last bytes begin and do
+/// not finish (a byte that is no UTF-8 at all is shown as U+FFFD).
+fn whole_characters(bytes: &[u8]) -> usize {
+    let len = bytes.len();
+    for back in 1..=len.min(3) {
+        let byte = bytes[len - back];
+        if byte & 0xC0 == 0x80 {
+            continue;
+        }
+        let needed = match byte {
+            0xF0.. => 4,
+            0xE0.. => 3,
+            0xC0.. => 2,
+            _ => 1,
+        };
+        return if needed > back { len - back } else { len };
+    }
+    len
 }
 
 /// The folder holding the weights, and the config of the run that wrote
@@ -142,15 +161,23 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("--prompt gives no tokens: give some text to go on from");
     }
-    let mut generator = Generator::open(&folder)
+    // The cache holds the prompt and the tokens asked for, at most the
+    // model's sequence length.
+    let wanted = prompt.len().saturating_add(args.max_new_tokens);
+    let mut generator = Generator::open(&folder, Some(wanted))
         .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
     let (vocab, capacity) = (generator.model().vocab(), generator.capacity());
+    if matches!(codec, Codec::Bytes) && vocab != 256 {
+        bail!(
+            "no tokenizer for a model of {vocab} ids (a token per byte is the built-in model's 256): give the model's tokenizer with --tokenizer"
+        );
+    }
     if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab) {
         bail!(
             "the prompt's token {token} is past the model's vocabulary of {vocab}: give the model's own tokenizer with --tokenizer"
         );
     }
-    if prompt.len() >= capacity {
+    if prompt.len() > capacity {
         bail!(
             "the prompt is {} tokens, and the model's sequence length is {capacity}: give a shorter prompt",
             prompt.len()
@@ -225,4 +252,22 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_unfinished_last_character_is_held_back() {
+        assert_eq!(whole_characters(b"ab"), 2);
+        assert_eq!(whole_characters(b"a\xc3"), 1);
+        assert_eq!(whole_characters(b"a\xc3\xa9"), 3);
+        assert_eq!(whole_characters(b"ab\xe2\x9c"), 2);
+        assert_eq!(whole_characters(b"\xe2\x9c\x93"), 3);
+        // A byte that is no UTF-8 is shown (as U+FFFD), not held back.
+        assert_eq!(whole_characters(b"\xffab"), 3);
+        assert_eq!(whole_characters(b"ab\x9c"), 3);
+        assert_eq!(Codec::Bytes.decode(&[0xff, 104, 105]), "\u{fffd}hi");
+    }
 }

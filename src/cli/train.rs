@@ -322,6 +322,16 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
             .transpose()?,
         ..config.data.clone()
     };
+    // The held-out files too, from anywhere a resume runs.
+    config.eval.path = engine::DataPaths(
+        config
+            .eval
+            .path
+            .0
+            .iter()
+            .map(|path| absolute(path, "eval.path"))
+            .collect::<anyhow::Result<Vec<_>>>()?,
+    );
     if let Some(dir) = &args.checkpoint_dir {
         config.train.checkpoint_dir = Some(dir.clone());
     } else if let (Some(checkpoint), Some(given)) = (&checkpoint, &args.resume) {
@@ -484,11 +494,31 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     if args.stop_after == Some(0) {
         bail!("--stop-after 0 runs no step: give the step to stop after, from 1");
     }
+    // Held-out data, read as the training data is (format, tokenizer).
+    let eval = match config.eval.every {
+        0 => None,
+        _ => {
+            let held_out = TrainConfig {
+                data: config.eval.data(&config.data),
+                ..config.clone()
+            };
+            let eval = open_data(&held_out, args.json).context("[eval] path")?;
+            tracing::info!(
+                "eval: every {} steps, the first {} of {} windows of {}",
+                config.eval.every,
+                config.eval.windows.min(eval.windows()),
+                eval.windows(),
+                config.eval.path.0.len().to_string() + " file(s)"
+            );
+            Some(eval)
+        }
+    };
     let options = RunOptions {
         stop_after: args.stop_after,
         resume: args.resume.clone(),
         trace: args.trace.clone(),
         overwrite: args.overwrite,
+        eval,
         ..RunOptions::default()
     };
     let grace = Duration::from_secs_f64(args.signal_grace);
@@ -603,10 +633,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             && !args.json
             && (r.step % args.log_every == 0 || r.step == 1 || r.step == total)
         {
+            let eval = r
+                .eval_loss
+                .map_or_else(String::new, |loss| format!("  eval {loss:.4}"));
             eprintln!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  {:.0} tok/s  {:.2} s{note}",
+                "step {:>5}  loss {:.4}{eval}  lr {:.2e}  {:.0} tok/s  {:.2} s{note}",
                 r.step, r.loss, r.lr, tokens_per_s, r.seconds,
             );
+        } else if let Some(loss) = r.eval_loss.filter(|_| !args.json) {
+            // An evaluation is said even between the logged steps.
+            tracing::info!("step {}: eval loss {loss:.4}", r.step);
         }
         // Stats' links are in `Link` order: h->nvme, nvme->h, h->d, d->h.
         tracing::debug!(

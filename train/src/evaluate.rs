@@ -208,16 +208,7 @@ mod tests {
             ..ModelConfig::default()
         };
         let model = crate::model::build(&config).unwrap();
-        let groups: Vec<Vec<f32>> = model
-            .groups()
-            .iter()
-            .enumerate()
-            .map(|(g, spec)| {
-                let mut values = vec![0f32; spec.params()];
-                model.init(g, 3, &mut values);
-                values
-            })
-            .collect();
+        let groups = crate::model::initial_values(&*model, 3);
         let text = b"the tiers hold every tensor, and move it where it is needed. ".repeat(3);
         let corpus = Corpus::new(text, 8).unwrap();
         let mut window = vec![0u32; 9];

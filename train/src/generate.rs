@@ -47,10 +47,12 @@ impl std::fmt::Debug for Generator {
 
 impl Generator {
     /// The model of the Hugging Face folder `dir` (`config.json` and its
-    /// safetensors), every parameter read into host memory as f32.
-    pub fn open(dir: &Path) -> Result<Generator> {
+    /// safetensors), every parameter read into host memory as f32, its
+    /// caches for `capacity` positions (default and at most: the model's
+    /// sequence length).
+    pub fn open(dir: &Path, capacity: Option<usize>) -> Result<Generator> {
         let (model, groups) = HfFolder::open(dir)?.read_model(None)?;
-        let capacity = model.seq();
+        let capacity = capacity.map_or(model.seq(), |c| c.min(model.seq()));
         Generator::new(model, groups, capacity)
     }
 
@@ -90,7 +92,7 @@ impl Generator {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(Generator {
             scratch: f32s(model.decode_scratch_elems())?,
-            buffers: model.buffers(&backend, 1, Dtype::F32)?,
+            buffers: model.head_buffers(&backend, 1)?,
             x: f32s(model.stream_width())?,
             y: f32s(model.stream_width())?,
             logits: f32s(model.vocab())?,

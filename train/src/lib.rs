@@ -28,11 +28,11 @@ pub mod model;
 pub use engine::{
     ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
     DATA_FILES_MAX, DOCUMENT_START, DataAttention, DataConfig, DataFormat, DataOrder, DataPaths,
-    DataPosition, DataReader, DeepSpeedMapping, Difference, Engine, Faults, GRAD_ACCUMULATION_MAX,
-    Keys, ModelConfig, NOT_A_TARGET, OptimConfig, Placement, PlacementConfig, Prediction, Progress,
-    RANKS_MAX, ROUNDING_STOCHASTIC, RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache,
-    StateDtype, StepReport, StopRequest, TextTokenizer, TierBytes, TokenDtype, Tokenized,
-    TrainConfig, TrainSettings, WarmupType, from_deepspeed_json, run, tokenize, tokenize_bytes,
-    window_start,
+    DataPosition, DataReader, DeepSpeedMapping, Difference, EVAL_WINDOWS_DEFAULT, Engine,
+    EvalConfig, Faults, GRAD_ACCUMULATION_MAX, Keys, ModelConfig, NOT_A_TARGET, OptimConfig,
+    Placement, PlacementConfig, Prediction, Progress, RANKS_MAX, ROUNDING_STOCHASTIC, RUN_CONFIG,
+    RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, StopRequest,
+    TextTokenizer, TierBytes, TokenDtype, Tokenized, TrainConfig, TrainSettings, WarmupType,
+    from_deepspeed_json, run, tokenize, tokenize_bytes, window_start,
 };
 pub use error::{Result, TrainError};

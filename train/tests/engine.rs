@@ -1356,3 +1356,32 @@ fn a_folder_loads_a_piece_at_a_time_and_a_checkpoint_gives_back_its_values() {
         assert_eq!(m.shape(), [groups[0].params()]);
     }
 }
+
+/// Documents kept apart need the end-of-document id on the corpus a
+/// library caller hands `run` (`Corpus::open` reads `data.eos_id`); an id
+/// past the vocabulary, or one without document attention, is refused.
+#[test]
+fn packed_documents_need_their_end_id_on_the_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tiny(dir.path());
+    config.data.attention = strata_train::DataAttention::Document;
+    config.train.steps = 1;
+    let err = run(&config, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+    assert!(
+        err.to_string().contains("tells no documents apart") && err.to_string().contains("eos_id"),
+        "{err}"
+    );
+    let marked = corpus(16).with_documents(300);
+    let err = run(&config, &marked, &RunOptions::default(), &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("data.eos_id"), "{err}");
+    let summary = run(
+        &config,
+        &corpus(16).with_documents(b'.' as u32),
+        &RunOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(summary.steps, 1);
+    let err = TrainConfig::from_toml("[data]\neos_id = 3\n").unwrap_err();
+    assert!(err.to_string().contains("data.attention"), "{err}");
+}

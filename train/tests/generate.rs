@@ -1,7 +1,8 @@
 //! Generation against transformers: greedy decoding with strata's
 //! key/value cache gives transformers' greedy `generate`, token for token,
 //! for 32 new tokens after an 8-token prompt, on every committed tiny model
-//! with the positions for it (`tests/fixtures/generate/make.py`:
+//! with the positions for it (one now: grouped-query heads, rope scaling;
+//! `tests/fixtures/generate/make.py`:
 //! transformers 5.24, torch 2.15, f32, eager attention; the prompt chosen
 //! so that the top two logits stay at least 1e-3 apart at every step).
 
@@ -31,7 +32,7 @@ fn greedy_generation_is_transformers_greedy_generate() {
         let bytes = std::fs::read(&path).unwrap();
         let reference = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let (prompt, want) = (ints(&reference, "prompt"), ints(&reference, "generated"));
-        let mut generator = Generator::open(&fixtures.join("hf").join(&name)).unwrap();
+        let mut generator = Generator::open(&fixtures.join("hf").join(&name), None).unwrap();
         let mut next = 0;
         for &token in &prompt {
             next = greedy(generator.feed(token).unwrap());
@@ -47,7 +48,7 @@ fn greedy_generation_is_transformers_greedy_generate() {
         );
         assert_eq!(generator.position(), prompt.len() + want.len());
         // A sampler at temperature 0 is greedy.
-        let mut again = Generator::open(&fixtures.join("hf").join(&name)).unwrap();
+        let mut again = Generator::open(&fixtures.join("hf").join(&name), None).unwrap();
         let mut sampler = Sampler::new(0.0, None, 3).unwrap();
         let mut logits = Vec::new();
         for &token in &prompt {
@@ -71,14 +72,14 @@ fn a_generation_past_the_cache_is_refused_with_its_size() {
     let folder = fixtures
         .join("hf")
         .join(name.file_stem().unwrap().to_string_lossy().as_ref());
-    let mut generator = Generator::open(&folder).unwrap();
+    let mut generator = Generator::open(&folder, None).unwrap();
     for _ in 0..generator.capacity() {
         generator.feed(1).unwrap();
     }
     let err = generator.feed(1).unwrap_err().to_string();
     assert!(err.contains("positions"), "{err}");
     let vocab = generator.model().vocab() as u32;
-    let mut fresh = Generator::open(&folder).unwrap();
+    let mut fresh = Generator::open(&folder, None).unwrap();
     let err = fresh.feed(vocab).unwrap_err().to_string();
     assert!(err.contains("vocabulary"), "{err}");
 }
@@ -93,7 +94,7 @@ fn decoding_with_the_cache_is_the_forward_of_the_whole_sequence() {
     use strata_train::ModelConfig;
     use strata_train::model::{self, Arch};
     for architecture in model::ARCHITECTURES {
-        let config = ModelConfig {
+        let plain = ModelConfig {
             arch: Arch::named(architecture.name).unwrap(),
             vocab: 40,
             seq: 9,
@@ -102,17 +103,18 @@ fn decoding_with_the_cache_is_the_forward_of_the_whole_sequence() {
             layers: 2,
             ..ModelConfig::default()
         };
+        // Grouped-query heads where the architecture has them.
+        let grouped = ModelConfig {
+            kv_heads: Some(2),
+            ..plain.clone()
+        };
+        let config = if model::build(&grouped).is_ok() {
+            grouped
+        } else {
+            plain
+        };
         let model = model::build(&config).unwrap();
-        let groups: Vec<Vec<f32>> = model
-            .groups()
-            .iter()
-            .enumerate()
-            .map(|(g, spec)| {
-                let mut values = vec![0f32; spec.params()];
-                model.init(g, 5, &mut values);
-                values
-            })
-            .collect();
+        let groups = model::initial_values(&*model, 5);
         let tokens: Vec<u32> = (0..9).map(|i| (i * 7 + 3) % 40).collect();
         let mut whole = vec![0f32; 9 * 40];
         let blocks: Vec<View<'_>> = groups[1..].iter().map(|g| View::host_slice(g)).collect();

@@ -52,16 +52,7 @@ fn a_packed_sequence_is_its_documents_each_alone() {
             ..ModelConfig::default()
         };
         let model = model::build(&config).unwrap();
-        let groups: Vec<Vec<f32>> = model
-            .groups()
-            .iter()
-            .enumerate()
-            .map(|(g, spec)| {
-                let mut values = vec![0f32; spec.params()];
-                model.init(g, 11, &mut values);
-                values
-            })
-            .collect();
+        let groups = model::initial_values(&*model, 11);
         let (packed, packed_grads) = step_at(&*model, &groups, &tokens, &ids, &targets);
         // The losses are means over every row: sums, times the rows.
         let mut sum = 0.0;

@@ -1120,13 +1120,13 @@ impl Backend for CudaBackend {
     }
 }
 
-/// The error of an op (RMSNorm, rotary embeddings, SwiGLU, grouped-query
-/// attention, an embedding without positions) that the CUDA backend has
-/// no kernel for yet.
 /// What the CUDA kernels do not compute yet for packed sequences.
 const PACKED: &str =
     "position ids (documents packed into a sequence: attention within each, positions restarting)";
 
+/// The error of an op (RMSNorm, rotary embeddings, SwiGLU, grouped-query
+/// attention, an embedding without positions) that the CUDA backend has
+/// no kernel for yet.
 fn missing_kernel(op: &'static str, what: &'static str) -> KernelError {
     KernelError::Unsupported {
         op,

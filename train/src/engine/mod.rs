@@ -84,9 +84,10 @@ mod tensors;
 pub use checkpoint::{Checkpoint, CheckpointMeta, ROUNDING_STOCHASTIC};
 pub use config::{
     COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, DataAttention, DataConfig, DataFormat,
-    DataPaths, Difference, GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig,
-    OptimConfig, Placement, PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache,
-    StateDtype, TrainConfig, TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
+    DataPaths, Difference, EVAL_WINDOWS_DEFAULT, EvalConfig, GRAD_ACCUMULATION_MAX,
+    INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig, Placement, PlacementConfig, RANKS_MAX,
+    RUN_CONFIG, Schedule, StateCache, StateDtype, TrainConfig, TrainSettings,
+    WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{
     ByteCorpus, Corpus, DATA_FILES_MAX, DOCUMENT_START, DataOrder, DataPosition, DataReader,
@@ -156,6 +157,10 @@ pub struct StepReport {
     /// step: parameters per second of its busy time, each update's from
     /// when its inputs were at hand (0: none finished).
     pub optimizer_params_per_s: f64,
+    /// The loss over the held-out data after the step's update, where the
+    /// step evaluated (`[eval]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
 }
 
 /// What the plans predict per tier for this rank.
@@ -298,6 +303,11 @@ impl Engine {
             lane,
             state,
         })
+    }
+
+    /// The model it trains.
+    pub fn model(&self) -> &dyn crate::model::Model {
+        self.env.model()
     }
 
     /// The runtime of this rank (stats, trace).

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::ownership::{DirLock, Holder, lock_dir};
-use super::{ByteCorpus, Checkpoint, DataReader, Engine, StepReport, StopRequest, TrainConfig};
+use super::{
+    ByteCorpus, Checkpoint, Corpus, DataReader, Engine, StepReport, StopRequest, TrainConfig,
+};
 use crate::error::{Result, TrainError, os};
 use strata_comm::{Collective, InProcess};
 use strata_device::Cancel;
@@ -40,6 +42,9 @@ pub struct RunOptions {
     pub stop: StopRequest,
     /// Storage faults to inject (simulations and tests).
     pub faults: Option<super::Faults>,
+    /// The held-out data `[eval]` evaluates on (cut for the model's
+    /// sequences), opened by the caller as the training data is.
+    pub eval: Option<Corpus>,
 }
 
 /// A checkpoint that could not be written; the run went on from the one
@@ -152,6 +157,42 @@ pub fn run(
 ) -> Result<RunSummary> {
     config.validate()?;
     corpus.check_vocab(config.model.vocab)?;
+    for (what, corpus) in [("data", Some(corpus)), ("eval", options.eval.as_ref())] {
+        let Some(corpus) = corpus else { continue };
+        match corpus.documents_end() {
+            None if config.data.attention == super::DataAttention::Document => {
+                return Err(crate::error::bad(
+                    "data.attention",
+                    "\"document\"",
+                    format!(
+                        "the {what} corpus tells no documents apart: set data.eos_id (Corpus::open reads it), or call Corpus::with_documents with the end-of-document id"
+                    ),
+                ));
+            }
+            Some(eos) if eos as usize >= config.model.vocab => {
+                return Err(crate::error::bad(
+                    "data.eos_id",
+                    eos,
+                    format!(
+                        "the end-of-document id must be a token of the model's vocabulary of {}",
+                        config.model.vocab
+                    ),
+                ));
+            }
+            _ => {}
+        }
+    }
+    match (&options.eval, config.eval.every) {
+        (None, every) if every > 0 => {
+            return Err(crate::error::bad(
+                "eval.every",
+                every,
+                "open the held-out data of eval.path (as the training data is) and pass it as RunOptions::eval",
+            ));
+        }
+        (Some(eval), _) => eval.check_vocab(config.model.vocab)?,
+        _ => {}
+    }
     // The starting weights, checked before anything is planned or written;
     // a resumed run takes its weights from the checkpoint instead.
     let resumed;
@@ -271,7 +312,7 @@ pub fn run(
                     .spawn_scoped(scope, move || {
                         rank_main(
                             config,
-                            corpus,
+                            (corpus, options.eval.as_ref()),
                             (Box::new(collective), cancel),
                             resume,
                             trace,
@@ -409,7 +450,7 @@ fn check_resumed_run(config: &TrainConfig, checkpoint: &Checkpoint) -> Result<()
 /// so an abort reaches them).
 fn rank_main(
     config: &TrainConfig,
-    corpus: &ByteCorpus,
+    (corpus, eval): (&ByteCorpus, Option<&Corpus>),
     (collective, cancel): (Box<dyn Collective>, Cancel),
     resume: Option<Checkpoint>,
     trace: Option<(PathBuf, std::fs::File)>,
@@ -452,7 +493,21 @@ fn rank_main(
         let step = engine.steps_done() + 1;
         data.step_tokens(step, &mut tokens);
         let started = Instant::now();
-        let report = engine.step(&tokens)?;
+        let mut report = engine.step(&tokens)?;
+        if let Some(eval) = eval.filter(|_| config.eval.due(step, stop)) {
+            // Every rank gathers the weights; rank 0 evaluates them.
+            let weights = engine.host_weights()?;
+            if rank == 0 {
+                let result = crate::evaluate::evaluate(
+                    engine.model(),
+                    &weights,
+                    eval,
+                    (t.micro_batch, Some(config.eval.windows)),
+                    &|_| {},
+                )?;
+                report.eval_loss = Some(result.loss);
+            }
+        }
         if !reports.is_empty() || stop == engine.steps_done() {
             timed.0 += started.elapsed().as_secs_f64();
             timed.1 += report.tokens;

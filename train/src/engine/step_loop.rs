@@ -167,6 +167,7 @@ impl Engine {
             seconds: started.elapsed().as_secs_f64(),
             optimizer_wait_s: self.lane.take_wait_s(),
             optimizer_params_per_s: self.lane.take_rate(),
+            eval_loss: None,
         })
     }
 

@@ -42,7 +42,8 @@ use strata_kernels::{Attention, Backend, Matrix, Readback};
 use super::init::fill_normal;
 use super::{
     Arch, Architecture, Buffers, GroupSpec, HIDDEN_MAX, LAYERS_MAX, Model, ModelConfig, OuterCosts,
-    Parts, SEQ_MAX, TensorSpec, TypedParts, VOCAB_MAX, Weights, check_sizes, expect_len,
+    Parts, SEQ_MAX, TensorSpec, TypedParts, VOCAB_MAX, Weights, attend_cached, check_sizes,
+    expect_len,
 };
 use crate::error::{Result, bad};
 use strata_storage::engine::SplitMix64;
@@ -388,8 +389,8 @@ fn linear_backward(
 /// The parts of [`HeadBuffers`]: the final LayerNorm's output and saved
 /// statistics, the logits, their gradient, and the final LayerNorm
 /// output's gradient.
-fn head_parts(config: &Gpt2, batch: usize, dtype: Dtype) -> TypedParts<5> {
-    let (n, h, v) = (batch * config.seq, config.hidden, config.vocab);
+fn head_parts(config: &Gpt2, rows: usize, dtype: Dtype) -> TypedParts<5> {
+    let (n, h, v) = (rows, config.hidden, config.vocab);
     TypedParts::new(
         dtype,
         [
@@ -400,6 +401,32 @@ fn head_parts(config: &Gpt2, batch: usize, dtype: Dtype) -> TypedParts<5> {
             (n * h, dtype),
         ],
     )
+}
+
+/// A block's second half over `n` rows: `out = x1 + fc2(gelu(fc1(ln2(x1))))`,
+/// keeping ln2's output and statistics, fc1's pre-activation and its GELU
+/// in `[c, ln2, f, g]` (fc1 and its GELU in one fused GEMM where the backend
+/// can, the pre-activation kept for the backward).
+fn mlp(
+    backend: &dyn Backend,
+    p: &[View<'_>],
+    n: usize,
+    x1: View<'_>,
+    [mut c, ln2, mut f, mut g]: [ViewMut<'_>; 4],
+    mut out: ViewMut<'_>,
+) -> Result<()> {
+    let h = x1.len() / n.max(1);
+    backend.layer_norm(x1, p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
+    backend.gemm_bias_gelu(
+        Matrix::n(c.view().matrix(n, h)?),
+        Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
+        p[FC1_B],
+        f.reborrow().matrix(n, 4 * h)?,
+        g.reborrow().matrix(n, 4 * h)?,
+    )?;
+    linear(backend, g.view(), p[FC2_W], p[FC2_B], n, out.reborrow())?;
+    backend.add(out, x1)?;
+    Ok(())
 }
 
 /// One decoding step's working rows (f32): ln1's output and statistics,
@@ -576,7 +603,19 @@ impl Model for Gpt2 {
             input_elems: acts.lens[0],
             acts: acts.alloc(backend)?,
             scratch: scratch_parts(backend, self, batch, dtype).alloc(backend)?,
-            head: head_parts(self, batch, dtype).alloc(backend)?,
+            head: head_parts(self, batch * self.seq, dtype).alloc(backend)?,
+            head_rows: batch * self.seq,
+        })
+    }
+
+    fn head_buffers(&self, backend: &dyn Backend, rows: usize) -> Result<Buffers> {
+        Ok(Buffers {
+            batch: 0,
+            input_elems: 0,
+            acts: backend.alloc(Dtype::F32, 0)?,
+            scratch: backend.alloc(Dtype::F32, 0)?,
+            head: head_parts(self, rows, Dtype::F32).alloc(backend)?,
+            head_rows: rows,
         })
     }
 
@@ -603,7 +642,7 @@ impl Model for Gpt2 {
         params: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
-        mut out: ViewMut<'_>,
+        out: ViewMut<'_>,
     ) -> Result<()> {
         let (n, h) = (batch * self.seq, self.hidden);
         let layout = BlockLayout::new(h);
@@ -622,10 +661,10 @@ impl Model for Gpt2 {
             saved,
             mut att,
             mut x1,
-            mut c,
+            c,
             ln2,
-            mut f,
-            mut g,
+            f,
+            g,
         ] = activation_parts(backend, self, batch, dtype).split(buffers.acts.view_mut());
         backend.copy(x, input)?;
         backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
@@ -640,19 +679,7 @@ impl Model for Gpt2 {
         )?;
         linear(backend, att.view(), p[PROJ_W], p[PROJ_B], n, x1.reborrow())?;
         backend.add(x1.reborrow(), x)?;
-        backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
-        // fc1 and its GELU in one fused GEMM where the backend can, keeping
-        // the pre-activation for the backward.
-        backend.gemm_bias_gelu(
-            Matrix::n(c.view().matrix(n, h)?),
-            Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
-            p[FC1_B],
-            f.reborrow().matrix(n, 4 * h)?,
-            g.reborrow().matrix(n, 4 * h)?,
-        )?;
-        linear(backend, g.view(), p[FC2_W], p[FC2_B], n, out.reborrow())?;
-        backend.add(out, x1.view())?;
-        Ok(())
+        mlp(backend, &p, n, x1.view(), [c, ln2, f, g], out)
     }
 
     fn block_backward(
@@ -776,7 +803,7 @@ impl Model for Gpt2 {
         let [_, _, gamma, beta] = layout.parts.views(embed.f32);
         let wte = embed.compute.range(layout.range(0)).matrix(v, h)?;
         expect_len("head targets", n, buffers.batch * self.seq)?;
-        let parts = head_parts(self, buffers.batch, buffers.dtype());
+        let parts = head_parts(self, buffers.head_rows, buffers.dtype());
         let [mut hf, mut ln, mut logits, mut dlogits, mut dhf] =
             parts.split(buffers.head.view_mut());
         backend.layer_norm(x, gamma, beta, hf.reborrow(), ln.reborrow())?;
@@ -823,7 +850,7 @@ impl Model for Gpt2 {
         embed.check("embedding parameters", layout.total)?;
         let n = x.len() / h;
         expect_len("head input", x.len(), n * h)?;
-        let parts = head_parts(self, buffers.batch, buffers.dtype());
+        let parts = head_parts(self, buffers.head_rows, buffers.dtype());
         if n * h > parts.lens[0] {
             expect_len("head buffers", parts.lens[0], n * h)?;
         }
@@ -859,66 +886,23 @@ impl Model for Gpt2 {
         x: View<'_>,
         cache: ViewMut<'_>,
         scratch: ViewMut<'_>,
-        mut out: ViewMut<'_>,
+        out: ViewMut<'_>,
     ) -> Result<()> {
         let h = self.hidden;
         let layout = BlockLayout::new(h);
         params.check("block parameters", layout.total)?;
         expect_len("block input", x.len(), h)?;
         expect_len("block output", out.len(), h)?;
-        let capacity = cache.len() / (2 * h).max(1);
-        expect_len("key/value cache", cache.len(), 2 * capacity * h)?;
-        if position >= capacity {
-            return Err(crate::error::bad(
-                "position",
-                position,
-                format!("the key/value cache holds {capacity} positions"),
-            ));
-        }
         expect_len("decode scratch", scratch.len(), self.decode_scratch_elems())?;
         let p = layout.views(params);
-        let [
-            mut a,
-            ln1,
-            mut qkv,
-            mut att,
-            mut x1,
-            mut c,
-            ln2,
-            mut f,
-            mut g,
-        ] = decode_parts(h).split(scratch);
-        let [mut keys, mut values] = Parts::new([capacity * h; 2]).split(cache);
+        let [mut a, ln1, mut qkv, mut att, mut x1, c, ln2, f, g] = decode_parts(h).split(scratch);
         backend.layer_norm(x, p[LN1_GAMMA], p[LN1_BETA], a.reborrow(), ln1)?;
         linear(backend, a.view(), p[QKV_W], p[QKV_B], 1, qkv.reborrow())?;
-        let row = position * h..(position + 1) * h;
-        backend.copy(
-            qkv.view().range(h..2 * h),
-            keys.reborrow().range(row.clone()),
-        )?;
-        backend.copy(qkv.view().range(2 * h..3 * h), values.reborrow().range(row))?;
-        let seen = (position + 1) * h;
-        backend.attention_decode(
-            attention_shape(self, 1),
-            position + 1,
-            qkv.view().range(0..h),
-            keys.view().range(0..seen),
-            values.view().range(0..seen),
-            att.reborrow(),
-        )?;
+        let shape = attention_shape(self, 1);
+        attend_cached(backend, shape, position, qkv.view(), cache, att.reborrow())?;
         linear(backend, att.view(), p[PROJ_W], p[PROJ_B], 1, x1.reborrow())?;
         backend.add(x1.reborrow(), x)?;
-        backend.layer_norm(x1.view(), p[LN2_GAMMA], p[LN2_BETA], c.reborrow(), ln2)?;
-        backend.gemm_bias_gelu(
-            Matrix::n(c.view().matrix(1, h)?),
-            Matrix::n(p[FC1_W].matrix(h, 4 * h)?),
-            p[FC1_B],
-            f.reborrow().matrix(1, 4 * h)?,
-            g.reborrow().matrix(1, 4 * h)?,
-        )?;
-        linear(backend, g.view(), p[FC2_W], p[FC2_B], 1, out.reborrow())?;
-        backend.add(out, x1.view())?;
-        Ok(())
+        mlp(backend, &p, 1, x1.view(), [c, ln2, f, g], out)
     }
 
     fn embed_backward(

@@ -30,8 +30,8 @@ use super::config::RopeScaling;
 use super::init::fill_normal;
 use super::{
     Arch, Architecture, Buffers, FFN_MAX, GroupSpec, HIDDEN_MAX, LAYERS_MAX, Model, ModelConfig,
-    OuterCosts, Parts, SEQ_MAX, TensorSpec, TypedParts, VOCAB_MAX, Weights, check_sizes,
-    expect_len,
+    OuterCosts, Parts, SEQ_MAX, TensorSpec, TypedParts, VOCAB_MAX, Weights, attend_cached,
+    check_sizes, expect_len,
 };
 use crate::error::{Result, bad};
 
@@ -633,6 +633,31 @@ impl Llama {
         )
     }
 
+    /// A block's second half over `n` rows: `out = x1 + down(swiglu(gate
+    /// | up(rms_norm(x1))))`, keeping its norm's output and 1/rms, gate |
+    /// up and the SwiGLU's output in `[c, r2, gu, m]`.
+    fn mlp(
+        &self,
+        backend: &dyn Backend,
+        params: Weights<'_>,
+        n: usize,
+        x1: View<'_>,
+        [mut c, r2, mut gu, mut m]: [ViewMut<'_>; 4],
+        mut out: ViewMut<'_>,
+    ) -> Result<()> {
+        let (parts, p) = (self.block_parts(), self.block_views(params));
+        backend.rms_norm(x1, p[LN2], self.norm_eps as f32, c.reborrow(), r2)?;
+        let w_gate_up = params.compute.range(parts.span(GATE_W, UP_W));
+        linear(backend, c.view(), w_gate_up, None, n, gu.reborrow())?;
+        backend.swiglu(
+            gu.view().matrix(n, 2 * self.ffn)?,
+            m.reborrow().matrix(n, self.ffn)?,
+        )?;
+        linear(backend, m.view(), p[DOWN_W], None, n, out.reborrow())?;
+        backend.add(out, x1)?;
+        Ok(())
+    }
+
     /// One decoding step's working rows (f32): the first norm's output and
     /// 1/rms, q | k | v, the rotary frequencies, attention's output, the
     /// residual after it, the second norm's output and 1/rms, gate | up,
@@ -655,8 +680,8 @@ impl Llama {
 
     /// The head's buffers: the final norm's output and 1/rms, a chunk's
     /// logits and their gradient, the norm output's gradient.
-    fn head_parts(&self, batch: usize, dtype: Dtype) -> TypedParts<5> {
-        let (n, h) = (batch * self.seq, self.hidden);
+    fn head_parts(&self, rows: usize, dtype: Dtype) -> TypedParts<5> {
+        let (n, h) = (rows, self.hidden);
         let chunk = self.logit_rows.min(n) * self.vocab;
         TypedParts::new(
             dtype,
@@ -1004,7 +1029,19 @@ impl Model for Llama {
             input_elems: acts.lens[0],
             acts: acts.alloc(backend)?,
             scratch: self.scratch_parts(backend, batch, dtype).alloc(backend)?,
-            head: self.head_parts(batch, dtype).alloc(backend)?,
+            head: self.head_parts(batch * self.seq, dtype).alloc(backend)?,
+            head_rows: batch * self.seq,
+        })
+    }
+
+    fn head_buffers(&self, backend: &dyn Backend, rows: usize) -> Result<Buffers> {
+        Ok(Buffers {
+            batch: 0,
+            input_elems: 0,
+            acts: backend.alloc(Dtype::F32, 0)?,
+            scratch: backend.alloc(Dtype::F32, 0)?,
+            head: self.head_parts(rows, Dtype::F32).alloc(backend)?,
+            head_rows: rows,
         })
     }
 
@@ -1031,7 +1068,7 @@ impl Model for Llama {
         params: Weights<'_>,
         x: View<'_>,
         buffers: &mut Buffers,
-        mut out: ViewMut<'_>,
+        out: ViewMut<'_>,
     ) -> Result<()> {
         let (n, h) = (batch * self.seq, self.hidden);
         let parts = self.block_parts();
@@ -1052,10 +1089,10 @@ impl Model for Llama {
             saved,
             mut att,
             mut x1,
-            mut c,
+            c,
             r2,
-            mut gu,
-            mut m,
+            gu,
+            m,
         ] = self
             .activation_parts(backend, batch, dtype)
             .split(buffers.acts.view_mut());
@@ -1081,16 +1118,7 @@ impl Model for Llama {
         )?;
         linear(backend, att.view(), p[O_W], None, n, x1.reborrow())?;
         backend.add(x1.reborrow(), x)?;
-        backend.rms_norm(x1.view(), p[LN2], eps, c.reborrow(), r2)?;
-        let w_gate_up = weights.range(parts.span(GATE_W, UP_W));
-        linear(backend, c.view(), w_gate_up, None, n, gu.reborrow())?;
-        backend.swiglu(
-            gu.view().matrix(n, 2 * self.ffn)?,
-            m.reborrow().matrix(n, self.ffn)?,
-        )?;
-        linear(backend, m.view(), p[DOWN_W], None, n, out.reborrow())?;
-        backend.add(out, x1.view())?;
-        Ok(())
+        self.mlp(backend, params, n, x1.view(), [c, r2, gu, m], out)
     }
 
     fn block_backward(
@@ -1217,7 +1245,7 @@ impl Model for Llama {
         let w = self.head_weight(outer);
         let w = w.matrix(v, h)?;
         let [mut hf, mut r, mut logits, mut dlogits, mut dhf] = self
-            .head_parts(buffers.batch, buffers.dtype())
+            .head_parts(buffers.head_rows, buffers.dtype())
             .split(buffers.head.view_mut());
         backend.rms_norm(x, gamma, self.norm_eps as f32, hf.reborrow(), r.reborrow())?;
         // The gradients: the head's weight (the embedding's when tied), and
@@ -1291,7 +1319,7 @@ impl Model for Llama {
         let n = x.len() / h;
         expect_len("head input", x.len(), n * h)?;
         expect_len("logits", logits.len(), n * v)?;
-        let head = self.head_parts(buffers.batch, buffers.dtype());
+        let head = self.head_parts(buffers.head_rows, buffers.dtype());
         if n * h > head.lens[0] {
             expect_len("head buffers", head.lens[0], n * h)?;
         }
@@ -1326,45 +1354,23 @@ impl Model for Llama {
         x: View<'_>,
         cache: ViewMut<'_>,
         scratch: ViewMut<'_>,
-        mut out: ViewMut<'_>,
+        out: ViewMut<'_>,
     ) -> Result<()> {
-        let (h, kvh) = (self.hidden, self.kv_hidden());
+        let h = self.hidden;
         let parts = self.block_parts();
         params.check("block parameters", parts.total())?;
         expect_len("block input", x.len(), h)?;
         expect_len("block output", out.len(), h)?;
-        let capacity = cache.len() / (2 * kvh).max(1);
-        expect_len("key/value cache", cache.len(), 2 * capacity * kvh)?;
-        if position >= capacity {
-            return Err(crate::error::bad(
-                "position",
-                position,
-                format!("the key/value cache holds {capacity} positions"),
-            ));
-        }
         expect_len("decode scratch", scratch.len(), self.decode_scratch_elems())?;
         let p = self.block_views(params);
-        let weights = params.compute;
-        let [
-            mut a,
-            r1,
-            mut qkv,
-            mut freq,
-            mut att,
-            mut x1,
-            mut c,
-            r2,
-            mut gu,
-            mut m,
-        ] = self.decode_parts().split(scratch);
-        let [mut keys, mut values] = Parts::new([capacity * kvh; 2]).split(cache);
-        let eps = self.norm_eps as f32;
-        backend.rms_norm(x, p[LN1], eps, a.reborrow(), r1)?;
+        let [mut a, r1, mut qkv, mut freq, mut att, mut x1, c, r2, gu, m] =
+            self.decode_parts().split(scratch);
+        backend.rms_norm(x, p[LN1], self.norm_eps as f32, a.reborrow(), r1)?;
         let bias = self
             .variant
             .qkv_bias
             .then(|| params.f32.range(parts.span(Q_B, V_B)));
-        let w_qkv = weights.range(parts.span(Q_W, V_W));
+        let w_qkv = params.compute.range(parts.span(Q_W, V_W));
         linear(backend, a.view(), w_qkv, bias, 1, qkv.reborrow())?;
         let shape = Attention {
             batch: 1,
@@ -1380,36 +1386,10 @@ impl Model for Llama {
             false,
             qkv.reborrow(),
         )?;
-        let row = position * kvh..(position + 1) * kvh;
-        backend.copy(
-            qkv.view().range(h..h + kvh),
-            keys.reborrow().range(row.clone()),
-        )?;
-        backend.copy(
-            qkv.view().range(h + kvh..h + 2 * kvh),
-            values.reborrow().range(row),
-        )?;
-        let seen = (position + 1) * kvh;
-        backend.attention_decode(
-            shape,
-            position + 1,
-            qkv.view().range(0..h),
-            keys.view().range(0..seen),
-            values.view().range(0..seen),
-            att.reborrow(),
-        )?;
+        attend_cached(backend, shape, position, qkv.view(), cache, att.reborrow())?;
         linear(backend, att.view(), p[O_W], None, 1, x1.reborrow())?;
         backend.add(x1.reborrow(), x)?;
-        backend.rms_norm(x1.view(), p[LN2], eps, c.reborrow(), r2)?;
-        let w_gate_up = weights.range(parts.span(GATE_W, UP_W));
-        linear(backend, c.view(), w_gate_up, None, 1, gu.reborrow())?;
-        backend.swiglu(
-            gu.view().matrix(1, 2 * self.ffn)?,
-            m.reborrow().matrix(1, self.ffn)?,
-        )?;
-        linear(backend, m.view(), p[DOWN_W], None, 1, out.reborrow())?;
-        backend.add(out, x1.view())?;
-        Ok(())
+        self.mlp(backend, params, 1, x1.view(), [c, r2, gu, m], out)
     }
 
     fn embed_backward(

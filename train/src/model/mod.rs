@@ -263,8 +263,9 @@ pub struct Buffers {
     pub(crate) input_elems: usize,
     /// A block's working buffers.
     pub(crate) scratch: Buffer,
-    /// The head's working buffers.
+    /// The head's working buffers, for `head_rows` rows.
     pub(crate) head: Buffer,
+    pub(crate) head_rows: usize,
 }
 
 impl Buffers {
@@ -436,6 +437,10 @@ pub trait Model: Send + Sync + fmt::Debug {
         out: ViewMut<'_>,
     ) -> Result<()>;
 
+    /// Buffers for [`Model::head_logits`] alone over at most `rows` rows
+    /// (f32; no block's: decoding's one row at a time).
+    fn head_buffers(&self, backend: &dyn Backend, rows: usize) -> Result<Buffers>;
+
     /// The head's forward alone: the logits (`rows x vocab`) of the last
     /// block's output `x`, any number of rows up to `buffers`' (one, when
     /// decoding).
@@ -474,6 +479,65 @@ pub trait Model: Send + Sync + fmt::Debug {
     fn cuda_missing(&self) -> Option<&'static str> {
         None
     }
+}
+
+/// Every group's initial values for `seed` ([`Model::init`]), a vector
+/// each: a model in host memory, as [`forward_logits`], evaluation and
+/// generation read one.
+pub fn initial_values(model: &dyn Model, seed: u64) -> Vec<Vec<f32>> {
+    model
+        .groups()
+        .iter()
+        .enumerate()
+        .map(|(g, spec)| {
+            let mut values = vec![0f32; spec.params()];
+            model.init(g, seed, &mut values);
+            values
+        })
+        .collect()
+}
+
+/// A decoding step's attention ([`Model::block_decode`]): writes the new
+/// row's key and value, from its packed `qkv` (`q | k | v`, of
+/// `shape`'s widths), into row `position` of the block's `cache` (keys,
+/// then values, `capacity x kv_hidden` each), and attends over rows
+/// `0..=position` into `out`.
+pub(crate) fn attend_cached(
+    backend: &dyn Backend,
+    shape: strata_kernels::Attention,
+    position: usize,
+    qkv: View<'_>,
+    cache: ViewMut<'_>,
+    out: ViewMut<'_>,
+) -> Result<()> {
+    let (h, kvh) = (shape.hidden(), shape.kv_hidden());
+    expect_len("decode qkv", qkv.len(), shape.qkv_width())?;
+    let capacity = cache.len() / (2 * kvh).max(1);
+    expect_len("key/value cache", cache.len(), 2 * capacity * kvh)?;
+    if position >= capacity {
+        return Err(crate::error::bad(
+            "position",
+            position,
+            format!("the key/value cache holds {capacity} positions"),
+        ));
+    }
+    let [mut keys, mut values] = Parts::new([capacity * kvh; 2]).split(cache);
+    let row = position * kvh..(position + 1) * kvh;
+    backend.copy(qkv.range(h..h + kvh), keys.reborrow().range(row.clone()))?;
+    backend.copy(
+        qkv.range(h + kvh..h + 2 * kvh),
+        values.reborrow().range(row),
+    )?;
+    let seen = (position + 1) * kvh;
+    backend.attention_decode(
+        shape,
+        position + 1,
+        qkv.range(0..h),
+        keys.view().range(0..seen),
+        values.view().range(0..seen),
+        out,
+    )?;
+    Ok(())
 }
 
 /// The whole model's forward for inference: the logits (`tokens x vocab`)

@@ -98,28 +98,13 @@ impl Engine {
         // Kept from one group to the next (the largest group's size).
         let (mut words, mut master, mut gathered) = (Vec::new(), Vec::new(), Vec::new());
         for (g, group) in groups.iter().enumerate() {
-            let n = group.shard;
-            self.moves.read_state(env, g, &mut words)?;
-            // The states as they are kept: master, m and v one after the
-            // other in their widths (little-endian, as the file wants).
+            let ends = gather_master(
+                env,
+                &self.moves,
+                g,
+                (&mut words, &mut master, &mut gathered),
+            )?;
             let bytes: &[u8] = bytemuck::cast_slice(&words);
-            let ends = {
-                let (m, w) = (n * dtype.master_bytes(), n * dtype.moment_bytes());
-                [0, m, m + w, m + 2 * w]
-            };
-            master.clear();
-            master.resize(n, 0.0f32);
-            decode_master(dtype, &bytes[..ends[1]], &mut master);
-            // On the host: the states are read there, and the weights go
-            // to a file (a checkpoint, not the step path).
-            gathered.clear();
-            gathered.resize(group.padded(world), 0.0f32);
-            env.collective()
-                .all_gather(
-                    View::host_slice(&master),
-                    ViewMut::host_slice(&mut gathered),
-                )?
-                .wait()?;
             if failed.is_none() {
                 // Each state in the width it is kept in: bf16 states take
                 // half the disk (exactly: their values are bf16).
@@ -213,6 +198,29 @@ impl Engine {
         Ok(env
             .agree(committed)?
             .map(|()| root.join(format!("step-{step:08}"))))
+    }
+
+    /// Every group's master weights (f32), gathered over every rank after
+    /// the last step's update (a late one applied first): what an
+    /// evaluation during training reads. Every rank calls it together and
+    /// gets the whole model in host memory.
+    pub fn host_weights(&mut self) -> Result<Vec<Vec<f32>>> {
+        self.flush()?;
+        let env = &self.env;
+        let (mut words, mut master) = (Vec::new(), Vec::new());
+        let mut weights = Vec::with_capacity(env.groups().len());
+        for (g, group) in env.groups().iter().enumerate() {
+            let mut gathered = Vec::new();
+            gather_master(
+                env,
+                &self.moves,
+                g,
+                (&mut words, &mut master, &mut gathered),
+            )?;
+            gathered.truncate(group.params);
+            weights.push(gathered);
+        }
+        Ok(weights)
     }
 
     /// Loads a checkpoint written by a run of the same model, ranks and
@@ -423,6 +431,38 @@ const SPECIAL_TOKENS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id
 
 /// The master weights of a state tensor's bytes (`encode_states`' first
 /// part) as f32.
+/// Reads group `g`'s optimizer states as this rank keeps them into
+/// `words` (master, m and v one after the other in their widths,
+/// little-endian, as a checkpoint's file wants them), decodes its master
+/// weights into `master` and gathers every rank's into `gathered` (the
+/// group's padded length), on the host: a checkpoint or an evaluation, not
+/// the step path. Every rank calls it together. Returns the byte ends of
+/// the three states in `words`.
+fn gather_master(
+    env: &super::super::env::Env,
+    moves: &super::super::moves::Moves,
+    g: usize,
+    (words, master, gathered): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
+) -> Result<[usize; 4]> {
+    let group = &env.groups()[g];
+    let (n, dtype) = (group.shard, env.config().optim.state_dtype);
+    moves.read_state(env, g, words)?;
+    let bytes: &[u8] = bytemuck::cast_slice(words);
+    let ends = {
+        let (m, w) = (n * dtype.master_bytes(), n * dtype.moment_bytes());
+        [0, m, m + w, m + 2 * w]
+    };
+    master.clear();
+    master.resize(n, 0.0f32);
+    decode_master(dtype, &bytes[..ends[1]], master);
+    gathered.clear();
+    gathered.resize(group.padded(env.world()), 0.0f32);
+    env.collective()
+        .all_gather(View::host_slice(master), ViewMut::host_slice(gathered))?
+        .wait()?;
+    Ok(ends)
+}
+
 fn decode_master(dtype: crate::StateDtype, bytes: &[u8], out: &mut [f32]) {
     if dtype.master_bytes() == 4 {
         out.copy_from_slice(bytemuck::cast_slice(bytes));

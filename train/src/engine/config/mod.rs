@@ -80,6 +80,52 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointConfig,
     /// What the run trains on.
     pub data: DataConfig,
+    /// Held-out data evaluated during training.
+    pub eval: EvalConfig,
+}
+
+/// The `[eval]` table: the loss over held-out data every `every` steps
+/// (and at the run's last), reported with the step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Steps between evaluations; 0 (the default): none.
+    pub every: u64,
+    /// The held-out files, read as `[data]` reads its own (format,
+    /// tokenizer, token dtype, attention).
+    #[serde(skip_serializing_if = "DataPaths::is_empty")]
+    pub path: DataPaths,
+    /// Windows of `seq + 1` tokens each evaluation reads (the first ones,
+    /// in file order: the same every time).
+    pub windows: u64,
+}
+
+/// Windows an evaluation reads by default.
+pub const EVAL_WINDOWS_DEFAULT: u64 = 64;
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            every: 0,
+            path: DataPaths::default(),
+            windows: EVAL_WINDOWS_DEFAULT,
+        }
+    }
+}
+
+impl EvalConfig {
+    /// Whether step `step` of a run stopping at `last` evaluates.
+    pub fn due(&self, step: u64, last: u64) -> bool {
+        self.every > 0 && (step.is_multiple_of(self.every) || step == last)
+    }
+
+    /// The `[data]` table its files are read with: `data`'s, on its paths.
+    pub fn data(&self, data: &DataConfig) -> DataConfig {
+        DataConfig {
+            path: self.path.clone(),
+            ..data.clone()
+        }
+    }
 }
 
 /// The `[checkpoint]` table: how each step directory's Hugging Face
@@ -136,6 +182,7 @@ impl Default for TrainConfig {
             runtime: LimitsConfig::default(),
             checkpoint: CheckpointConfig::default(),
             data: DataConfig::default(),
+            eval: EvalConfig::default(),
         }
     }
 }

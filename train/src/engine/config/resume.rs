@@ -12,15 +12,16 @@ pub const RUN_CONFIG: &str = "strata.toml";
 /// Keys a resumed run may set differently: placement and budgets (another
 /// machine), checkpoint cadence and place, the activation recompute choice
 /// (recomputing gives the same bits) and the folder the first weights came
-/// from (the checkpoint holds the weights now). A table name covers every
-/// key in it.
-const FREE: [&str; 14] = [
+/// from (the checkpoint holds the weights now), the held-out evaluation
+/// (it changes no step). A table name covers every key in it.
+const FREE: [&str; 15] = [
     "placement",
     "device",
     "host",
     "nvme",
     "runtime",
     "checkpoint",
+    "eval",
     "optim.threads",
     "model.init_from",
     "data.cache_dir",

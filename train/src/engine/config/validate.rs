@@ -488,6 +488,31 @@ impl TrainConfig {
                 "a text field names a JSONL line's document: set data.format = \"jsonl\", or leave it out",
             ));
         }
+        if let Some(id) = d
+            .eos_id
+            .filter(|_| d.attention != super::DataAttention::Document)
+        {
+            return Err(bad(
+                "data.eos_id",
+                id,
+                "an end-of-document id tells packed documents apart: set data.attention = \"document\", or leave it out",
+            ));
+        }
+        let e = &self.eval;
+        if e.every > 0 && e.path.is_empty() {
+            return Err(bad(
+                "eval.every",
+                e.every,
+                "name the held-out files to evaluate on with eval.path (read as [data] reads its own), or set eval.every = 0",
+            ));
+        }
+        if e.every > 0 && e.windows == 0 {
+            return Err(bad(
+                "eval.windows",
+                0,
+                "read at least one window an evaluation",
+            ));
+        }
         for (key, set) in [
             ("data.prompt_field", &d.prompt_field),
             ("data.response_field", &d.response_field),

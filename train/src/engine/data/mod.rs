@@ -429,7 +429,11 @@ impl Corpus {
             }
             sources.push(source);
         }
-        Ok(Corpus::of(sources, seq))
+        let corpus = Corpus::of(sources, seq);
+        Ok(match (data.attention, data.eos_id) {
+            (DataAttention::Document, Some(eos)) => corpus.with_documents(eos),
+            _ => corpus,
+        })
     }
 
     fn of(sources: Vec<Source>, seq: usize) -> Corpus {
@@ -460,10 +464,16 @@ impl Corpus {
 
     /// This corpus with its documents kept apart in each window (`[data]
     /// attention = "document"`): a token after the id `eos` is marked
-    /// [`DOCUMENT_START`] as the windows are read.
+    /// [`DOCUMENT_START`] as the windows are read. ([`Corpus::open`] does
+    /// it for `data.eos_id`; a tokenized corpus takes its tokenizer's.)
     pub fn with_documents(mut self, eos: u32) -> Corpus {
         self.eos = Some(eos);
         self
+    }
+
+    /// The end-of-document id its windows are marked after, if any.
+    pub fn documents_end(&self) -> Option<u32> {
+        self.eos
     }
 
     /// Errors unless a model of `vocab` tokens covers every token.
