@@ -69,8 +69,10 @@ pub struct TrainArgs {
     tokenizer: Option<PathBuf>,
     /// Read the JSONL files of --data (or [data] path) as supervised
     /// fine-tuning data: each line a "prompt" and its "response"
-    /// ([data] prompt_field, response_field), the loss on the responses'
-    /// tokens alone (sets [data] format = "sft"; needs --tokenizer).
+    /// ([data] prompt_field, response_field), or chat "messages" through
+    /// the tokenizer's chat template, the loss on the responses' (the
+    /// assistant turns') tokens alone (sets [data] format = "sft"; needs
+    /// --tokenizer).
     #[arg(long, conflicts_with = "tokens")]
     sft: bool,
     /// How --tokens stores each id: u16 (default) or u32.

@@ -11,6 +11,7 @@
 //! count is in the checkpoint, [`DataPosition`]), and a peer replaying
 //! [`window_start`] reads what the random order reads.
 
+mod chat;
 mod order;
 mod table;
 mod tokenize;

@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::chat::ChatTemplate;
 use super::{DataConfig, DataFormat, NOT_A_TARGET, TokenDtype, data_error, data_files};
 use crate::error::{Result, bad, os};
 
@@ -85,6 +86,10 @@ struct Loaded {
     file: PathBuf,
     bytes: Vec<u8>,
     eos: Option<u32>,
+    /// `tokenizer_config.json`'s chat template, where it has one, and the
+    /// file's bytes (in the cache key).
+    chat: Option<ChatTemplate>,
+    config_bytes: Vec<u8>,
 }
 
 /// The model's tokenizer for text in and out (a prompt, what a model
@@ -164,36 +169,64 @@ fn load_tokenizer(path: &Path) -> Result<Loaded> {
         .with_truncation(None)
         .expect("turning truncation off cannot fail");
     let config = file.with_file_name("tokenizer_config.json");
-    let eos = match std::fs::read(&config) {
-        Ok(text) => eos_token(&config, &text)?.and_then(|t| tokenizer.token_to_id(&t)),
-        Err(_) => None,
+    let (eos, chat, config_bytes) = match std::fs::read(&config) {
+        Ok(text) => {
+            let value: serde_json::Value = serde_json::from_slice(&text).map_err(|err| {
+                data_error(
+                    &config,
+                    format!("it does not parse as JSON: {err}"),
+                    "fix or remove the file",
+                )
+            })?;
+            let (bos, eos) = (
+                special_token(&value, "bos_token"),
+                special_token(&value, "eos_token"),
+            );
+            let chat = chat_template(&value)
+                .map(|source| ChatTemplate::new(source, bos, eos.clone()))
+                .transpose()
+                .map_err(|problem| {
+                    data_error(&config, problem, "fix its chat_template, or remove it")
+                })?;
+            (eos.and_then(|t| tokenizer.token_to_id(&t)), chat, text)
+        }
+        Err(_) => (None, None, Vec::new()),
     };
     Ok(Loaded {
         tokenizer,
         file,
         bytes,
         eos,
+        chat,
+        config_bytes,
     })
 }
 
-/// `eos_token` of a `tokenizer_config.json`: a string, or an added token's
-/// `content`.
-fn eos_token(path: &Path, text: &[u8]) -> Result<Option<String>> {
-    let value: serde_json::Value = serde_json::from_slice(text).map_err(|err| {
-        data_error(
-            path,
-            format!("it does not parse as JSON: {err}"),
-            "fix or remove the file",
-        )
-    })?;
-    Ok(match value.get("eos_token") {
+/// A special token of a `tokenizer_config.json` (`eos_token`,
+/// `bos_token`): a string, or an added token's `content`.
+fn special_token(config: &serde_json::Value, key: &str) -> Option<String> {
+    match config.get(key) {
         Some(serde_json::Value::String(token)) => Some(token.clone()),
         Some(token) => token
             .get("content")
             .and_then(|c| c.as_str())
             .map(String::from),
         None => None,
-    })
+    }
+}
+
+/// A `tokenizer_config.json`'s chat template: a string, or among named
+/// ones the one named `default`.
+fn chat_template(config: &serde_json::Value) -> Option<&str> {
+    match config.get("chat_template")? {
+        serde_json::Value::String(source) => Some(source),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str()),
+        _ => None,
+    }
 }
 
 /// A source file opened for reading.
@@ -308,6 +341,7 @@ pub fn tokenize(data: &DataConfig, vocab: usize, progress: &dyn Fn(u64)) -> Resu
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     hasher.update(&CACHE_FORMAT.to_le_bytes());
     hasher.update(&xxhash_rust::xxh3::xxh3_64(&loaded.bytes).to_le_bytes());
+    hasher.update(&xxhash_rust::xxh3::xxh3_64(&loaded.config_bytes).to_le_bytes());
     hasher.update(&loaded.eos.map_or(u64::MAX, u64::from).to_le_bytes());
     hasher.update(format!("{:?} {field}", data.format).as_bytes());
     for path in &files {
@@ -440,17 +474,16 @@ fn write_tokens(
     for path in files {
         match data.format {
             DataFormat::Jsonl => {
-                for_each_line(path, &[data.text_field()], progress, &mut |mut fields| {
-                    let text = fields.pop().expect("one field");
-                    batch.add(text, None, loaded, &mut out)
+                let field = data.text_field();
+                for_each_line(path, progress, &mut |number, value| {
+                    let text = string_field(path, number, &value, field, TEXT_FIX)?;
+                    batch.add(Doc::Text(text), loaded, &mut out)
                 })?;
             }
             DataFormat::Sft => {
-                let names = [data.prompt_field(), data.response_field()];
-                for_each_line(path, &names, progress, &mut |mut fields| {
-                    let response = fields.pop().expect("two fields");
-                    let prompt = fields.pop().expect("two fields");
-                    batch.add(prompt, Some(response), loaded, &mut out)
+                for_each_line(path, progress, &mut |number, value| {
+                    let doc = supervised(path, number, &value, data, loaded)?;
+                    batch.add(doc, loaded, &mut out)
                 })?;
             }
             DataFormat::Text => {
@@ -471,7 +504,7 @@ fn write_tokens(
                         "give UTF-8 text files to --data with --tokenizer",
                     )
                 })?;
-                batch.add(text, None, loaded, &mut out)?;
+                batch.add(Doc::Text(text), loaded, &mut out)?;
                 progress(len);
             }
             DataFormat::Tokens => unreachable!("refused before the sources are read"),
@@ -500,25 +533,28 @@ fn write_tokens(
     Ok((out.documents, out.tokens, out.targets))
 }
 
-/// Calls `each` with the string `fields` of every line of a JSONL file
-/// (blank lines skipped), telling `progress` of each line's bytes; a line
-/// that does not parse, or lacks a field as a string, is refused with its
-/// number.
+/// Calls `each` with the number and the parsed object of every line of a
+/// JSONL file (blank lines skipped), telling `progress` of each line's
+/// bytes; a line that does not parse is refused with its number.
 fn for_each_line(
     path: &Path,
-    fields: &[&str],
     progress: &dyn Fn(u64),
-    each: &mut dyn FnMut(Vec<String>) -> Result<()>,
+    each: &mut dyn FnMut(usize, serde_json::Value) -> Result<()>,
 ) -> Result<()> {
     let file = open_source(path)?;
     for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
         let number = index + 1;
-        let line = line.map_err(|err| {
-            data_error(
+        let line = line.map_err(|err| match err.kind() {
+            std::io::ErrorKind::InvalidData => data_error(
                 path,
                 format!("line {number} cannot be read as UTF-8 text: {err}"),
                 "give UTF-8 JSONL, one JSON object per line",
-            )
+            ),
+            _ => os(
+                format!("read line {number} of {}", path.display()),
+                err,
+                "check the file",
+            ),
         })?;
         // Its bytes and the newline, as the progress bar counts the file.
         progress(line.len() as u64 + 1);
@@ -532,56 +568,97 @@ fn for_each_line(
                 "give JSONL, one JSON object per line",
             )
         })?;
-        let mut texts = Vec::with_capacity(fields.len());
-        for &field in fields {
-            let Some(text) = value.get(field).and_then(|t| t.as_str()) else {
-                let fix = match fields {
-                    [_] => "set data.text_field to the field that holds each document's text",
-                    _ => {
-                        "set data.prompt_field and data.response_field to the fields that hold each line's prompt and response"
-                    }
-                };
-                return Err(data_error(
-                    path,
-                    format!("line {number} has no string field {field:?}"),
-                    fix,
-                ));
-            };
-            texts.push(text.to_string());
-        }
-        each(texts)?;
+        each(number, value)?;
     }
     Ok(())
 }
 
-/// Documents waiting to be encoded together: texts, or supervised
-/// prompts (`texts`) and their responses.
+/// What a JSONL line without its text field is told.
+const TEXT_FIX: &str = "set data.text_field to the field that holds each document's text";
+
+/// Line `number`'s string `field`, or an error naming both and `fix`.
+fn string_field(
+    path: &Path,
+    number: usize,
+    value: &serde_json::Value,
+    field: &str,
+    fix: &str,
+) -> Result<String> {
+    match value.get(field).and_then(|t| t.as_str()) {
+        Some(text) => Ok(text.to_string()),
+        None => Err(data_error(
+            path,
+            format!("line {number} has no string field {field:?}"),
+            fix,
+        )),
+    }
+}
+
+/// A supervised line's document: its `messages` through the chat template,
+/// or its prompt and response.
+fn supervised(
+    path: &Path,
+    number: usize,
+    value: &serde_json::Value,
+    data: &DataConfig,
+    loaded: &Loaded,
+) -> Result<Doc> {
+    if let Some(messages) = value.get(MESSAGES) {
+        let Some(chat) = &loaded.chat else {
+            return Err(data_error(
+                path,
+                format!(
+                    "line {number} holds chat messages, and the tokenizer's tokenizer_config.json has no chat_template"
+                ),
+                "give the model's tokenizer (its chat template renders the messages), or prompt and response fields",
+            ));
+        };
+        let (text, spans) = chat.render(messages).map_err(|problem| {
+            data_error(
+                path,
+                format!("line {number}: {problem}"),
+                "give messages of roles and contents the model's chat template takes, with an assistant turn",
+            )
+        })?;
+        return Ok(Doc::Chat(text, spans));
+    }
+    let fix = "set data.prompt_field and data.response_field to the fields that hold each line's prompt and response, or give chat messages in a \"messages\" field";
+    let prompt = string_field(path, number, value, data.prompt_field(), fix)?;
+    let response = string_field(path, number, value, data.response_field(), fix)?;
+    Ok(Doc::Pair(prompt, response))
+}
+
+/// The field of a supervised line that holds chat messages.
+const MESSAGES: &str = "messages";
+
+/// One document to tokenize.
+enum Doc {
+    /// A text, every token a target.
+    Text(String),
+    /// A prompt (no targets) and its response.
+    Pair(String, String),
+    /// A conversation as its chat template writes it, and the byte ranges
+    /// of its assistant turns (the targets).
+    Chat(String, Vec<std::ops::Range<usize>>),
+}
+
+/// Documents waiting to be encoded together, in order.
 #[derive(Default)]
 struct Batch {
-    texts: Vec<String>,
-    responses: Vec<String>,
+    docs: Vec<Doc>,
     bytes: usize,
 }
 
 impl Batch {
-    /// Adds a document, or a prompt and its `response` (an empty text is
-    /// no document; a supervised line always is one), encoding the batch
-    /// once it holds [`BATCH_BYTES`].
-    fn add(
-        &mut self,
-        text: String,
-        response: Option<String>,
-        loaded: &Loaded,
-        out: &mut Writer<'_>,
-    ) -> Result<()> {
-        if let Some(response) = response {
-            self.bytes += text.len() + response.len();
-            self.texts.push(text);
-            self.responses.push(response);
-        } else if !text.is_empty() {
-            self.bytes += text.len();
-            self.texts.push(text);
-        }
+    /// Adds a document (an empty text is none), encoding the batch once it
+    /// holds [`BATCH_BYTES`].
+    fn add(&mut self, doc: Doc, loaded: &Loaded, out: &mut Writer<'_>) -> Result<()> {
+        self.bytes += match &doc {
+            Doc::Text(text) if text.is_empty() => return Ok(()),
+            Doc::Text(text) | Doc::Chat(text, _) => text.len(),
+            Doc::Pair(prompt, response) => prompt.len() + response.len(),
+        };
+        self.docs.push(doc);
         if self.bytes >= BATCH_BYTES {
             self.encode(loaded, out)?;
         }
@@ -591,33 +668,70 @@ impl Batch {
     /// Encodes the documents (in parallel, by the tokenizers library's
     /// pool) and writes their ids in order.
     fn encode(&mut self, loaded: &Loaded, out: &mut Writer<'_>) -> Result<()> {
-        if self.texts.is_empty() {
-            return Ok(());
-        }
-        let encode = |texts: Vec<String>, special: bool| {
-            loaded
-                .tokenizer
-                .encode_batch_fast(texts, special)
-                .map_err(|err| {
-                    data_error(
-                        &loaded.file,
-                        format!("the tokenizer failed on the data: {err}"),
-                        "check the tokenizer and the text",
-                    )
-                })
+        let encode = |texts: Vec<String>, special: bool, offsets: bool| {
+            let tokenizer = &loaded.tokenizer;
+            let done = if offsets {
+                tokenizer.encode_batch(texts, special)
+            } else {
+                tokenizer.encode_batch_fast(texts, special)
+            };
+            done.map_err(|err| {
+                data_error(
+                    &loaded.file,
+                    format!("the tokenizer failed on the data: {err}"),
+                    "check the tokenizer and the text",
+                )
+            })
         };
-        let texts = encode(std::mem::take(&mut self.texts), true)?;
-        if self.responses.is_empty() {
-            for encoding in &texts {
-                out.document(&[], encoding.get_ids(), loaded.eos)?;
-            }
-        } else {
-            let responses = encode(std::mem::take(&mut self.responses), false)?;
-            for (prompt, response) in texts.iter().zip(&responses) {
-                out.document(prompt.get_ids(), response.get_ids(), loaded.eos)?;
+        let docs = std::mem::take(&mut self.docs);
+        self.bytes = 0;
+        let mut texts = Vec::new();
+        let (mut prompts, mut responses, mut chats) = (Vec::new(), Vec::new(), Vec::new());
+        for doc in &docs {
+            match doc {
+                Doc::Text(text) => texts.push(text.clone()),
+                Doc::Pair(prompt, response) => {
+                    prompts.push(prompt.clone());
+                    responses.push(response.clone());
+                }
+                // A template writes its special tokens as text.
+                Doc::Chat(text, _) => chats.push(text.clone()),
             }
         }
-        self.bytes = 0;
+        let mut texts = encode(texts, true, false)?.into_iter();
+        let mut prompts = encode(prompts, true, false)?.into_iter();
+        let mut responses = encode(responses, false, false)?.into_iter();
+        let mut chats = encode(chats, false, true)?.into_iter();
+        let eos = loaded.eos.map(|id| (id, true));
+        for doc in &docs {
+            match doc {
+                Doc::Text(_) => {
+                    let ids = texts.next().expect("one encoding a text");
+                    let tokens = ids.get_ids().iter().map(|&id| (id, true));
+                    out.document(tokens.chain(eos))?;
+                }
+                Doc::Pair(..) => {
+                    let prompt = prompts.next().expect("one encoding a prompt");
+                    let response = responses.next().expect("one encoding a response");
+                    let tokens = prompt.get_ids().iter().map(|&id| (id, false));
+                    let answer = response.get_ids().iter().map(|&id| (id, true));
+                    out.document(tokens.chain(answer).chain(eos))?;
+                }
+                Doc::Chat(_, spans) => {
+                    let chat = chats.next().expect("one encoding a conversation");
+                    // A target is a token wholly inside an assistant turn.
+                    let within = |&(start, end): &(usize, usize)| {
+                        spans.iter().any(|s| s.start <= start && end <= s.end)
+                    };
+                    let tokens = chat
+                        .get_ids()
+                        .iter()
+                        .zip(chat.get_offsets())
+                        .map(|(&id, offsets)| (id, within(offsets)));
+                    out.document(tokens.chain(eos))?;
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -636,36 +750,33 @@ struct Writer<'a> {
 }
 
 impl Writer<'_> {
-    /// Writes a document: its `prompt` (supervised data), its `ids`, then
-    /// the end of text. With masks the prompt's tokens are marked
-    /// [`NOT_A_TARGET`], and so is the first token when the prompt is
-    /// empty: nothing before it in the document predicts it.
-    fn document(&mut self, prompt: &[u32], ids: &[u32], eos: Option<u32>) -> Result<()> {
-        let len = prompt.len() + ids.len() + usize::from(eos.is_some());
-        let marked = prompt.len().max(usize::from(self.masked)).min(len);
+    /// Writes a document's tokens, each with whether it is a loss target.
+    /// With masks the others are marked [`NOT_A_TARGET`], and so is the
+    /// first token whatever it is: nothing before it in the document
+    /// predicts it. Without masks every token is written as it is.
+    fn document(&mut self, tokens: impl Iterator<Item = (u32, bool)>) -> Result<()> {
         let (masked, dtype, file) = (self.masked, self.dtype, &mut self.file);
-        let written = prompt
-            .iter()
-            .chain(ids)
-            .chain(eos.as_ref())
-            .enumerate()
-            .try_for_each(|(i, &id)| {
-                let id = if masked && i < marked {
-                    id | NOT_A_TARGET
-                } else {
-                    id
-                };
-                match dtype {
-                    // The width was chosen from the largest id the
-                    // tokenizer has (u32 with masks).
-                    TokenDtype::U16 => file.write_all(
-                        &u16::try_from(id)
-                            .expect("ids fit the width chosen for them")
-                            .to_le_bytes(),
-                    ),
-                    TokenDtype::U32 => file.write_all(&id.to_le_bytes()),
-                }
-            });
+        let (mut len, mut targets) = (0u64, 0u64);
+        let mut written = Ok(());
+        for (i, (id, target)) in tokens.enumerate() {
+            let target = !masked || (target && i > 0);
+            let id = if target { id } else { id | NOT_A_TARGET };
+            len += 1;
+            targets += u64::from(target);
+            written = match dtype {
+                // The width was chosen from the largest id the tokenizer
+                // has (u32 with masks).
+                TokenDtype::U16 => file.write_all(
+                    &u16::try_from(id)
+                        .expect("ids fit the width chosen for them")
+                        .to_le_bytes(),
+                ),
+                TokenDtype::U32 => file.write_all(&id.to_le_bytes()),
+            };
+            if written.is_err() {
+                break;
+            }
+        }
         written.map_err(|err| {
             os(
                 format!("write the token cache {}", self.target.display()),
@@ -673,8 +784,8 @@ impl Writer<'_> {
                 "check the cache directory's room (data.cache_dir)",
             )
         })?;
-        self.tokens += len as u64;
-        self.targets += (len - if self.masked { marked } else { 0 }) as u64;
+        self.tokens += len;
+        self.targets += targets;
         self.documents += 1;
         Ok(())
     }
