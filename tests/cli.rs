@@ -2317,7 +2317,8 @@ fn train_sft_masks_prompts_resumes_and_generates_tiny() {
 }
 
 /// `[eval]` evaluates held-out data every N steps and at the last: the
-/// loss is in those steps' reports (and lines), and equals `strata eval`
+/// loss is in those steps' reports (and lines, and a span of the trace),
+/// and equals `strata eval`
 /// of the final checkpoint on the same windows; `eval.every` without
 /// files is refused by name.
 #[test]
@@ -2340,9 +2341,13 @@ fn train_evaluates_held_out_data_every_n_steps_tiny() {
             "eval.toml",
             "--checkpoint-dir",
             "ck",
+            "--trace",
+            "trace.json",
             "--json",
         ],
     ));
+    let trace = std::fs::read_to_string(dir.path().join("trace.json")).unwrap();
+    assert_eq!(trace.matches("\"eval: forward\"").count(), 3, "a span each");
     let reports = summary["reports"].as_array().unwrap();
     let evaluated: Vec<u64> = reports
         .iter()

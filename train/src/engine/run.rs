@@ -495,9 +495,15 @@ fn rank_main(
         let started = Instant::now();
         let mut report = engine.step(&tokens)?;
         if let Some(eval) = eval.filter(|_| config.eval.due(step, stop)) {
-            // Every rank gathers the weights; rank 0 evaluates them.
+            // Every rank gathers the weights; rank 0 evaluates them. Both
+            // are spans of the trace.
+            let started = Instant::now();
             let weights = engine.host_weights()?;
+            engine
+                .runtime()
+                .record_compute("eval: gather the weights", 0, None, started);
             if rank == 0 {
+                let started = Instant::now();
                 let result = crate::evaluate::evaluate(
                     engine.model(),
                     &weights,
@@ -505,6 +511,9 @@ fn rank_main(
                     (t.micro_batch, Some(config.eval.windows)),
                     &|_| {},
                 )?;
+                engine
+                    .runtime()
+                    .record_compute("eval: forward", 0, None, started);
                 report.eval_loss = Some(result.loss);
             }
         }
