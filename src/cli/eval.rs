@@ -84,29 +84,14 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             }
             _ => None,
         };
-        let run_data = &config.data;
         config.data = DataConfig {
             path: DataPaths(paths),
-            format,
             token_dtype: args.token_dtype.unwrap_or_default(),
             tokenizer,
-            attention: run_data.attention,
             eos_id,
-            // The run's fields, where the format reads them.
-            text_field: run_data
-                .text_field
-                .clone()
-                .filter(|_| format == DataFormat::Jsonl),
-            prompt_field: run_data
-                .prompt_field
-                .clone()
-                .filter(|_| format == DataFormat::Sft),
-            response_field: run_data
-                .response_field
-                .clone()
-                .filter(|_| format == DataFormat::Sft),
-            cache_dir: run_data.cache_dir.clone(),
-            ..DataConfig::default()
+            // The run's fields, where the format reads them; its
+            // attention and cache.
+            ..config.data.as_format(format)
         };
     } else {
         tracing::warn!(

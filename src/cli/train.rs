@@ -289,7 +289,6 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
         .transpose()?;
     config.data = engine::DataConfig {
         path: engine::DataPaths(paths),
-        format,
         token_dtype: if !args.tokens.is_empty() {
             args.token_dtype.unwrap_or_default()
         } else if given {
@@ -298,23 +297,6 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
             config.data.token_dtype
         },
         tokenizer,
-        // A text field is JSONL's alone.
-        text_field: config
-            .data
-            .text_field
-            .clone()
-            .filter(|_| format == engine::DataFormat::Jsonl),
-        // Prompt and response fields are supervised data's alone.
-        prompt_field: config
-            .data
-            .prompt_field
-            .clone()
-            .filter(|_| format == engine::DataFormat::Sft),
-        response_field: config
-            .data
-            .response_field
-            .clone()
-            .filter(|_| format == engine::DataFormat::Sft),
         // Where the cache is, from anywhere a resume runs.
         cache_dir: config
             .data
@@ -322,7 +304,9 @@ fn load_config(args: &TrainArgs) -> anyhow::Result<Loaded> {
             .as_deref()
             .map(std::path::absolute)
             .transpose()?,
-        ..config.data.clone()
+        // A text field is JSONL's alone, prompt and response fields
+        // supervised data's.
+        ..config.data.as_format(format)
     };
     // The held-out files too, from anywhere a resume runs.
     config.eval.path = engine::DataPaths(

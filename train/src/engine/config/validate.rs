@@ -340,7 +340,7 @@ impl TrainConfig {
             return Err(bad(
                 "data.attention",
                 "\"document\"",
-                "the CUDA kernels do not keep packed documents apart yet (position ids in attention, rotary and the embedding): set device.kind = \"cpu\", or data.attention = \"causal\"",
+                "the CUDA kernels do not keep packed documents apart yet (attention within each document, positions restarting at each): set device.kind = \"cpu\", or data.attention = \"causal\"",
             ));
         }
         if self.train.ranks > 1 {

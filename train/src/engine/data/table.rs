@@ -62,6 +62,28 @@ impl DataConfig {
         self.text_field.as_deref().unwrap_or("text")
     }
 
+    /// These settings read as `format`: the fields only another format
+    /// reads (a JSONL text field, a supervised prompt and response field)
+    /// left out, the rest kept.
+    pub fn as_format(&self, format: DataFormat) -> DataConfig {
+        DataConfig {
+            format,
+            text_field: self
+                .text_field
+                .clone()
+                .filter(|_| format == DataFormat::Jsonl),
+            prompt_field: self
+                .prompt_field
+                .clone()
+                .filter(|_| format == DataFormat::Sft),
+            response_field: self
+                .response_field
+                .clone()
+                .filter(|_| format == DataFormat::Sft),
+            ..self.clone()
+        }
+    }
+
     /// The supervised JSONL field that holds each prompt.
     pub fn prompt_field(&self) -> &str {
         self.prompt_field.as_deref().unwrap_or("prompt")

@@ -683,21 +683,30 @@ impl Batch {
                 )
             })
         };
-        let docs = std::mem::take(&mut self.docs);
         self.bytes = 0;
+        // The texts move into their batches; what each document was (and a
+        // conversation's turns) stays, in order.
         let mut texts = Vec::new();
         let (mut prompts, mut responses, mut chats) = (Vec::new(), Vec::new(), Vec::new());
-        for doc in &docs {
-            match doc {
-                Doc::Text(text) => texts.push(text.clone()),
+        let docs: Vec<Doc> = std::mem::take(&mut self.docs)
+            .into_iter()
+            .map(|doc| match doc {
+                Doc::Text(text) => {
+                    texts.push(text);
+                    Doc::Text(String::new())
+                }
                 Doc::Pair(prompt, response) => {
-                    prompts.push(prompt.clone());
-                    responses.push(response.clone());
+                    prompts.push(prompt);
+                    responses.push(response);
+                    Doc::Pair(String::new(), String::new())
                 }
                 // A template writes its special tokens as text.
-                Doc::Chat(text, _) => chats.push(text.clone()),
-            }
-        }
+                Doc::Chat(text, spans) => {
+                    chats.push(text);
+                    Doc::Chat(String::new(), spans)
+                }
+            })
+            .collect();
         let mut texts = encode(texts, true, false)?.into_iter();
         let mut prompts = encode(prompts, true, false)?.into_iter();
         let mut responses = encode(responses, false, false)?.into_iter();
