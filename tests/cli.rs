@@ -2347,7 +2347,13 @@ fn train_evaluates_held_out_data_every_n_steps_tiny() {
         ],
     ));
     let trace = std::fs::read_to_string(dir.path().join("trace.json")).unwrap();
-    assert_eq!(trace.matches("\"eval: forward\"").count(), 3, "a span each");
+    // The passes' ops are spans (one pass of 4 windows each time).
+    assert_eq!(trace.matches("\"eval: loss\"").count(), 3, "a span each");
+    assert_eq!(
+        trace.matches("\"eval: block forward\"").count(),
+        3 * 4,
+        "4 blocks"
+    );
     let reports = summary["reports"].as_array().unwrap();
     let evaluated: Vec<u64> = reports
         .iter()
@@ -2370,8 +2376,44 @@ fn train_evaluates_held_out_data_every_n_steps_tiny() {
         ],
     ));
     assert_eq!(after["windows"], 4);
-    let relative = (after["loss"].as_f64().unwrap() - last).abs() / last;
-    assert!(relative < 1e-6, "{after} against {last}");
+    // The checkpoint resumed: its master weights, the same passes.
+    assert_eq!(after["loss"].as_f64().unwrap(), last, "{after}");
+    // Placed by another config (parameters and states on NVMe, two
+    // passes of two windows): the same loss, the parameters on the drive.
+    std::fs::write(
+        dir.path().join("offload.toml"),
+        "[train]\nmicro_batch = 2\n[placement]\nparams = \"nvme\"\noptimizer = \"nvme\"\n[nvme]\ndirs = [\"eval-swap\"]\ncreate_dirs = true\n",
+    )
+    .unwrap();
+    let offloaded = stdout_json(&strata_in(
+        dir.path(),
+        &[
+            "eval",
+            "--checkpoint",
+            "ck",
+            "--config",
+            "offload.toml",
+            "--data",
+            "held.txt",
+            "--max-windows",
+            "4",
+            "--json",
+        ],
+    ));
+    let relative = (offloaded["loss"].as_f64().unwrap() - last).abs() / last;
+    assert!(relative < 1e-6, "{offloaded} against {last}");
+    assert!(
+        offloaded["peak_bytes"]["nvme"].as_u64().unwrap() > 0,
+        "{offloaded}"
+    );
+    let err = stderr_of_failure(
+        &strata_in(
+            dir.path(),
+            &["eval", "--checkpoint", "ck", "--config", "missing.toml"],
+        ),
+        "a missing --config",
+    );
+    assert!(err.contains("missing.toml"), "{err}");
     std::fs::write(dir.path().join("bad.toml"), "[eval]\nevery = 2\n").unwrap();
     let err = stderr_of_failure(
         &strata_in(dir.path(), &["train", "--config", "bad.toml"]),

@@ -19,8 +19,8 @@ pub enum Work {
         /// Micro-batch.
         m: usize,
     },
-    /// Forward of one part of a block; the block's last part writes what
-    /// its backward needs (the saved activations).
+    /// Forward of one part of a block; in a training step the block's last
+    /// part writes what its backward needs (the saved activations).
     Forward {
         /// Micro-batch.
         m: usize,
@@ -28,9 +28,18 @@ pub enum Work {
         layer: usize,
         /// Part of the block.
         part: usize,
+        /// Whether the block keeps what its backward needs: false in a
+        /// forward-only pass ([`build_forward_only`]).
+        keep: bool,
     },
     /// The output projection, loss and their backward.
     Head {
+        /// Micro-batch.
+        m: usize,
+    },
+    /// The output projection and the loss alone, no gradient (a
+    /// forward-only pass).
+    Loss {
         /// Micro-batch.
         m: usize,
     },
@@ -214,13 +223,17 @@ impl Builder<'_> {
         }
     }
 
-    fn forward(&mut self, micro_batches: std::ops::Range<usize>) {
+    /// The forward of `micro_batches`, block by block; a training step's
+    /// blocks `keep` what their backward needs and its heads compute the
+    /// gradient, a forward-only pass's ops (named `eval.*`) neither.
+    fn forward(&mut self, micro_batches: std::ops::Range<usize>, keep: bool) {
         let (shape, model) = (self.shape, self.model);
         let first_pass = micro_batches.start == 0;
+        let stage = if keep { "" } else { "eval." };
         self.late(0, first_pass);
         self.late(1, first_pass);
         for m in micro_batches.clone() {
-            let name = format!("m{m}.fwd.{}", model.name(0));
+            let name = format!("{stage}m{m}.fwd.{}", model.name(0));
             self.push(Work::EmbedForward { m }, name, vec![read(model.param(0))]);
         }
         for layer in 0..shape.layers {
@@ -229,16 +242,26 @@ impl Builder<'_> {
                 self.late(group + 1, first_pass);
                 for m in micro_batches.clone() {
                     let mut accesses = vec![read(model.param(group))];
-                    if part + 1 == shape.parts {
+                    if keep && part + 1 == shape.parts {
                         accesses.push(access(model.saved(m, layer), Mode::Write));
                     }
-                    let name = format!("m{m}.fwd.{}", model.name(group));
-                    self.push(Work::Forward { m, layer, part }, name, accesses);
+                    let name = format!("{stage}m{m}.fwd.{}", model.name(group));
+                    let work = Work::Forward {
+                        m,
+                        layer,
+                        part,
+                        keep,
+                    };
+                    self.push(work, name, accesses);
                 }
             }
         }
         for m in micro_batches {
             let mut accesses = vec![read(model.param(0))];
+            if !keep {
+                self.push(Work::Loss { m }, format!("eval.m{m}.loss"), accesses);
+                continue;
+            }
             if !shape.workspace_grads {
                 accesses.push(access(model.grad(0), grad_mode(m == 0)));
             }
@@ -310,7 +333,7 @@ pub fn build_step(shape: &StepShape, model: &dyn StepModel) -> Vec<StepOp> {
     };
     for first in (0..shape.micro_batches).step_by(shape.in_flight) {
         let micro_batches = first..first + shape.in_flight;
-        builder.forward(micro_batches.clone());
+        builder.forward(micro_batches.clone(), true);
         builder.backward(micro_batches);
     }
     if shape.norm {
@@ -324,6 +347,41 @@ pub fn build_step(shape: &StepShape, model: &dyn StepModel) -> Vec<StepOp> {
     if shape.commit {
         builder.push(Work::Commit, "commit".into(), Vec::new());
     }
+    builder.ops
+}
+
+/// The ops of a forward-only pass (an evaluation) of `micro_batches`
+/// micro-batches, all in flight block by block, through `layers` blocks of
+/// `parts` groups: each micro-batch's embedding, every block's forward
+/// keeping nothing, and its loss. No gradient, update, norm or commit;
+/// every op reads its group's parameters and writes no tensor, and is
+/// named `eval.*`, so that a tracker tells the pass from a training step
+/// at its first op.
+pub fn build_forward_only(
+    layers: usize,
+    parts: usize,
+    micro_batches: usize,
+    model: &dyn StepModel,
+) -> Vec<StepOp> {
+    assert!(parts > 0, "a block has at least one part");
+    assert!(micro_batches > 0, "a pass has at least one micro-batch");
+    let shape = StepShape {
+        layers,
+        parts,
+        micro_batches,
+        in_flight: micro_batches,
+        updates: Updates::NextStep,
+        late: false,
+        norm: false,
+        commit: false,
+        workspace_grads: true,
+    };
+    let mut builder = Builder {
+        shape: &shape,
+        model,
+        ops: Vec::new(),
+    };
+    builder.forward(0..micro_batches, false);
     builder.ops
 }
 
@@ -511,5 +569,30 @@ mod tests {
             ..shape()
         };
         build_step(&shape, &Toy);
+    }
+
+    #[test]
+    fn a_forward_only_pass_reads_each_groups_parameters_and_writes_nothing() {
+        let ops = build_forward_only(2, 2, 2, &Toy);
+        let mut expected = vec!["eval.m0.fwd.g0".to_string(), "eval.m1.fwd.g0".into()];
+        for g in 1..5 {
+            expected.extend((0..2).map(|m| format!("eval.m{m}.fwd.g{g}")));
+        }
+        expected.extend((0..2).map(|m| format!("eval.m{m}.loss")));
+        assert_eq!(names(&ops), expected);
+        for step_op in &ops {
+            assert_eq!(step_op.op.accesses.len(), 1, "{:?}", step_op.op);
+            assert_eq!(step_op.op.accesses[0].mode, Mode::Read);
+            assert!(!matches!(
+                step_op.work,
+                Work::Forward { keep: true, .. }
+                    | Work::Head { .. }
+                    | Work::Backward { .. }
+                    | Work::Update { .. }
+            ));
+        }
+        let training = build_step(&shape(), &Toy);
+        let fingerprint = |ops: &[StepOp]| crate::trace::op_fingerprint(&ops[0].op);
+        assert_ne!(fingerprint(&ops), fingerprint(&training));
     }
 }

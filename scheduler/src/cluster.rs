@@ -398,6 +398,10 @@ impl StepModel for ClusterStep<'_> {
                     ..OpCost::compute(gpu, self.unit_ns(u, false) as u64)
                 }
             }
+            Work::Loss { .. } => OpCost {
+                gather_ns: self.gather_ns(embedding),
+                ..OpCost::compute(gpu, self.flops_ns(embedding.forward_flops))
+            },
             Work::Head { .. } => OpCost {
                 gather_ns: self.gather_ns(embedding),
                 ..OpCost::compute(gpu, self.flops_ns(3.0 * embedding.forward_flops))

@@ -32,7 +32,9 @@ mod step;
 mod tier;
 mod trace;
 
-pub use builder::{OpCost, StepModel, StepOp, StepShape, Updates, Work, build_step};
+pub use builder::{
+    OpCost, StepModel, StepOp, StepShape, Updates, Work, build_forward_only, build_step,
+};
 pub use cluster::{Estimate, Policies};
 pub use error::{SchedulerError, gib};
 pub use model::{Hardware, Model, Parallelism, StateDtype, deepspeed_zero3_estimate};

@@ -1,13 +1,16 @@
-//! `strata eval`: a checkpoint's loss and perplexity over held-out data.
+//! `strata eval`: a checkpoint's loss and perplexity over held-out data,
+//! its parameters placed as the run that wrote it placed them (or as a
+//! `--config` places them), forward only through the engine.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use strata_train::hf::HfFolder;
-use strata_train::{DataConfig, DataFormat, DataPaths, TokenDtype};
+use strata_storage::ByteSize;
+use strata_train::{
+    Checkpoint, DataConfig, DataFormat, DataPaths, Placement, TokenDtype, TrainConfig,
+};
 
-use super::generate::open_weights;
 use super::train::{absolute, open_data};
 
 #[derive(Args, Debug)]
@@ -34,9 +37,17 @@ pub struct EvalArgs {
     /// the responses alone, as `strata train --sft`.
     #[arg(long, conflicts_with = "tokens")]
     sft: bool,
-    /// Sequences a forward pass.
-    #[arg(long, default_value_t = 8)]
-    micro_batch: usize,
+    /// A TOML config to place the parameters by ([device], [host],
+    /// [nvme], [placement], [train] ranks and micro_batch): a checkpoint's
+    /// model must be its run's; a Hugging Face folder gives [model].
+    /// Without it: the run's config, or for a folder of no run the CPU
+    /// device with every state in host memory, sized to this machine.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Sequences a rank's forward pass reads, per micro-batch (default:
+    /// the config's train.micro_batch).
+    #[arg(long)]
+    micro_batch: Option<usize>,
     /// Evaluate the first N windows only (default: every one).
     #[arg(long, value_name = "N")]
     max_windows: Option<u64>,
@@ -46,7 +57,7 @@ pub struct EvalArgs {
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
-    let (folder, run) = open_weights(&args.checkpoint)?;
+    let (checkpoint, run) = open_checkpoint(&args.checkpoint)?;
     let given = !args.data.is_empty() || !args.tokens.is_empty();
     if !given && run.is_none() {
         anyhow::bail!(
@@ -57,9 +68,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if args.max_windows == Some(0) {
         anyhow::bail!("--max-windows 0: evaluate at least one window, or leave it out for all");
     }
-    // A folder of no run keeps its own sequence length.
-    let seq = run.as_ref().map(|c| c.model.seq);
-    let mut config = run.unwrap_or_default();
+    if args.micro_batch == Some(0) {
+        anyhow::bail!("--micro-batch 0: give at least 1 sequence a pass");
+    }
+    let mut config = placement(&args, checkpoint.as_ref(), run.clone())?;
+    if let Some(micro_batch) = args.micro_batch {
+        config.train.micro_batch = micro_batch;
+    }
     if given {
         let (paths, flag, format) = match args.tokens.is_empty() {
             true => (&args.data, "--data", DataFormat::of_texts(&args.data)),
@@ -70,16 +85,19 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             .iter()
             .map(|path| absolute(path, flag))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // The run's tokenizer, end of documents and attention, where it
+        // had them.
+        let trained = run.map(|c| c.data).unwrap_or_default();
         let tokenizer = match (&args.tokenizer, format) {
             (_, DataFormat::Tokens) => None,
             (Some(dir), _) => Some(absolute(dir, "--tokenizer")?),
-            (None, _) => config.data.tokenizer.clone(),
+            (None, _) => trained.tokenizer.clone(),
         };
         // The run's end of documents: its eos_id, or its tokenizer's end
         // of text (token files carry no tokenizer of their own).
-        let eos_id = match (config.data.eos_id, &config.data.tokenizer) {
+        let eos_id = match (trained.eos_id, &trained.tokenizer) {
             (Some(id), _) => Some(id),
-            (None, Some(dir)) if config.data.attention == strata_train::DataAttention::Document => {
+            (None, Some(dir)) if trained.attention == strata_train::DataAttention::Document => {
                 strata_train::TextTokenizer::open(dir)?.eos()
             }
             _ => None,
@@ -91,29 +109,21 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             eos_id,
             // The run's fields, where the format reads them; its
             // attention and cache.
-            ..config.data.as_format(format)
+            ..trained.as_format(format)
         };
     } else {
         tracing::warn!(
             "no --data or --tokens: evaluating on the data the run trained on, not held-out data"
         );
     }
-    let (model, groups) = HfFolder::open(&folder)?
-        .read_model(seq)
-        .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
-    if config.data.tokenizer.is_none()
-        && config.data.format != DataFormat::Tokens
-        && model.vocab() != 256
-    {
+    let vocab = config.model.vocab;
+    if config.data.tokenizer.is_none() && config.data.format != DataFormat::Tokens && vocab != 256 {
         anyhow::bail!(
-            "texts without a tokenizer are read a token per byte, for the built-in model's 256 ids, and this model has {}: give its tokenizer with --tokenizer, or token files with --tokens",
-            model.vocab()
+            "texts without a tokenizer are read a token per byte, for the built-in model's 256 ids, and this model has {vocab}: give its tokenizer with --tokenizer, or token files with --tokens",
         );
     }
-    config.model.seq = model.seq();
-    config.model.vocab = model.vocab();
     let corpus = open_data(&config, args.json)?;
-    corpus.check_vocab(model.vocab())?;
+    corpus.check_vocab(vocab)?;
     let windows = args
         .max_windows
         .map_or(corpus.windows(), |n| n.min(corpus.windows()));
@@ -123,12 +133,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "{spinner} evaluating [{bar:30}] {pos}/{len} windows ({elapsed})",
     );
     let result = strata_train::evaluate::evaluate(
-        &*model,
-        &groups,
+        &config,
+        checkpoint.as_ref(),
         &corpus,
-        (args.micro_batch, args.max_windows),
+        args.max_windows,
         &|n| bar.inc(n),
-    )?;
+    )
+    .with_context(|| format!("--checkpoint {}", args.checkpoint.display()))?;
     bar.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string(&result)?);
@@ -142,6 +153,76 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             config.model.seq + 1,
             result.tokens_per_s
         );
+        let peak = &result.peak_bytes;
+        println!(
+            "peak memory of rank 0: device {}, host {}, nvme {} (parameters placed {})",
+            ByteSize(peak.device),
+            ByteSize(peak.host),
+            ByteSize(peak.nvme),
+            match (&args.config, checkpoint.is_some()) {
+                (Some(path), _) => format!("by --config {}", path.display()),
+                (None, true) => "as the run placed them".into(),
+                (None, false) => {
+                    "on the CPU device, every state in host memory (no --config)".into()
+                }
+            }
+        );
     }
     Ok(())
+}
+
+/// The strata checkpoint `dir` names (a step-* directory, or a
+/// checkpoint_dir whose `latest` names one) with its run's config, or
+/// neither for a Hugging Face folder.
+fn open_checkpoint(
+    dir: &std::path::Path,
+) -> anyhow::Result<(Option<Checkpoint>, Option<TrainConfig>)> {
+    if dir.join("meta.json").exists() || dir.join("latest").exists() {
+        let checkpoint = Checkpoint::open(dir)?;
+        let config = checkpoint.run_config()?;
+        return Ok((Some(checkpoint), config));
+    }
+    Ok((None, None))
+}
+
+/// The config the evaluation places its parameters by: `--config`, else
+/// the run's; a checkpoint of no run's config (an older strata) or a
+/// Hugging Face folder takes [model] from its config.json, and without
+/// `--config` the CPU device with every state in host memory, its budgets
+/// sized to this machine.
+fn placement(
+    args: &EvalArgs,
+    checkpoint: Option<&Checkpoint>,
+    run: Option<TrainConfig>,
+) -> anyhow::Result<TrainConfig> {
+    let folder = checkpoint.map_or_else(|| args.checkpoint.clone(), |c| c.dir.clone());
+    let (config, model_keys) = match (&args.config, run) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read --config {}", path.display()))?;
+            let config = TrainConfig::from_toml(&text)
+                .with_context(|| format!("--config {}", path.display()))?;
+            (config, Some(TrainConfig::model_keys_in(&text)))
+        }
+        (None, Some(run)) => return Ok(run),
+        (None, None) => {
+            let mut config = TrainConfig::default();
+            config.placement.params = Placement::Cpu;
+            config.placement.optimizer = Placement::Cpu;
+            (config, None)
+        }
+    };
+    let sized = model_keys.is_none();
+    let mut config = TrainConfig {
+        model: strata_train::ModelConfig {
+            init_from: Some(folder),
+            ..config.model
+        },
+        ..config
+    };
+    config = config.with_init_from(&model_keys.unwrap_or_default())?;
+    if sized {
+        config = config.with_budgets_for_this_machine()?.0;
+    }
+    Ok(config)
 }

@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 use strata_storage::ByteSize;
 use strata_train::{ComputeDtype, Engine, NOT_A_TARGET, Placement, StepReport, TrainConfig};
 
+mod common;
+use common::bf16_folder;
+
 /// The fixture's sequence length (make.py's SEQ).
 const SEQ: usize = 8;
 
@@ -75,21 +78,6 @@ fn windows(r: &Reference) -> Vec<u32> {
         tokens.push(NOT_A_TARGET);
     }
     tokens
-}
-
-/// The committed fixture folder whose weights are bf16 (make.py's model).
-fn bf16_folder() -> PathBuf {
-    let mut found = std::fs::read_dir(fixtures().join("hf"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|dir| {
-            let config = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
-            let config: serde_json::Value = serde_json::from_str(&config).unwrap_or_default();
-            config["dtype"] == "bfloat16"
-        });
-    let folder = found.next().expect("a fixture with bf16 weights");
-    assert!(found.next().is_none(), "one fixture with bf16 weights");
-    folder
 }
 
 /// The bf16 fixture model from its folder, f32 compute, no clipping, the

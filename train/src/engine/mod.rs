@@ -68,6 +68,7 @@ pub(crate) mod data;
 pub mod deepspeed;
 mod durable;
 mod env;
+mod evaluation;
 mod lane;
 mod loss;
 mod moves;
@@ -95,7 +96,7 @@ pub use data::{
     tokenize_bytes, window_start,
 };
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
-pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, TierBytes, run};
+pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, TierBytes, evaluate, run};
 pub use stop::StopRequest;
 
 pub use env::Faults;
@@ -124,6 +125,14 @@ const PER_GROUP: usize = 5;
 /// Shapes of step: current set (0 or 1) x speculative updates (or not) x
 /// late updates from the step before (or not).
 const SHAPES: usize = 8;
+/// Shapes of a forward-only pass (an evaluation): the set it reads.
+const EVAL_SHAPES: usize = 2;
+
+/// The index of the forward-only pass over set `current` among the
+/// schedule's shapes (after every step's).
+fn eval_shape(current: usize) -> usize {
+    SHAPES + current
+}
 
 /// One step's outcome on this rank (values are global: all-reduced).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]

@@ -16,12 +16,12 @@ use super::activations::widen;
 use super::config::{Checkpointing, StateCache, TrainConfig};
 use super::env::Env;
 use super::schedule::StepSchedule;
-use super::steps::{shape_of, step_ops};
+use super::steps::{eval_ops, shape_of, step_ops};
 use super::tensors::{Kept, Slot, slots, specs, state_cache};
-use super::{Prediction, SHAPES};
+use super::{EVAL_SHAPES, Prediction, SHAPES};
 
-/// Plans kept: one per shape.
-const PLANS_MAX: usize = SHAPES;
+/// Plans kept: one per shape of step and of forward-only pass.
+const PLANS_MAX: usize = SHAPES + EVAL_SHAPES;
 
 /// What planning settled: the schedule, the slots it planned, and the
 /// groups whose states the state cache keeps.
@@ -247,18 +247,24 @@ impl<'a> Planner<'a> {
         for spec in &tensors {
             tracker.tensor(spec.clone())?;
         }
-        let mut shapes = Vec::with_capacity(SHAPES);
+        let mut shapes = Vec::with_capacity(PLANS_MAX);
         let mut peak_bytes = [0u64; 3];
-        for shape in 0..SHAPES {
-            let (current, speculate, late) = shape_of(shape);
-            let ops = step_ops(
-                self.env,
-                &self.recompute,
-                self.block_ns,
-                current,
-                speculate,
-                late,
-            );
+        for shape in 0..PLANS_MAX {
+            let ops = match shape {
+                ..SHAPES => {
+                    let (current, speculate, late) = shape_of(shape);
+                    step_ops(
+                        self.env,
+                        &self.recompute,
+                        self.block_ns,
+                        current,
+                        speculate,
+                        late,
+                    )
+                }
+                // The forward-only passes (evaluations), after them.
+                _ => eval_ops(self.env, self.block_ns, shape - SHAPES),
+            };
             let mut last = vec![0; self.slots.len()];
             for (k, step_op) in ops.iter().enumerate() {
                 for access in &step_op.op.accesses {

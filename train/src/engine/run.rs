@@ -14,6 +14,7 @@ use super::{
     ByteCorpus, Checkpoint, Corpus, DataReader, Engine, StepReport, StopRequest, TrainConfig,
 };
 use crate::error::{Result, TrainError, os};
+use crate::evaluate::Evaluation;
 use strata_comm::{Collective, InProcess};
 use strata_device::Cancel;
 use strata_runtime::Stats;
@@ -69,7 +70,7 @@ pub struct TierBytes {
 }
 
 impl TierBytes {
-    fn from_array(bytes: [u64; 3]) -> TierBytes {
+    pub(super) fn from_array(bytes: [u64; 3]) -> TierBytes {
         TierBytes {
             device: bytes[0],
             host: bytes[1],
@@ -158,28 +159,8 @@ pub fn run(
     config.validate()?;
     corpus.check_vocab(config.model.vocab)?;
     for (what, corpus) in [("data", Some(corpus)), ("eval", options.eval.as_ref())] {
-        let Some(corpus) = corpus else { continue };
-        match corpus.documents_end() {
-            None if config.data.attention == super::DataAttention::Document => {
-                return Err(crate::error::bad(
-                    "data.attention",
-                    "\"document\"",
-                    format!(
-                        "the {what} corpus tells no documents apart: set data.eos_id (Corpus::open reads it), or call Corpus::with_documents with the end-of-document id"
-                    ),
-                ));
-            }
-            Some(eos) if eos as usize >= config.model.vocab => {
-                return Err(crate::error::bad(
-                    "data.eos_id",
-                    eos,
-                    format!(
-                        "the end-of-document id must be a token of the model's vocabulary of {}",
-                        config.model.vocab
-                    ),
-                ));
-            }
-            _ => {}
+        if let Some(corpus) = corpus {
+            check_documents(config, what, corpus)?;
         }
     }
     match (&options.eval, config.eval.every) {
@@ -338,36 +319,8 @@ pub fn run(
                 checkpoint_estimate_s,
             });
         }
-        let mut summary = None;
-        let mut first_error = None;
-        for (rank, handle) in handles.into_iter().enumerate() {
-            let outcome = match handle {
-                Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    Err(TrainError::Rank {
-                        rank,
-                        cause: "it panicked".into(),
-                    })
-                }),
-                Err(err) => Err(err),
-            };
-            match outcome {
-                Ok(Some(done)) => summary = Some(done),
-                Ok(None) => {}
-                // A rank stopped by another's failure (or by an abort)
-                // reports that only if nothing better comes.
-                Err(err) if err.is_peer_left() || err.is_cancelled() => {
-                    first_error.get_or_insert(err);
-                }
-                Err(err) => {
-                    if first_error
-                        .as_ref()
-                        .is_none_or(|e| e.is_peer_left() || e.is_cancelled())
-                    {
-                        first_error = Some(err);
-                    }
-                }
-            }
-        }
+        let (outcomes, first_error) = join_ranks(handles);
+        let summary = outcomes.into_iter().flatten().next();
         match (first_error, options.stop.aborted()) {
             // Waits cut short by the abort, and ranks leaving because of
             // them, are one cause: the abort.
@@ -376,6 +329,168 @@ pub fn run(
             }
             (Some(err), _) => Err(err),
             (None, _) => Ok(summary.expect("rank 0 reports")),
+        }
+    })
+}
+
+/// Refuses `corpus` (the `what` data) when the config keeps documents
+/// apart and it tells none apart, or its end of documents is no token.
+fn check_documents(config: &TrainConfig, what: &str, corpus: &Corpus) -> Result<()> {
+    match corpus.documents_end() {
+        None if config.data.attention == super::DataAttention::Document => {
+            return Err(crate::error::bad(
+                "data.attention",
+                "\"document\"",
+                format!(
+                    "the {what} corpus tells no documents apart: set data.eos_id (Corpus::open reads it), or call Corpus::with_documents with the end-of-document id"
+                ),
+            ));
+        }
+        Some(eos) if eos as usize >= config.model.vocab => {
+            return Err(crate::error::bad(
+                "data.eos_id",
+                eos,
+                format!(
+                    "the end-of-document id must be a token of the model's vocabulary of {}",
+                    config.model.vocab
+                ),
+            ));
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Every rank's outcome, joined in rank order: what the ranks that ended
+/// well returned, and the first error that is a cause rather than a
+/// consequence (a rank stopped by another's failure, or by an abort,
+/// reports that only if nothing better comes).
+fn join_ranks<T>(
+    handles: Vec<Result<std::thread::ScopedJoinHandle<'_, Result<T>>>>,
+) -> (Vec<T>, Option<TrainError>) {
+    let mut done = Vec::with_capacity(handles.len());
+    let mut first_error: Option<TrainError> = None;
+    for (rank, handle) in handles.into_iter().enumerate() {
+        let outcome = match handle {
+            Ok(handle) => handle.join().unwrap_or_else(|_| {
+                Err(TrainError::Rank {
+                    rank,
+                    cause: "it panicked".into(),
+                })
+            }),
+            Err(err) => Err(err),
+        };
+        match outcome {
+            Ok(value) => done.push(value),
+            Err(err) if err.is_peer_left() || err.is_cancelled() => {
+                first_error.get_or_insert(err);
+            }
+            Err(err) => {
+                if first_error
+                    .as_ref()
+                    .is_none_or(|e| e.is_peer_left() || e.is_cancelled())
+                {
+                    first_error = Some(err);
+                }
+            }
+        }
+    }
+    (done, first_error)
+}
+
+/// Evaluates the model of `config` over the first `windows_max` windows
+/// of `corpus` (all of them without it), forward only, with its
+/// parameters placed as a run of `config` places them: `train.ranks` ranks
+/// as threads, each an [`Engine`] taking its weights from `checkpoint`
+/// (resumed, its exact master weights, when it has as many ranks and
+/// states as wide; else the weights it publishes), else from
+/// `model.init_from`'s folder, streamed into their tiers (else the seed's
+/// initialization). No checkpoint directory is taken; the swap
+/// directories are locked as a run locks them. `progress` hears rank 0's
+/// windows done.
+pub fn evaluate(
+    config: &TrainConfig,
+    checkpoint: Option<&Checkpoint>,
+    corpus: &Corpus,
+    windows_max: Option<u64>,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Evaluation> {
+    let mut config = config.clone();
+    config.train.checkpoint_dir = None;
+    // A checkpoint of as many ranks and states of the same width is
+    // resumed (its exact master weights, the seeds a resume checks taken
+    // from it); another is read from the weights it publishes, in
+    // `checkpoint.weights_dtype`, as a Hugging Face folder.
+    let resumed = checkpoint.filter(|c| {
+        c.meta.ranks == config.train.ranks && c.meta.state_dtype == config.optim.state_dtype
+    });
+    match (checkpoint, resumed) {
+        (_, Some(checkpoint)) => {
+            config.model.init_from = None;
+            config.train.seed = checkpoint.meta.seed;
+            config.optim.rounding_seed = checkpoint.meta.rounding_seed;
+        }
+        (Some(checkpoint), None) => {
+            tracing::info!(
+                "{}: written by {} ranks with {} states, evaluated by {} with {}: its published weights are read",
+                checkpoint.dir.display(),
+                checkpoint.meta.ranks,
+                checkpoint.meta.state_dtype.name(),
+                config.train.ranks,
+                config.optim.state_dtype.name()
+            );
+            config.model.init_from = Some(checkpoint.dir.clone());
+        }
+        (None, None) => {}
+    }
+    config.validate()?;
+    corpus.check_vocab(config.model.vocab)?;
+    check_documents(&config, "eval", corpus)?;
+    match resumed {
+        Some(checkpoint) => drop(checkpoint.verify()?),
+        None => drop(config.check_init_from()?),
+    }
+    let config = &config;
+    let resolved = config.with_device_resolved().0;
+    if resolved != *config {
+        resolved.validate()?;
+    }
+    let _owned = own_directories(config, &RunOptions::default())?;
+    resolved.check_machine()?;
+    let world = config.train.ranks;
+    // Ranks as threads: the in-process group, as a run's.
+    let collectives = InProcess::group(
+        world,
+        super::tensors::collective_elems_max(&*config.model.build()?, world),
+    );
+    std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(world);
+        for collective in collectives {
+            let rank = collective.rank();
+            handles.push(
+                std::thread::Builder::new()
+                    .name(format!("strata-eval-rank-{rank}"))
+                    .spawn_scoped(scope, move || -> Result<Evaluation> {
+                        let mut engine = Engine::new(config, Box::new(collective))?;
+                        if let Some(checkpoint) = resumed {
+                            engine.resume(checkpoint)?;
+                        }
+                        let quiet = |_| {};
+                        let told: &dyn Fn(u64) = if rank == 0 { progress } else { &quiet };
+                        engine.evaluate(corpus, windows_max, told)
+                    })
+                    .map_err(|err| {
+                        os(
+                            format!("start the thread of rank {rank} of {world}"),
+                            err,
+                            "use fewer train.ranks or raise the thread limit (ulimit -u)",
+                        )
+                    }),
+            );
+        }
+        match join_ranks(handles) {
+            (_, Some(err)) => Err(err),
+            (mut done, None) => Ok(done.swap_remove(0)),
         }
     })
 }
@@ -495,27 +610,10 @@ fn rank_main(
         let started = Instant::now();
         let mut report = engine.step(&tokens)?;
         if let Some(eval) = eval.filter(|_| config.eval.due(step, stop)) {
-            // Every rank gathers the weights; rank 0 evaluates them. Both
-            // are spans of the trace.
-            let started = Instant::now();
-            let weights = engine.host_weights()?;
-            engine
-                .runtime()
-                .record_compute("eval: gather the weights", 0, None, started);
-            if rank == 0 {
-                let started = Instant::now();
-                let result = crate::evaluate::evaluate(
-                    engine.model(),
-                    &weights,
-                    eval,
-                    (t.micro_batch, Some(config.eval.windows)),
-                    &|_| {},
-                )?;
-                engine
-                    .runtime()
-                    .record_compute("eval: forward", 0, None, started);
-                report.eval_loss = Some(result.loss);
-            }
+            // Every rank evaluates its slice with the parameters where
+            // they train; the passes are spans of the trace.
+            let result = engine.evaluate(eval, Some(config.eval.windows), &|_| {})?;
+            report.eval_loss = Some(result.loss);
         }
         if !reports.is_empty() || stop == engine.steps_done() {
             timed.0 += started.elapsed().as_secs_f64();

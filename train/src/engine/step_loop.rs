@@ -282,6 +282,7 @@ impl Engine {
             Work::EmbedBackward { m } => self.embed_backward(m)?,
             Work::Update { group, late } => self.update_group(group, late, tier, update)?,
             Work::Norm => unreachable!("decided by Engine::decide"),
+            Work::Loss { .. } => unreachable!("a forward-only pass's (Engine::evaluate)"),
             Work::Commit => self.wait_worker(None)?,
         }
         let (what, group, micro_batch) = label(step_op.work);
@@ -296,14 +297,14 @@ impl Engine {
 
     /// Tells the schedule the op starts and issues the plan's actions for
     /// the boundary after it.
-    fn announce(&mut self, op: &Op) -> Result<()> {
+    pub(super) fn announce(&mut self, op: &Op) -> Result<()> {
         self.schedule.announce(op)?;
         self.issue_actions(false)
     }
 
     /// Retries the held actions, then issues this boundary's planned ones
     /// of one kind (`releases`: evictions and drops, after the op ran).
-    fn issue_actions(&mut self, releases: bool) -> Result<()> {
+    pub(super) fn issue_actions(&mut self, releases: bool) -> Result<()> {
         self.retry_held()?;
         let at = Boundary {
             writing: self.lane.writing(),
@@ -376,7 +377,7 @@ impl Engine {
 
     /// Group `g`'s current bf16 shards gathered into the workspace, once no
     /// late update of the group is still writing them.
-    fn gather(&mut self, g: usize) -> Result<()> {
+    pub(super) fn gather(&mut self, g: usize) -> Result<()> {
         self.wait_worker(Some(g))?;
         let shard = self.moves.id(param_index(g, self.moves.current()));
         self.ws.gather(&self.env, g, shard)
@@ -468,7 +469,7 @@ impl Engine {
 
     /// Ends the step: waits for moves in flight, frees the step's own
     /// tensors, puts every persistent one back home alone, closes the trace.
-    fn end_step(&mut self) -> Result<()> {
+    pub(super) fn end_step(&mut self) -> Result<()> {
         self.moves.return_home(&self.env)?;
         self.schedule.end_step()
     }

@@ -5,7 +5,8 @@
 
 use strata_scheduler as sched;
 use strata_scheduler::{
-    Mode, OpCost, Processor, StepModel, StepOp, StepShape, Updates, Work, build_step,
+    Mode, OpCost, Processor, StepModel, StepOp, StepShape, Updates, Work, build_forward_only,
+    build_step,
 };
 
 use super::config::{Placement, TrainConfig};
@@ -19,8 +20,15 @@ use crate::model::{Model, OUTER};
 pub(super) fn label(work: Work) -> (&'static str, usize, Option<usize>) {
     match work {
         Work::EmbedForward { m } => ("embed forward", OUTER, Some(m)),
-        Work::Forward { m, layer, .. } => ("block forward", layer + 1, Some(m)),
+        Work::Forward {
+            m,
+            layer,
+            keep: true,
+            ..
+        } => ("block forward", layer + 1, Some(m)),
+        Work::Forward { m, layer, .. } => ("eval: block forward", layer + 1, Some(m)),
         Work::Head { m } => ("head", OUTER, Some(m)),
+        Work::Loss { m } => ("eval: loss", OUTER, Some(m)),
         Work::Backward { m, layer, .. } => ("block backward", layer + 1, Some(m)),
         Work::EmbedBackward { m } => ("embed backward", OUTER, Some(m)),
         Work::Update { group, late } => (optimizer_label(late), group, None),
@@ -109,6 +117,8 @@ impl StepModel for EngineStep<'_> {
             }
             Work::Forward { .. } => OpCost::compute(gpu, block_ns),
             Work::Head { .. } => OpCost::compute(gpu, relative(costs.head)),
+            // The head's forward alone: a third of its forward and backward.
+            Work::Loss { .. } => OpCost::compute(gpu, relative(costs.head / 3.0)),
             // Twice the forward, and the forward again when it recomputes.
             Work::Backward { layer, .. } => {
                 let recompute = u64::from(self.recompute[layer]);
@@ -124,6 +134,20 @@ impl StepModel for EngineStep<'_> {
             Work::Norm | Work::Commit => OpCost::compute(self.optimizer, 1000),
         }
     }
+}
+
+/// The ops of a forward-only pass (an evaluation) reading set `current`:
+/// every micro-batch in flight, one block's forward costed at `block_ns`.
+pub(super) fn eval_ops(env: &Env, block_ns: u64, current: usize) -> Vec<StepOp> {
+    let model = EngineStep {
+        env,
+        recompute: &[],
+        current,
+        block_ns,
+        optimizer: Processor::Cpu,
+    };
+    let in_flight = env.config().train.in_flight();
+    build_forward_only(env.model().layers(), 1, in_flight, &model)
 }
 
 /// One block's forward of one micro-batch from its matrix FLOPs at

@@ -106,3 +106,20 @@ pub fn step(
 ) -> (f64, Vec<Vec<f32>>) {
     step_at(model, groups, tokens, &[], targets)
 }
+
+/// The committed fixture folder whose weights are bf16 (`fixtures/hf/make.py`'s).
+pub fn bf16_folder() -> std::path::PathBuf {
+    let mut found = std::fs::read_dir(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf"),
+    )
+    .unwrap()
+    .map(|e| e.unwrap().path())
+    .filter(|dir| {
+        let config = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
+        let config: serde_json::Value = serde_json::from_str(&config).unwrap_or_default();
+        config["dtype"] == "bfloat16"
+    });
+    let folder = found.next().expect("a fixture with bf16 weights");
+    assert!(found.next().is_none(), "one fixture with bf16 weights");
+    folder
+}

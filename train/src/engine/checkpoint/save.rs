@@ -200,29 +200,6 @@ impl Engine {
             .map(|()| root.join(format!("step-{step:08}"))))
     }
 
-    /// Every group's master weights (f32), gathered over every rank after
-    /// the last step's update (a late one applied first): what an
-    /// evaluation during training reads. Every rank calls it together and
-    /// gets the whole model in host memory.
-    pub fn host_weights(&mut self) -> Result<Vec<Vec<f32>>> {
-        self.flush()?;
-        let env = &self.env;
-        let (mut words, mut master) = (Vec::new(), Vec::new());
-        let mut weights = Vec::with_capacity(env.groups().len());
-        for (g, group) in env.groups().iter().enumerate() {
-            let mut gathered = Vec::new();
-            gather_master(
-                env,
-                &self.moves,
-                g,
-                (&mut words, &mut master, &mut gathered),
-            )?;
-            gathered.truncate(group.params);
-            weights.push(gathered);
-        }
-        Ok(weights)
-    }
-
     /// Loads a checkpoint written by a run of the same model, ranks and
     /// seed: the next step computes what the uninterrupted run's did.
     pub fn resume(&mut self, checkpoint: &Checkpoint) -> Result<()> {

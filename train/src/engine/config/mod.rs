@@ -92,8 +92,8 @@ pub struct EvalConfig {
     /// Steps between evaluations; 0 (the default): none.
     pub every: u64,
     /// The held-out files, read as `[data]` reads its own (format,
-    /// tokenizer, token dtype, attention).
-    #[serde(skip_serializing_if = "DataPaths::is_empty")]
+    /// tokenizer, token dtype, attention); `data` is another name for it.
+    #[serde(skip_serializing_if = "DataPaths::is_empty", alias = "data")]
     pub path: DataPaths,
     /// Windows of `seq + 1` tokens each evaluation reads (the first ones,
     /// in file order: the same every time).

@@ -533,6 +533,18 @@ impl TrainConfig {
 mod tests {
     use super::*;
 
+    /// `[eval] data` names the held-out files as `[eval] path` does.
+    #[test]
+    fn eval_data_is_another_name_for_eval_path() {
+        let by = |key: &str| {
+            TrainConfig::from_toml(&format!("[eval]\nevery = 5\n{key} = \"val.txt\"\n"))
+                .unwrap()
+                .eval
+        };
+        assert_eq!(by("data"), by("path"));
+        assert_eq!(by("data").path.0, [std::path::PathBuf::from("val.txt")]);
+    }
+
     /// Supervised data needs a tokenizer; its prompt and response fields
     /// mean nothing for other formats.
     #[test]

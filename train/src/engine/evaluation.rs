@@ -1,0 +1,178 @@
+//! Evaluation inside the engine: forward-only passes over held-out
+//! windows with the parameters where training keeps them (a model larger
+//! than the device, or than host memory, evaluates offloaded as it
+//! trains) on the run's backend and ranks. Each pass is one of the
+//! schedule's planned shapes ([`super::steps::eval_ops`]): the embedding,
+//! every block's forward keeping nothing, the loss; no gradient, update or
+//! activation is written, and the next step finds every tensor home.
+//!
+//! Windows are read in file order, each once: pass `p` takes windows
+//! `p x world x per_rank ..`, rank `r` its `r`-th slice of them. The last
+//! pass is padded with sequences whose every target is masked, which count
+//! nothing. The loss is the mean over the targets counted on every rank,
+//! as the training step's with loss masks.
+
+use std::time::Instant;
+
+use strata_runtime::Tier;
+use strata_scheduler::{StepOp, Work};
+
+use crate::error::{Result, bad};
+use crate::evaluate::Evaluation;
+use crate::model::OUTER;
+
+use super::data::NOT_A_TARGET;
+use super::step_loop::count_targets;
+use super::steps::label;
+use super::tensors::processor_tier;
+use super::{Corpus, Engine, TierBytes, eval_shape};
+
+impl Engine {
+    /// The mean loss of the model as it stands (the last step's update
+    /// applied) over the first `windows_max` windows of `corpus` (all of
+    /// them without it), forward only, `progress` told of the windows each
+    /// pass reads (every rank's). Every rank calls it together with the
+    /// same corpus; each gets the whole evaluation. The training state is
+    /// untouched: the next step computes what it would have.
+    pub fn evaluate(
+        &mut self,
+        corpus: &Corpus,
+        windows_max: Option<u64>,
+        progress: &dyn Fn(u64),
+    ) -> Result<Evaluation> {
+        self.flush()?;
+        let seq = self.env.model().seq();
+        if corpus.seq() != seq {
+            return Err(bad(
+                "seq",
+                corpus.seq(),
+                format!("the corpus was cut for sequences of {seq} tokens, the model's"),
+            ));
+        }
+        let windows = windows_max.map_or(corpus.windows(), |n| n.min(corpus.windows()));
+        if windows == 0 {
+            return Err(bad(
+                "windows",
+                0,
+                "evaluate at least one window of the data",
+            ));
+        }
+        let (rank, world) = (self.env.rank(), self.env.world());
+        let mut tokens = vec![0u32; self.env.tokens_per_step()];
+        let per_rank = (tokens.len() / (seq + 1)) as u64;
+        let per_pass = per_rank * world as u64;
+        let rows = (self.env.config().train.micro_batch * seq) as f64;
+        let started = Instant::now();
+        // This rank's sum of the micro-batches' losses over their rows,
+        // and its targets counted.
+        let mut totals = [0.0f64, 0.0];
+        for first in (0..windows).step_by(per_pass as usize) {
+            let mine = first + rank as u64 * per_rank;
+            for (i, sequence) in tokens.chunks_exact_mut(seq + 1).enumerate() {
+                match mine + i as u64 {
+                    w if w < windows => corpus.window(w, sequence),
+                    // Past the last window: nothing counts.
+                    _ => sequence.fill(NOT_A_TARGET),
+                }
+            }
+            totals[1] += count_targets(&tokens, seq) as f64;
+            let losses = self.forward_pass(&tokens);
+            let losses = match losses {
+                Ok(losses) => losses,
+                Err(err) => {
+                    // Part way through a pass the moves are no step's.
+                    self.state.fail();
+                    return Err(err);
+                }
+            };
+            totals[0] += losses * rows;
+            progress(per_pass.min(windows - first));
+        }
+        if world > 1 {
+            self.env.collective().all_reduce_scalars(&mut totals)?;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let [sum, counted] = totals;
+        if counted == 0.0 {
+            return Err(bad(
+                "targets",
+                0,
+                "every target of the windows read is masked: evaluate data with loss targets",
+            ));
+        }
+        let loss = sum / counted;
+        let stats = self.env.runtime().stats();
+        let mut peak = [0, 1, 2].map(|i| stats.tiers[i].peak_bytes);
+        peak[Tier::Device.index()] += self.schedule.prediction().workspace_bytes;
+        Ok(Evaluation {
+            windows,
+            targets: counted as u64,
+            loss,
+            perplexity: loss.exp(),
+            seconds,
+            tokens_per_s: (windows * seq as u64) as f64 / seconds.max(1e-9),
+            peak_bytes: TierBytes::from_array(peak),
+        })
+    }
+
+    /// One forward-only pass over this rank's `tokens` (a step's worth):
+    /// the sum of its micro-batches' mean losses.
+    fn forward_pass(&mut self, tokens: &[u32]) -> Result<f64> {
+        let shape = eval_shape(self.moves.current());
+        let ops = self.schedule.take_ops(shape);
+        let result = self.run_pass(&ops, tokens);
+        self.schedule.end_ops(ops);
+        result
+    }
+
+    fn run_pass(&mut self, ops: &[StepOp], tokens: &[u32]) -> Result<f64> {
+        self.schedule.begin_step(&ops[0].op);
+        self.issue_actions(false)?;
+        self.issue_actions(true)?;
+        let mut losses = Vec::with_capacity(self.env.config().train.in_flight());
+        for step_op in ops {
+            let started = Instant::now();
+            self.announce(&step_op.op)?;
+            let tier = processor_tier(step_op.op.processor);
+            for access in &step_op.op.accesses {
+                self.moves.settle_fetch(access.tensor as usize, tier)?;
+            }
+            match step_op.work {
+                Work::EmbedForward { m } => {
+                    self.gather(OUTER)?;
+                    self.ws.embed_forward(&self.env, m, tokens)?;
+                }
+                Work::Forward {
+                    m,
+                    layer,
+                    keep: false,
+                    ..
+                } => {
+                    self.gather(layer + 1)?;
+                    self.ws.block_forward(&self.env, m, layer)?;
+                }
+                Work::Loss { m } => {
+                    self.gather(OUTER)?;
+                    // The training head with no gradient wanted (scale 0):
+                    // the same loss, bit for bit, as a step's forward.
+                    losses.push(self.ws.head(&self.env, m, 0.0)?);
+                }
+                other => unreachable!("{other:?} in a forward-only pass"),
+            }
+            let (what, group, micro_batch) = label(step_op.work);
+            let what = match step_op.work {
+                Work::EmbedForward { .. } => "eval: embed forward",
+                _ => what,
+            };
+            self.env.runtime().record_compute(
+                what,
+                group as u32,
+                micro_batch.map(|m| m as u32),
+                started,
+            );
+            self.issue_actions(true)?;
+        }
+        self.end_step()?;
+        losses.into_iter().map(|loss| Ok(loss.get()?)).sum()
+    }
+}
