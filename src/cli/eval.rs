@@ -132,7 +132,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         args.json,
         "{spinner} evaluating [{bar:30}] {pos}/{len} windows ({elapsed})",
     );
-    let result = strata_train::evaluate::evaluate(
+    let result = strata_train::evaluate(
         &config,
         checkpoint.as_ref(),
         &corpus,

@@ -6,7 +6,7 @@
 //! parts that own their fields: `Engine::new(config, collective)`, then
 //! `engine.step(tokens)`), [`run`] (whole runs, ranks as threads,
 //! checkpoints) and [`TrainConfig`]; [`evaluate`]: a model's loss and
-//! perplexity over held-out data; [`generate`]: a trained model, decoded
+//! perplexity over held-out data, its parameters placed as in training; [`generate`]: a trained model, decoded
 //! a token at a time with a key/value cache.
 //!
 //! ```no_run
@@ -20,7 +20,6 @@
 
 pub mod engine;
 mod error;
-pub mod evaluate;
 pub mod generate;
 pub mod hf;
 pub mod model;
@@ -29,10 +28,10 @@ pub use engine::{
     ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
     DATA_FILES_MAX, DOCUMENT_START, DataAttention, DataConfig, DataFormat, DataOrder, DataPaths,
     DataPosition, DataReader, DeepSpeedMapping, Difference, EVAL_WINDOWS_DEFAULT, Engine,
-    EvalConfig, Faults, GRAD_ACCUMULATION_MAX, Keys, ModelConfig, NOT_A_TARGET, OptimConfig,
-    Placement, PlacementConfig, Prediction, Progress, RANKS_MAX, ROUNDING_STOCHASTIC, RUN_CONFIG,
-    RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, StopRequest,
+    EvalConfig, Evaluation, Faults, GRAD_ACCUMULATION_MAX, Keys, ModelConfig, NOT_A_TARGET,
+    OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX, ROUNDING_STOCHASTIC,
+    RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, StopRequest,
     TextTokenizer, TierBytes, TokenDtype, Tokenized, TrainConfig, TrainSettings, WarmupType,
-    from_deepspeed_json, run, tokenize, tokenize_bytes, window_start,
+    evaluate, from_deepspeed_json, run, tokenize, tokenize_bytes, window_start,
 };
 pub use error::{Result, TrainError};

@@ -13,11 +13,11 @@ use std::path::Path;
 use strata_device::{View, ViewMut};
 use strata_kernels::CpuBackend;
 use strata_storage::ByteSize;
-use strata_train::evaluate::{Evaluation, evaluate};
 use strata_train::hf::HfFolder;
 use strata_train::model::forward_logits;
 use strata_train::{
-    ComputeDtype, Corpus, Engine, NOT_A_TARGET, Placement, TokenDtype, Tokenized, TrainConfig,
+    ComputeDtype, Corpus, Engine, Evaluation, NOT_A_TARGET, Placement, TokenDtype, Tokenized,
+    TrainConfig, evaluate,
 };
 
 const SEQ: usize = 8;

@@ -1,7 +1,7 @@
 //! Evaluation inside the engine: forward-only passes over held-out
 //! windows with the parameters where training keeps them (a model larger
-//! than the device, or than host memory, evaluates offloaded as it
-//! trains) on the run's backend and ranks. Each pass is one of the
+//! than the device evaluates offloaded, as it trains) on the run's backend
+//! and ranks; `run.rs`'s `evaluate` runs it on a checkpoint. Each pass is one of the
 //! schedule's planned shapes ([`super::steps::eval_ops`]): the embedding,
 //! every block's forward keeping nothing, the loss; no gradient, update or
 //! activation is written, and the next step finds every tensor home.
@@ -18,7 +18,6 @@ use strata_runtime::Tier;
 use strata_scheduler::{StepOp, Work};
 
 use crate::error::{Result, bad};
-use crate::evaluate::Evaluation;
 use crate::model::OUTER;
 
 use super::data::NOT_A_TARGET;
@@ -26,6 +25,26 @@ use super::step_loop::count_targets;
 use super::steps::label;
 use super::tensors::processor_tier;
 use super::{Corpus, Engine, TierBytes, eval_shape};
+
+/// What an evaluation measured.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Evaluation {
+    /// Windows read (sequences of `seq + 1` tokens).
+    pub windows: u64,
+    /// Targets the loss counted.
+    pub targets: u64,
+    /// The mean cross-entropy over them (nats).
+    pub loss: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+    /// Seconds the forward passes took.
+    pub seconds: f64,
+    /// Tokens (inputs) read a second.
+    pub tokens_per_s: f64,
+    /// Rank 0's peak bytes per tier so far (device including the compute
+    /// workspace): during a run, the run's.
+    pub peak_bytes: TierBytes,
+}
 
 impl Engine {
     /// The mean loss of the model as it stands (the last step's update

@@ -96,7 +96,8 @@ pub use data::{
     tokenize_bytes, window_start,
 };
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
-pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, TierBytes, evaluate, run};
+pub use evaluation::Evaluation;
+pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, evaluate, run};
 pub use stop::StopRequest;
 
 pub use env::Faults;
@@ -170,6 +171,32 @@ pub struct StepReport {
     /// step evaluated (`[eval]`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+}
+
+/// Bytes per tier, by name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TierBytes {
+    /// Device memory (the runtime's tier plus the compute workspace).
+    pub device: u64,
+    /// Pinned host memory.
+    pub host: u64,
+    /// The NVMe swap store.
+    pub nvme: u64,
+}
+
+impl TierBytes {
+    pub(crate) fn from_array(bytes: [u64; 3]) -> TierBytes {
+        TierBytes {
+            device: bytes[0],
+            host: bytes[1],
+            nvme: bytes[2],
+        }
+    }
+
+    /// In [`Tier::ALL`] order.
+    pub fn as_array(&self) -> [u64; 3] {
+        [self.device, self.host, self.nvme]
+    }
 }
 
 /// What the plans predict per tier for this rank.

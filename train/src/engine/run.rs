@@ -9,12 +9,13 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use super::evaluation::Evaluation;
 use super::ownership::{DirLock, Holder, lock_dir};
 use super::{
-    ByteCorpus, Checkpoint, Corpus, DataReader, Engine, StepReport, StopRequest, TrainConfig,
+    ByteCorpus, Checkpoint, Corpus, DataReader, Engine, StepReport, StopRequest, TierBytes,
+    TrainConfig,
 };
 use crate::error::{Result, TrainError, os};
-use crate::evaluate::Evaluation;
 use strata_comm::{Collective, InProcess};
 use strata_device::Cancel;
 use strata_runtime::Stats;
@@ -56,32 +57,6 @@ pub struct CheckpointFailure {
     pub step: u64,
     /// Why, with the fix.
     pub cause: String,
-}
-
-/// Bytes per tier, by name.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct TierBytes {
-    /// Device memory (the runtime's tier plus the compute workspace).
-    pub device: u64,
-    /// Pinned host memory.
-    pub host: u64,
-    /// The NVMe swap store.
-    pub nvme: u64,
-}
-
-impl TierBytes {
-    pub(super) fn from_array(bytes: [u64; 3]) -> TierBytes {
-        TierBytes {
-            device: bytes[0],
-            host: bytes[1],
-            nvme: bytes[2],
-        }
-    }
-
-    /// In [`Tier::ALL`] order.
-    pub fn as_array(&self) -> [u64; 3] {
-        [self.device, self.host, self.nvme]
-    }
 }
 
 /// The outcome of a run (memory figures are rank 0's; every rank's are
