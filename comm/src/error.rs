@@ -71,6 +71,38 @@ pub enum CommError {
         /// Its device.
         kind: strata_device::DeviceKind,
     },
+    /// An operation's peers did not answer within the group's timeout (a
+    /// rank that died, hung or is stuck far behind).
+    #[error(
+        "{op} of {bytes} bytes: no answer from rank(s) {peers:?} after {waited_s:.1} s (the peer died, hung, or is far behind): the run stops; raise [comm] timeout_s if the ranks are only slow"
+    )]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// Its bytes on this rank.
+        bytes: u64,
+        /// The ranks it still waited for.
+        peers: Vec<usize>,
+        /// Seconds waited.
+        waited_s: f64,
+    },
+    /// An earlier operation of the group was given up (timeout or
+    /// cancel): the group cannot be used again.
+    #[error(
+        "{op}: an earlier operation of this group was given up (a timeout or a cancel), so it cannot be used again"
+    )]
+    Abandoned {
+        /// The operation refused.
+        op: &'static str,
+    },
+    /// MPI could not be set up.
+    #[error("MPI: {problem}; {fix}")]
+    Mpi {
+        /// What went wrong.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// The device failed.
     #[error(transparent)]
     Device(#[from] DeviceError),

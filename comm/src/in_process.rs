@@ -4,10 +4,10 @@
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use half::{bf16, f16};
 use strata_device::{Cancel, DeviceKind, Dtype, Fence, Raw, View, ViewMut};
 
 use crate::error::{CommError, Result};
+use crate::sum::sum_in_rank_order;
 use crate::{Collective, ProcessGroups};
 
 /// Scalars one [`Collective::all_reduce_scalars`] may carry.
@@ -194,7 +194,13 @@ impl InProcess {
     /// Once every rank has posted: sums their posts' elements from `start`
     /// into `out` in rank order, then waits for every rank to have read.
     fn sum_posted(&self, op: &'static str, start: usize, out: &mut ViewMut<'_>) -> Result<Fence> {
-        let summed = sum_into(op, &self.shared.slots, start, out);
+        let width = out.dtype().bytes() as usize;
+        let slots = &self.shared.slots;
+        let summed = sum_in_rank_order(op, slots.len(), out, &|rank, from, len, add| {
+            let slot = slots[rank].lock().expect("collective slot");
+            let bytes: &[u8] = bytemuck::cast_slice(&slot);
+            add(&bytes[(start + from) * width..(start + from + len) * width]);
+        });
         self.shared.gate.wait()?;
         summed.map(|()| Fence::ready())
     }
@@ -250,7 +256,11 @@ impl Drop for InProcess {
 }
 
 /// The bytes of a contiguous host view.
-fn view_bytes<'a>(op: &'static str, what: &'static str, view: &View<'a>) -> Result<&'a [u8]> {
+pub(crate) fn view_bytes<'a>(
+    op: &'static str,
+    what: &'static str,
+    view: &View<'a>,
+) -> Result<&'a [u8]> {
     reach(op, what, view.raw())?;
     Ok(view.host_bytes().expect("checked: contiguous host memory"))
 }
@@ -264,7 +274,7 @@ fn pack(bytes: &[u8], words: &mut Vec<u32>) {
 }
 
 /// Bytes of a contiguous host view, or why it cannot be reached.
-fn reach(op: &'static str, what: &'static str, raw: Raw) -> Result<usize> {
+pub(crate) fn reach(op: &'static str, what: &'static str, raw: Raw) -> Result<usize> {
     if raw.kind != DeviceKind::Cpu {
         return Err(CommError::Unreachable {
             op,
@@ -283,7 +293,7 @@ fn reach(op: &'static str, what: &'static str, raw: Raw) -> Result<usize> {
     Ok(raw.len() * raw.dtype.bytes() as usize)
 }
 
-fn same_dtype(op: &'static str, a: Dtype, b: Dtype) -> Result<()> {
+pub(crate) fn same_dtype(op: &'static str, a: Dtype, b: Dtype) -> Result<()> {
     if a != b {
         return Err(CommError::Dtype {
             op,
@@ -303,85 +313,6 @@ fn copy_out(op: &'static str, words: &[u32], out: ViewMut<'_>) -> Result<()> {
         .expect("checked: contiguous host memory");
     target.copy_from_slice(&source[..bytes]);
     Ok(())
-}
-
-/// Elements of 16-bit sums kept in fp32 at once (on the stack).
-const NARROW_CHUNK: usize = 256;
-
-/// Adds the part `start..start + len` (elements) of each rank's slot, in
-/// rank order, into `out`. Each slot is locked in turn: nothing is
-/// allocated.
-fn sum_into(
-    op: &'static str,
-    slots: &[Mutex<Vec<u32>>],
-    start: usize,
-    out: &mut ViewMut<'_>,
-) -> Result<()> {
-    let dtype = out.dtype();
-    let len = out.len();
-    match dtype {
-        Dtype::F32 => {
-            let out = out.host::<f32>().expect("checked host");
-            out.fill(0.0);
-            for slot in slots {
-                let slot = slot.lock().expect("collective slot");
-                let part: &[f32] = bytemuck::cast_slice(&slot);
-                for (s, v) in out.iter_mut().zip(&part[start..start + len]) {
-                    *s += v;
-                }
-            }
-        }
-        Dtype::Bf16 => sum_narrow::<bf16>(slots, start, out.host::<bf16>().expect("checked host")),
-        Dtype::F16 => sum_narrow::<f16>(slots, start, out.host::<f16>().expect("checked host")),
-        Dtype::U32 => {
-            return Err(CommError::Dtype {
-                op,
-                dtype,
-                why: "integers are gathered, not summed",
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Sums 16-bit floats in fp32, in rank order, rounding once at the end,
-/// [`NARROW_CHUNK`] elements at a time.
-fn sum_narrow<T: bytemuck::Pod + Into<f32> + HalfFrom>(
-    slots: &[Mutex<Vec<u32>>],
-    start: usize,
-    out: &mut [T],
-) {
-    let mut sums = [0.0f32; NARROW_CHUNK];
-    for (c, chunk) in out.chunks_mut(NARROW_CHUNK).enumerate() {
-        let from = start + c * NARROW_CHUNK;
-        let sums = &mut sums[..chunk.len()];
-        sums.fill(0.0);
-        for slot in slots {
-            let slot = slot.lock().expect("collective slot");
-            let part: &[T] = bytemuck::cast_slice(&slot);
-            for (sum, v) in sums.iter_mut().zip(&part[from..from + chunk.len()]) {
-                *sum += (*v).into();
-            }
-        }
-        for (o, sum) in chunk.iter_mut().zip(sums.iter()) {
-            *o = T::from_f32_rne(*sum);
-        }
-    }
-}
-
-/// Rounding from fp32, as `half` does it.
-trait HalfFrom {
-    fn from_f32_rne(value: f32) -> Self;
-}
-impl HalfFrom for bf16 {
-    fn from_f32_rne(value: f32) -> Self {
-        bf16::from_f32(value)
-    }
-}
-impl HalfFrom for f16 {
-    fn from_f32_rne(value: f32) -> Self {
-        f16::from_f32(value)
-    }
 }
 
 impl InProcess {
@@ -555,6 +486,7 @@ impl Collective for InProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
 
     fn run<T: Send>(world: usize, f: impl Fn(&InProcess) -> T + Sync) -> Vec<T> {
         let ranks = InProcess::group(world, 64);
@@ -568,6 +500,26 @@ mod tests {
         c.all_gather(View::host_slice(shard), ViewMut::host_slice(out))?
             .wait()?;
         Ok(())
+    }
+
+    /// The suite every backend passes, for 1 to 4 ranks as threads.
+    #[test]
+    fn ranks_as_threads_pass_the_conformance_suite() {
+        for world in 1..=4 {
+            let elems_max = 4 * 1031 + 8;
+            let ranks = InProcess::group(world, elems_max);
+            let failures: Vec<String> = std::thread::scope(|scope| {
+                let handles: Vec<_> = ranks
+                    .iter()
+                    .map(|r| scope.spawn(move || crate::conformance::check(r, elems_max)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .filter_map(|h| h.join().unwrap().err())
+                    .collect()
+            });
+            assert!(failures.is_empty(), "{world} ranks: {failures:?}");
+        }
     }
 
     #[test]

@@ -29,11 +29,17 @@
 //!
 //! [`Fence::ready`]: strata_device::Fence::ready
 
+pub mod conformance;
 mod error;
 mod in_process;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod sum;
 
 pub use error::{CommError, Result};
 pub use in_process::{InProcess, SCALARS_MAX};
+#[cfg(feature = "mpi")]
+pub use mpi::{Comparison, Mpi, MpiWorld};
 
 use strata_device::{Fence, View, ViewMut};
 
