@@ -20,7 +20,18 @@ const FENCE_LANGUAGES: [&str; 6] = ["sh", "python", "rust", "toml", "json", "tex
 
 /// README commands that CI runs in another form: (the README's command,
 /// the line of `.ci/run` that runs it).
-const RUN_BY_CI_AS: [(&str, &str); 2] = [
+const RUN_BY_CI_AS: [(&str, &str); 4] = [
+    // The MPI build, and two processes of the two-rank example under
+    // mpirun against its two threads: the test builds the binary with the
+    // feature and runs the example's model and placement that way.
+    (
+        "cargo build --release --features mpi",
+        "STRATA_REQUIRE_MPI=1 cargo test -p strata --features mpi --test mpi",
+    ),
+    (
+        "mpirun -n 2 strata train --config examples/configs/zero3-2rank.toml",
+        "STRATA_REQUIRE_MPI=1 cargo test -p strata --features mpi --test mpi",
+    ),
     // `cargo run --release` builds the same release binary first.
     ("cargo build --release", "cargo run --release -- train"),
     // The same package through the same build backend (maturin), as the

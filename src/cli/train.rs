@@ -476,6 +476,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         print!("{}", shown.to_toml()?);
         return Ok(ExitCode::SUCCESS);
     }
+    // Ranks as processes when a launcher started this one.
+    let launch = engine::Launch::of_this_process()?;
+    if let Some(launch) = &launch {
+        launch.check_ranks(config.train.ranks)?;
+    }
     let corpus = open_data(&config, args.json)?;
     if args.stop_after == Some(0) {
         bail!("--stop-after 0 runs no step: give the step to stop after, from 1");
@@ -566,14 +571,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     .into_iter()
     .flatten()
     .collect();
+    // (Not under a launcher: every process's rank has its own
+    // subdirectory there, which it empties itself.)
+    let launched = launch.as_ref().is_some_and(|l| l.world > 1);
     let created: Vec<PathBuf> = match &config.nvme {
-        Some(nvme) if nvme.create_dirs && config.uses_nvme() && nvme.dirs == defaults => nvme
-            .dirs
-            .iter()
-            .filter(|dir| !dir.exists())
-            .filter(|dir| !outputs.iter().any(|out| out.starts_with(dir)))
-            .cloned()
-            .collect(),
+        Some(nvme)
+            if nvme.create_dirs && config.uses_nvme() && nvme.dirs == defaults && !launched =>
+        {
+            nvme.dirs
+                .iter()
+                .filter(|dir| !dir.exists())
+                .filter(|dir| !outputs.iter().any(|out| out.starts_with(dir)))
+                .cloned()
+                .collect()
+        }
         _ => Vec::new(),
     };
     let swap = RemoveOnDrop {
@@ -588,7 +599,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut metrics = Metrics::new(config.train.checkpoint_dir.as_deref(), resumed_step);
     let mut moved_before = [0u64; 4];
     let mut timing = StopTiming::default();
-    let summary = engine::run(&config, &corpus, &options, &mut |progress| {
+    let ranks = match &launch {
+        Some(launch) if launch.world > 1 => Ranks::Processes(open_process_rank(launch, &config)?),
+        _ => Ranks::Threads,
+    };
+    let mut on_step = |progress: engine::Progress<'_>| {
         let r = progress.report;
         timing.observe(
             r.seconds,
@@ -617,7 +632,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         };
         if bar.is_hidden()
             && !args.json
-            && (r.step % args.log_every == 0 || r.step == 1 || r.step == total)
+            && (r.step.is_multiple_of(args.log_every) || r.step == 1 || r.step == total)
         {
             let eval = r
                 .eval_loss
@@ -649,7 +664,30 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             strata_scheduler::gib(step_moved[Link::NvmeToHost.index()]),
             strata_scheduler::gib(step_moved[Link::HostToNvme.index()]),
         );
-    });
+    };
+    let (summary, rank, held) = match ranks {
+        Ranks::Threads => (
+            engine::run(&config, &corpus, &options, &mut on_step).map(Some),
+            None,
+            None,
+        ),
+        Ranks::Processes(process) => {
+            let rank = process.rank.collective.rank();
+            let outcome =
+                engine::run_process(&config, &corpus, &options, process.rank, &mut on_step);
+            (outcome, Some(rank), Some(process.world))
+        }
+    };
+    // Every rank of a job leaves together once rank 0 has said its piece:
+    // a launcher ends the job at the first process that exits non-zero
+    // (143 after a SIGTERM), which must not cut rank 0 short.
+    let timeout = Duration::from_secs_f64(config.comm.timeout_s);
+    let leave = |held: Option<World>, code: ExitCode| {
+        if let Some(world) = held {
+            rendezvous(world, timeout);
+        }
+        code
+    };
     bar.finish_and_clear();
     let summary = match summary {
         Err(TrainError::Aborted { code }) => {
@@ -665,11 +703,28 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             );
             return Ok(ExitCode::from(super::signals::exit_status(code)));
         }
-        other => other?,
+        Err(err) => {
+            return Err(match rank {
+                Some(rank) => anyhow::Error::new(err).context(format!(
+                    "rank {rank} of {}",
+                    launch.as_ref().map_or(1, |l| l.world)
+                )),
+                None => err.into(),
+            });
+        }
+        Ok(Some(summary)) => summary,
+        // A rank other than 0 of a job: rank 0 reports.
+        Ok(None) => {
+            let code = match options.stop.requested() {
+                Some(signal) => ExitCode::from(super::signals::exit_status(signal)),
+                None => ExitCode::SUCCESS,
+            };
+            return Ok(leave(held, code));
+        }
     };
     print_summary(&summary, config.model.layers, args.json)?;
     let Some(signal) = summary.stopped_by else {
-        return Ok(ExitCode::SUCCESS);
+        return Ok(leave(held, ExitCode::SUCCESS));
     };
     eprintln!(
         "stopped by {} after step {}{}",
@@ -681,7 +736,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             _ => " (no checkpoint: the run writes none)".into(),
         }
     );
-    Ok(ExitCode::from(super::signals::exit_status(signal)))
+    Ok(leave(
+        held,
+        ExitCode::from(super::signals::exit_status(signal)),
+    ))
 }
 
 /// What stays when the run is stopped mid-step: the checkpoint `latest`
@@ -926,4 +984,100 @@ fn print_summary(summary: &RunSummary, layers: usize, json: bool) -> anyhow::Res
         println!("{}", serde_json::to_string(summary)?);
     }
     Ok(())
+}
+
+/// Where the run's ranks are.
+enum Ranks {
+    /// Threads of this process (`train.ranks`).
+    Threads,
+    /// This process is one rank of a launched job.
+    Processes(ProcessMember),
+}
+
+/// This process's rank of a launched job, and what its collective needs
+/// to live (MPI, initialized until the run ends).
+struct ProcessMember {
+    rank: engine::ProcessRank,
+    world: World,
+}
+
+/// MPI, initialized until the run ends.
+#[cfg(feature = "mpi")]
+type World = strata_comm::MpiWorld;
+/// What a build without MPI holds for it (never made: such a build
+/// refuses a launched job).
+#[cfg(not(feature = "mpi"))]
+struct World;
+
+/// Waits (up to `timeout`) until every rank of the job is here, then
+/// finalizes MPI (where no collective was given up).
+#[cfg(feature = "mpi")]
+fn rendezvous(world: World, timeout: Duration) {
+    use strata_comm::Collective;
+    let group = world.group(1, timeout);
+    if let Err(err) = group.all_reduce_scalars(&mut [0.0]) {
+        tracing::warn!("the ranks' last rendezvous: {err}");
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn rendezvous(_: World, _: Duration) {}
+
+/// This process's member of the job `launch` describes: over MPI for
+/// mpirun, srun and PMI launchers (a build with `--features mpi`).
+fn open_process_rank(
+    launch: &engine::Launch,
+    config: &TrainConfig,
+) -> anyhow::Result<ProcessMember> {
+    if !launch.launcher.is_mpi() {
+        bail!(
+            "launched by torchrun ({} processes): ranks that are processes exchange over MPI for now (NCCL for GPUs is not built yet); launch CPU ranks with mpirun -n {} or srun, or run train.ranks = {} as threads of one strata train",
+            launch.world,
+            launch.world,
+            launch.world
+        );
+    }
+    open_mpi_rank(launch, config)
+}
+
+#[cfg(feature = "mpi")]
+fn open_mpi_rank(launch: &engine::Launch, config: &TrainConfig) -> anyhow::Result<ProcessMember> {
+    let world = strata_comm::MpiWorld::init()?;
+    if (world.rank(), world.world()) != (launch.rank, launch.world) {
+        bail!(
+            "{} says rank {} of {}, and MPI says rank {} of {}: launch strata with the MPI it was built against",
+            launch.launcher.name(),
+            launch.rank,
+            launch.world,
+            world.rank(),
+            world.world()
+        );
+    }
+    let ranked = TrainConfig {
+        train: engine::TrainSettings {
+            ranks: launch.world,
+            ..config.train.clone()
+        },
+        ..config.clone()
+    };
+    let elems_max = engine::collective_elems_max(&ranked, launch.world)?;
+    let group = world.group(elems_max, Duration::from_secs_f64(config.comm.timeout_s));
+    let cancel = group.cancel_token();
+    Ok(ProcessMember {
+        rank: engine::ProcessRank {
+            collective: Box::new(group),
+            cancel,
+            local_world: launch.local_world,
+        },
+        world,
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn open_mpi_rank(launch: &engine::Launch, _: &TrainConfig) -> anyhow::Result<ProcessMember> {
+    bail!(
+        "launched by {} ({} processes), and this strata was built without MPI: build it with cargo build --release --features mpi (Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev)",
+        launch.launcher.name(),
+        launch.world
+    )
 }

@@ -25,13 +25,15 @@ pub mod hf;
 pub mod model;
 
 pub use engine::{
-    ByteCorpus, Checkpoint, CheckpointFailure, CheckpointMeta, Checkpointing, ComputeDtype, Corpus,
-    DATA_FILES_MAX, DOCUMENT_START, DataAttention, DataConfig, DataFormat, DataOrder, DataPaths,
-    DataPosition, DataReader, DeepSpeedMapping, Difference, EVAL_WINDOWS_DEFAULT, Engine,
-    EvalConfig, Evaluation, Faults, GRAD_ACCUMULATION_MAX, Keys, ModelConfig, NOT_A_TARGET,
-    OptimConfig, Placement, PlacementConfig, Prediction, Progress, RANKS_MAX, ROUNDING_STOCHASTIC,
+    ByteCorpus, COMM_TIMEOUT_S_DEFAULT, Checkpoint, CheckpointFailure, CheckpointMeta,
+    Checkpointing, CommConfig, ComputeDtype, Corpus, DATA_FILES_MAX, DOCUMENT_START, DataAttention,
+    DataConfig, DataFormat, DataOrder, DataPaths, DataPosition, DataReader, DeepSpeedMapping,
+    Difference, EVAL_WINDOWS_DEFAULT, Engine, EvalConfig, Evaluation, Faults,
+    GRAD_ACCUMULATION_MAX, Keys, Launch, Launcher, ModelConfig, NOT_A_TARGET, OptimConfig,
+    Placement, PlacementConfig, Prediction, ProcessRank, Progress, RANKS_MAX, ROUNDING_STOCHASTIC,
     RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, StopRequest,
     TextTokenizer, TierBytes, TokenDtype, Tokenized, TrainConfig, TrainSettings, WarmupType,
-    evaluate, from_deepspeed_json, run, tokenize, tokenize_bytes, window_start,
+    collective_elems_max, evaluate, from_deepspeed_json, run, run_process, tokenize,
+    tokenize_bytes, window_start,
 };
 pub use error::{Result, TrainError};

@@ -70,6 +70,7 @@ mod durable;
 mod env;
 mod evaluation;
 mod lane;
+mod launch;
 mod loss;
 mod moves;
 mod optimizer;
@@ -84,11 +85,11 @@ mod tensors;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta, ROUNDING_STOCHASTIC};
 pub use config::{
-    COS_MIN_RATIO_DEFAULT, Checkpointing, ComputeDtype, DataAttention, DataConfig, DataFormat,
-    DataPaths, Difference, EVAL_WINDOWS_DEFAULT, EvalConfig, GRAD_ACCUMULATION_MAX,
-    INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig, Placement, PlacementConfig, RANKS_MAX,
-    RUN_CONFIG, Schedule, StateCache, StateDtype, TrainConfig, TrainSettings,
-    WARMUP_NUM_STEPS_DEFAULT, WarmupType,
+    COMM_TIMEOUT_S_DEFAULT, COS_MIN_RATIO_DEFAULT, Checkpointing, CommConfig, ComputeDtype,
+    DataAttention, DataConfig, DataFormat, DataPaths, Difference, EVAL_WINDOWS_DEFAULT, EvalConfig,
+    GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig, Placement,
+    PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache, StateDtype, TrainConfig,
+    TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{
     ByteCorpus, Corpus, DATA_FILES_MAX, DOCUMENT_START, DataOrder, DataPosition, DataReader,
@@ -97,7 +98,11 @@ pub use data::{
 };
 pub use deepspeed::{DeepSpeedMapping, from_deepspeed_json};
 pub use evaluation::Evaluation;
-pub use run::{CheckpointFailure, Progress, RunOptions, RunSummary, evaluate, run};
+pub use launch::{Launch, Launcher};
+pub use run::{
+    CheckpointFailure, ProcessRank, Progress, RunOptions, RunSummary, collective_elems_max,
+    evaluate, run, run_process,
+};
 pub use stop::StopRequest;
 
 pub use env::Faults;
@@ -223,6 +228,9 @@ pub struct Engine {
     lane: Lane,
     loss: Loss,
     state: StepState,
+    /// The run's config as its checkpoints record it, where it differs
+    /// from the rank's own (a process's share of the machine's budgets).
+    run_config: Option<String>,
 }
 
 impl Engine {
@@ -338,7 +346,16 @@ impl Engine {
             ws,
             lane,
             state,
+            run_config: None,
         })
+    }
+
+    /// Records `config` as the run's in its checkpoints (what `--resume`
+    /// alone starts from) instead of this rank's own: a rank that is a
+    /// process runs with its share of the machine's budgets.
+    pub fn record_run_config(&mut self, config: &TrainConfig) -> Result<()> {
+        self.run_config = Some(config.to_toml()?);
+        Ok(())
     }
 
     /// The model it trains.

@@ -124,13 +124,105 @@ pub struct Progress<'a> {
     pub checkpoint_estimate_s: Option<f64>,
 }
 
-/// Runs `config` on `corpus`, calling `progress` after every step.
+/// Runs `config` on `corpus`, its `train.ranks` ranks threads of this
+/// process, calling `progress` after every step.
 pub fn run(
     config: &TrainConfig,
     corpus: &ByteCorpus,
     options: &RunOptions,
     progress: &mut dyn FnMut(Progress<'_>),
 ) -> Result<RunSummary> {
+    let summary = run_members(config, corpus, options, Members::Threads, progress)?;
+    Ok(summary.expect("rank 0 reports"))
+}
+
+/// One rank of a run whose ranks are processes (launched by mpirun, srun
+/// or torchrun): its member of the job's group, and the processes on its
+/// machine.
+pub struct ProcessRank {
+    /// This process's member of the group of every rank.
+    pub collective: Box<dyn Collective>,
+    /// Ends the group's waits (the run's abort reaches them).
+    pub cancel: Cancel,
+    /// The job's processes on this machine, among which `host.budget` and
+    /// `nvme.capacity` (per machine) are divided.
+    pub local_world: usize,
+}
+
+/// Runs this process's rank of `config` (`train.ranks` 1 or the job's
+/// processes): `host.budget` and `nvme.capacity` divided among the
+/// machine's processes, swap files under each `nvme.dirs` entry's
+/// `rank{N}` (each rank locking its own), the checkpoint directory locked
+/// by rank 0, whose `progress` hears of every step and who alone returns
+/// the summary.
+pub fn run_process(
+    config: &TrainConfig,
+    corpus: &ByteCorpus,
+    options: &RunOptions,
+    rank: ProcessRank,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<Option<RunSummary>> {
+    let world = rank.collective.world();
+    if config.train.ranks != 1 && config.train.ranks != world {
+        return Err(crate::error::bad(
+            "train.ranks",
+            config.train.ranks,
+            format!(
+                "the launcher started {world} processes, each one rank: set train.ranks = 1 or {world}"
+            ),
+        ));
+    }
+    let local = rank.local_world.max(1) as u64;
+    let given = config;
+    let mut config = config.clone();
+    config.train.ranks = world;
+    config.host.budget.0 /= local;
+    if let Some(nvme) = config.nvme.as_mut() {
+        nvme.capacity.0 /= local;
+    }
+    let given = TrainConfig {
+        train: super::TrainSettings {
+            ranks: world,
+            ..given.train.clone()
+        },
+        ..given.clone()
+    };
+    let member = Box::new((rank.collective, rank.cancel, given));
+    run_members(&config, corpus, options, Members::Process(member), progress)
+}
+
+/// The most elements one exchange of a run of `config` over `world` ranks
+/// carries: what a process's collective is sized for.
+pub fn collective_elems_max(config: &TrainConfig, world: usize) -> Result<usize> {
+    Ok(super::tensors::collective_elems_max(
+        &*config.model.build()?,
+        world,
+    ))
+}
+
+/// Where a run's ranks are.
+enum Members {
+    /// Every rank a thread of this process (`train.ranks` of them).
+    Threads,
+    /// This process is one rank of a job, and the run's config as its
+    /// checkpoints record it (the machine's budgets, not the process's).
+    Process(Box<(Box<dyn Collective>, Cancel, TrainConfig)>),
+}
+
+/// [`run`] and [`run_process`]: the checks, then each member of this
+/// process on its own thread.
+fn run_members(
+    config: &TrainConfig,
+    corpus: &ByteCorpus,
+    options: &RunOptions,
+    members: Members,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<Option<RunSummary>> {
+    // The ranks this process runs.
+    let process_rank = match &members {
+        Members::Threads => None,
+        Members::Process(member) => Some(member.0.rank()),
+    };
     config.validate()?;
     corpus.check_vocab(config.model.vocab)?;
     for (what, corpus) in [("data", Some(corpus)), ("eval", options.eval.as_ref())] {
@@ -193,19 +285,39 @@ pub fn run(
         }
         None => None,
     };
-    let _owned = own_directories(config, options)?;
+    let _owned = own_directories(config, options, process_rank)?;
+    // Rank 0's directory to probe (another process's rank waits for it).
     let checkpoint_estimate_s = match &config.train.checkpoint_dir {
-        Some(dir) => Some(estimate_checkpoint_s(config, dir)?),
-        None => None,
+        Some(dir) if process_rank.is_none_or(|r| r == 0) => {
+            Some(estimate_checkpoint_s(config, dir)?)
+        }
+        _ => None,
     };
     // Budgets the machine cannot give, refused before anything is
     // allocated (the device `auto` resolves to decides which memory).
     resolved.check_machine()?;
-    // Ranks as threads: the in-process group, the one place that names it.
-    let collectives = InProcess::group(
-        world,
-        super::tensors::collective_elems_max(&*config.model.build()?, world),
-    );
+    let (members, recorded): (Vec<(Box<dyn Collective>, Cancel)>, _) = match members {
+        // Ranks as threads: the in-process group, the one place that
+        // names it.
+        Members::Threads => (
+            InProcess::group(
+                world,
+                super::tensors::collective_elems_max(&*config.model.build()?, world),
+            )
+            .into_iter()
+            .map(|member| {
+                let cancel = member.cancel_token();
+                (Box::new(member) as Box<dyn Collective>, cancel)
+            })
+            .collect::<Vec<_>>(),
+            None,
+        ),
+        Members::Process(member) => {
+            let (collective, cancel, given) = *member;
+            (vec![(collective, cancel)], Some(given))
+        }
+    };
+    let recorded = recorded.as_ref();
     let (sender, receiver) = channel::<(StepReport, Stats, Option<f64>)>();
     let stop = options
         .stop_after
@@ -241,7 +353,11 @@ pub fn run(
     }
     // The trace file is created now, so an unwritable path fails before
     // step 1 rather than after the run.
-    let mut trace = match &options.trace {
+    let mut trace = match options
+        .trace
+        .as_ref()
+        .filter(|_| process_rank.is_none_or(|r| r == 0))
+    {
         Some(path) => Some((
             path.clone(),
             std::fs::File::create(path).map_err(|err| {
@@ -256,9 +372,8 @@ pub fn run(
     };
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world);
-        for collective in collectives {
+        for (collective, cancel) in members {
             let rank = collective.rank();
-            let cancel = collective.cancel_token();
             let sender = sender.clone();
             let resume = resume.clone();
             let trace = if rank == 0 { trace.take() } else { None };
@@ -267,9 +382,9 @@ pub fn run(
                     .name(format!("strata-rank-{rank}"))
                     .spawn_scoped(scope, move || {
                         rank_main(
-                            config,
+                            (config, recorded),
                             (corpus, options.eval.as_ref()),
-                            (Box::new(collective), cancel),
+                            (collective, cancel),
                             resume,
                             trace,
                             (stop, &options.stop, options.faults),
@@ -303,9 +418,55 @@ pub fn run(
                 Err(TrainError::Aborted { code })
             }
             (Some(err), _) => Err(err),
-            (None, _) => Ok(summary.expect("rank 0 reports")),
+            (None, _) => Ok(summary),
         }
     })
+}
+
+/// Ranks that are processes, perhaps on several machines, write one
+/// checkpoint directory: a file rank 0 writes there (named by a run id it
+/// makes and every rank receives) must be seen by every rank, or the run
+/// stops before its first step saying why. Every rank calls it together.
+fn check_shared_dir(engine: &Engine, dir: &std::path::Path) -> Result<()> {
+    let rank = engine.env.rank();
+    let made = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    // Exact in an f64 sum: 52 bits of rank 0's, zeros from the others.
+    let mut id = [match rank {
+        0 => ((made ^ u64::from(std::process::id()) << 32) & ((1 << 52) - 1)) as f64,
+        _ => 0.0,
+    }];
+    engine.env.collective().all_reduce_scalars(&mut id)?;
+    let probe = dir.join(format!(".strata-shared-{:013x}", id[0] as u64));
+    if rank == 0 {
+        std::fs::write(&probe, b"strata: every rank must see this file\n").map_err(|err| {
+            os(
+                format!("write {}", probe.display()),
+                err,
+                "choose a writable train.checkpoint_dir",
+            )
+        })?;
+    }
+    engine.any_rank(false)?;
+    let unseen = !probe.exists();
+    let any_unseen = engine.any_rank(unseen)?;
+    engine.any_rank(false)?;
+    if rank == 0 {
+        let _ = std::fs::remove_file(&probe);
+    }
+    if any_unseen {
+        return Err(TrainError::Ownership {
+            what: "train.checkpoint_dir".into(),
+            dir: dir.to_path_buf(),
+            problem: match unseen {
+                true => format!("rank {rank} does not see the file rank 0 wrote there"),
+                false => "a rank does not see the file rank 0 wrote there".into(),
+            },
+            fix: "give a directory on a file system every rank's machine shares (NFS, Lustre, ...): each rank writes its optimizer shard there".into(),
+        });
+    }
+    Ok(())
 }
 
 /// Refuses `corpus` (the `what` data) when the config keeps documents
@@ -430,7 +591,7 @@ pub fn evaluate(
     if resolved != *config {
         resolved.validate()?;
     }
-    let _owned = own_directories(config, &RunOptions::default())?;
+    let _owned = own_directories(config, &RunOptions::default(), None)?;
     resolved.check_machine()?;
     let world = config.train.ranks;
     // Ranks as threads: the in-process group, as a run's.
@@ -539,7 +700,7 @@ fn check_resumed_run(config: &TrainConfig, checkpoint: &Checkpoint) -> Result<()
 /// ends the collective's waits (registered with the run's stop request,
 /// so an abort reaches them).
 fn rank_main(
-    config: &TrainConfig,
+    (config, recorded): (&TrainConfig, Option<&TrainConfig>),
     (corpus, eval): (&ByteCorpus, Option<&Corpus>),
     (collective, cancel): (Box<dyn Collective>, Cancel),
     resume: Option<Checkpoint>,
@@ -552,6 +713,14 @@ fn rank_main(
     request.watch(cancel);
     let mut engine = Engine::with_faults(config, collective, faults)?;
     request.watch(engine.runtime().cancel_token());
+    // A process's rank: its checkpoints record the run's config, and the
+    // ranks must share the checkpoint directory.
+    if let Some(given) = recorded {
+        engine.record_run_config(given)?;
+        if let Some(dir) = &config.train.checkpoint_dir {
+            check_shared_dir(&engine, dir)?;
+        }
+    }
     if let Some(checkpoint) = &resume {
         engine.resume(checkpoint)?;
     }
@@ -768,11 +937,24 @@ fn check_checkpoint_room(config: &TrainConfig, dir: &std::path::Path) -> Result<
 /// Locks the run's checkpoint directory and swap directories for its
 /// life (see [`super::ownership`]), and refuses a checkpoint directory
 /// that already holds checkpoints unless the run resumes or overwrites.
-fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<DirLock>> {
+///
+/// A rank that is a process (`process_rank`) locks its own `rank{N}`
+/// subdirectory of each swap directory, and only rank 0 the checkpoint
+/// directory.
+fn own_directories(
+    config: &TrainConfig,
+    options: &RunOptions,
+    process_rank: Option<usize>,
+) -> Result<Vec<DirLock>> {
     let holder = Holder::this_run();
     let wait = Duration::from_secs_f64(config.train.lock_wait_s);
     let mut owned = Vec::new();
-    if let Some(dir) = &config.train.checkpoint_dir {
+    let checkpoints = config
+        .train
+        .checkpoint_dir
+        .as_ref()
+        .filter(|_| process_rank.is_none_or(|r| r == 0));
+    if let Some(dir) = checkpoints {
         owned.push(lock_dir(dir, "train.checkpoint_dir", &holder, wait)?);
         check_checkpoint_room(config, dir)?;
         // `latest` decides, even when what it names cannot be read: a
@@ -816,7 +998,21 @@ fn own_directories(config: &TrainConfig, options: &RunOptions) -> Result<Vec<Dir
                     ),
                 });
             }
-            owned.push(lock_dir(dir, "nvme.dirs entry", &holder, wait)?);
+            match process_rank {
+                None => owned.push(lock_dir(dir, "nvme.dirs entry", &holder, wait)?),
+                Some(rank) => {
+                    // The rank's own swap subdirectory (the runtime's).
+                    let own = dir.join(format!("rank{rank}"));
+                    std::fs::create_dir_all(&own).map_err(|err| {
+                        os(
+                            format!("create the swap directory {}", own.display()),
+                            err,
+                            "choose a writable directory in nvme.dirs",
+                        )
+                    })?;
+                    owned.push(lock_dir(&own, "nvme.dirs entry", &holder, wait)?);
+                }
+            }
         }
     }
     Ok(owned)

@@ -148,10 +148,14 @@ impl Engine {
                 });
                 write_hf_files(config, env.model(), source.as_deref(), &tmp)?;
                 // The run's own config: `--resume DIR` alone starts from it.
+                let run_config = match &self.run_config {
+                    Some(text) => text.clone(),
+                    None => config.to_toml()?,
+                };
                 write_synced(
                     &RealFs,
                     &tmp.join(crate::engine::config::RUN_CONFIG),
-                    config.to_toml()?.as_bytes(),
+                    run_config.as_bytes(),
                 )?;
             }
             Ok(())

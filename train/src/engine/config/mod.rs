@@ -82,6 +82,31 @@ pub struct TrainConfig {
     pub data: DataConfig,
     /// Held-out data evaluated during training.
     pub eval: EvalConfig,
+    /// Collectives between ranks that are processes.
+    pub comm: CommConfig,
+}
+
+/// The `[comm]` table: how ranks that are processes (under mpirun, srun
+/// or torchrun) exchange.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CommConfig {
+    /// Seconds a collective waits for its peers before the run stops,
+    /// naming the ranks not heard from (a rank that died or hung).
+    pub timeout_s: f64,
+}
+
+/// The collectives' timeout by default, in seconds.
+pub const COMM_TIMEOUT_S_DEFAULT: f64 = 300.0;
+/// The longest timeout a config may give, in seconds.
+pub const COMM_TIMEOUT_S_MAX: f64 = 86_400.0;
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            timeout_s: COMM_TIMEOUT_S_DEFAULT,
+        }
+    }
 }
 
 /// The `[eval]` table: the loss over held-out data every `every` steps
@@ -183,6 +208,7 @@ impl Default for TrainConfig {
             checkpoint: CheckpointConfig::default(),
             data: DataConfig::default(),
             eval: EvalConfig::default(),
+            comm: CommConfig::default(),
         }
     }
 }

@@ -14,8 +14,9 @@ pub const RUN_CONFIG: &str = "strata.toml";
 /// (recomputing gives the same bits) and the folder the first weights came
 /// from (the checkpoint holds the weights now), the held-out evaluation
 /// (it changes no step). A table name covers every key in it.
-const FREE: [&str; 15] = [
+const FREE: [&str; 16] = [
     "placement",
+    "comm",
     "device",
     "host",
     "nvme",

@@ -26,6 +26,17 @@ impl TrainConfig {
             ));
         }
         self.validate_data()?;
+        let timeout = self.comm.timeout_s;
+        if !(timeout.is_finite() && (0.1..=super::COMM_TIMEOUT_S_MAX).contains(&timeout)) {
+            return Err(bad(
+                "comm.timeout_s",
+                timeout,
+                format!(
+                    "give the seconds a collective waits for its peers, 0.1 to {}",
+                    super::COMM_TIMEOUT_S_MAX
+                ),
+            ));
+        }
         let t = &self.train;
         if t.steps == 0 {
             return Err(bad("train.steps", t.steps, "run at least 1 step"));

@@ -1,0 +1,315 @@
+//! Ranks as processes: `strata train` under `mpirun` (a build with
+//! `--features mpi`) against the same run as threads of one process - the
+//! same losses, bit for bit, checkpoints and resume included; a rank
+//! killed with SIGKILL, which every other rank reports by number within
+//! `[comm] timeout_s` plus 10 s, the last checkpoint whole; SIGTERM to
+//! every rank, which stops them all at one step boundary with one final
+//! checkpoint that resumes bit for bit; and a launcher's world that a
+//! config's `train.ranks` contradicts, refused by name. Skipped, saying
+//! why, without `mpirun` (failed instead with `STRATA_REQUIRE_MPI=1`).
+
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The two-rank example's model and placement, `ranks` ranks, `steps`
+/// steps, a checkpoint every `every`, collectives given up after 3 s.
+fn config(dir: &Path, ranks: usize, steps: u64, every: u64) {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/configs/zero3-2rank.toml"),
+    )
+    .unwrap()
+    .replace("ranks = 2", &format!("ranks = {ranks}"))
+    .replace(
+        "steps = 20",
+        &format!("steps = {steps}\ncheckpoint_every = {every}"),
+    ) + "\n[comm]\ntimeout_s = 3\n";
+    std::fs::write(dir.join(format!("r{ranks}.toml")), text).unwrap();
+}
+
+fn strata(dir: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
+    command.env("STRATA_LOG", "warn").current_dir(dir);
+    command
+}
+
+/// mpirun of `processes` strata processes with `args`, or None (skipped)
+/// where there is no mpirun.
+fn mpirun(dir: &Path, processes: usize, extra: &[&str], args: &[&str]) -> Option<Command> {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        if std::env::var_os("STRATA_REQUIRE_MPI").is_some_and(|v| v == "1") {
+            panic!("STRATA_REQUIRE_MPI=1 and no mpirun on PATH (apt-get install openmpi-bin)");
+        }
+        eprintln!("skipped: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)");
+        return None;
+    }
+    let mut command = Command::new("mpirun");
+    command
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("STRATA_LOG", "warn")
+        .current_dir(dir)
+        .args(["--oversubscribe", "-n", &processes.to_string()])
+        .args(extra)
+        .arg(env!("CARGO_BIN_EXE_strata"))
+        .args(args);
+    Some(command)
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The summary's losses (the last JSON line of rank 0's output).
+fn losses(out: &Output) -> Vec<f64> {
+    assert!(out.status.success(), "{}", text(out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no summary: {}", text(out)));
+    let summary: serde_json::Value = serde_json::from_str(line).unwrap();
+    summary["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn processes_under_mpirun_train_the_bits_of_threads_and_resume_them() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 2, 8, 4);
+    let threads = losses(
+        &strata(dir)
+            .args(["train", "--config", "r2.toml", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let Some(mut first) = mpirun(
+        dir,
+        2,
+        &[],
+        &[
+            "train",
+            "--config",
+            "r2.toml",
+            "--checkpoint-dir",
+            "ck",
+            "--stop-after",
+            "4",
+            "--json",
+        ],
+    ) else {
+        return;
+    };
+    let mut processes = losses(&first.output().unwrap());
+    assert!(
+        dir.join("ck/step-00000004/optimizer-rank1.safetensors")
+            .exists()
+    );
+    let mut resumed = mpirun(dir, 2, &[], &["train", "--resume", "ck", "--json"]).unwrap();
+    processes.extend(losses(&resumed.output().unwrap()));
+    assert_eq!(
+        processes, threads,
+        "two processes (4 steps, resumed for 4) against two threads"
+    );
+    // A config of other ranks than the launcher's is refused by name.
+    config(dir, 3, 8, 4);
+    let out = mpirun(dir, 2, &[], &["train", "--config", "r3.toml"])
+        .unwrap()
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let said = text(&out);
+    assert!(
+        said.contains("train.ranks") && said.contains("2 processes"),
+        "{said}"
+    );
+}
+
+/// The processes of `command` (started under mpirun) by rank, once all
+/// `processes` are up.
+fn ranks_of(processes: usize, tag: &str) -> Vec<(usize, u32)> {
+    let started = Instant::now();
+    loop {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+                continue;
+            };
+            let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+            let has = |prefix: &str| vars.iter().find_map(|v| v.strip_prefix(prefix.as_bytes()));
+            if has(&format!("STRATA_MPI_TEST_TAG={tag}")).is_none() {
+                continue;
+            }
+            if let Some(rank) = has("OMPI_COMM_WORLD_RANK=") {
+                let rank = String::from_utf8_lossy(rank).parse().unwrap();
+                found.push((rank, pid));
+            }
+        }
+        if found.len() == processes {
+            found.sort();
+            return found;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{found:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until the checkpoint directory publishes a step.
+fn wait_for_checkpoint(dir: &Path) {
+    let started = Instant::now();
+    while !dir.join("ck/latest").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    // Four processes of one rank each, a checkpoint every 2 steps.
+    config(dir, 1, 100_000, 2);
+    let Some(mut run) = mpirun(
+        dir,
+        4,
+        &["--enable-recovery"],
+        &["train", "--config", "r1.toml", "--checkpoint-dir", "ck"],
+    ) else {
+        return;
+    };
+    let child = run
+        .env("STRATA_MPI_TEST_TAG", "kill")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = ranks_of(4, "kill");
+    wait_for_checkpoint(dir);
+    let killed = Instant::now();
+    let status = Command::new("kill")
+        .args(["-KILL", &ranks[2].1.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let took = killed.elapsed();
+    let said = text(&out);
+    eprintln!(
+        "after SIGKILL of rank 2: {:.1} s\n{said}",
+        took.as_secs_f64()
+    );
+    for rank in [0, 1, 3] {
+        assert!(
+            said.contains(&format!("rank {rank} of 4"))
+                && said.contains("no answer from rank(s) [2]"),
+            "rank {rank}:\n{said}"
+        );
+    }
+    assert!(took < Duration::from_secs(3 + 10), "{took:?}");
+    let verify = strata(dir)
+        .args(["checkpoint", "verify", "ck"])
+        .output()
+        .unwrap();
+    assert!(verify.status.success(), "{}", text(&verify));
+    // SIGTERM to every rank: one boundary, one final checkpoint, 143.
+    std::fs::remove_dir_all(dir.join("ck")).unwrap();
+    let mut run = mpirun(
+        dir,
+        4,
+        &[],
+        &[
+            "train",
+            "--config",
+            "r1.toml",
+            "--checkpoint-dir",
+            "ck",
+            "--json",
+        ],
+    )
+    .unwrap();
+    let child = run
+        .env("STRATA_MPI_TEST_TAG", "term")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = ranks_of(4, "term");
+    wait_for_checkpoint(dir);
+    for (_, pid) in &ranks {
+        Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let out = child.wait_with_output().unwrap();
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(143), "{said}");
+    let latest = std::fs::read_to_string(dir.join("ck/latest")).unwrap();
+    let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+    let stopped: serde_json::Value = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("no summary:\n{said}")),
+    )
+    .unwrap();
+    assert_eq!(stopped["last_step"], step, "{said}");
+    // Resumed for two more steps: the bits of four threads run straight.
+    let resumed = mpirun(
+        dir,
+        4,
+        &[],
+        &[
+            "train",
+            "--resume",
+            "ck",
+            "--stop-after",
+            &(step + 2).to_string(),
+            "--json",
+        ],
+    )
+    .unwrap()
+    .output()
+    .unwrap();
+    let after = losses(&resumed);
+    config(dir, 4, 100_000, 2);
+    let straight = losses(
+        &strata(dir)
+            .args([
+                "train",
+                "--config",
+                "r4.toml",
+                "--stop-after",
+                &(step + 2).to_string(),
+                "--json",
+            ])
+            .output()
+            .unwrap(),
+    );
+    let before: Vec<f64> = stopped["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!([before, after].concat(), straight);
+}

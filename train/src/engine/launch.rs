@@ -1,0 +1,319 @@
+//! The launch contract: which rank of how many this process is, read from
+//! the variables its launcher sets - torchrun's (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), else
+//! Open MPI's (`OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`,
+//! `_LOCAL_SIZE`), else PMI's (MPICH and Intel MPI: `PMI_RANK`,
+//! `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`), else Slurm's
+//! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`,
+//! `SLURM_NTASKS_PER_NODE`). Without any, the process is a run of its
+//! own (its ranks, if several, are threads).
+
+use crate::error::{Result, TrainError};
+
+/// Who launched the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun (or `strata train --nproc`): a rendezvous at
+    /// `MASTER_ADDR:MASTER_PORT`.
+    Torchrun,
+    /// Open MPI's mpirun.
+    OpenMpi,
+    /// A PMI launcher (MPICH's or Intel MPI's mpiexec).
+    Pmi,
+    /// Slurm's srun.
+    Slurm,
+}
+
+impl Launcher {
+    /// Its name, as a message says it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Launcher::Torchrun => "torchrun",
+            Launcher::OpenMpi => "Open MPI's mpirun",
+            Launcher::Pmi => "a PMI launcher (mpiexec)",
+            Launcher::Slurm => "Slurm's srun",
+        }
+    }
+
+    /// Whether its processes find each other through MPI.
+    pub fn is_mpi(self) -> bool {
+        !matches!(self, Launcher::Torchrun)
+    }
+}
+
+/// This process's place in a launched job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    /// Who launched it.
+    pub launcher: Launcher,
+    /// Its rank, `0..world`.
+    pub rank: usize,
+    /// Processes in the job.
+    pub world: usize,
+    /// Its rank among the processes on its machine (which GPU it takes).
+    pub local_rank: usize,
+    /// Processes on its machine.
+    pub local_world: usize,
+    /// torchrun's rendezvous address and port.
+    pub master: Option<(String, u16)>,
+}
+
+impl Launch {
+    /// The launch `get` (the process's environment: `std::env::var`
+    /// without the error) describes, or None for a process no launcher
+    /// started. A variable that does not parse, or numbers that do not
+    /// fit (a rank past the world), are refused naming the variable.
+    pub fn from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Launch>> {
+        let sets = [
+            (
+                Launcher::Torchrun,
+                ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            ),
+            (
+                Launcher::OpenMpi,
+                [
+                    "OMPI_COMM_WORLD_RANK",
+                    "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                ],
+            ),
+            (
+                Launcher::Pmi,
+                ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+            ),
+            (
+                Launcher::Slurm,
+                [
+                    "SLURM_PROCID",
+                    "SLURM_NTASKS",
+                    "SLURM_LOCALID",
+                    "SLURM_NTASKS_PER_NODE",
+                ],
+            ),
+        ];
+        for (launcher, [rank, world, local_rank, local_world]) in sets {
+            // A launcher is known by its rank and world; the local ones
+            // default to the whole job on one machine.
+            let (Some(r), Some(w)) = (get(rank), get(world)) else {
+                continue;
+            };
+            let number = |name: &'static str, text: &str| -> Result<usize> {
+                text.trim().parse::<usize>().map_err(|_| TrainError::Config {
+                    key: name,
+                    value: text.to_string(),
+                    fix: format!(
+                        "{name} must be a whole number (set by {}); unset it if this process was not launched by it",
+                        launcher.name()
+                    ),
+                })
+            };
+            let rank_value = number(rank, &r)?;
+            let world_value = number(world, &w)?;
+            let local_rank_value = match get(local_rank) {
+                Some(text) => number(local_rank, &text)?,
+                None => rank_value,
+            };
+            let local_world_value = match get(local_world) {
+                // Slurm writes "2(x3)" for three nodes of two tasks each.
+                Some(text) if launcher == Launcher::Slurm => {
+                    number(local_world, text.split('(').next().unwrap_or(&text))?
+                }
+                Some(text) => number(local_world, &text)?,
+                None => world_value,
+            };
+            let out_of = |name: &'static str, value: usize, of: &'static str, max: usize| {
+                TrainError::Config {
+                    key: name,
+                    value: value.to_string(),
+                    fix: format!(
+                        "{name} must be below {of} ({max}): the launcher's variables disagree"
+                    ),
+                }
+            };
+            if world_value == 0 || rank_value >= world_value {
+                return Err(out_of(rank, rank_value, world, world_value));
+            }
+            if local_world_value == 0
+                || local_world_value > world_value
+                || local_rank_value >= local_world_value
+            {
+                return Err(out_of(
+                    local_rank,
+                    local_rank_value,
+                    local_world,
+                    local_world_value,
+                ));
+            }
+            let master = match launcher {
+                Launcher::Torchrun => {
+                    let addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+                    let port = match get("MASTER_PORT") {
+                        Some(text) => {
+                            text.trim().parse::<u16>().map_err(|_| TrainError::Config {
+                                key: "MASTER_PORT",
+                                value: text.clone(),
+                                fix: "MASTER_PORT must be a TCP port (1-65535)".into(),
+                            })?
+                        }
+                        None => 29500,
+                    };
+                    Some((addr, port))
+                }
+                _ => None,
+            };
+            return Ok(Some(Launch {
+                launcher,
+                rank: rank_value,
+                world: world_value,
+                local_rank: local_rank_value,
+                local_world: local_world_value,
+                master,
+            }));
+        }
+        Ok(None)
+    }
+
+    /// [`Launch::from_env`] over this process's environment.
+    pub fn of_this_process() -> Result<Option<Launch>> {
+        Launch::from_env(&|name| std::env::var(name).ok())
+    }
+
+    /// The run's ranks under this launch: the launcher's world; a config's
+    /// `train.ranks` must be 1 (the same config runs as threads or as
+    /// processes) or that world.
+    pub fn check_ranks(&self, ranks: usize) -> Result<()> {
+        if ranks == 1 || ranks == self.world {
+            return Ok(());
+        }
+        Err(TrainError::Config {
+            key: "train.ranks",
+            value: ranks.to_string(),
+            fix: format!(
+                "{} started {} processes, each one rank: set train.ranks = 1 or {} (or launch {ranks})",
+                self.launcher.name(),
+                self.world,
+                self.world
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn launch(vars: &[(&str, &str)]) -> Result<Option<Launch>> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Launch::from_env(&|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn each_launchers_variables_give_the_rank_in_order_of_precedence() {
+        assert_eq!(launch(&[]).unwrap(), None);
+        let torchrun = launch(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29400"),
+            // torchrun's come first, whatever else is set.
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "1"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            torchrun,
+            Launch {
+                launcher: Launcher::Torchrun,
+                rank: 3,
+                world: 8,
+                local_rank: 1,
+                local_world: 2,
+                master: Some(("node0".into(), 29400)),
+            }
+        );
+        let ompi = launch(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("SLURM_PROCID", "9"),
+            ("SLURM_NTASKS", "16"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (ompi.launcher, ompi.rank, ompi.world, ompi.master),
+            (Launcher::OpenMpi, 1, 4, None)
+        );
+        let pmi = launch(&[("PMI_RANK", "2"), ("PMI_SIZE", "3")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (pmi.launcher, pmi.rank, pmi.local_rank, pmi.local_world),
+            (Launcher::Pmi, 2, 2, 3)
+        );
+        let slurm = launch(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "2(x3)"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (
+                slurm.launcher,
+                slurm.rank,
+                slurm.local_rank,
+                slurm.local_world
+            ),
+            (Launcher::Slurm, 5, 1, 2)
+        );
+        assert!(slurm.launcher.is_mpi() && !torchrun.launcher.is_mpi());
+    }
+
+    #[test]
+    fn variables_that_disagree_or_do_not_parse_are_refused_by_name() {
+        let err = launch(&[("RANK", "two"), ("WORLD_SIZE", "4")]).unwrap_err();
+        assert!(
+            err.to_string().contains("RANK") && err.to_string().contains("two"),
+            "{err}"
+        );
+        let err = launch(&[("RANK", "4"), ("WORLD_SIZE", "4")]).unwrap_err();
+        assert!(err.to_string().contains("WORLD_SIZE"), "{err}");
+        let err = launch(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("OMPI_COMM_WORLD_LOCAL_RANK"),
+            "{err}"
+        );
+        let err = launch(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "x")]).unwrap_err();
+        assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+    }
+
+    #[test]
+    fn a_configs_ranks_are_one_or_the_launchers() {
+        let l = launch(&[("PMI_RANK", "0"), ("PMI_SIZE", "4")])
+            .unwrap()
+            .unwrap();
+        assert!(l.check_ranks(1).is_ok() && l.check_ranks(4).is_ok());
+        let err = l.check_ranks(2).unwrap_err().to_string();
+        assert!(
+            err.contains("train.ranks") && err.contains('2') && err.contains('4'),
+            "{err}"
+        );
+    }
+}
