@@ -135,6 +135,36 @@ fn processes_under_mpirun_train_the_bits_of_threads_and_resume_them() {
         said.contains("train.ranks") && said.contains("2 processes"),
         "{said}"
     );
+    // One rank's own failure (its swap directory is a file) ends every
+    // rank at once with its message, not a timeout later.
+    config(dir, 2, 8, 4);
+    let slow = std::fs::read_to_string(dir.join("r2.toml"))
+        .unwrap()
+        .replace("timeout_s = 3", "timeout_s = 120");
+    std::fs::write(dir.join("r2.toml"), slow).unwrap();
+    let _ = std::fs::remove_dir_all(dir.join("strata-train-swap/rank1"));
+    std::fs::create_dir_all(dir.join("strata-train-swap")).unwrap();
+    std::fs::write(dir.join("strata-train-swap/rank1"), "not a directory").unwrap();
+    let started = Instant::now();
+    let out = mpirun(dir, 2, &[], &["train", "--config", "r2.toml"])
+        .unwrap()
+        .output()
+        .unwrap();
+    let said = text(&out);
+    eprintln!(
+        "one rank's own failure: {:.1} s\n{said}",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("rank 1 of 2") && said.contains("rank1"),
+        "{said}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 /// The processes of `command` (started under mpirun) by rank, once all

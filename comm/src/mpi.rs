@@ -90,6 +90,13 @@ impl MpiWorld {
         self.world
     }
 
+    /// Ends every process of the job at once (`MPI_Abort`, exit status
+    /// `code`): for a rank whose own failure the others would otherwise
+    /// wait a timeout for. Say why first.
+    pub fn abort(&self, code: i32) -> ! {
+        SimpleCommunicator::world().abort(code)
+    }
+
     /// This process's member of the world group, exchanging at most
     /// `elems_max` elements (of up to 4 bytes) a call, each operation
     /// given up after `timeout`. Its buffers are allocated here, once.

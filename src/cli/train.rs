@@ -704,13 +704,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(super::signals::exit_status(code)));
         }
         Err(err) => {
-            return Err(match rank {
-                Some(rank) => anyhow::Error::new(err).context(format!(
-                    "rank {rank} of {}",
-                    launch.as_ref().map_or(1, |l| l.world)
-                )),
-                None => err.into(),
-            });
+            let Some(rank) = rank else {
+                return Err(err.into());
+            };
+            let own = !(err.is_peer_left() || err.is_cancelled());
+            let err = anyhow::Error::new(err).context(format!(
+                "rank {rank} of {}",
+                launch.as_ref().map_or(1, |l| l.world)
+            ));
+            if own && let Some(world) = &held {
+                // This rank's own failure: every other rank stops now
+                // rather than a timeout later, after this says why.
+                eprintln!("error: {err:#}");
+                abort_job(world);
+            }
+            return Err(err);
         }
         Ok(Some(summary)) => summary,
         // A rank other than 0 of a job: rank 0 reports.
@@ -1022,6 +1030,17 @@ fn rendezvous(world: World, timeout: Duration) {
 
 #[cfg(not(feature = "mpi"))]
 fn rendezvous(_: World, _: Duration) {}
+
+/// Ends every process of the job at once.
+#[cfg(feature = "mpi")]
+fn abort_job(world: &World) -> ! {
+    world.abort(1)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn abort_job(_: &World) -> ! {
+    unreachable!("a build without MPI runs no launched job")
+}
 
 /// This process's member of the job `launch` describes: over MPI for
 /// mpirun, srun and PMI launchers (a build with `--features mpi`).

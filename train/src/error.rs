@@ -220,10 +220,18 @@ impl From<SchedulerError> for TrainError {
 }
 
 impl TrainError {
-    /// Whether this is another rank leaving a collective (reported after
-    /// that rank's own error).
+    /// Whether this is another rank leaving a collective, or not answering
+    /// one in time (reported after that rank's own error, where it had
+    /// one), or a group given up after that.
     pub fn is_peer_left(&self) -> bool {
-        matches!(self, TrainError::Comm(CommError::PeerLeft { .. }))
+        matches!(
+            self,
+            TrainError::Comm(
+                CommError::PeerLeft { .. }
+                    | CommError::Timeout { .. }
+                    | CommError::Abandoned { .. }
+            )
+        )
     }
 
     /// Whether this is a wait cancelled by an abort (see
