@@ -315,27 +315,23 @@ fn copy_out(op: &'static str, words: &[u32], out: ViewMut<'_>) -> Result<()> {
     Ok(())
 }
 
-impl InProcess {
-    /// `Shape` unless the full buffer (`what`, `full` elements) holds one
-    /// shard of `shard` elements per rank.
-    fn world_times(
-        &self,
-        op: &'static str,
-        what: &'static str,
-        full: usize,
-        shard: usize,
-    ) -> Result<()> {
-        let expected = shard * self.world();
-        if full != expected {
-            return Err(CommError::Shape {
-                op,
-                what,
-                expected,
-                actual: full,
-            });
-        }
-        Ok(())
+/// `Shape` unless the full buffer (`what`, `full` elements) holds one
+/// shard of `shard` elements for each of `world` ranks.
+pub(crate) fn world_times(
+    op: &'static str,
+    what: &'static str,
+    (full, shard, world): (usize, usize, usize),
+) -> Result<()> {
+    let expected = shard * world;
+    if full != expected {
+        return Err(CommError::Shape {
+            op,
+            what,
+            expected,
+            actual: full,
+        });
     }
+    Ok(())
 }
 
 impl Collective for InProcess {
@@ -350,7 +346,7 @@ impl Collective for InProcess {
     fn all_gather(&self, shard: View<'_>, out: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "all_gather";
         same_dtype(OP, shard.dtype(), out.dtype())?;
-        self.world_times(OP, "output", out.len(), shard.len())?;
+        world_times(OP, "output", (out.len(), shard.len(), self.world()))?;
         self.check(shard.len())?;
         reach(OP, "output", out.raw())?;
         self.post(OP, &shard)?;
@@ -376,7 +372,7 @@ impl Collective for InProcess {
     fn reduce_scatter(&self, full: View<'_>, mut shard: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "reduce_scatter";
         same_dtype(OP, full.dtype(), shard.dtype())?;
-        self.world_times(OP, "input", full.len(), shard.len())?;
+        world_times(OP, "input", (full.len(), shard.len(), self.world()))?;
         self.check(full.len())?;
         reach(OP, "output", shard.raw())?;
         self.post(OP, &full)?;

@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 use mpi::request::{LocalScope, Request, scope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
-use strata_device::{Cancel, Dtype, Fence, View, ViewMut};
+use strata_device::{Cancel, Fence, View, ViewMut};
 
 use crate::error::{CommError, Result};
-use crate::in_process::{reach, same_dtype, view_bytes};
-use crate::sum::sum_in_rank_order;
+use crate::in_process::{reach, same_dtype, view_bytes, world_times};
+use crate::sum::{sum_in_rank_order, summable};
 use crate::{Collective, SCALARS_MAX};
 
 /// Bytes of one MPI message at most (its count is a C int); larger
@@ -300,20 +300,13 @@ impl Mpi {
         }
     }
 
-    fn full_is_world_times(
-        &self,
-        op: &'static str,
-        what: &'static str,
-        full: usize,
-        shard: usize,
-    ) -> Result<()> {
-        let expected = shard * self.world;
-        if full != expected {
-            return Err(CommError::Shape {
+    /// `Peer` unless `peer` is another rank of the group.
+    fn other(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.world || peer == self.rank {
+            return Err(CommError::Peer {
                 op,
-                what,
-                expected,
-                actual: full,
+                peer,
+                world: self.world,
             });
         }
         Ok(())
@@ -355,7 +348,7 @@ impl Collective for Mpi {
         const OP: &str = "all_gather";
         self.usable(OP)?;
         same_dtype(OP, shard.dtype(), out.dtype())?;
-        self.full_is_world_times(OP, "output", out.len(), shard.len())?;
+        world_times(OP, "output", (out.len(), shard.len(), self.world))?;
         self.limit(shard.len())?;
         reach(OP, "output", out.raw())?;
         let mine = view_bytes(OP, "input", &shard)?;
@@ -384,15 +377,9 @@ impl Collective for Mpi {
         const OP: &str = "reduce_scatter";
         self.usable(OP)?;
         same_dtype(OP, full.dtype(), shard.dtype())?;
-        self.full_is_world_times(OP, "input", full.len(), shard.len())?;
+        world_times(OP, "input", (full.len(), shard.len(), self.world))?;
         self.limit(full.len())?;
-        if full.dtype() == Dtype::U32 {
-            return Err(CommError::Dtype {
-                op: OP,
-                dtype: Dtype::U32,
-                why: "integers are gathered, not summed",
-            });
-        }
+        summable(OP, full.dtype())?;
         reach(OP, "output", shard.raw())?;
         let bytes = view_bytes(OP, "input", &full)?;
         let part_bytes = bytes.len() / self.world;
@@ -427,13 +414,7 @@ impl Collective for Mpi {
         const OP: &str = "all_reduce";
         self.usable(OP)?;
         self.limit(values.len())?;
-        if values.dtype() == Dtype::U32 {
-            return Err(CommError::Dtype {
-                op: OP,
-                dtype: Dtype::U32,
-                why: "integers are gathered, not summed",
-            });
-        }
+        summable(OP, values.dtype())?;
         reach(OP, "values", values.raw())?;
         let (n, width) = (values.len(), values.dtype().bytes() as usize);
         // Rank r sums elements r * chunk.. of every rank's values, then
@@ -593,13 +574,7 @@ impl Collective for Mpi {
     fn send(&self, peer: usize, values: View<'_>) -> Result<Fence> {
         const OP: &str = "send";
         self.usable(OP)?;
-        if peer >= self.world || peer == self.rank {
-            return Err(CommError::Peer {
-                op: OP,
-                peer,
-                world: self.world,
-            });
-        }
+        self.other(OP, peer)?;
         self.limit(values.len())?;
         let bytes = view_bytes(OP, "values", &values)?;
         scope(|scope| {
@@ -613,13 +588,7 @@ impl Collective for Mpi {
     fn recv(&self, peer: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "recv";
         self.usable(OP)?;
-        if peer >= self.world || peer == self.rank {
-            return Err(CommError::Peer {
-                op: OP,
-                peer,
-                world: self.world,
-            });
-        }
+        self.other(OP, peer)?;
         reach(OP, "values", values.raw())?;
         let bytes = values
             .into_host_bytes()

@@ -17,6 +17,19 @@ const NARROW_CHUNK: usize = 256;
 /// part (aligned for the dtype).
 pub(crate) type Parts<'a> = dyn Fn(usize, usize, usize, &mut dyn FnMut(&[u8])) + 'a;
 
+/// `Dtype` unless `dtype` is one the sums carry (floats), refused before
+/// anything is exchanged.
+pub(crate) fn summable(op: &'static str, dtype: Dtype) -> Result<()> {
+    match dtype {
+        Dtype::U32 => Err(CommError::Dtype {
+            op,
+            dtype,
+            why: "integers are gathered, not summed",
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Writes into `out` (a host view) the sum of `world` ranks' parts of its
 /// length, in rank order.
 pub(crate) fn sum_in_rank_order(
@@ -41,13 +54,7 @@ pub(crate) fn sum_in_rank_order(
         }
         Dtype::Bf16 => sum_narrow::<bf16>(world, out.host::<bf16>().expect("checked host"), part),
         Dtype::F16 => sum_narrow::<f16>(world, out.host::<f16>().expect("checked host"), part),
-        Dtype::U32 => {
-            return Err(CommError::Dtype {
-                op,
-                dtype,
-                why: "integers are gathered, not summed",
-            });
-        }
+        Dtype::U32 => return summable(op, dtype),
     }
     Ok(())
 }

@@ -23,7 +23,6 @@ use crate::model::OUTER;
 use super::data::NOT_A_TARGET;
 use super::step_loop::count_targets;
 use super::steps::label;
-use super::tensors::processor_tier;
 use super::{Corpus, Engine, TierBytes, eval_shape};
 
 /// What an evaluation measured.
@@ -151,11 +150,7 @@ impl Engine {
         let mut losses = Vec::with_capacity(self.env.config().train.in_flight());
         for step_op in ops {
             let started = Instant::now();
-            self.announce(&step_op.op)?;
-            let tier = processor_tier(step_op.op.processor);
-            for access in &step_op.op.accesses {
-                self.moves.settle_fetch(access.tensor as usize, tier)?;
-            }
+            self.begin_op(step_op)?;
             match step_op.work {
                 Work::EmbedForward { m } => {
                     self.gather(OUTER)?;

@@ -269,11 +269,7 @@ impl Engine {
             return self.issue_actions(true);
         }
         let started = Instant::now();
-        self.announce(&step_op.op)?;
-        let tier = processor_tier(step_op.op.processor);
-        for access in &step_op.op.accesses {
-            self.moves.settle_fetch(access.tensor as usize, tier)?;
-        }
+        let tier = self.begin_op(step_op)?;
         match step_op.work {
             Work::EmbedForward { m } => self.embed_forward(m, tokens)?,
             Work::Forward { m, layer, .. } => self.block_forward(m, layer)?,
@@ -293,6 +289,17 @@ impl Engine {
             started,
         );
         self.issue_actions(true)
+    }
+
+    /// Starts `step_op`: announced, the plan's actions issued, each tensor
+    /// it reads or writes settled on the tier of its processor (returned).
+    pub(super) fn begin_op(&mut self, step_op: &StepOp) -> Result<Tier> {
+        self.announce(&step_op.op)?;
+        let tier = processor_tier(step_op.op.processor);
+        for access in &step_op.op.accesses {
+            self.moves.settle_fetch(access.tensor as usize, tier)?;
+        }
+        Ok(tier)
     }
 
     /// Tells the schedule the op starts and issues the plan's actions for
