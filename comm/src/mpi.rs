@@ -290,12 +290,12 @@ impl Mpi {
             if way == Way::Receive {
                 request.cancel();
             }
-            // SAFETY: the request is unregistered from its scope and never
-            // completed. A cancelled receive writes nothing more; a send
-            // reads its buffer only when the peer posts the matching
-            // receive, and the peer it waits for has not (it is gone or
-            // stalled past the deadline); the process ends with this
-            // error, without finalizing MPI (MpiWorld's drop).
+            // A cancelled receive writes nothing more; a send reads its
+            // buffer only when the peer posts the matching receive, which
+            // the peer waited for has not done (it is gone or stalled past
+            // the deadline); the process ends with this error, without
+            // finalizing MPI (MpiWorld's drop).
+            // SAFETY: so the request, unregistered, is never completed.
             let _ = unsafe { request.into_raw() };
         }
     }
