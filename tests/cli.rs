@@ -3208,3 +3208,51 @@ fn train_init_from_takes_transformers_defaults_and_the_configs_positions() {
         "{err}"
     );
 }
+
+/// `--resume auto`: in a checkpoint directory with no checkpoint the run
+/// starts there; the same command again (as a launcher that restarts
+/// failed jobs runs it) resumes from the newest checkpoint, and the two
+/// give the losses of the run straight through, bit for bit. Without a
+/// checkpoint directory it is refused by name.
+#[test]
+fn train_resume_auto_starts_then_resumes_tiny() {
+    let dir = tempdir();
+    let losses = |summary: &serde_json::Value| -> Vec<f64> {
+        summary["losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect()
+    };
+    let auto = |extra: &[&str]| {
+        let mut all = vec![
+            "train",
+            "--steps",
+            "6",
+            "--json",
+            "--checkpoint-dir",
+            "ck",
+            "--resume",
+            "auto",
+        ];
+        all.extend_from_slice(extra);
+        losses(&last_json_line(&strata_in(dir.path(), &all)))
+    };
+    let first = auto(&["--stop-after", "3"]);
+    assert_eq!(first.len(), 3);
+    let rest = auto(&[]);
+    let straight = losses(&last_json_line(&strata_in(
+        dir.path(),
+        &["train", "--steps", "6", "--json"],
+    )));
+    assert_eq!([first, rest].concat(), straight);
+    let err = stderr_of_failure(
+        &strata_in(dir.path(), &["train", "--resume", "auto"]),
+        "--resume auto without a checkpoint directory",
+    );
+    assert!(
+        err.contains("--resume auto") && err.contains("--checkpoint-dir"),
+        "{err}"
+    );
+}

@@ -89,6 +89,10 @@ pub struct TrainArgs {
     /// whose `latest` names one): alone, it continues the run as it was
     /// (the checkpoint holds its config, data and placement); a flag or
     /// config that would change what the run computes is refused.
+    /// `auto`: the newest whole checkpoint of the run's checkpoint
+    /// directory (--checkpoint-dir or train.checkpoint_dir) if it has one,
+    /// else a fresh start there (for launchers that restart failed jobs
+    /// with the same command; a directory named auto is `./auto`).
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Write checkpoints here (train.checkpoint_dir; on --resume, by
@@ -454,7 +458,8 @@ pub(super) fn absolute(path: &Path, flag: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// Runs `strata train`: exits 0, or 128 + the signal that stopped it.
-pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
+    resolve_auto_resume(&mut args)?;
     if !(args.signal_grace.is_finite() && args.signal_grace >= 0.0) {
         bail!(
             "--signal-grace {} is not a number of seconds: give one at least 0 (default {SIGNAL_GRACE_DEFAULT_S})",
@@ -748,6 +753,43 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         held,
         ExitCode::from(super::signals::exit_status(signal)),
     ))
+}
+
+/// `--resume auto`: resume from the checkpoint directory's newest whole
+/// checkpoint when it has one, else start the run there.
+fn resolve_auto_resume(args: &mut TrainArgs) -> anyhow::Result<()> {
+    if args.resume.as_deref() != Some(Path::new("auto")) {
+        return Ok(());
+    }
+    let dir = match (&args.checkpoint_dir, &args.config) {
+        (Some(dir), _) => Some(dir.clone()),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read config {}", path.display()))?;
+            TrainConfig::from_toml(&text)
+                .with_context(|| format!("config {}", path.display()))?
+                .train
+                .checkpoint_dir
+        }
+        (None, None) => None,
+    };
+    let Some(dir) = dir else {
+        bail!(
+            "--resume auto resumes from the run's checkpoint directory: give --checkpoint-dir or set train.checkpoint_dir"
+        );
+    };
+    if dir.join("latest").exists() {
+        tracing::info!("--resume auto: resuming from {}", dir.display());
+        args.resume = Some(dir);
+    } else {
+        tracing::info!(
+            "--resume auto: no checkpoint in {} yet: the run starts there",
+            dir.display()
+        );
+        args.resume = None;
+        args.checkpoint_dir = Some(dir);
+    }
+    Ok(())
 }
 
 /// What stays when the run is stopped mid-step: the checkpoint `latest`
