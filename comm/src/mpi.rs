@@ -312,9 +312,9 @@ impl Mpi {
         Ok(())
     }
 
-    /// Sums into `out` (this rank's part, of elements `range` of every
-    /// rank's operand) the parts the peers sent into `parts` and this
-    /// rank's own `mine`, in rank order.
+    /// Sums into `out` (this rank's part of a reduce-scatter) the parts
+    /// the peers sent into `parts`, one of `out`'s length per rank in rank
+    /// order, and this rank's own `mine`, in rank order.
     fn sum_parts(
         &self,
         op: &'static str,

@@ -22,7 +22,6 @@ use crate::model::OUTER;
 
 use super::data::NOT_A_TARGET;
 use super::step_loop::count_targets;
-use super::steps::label;
 use super::{Corpus, Engine, TierBytes, eval_shape};
 
 /// What an evaluation measured.
@@ -151,10 +150,13 @@ impl Engine {
         for step_op in ops {
             let started = Instant::now();
             self.begin_op(step_op)?;
-            match step_op.work {
+            // Each op's span in the trace: what it did, its group and
+            // micro-batch.
+            let (what, group, m) = match step_op.work {
                 Work::EmbedForward { m } => {
                     self.gather(OUTER)?;
                     self.ws.embed_forward(&self.env, m, tokens)?;
+                    ("eval: embed forward", OUTER, m)
                 }
                 Work::Forward {
                     m,
@@ -164,26 +166,20 @@ impl Engine {
                 } => {
                     self.gather(layer + 1)?;
                     self.ws.block_forward(&self.env, m, layer)?;
+                    ("eval: block forward", layer + 1, m)
                 }
                 Work::Loss { m } => {
                     self.gather(OUTER)?;
                     // The training head with no gradient wanted (scale 0):
                     // the same loss, bit for bit, as a step's forward.
                     losses.push(self.ws.head(&self.env, m, 0.0)?);
+                    ("eval: loss", OUTER, m)
                 }
                 other => unreachable!("{other:?} in a forward-only pass"),
-            }
-            let (what, group, micro_batch) = label(step_op.work);
-            let what = match step_op.work {
-                Work::EmbedForward { .. } => "eval: embed forward",
-                _ => what,
             };
-            self.env.runtime().record_compute(
-                what,
-                group as u32,
-                micro_batch.map(|m| m as u32),
-                started,
-            );
+            self.env
+                .runtime()
+                .record_compute(what, group as u32, Some(m as u32), started);
             self.issue_actions(true)?;
         }
         self.end_step()?;

@@ -20,15 +20,10 @@ use crate::model::{Model, OUTER};
 pub(super) fn label(work: Work) -> (&'static str, usize, Option<usize>) {
     match work {
         Work::EmbedForward { m } => ("embed forward", OUTER, Some(m)),
-        Work::Forward {
-            m,
-            layer,
-            keep: true,
-            ..
-        } => ("block forward", layer + 1, Some(m)),
-        Work::Forward { m, layer, .. } => ("eval: block forward", layer + 1, Some(m)),
+        Work::Forward { m, layer, .. } => ("block forward", layer + 1, Some(m)),
         Work::Head { m } => ("head", OUTER, Some(m)),
-        Work::Loss { m } => ("eval: loss", OUTER, Some(m)),
+        // A forward-only pass names its own ops (`evaluation.rs`).
+        Work::Loss { m } => ("loss", OUTER, Some(m)),
         Work::Backward { m, layer, .. } => ("block backward", layer + 1, Some(m)),
         Work::EmbedBackward { m } => ("embed backward", OUTER, Some(m)),
         Work::Update { group, late } => (optimizer_label(late), group, None),
