@@ -1,0 +1,258 @@
+"""strata.torch.AdamW under a plain PyTorch loop: against torch.optim.AdamW
+with clipping, gradient accumulation, two param groups and a scheduler
+(states in host memory and on NVMe), no fp32 copy left beside strata's,
+checkpoints both ways, GradScaler's skipped steps, a corrupt NVMe state,
+and the refusals."""
+
+import copy
+import gc
+import glob
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not importable here")
+
+import strata.torch as st  # noqa: E402
+
+STEPS = 30
+ACCUMULATE = 4
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(33, 65), torch.nn.GELU(), torch.nn.LayerNorm(65), torch.nn.Linear(65, 5)
+    )
+
+
+def groups(net, weight_decay=0.1):
+    """Decay on matrices, none on biases and norms (HF Trainer's split)."""
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    rest = [p for p in net.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def batches(seed, steps, skip=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range((skip + steps) * ACCUMULATE):
+        out.append((torch.randn(8, 33, generator=gen), torch.randint(0, 5, (8,), generator=gen)))
+    return out[skip * ACCUMULATE :]
+
+
+def train(net, opt, steps=STEPS, skip=0, clip=0.05, dtype=torch.float32):
+    """``steps`` optimizer steps of ``ACCUMULATE`` micro-batches each,
+    clipping every step, a linear LR decay; the losses."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - (s + skip) / 100)
+    losses = []
+    data = batches(1, steps, skip)
+    for s in range(steps):
+        total = 0.0
+        for x, y in data[s * ACCUMULATE : (s + 1) * ACCUMULATE]:
+            loss = torch.nn.functional.cross_entropy(net(x.to(dtype)).float(), y) / ACCUMULATE
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def strata_adamw(net, tmp_path, states, **kw):
+    kw.setdefault("compute_dtype", torch.float32)
+    (tmp_path / "nvme").mkdir(parents=True, exist_ok=True)
+    return st.AdamW(groups(net), lr=3e-3, states=states, nvme_path=tmp_path / "nvme", verbose=False, **kw)
+
+
+@pytest.mark.parametrize("states", ["cpu", "nvme"])
+def test_matches_torch_adamw_with_clipping_accumulation_and_groups(tmp_path, states):
+    reference = model()
+    want = train(reference, torch.optim.AdamW(groups(reference), lr=3e-3))
+    net = model()
+    opt = strata_adamw(net, tmp_path, states)
+    got = train(net, opt)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
+    # Clipping was active: unclipped training goes elsewhere.
+    free = model()
+    unclipped = train(free, torch.optim.AdamW(groups(free), lr=3e-3), clip=1e9)
+    assert max(abs(a - b) for a, b in zip(want, unclipped)) > 1e-3
+    opt.synchronize()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_hold_the_compute_dtype_only(tmp_path):
+    net = model()
+    sizes = {p.numel() for p in net.parameters()}
+    opt = strata_adamw(net, tmp_path, "cpu", compute_dtype=torch.bfloat16)
+    gc.collect()
+    assert all(p.dtype is torch.bfloat16 for p in net.parameters())
+    fp32 = [
+        t
+        for t in gc.get_objects()
+        if torch.is_tensor(t) and t.dtype is torch.float32 and t.numel() in sizes
+    ]
+    assert fp32 == [], [tuple(t.shape) for t in fp32]
+    # It learns in bf16: one batch, memorized.
+    x, y = batches(1, 1)[0]
+    losses = []
+    for _ in range(20):
+        loss = torch.nn.functional.cross_entropy(net(x.bfloat16()).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("saved,loaded", [("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")])
+def test_resume_from_state_dict_repeats_the_losses(tmp_path, saved, loaded):
+    whole = model()
+    want = train(whole, strata_adamw(whole, tmp_path / "a", saved, moments="bf16"), steps=12)
+    first = model()
+    opt = strata_adamw(first, tmp_path / "b", saved, moments="bf16")
+    train(first, opt, steps=6)
+    packed = opt.state_dict()
+    assert set(packed["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}
+    assert packed["state"][0]["step"].item() == 6.0
+    model_state = {k: v.clone() for k, v in first.state_dict().items()}
+    opt.close()
+    again = model(seed=5)
+    again.load_state_dict(model_state)
+    resumed = strata_adamw(again, tmp_path / "c", loaded, moments="bf16")
+    resumed.load_state_dict(packed)
+    got = train(again, resumed, steps=6, skip=6)
+    assert got == want[6:]
+
+
+def test_loads_a_torch_adamw_state_dict(tmp_path):
+    reference = model()
+    ref_opt = torch.optim.AdamW(groups(reference), lr=3e-3)
+    train(reference, ref_opt, steps=4)
+    packed = copy.deepcopy(ref_opt.state_dict())
+    net = model()
+    net.load_state_dict(reference.state_dict())
+    want = train(reference, ref_opt, steps=4, skip=4)
+    opt = strata_adamw(net, tmp_path, "cpu")
+    opt.load_state_dict(packed)
+    got = train(net, opt, steps=4, skip=4)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+
+
+def test_grad_scaler_overflow_skips_the_step(tmp_path):
+    net = model()
+    opt = strata_adamw(net, tmp_path, "cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = batches(1, 1)[0]
+    scaler.scale(torch.nn.functional.cross_entropy(net(x), y)).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    next(net.parameters()).grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    opt.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert scaler.get_scale() == 512.0
+    # Without the overflow the scaled step equals the unscaled one.
+    opt.zero_grad()
+    reference = model()
+    ref_opt = torch.optim.AdamW(groups(reference), lr=3e-3)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    ref_opt.step()
+    scaler.scale(torch.nn.functional.cross_entropy(net(x), y)).backward()
+    scaler.step(opt)
+    opt.synchronize()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_zero_grad_in_place_waits_for_the_update(tmp_path):
+    reference = model()
+    want = train(reference, torch.optim.AdamW(groups(reference), lr=3e-3), steps=3)
+    net = model()
+    opt = strata_adamw(net, tmp_path, "nvme")
+    opt.zero_grad = lambda set_to_none=True, zero=opt.zero_grad: zero(set_to_none=False)
+    got = train(net, opt, steps=3)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+
+
+def test_a_corrupt_nvme_state_is_an_error_that_sticks(tmp_path):
+    net = model()
+    opt = strata_adamw(net, tmp_path, "nvme")
+    train(net, opt, steps=1)
+    opt.synchronize()
+    files = glob.glob(str(tmp_path / "nvme" / "strata-swap" / "*"))
+    assert files
+    for name in files:
+        with open(name, "r+b") as f:
+            f.write(b"\x55" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    with pytest.raises(RuntimeError, match="checksum"):
+        train(net, opt, steps=2)
+        opt.synchronize()
+    with pytest.raises(RuntimeError, match="an earlier optimizer step failed"):
+        opt.step()
+        opt.synchronize()
+
+
+def test_refusals_name_the_problem(tmp_path):
+    net = model()
+    with pytest.raises(ValueError, match='states = "gpu"|states = \'gpu\''):
+        st.AdamW(net.parameters(), states="gpu", verbose=False)
+    with pytest.raises(ValueError, match="nvme_path"):
+        st.AdamW(net.parameters(), states="nvme", verbose=False)
+    with pytest.raises(OSError, match="missing"):
+        st.AdamW(net.parameters(), states="nvme", nvme_path=tmp_path / "missing", verbose=False)
+    with pytest.raises(MemoryError, match="host_budget is 0.0 MiB"):
+        st.AdamW(net.parameters(), host_budget=1000, verbose=False)
+    sparse = torch.nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (4,)))
+    with pytest.raises(TypeError, match="layout"):
+        st.AdamW([sparse], verbose=False)
+    with pytest.raises(TypeError, match="complex"):
+        st.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))], verbose=False)
+    with pytest.raises(TypeError, match="meta device"):
+        st.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))], verbose=False)
+    with pytest.raises(ValueError, match="more than one"):
+        p = torch.nn.Parameter(torch.zeros(3))
+        st.AdamW([{"params": [p]}, {"params": [p]}], verbose=False)
+    # A refused optimizer changed nothing.
+    assert all(p.dtype is torch.float32 for p in net.parameters())
+
+
+def test_plan_names_the_tiers(tmp_path):
+    net = model()
+    opt = strata_adamw(net, tmp_path, "nvme")
+    plan = opt.plan()
+    assert "states on NVMe" in plan and "staging" in plan and "float32 on cpu" in plan, plan
+
+
+def test_fsdp2_on_two_ranks_matches_torch_adamw(tmp_path):
+    """torchrun, gloo, CPU: FSDP2 + strata (states in host memory and on
+    NVMe) against FSDP2 + torch AdamW, 30 steps of 4 micro-batches with
+    clipping every step."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no FSDP2")
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fsdp2_train.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", script, str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in ("strata_cpu", "strata_nvme"):
+        worst = max(abs(a - b) for a, b in zip(runs["torch"], runs[name]))
+        assert worst < 1e-5, (name, worst, runs)
+    assert "6 DTensor shards" in out.stderr, out.stderr[-2000:]
