@@ -29,7 +29,10 @@ use strata_optim::{
     AdamCoefficients, AdamConfig, LowPrecisionMut, Moments, Pool, PoolConfig, Rounding, Values,
     bf16, f16,
 };
-use strata_storage::{AlignedBuf, ByteSize, Extent, PAGE_BYTES, StorageConfig, SwapStore, Ticket};
+use strata_storage::{
+    AlignedBuf, ByteSize, DirLock, Extent, Holder, LockWait, PAGE_BYTES, StorageConfig, SwapStore,
+    Ticket,
+};
 
 use crate::tensor::{Dtype, Tensor};
 
@@ -173,6 +176,9 @@ pub(crate) struct OffloadStates {
     staging_bytes: usize,
     nvme_bytes: u64,
     threads: usize,
+    /// Each NVMe directory's run lock (`.strata-lock`), held for life and
+    /// released after the store has closed its files.
+    _locks: Vec<DirLock>,
 }
 
 fn storage_error(what: &str, err: strata_storage::StorageError) -> PyErr {
@@ -194,7 +200,7 @@ impl OffloadStates {
     /// threads (None: one per physical core).
     #[new]
     #[pyo3(signature = (elems, *, tier, moments="fp32", nvme_dirs=None, nvme_capacity=None,
-        staging=4, threads=None, engine="auto"))]
+        staging=4, threads=None, engine="auto", lock_wait_s=10.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -206,6 +212,7 @@ impl OffloadStates {
         staging: usize,
         threads: Option<usize>,
         engine: &str,
+        lock_wait_s: f64,
     ) -> PyResult<Self> {
         if elems.len() > SLOTS_MAX {
             return Err(PyValueError::new_err(format!(
@@ -246,6 +253,7 @@ impl OffloadStates {
         }
         let bytes: Vec<usize> = layouts.iter().map(|l| l.bytes()).collect();
         let largest = bytes.iter().copied().max().unwrap_or(0);
+        let mut locks = Vec::new();
         let (tier, host_bytes, staging_bytes, nvme_bytes, tier_name) = match tier {
             "cpu" => {
                 let mut offsets = Vec::with_capacity(bytes.len());
@@ -267,6 +275,29 @@ impl OffloadStates {
                         "states=\"nvme\" needs nvme_path: a directory on the drive that holds the states",
                     )
                 })?;
+                if !(0.0..=3600.0).contains(&lock_wait_s) {
+                    return Err(PyValueError::new_err(format!(
+                        "lock_wait_s = {lock_wait_s}: use 0 to 3600 seconds"
+                    )));
+                }
+                let holder = Holder::this_run();
+                for dir in &dirs {
+                    if !dir.is_dir() {
+                        return Err(PyOSError::new_err(format!(
+                            "nvme_path {}: it does not exist (or is not a directory), and strata \
+                             does not create the directory it is given: create it on the drive \
+                             that holds the states (mkdir -p {0}), or fix the path",
+                            dir.display()
+                        )));
+                    }
+                    let wait = LockWait {
+                        wait: std::time::Duration::from_secs_f64(lock_wait_s),
+                        setting: "lock_wait_s",
+                    };
+                    let lock = strata_storage::lock_dir(dir, "nvme_path", &holder, wait)
+                        .map_err(|err| PyOSError::new_err(err.to_string()))?;
+                    locks.push(lock);
+                }
                 if !(1..=STAGING_MAX).contains(&staging) {
                     return Err(PyValueError::new_err(format!(
                         "staging = {staging}: use 1 to {STAGING_MAX} buffers"
@@ -359,6 +390,7 @@ impl OffloadStates {
             staging_bytes,
             nvme_bytes,
             threads,
+            _locks: locks,
         })
     }
 

@@ -110,7 +110,10 @@ class AdamW(torch.optim.Optimizer):
     bit-for-bit with fp32 training). ``threads``: the update's threads
     (None: one per physical core). ``host_budget``: bytes of host memory
     the optimizer may pin (default: what the machine has available).
-    ``verbose``: print the plan to stderr at start.
+    ``lock_wait_s``: how long to wait for the lock of an ``nvme_path``
+    whose holder has exited (a live holder, this process's other
+    optimizers and ``strata train`` included, is refused at once: one run
+    per directory). ``verbose``: print the plan to stderr at start.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class AdamW(torch.optim.Optimizer):
         staging=4,
         rounding_seed=0,
         host_budget=None,
+        lock_wait_s=10.0,
         verbose=True,
     ):
         if states not in _KINDS:
@@ -203,6 +207,7 @@ class AdamW(torch.optim.Optimizer):
             nvme_capacity=nvme_capacity,
             staging=staging,
             threads=threads,
+            lock_wait_s=lock_wait_s,
         )
         self._dirty = [False] * len(self._params)
         self._module_slots = weakref.WeakKeyDictionary()

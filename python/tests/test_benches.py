@@ -44,3 +44,9 @@ def test_the_example_trains_and_matches_deepspeed_when_it_loads(tmp_path):
     else:
         result = run(example, "--optimizer", "strata", "--steps", "10", "--json", cwd=tmp_path)
         assert result["losses"][-1] < result["losses"][0]
+
+
+def test_torch_offload_tiny(tmp_path):
+    report = run(os.path.join(ROOT, "benches", "torch_offload.py"), "--tiny", "--json", cwd=tmp_path)
+    assert report["step"]["gparams_per_s"]["strata_torch"] > 0
+    assert set(report["overlap"]["rows"]) == {"unclipped", "clipped"}

@@ -218,6 +218,11 @@ def test_refusals_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="more than one"):
         p = torch.nn.Parameter(torch.zeros(3))
         st.AdamW([{"params": [p]}, {"params": [p]}], verbose=False)
+    (tmp_path / "taken").mkdir()
+    holder = st.AdamW(model().parameters(), states="nvme", nvme_path=tmp_path / "taken", verbose=False)
+    with pytest.raises(OSError, match=r"nvme_path .*taken: run \w+ \(pid \d+ .* is using it"):
+        st.AdamW(net.parameters(), states="nvme", nvme_path=tmp_path / "taken", verbose=False)
+    holder.close()
     # A refused optimizer changed nothing.
     assert all(p.dtype is torch.float32 for p in net.parameters())
 

@@ -26,6 +26,18 @@ impl std::fmt::Display for Op {
 /// numbers needed to act on it, and its message says what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
+    /// A directory a run would own is another run's, or cannot be locked.
+    #[error("{what} {}: {problem}; {fix}", dir.display())]
+    Ownership {
+        /// The setting it came from (`train.checkpoint_dir`, `nvme_path`).
+        what: String,
+        /// The directory.
+        dir: PathBuf,
+        /// What stands in the way, with the holder named.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// The kernel failed a transfer.
     #[error("{op} of {len_bytes} bytes at offset {offset} in {} failed: {cause}", path.display())]
     Io {

@@ -36,6 +36,7 @@ pub mod engine;
 mod error;
 mod file;
 mod handle;
+mod ownership;
 mod queue;
 mod service;
 mod size;
@@ -58,6 +59,7 @@ pub use handle::{
     HANDLE_BLOCK_BYTES_MAX, HANDLE_PENDING_MAX, HANDLE_QUEUE_DEPTH_MAX, HANDLE_THREADS_MAX,
     HandleConfig, IoHandle,
 };
+pub use ownership::{DirLock, Holder, LOCK_FILE, LockWait, local_time, lock_dir};
 pub use queue::{Completion, IoQueue, QueueStats, RETRIES_MAX_DEFAULT, Request};
 pub use service::{EngineFactory, IoService, ServiceConfig, Ticket};
 pub use size::{ByteSize, round_up};

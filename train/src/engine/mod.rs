@@ -74,7 +74,6 @@ mod launch;
 mod loss;
 mod moves;
 mod optimizer;
-mod ownership;
 mod planner;
 mod run;
 mod schedule;

@@ -3,14 +3,13 @@
 //! on schedule; a summary of losses, speed and memory per tier against the
 //! plans' prediction.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use super::evaluation::Evaluation;
-use super::ownership::{DirLock, Holder, lock_dir};
 use super::{
     ByteCorpus, Checkpoint, Corpus, DataReader, Engine, StepReport, StopRequest, TierBytes,
     TrainConfig,
@@ -20,6 +19,7 @@ use strata_comm::{Collective, InProcess};
 use strata_device::Cancel;
 use strata_runtime::Stats;
 use strata_runtime::Tier;
+use strata_storage::{DirLock, Holder, LockWait, StorageError};
 
 /// The stop code of a rank that saw no request itself but stopped because
 /// a peer did (in-process ranks share the request, so only a rank of
@@ -948,6 +948,26 @@ fn own_directories(
 ) -> Result<Vec<DirLock>> {
     let holder = Holder::this_run();
     let wait = Duration::from_secs_f64(config.train.lock_wait_s);
+    let lock_dir = |dir: &Path, what: &str| {
+        let wait = LockWait {
+            wait,
+            setting: "train.lock_wait_s",
+        };
+        strata_storage::lock_dir(dir, what, &holder, wait).map_err(|err| match err {
+            StorageError::Ownership {
+                what,
+                dir,
+                problem,
+                fix,
+            } => TrainError::Ownership {
+                what,
+                dir,
+                problem,
+                fix,
+            },
+            other => TrainError::from(other),
+        })
+    };
     let mut owned = Vec::new();
     let checkpoints = config
         .train
@@ -955,7 +975,7 @@ fn own_directories(
         .as_ref()
         .filter(|_| process_rank.is_none_or(|r| r == 0));
     if let Some(dir) = checkpoints {
-        owned.push(lock_dir(dir, "train.checkpoint_dir", &holder, wait)?);
+        owned.push(lock_dir(dir, "train.checkpoint_dir")?);
         check_checkpoint_room(config, dir)?;
         // `latest` decides, even when what it names cannot be read: a
         // damaged checkpoint is still another run's.
@@ -999,7 +1019,7 @@ fn own_directories(
                 });
             }
             match process_rank {
-                None => owned.push(lock_dir(dir, "nvme.dirs entry", &holder, wait)?),
+                None => owned.push(lock_dir(dir, "nvme.dirs entry")?),
                 Some(rank) => {
                     // The rank's own swap subdirectory (the runtime's).
                     let own = dir.join(format!("rank{rank}"));
@@ -1010,7 +1030,7 @@ fn own_directories(
                             "choose a writable directory in nvme.dirs",
                         )
                     })?;
-                    owned.push(lock_dir(&own, "nvme.dirs entry", &holder, wait)?);
+                    owned.push(lock_dir(&own, "nvme.dirs entry")?);
                 }
             }
         }

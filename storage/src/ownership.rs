@@ -1,11 +1,13 @@
-//! Run ownership: a checkpoint directory and each swap directory belong to
-//! one live run at a time. The run holds an exclusive lock on
-//! `.strata-lock` in each for its whole life (released by the kernel when
-//! the process dies, however it dies) and writes who it is into the file;
-//! a second run is refused with the holder's pid, host, start time and run
+//! Run ownership: a directory (a checkpoint directory, a swap directory)
+//! belongs to one live run at a time. The run holds an exclusive lock on
+//! `.strata-lock` in it for its whole life (released by the kernel when the
+//! process dies, however it dies) and writes who it is into the file; a
+//! second run is refused with the holder's pid, host, start time and run
 //! id. The release of a dead holder's lock can lag its death (unpinning a
-//! large pool at exit takes seconds): a run waits for it, at most
-//! `train.lock_wait_s`.
+//! large pool at exit takes seconds): a run waits for it, at most the
+//! caller's bound (`strata train`'s `train.lock_wait_s`, strata.torch's
+//! `lock_wait_s`). Used by `strata train` and by the Python optimizer
+//! alike, so that either refuses a directory the other is using.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
@@ -14,8 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use super::durable::{RealFs, create_dir_all_durably};
-use crate::error::{Result, TrainError, os};
+use crate::error::{Result, StorageError};
 
 /// The lock file's name in each owned directory.
 pub const LOCK_FILE: &str = ".strata-lock";
@@ -73,7 +74,7 @@ impl Holder {
 
 /// A Unix time as this machine's local date and time, ISO-style
 /// (`2026-11-29 12:04:31 CET`); the raw number where it cannot be one.
-pub(crate) fn local_time(unix_s: u64) -> String {
+pub fn local_time(unix_s: u64) -> String {
     i64::try_from(unix_s)
         .ok()
         .and_then(|s| jiff::Timestamp::from_second(s).ok())
@@ -98,20 +99,29 @@ pub struct DirLock {
     _file: File,
 }
 
-/// Takes `dir` (created if missing) for `holder`, `what` naming the
-/// setting it came from. A live holder is refused at once; a holder that
-/// has exited is waited for, at most `wait`.
-pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: Duration) -> Result<DirLock> {
-    let fail = |problem: String, fix: &str| TrainError::Ownership {
+/// How long to wait for an exited holder's lock, and the setting that
+/// raises it (named in the error).
+#[derive(Clone, Copy, Debug)]
+pub struct LockWait<'a> {
+    /// The bound.
+    pub wait: Duration,
+    /// The setting, e.g. `train.lock_wait_s`.
+    pub setting: &'a str,
+}
+
+/// Takes `dir` (created if missing, durably) for `holder`, `what` naming
+/// the setting it came from. A live holder is refused at once; a holder
+/// that has exited is waited for, at most `wait.wait`.
+pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: LockWait<'_>) -> Result<DirLock> {
+    let fail = |problem: String, fix: &str| StorageError::Ownership {
         what: what.to_string(),
         dir: dir.to_path_buf(),
         problem,
         fix: fix.to_string(),
     };
-    create_dir_all_durably(&RealFs, dir).map_err(|err| {
-        os(
-            format!("create {what} {}", dir.display()),
-            err,
+    create_dir_all_durably(dir).map_err(|err| {
+        fail(
+            format!("cannot create it: {err}"),
             "choose a writable directory",
         )
     })?;
@@ -135,7 +145,7 @@ pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: Duration) -> Resu
             Err(TryLockError::WouldBlock) => {
                 let other = read_holder(&mut file);
                 let dead = other.as_ref().is_some_and(Holder::exited);
-                if dead && started.elapsed() < wait {
+                if dead && started.elapsed() < wait.wait {
                     std::thread::sleep(POLL);
                     continue;
                 }
@@ -144,9 +154,9 @@ pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: Duration) -> Resu
                     fail(
                         format!(
                             "{who} holds it; that process has exited but its lock was not released within {:.1} s",
-                            wait.as_secs_f64()
+                            wait.wait.as_secs_f64()
                         ),
-                        "wait a little and start again, or raise train.lock_wait_s",
+                        &format!("wait a little and start again, or raise {}", wait.setting),
                     )
                 } else {
                     fail(
@@ -178,6 +188,21 @@ pub fn lock_dir(dir: &Path, what: &str, holder: &Holder, wait: Duration) -> Resu
     Ok(DirLock { _file: file })
 }
 
+/// Creates `dir` and its missing parents, each new entry synced into its
+/// parent directory (a crash right after cannot lose it).
+fn create_dir_all_durably(dir: &Path) -> std::io::Result<()> {
+    let missing: Vec<&Path> = dir.ancestors().take_while(|a| !a.exists()).collect();
+    std::fs::create_dir_all(dir)?;
+    for made in missing {
+        let parent = match made.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        File::open(parent)?.sync_all()?;
+    }
+    Ok(())
+}
+
 /// The holder recorded in a lock file (none while it is being written).
 fn read_holder(file: &mut File) -> Option<Holder> {
     let mut text = String::new();
@@ -189,6 +214,18 @@ fn read_holder(file: &mut File) -> Option<Holder> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const NO_WAIT: LockWait<'static> = LockWait {
+        wait: Duration::ZERO,
+        setting: "train.lock_wait_s",
+    };
+
+    fn wait(wait: Duration) -> LockWait<'static> {
+        LockWait {
+            wait,
+            setting: "train.lock_wait_s",
+        }
+    }
 
     /// Lock messages say when a holder started as a local date and time.
     #[test]
@@ -206,12 +243,12 @@ mod tests {
     fn a_second_holder_is_refused_by_name_and_the_lock_goes_with_the_first() {
         let dir = tempfile::tempdir().unwrap();
         let first = Holder::this_run();
-        let lock = lock_dir(dir.path(), "train.checkpoint_dir", &first, Duration::ZERO).unwrap();
+        let lock = lock_dir(dir.path(), "train.checkpoint_dir", &first, NO_WAIT).unwrap();
         let second = Holder {
             run_id: "other".into(),
             ..Holder::this_run()
         };
-        let err = lock_dir(dir.path(), "train.checkpoint_dir", &second, Duration::ZERO)
+        let err = lock_dir(dir.path(), "train.checkpoint_dir", &second, NO_WAIT)
             .unwrap_err()
             .to_string();
         assert!(
@@ -222,7 +259,7 @@ mod tests {
             "{err}"
         );
         drop(lock);
-        lock_dir(dir.path(), "train.checkpoint_dir", &second, Duration::ZERO).unwrap();
+        lock_dir(dir.path(), "train.checkpoint_dir", &second, NO_WAIT).unwrap();
     }
 
     #[test]
@@ -234,13 +271,13 @@ mod tests {
             pid: u32::MAX,
             ..Holder::this_run()
         };
-        let lock = lock_dir(dir.path(), "nvme.dirs entry", &dead, Duration::ZERO).unwrap();
+        let lock = lock_dir(dir.path(), "nvme.dirs entry", &dead, NO_WAIT).unwrap();
         let started = Instant::now();
         let err = lock_dir(
             dir.path(),
             "nvme.dirs entry",
             &Holder::this_run(),
-            Duration::from_millis(100),
+            wait(Duration::from_millis(100)),
         )
         .unwrap_err()
         .to_string();
@@ -258,7 +295,7 @@ mod tests {
             dir.path(),
             "nvme.dirs entry",
             &Holder::this_run(),
-            Duration::from_secs(10),
+            wait(Duration::from_secs(10)),
         )
         .unwrap();
         releaser.join().unwrap();
