@@ -55,11 +55,18 @@ fn round_up(bytes: usize, align: usize) -> usize {
 struct Layout {
     elems: usize,
     moment_bytes: usize,
+    /// The master weights are the parameter's own fp32 memory (a CPU
+    /// parameter computed in fp32): the slot holds the moments only, and a
+    /// step updates the parameter in place.
+    in_place: bool,
 }
 
 impl Layout {
     fn master_len(self) -> usize {
-        round_up(self.elems * 4, REGION_ALIGN)
+        match self.in_place {
+            true => 0,
+            false => round_up(self.elems * 4, REGION_ALIGN),
+        }
     }
     fn moment_len(self) -> usize {
         round_up(self.elems * self.moment_bytes, REGION_ALIGN)
@@ -68,11 +75,13 @@ impl Layout {
         self.master_len() + 2 * self.moment_len()
     }
 
-    /// The master weights and moments within a slot's `bytes`.
-    fn split(self, bytes: &mut [u8]) -> (&mut [f32], Moments<'_>) {
+    /// The master weights (none when in place) and moments within a
+    /// slot's `bytes`.
+    fn split(self, bytes: &mut [u8]) -> (Option<&mut [f32]>, Moments<'_>) {
         let (master, rest) = bytes.split_at_mut(self.master_len());
         let (m, v) = rest.split_at_mut(self.moment_len());
-        let master = &mut bytemuck::cast_slice_mut::<u8, f32>(master)[..self.elems];
+        let master = (!self.in_place)
+            .then(|| &mut bytemuck::cast_slice_mut::<u8, f32>(master)[..self.elems]);
         let (m, v) = (
             &mut m[..self.elems * self.moment_bytes],
             &mut v[..self.elems * self.moment_bytes],
@@ -197,10 +206,12 @@ impl OffloadStates {
     /// page-locked arena) or "nvme" (`nvme_dirs`, `nvme_capacity` bytes
     /// preallocated; `staging` page-locked buffers for reading ahead and
     /// writing behind). `moments`: "fp32" or "bf16". `threads`: the update's
-    /// threads (None: one per physical core).
+    /// threads (None: one per physical core). `in_place`: per slot, whether
+    /// the master weights are the parameter's own fp32 memory (then every
+    /// step's `out` is that memory).
     #[new]
     #[pyo3(signature = (elems, *, tier, moments="fp32", nvme_dirs=None, nvme_capacity=None,
-        staging=4, threads=None, engine="auto", lock_wait_s=10.0))]
+        staging=4, threads=None, engine="auto", lock_wait_s=10.0, in_place=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -213,6 +224,7 @@ impl OffloadStates {
         threads: Option<usize>,
         engine: &str,
         lock_wait_s: f64,
+        in_place: Option<Vec<bool>>,
     ) -> PyResult<Self> {
         if elems.len() > SLOTS_MAX {
             return Err(PyValueError::new_err(format!(
@@ -236,11 +248,21 @@ impl OffloadStates {
                 strata_optim::THREADS_MAX
             )));
         }
+        let in_place = in_place.unwrap_or_else(|| vec![false; elems.len()]);
+        if in_place.len() != elems.len() {
+            return Err(PyValueError::new_err(format!(
+                "in_place has {} entries for {} parameters",
+                in_place.len(),
+                elems.len()
+            )));
+        }
         let layouts: Vec<Layout> = elems
             .iter()
-            .map(|&elems| Layout {
+            .zip(&in_place)
+            .map(|(&elems, &in_place)| Layout {
                 elems,
                 moment_bytes,
+                in_place,
             })
             .collect();
         let mut firsts = Vec::with_capacity(elems.len());
@@ -425,8 +447,9 @@ impl OffloadStates {
     }
 
     /// Slot `slot`'s states from `master` (fp32, bf16 or fp16: the
-    /// parameter's values) and, when given, `exp_avg` and `exp_avg_sq`
-    /// (fp32 or bf16; zero when not given). Waits for every queued step.
+    /// parameter's values; ignored for a slot in place, whose parameter
+    /// holds them) and, when given, `exp_avg` and `exp_avg_sq` (fp32 or
+    /// bf16; zero when not given). Waits for every queued step.
     #[pyo3(signature = (slot, master, exp_avg=None, exp_avg_sq=None))]
     fn load(
         &self,
@@ -455,8 +478,10 @@ impl OffloadStates {
         py.detach(|| {
             self.with_slot(slot, Access::Overwrite, |bytes| {
                 let (dst, dst_moments) = layout.split(bytes);
-                // SAFETY: dtypes and lengths checked above; the tensors are held (and only read) until this returns.
-                unsafe { widen(&master, dst) };
+                if let Some(dst) = dst {
+                    // SAFETY: dtypes and lengths checked above; the tensors are held (and only read) until this returns.
+                    unsafe { widen(&master, dst) };
+                }
                 let (m, v) = match dst_moments {
                     Moments::F32 { m, v } => (Wide::F32(m), Wide::F32(v)),
                     Moments::Bf16 { m, v } => (Wide::Bf16(m), Wide::Bf16(v)),
@@ -471,8 +496,8 @@ impl OffloadStates {
     }
 
     /// Slot `slot`'s states into fp32 tensors `master`, `exp_avg` and
-    /// `exp_avg_sq` (bf16 moments widened). Waits for every queued step and
-    /// write.
+    /// `exp_avg_sq` (bf16 moments widened; `master` left alone for a slot
+    /// in place). Waits for every queued step and write.
     fn read(
         &self,
         py: Python<'_>,
@@ -501,7 +526,9 @@ impl OffloadStates {
                 let (master, moments) = layout.split(bytes);
                 // SAFETY: fp32, lengths and writability checked above; the tensors are held until this returns and nothing else writes them (the caller made them).
                 unsafe {
-                    outs[0].slice_mut::<f32>().copy_from_slice(master);
+                    if let Some(master) = master {
+                        outs[0].slice_mut::<f32>().copy_from_slice(master);
+                    }
                     match moments {
                         Moments::F32 { m, v } => {
                             outs[1].slice_mut::<f32>().copy_from_slice(m);
@@ -553,6 +580,11 @@ impl OffloadStates {
                 Ok::<_, PyErr>(t)
             })
             .transpose()?;
+        if layout.in_place && out.as_ref().is_none_or(|out| out.dtype != Dtype::F32) {
+            return Err(PyValueError::new_err(format!(
+                "slot {slot} is in place: its out must be the parameter's fp32 memory"
+            )));
+        }
         if let Some(out) = &out {
             let (g, o) = (grad.ptr() as usize, out.ptr() as usize);
             if g < o + out.len_bytes() && o < g + grad.len_bytes() {
@@ -801,10 +833,20 @@ fn step(pool: &Pool, layout: Layout, bytes: &mut [u8], job: &Job) {
         Some(Err(wide)) => (None, Some(wide)),
         None => (None, None),
     };
-    let shard = (&mut *master, grad, moments, copy, job.rounding);
-    pool.adam_step_many(&job.coefficients, vec![shard]);
-    if let Some(wide) = wide {
-        wide.copy_from_slice(master);
+    match (master, wide) {
+        // In place: the parameter's memory is the master (`submit` checked it is fp32).
+        (None, Some(param)) => {
+            let shard = (param, grad, moments, None, job.rounding);
+            pool.adam_step_many(&job.coefficients, vec![shard]);
+        }
+        (Some(master), wide) => {
+            let shard = (&mut *master, grad, moments, copy, job.rounding);
+            pool.adam_step_many(&job.coefficients, vec![shard]);
+            if let Some(wide) = wide {
+                wide.copy_from_slice(master);
+            }
+        }
+        (None, None) => unreachable!("submit refuses a step in place without its parameter"),
     }
 }
 

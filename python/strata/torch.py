@@ -35,6 +35,9 @@ update; fp16 gradients work there too). LR schedulers work through
 ``zero_grad(set_to_none=True)`` (torch's default) does not wait; with
 ``set_to_none=False`` it waits for the updates that read the gradients.
 
+A CPU parameter computed in fp32 (``compute_dtype=torch.float32``) is its
+own master: it is updated in place, and strata keeps its moments only.
+
 ``state_dict()`` follows ``torch.optim.AdamW``'s layout, each parameter's
 entry with a ``master`` (the fp32 weights) beside ``exp_avg`` and
 ``exp_avg_sq``; ``load_state_dict`` takes it back, and a state dict of
@@ -187,8 +190,13 @@ class AdamW(torch.optim.Optimizer):
         pinned_extra = sum(
             n * (compute_dtype.itemsize + 4) for t, n in zip(self._locals, elems) if t.device.type != "cpu"
         )
-        per_param = 4 + 2 * (4 if _MOMENTS[moments] == "fp32" else 2)
-        state_bytes = sum(elems) * per_param
+        # A CPU parameter computed in fp32 is its own master: updated in place.
+        in_place = [
+            t.device.type == "cpu" and t.dtype == torch.float32 and compute_dtype == torch.float32
+            for t in self._locals
+        ]
+        moment_bytes = 2 * (4 if _MOMENTS[moments] == "fp32" else 2)
+        state_bytes = sum(n * (moment_bytes + (0 if inplace else 4)) for n, inplace in zip(elems, in_place))
         host_need = (state_bytes if states == "cpu" else 0) + pinned_extra
         budget = host_budget if host_budget is not None else _available_host_bytes()
         if budget is not None and host_need > budget:
@@ -208,7 +216,9 @@ class AdamW(torch.optim.Optimizer):
             staging=staging,
             threads=threads,
             lock_wait_s=lock_wait_s,
+            in_place=in_place,
         )
+        self._in_place = in_place
         self._dirty = [False] * len(self._params)
         self._module_slots = weakref.WeakKeyDictionary()
         self._host_out = [None] * len(self._params)
@@ -369,6 +379,8 @@ class AdamW(torch.optim.Optimizer):
                 continue
             master, m, v = (torch.empty(self._locals[slot].shape, dtype=torch.float32) for _ in range(3))
             self._states.read(slot, master.view(-1), m.view(-1), v.view(-1))
+            if self._in_place[slot]:
+                master.copy_(self._locals[slot])
             entry.update(
                 step=torch.tensor(float(entry["step"]), dtype=torch.float32),
                 exp_avg=m,
@@ -484,6 +496,11 @@ def _check_param(p, name):
                     "values are not the parameter's; redistribute it to Shard or Replicate first"
                 )
         p = p._local_tensor
+        if not p.is_contiguous():
+            raise TypeError(
+                f"{name} {shape} is a DTensor whose local shard is not contiguous: strata writes "
+                "updates into the shard's memory; shard it along its first dimension"
+            )
     if p.layout != torch.strided:
         raise TypeError(f"{name} {shape} has layout {p.layout}: strata manages dense (strided) parameters only")
     if p.is_complex():
