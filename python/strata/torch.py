@@ -370,22 +370,29 @@ class AdamW(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------
 
     def state_dict(self):
-        """torch.optim.AdamW's layout, each entry with ``master`` (fp32)."""
+        """torch.optim.AdamW's layout, each entry with ``master`` (fp32).
+        A DTensor parameter's states are DTensors of its mesh and
+        placements over this rank's shard, so that
+        torch.distributed.checkpoint (``get_optimizer_state_dict``,
+        ``dcp.save``) saves them sharded and loads them at another world
+        size."""
         self.synchronize()
         packed = super().state_dict()
         for slot, p in enumerate(self._params):
             entry = packed["state"].get(slot)
             if entry is None:
                 continue
+            # torch's packing shares each entry with the live state: copy it.
+            entry = packed["state"][slot] = dict(entry)
             master, m, v = (torch.empty(self._locals[slot].shape, dtype=torch.float32) for _ in range(3))
             self._states.read(slot, master.view(-1), m.view(-1), v.view(-1))
             if self._in_place[slot]:
                 master.copy_(self._locals[slot])
             entry.update(
                 step=torch.tensor(float(entry["step"]), dtype=torch.float32),
-                exp_avg=m,
-                exp_avg_sq=v,
-                master=master,
+                exp_avg=_like(p, m),
+                exp_avg_sq=_like(p, v),
+                master=_like(p, master),
             )
         return packed
 
@@ -456,6 +463,18 @@ def _is_dtensor(t):
 def _local(t):
     """A DTensor's local shard (the memory it owns here); a tensor itself."""
     return t._local_tensor if _is_dtensor(t) else t
+
+
+def _like(p, local):
+    """``local`` (this rank's shard of a state) as ``p`` is: a DTensor of
+    ``p``'s mesh and placements when ``p`` is one."""
+    if not _is_dtensor(p):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _fsdp_module_type():

@@ -119,6 +119,8 @@ def test_resume_from_state_dict_repeats_the_losses(tmp_path, saved, loaded):
     assert set(packed["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}
     assert packed["state"][0]["step"].item() == 6.0
     model_state = {k: v.clone() for k, v in first.state_dict().items()}
+    # Taking the state dict leaves the live states alone.
+    assert train(first, opt, steps=6, skip=6) == want[6:]
     opt.close()
     again = model(seed=5)
     again.load_state_dict(model_state)
@@ -234,10 +236,10 @@ def test_plan_names_the_tiers(tmp_path):
     assert "states on NVMe" in plan and "staging" in plan and "float32 on cpu" in plan, plan
 
 
-def test_fsdp2_on_two_ranks_matches_torch_adamw(tmp_path):
-    """torchrun, gloo, CPU: FSDP2 + strata (states in host memory and on
-    NVMe) against FSDP2 + torch AdamW, 30 steps of 4 micro-batches with
-    clipping every step."""
+def torchrun(tmp_path, ranks, script, *args):
+    """Runs ``script`` under ``torchrun --standalone`` on ``ranks`` CPU
+    ranks (skips where torch lacks FSDP2, gloo or torchrun); rank 0's JSON
+    and the whole stderr."""
     import json
     import shutil
     import subprocess
@@ -246,18 +248,36 @@ def test_fsdp2_on_two_ranks_matches_torch_adamw(tmp_path):
     pytest.importorskip("torch.distributed.fsdp", reason="this torch has no FSDP2")
     if not torch.distributed.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
+    launcher = shutil.which("torchrun")
+    if launcher is None:
         pytest.skip("torchrun is not on PATH")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fsdp2_train.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", script, str(tmp_path)],
+        [launcher, "--standalone", "--nproc-per-node", str(ranks), script, *map(str, args)],
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_distributed_checkpoint_resumes_bit_for_bit_and_loads_at_one_rank(tmp_path):
+    """FSDP2 + strata, torch.distributed.checkpoint: saved at 2 ranks and
+    resumed there with the same losses to the bit; loaded at 1 rank (states
+    on NVMe there) with the same full optimizer state."""
+    after, _ = torchrun(tmp_path, 2, "fsdp2_dcp.py", "save", tmp_path, "cpu")
+    resumed, _ = torchrun(tmp_path, 2, "fsdp2_dcp.py", "resume", tmp_path, "nvme")
+    assert resumed["result"] == after["result"], (after, resumed)
+    same, _ = torchrun(tmp_path, 1, "fsdp2_dcp.py", "check", tmp_path, "nvme")
+    assert same["result"] is True
+
+
+def test_fsdp2_on_two_ranks_matches_torch_adamw(tmp_path):
+    """torchrun, gloo, CPU: FSDP2 + strata (states in host memory and on
+    NVMe) against FSDP2 + torch AdamW, 30 steps of 4 micro-batches with
+    clipping every step."""
+    runs, stderr = torchrun(tmp_path, 2, "fsdp2_train.py", tmp_path)
     for name in ("strata_cpu", "strata_nvme"):
         worst = max(abs(a - b) for a, b in zip(runs["torch"], runs[name]))
         assert worst < 1e-5, (name, worst, runs)
-    assert "6 DTensor shards" in out.stderr, out.stderr[-2000:]
+    assert "6 DTensor shards" in stderr, stderr[-2000:]
