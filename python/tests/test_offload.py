@@ -281,3 +281,47 @@ def test_fsdp2_on_two_ranks_matches_torch_adamw(tmp_path):
         worst = max(abs(a - b) for a, b in zip(runs["torch"], runs[name]))
         assert worst < 1e-5, (name, worst, runs)
     assert "6 DTensor shards" in stderr, stderr[-2000:]
+
+
+def test_hf_trainer_with_optimizers_matches_torch_adamw(tmp_path):
+    """HF Trainer, one process on the CPU, a tiny Llama built from a config:
+    ``optimizers=(strata.torch.AdamW, None)`` against Trainer's own torch
+    AdamW, 10 steps with its clipping (max_grad_norm) and its linear
+    schedule: every logged loss within 1e-5."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not importable here")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    gen = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": torch.randint(0, 97, (16,), generator=gen)} for _ in range(40)]
+    for row in rows:
+        row["labels"] = row["input_ids"].clone()
+
+    def losses(make_optimizer, name):
+        torch.manual_seed(0)
+        net = transformers.LlamaForCausalLM(config)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=10, per_device_train_batch_size=4,
+            learning_rate=2e-3, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
+            report_to=[], use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        optimizers = (make_optimizer(net), None) if make_optimizer else (None, None)
+        trainer = transformers.Trainer(model=net, args=args, train_dataset=rows, optimizers=optimizers)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    want = losses(None, "torch")
+
+    def strata_optimizer(net):
+        decay = [p for n, p in net.named_parameters() if p.dim() >= 2]
+        rest = [p for n, p in net.named_parameters() if p.dim() < 2]
+        return st.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=2e-3, compute_dtype=torch.float32, verbose=False,
+        )
+
+    got = losses(strata_optimizer, "strata")
+    assert len(got) == len(want) == 10, (want, got)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5, (want, got)
