@@ -237,24 +237,21 @@ def test_plan_names_the_tiers(tmp_path):
 
 
 def torchrun(tmp_path, ranks, script, *args):
-    """Runs ``script`` under ``torchrun --standalone`` on ``ranks`` CPU
-    ranks (skips where torch lacks FSDP2, gloo or torchrun); rank 0's JSON
-    and the whole stderr."""
+    """Runs ``script`` under torchrun (``--standalone``) on ``ranks`` CPU
+    ranks (skips where torch lacks FSDP2 or gloo); rank 0's JSON and the
+    whole stderr."""
     import json
-    import shutil
     import subprocess
     import sys
 
     pytest.importorskip("torch.distributed.fsdp", reason="this torch has no FSDP2")
     if not torch.distributed.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
-    launcher = shutil.which("torchrun")
-    if launcher is None:
-        pytest.skip("torchrun is not on PATH")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", script)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [launcher, "--standalone", "--nproc-per-node", str(ranks), script, *map(str, args)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         script, *map(str, args)],
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-4000:]
