@@ -90,7 +90,27 @@ def adam_systems(torch, threads):
     except Exception as err:  # not installed, or its op failed to build
         skipped["deepspeed"] = f"{type(err).__name__}: {err}"
     systems.append(("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True)))
+    # strata beneath a torch loop: fp32 CPU parameters are their own masters
+    # (stepped in place), moments in strata's page-locked arena; each step
+    # waited for, so the whole update is timed.
+    import strata.torch
+
+    systems.append(("strata_torch", lambda ps: Synchronized(strata.torch.AdamW(
+        ps, lr=1e-3, weight_decay=0.01, compute_dtype=torch.float32, threads=threads, verbose=False))))
     return systems, skipped
+
+
+class Synchronized:
+    """strata.torch.AdamW with each step waited for (its update runs behind
+    the loop otherwise)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.state = optimizer.state
+
+    def step(self):
+        self.optimizer.step()
+        self.optimizer.synchronize()
 
 
 def tensor_sizes(params, tensors):
@@ -125,8 +145,9 @@ def bench_adam(args, torch):
         optimizer.step()  # states allocated, first-touch done, JIT warm
         if shared is None:
             shared = [optimizer.state[p] for p in params]
-        elif args.states == "shared" and name != "strata_bf16_moments":
-            # (bf16 moments keep their own: fp32 ones would make it fp32.)
+        elif args.states == "shared" and name not in ("strata_bf16_moments", "strata_torch"):
+            # (bf16 moments keep their own: fp32 ones would make it fp32;
+            # strata.torch's moments are strata's, not torch tensors.)
             for p, first in zip(params, shared):
                 for key in ("exp_avg", "exp_avg_sq"):
                     optimizer.state[p][key] = first[key]
@@ -159,6 +180,9 @@ def adam_ratios(rates):
     and over each peer."""
     peers = [name for name in rates if not name.startswith("strata")]
     ratios = {f"strata/{name}": rates["strata"] / rates[name] for name in peers}
+    if "strata_torch" in rates:
+        for name in ["strata", *peers]:
+            ratios[f"strata_torch/{name}"] = rates["strata_torch"] / rates[name]
     if "strata_bf16_moments" in rates:
         for name in ["strata", *peers]:
             ratios[f"strata_bf16_moments/{name}"] = rates["strata_bf16_moments"] / rates[name]
@@ -323,6 +347,13 @@ def main():
             print(f"{parent} has less than {3 * args.io_bytes} bytes free for the I/O files: use --dir or --io-bytes",
                   file=sys.stderr)
             return 2
+    if args.json:
+        # Only the report on stdout: DeepSpeed prints its accelerator
+        # warning there when it imports, and its op builds' compilers
+        # write to file descriptor 1; all of it goes to stderr meanwhile.
+        sys.stdout.flush()
+        report_fd = os.dup(1)
+        os.dup2(2, 1)
     report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "torch": torch.__version__}
     try:
         import deepspeed
@@ -335,6 +366,8 @@ def main():
     if args.only != "adam":
         report["io"] = bench_io(args, torch)
     if args.json:
+        sys.stdout.flush()
+        os.dup2(report_fd, 1)
         print(json.dumps(report, indent=2))
         return 0
     print(f"{report['date']}  {report['cpus']} CPUs  torch {report['torch']}  deepspeed {report['deepspeed']}")

@@ -12,18 +12,22 @@ pytest.importorskip("torch", reason="torch is not importable here")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(*args, cwd):
+def run(*args, cwd, json_only=False):
+    """The script's JSON report; with ``json_only``, stdout must be nothing else."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    if json_only:
+        return json.loads(out.stdout)
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
 def test_python_vs_deepspeed_tiny(tmp_path):
     report = run(os.path.join(ROOT, "benches", "python_vs_deepspeed.py"), "--tiny", "--json",
-                 "--dir", str(tmp_path / "io"), cwd=tmp_path)
+                 "--dir", str(tmp_path / "io"), cwd=tmp_path, json_only=True)
     adam = report["adam"]
     assert adam["gparams_per_s"]["strata"] > 0 and "strata/torch_fused" in adam["ratios"]
+    assert adam["gparams_per_s"]["strata_torch"] > 0 and "strata_torch/torch_fused" in adam["ratios"]
     for name, diff in adam["max_abs_diff_from_strata"].items():
         assert diff < 1e-4, f"{name} disagrees with strata after the same steps: {diff}"
     io = report["io"]
@@ -47,6 +51,6 @@ def test_the_example_trains_and_matches_deepspeed_when_it_loads(tmp_path):
 
 
 def test_torch_offload_tiny(tmp_path):
-    report = run(os.path.join(ROOT, "benches", "torch_offload.py"), "--tiny", "--json", cwd=tmp_path)
+    report = run(os.path.join(ROOT, "benches", "torch_offload.py"), "--tiny", "--json", cwd=tmp_path, json_only=True)
     assert report["step"]["gparams_per_s"]["strata_torch"] > 0
     assert set(report["overlap"]["rows"]) == {"unclipped", "clipped"}
