@@ -54,3 +54,23 @@ def test_torch_offload_tiny(tmp_path):
     report = run(os.path.join(ROOT, "benches", "torch_offload.py"), "--tiny", "--json", cwd=tmp_path, json_only=True)
     assert report["step"]["gparams_per_s"]["strata_torch"] > 0
     assert set(report["overlap"]["rows"]) == {"unclipped", "clipped"}
+
+
+def test_the_llama_nvme_example_learns(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not importable here")
+    (tmp_path / "nvme").mkdir()
+    example = os.path.join(ROOT, "examples", "python", "llama_nvme_finetune.py")
+    result = run(example, "--nvme", str(tmp_path / "nvme"), "--steps", "8", "--json", cwd=tmp_path, json_only=True)
+    assert result["losses"][-1] < 0.8 * result["losses"][0], result
+    assert "states on NVMe" in result["plan"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_fsdp2_example_learns_on_two_ranks(tmp_path, tp):
+    """torchrun at 2 ranks, gloo: FSDP2 alone, and FSDP2 + TP (a 1 x 2 mesh)."""
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no FSDP2")
+    example = os.path.join(ROOT, "examples", "python", "fsdp2_strata.py")
+    result = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", example,
+                 "--tp", str(tp), "--states", "nvme", "--nvme", str(tmp_path), "--steps", "6", "--json",
+                 cwd=tmp_path)
+    assert result["tp"] == tp and result["losses"][-1] < 0.5 * result["losses"][0], result
