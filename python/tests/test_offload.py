@@ -343,3 +343,12 @@ def test_pipeline_stages_match_one_process(tmp_path):
     runs, _ = torchrun(tmp_path, 2, "pp2_train.py")
     worst = max(abs(a - b) for a, b in zip(runs["pipeline"], runs["one_process"]))
     assert worst < 1e-5, (worst, runs)
+
+
+def test_fsdp2_bf16_shards_keep_no_fp32_copy(tmp_path):
+    """A model converted to bf16 before fully_shard (gradients reduced in
+    fp32): after construction no fp32 tensor of a local shard's size
+    exists on either rank's side of torch, and the model learns."""
+    result, _ = torchrun(tmp_path, 2, "fsdp2_bf16.py")
+    assert result["param_dtypes"] == ["torch.bfloat16"] and result["fp32_copies"] == 0, result
+    assert result["losses"][-1] < 0.8 * result["losses"][0], result
