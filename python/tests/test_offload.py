@@ -170,6 +170,29 @@ def test_grad_scaler_overflow_skips_the_step(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+def test_grad_scaler_unscale_then_clip_is_the_clipped_step(tmp_path):
+    """The usual fp16 loop: scaler.unscale_, clip_grad_norm_, scaler.step,
+    against torch AdamW on the unscaled, clipped gradients."""
+    net, reference = model(), model()
+    opt = strata_adamw(net, tmp_path, "cpu")
+    ref_opt = torch.optim.AdamW(groups(reference), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for x, y in batches(1, 3)[:3]:
+        scaler.scale(torch.nn.functional.cross_entropy(net(x), y)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.synchronize()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_zero_grad_in_place_waits_for_the_update(tmp_path):
     reference = model()
     want = train(reference, torch.optim.AdamW(groups(reference), lr=3e-3), steps=3)
@@ -348,7 +371,7 @@ def test_pipeline_stages_match_one_process(tmp_path):
 def test_fsdp2_bf16_shards_keep_no_fp32_copy(tmp_path):
     """A model converted to bf16 before fully_shard (gradients reduced in
     fp32): after construction no fp32 tensor of a local shard's size
-    exists on either rank's side of torch, and the model learns."""
+    exists on rank 0, and the model learns."""
     result, _ = torchrun(tmp_path, 2, "fsdp2_bf16.py")
     assert result["param_dtypes"] == ["torch.bfloat16"] and result["fp32_copies"] == 0, result
     assert result["losses"][-1] < 0.8 * result["losses"][0], result
