@@ -77,6 +77,34 @@ pub fn allowed_cpus() -> Vec<usize> {
     (0..std::thread::available_parallelism().map_or(1, usize::from)).collect()
 }
 
+/// The machine's online CPUs, from /sys/devices/system/cpu/online
+/// (`0-15,32-47`); `None` where it cannot be read.
+pub fn online_cpu_count() -> Option<usize> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
+    parse_cpu_list(text.trim())
+}
+
+/// The number of CPUs in a kernel CPU list (`0-3,8,10-11` is 7).
+fn parse_cpu_list(text: &str) -> Option<usize> {
+    text.split(',').try_fold(0usize, |count, part| {
+        let (first, last) = match part.split_once('-') {
+            Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
+            None => {
+                let cpu = part.parse::<usize>().ok()?;
+                (cpu, cpu)
+            }
+        };
+        (last >= first).then(|| count + last - first + 1)
+    })
+}
+
+/// Whether a launcher bound this process to part of the machine (its
+/// affinity mask is smaller than the online CPUs): then the CPUs it may
+/// use are its own share, not shared with the machine's other ranks.
+pub fn bound_to_a_share() -> bool {
+    online_cpu_count().is_some_and(|online| allowed_cpus().len() < online)
+}
+
 /// Pins the calling thread to one CPU.
 pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     #[cfg(target_os = "linux")]
@@ -154,6 +182,14 @@ fn from_hwloc(allowed: &[usize]) -> Option<CpuTopology> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_lists_count_their_ranges() {
+        assert_eq!(parse_cpu_list("0-3,8,10-11"), Some(7));
+        assert_eq!(parse_cpu_list("0"), Some(1));
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("x"), None);
+    }
 
     #[test]
     fn threads_fill_cores_before_siblings() {

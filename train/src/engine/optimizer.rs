@@ -55,10 +55,10 @@ pub(super) struct Update {
 /// cores only with one rank (ranks' pools would share the same cores).
 pub(super) fn optimizer_pool(threads: u32, ranks: usize) -> Result<Pool> {
     let threads = match threads {
-        0 => {
-            let cores = strata_optim::topology::CpuTopology::detect().core_count();
-            (cores.saturating_sub(2) / ranks.max(1)).max(1)
-        }
+        0 => default_threads(
+            strata_optim::topology::CpuTopology::detect().core_count(),
+            ranks,
+        ),
         n => n as usize,
     };
     Ok(Pool::new(PoolConfig {
@@ -66,6 +66,13 @@ pub(super) fn optimizer_pool(threads: u32, ranks: usize) -> Result<Pool> {
         pin: ranks == 1 && threads > 1,
         ..PoolConfig::default()
     })?)
+}
+
+/// `optim.threads = 0`'s count for one of `ranks_here` ranks sharing a
+/// machine of `cores` cores: two cores left to compute and I/O, the rest
+/// divided evenly, at least one each.
+pub(super) fn default_threads(cores: usize, ranks_here: usize) -> usize {
+    (cores.saturating_sub(2) / ranks_here.max(1)).max(1)
 }
 
 /// The optimizer pool's threads, lent to the runtime to commit the pinned

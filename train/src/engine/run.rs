@@ -151,7 +151,8 @@ pub struct ProcessRank {
 
 /// Runs this process's rank of `config` (`train.ranks` 1 or the job's
 /// processes): `host.budget` and `nvme.capacity` divided among the
-/// machine's processes, swap files under each `nvme.dirs` entry's
+/// machine's processes, and with `optim.threads = 0` the cores too (those
+/// of the process's own share where the launcher bound it to one), swap files under each `nvme.dirs` entry's
 /// `rank{N}` (each rank locking its own), the checkpoint directory locked
 /// by rank 0, whose `progress` hears of every step and who alone returns
 /// the summary.
@@ -179,6 +180,21 @@ pub fn run_process(
     config.host.budget.0 /= local;
     if let Some(nvme) = config.nvme.as_mut() {
         nvme.capacity.0 /= local;
+    }
+    if config.optim.threads == 0 {
+        // The engine divides the cores by the job's world, which is this
+        // machine's ranks only when they are threads. A process divides
+        // the cores it may use among its machine's processes, unless the
+        // launcher bound it to a share of its own (mpirun binds to cores).
+        use strata_optim::topology::{CpuTopology, bound_to_a_share};
+        let sharing = if bound_to_a_share() {
+            1
+        } else {
+            local as usize
+        };
+        let threads =
+            super::optimizer::default_threads(CpuTopology::detect().core_count(), sharing);
+        config.optim.threads = u32::try_from(threads).unwrap_or(u32::MAX);
     }
     let given = TrainConfig {
         train: super::TrainSettings {
