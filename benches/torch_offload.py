@@ -11,7 +11,7 @@
    GPU run hands it).
 2. The overlap: torch on one thread (``torch.set_num_threads(1)``), the
    update on one strata thread, an MLP whose backward takes 1.5-2x the
-   update. Per step: the loop without an optimizer, with strata.torch.AdamW
+   update, its parameters in decay and no-decay groups (HF Trainer's). Per step: the loop without an optimizer, with strata.torch.AdamW
    (deferred update: it runs while the next forward goes on), and the
    update alone; exposed = (with - without) / update. Unclipped and with
    ``clip_grad_norm_`` every step.
@@ -133,7 +133,12 @@ def overlap_rows(width, depth, batch, rounds, steps):
         return median(whole), median(backward), median(update[1:]) if update else None
 
     def strata_opt(net):
-        return strata.torch.AdamW(net.parameters(), lr=1e-4, compute_dtype=torch.float32, threads=1, verbose=False)
+        # HF Trainer's groups: decay on the matrices, none on the biases
+        # (so param_groups order is not the forward's).
+        decay = [p for p in net.parameters() if p.dim() >= 2]
+        rest = [p for p in net.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        return strata.torch.AdamW(groups, lr=1e-4, compute_dtype=torch.float32, threads=1, verbose=False)
 
     rows = {}
     for clip in (False, True):

@@ -26,7 +26,11 @@ loop goes on (the scheduler, ``zero_grad``, the next batch, the forward of
 the modules before it) and lands before its module's next forward (a
 forward pre-hook on every module waits for the parameters it owns, and
 copies them to the GPU for a GPU parameter). Code that reads a parameter
-outside its own module's forward before then calls ``synchronize()``.
+outside its own module's forward before then calls ``synchronize()``. The
+updates run in the order the last forward used the parameters (learned
+at each step's first forward; param_groups order before any), so the
+first modules' parameters are ready first even when decay and no-decay
+groups interleave them; on NVMe the states are read ahead in that order.
 
 An overflow under ``torch.amp.GradScaler`` skips the step (the optimizer
 takes the scaler's ``found_inf`` and ``grad_scale``, unscaling inside the
@@ -221,6 +225,13 @@ class AdamW(torch.optim.Optimizer):
         self._in_place = in_place
         self._dirty = [False] * len(self._params)
         self._module_slots = weakref.WeakKeyDictionary()
+        # The order the last forward used the parameters in (learned at each
+        # step's first forward): the next updates run in it, so the first
+        # modules' parameters are ready first whatever the param groups.
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._order = list(range(len(self._params)))
+        self._seen = bytearray(len(self._params))
+        self._heard = []
         self._host_out = [None] * len(self._params)
         self._host_grad = [None] * len(self._params)
         with torch.no_grad():
@@ -290,33 +301,38 @@ class AdamW(torch.optim.Optimizer):
             return loss
         scale = getattr(self, "grad_scale", None)
         grad_scale = 1.0 if scale is None else 1.0 / float(scale)
-        for group in self.param_groups:
+        if self._heard:
+            unseen = [slot for slot in range(len(self._params)) if not self._seen[slot]]
+            self._order = self._heard + unseen
+            self._heard = []
+            self._seen = bytearray(len(self._params))
+        for slot in self._order:
+            p = self._params[slot]
+            group = self.param_groups[self._group_of[slot]]
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("strata.torch.AdamW does not take sparse gradients")
-                slot = self._slot[p]
-                grad = self._grad_for(slot, p)
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                local = self._locals[slot]
-                out = self._host_out[slot] if local.device.type != "cpu" else local.detach().view(-1)
-                self._states.submit(
-                    slot,
-                    grad,
-                    out,
-                    step=state["step"],
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    grad_scale=grad_scale,
-                    rounding_seed=self._rounding_seed,
-                )
-                self._dirty[slot] = True
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("strata.torch.AdamW does not take sparse gradients")
+            grad = self._grad_for(slot, p)
+            state = self.state[p]
+            state["step"] = state.get("step", 0) + 1
+            local = self._locals[slot]
+            out = self._host_out[slot] if local.device.type != "cpu" else local.detach().view(-1)
+            self._states.submit(
+                slot,
+                grad,
+                out,
+                step=state["step"],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                grad_scale=grad_scale,
+                rounding_seed=self._rounding_seed,
+            )
+            self._dirty[slot] = True
         return loss
 
     _step_supports_amp_scaling = True
@@ -353,6 +369,9 @@ class AdamW(torch.optim.Optimizer):
             slots = [self._slot[p] for p in _owned(module) if p in self._slot]
             self._module_slots[module] = slots
         for slot in slots:
+            if not self._seen[slot]:
+                self._seen[slot] = 1
+                self._heard.append(slot)
             if self._dirty[slot]:
                 self._settle(slot)
 
