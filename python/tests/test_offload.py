@@ -2,7 +2,8 @@
 with clipping, gradient accumulation, two param groups and a scheduler
 (states in host memory and on NVMe), no fp32 copy left beside strata's,
 checkpoints both ways, GradScaler's skipped steps, a corrupt NVMe state,
-and the refusals."""
+the refusals; and on gloo ranks under torchrun: FSDP2, distributed
+checkpoints, tensor parallelism, pipeline stages, HF Trainer."""
 
 import copy
 import gc
@@ -191,6 +192,17 @@ def test_grad_scaler_unscale_then_clip_is_the_clipped_step(tmp_path):
     opt.synchronize()
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_updates_are_queued_in_the_order_the_forward_uses_them(tmp_path):
+    """Decay and no-decay groups put every bias after every matrix; after
+    one forward the updates follow the modules instead."""
+    net = model()
+    opt = strata_adamw(net, tmp_path, "cpu")
+    slots = [opt._slot[p] for p in net.parameters()]  # the forward's order: each module's weight, bias
+    assert opt._order == sorted(slots) and opt._order != slots
+    train(net, opt, steps=2)
+    assert opt._order == slots, (opt._order, slots)
 
 
 def test_zero_grad_in_place_waits_for_the_update(tmp_path):
