@@ -40,6 +40,9 @@ use crate::tensor::{Dtype, Tensor};
 const REGION_ALIGN: usize = 64;
 /// Most parameters one optimizer manages.
 pub(crate) const SLOTS_MAX: usize = 1 << 20;
+/// Most elements of one parameter (2^40: a slot's bytes stay far inside
+/// 64 bits).
+const ELEMS_MAX: usize = 1 << 40;
 /// What each slot's extent is rounded to when sizing the store (a drive's
 /// largest common logical block).
 const NVME_ALIGN: usize = 4096;
@@ -248,6 +251,11 @@ impl OffloadStates {
                 strata_optim::THREADS_MAX
             )));
         }
+        if let Some((i, &n)) = elems.iter().enumerate().find(|&(_, &n)| n > ELEMS_MAX) {
+            return Err(PyValueError::new_err(format!(
+                "parameter {i} has {n} elements: strata.torch takes at most {ELEMS_MAX} in one tensor"
+            )));
+        }
         let in_place = in_place.unwrap_or_else(|| vec![false; elems.len()]);
         if in_place.len() != elems.len() {
             return Err(PyValueError::new_err(format!(
@@ -426,6 +434,16 @@ impl OffloadStates {
     #[getter]
     fn host_bytes(&self) -> usize {
         self.host_bytes
+    }
+
+    /// Whether the host arena is page-locked (false when the memlock limit
+    /// refused it; NVMe states keep no arena).
+    #[getter]
+    fn host_locked(&self) -> bool {
+        match &*self.shared.tier() {
+            Tier::Host { arena, .. } => arena.is_locked(),
+            Tier::Nvme { free, .. } => free.iter().all(AlignedBuf::is_locked),
+        }
     }
 
     /// Bytes of page-locked staging buffers (NVMe states).

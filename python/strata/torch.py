@@ -273,11 +273,12 @@ class AdamW(torch.optim.Optimizer):
         """One line: parameters, where the states are, host memory pinned."""
         n = sum(t.numel() for t in self._locals)
         s = self._states
+        locked = "page-locked" if s.host_locked else "NOT page-locked (the memlock limit refused; raise ulimit -l)"
         where = (
-            f"states in page-locked host memory ({_mib(s.host_bytes)})"
+            f"states in {locked} host memory ({_mib(s.host_bytes)})"
             if s.tier == "cpu"
             else f"states on NVMe ({_mib(s.nvme_bytes)} preallocated), {_mib(s.staging_bytes)} of "
-            "page-locked staging buffers"
+            f"{locked} staging buffers"
         )
         devices = ", ".join(sorted({str(t.device) for t in self._locals})) or "no device"
         shards = sum(map(_is_dtensor, self._params))

@@ -269,6 +269,10 @@ def test_plan_names_the_tiers(tmp_path):
     opt = strata_adamw(net, tmp_path, "nvme")
     plan = opt.plan()
     assert "states on NVMe" in plan and "staging" in plan and "float32 on cpu" in plan, plan
+    from strata._strata import OffloadStates
+
+    with pytest.raises(ValueError, match="at most 1099511627776 in one tensor"):
+        OffloadStates([1 << 62], tier="cpu")
 
 
 def torchrun(tmp_path, ranks, script, *args):
