@@ -965,6 +965,15 @@ fn own_directories(
     let holder = Holder::this_run();
     let wait = Duration::from_secs_f64(config.train.lock_wait_s);
     let lock_dir = |dir: &Path, what: &str| {
+        // Made here first, so that a directory that cannot be made is the
+        // OS's error with the path (the lock would say the same less plainly).
+        super::durable::create_dir_all_durably(&super::durable::RealFs, dir).map_err(|err| {
+            os(
+                format!("create {what} {}", dir.display()),
+                err,
+                "choose a writable directory",
+            )
+        })?;
         let wait = LockWait {
             wait,
             setting: "train.lock_wait_s",
