@@ -184,7 +184,6 @@ class AdamW(torch.optim.Optimizer):
                         f"compute_dtype={p.dtype}"
                     )
         self._locals = [_local(p) for p in self._params]
-        self._staged = any(t.device.type != "cpu" for t in self._locals)
         elems = [t.numel() for t in self._locals]
         dirs = None
         if states == "nvme":
