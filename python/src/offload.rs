@@ -566,6 +566,64 @@ impl OffloadStates {
         .map_err(|err| storage_error("read the states", err))
     }
 
+    /// Elements `offset..offset + out.numel()` of slot `slot`'s `state`
+    /// ("master", "exp_avg" or "exp_avg_sq") into `out`: fp32, or bf16
+    /// for moments kept in bf16. What a checkpoint reads one tensor (or one
+    /// chunk of it) at a time. Waits for every queued step and write.
+    #[pyo3(signature = (slot, state, out, offset=0))]
+    fn read_range(
+        &self,
+        py: Python<'_>,
+        slot: usize,
+        state: &str,
+        out: &Bound<'_, PyAny>,
+        offset: usize,
+    ) -> PyResult<()> {
+        let layout = self.layout(slot)?;
+        let region = Region::parse(state, layout)?;
+        let out = Tensor::from_py(out, state)?;
+        let range = checked_range(offset, out.elems, layout.elems, state)?;
+        out.expect(region.dtypes(layout), out.elems)?;
+        out.check_writable()?;
+        self.wait_all(py)?;
+        py.detach(|| {
+            self.with_slot(slot, Access::Read, |bytes| {
+                // SAFETY: dtype, length and writability checked above; `out` is held until this returns and nothing else writes it (the caller made it).
+                unsafe { region.copy_out(layout, bytes, range, &out) }
+            })
+        })
+        .map_err(|err| storage_error("read the states", err))
+    }
+
+    /// Writes `src` (fp32 or bf16) into elements `offset..offset +
+    /// src.numel()` of slot `slot`'s `state`, the rest of the slot kept (a
+    /// moment kept in bf16 takes the nearest bf16). What a checkpoint's load
+    /// writes one tensor (or one chunk of it) at a time. Waits for every
+    /// queued step and write.
+    #[pyo3(signature = (slot, state, src, offset=0))]
+    fn write_range(
+        &self,
+        py: Python<'_>,
+        slot: usize,
+        state: &str,
+        src: &Bound<'_, PyAny>,
+        offset: usize,
+    ) -> PyResult<()> {
+        let layout = self.layout(slot)?;
+        let region = Region::parse(state, layout)?;
+        let src = Tensor::from_py(src, state)?;
+        let range = checked_range(offset, src.elems, layout.elems, state)?;
+        src.expect(&[Dtype::F32, Dtype::Bf16], src.elems)?;
+        self.wait_all(py)?;
+        py.detach(|| {
+            self.with_slot(slot, Access::Update, |bytes| {
+                // SAFETY: dtype and length checked above; `src` is held (and only read) until this returns.
+                unsafe { region.copy_in(layout, bytes, range, &src) }
+            })
+        })
+        .map_err(|err| storage_error("write the states", err))
+    }
+
     /// Queues one AdamW step of `slot` (`step` counted from 1) with
     /// gradient `grad` (fp32, bf16 or fp16) times `grad_scale`; the updated
     /// weights go into `out` (bf16, fp16 or fp32) when given. Returns at
@@ -745,6 +803,10 @@ impl OffloadStates {
                         f(&mut buf[..len]);
                         store.write(&extents[slot], &buf)
                     }
+                    Access::Update => store.read(&extents[slot], &mut buf).and_then(|()| {
+                        f(&mut buf[..len]);
+                        store.write(&extents[slot], &buf)
+                    }),
                 };
                 free.push(buf);
                 result
@@ -775,12 +837,120 @@ impl Drop for OffloadStates {
 enum Access {
     Read,
     Overwrite,
+    /// Read, changed in part by `f`, written back.
+    Update,
 }
 
 /// A slot's moment, fp32 or bf16.
 enum Wide<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [bf16]),
+}
+
+/// `offset..offset + len` within a state of `elems` elements, or an error
+/// naming the numbers.
+fn checked_range(
+    offset: usize,
+    len: usize,
+    elems: usize,
+    state: &str,
+) -> PyResult<std::ops::Range<usize>> {
+    match offset.checked_add(len) {
+        Some(end) if end <= elems => Ok(offset..end),
+        _ => Err(PyValueError::new_err(format!(
+            "{state}: elements {offset}..{offset}+{len} lie outside the parameter's {elems}"
+        ))),
+    }
+}
+
+/// One of a slot's three states.
+#[derive(Clone, Copy)]
+enum Region {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl Region {
+    fn parse(state: &str, layout: Layout) -> PyResult<Region> {
+        let region = match state {
+            "master" => Region::Master,
+            "exp_avg" => Region::ExpAvg,
+            "exp_avg_sq" => Region::ExpAvgSq,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "state {state:?}: use \"master\", \"exp_avg\" or \"exp_avg_sq\""
+                )));
+            }
+        };
+        if matches!(region, Region::Master) && layout.in_place {
+            return Err(PyValueError::new_err(
+                "master: this parameter is its own master (fp32 on the CPU, updated in place): \
+                 read the parameter",
+            ));
+        }
+        Ok(region)
+    }
+
+    /// What a copy of this state may hold: fp32, or its own bf16.
+    fn dtypes(self, layout: Layout) -> &'static [Dtype] {
+        match (self, layout.moment_bytes) {
+            (Region::Master, _) | (_, 4) => &[Dtype::F32],
+            _ => &[Dtype::F32, Dtype::Bf16],
+        }
+    }
+
+    fn wide(self, layout: Layout, bytes: &mut [u8]) -> Wide<'_> {
+        let (master, moments) = layout.split(bytes);
+        match (self, moments) {
+            (Region::Master, _) => Wide::F32(master.expect("checked by parse: not in place")),
+            (Region::ExpAvg, Moments::F32 { m, .. }) => Wide::F32(m),
+            (Region::ExpAvgSq, Moments::F32 { v, .. }) => Wide::F32(v),
+            (Region::ExpAvg, Moments::Bf16 { m, .. }) => Wide::Bf16(m),
+            (Region::ExpAvgSq, Moments::Bf16 { v, .. }) => Wide::Bf16(v),
+        }
+    }
+
+    /// # Safety
+    /// `out`'s dtype is one of [`Region::dtypes`], it holds `range.len()`
+    /// elements, and nothing else accesses it meanwhile.
+    unsafe fn copy_out(self, layout: Layout, bytes: &mut [u8], range: std::ops::Range<usize>, out: &Tensor) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (self.wide(layout, bytes), out.dtype) {
+                (Wide::F32(s), _) => out.slice_mut::<f32>().copy_from_slice(&s[range]),
+                (Wide::Bf16(s), Dtype::Bf16) => out.slice_mut::<bf16>().copy_from_slice(&s[range]),
+                (Wide::Bf16(s), _) => {
+                    for (d, s) in out.slice_mut::<f32>().iter_mut().zip(&s[range]) {
+                        *d = s.to_f32();
+                    }
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// `src` is fp32 or bf16 of `range.len()` elements and nothing writes
+    /// it meanwhile.
+    unsafe fn copy_in(self, layout: Layout, bytes: &mut [u8], range: std::ops::Range<usize>, src: &Tensor) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match (self.wide(layout, bytes), src.dtype) {
+                (Wide::F32(d), Dtype::F32) => d[range].copy_from_slice(src.slice::<f32>()),
+                (Wide::F32(d), _) => {
+                    for (d, s) in d[range].iter_mut().zip(src.slice::<bf16>()) {
+                        *d = s.to_f32();
+                    }
+                }
+                (Wide::Bf16(d), Dtype::Bf16) => d[range].copy_from_slice(src.slice::<bf16>()),
+                (Wide::Bf16(d), _) => {
+                    for (d, s) in d[range].iter_mut().zip(src.slice::<f32>()) {
+                        *d = bf16::from_f32(*s);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// Widens `src` (fp32, bf16 or fp16) into `dst`.

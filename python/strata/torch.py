@@ -46,7 +46,12 @@ own master: it is updated in place, and strata keeps its moments only.
 entry with a ``master`` (the fp32 weights) beside ``exp_avg`` and
 ``exp_avg_sq``; ``load_state_dict`` takes it back, and a state dict of
 ``torch.optim.AdamW`` (no ``master``: the parameters' own values) loads
-too.
+too. The entries are strata's states themselves, read when an op needs
+them: torch.distributed.checkpoint writes them one tensor at a time and
+its load writes into them chunk by chunk, so states on NVMe are never all
+in RAM. Like torch's they are live; an entry taken before a later step is
+refused when read or loaded (``copy.deepcopy`` keeps a snapshot), and an
+in-place op other than ``copy_`` on one is refused rather than lost.
 
 DTensor parameters (FSDP2's ``fully_shard``, DTensor tensor parallelism)
 are managed by their local shards: each rank keeps the states of what it
@@ -210,18 +215,24 @@ class AdamW(torch.optim.Optimizer):
                 f"transfer buffers) but the {where} is {_mib(budget)}: "
                 'use states="nvme", moments="bf16", or a larger budget'
             )
-        self._states = OffloadStates(
+        self._states = _Pieces(
             elems,
-            tier=states,
-            moments=_MOMENTS[moments],
-            nvme_dirs=dirs,
-            nvme_capacity=nvme_capacity,
-            staging=staging,
-            threads=threads,
-            lock_wait_s=lock_wait_s,
-            in_place=in_place,
+            in_place,
+            lambda pieces, piece_in_place: OffloadStates(
+                pieces,
+                tier=states,
+                moments=_MOMENTS[moments],
+                nvme_dirs=dirs,
+                nvme_capacity=nvme_capacity,
+                staging=staging,
+                threads=threads,
+                lock_wait_s=lock_wait_s,
+                in_place=piece_in_place,
+            ),
         )
         self._in_place = in_place
+        self._versions = [0] * len(self._params)
+        self._moments = _MOMENTS[moments]
         self._dirty = [False] * len(self._params)
         self._module_slots = weakref.WeakKeyDictionary()
         # The order the last forward used the parameters in (learned at each
@@ -333,6 +344,7 @@ class AdamW(torch.optim.Optimizer):
                 rounding_seed=self._rounding_seed,
             )
             self._dirty[slot] = True
+            self._versions[slot] += 1
         return loss
 
     _step_supports_amp_scaling = True
@@ -390,33 +402,43 @@ class AdamW(torch.optim.Optimizer):
 
     def state_dict(self):
         """torch.optim.AdamW's layout, each entry with ``master`` (fp32).
-        A DTensor parameter's states are DTensors of its mesh and
-        placements over this rank's shard, so that
-        torch.distributed.checkpoint (``get_optimizer_state_dict``,
-        ``dcp.save``) saves them sharded and loads them at another world
-        size."""
+        The states are strata's own, read when used (see ``_Stored``): a
+        checkpoint writes them one at a time, and torch.distributed.checkpoint's
+        load writes into them in place, so neither holds every state in RAM.
+        Like torch's, the entries are live: a later step changes them. A
+        DTensor parameter's states are DTensors of its mesh and placements
+        over this rank's shard, so that torch.distributed.checkpoint
+        (``get_optimizer_state_dict``, ``dcp.save``) saves them sharded and
+        loads them at another world size. Moments kept in bf16 are bf16."""
         self.synchronize()
         packed = super().state_dict()
+        moment_dtype = torch.float32 if self._moments == "fp32" else torch.bfloat16
         for slot, p in enumerate(self._params):
             entry = packed["state"].get(slot)
             if entry is None:
                 continue
             # torch's packing shares each entry with the live state: copy it.
             entry = packed["state"][slot] = dict(entry)
-            master, m, v = (torch.empty(self._locals[slot].shape, dtype=torch.float32) for _ in range(3))
-            self._states.read(slot, master.view(-1), m.view(-1), v.view(-1))
+            shape = self._locals[slot].shape
             if self._in_place[slot]:
-                master.copy_(self._locals[slot])
+                master = self._locals[slot].detach().clone()
+            else:
+                master = _Stored(self._states, slot, "master", torch.float32, shape, self._versions)
             entry.update(
                 step=torch.tensor(float(entry["step"]), dtype=torch.float32),
-                exp_avg=_like(p, m),
-                exp_avg_sq=_like(p, v),
+                exp_avg=_like(p, _Stored(self._states, slot, "exp_avg", moment_dtype, shape, self._versions)),
+                exp_avg_sq=_like(
+                    p, _Stored(self._states, slot, "exp_avg_sq", moment_dtype, shape, self._versions)
+                ),
                 master=_like(p, master),
             )
         return packed
 
     def load_state_dict(self, state_dict):
-        """A state dict of this optimizer or of ``torch.optim.AdamW``."""
+        """A state dict of this optimizer or of ``torch.optim.AdamW``, one
+        parameter at a time. This optimizer's own entries (a state dict it
+        returned, loaded in place by torch.distributed.checkpoint) are not
+        copied: the parameters take their masters' values."""
         self.synchronize()
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         if len(saved) != len(self._params):
@@ -431,24 +453,36 @@ class AdamW(torch.optim.Optimizer):
                 if key != "params":
                     group[key] = value
         self.state.clear()
+        names = ("master", "exp_avg", "exp_avg_sq")
         with torch.no_grad():
             for slot, (key, p) in enumerate(zip(saved, self._params)):
                 entry = state_dict["state"].get(key)
                 local = self._locals[slot]
                 if entry is None:
                     self._states.load(slot, local.detach().to("cpu", torch.float32).reshape(-1))
+                    self._versions[slot] += 1
                     continue
                 tensors = [entry.get("master", local.detach()), entry["exp_avg"], entry["exp_avg_sq"]]
                 tensors = [_local(t) for t in tensors]
-                for name, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
+                for name, t in zip(names, tensors):
                     if tuple(t.shape) != tuple(local.shape):
                         raise ValueError(
                             f"parameter {slot}: {name} has shape {tuple(t.shape)}, "
                             f"the parameter here {tuple(local.shape)}"
                         )
-                flat = [t.to("cpu", torch.float32).contiguous().reshape(-1) for t in tensors]
-                self._states.load(slot, *flat)
-                local.copy_(flat[0].to(local.device, self._compute_dtype).view_as(local))
+                own = [_own(t, self._states, slot, name, local.numel()) for name, t in zip(names, tensors)]
+                if all(own[1:]) and (own[0] or self._in_place[slot]):
+                    for t in tensors:
+                        if isinstance(t, _Stored):
+                            t._check_current()
+                    master = tensors[0]._values() if own[0] else tensors[0]
+                    local.copy_(master.to(local.device, self._compute_dtype).view_as(local))
+                else:
+                    flat = [t.to("cpu", torch.float32).contiguous().reshape(-1) for t in tensors]
+                    self._states.load(slot, *flat)
+                    self._versions[slot] += 1
+                    local.copy_(flat[0].to(local.device, self._compute_dtype).view_as(local))
+                    del flat
                 step = entry["step"]
                 self.state[p]["step"] = int(step.item() if torch.is_tensor(step) else step)
 
@@ -457,6 +491,258 @@ class AdamW(torch.optim.Optimizer):
         self.synchronize()
         _LIVE.discard(self)
         self._states.close()
+
+
+# Most elements of one strata slot: a larger parameter (an embedding's
+# shard) is kept as several, so a staging buffer for NVMe states holds
+# this many elements' states (128 MiB with bf16 moments, 192 MiB with fp32)
+# whatever the model's largest tensor, and its update pipelines with the
+# drive piece by piece.
+PIECE_ELEMS = 1 << 24
+
+
+class _Pieces:
+    """``OffloadStates`` by parameter: each parameter's flat states as
+    slots of at most ``PIECE_ELEMS`` elements (``pieces[slot]``: the
+    strata slot, first and last element of each). The same calls as
+    ``OffloadStates`` with a parameter's index, over whole parameters or
+    element ranges of them."""
+
+    def __init__(self, elems, in_place, make, piece_elems=None):
+        piece_elems = piece_elems or PIECE_ELEMS
+        self.pieces, sizes, flags = [], [], []
+        for n, flag in zip(elems, in_place):
+            ranges = []
+            for start in range(0, max(n, 1), piece_elems):
+                stop = min(n, start + piece_elems)
+                ranges.append((len(sizes), start, stop))
+                sizes.append(stop - start)
+                flags.append(flag)
+            self.pieces.append(ranges)
+        self.inner = make(sizes, flags)
+
+    def __getattr__(self, name):
+        # tier, host_bytes, staging_bytes, nvme_bytes, threads, host_locked,
+        # wait_all, close.
+        return getattr(self.inner, name)
+
+    def load(self, slot, master, exp_avg=None, exp_avg_sq=None):
+        for k, a, b in self.pieces[slot]:
+            self.inner.load(
+                k,
+                master[a:b],
+                None if exp_avg is None else exp_avg[a:b],
+                None if exp_avg_sq is None else exp_avg_sq[a:b],
+            )
+
+    def _spans(self, slot, offset, count):
+        """(strata slot, offset in it, first and last element of the
+        range) for each piece the range ``offset..offset + count`` meets."""
+        end = offset + count
+        for k, a, b in self.pieces[slot]:
+            lo, hi = max(a, offset), min(b, end)
+            if lo < hi:
+                yield k, lo - a, lo - offset, hi - offset
+
+    def read_range(self, slot, state, out, offset=0):
+        for k, at, lo, hi in self._spans(slot, offset, out.numel()):
+            self.inner.read_range(k, state, out[lo:hi], at)
+
+    def write_range(self, slot, state, src, offset=0):
+        for k, at, lo, hi in self._spans(slot, offset, src.numel()):
+            self.inner.write_range(k, state, src[lo:hi], at)
+
+    def submit(self, slot, grad, out, **kw):
+        for k, a, b in self.pieces[slot]:
+            self.inner.submit(k, grad[a:b], None if out is None else out[a:b], **kw)
+
+    def wait(self, slot):
+        for k, _, _ in self.pieces[slot]:
+            self.inner.wait(k)
+
+    def busy(self, slot):
+        return any(self.inner.busy(k) for k, _, _ in self.pieces[slot])
+
+
+_aten = torch.ops.aten
+# Ops that give a new name to the same values: a stored state answers them
+# without reading.
+_ALIASES = {_aten.detach.default, _aten.alias.default, _aten.lift_fresh.default}
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
+
+
+class _Stored(torch.Tensor):
+    """One state of one parameter as strata keeps it (``master``,
+    ``exp_avg`` or ``exp_avg_sq``, in its pinned memory or on NVMe), or a
+    strided window of it: the entry ``state_dict()`` returns. Nothing is
+    read until an op needs the values, and then only this window, so that
+    torch.distributed.checkpoint, which writes one tensor at a time, never
+    holds the optimizer's states in RAM at once. ``copy_`` into it (what a
+    checkpoint load does, chunk by chunk) writes through to strata; any
+    other in-place op is refused rather than lost. ``torch.save`` and
+    ``copy.deepcopy`` take its values."""
+
+    @staticmethod
+    def __new__(cls, states, slot, state, dtype, size, versions, stride=None, offset=0):
+        stride = tuple(stride) if stride is not None else _contiguous_stride(size)
+        t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, dtype=dtype, device="cpu")
+        t._where = (states, slot, state)
+        t._offset = offset
+        # The optimizer's count of changes to each slot, and this slot's
+        # when the entry was made: an entry the states have moved past is
+        # refused rather than read or loaded as if it were current.
+        t._changes = versions
+        t._taken_at = versions[slot]
+        return t
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def _window(self, size, stride, offset):
+        states, slot, state = self._where
+        t = _Stored(states, slot, state, self.dtype, size, self._changes, stride, offset)
+        t._taken_at = self._taken_at
+        return t
+
+    def _check_current(self):
+        states, slot, state = self._where
+        if self._changes[slot] != self._taken_at:
+            raise RuntimeError(
+                f"this {state} of parameter {slot} is from a state_dict() taken before the optimizer "
+                f"changed that parameter's states ({self._changes[slot] - self._taken_at} update(s) or "
+                "loads since): strata's entries are live, like torch's; save a state dict before the "
+                "next step, or keep a copy (copy.deepcopy(opt.state_dict())) to load later"
+            )
+
+    def _span(self):
+        """The elements of the state that the window covers: offset, count."""
+        if self.numel() == 0:
+            return self._offset, 0
+        return self._offset, 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride()))
+
+    def _values(self):
+        """A plain tensor with the window's values, read from strata."""
+        self._check_current()
+        states, slot, state = self._where
+        start, count = self._span()
+        flat = torch.empty(count, dtype=self.dtype)
+        if count:
+            states.read_range(slot, state, flat, start)
+        return flat.as_strided(self.shape, self.stride())
+
+    def _store(self, src):
+        """Writes ``src`` (broadcast to the window) through to strata."""
+        self._check_current()
+        states, slot, state = self._where
+        src = src.to(self.dtype).expand(self.shape)
+        start, count = self._span()
+        if count == 0:
+            return
+        if self.is_contiguous():
+            states.write_range(slot, state, src.contiguous().view(-1), start)
+            return
+        flat = torch.empty(count, dtype=self.dtype)
+        states.read_range(slot, state, flat, start)
+        flat.as_strided(self.shape, self.stride()).copy_(src)
+        states.write_range(slot, state, flat, start)
+
+    def untyped_storage(self):
+        # torch.distributed.checkpoint's writer clones a tensor whose storage
+        # is larger than it, and keeps every tensor it wrote in a dict until
+        # the file is closed (torch 2.15, filesystem.py): a clone would keep
+        # every state in RAM. Told the sizes match, it torch.saves the entry
+        # itself, which __reduce_ex__ reads one window at a time.
+        return _Unbacked(self.numel() * self.element_size())
+
+    def __reduce_ex__(self, protocol):
+        return self._values().clone().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        return self._values().clone()
+
+    def __repr__(self):
+        states, slot, state = self._where
+        return f"strata state {state!r} of parameter {slot} {tuple(self.shape)}: {self._values()!r}"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self = args[0] if args and isinstance(args[0], _Stored) else None
+        if self is not None:
+            if func in _ALIASES:
+                return self._window(self.shape, self.stride(), self._offset)
+            if func in _VIEWS and self.is_contiguous():
+                size = torch.empty(self.shape, device="meta").view(args[1]).shape
+                return self._window(size, None, self._offset)
+            if func is _aten.slice.Tensor:
+                names, defaults = ("dim", "start", "end", "step"), (0, None, None, 1)
+                dim, start, end, step = (
+                    args[i + 1] if i + 1 < len(args) else kwargs.get(n, d)
+                    for i, (n, d) in enumerate(zip(names, defaults))
+                )
+                dim %= self.dim()
+                start, end, _ = slice(start, end, step).indices(self.shape[dim])
+                size, stride = list(self.shape), list(self.stride())
+                size[dim] = max(0, -(-(end - start) // step))
+                offset = self._offset + start * stride[dim]
+                stride[dim] *= step
+                return self._window(size, stride, offset)
+            if func is _aten.copy_.default:
+                src = args[1]
+                self._store(src._values() if isinstance(src, _Stored) else src)
+                return self
+            if func is _aten.is_pinned.default:
+                return False
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, _Stored) and arg.alias_info is not None and arg.alias_info.is_write:
+                raise RuntimeError(
+                    f"{func}: a strata optimizer state is written only by copy_ (what "
+                    "torch.distributed.checkpoint's load does); give new values to load_state_dict"
+                )
+
+        def plain(t):
+            return t._values() if isinstance(t, _Stored) else t
+
+        return func(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
+
+
+class _Unbacked:
+    """What a ``_Stored`` answers for its storage: its size, no memory."""
+
+    def __init__(self, nbytes):
+        self._nbytes = nbytes
+
+    def size(self):
+        return self._nbytes
+
+    def nbytes(self):
+        return self._nbytes
+
+    def data_ptr(self):
+        raise RuntimeError("a strata optimizer state has no storage here: read it (t.clone()) first")
+
+
+def _contiguous_stride(size):
+    stride, step = [], 1
+    for n in reversed(tuple(size)):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _own(t, states, slot, state, numel):
+    """Whether ``t`` is the whole of this optimizer's own state (so that
+    loading it writes nothing)."""
+    return (
+        isinstance(t, _Stored)
+        and t._where == (states, slot, state)
+        and t._offset == 0
+        and t.is_contiguous()
+        and t.numel() == numel
+    )
 
 
 def _close_quietly(states):

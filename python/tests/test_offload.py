@@ -69,7 +69,11 @@ def strata_adamw(net, tmp_path, states, **kw):
 
 
 @pytest.mark.parametrize("states", ["cpu", "nvme"])
-def test_matches_torch_adamw_with_clipping_accumulation_and_groups(tmp_path, states):
+@pytest.mark.parametrize("piece", [None, 300])
+def test_matches_torch_adamw_with_clipping_accumulation_and_groups(tmp_path, monkeypatch, states, piece):
+    if piece:
+        # Parameters kept as several strata slots each (odd splits).
+        monkeypatch.setattr(st, "PIECE_ELEMS", piece)
     reference = model()
     want = train(reference, torch.optim.AdamW(groups(reference), lr=3e-3))
     net = model()
@@ -116,7 +120,8 @@ def test_resume_from_state_dict_repeats_the_losses(tmp_path, saved, loaded):
     first = model()
     opt = strata_adamw(first, tmp_path / "b", saved, moments="bf16")
     train(first, opt, steps=6)
-    packed = opt.state_dict()
+    # The entries are live (as torch's): a copy keeps them past more steps.
+    packed = copy.deepcopy(opt.state_dict())
     assert set(packed["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}
     assert packed["state"][0]["step"].item() == 6.0
     model_state = {k: v.clone() for k, v in first.state_dict().items()}
@@ -129,6 +134,84 @@ def test_resume_from_state_dict_repeats_the_losses(tmp_path, saved, loaded):
     resumed.load_state_dict(packed)
     got = train(again, resumed, steps=6, skip=6)
     assert got == want[6:]
+
+
+@pytest.mark.parametrize("states", ["cpu", "nvme"])
+@pytest.mark.parametrize("compute,piece", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 300)])
+def test_state_dict_entries_are_read_when_used_and_written_through(tmp_path, monkeypatch, states, compute, piece):
+    import io
+
+    if piece:
+        monkeypatch.setattr(st, "PIECE_ELEMS", piece)
+    net = model()
+    opt = strata_adamw(net, tmp_path, states, compute_dtype=compute)
+    if piece:
+        assert len(opt._states.pieces[0]) == 8
+    train(net, opt, steps=2, dtype=compute)
+    live = opt.state_dict()
+    snapshot = copy.deepcopy(live)
+    entry = live["state"][0]
+    assert type(snapshot["state"][0]["exp_avg"]) is torch.Tensor
+    assert torch.equal(entry["exp_avg"] * 1, snapshot["state"][0]["exp_avg"])
+    saved = io.BytesIO()
+    torch.save(live, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded["state"][0][key], snapshot["state"][0][key])
+    # An in-place op other than copy_ would change a temporary: refused.
+    with pytest.raises(RuntimeError, match="written only by copy_"):
+        entry["exp_avg"].add_(1.0)
+    # copy_ writes through, a window of rows, a column window, the whole.
+    rows, cols = entry["exp_avg"].shape
+    entry["exp_avg"][1:3].copy_(torch.full((2, cols), 0.5))
+    entry["exp_avg_sq"][:, 2:4].copy_(torch.full((rows, 2), 0.25))
+    entry["master"].copy_(torch.zeros(rows, cols))
+    opt.load_state_dict(live)
+    again = opt.state_dict()["state"][0]
+    want_m = snapshot["state"][0]["exp_avg"].clone()
+    want_m[1:3] = 0.5
+    want_v = snapshot["state"][0]["exp_avg_sq"].clone()
+    want_v[:, 2:4] = 0.25
+    assert torch.equal(again["exp_avg"] * 1, want_m)
+    assert torch.equal(again["exp_avg_sq"] * 1, want_v)
+    # The parameter took the master's values: zeros.
+    assert torch.count_nonzero(net[0].weight) == 0
+    # An entry taken before a step is refused, not read as if current.
+    train(net, opt, steps=1, skip=2, dtype=compute)
+    with pytest.raises(RuntimeError, match="taken before the optimizer changed"):
+        entry["exp_avg"].sum()
+    with pytest.raises(RuntimeError, match="taken before the optimizer changed"):
+        opt.load_state_dict(live)
+    opt.close()
+
+
+def test_distributed_checkpoint_in_one_process_streams_nvme_states(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    net = model()
+    opt = strata_adamw(net, tmp_path / "a", "nvme")
+    train(net, opt, steps=3)
+    state = get_optimizer_state_dict(net, opt)
+    want = copy.deepcopy(state)
+    dcp.save({"optim": state}, checkpoint_id=tmp_path / "ckpt")
+    opt.close()
+    other = model(seed=3)
+    other.load_state_dict(net.state_dict())
+    fresh = strata_adamw(other, tmp_path / "b", "nvme")
+    state = get_optimizer_state_dict(other, fresh)
+    dcp.load({"optim": state}, checkpoint_id=tmp_path / "ckpt")
+    set_optimizer_state_dict(other, fresh, state)
+    got = copy.deepcopy(get_optimizer_state_dict(other, fresh))
+    assert sorted(got["state"]) == sorted(want["state"]) == sorted(n for n, _ in net.named_parameters())
+    for name, entry in want["state"].items():
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][name][key], entry[key]), (name, key)
+    # The parameters took the masters' values.
+    for name, p in other.named_parameters():
+        assert torch.equal(p.detach(), want["state"][name]["master"]), name
+    fresh.close()
 
 
 def test_loads_a_torch_adamw_state_dict(tmp_path):
