@@ -312,11 +312,18 @@ impl OffloadStates {
                 }
                 let holder = Holder::this_run();
                 for dir in &dirs {
+                    if dir.exists() && !dir.is_dir() {
+                        return Err(PyOSError::new_err(format!(
+                            "nvme_path {}: it is a file, not a directory: give the directory \
+                             on the drive that holds the states",
+                            dir.display()
+                        )));
+                    }
                     if !dir.is_dir() {
                         return Err(PyOSError::new_err(format!(
-                            "nvme_path {}: it does not exist (or is not a directory), and strata \
-                             does not create the directory it is given: create it on the drive \
-                             that holds the states (mkdir -p {0}), or fix the path",
+                            "nvme_path {}: it does not exist, and strata does not create the \
+                             directory it is given: create it on the drive that holds the \
+                             states (mkdir -p {0}), or fix the path",
                             dir.display()
                         )));
                     }

@@ -56,6 +56,16 @@ def test_torch_offload_tiny(tmp_path):
     assert set(report["overlap"]["rows"]) == {"unclipped", "clipped"}
 
 
+def test_torch_offload_capacity_tiny(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not importable here")
+    report = run(os.path.join(ROOT, "benches", "torch_offload_capacity.py"), "--tiny", "--json",
+                 cwd=tmp_path, json_only=True)
+    assert len(report["steps"]) == 3 and all(s["loss"] > 0 for s in report["steps"])
+    assert report["ranks"] == 2 and len(report["vm_hwm_gib_per_rank"]) == 2
+    assert report["states_on_disk_gib"] > 0 and report["checkpoint_on_disk_gib"] > 0
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("capacity-")], "the bench removes its files"
+
+
 def test_the_llama_nvme_example_learns(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not importable here")
     (tmp_path / "nvme").mkdir()

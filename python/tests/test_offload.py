@@ -326,6 +326,19 @@ def test_refusals_name_the_problem(tmp_path):
         st.AdamW(net.parameters(), states="nvme", verbose=False)
     with pytest.raises(OSError, match="missing"):
         st.AdamW(net.parameters(), states="nvme", nvme_path=tmp_path / "missing", verbose=False)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(OSError, match="a-file: it is a file, not a directory"):
+        st.AdamW(net.parameters(), states="nvme", nvme_path=tmp_path / "a-file", verbose=False)
+    # A drive without room for the states: refused before anything is written.
+    (tmp_path / "small").mkdir()
+    with pytest.raises(OSError, match=r"small has \d+ bytes free but 1125899906842624 are needed: free space"):
+        st.AdamW(net.parameters(), states="nvme", nvme_path=tmp_path / "small", nvme_capacity=1 << 50, verbose=False)
+    assert sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "small" / "**"), recursive=True)
+               if os.path.isfile(f)) == 0
+    # A directory that cannot be written (sysfs refuses even root).
+    if os.path.isdir("/sys/kernel"):
+        with pytest.raises(OSError, match="cannot open .strata-lock in it: .*make the directory writable"):
+            st.AdamW(net.parameters(), states="nvme", nvme_path="/sys/kernel", verbose=False)
     with pytest.raises(MemoryError, match="host_budget is 0.0 MiB"):
         st.AdamW(net.parameters(), host_budget=1000, verbose=False)
     sparse = torch.nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (4,)))
