@@ -80,6 +80,10 @@ _LIVE = weakref.WeakSet()
 _HOOK = []
 
 
+# Under torch.compile the hook runs eagerly, outside the graph (a graph
+# break before each module's forward): it waits on strata's threads, which
+# no graph can hold.
+@torch.compiler.disable
 def _settle_before_forward(module, args):
     for opt in list(_LIVE):
         opt._settle_module(module)
