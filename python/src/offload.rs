@@ -921,7 +921,13 @@ impl Region {
     /// # Safety
     /// `out`'s dtype is one of [`Region::dtypes`], it holds `range.len()`
     /// elements, and nothing else accesses it meanwhile.
-    unsafe fn copy_out(self, layout: Layout, bytes: &mut [u8], range: std::ops::Range<usize>, out: &Tensor) {
+    unsafe fn copy_out(
+        self,
+        layout: Layout,
+        bytes: &mut [u8],
+        range: std::ops::Range<usize>,
+        out: &Tensor,
+    ) {
         // SAFETY: the caller's contract.
         unsafe {
             match (self.wide(layout, bytes), out.dtype) {
@@ -939,7 +945,13 @@ impl Region {
     /// # Safety
     /// `src` is fp32 or bf16 of `range.len()` elements and nothing writes
     /// it meanwhile.
-    unsafe fn copy_in(self, layout: Layout, bytes: &mut [u8], range: std::ops::Range<usize>, src: &Tensor) {
+    unsafe fn copy_in(
+        self,
+        layout: Layout,
+        bytes: &mut [u8],
+        range: std::ops::Range<usize>,
+        src: &Tensor,
+    ) {
         // SAFETY: the caller's contract.
         unsafe {
             match (self.wide(layout, bytes), src.dtype) {

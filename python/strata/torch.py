@@ -53,12 +53,22 @@ in RAM. Like torch's they are live; an entry taken before a later step is
 refused when read or loaded (``copy.deepcopy`` keeps a snapshot), and an
 in-place op other than ``copy_`` on one is refused rather than lost.
 
+A ``torch.compile``d module (``torch.compile(module)`` or
+``module.compile()``) trains as the eager one: the hook runs outside the
+graph, a graph break before each module. The update uses no autograd hook,
+so compiled autograd changes nothing. Parameters replaced in the param
+groups before the first step (accelerate's ``prepare`` under FSDP2 swaps
+each for its sharded DTensor) are followed: the optimizer places the new
+ones at the next step; after a step or a load that is refused by name.
+
 DTensor parameters (FSDP2's ``fully_shard``, DTensor tensor parallelism)
 are managed by their local shards: each rank keeps the states of what it
 owns, and collectives stay torch.distributed's (``clip_grad_norm_`` over
 DTensor gradients included). FSDP2's pre-forward hook all-gathers a whole
 group, so an FSDP2 module waits for the updates of every parameter of its
-group. Their dtype is FSDP2's: convert the model to the compute dtype
+group and of the groups it prefetches (``set_modules_to_forward_prefetch``);
+code that unshards a module itself (``module.unshard()``) calls
+``synchronize()`` first. Their dtype is FSDP2's: convert the model to the compute dtype
 before ``fully_shard`` (the fp32 masters are then that dtype's values,
 widened), or pass ``compute_dtype`` equal to it. A Partial placement, a
 sparse, complex or integer parameter and a group spread over several
@@ -170,6 +180,17 @@ class AdamW(torch.optim.Optimizer):
         self._building = False
         self._compute_dtype = compute_dtype
         self._rounding_seed = int(rounding_seed)
+        self._placement = dict(
+            states=states, nvme_path=nvme_path, nvme_capacity=nvme_capacity, moments=moments, threads=threads,
+            staging=staging, host_budget=host_budget, lock_wait_s=lock_wait_s, verbose=verbose,
+        )
+        self._place(**self._placement)
+
+    # -- construction -------------------------------------------------------------
+
+    def _place(self, *, states, nvme_path, nvme_capacity, moments, threads, staging, host_budget, lock_wait_s, verbose):
+        """Checks the param_groups' parameters and moves their values into
+        strata (a new store, and a new lock on ``nvme_path``)."""
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._slot = {p: i for i, p in enumerate(self._params)}
         if len(self._slot) != len(self._params):
@@ -185,11 +206,11 @@ class AdamW(torch.optim.Optimizer):
                 _check_param(p, _param_name(group, gi, i))
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if _is_dtensor(p) and p.dtype != compute_dtype:
+                if _is_dtensor(p) and p.dtype != self._compute_dtype:
                     raise TypeError(
                         f"{_param_name(group, gi, i)} {tuple(p.shape)} is a {p.dtype} DTensor and "
-                        f"compute_dtype is {compute_dtype}: strata cannot change the dtype of FSDP2's shards; "
-                        f"convert the model (model.to({compute_dtype})) before fully_shard, or pass "
+                        f"compute_dtype is {self._compute_dtype}: strata cannot change the dtype of FSDP2's shards; "
+                        f"convert the model (model.to({self._compute_dtype})) before fully_shard, or pass "
                         f"compute_dtype={p.dtype}"
                     )
         self._locals = [_local(p) for p in self._params]
@@ -200,11 +221,11 @@ class AdamW(torch.optim.Optimizer):
                 raise ValueError('states="nvme" needs nvme_path: a directory on the drive that holds the states')
             dirs = [os.fspath(nvme_path)]
         pinned_extra = sum(
-            n * (compute_dtype.itemsize + 4) for t, n in zip(self._locals, elems) if t.device.type != "cpu"
+            n * (self._compute_dtype.itemsize + 4) for t, n in zip(self._locals, elems) if t.device.type != "cpu"
         )
         # A CPU parameter computed in fp32 is its own master: updated in place.
         in_place = [
-            t.device.type == "cpu" and t.dtype == torch.float32 and compute_dtype == torch.float32
+            t.device.type == "cpu" and t.dtype == torch.float32 and self._compute_dtype == torch.float32
             for t in self._locals
         ]
         moment_bytes = 2 * (4 if _MOMENTS[moments] == "fp32" else 2)
@@ -254,11 +275,32 @@ class AdamW(torch.optim.Optimizer):
             self._locals = [_local(p) for p in self._params]
         _LIVE.add(self)
         _install_hook()
-        weakref.finalize(self, _close_quietly, self._states)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._states)
         if verbose:
             print(self.plan(), file=sys.stderr)
 
-    # -- construction -------------------------------------------------------------
+    def _follow_swapped_params(self):
+        """Places the param_groups' parameters anew when something replaced
+        them after construction (accelerate's ``prepare`` under FSDP2 swaps
+        each for its sharded DTensor): before any step or load the states
+        are the parameters' values and zero moments, so the new ones are
+        taken as they are. After one, swapping is refused by name."""
+        current = [p for g in self.param_groups for p in g["params"]]
+        if len(current) == len(self._params) and all(a is b for a, b in zip(current, self._params)):
+            return
+        if any(self._versions) or self.state:
+            raise RuntimeError(
+                "strata.torch.AdamW: the param_groups' parameters were replaced after the optimizer stepped "
+                "or loaded states, whose values would not follow them: replace them before the first step "
+                "(accelerate's prepare does), or build the optimizer over the new parameters"
+            )
+        self._states.wait_all()
+        _LIVE.discard(self)
+        # The old store goes first (its files closed, the nvme_path's lock
+        # released): the finalizer closes it and drops the last reference.
+        self._finalizer()
+        self._states = None
+        self._place(**self._placement)
 
     def add_param_group(self, param_group):
         if not getattr(self, "_building", False):
@@ -307,6 +349,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._follow_swapped_params()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -380,10 +423,13 @@ class AdamW(torch.optim.Optimizer):
         self._dirty[slot] = False
 
     def _settle_module(self, module):
-        slots = self._module_slots.get(module)
-        if slots is None:
-            slots = [self._slot[p] for p in _owned(module) if p in self._slot]
-            self._module_slots[module] = slots
+        # Cached per module, anew when its forward prefetching changes.
+        prefetch = tuple(map(id, _forward_prefetched(module)))
+        cached = self._module_slots.get(module)
+        if cached is None or cached[0] != prefetch:
+            cached = (prefetch, [self._slot[p] for p in _owned(module) if p in self._slot])
+            self._module_slots[module] = cached
+        slots = cached[1]
         for slot in slots:
             if not self._seen[slot]:
                 self._seen[slot] = 1
@@ -393,6 +439,10 @@ class AdamW(torch.optim.Optimizer):
 
     def synchronize(self):
         """Waits for every queued update and puts each into its parameter."""
+        self._follow_swapped_params()
+        self._settle_all()
+
+    def _settle_all(self):
         for slot in range(len(self._params)):
             self._settle(slot)
         self._states.wait_all()
@@ -492,7 +542,7 @@ class AdamW(torch.optim.Optimizer):
 
     def close(self):
         """Finishes the queued updates and stops the update thread."""
-        self.synchronize()
+        self._settle_all()
         _LIVE.discard(self)
         self._states.close()
 
@@ -798,11 +848,29 @@ def _fsdp_module_type():
 def _owned(module):
     """The parameters whose update must land before ``module``'s forward:
     its own, and for an FSDP2 module (whose pre-forward hook all-gathers
-    its whole group) those of its submodules up to the next FSDP2 module."""
+    its whole group) those of its submodules up to the next FSDP2 module,
+    and the groups it prefetches."""
     fsdp = _fsdp_module_type()
-    owned = [p for p in module._parameters.values() if p is not None]
     if fsdp is None or not isinstance(module, fsdp):
-        return owned
+        return [p for p in module._parameters.values() if p is not None]
+    owned = _owned_group(module, fsdp)
+    for other in _forward_prefetched(module):
+        if other is not module:
+            owned += _owned_group(other, fsdp)
+    return owned
+
+
+def _forward_prefetched(module):
+    """The modules whose groups an FSDP2 module all-gathers in its own
+    pre-forward hook (``set_modules_to_forward_prefetch``). FSDP2 keeps
+    them in private state (torch 2.15); where it is not there, none."""
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    return [m for target in getattr(state, "_states_to_forward_prefetch", None) or () for m in target._modules]
+
+
+def _owned_group(module, fsdp):
+    """An FSDP2 module's group's parameters (to the next FSDP2 module)."""
+    owned = [p for p in module._parameters.values() if p is not None]
     stack = list(module.children())
     while stack:
         child = stack.pop()

@@ -232,6 +232,24 @@ def test_a_compiled_module_trains_as_the_eager_one(tmp_path, mode):
     opt.close()
 
 
+def test_parameters_swapped_before_the_first_step_are_followed_after_refused(tmp_path):
+    reference = model()
+    want = train(reference, torch.optim.AdamW(groups(reference), lr=3e-3), steps=4)
+    # Built over one copy of the parameters, then given another (what
+    # accelerate's prepare does under FSDP2): the new ones are trained.
+    first, net = model(), model()
+    opt = strata_adamw(first, tmp_path / "a", "nvme")
+    for group, new in zip(opt.param_groups, groups(net)):
+        group["params"] = new["params"]
+    got = train(net, opt, steps=4)
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-5
+    for group in opt.param_groups:
+        group["params"] = [torch.nn.Parameter(p.detach().clone()) for p in group["params"]]
+    with pytest.raises(RuntimeError, match="replaced after the optimizer stepped"):
+        opt.step()
+    opt.close()
+
+
 def test_loads_a_torch_adamw_state_dict(tmp_path):
     reference = model()
     ref_opt = torch.optim.AdamW(groups(reference), lr=3e-3)
@@ -427,7 +445,7 @@ def test_fsdp2_on_two_ranks_matches_torch_adamw(tmp_path):
     NVMe) against FSDP2 + torch AdamW, 30 steps of 4 micro-batches with
     clipping every step."""
     runs, stderr = torchrun(tmp_path, 2, "fsdp2_train.py", tmp_path)
-    for name in ("strata_cpu", "strata_nvme"):
+    for name in ("strata_cpu", "strata_nvme", "strata_prefetch", "strata_swapped"):
         worst = max(abs(a - b) for a, b in zip(runs["torch"], runs[name]))
         assert worst < 1e-5, (name, worst, runs)
     assert "6 DTensor shards" in stderr, stderr[-2000:]
