@@ -8,7 +8,10 @@
    held to); strata.torch.AdamW with fp32 and with bf16 moments, states in
    page-locked host memory, each ``step()`` followed by ``synchronize()``
    (nothing overlapped), and with bf16 parameters and gradients (what a
-   GPU run hands it).
+   GPU run hands it). With ``--fsdp2`` every parameter is an FSDP2
+   shard (``fully_shard`` on a one-rank gloo group: DTensors, as a rank of
+   a larger group steps them; the kernel row steps the shards' local
+   tensors).
 2. The overlap: torch on one thread (``torch.set_num_threads(1)``), the
    update on one strata thread, an MLP whose backward takes 1.5-2x the
    update, its parameters in decay and no-decay groups (HF Trainer's). Per step: the loop without an optimizer, with strata.torch.AdamW
@@ -16,7 +19,7 @@
    update alone; exposed = (with - without) / update. Unclipped and with
    ``clip_grad_norm_`` every step.
 
-    python3 benches/torch_offload.py [--params 64M] [--rounds 5] [--json] [--tiny]
+    python3 benches/torch_offload.py [--params 64M] [--rounds 5] [--fsdp2] [--json] [--tiny]
 """
 
 import argparse
@@ -45,21 +48,25 @@ def tensors(n):
     return [torch.randn(s, generator=gen) for s in sizes]
 
 
-def step_rows(n, rounds, threads):
+def step_rows(n, rounds, threads, fsdp2=False):
     base = tensors(n)
     grads = [torch.randn(t.numel(), generator=torch.Generator().manual_seed(1)) * 1e-3 for t in base]
     made = {}
 
-    def params(dtype=torch.float32):
+    def params(dtype=torch.float32, local=False):
         ps = [torch.nn.Parameter(t.clone().to(dtype)) for t in base]
+        if fsdp2:
+            ps = _fsdp2_shards(ps)
         for p, g in zip(ps, grads):
-            p.grad = g.to(dtype)
+            p.grad = _like(p, g.to(dtype))
+        if local and fsdp2:
+            # strata.optim.CPUAdam is the kernel over plain tensors: the shards'.
+            return [_local_param(p) for p in ps]
         return ps
 
     p = params()
     made["torch_fused"] = (torch.optim.AdamW(p, lr=1e-3, fused=True), None)
-    p = params()
-    made["strata_kernel"] = (strata.optim.CPUAdam(p, lr=1e-3, threads=threads), None)
+    made["strata_kernel"] = (strata.optim.CPUAdam(params(local=True), lr=1e-3, threads=threads), None)
     for name, moments in (("strata_torch", "fp32"), ("strata_torch_bf16_moments", "bf16")):
         p = params()
         opt = strata.torch.AdamW(p, lr=1e-3, compute_dtype=torch.float32, moments=moments, threads=threads, verbose=False)
@@ -79,6 +86,7 @@ def step_rows(n, rounds, threads):
     medians = {name: statistics.median(t) for name, t in times.items()}
     return {
         "params": n,
+        "fsdp2": fsdp2,
         "threads": threads,
         "seconds": medians,
         "gparams_per_s": {name: n / s / 1e9 for name, s in medians.items()},
@@ -88,6 +96,36 @@ def step_rows(n, rounds, threads):
             "strata_torch_bf16_moments/torch_fused": medians["torch_fused"] / medians["strata_torch_bf16_moments"],
         },
     }
+
+
+def _fsdp2_shards(ps):
+    """``ps`` as FSDP2 shards: a module of them under ``fully_shard`` on a
+    one-rank gloo group (DTensors over a one-device mesh, each shard the
+    whole tensor: the local step a rank of a larger group runs)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    holder = torch.nn.Module()
+    holder.ps = torch.nn.ParameterList(ps)
+    fully_shard(holder)
+    return list(holder.ps)
+
+
+def _like(p, g):
+    """``g`` as ``p`` is: a DTensor of its mesh and placements for a shard."""
+    if not hasattr(p, "placements"):
+        return g
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(g, p.device_mesh, p.placements)
+
+
+def _local_param(p):
+    local = torch.nn.Parameter(p.to_local().detach())
+    local.grad = p.grad.to_local()
+    return local
 
 
 def mlp(width, depth):
@@ -178,6 +216,7 @@ def main():
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--fsdp2", action="store_true", help="the step over FSDP2 shards (DTensors), not plain tensors")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="a few seconds: the tests' mode")
     args = ap.parse_args()
@@ -189,7 +228,7 @@ def main():
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "cores": os.cpu_count(),
-        "step": step_rows(n, rounds, args.threads),
+        "step": step_rows(n, rounds, args.threads, args.fsdp2),
     }
     report["overlap"] = overlap_rows(args.width, args.depth, args.batch, rounds, steps)
     if args.json:

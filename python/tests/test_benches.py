@@ -54,6 +54,9 @@ def test_torch_offload_tiny(tmp_path):
     report = run(os.path.join(ROOT, "benches", "torch_offload.py"), "--tiny", "--json", cwd=tmp_path, json_only=True)
     assert report["step"]["gparams_per_s"]["strata_torch"] > 0
     assert set(report["overlap"]["rows"]) == {"unclipped", "clipped"}
+    shards = run(os.path.join(ROOT, "benches", "torch_offload.py"), "--tiny", "--fsdp2", "--json", cwd=tmp_path,
+                 json_only=True)
+    assert shards["step"]["fsdp2"] and shards["step"]["gparams_per_s"]["strata_torch"] > 0
 
 
 def test_torch_offload_capacity_tiny(tmp_path):
