@@ -586,10 +586,7 @@ impl OffloadStates {
         out: &Bound<'_, PyAny>,
         offset: usize,
     ) -> PyResult<()> {
-        let layout = self.layout(slot)?;
-        let region = Region::parse(state, layout)?;
-        let out = Tensor::from_py(out, state)?;
-        let range = checked_range(offset, out.elems, layout.elems, state)?;
+        let (layout, region, out, range) = self.window(slot, state, out, offset)?;
         out.expect(region.dtypes(layout), out.elems)?;
         out.check_writable()?;
         self.wait_all(py)?;
@@ -616,10 +613,7 @@ impl OffloadStates {
         src: &Bound<'_, PyAny>,
         offset: usize,
     ) -> PyResult<()> {
-        let layout = self.layout(slot)?;
-        let region = Region::parse(state, layout)?;
-        let src = Tensor::from_py(src, state)?;
-        let range = checked_range(offset, src.elems, layout.elems, state)?;
+        let (layout, region, src, range) = self.window(slot, state, src, offset)?;
         src.expect(&[Dtype::F32, Dtype::Bf16], src.elems)?;
         self.wait_all(py)?;
         py.detach(|| {
@@ -751,6 +745,22 @@ impl OffloadStates {
 }
 
 impl OffloadStates {
+    /// What `read_range` and `write_range` address: the slot's layout, the
+    /// state, the tensor, and its elements within the state.
+    fn window(
+        &self,
+        slot: usize,
+        state: &str,
+        obj: &Bound<'_, PyAny>,
+        offset: usize,
+    ) -> PyResult<(Layout, Region, Tensor, std::ops::Range<usize>)> {
+        let layout = self.layout(slot)?;
+        let region = Region::parse(state, layout)?;
+        let tensor = Tensor::from_py(obj, state)?;
+        let range = checked_range(offset, tensor.elems, layout.elems, state)?;
+        Ok((layout, region, tensor, range))
+    }
+
     fn layout(&self, slot: usize) -> PyResult<Layout> {
         self.shared.layouts.get(slot).copied().ok_or_else(|| {
             PyValueError::new_err(format!(
