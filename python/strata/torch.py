@@ -710,11 +710,17 @@ class _Stored(torch.Tensor):
         # itself, which __reduce_ex__ reads one window at a time.
         return _Unbacked(self.numel() * self.element_size())
 
+    def _own_values(self):
+        """The values as a tensor of its own storage: read once, copied only
+        for a strided window."""
+        values = self._values()
+        return values if values.is_contiguous() else values.clone()
+
     def __reduce_ex__(self, protocol):
-        return self._values().clone().__reduce_ex__(protocol)
+        return self._own_values().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
-        return self._values().clone()
+        return self._own_values()
 
     def __repr__(self):
         states, slot, state = self._where
