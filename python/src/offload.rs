@@ -4,7 +4,8 @@
 //! files locked to this process), and a worker thread that updates them in
 //! the background. `strata/torch.py` drives it.
 //!
-//! A parameter is a *slot*: `submit` queues one AdamW step of a slot (its
+//! A parameter (or a piece of one: `strata/torch.py` keeps a parameter of
+//! more than 16M elements as several) is a *slot*: `submit` queues one AdamW step of a slot (its
 //! gradient and the tensor that receives the updated weights in the
 //! compute dtype) and returns at once; `wait(slot)` blocks, with the GIL
 //! released, until that slot's queued steps are computed; `wait_all` also
@@ -518,59 +519,6 @@ impl OffloadStates {
             })
         })
         .map_err(|err| storage_error("write the states", err))
-    }
-
-    /// Slot `slot`'s states into fp32 tensors `master`, `exp_avg` and
-    /// `exp_avg_sq` (bf16 moments widened; `master` left alone for a slot
-    /// in place). Waits for every queued step and write.
-    fn read(
-        &self,
-        py: Python<'_>,
-        slot: usize,
-        master: &Bound<'_, PyAny>,
-        exp_avg: &Bound<'_, PyAny>,
-        exp_avg_sq: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let layout = self.layout(slot)?;
-        let outs = [
-            (master, "master"),
-            (exp_avg, "exp_avg"),
-            (exp_avg_sq, "exp_avg_sq"),
-        ]
-        .into_iter()
-        .map(|(obj, name)| {
-            let t = Tensor::from_py(obj, name)?;
-            t.expect(&[Dtype::F32], layout.elems)?;
-            t.check_writable()?;
-            Ok(t)
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-        self.wait_all(py)?;
-        py.detach(|| {
-            self.with_slot(slot, Access::Read, |bytes| {
-                let (master, moments) = layout.split(bytes);
-                // SAFETY: fp32, lengths and writability checked above; the tensors are held until this returns and nothing else writes them (the caller made them).
-                unsafe {
-                    if let Some(master) = master {
-                        outs[0].slice_mut::<f32>().copy_from_slice(master);
-                    }
-                    match moments {
-                        Moments::F32 { m, v } => {
-                            outs[1].slice_mut::<f32>().copy_from_slice(m);
-                            outs[2].slice_mut::<f32>().copy_from_slice(v);
-                        }
-                        Moments::Bf16 { m, v } => {
-                            for (dst, src) in [(&outs[1], m), (&outs[2], v)] {
-                                for (d, s) in dst.slice_mut::<f32>().iter_mut().zip(src.iter()) {
-                                    *d = s.to_f32();
-                                }
-                            }
-                        }
-                    }
-                }
-            })
-        })
-        .map_err(|err| storage_error("read the states", err))
     }
 
     /// Elements `offset..offset + out.numel()` of slot `slot`'s `state`

@@ -75,6 +75,7 @@ sparse, complex or integer parameter and a group spread over several
 devices are refused by name.
 """
 
+import functools
 import os
 import sys
 import weakref
@@ -256,7 +257,7 @@ class AdamW(torch.optim.Optimizer):
             ),
         )
         self._in_place = in_place
-        self._versions = [0] * len(self._params)
+        self._changes = [0] * len(self._params)
         self._moments = _MOMENTS[moments]
         self._dirty = [False] * len(self._params)
         self._module_slots = weakref.WeakKeyDictionary()
@@ -288,7 +289,7 @@ class AdamW(torch.optim.Optimizer):
         current = [p for g in self.param_groups for p in g["params"]]
         if len(current) == len(self._params) and all(a is b for a, b in zip(current, self._params)):
             return
-        if any(self._versions) or self.state:
+        if any(self._changes) or self.state:
             raise RuntimeError(
                 "strata.torch.AdamW: the param_groups' parameters were replaced after the optimizer stepped "
                 "or loaded states, whose values would not follow them: replace them before the first step "
@@ -391,7 +392,7 @@ class AdamW(torch.optim.Optimizer):
                 rounding_seed=self._rounding_seed,
             )
             self._dirty[slot] = True
-            self._versions[slot] += 1
+            self._changes[slot] += 1
         return loss
 
     _step_supports_amp_scaling = True
@@ -477,12 +478,12 @@ class AdamW(torch.optim.Optimizer):
             if self._in_place[slot]:
                 master = self._locals[slot].detach().clone()
             else:
-                master = _Stored(self._states, slot, "master", torch.float32, shape, self._versions)
+                master = _Stored(self._states, slot, "master", torch.float32, shape, self._changes)
             entry.update(
                 step=torch.tensor(float(entry["step"]), dtype=torch.float32),
-                exp_avg=_like(p, _Stored(self._states, slot, "exp_avg", moment_dtype, shape, self._versions)),
+                exp_avg=_like(p, _Stored(self._states, slot, "exp_avg", moment_dtype, shape, self._changes)),
                 exp_avg_sq=_like(
-                    p, _Stored(self._states, slot, "exp_avg_sq", moment_dtype, shape, self._versions)
+                    p, _Stored(self._states, slot, "exp_avg_sq", moment_dtype, shape, self._changes)
                 ),
                 master=_like(p, master),
             )
@@ -514,7 +515,7 @@ class AdamW(torch.optim.Optimizer):
                 local = self._locals[slot]
                 if entry is None:
                     self._states.load(slot, local.detach().to("cpu", torch.float32).reshape(-1))
-                    self._versions[slot] += 1
+                    self._changes[slot] += 1
                     continue
                 tensors = [entry.get("master", local.detach()), entry["exp_avg"], entry["exp_avg_sq"]]
                 tensors = [_local(t) for t in tensors]
@@ -534,7 +535,7 @@ class AdamW(torch.optim.Optimizer):
                 else:
                     flat = [t.to("cpu", torch.float32).contiguous().reshape(-1) for t in tensors]
                     self._states.load(slot, *flat)
-                    self._versions[slot] += 1
+                    self._changes[slot] += 1
                     local.copy_(flat[0].to(local.device, self._compute_dtype).view_as(local))
                     del flat
                 step = entry["step"]
@@ -562,13 +563,12 @@ class _Pieces:
     ``OffloadStates`` with a parameter's index, over whole parameters or
     element ranges of them."""
 
-    def __init__(self, elems, in_place, make, piece_elems=None):
-        piece_elems = piece_elems or PIECE_ELEMS
+    def __init__(self, elems, in_place, make):
         self.pieces, sizes, flags = [], [], []
         for n, flag in zip(elems, in_place):
             ranges = []
-            for start in range(0, max(n, 1), piece_elems):
-                stop = min(n, start + piece_elems)
+            for start in range(0, max(n, 1), PIECE_ELEMS):
+                stop = min(n, start + PIECE_ELEMS)
                 ranges.append((len(sizes), start, stop))
                 sizes.append(stop - start)
                 flags.append(flag)
@@ -637,7 +637,7 @@ class _Stored(torch.Tensor):
     ``copy.deepcopy`` take its values."""
 
     @staticmethod
-    def __new__(cls, states, slot, state, dtype, size, versions, stride=None, offset=0):
+    def __new__(cls, states, slot, state, dtype, size, changes, stride=None, offset=0):
         stride = tuple(stride) if stride is not None else _contiguous_stride(size)
         t = torch.Tensor._make_wrapper_subclass(cls, size, strides=stride, dtype=dtype, device="cpu")
         t._where = (states, slot, state)
@@ -645,8 +645,8 @@ class _Stored(torch.Tensor):
         # The optimizer's count of changes to each slot, and this slot's
         # when the entry was made: an entry the states have moved past is
         # refused rather than read or loaded as if it were current.
-        t._changes = versions
-        t._taken_at = versions[slot]
+        t._changes = changes
+        t._taken_at = changes[slot]
         return t
 
     def __init__(self, *args, **kwargs):
@@ -842,6 +842,7 @@ def _like(p, local):
     )
 
 
+@functools.cache
 def _fsdp_module_type():
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -868,9 +869,13 @@ def _owned(module):
 
 def _forward_prefetched(module):
     """The modules whose groups an FSDP2 module all-gathers in its own
-    pre-forward hook (``set_modules_to_forward_prefetch``). FSDP2 keeps
-    them in private state (torch 2.15); where it is not there, none."""
-    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    pre-forward hook (``set_modules_to_forward_prefetch``); none for any
+    other module. FSDP2 keeps them in private state (torch 2.15); where it
+    is not there, none."""
+    fsdp = _fsdp_module_type()
+    if fsdp is None or not isinstance(module, fsdp):
+        return []
+    state = module._get_fsdp_state()
     return [m for target in getattr(state, "_states_to_forward_prefetch", None) or () for m in target._modules]
 
 
