@@ -20,7 +20,7 @@ const FENCE_LANGUAGES: [&str; 6] = ["sh", "python", "rust", "toml", "json", "tex
 
 /// README commands that CI runs in another form: (the README's command,
 /// the line of `.ci/run` that runs it).
-const RUN_BY_CI_AS: [(&str, &str); 4] = [
+const RUN_BY_CI_AS: [(&str, &str); 5] = [
     // The MPI build, and two processes of the two-rank example under
     // mpirun against its two threads: the test builds the binary with the
     // feature and runs the example's model and placement that way.
@@ -31,6 +31,12 @@ const RUN_BY_CI_AS: [(&str, &str); 4] = [
     (
         "mpirun -n 2 strata train --config examples/configs/zero3-2rank.toml",
         "STRATA_REQUIRE_MPI=1 cargo test -p strata --features mpi --test mpi",
+    ),
+    // torchrun's two processes of the two-rank example against its two
+    // threads, once CI has installed torch.
+    (
+        "torchrun --standalone --nproc-per-node 2 --no-python strata train --config examples/configs/zero3-2rank.toml",
+        "STRATA_REQUIRE_TORCHRUN=1 cargo test -p strata --test nproc torchrun",
     ),
     // `cargo run --release` builds the same release binary first.
     ("cargo build --release", "cargo run --release -- train"),

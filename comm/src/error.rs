@@ -95,6 +95,50 @@ pub enum CommError {
         /// The operation refused.
         op: &'static str,
     },
+    /// A peer's socket closed mid-operation: its process exited or was
+    /// killed.
+    #[error(
+        "{op} of {bytes} bytes: rank {rank} closed its connection (its process exited or was killed): the run stops; rank {rank}'s own output says why, if it could"
+    )]
+    Closed {
+        /// The operation.
+        op: &'static str,
+        /// Its bytes on this rank.
+        bytes: u64,
+        /// The rank that went away.
+        rank: usize,
+    },
+    /// A socket to a peer failed otherwise.
+    #[error("{op}: the socket to rank {rank} failed: {error}")]
+    Socket {
+        /// The operation.
+        op: &'static str,
+        /// The peer.
+        rank: usize,
+        /// The OS's words.
+        error: String,
+    },
+    /// A peer's message was not the one this rank's operation expects:
+    /// the ranks called different collectives.
+    #[error(
+        "rank {rank} sent {got} where this rank expected {expected}: the ranks called different collectives (ranks of two runs, or a bug: report it)"
+    )]
+    Disagree {
+        /// The peer.
+        rank: usize,
+        /// What this rank's operation expected.
+        expected: String,
+        /// What came.
+        got: String,
+    },
+    /// The ranks could not find each other.
+    #[error("rendezvous: {problem}; {fix}")]
+    Rendezvous {
+        /// What went wrong.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
     /// MPI could not be set up.
     #[error("MPI: {problem}; {fix}")]
     Mpi {

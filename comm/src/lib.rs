@@ -2,8 +2,10 @@
 //! carries device buffers of any dtype ([`strata_device::View`]s), so the
 //! same call moves fp32 gradients on the host or bf16 shards on a GPU;
 //! [`ProcessGroups`] gives a rank its data-, tensor- and pipeline-parallel
-//! groups; [`InProcess`] is ranks as threads of one process (NCCL will be
-//! one more implementation).
+//! groups; [`InProcess`] is ranks as threads of one process; ranks as
+//! processes exchange over [`Tcp`] (torchrun, `strata train --nproc`) or
+//! `Mpi` (mpirun, srun; feature `mpi`), both through [`Pairwise`]'s
+//! plans (NCCL will be one more implementation).
 //!
 //! Sums run in rank order, so a result is the same bits whatever the
 //! threads' timing. Every call returns a [`strata_device::Fence`]: the
@@ -34,12 +36,16 @@ mod error;
 mod in_process;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod pairwise;
 mod sum;
+mod tcp;
 
 pub use error::{CommError, Result};
 pub use in_process::{InProcess, SCALARS_MAX};
 #[cfg(feature = "mpi")]
-pub use mpi::{Comparison, Mpi, MpiWorld};
+pub use mpi::{Comparison, Mpi, MpiLinks, MpiWorld};
+pub use pairwise::{Pairwise, Transfer, Transport};
+pub use tcp::{Rendezvous, Tcp, TcpLinks, TcpWorld};
 
 use strata_device::{Fence, View, ViewMut};
 

@@ -1,13 +1,9 @@
 //! Ranks as processes over MPI (the `mpi` crate over the system's Open
 //! MPI or MPICH), for CPU ranks under `mpirun`, `srun` or any launcher MPI
-//! knows. Every operation is point-to-point between pairs of ranks, its
-//! requests non-blocking and polled against the group's [`Cancel`] and a
-//! deadline: a collective never blocks on a dead peer, and the error names
-//! the ranks not heard from. Sums are made here, in rank order, as ranks
-//! as threads make them (`crate::sum`): a result is the same bits on
-//! either backend, whatever the timing. Data goes straight from the
-//! caller's views to the peers' (a reduce-scatter's incoming parts land in
-//! buffers sized at start); nothing is allocated per call.
+//! knows. Every operation is `crate::pairwise`'s point-to-point transfers
+//! between pairs of ranks, carried as non-blocking requests polled against
+//! the group's [`Cancel`] and a deadline: a collective never blocks on a
+//! dead peer, and the error names the ranks not heard from.
 //!
 //! [`MpiWorld::init`] initializes MPI once per process (with
 //! `MPI_THREAD_MULTIPLE`) and finalizes it when dropped. A collective cut
@@ -18,19 +14,17 @@
 //! exits with the error.
 
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use mpi::request::{LocalScope, Request, scope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
-use strata_device::{Cancel, Fence, View, ViewMut};
+use strata_device::{Cancel, View, ViewMut};
 
+use crate::Collective;
 use crate::error::{CommError, Result};
-use crate::in_process::{reach, same_dtype, view_bytes, world_times};
-use crate::sum::{sum_in_rank_order, summable};
-use crate::{Collective, SCALARS_MAX};
+use crate::pairwise::{Pairwise, Transfer, Transport};
 
 /// Bytes of one MPI message at most (its count is a C int); larger
 /// transfers go as several, in order.
@@ -101,19 +95,13 @@ impl MpiWorld {
     /// `elems_max` elements (of up to 4 bytes) a call, each operation
     /// given up after `timeout`. Its buffers are allocated here, once.
     pub fn group(&self, elems_max: usize, timeout: Duration) -> Mpi {
-        Mpi {
+        let links = MpiLinks {
             comm: Comm(SimpleCommunicator::world()),
-            rank: self.rank,
-            world: self.world,
-            elems_max,
             timeout,
             cancel: Cancel::new(),
             abandoned: Arc::clone(&self.abandoned),
-            scratch: Mutex::new(Scratch {
-                parts: vec![0u32; elems_max + self.world],
-                scalars: vec![0f64; SCALARS_MAX * self.world],
-            }),
-        }
+        };
+        Pairwise::new(links, self.rank, self.world, elems_max)
     }
 }
 
@@ -138,23 +126,16 @@ unsafe impl Send for Comm {}
 // order, and each call here completes its own requests.
 unsafe impl Sync for Comm {}
 
-struct Scratch {
-    /// Every rank's incoming part of a reduction, in 4-byte words.
-    parts: Vec<u32>,
-    /// Every rank's scalars.
-    scalars: Vec<f64>,
-}
-
 /// This process's member of an MPI group ([`MpiWorld::group`]).
-pub struct Mpi {
+pub type Mpi = Pairwise<MpiLinks>;
+
+/// What carries an [`Mpi`] group's transfers: MPI's non-blocking
+/// point-to-point requests on the world communicator.
+pub struct MpiLinks {
     comm: Comm,
-    rank: usize,
-    world: usize,
-    elems_max: usize,
     timeout: Duration,
     cancel: Cancel,
     abandoned: Arc<AtomicBool>,
-    scratch: Mutex<Scratch>,
 }
 
 /// Whether a pending request receives (from its peer) or sends.
@@ -166,13 +147,7 @@ enum Way {
 
 type Pending<'a, 's> = Vec<Option<(Request<'a, [u8], &'s LocalScope<'a>>, usize, Way)>>;
 
-impl Mpi {
-    /// The group's cancellation token: cancelling it ends every wait in
-    /// an operation within a poll with [`CommError::Cancelled`].
-    pub fn cancel_token(&self) -> Cancel {
-        self.cancel.clone()
-    }
-
+impl Transport for MpiLinks {
     fn usable(&self, op: &'static str) -> Result<()> {
         if self.abandoned.load(Ordering::SeqCst) {
             return Err(CommError::Abandoned { op });
@@ -183,21 +158,37 @@ impl Mpi {
         Ok(())
     }
 
-    fn limit(&self, elems: usize) -> Result<()> {
-        if elems > self.elems_max {
-            return Err(CommError::Limit {
-                what: "collective_elems_max",
-                max: self.elems_max as u64,
-                requested: elems as u64,
-            });
-        }
-        Ok(())
+    fn cancel(&self) -> Cancel {
+        self.cancel.clone()
     }
 
-    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.world).filter(move |&p| p != self.rank)
+    fn exchange(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        transfers: &mut [Transfer<'_>],
+    ) -> Result<()> {
+        // Pipeline stages' messages apart from the collectives'.
+        let tag = match op {
+            "send" | "recv" => TAG_P2P,
+            _ => TAG_COLLECTIVE,
+        };
+        scope(|scope| {
+            let mut pending = Vec::with_capacity(2 * transfers.len());
+            for transfer in transfers.iter_mut() {
+                if !transfer.recv.is_empty() {
+                    self.receive_from(scope, &mut pending, transfer.peer, transfer.recv, tag);
+                }
+                if !transfer.send.is_empty() {
+                    self.send_to(scope, &mut pending, transfer.peer, transfer.send, tag);
+                }
+            }
+            self.complete(op, bytes, pending)
+        })
     }
+}
 
+impl MpiLinks {
     /// Posts `bytes` to `peer` (in messages of at most
     /// [`MESSAGE_BYTES_MAX`]).
     fn send_to<'a, 's>(
@@ -299,308 +290,6 @@ impl Mpi {
             let _ = unsafe { request.into_raw() };
         }
     }
-
-    /// `Peer` unless `peer` is another rank of the group.
-    fn other(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer >= self.world || peer == self.rank {
-            return Err(CommError::Peer {
-                op,
-                peer,
-                world: self.world,
-            });
-        }
-        Ok(())
-    }
-
-    /// Sums into `out` (this rank's part of a reduce-scatter) the parts
-    /// the peers sent into `parts`, one of `out`'s length per rank in rank
-    /// order, and this rank's own `mine`, in rank order.
-    fn sum_parts(
-        &self,
-        op: &'static str,
-        parts: &[u32],
-        mine: &[u8],
-        out: &mut ViewMut<'_>,
-    ) -> Result<()> {
-        let width = out.dtype().bytes() as usize;
-        let part_bytes = out.len() * width;
-        let bytes: &[u8] = bytemuck::cast_slice(parts);
-        sum_in_rank_order(op, self.world, out, &|rank, from, len, add| {
-            let part = match rank == self.rank {
-                true => mine,
-                false => &bytes[rank * part_bytes..(rank + 1) * part_bytes],
-            };
-            add(&part[from * width..(from + len) * width]);
-        })
-    }
-}
-
-impl Collective for Mpi {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world(&self) -> usize {
-        self.world
-    }
-
-    fn all_gather(&self, shard: View<'_>, out: ViewMut<'_>) -> Result<Fence> {
-        const OP: &str = "all_gather";
-        self.usable(OP)?;
-        same_dtype(OP, shard.dtype(), out.dtype())?;
-        world_times(OP, "output", (out.len(), shard.len(), self.world))?;
-        self.limit(shard.len())?;
-        reach(OP, "output", out.raw())?;
-        let mine = view_bytes(OP, "input", &shard)?;
-        let target = out
-            .into_host_bytes()
-            .expect("checked: contiguous host memory");
-        if mine.is_empty() {
-            return Ok(Fence::ready());
-        }
-        let mut parts: Vec<&mut [u8]> = target.chunks_exact_mut(mine.len()).collect();
-        parts[self.rank].copy_from_slice(mine);
-        scope(|scope| {
-            let mut pending = Vec::with_capacity(2 * self.world);
-            for (peer, part) in parts.into_iter().enumerate() {
-                if peer != self.rank {
-                    self.receive_from(scope, &mut pending, peer, part, TAG_COLLECTIVE);
-                    self.send_to(scope, &mut pending, peer, mine, TAG_COLLECTIVE);
-                }
-            }
-            self.complete(OP, mine.len() * self.world, pending)
-        })?;
-        Ok(Fence::ready())
-    }
-
-    fn reduce_scatter(&self, full: View<'_>, mut shard: ViewMut<'_>) -> Result<Fence> {
-        const OP: &str = "reduce_scatter";
-        self.usable(OP)?;
-        same_dtype(OP, full.dtype(), shard.dtype())?;
-        world_times(OP, "input", (full.len(), shard.len(), self.world))?;
-        self.limit(full.len())?;
-        summable(OP, full.dtype())?;
-        reach(OP, "output", shard.raw())?;
-        let bytes = view_bytes(OP, "input", &full)?;
-        let part_bytes = bytes.len() / self.world;
-        if part_bytes == 0 {
-            return Ok(Fence::ready());
-        }
-        let mut scratch = self.scratch.lock().expect("scratch");
-        let parts = &mut scratch.parts[..(self.world * part_bytes).div_ceil(4)];
-        {
-            let incoming: &mut [u8] = bytemuck::cast_slice_mut(&mut *parts);
-            let mut slots: Vec<&mut [u8]> = incoming[..self.world * part_bytes]
-                .chunks_exact_mut(part_bytes)
-                .collect();
-            scope(|scope| {
-                let mut pending = Vec::with_capacity(2 * self.world);
-                for (peer, slot) in slots.iter_mut().enumerate() {
-                    if peer != self.rank {
-                        self.receive_from(scope, &mut pending, peer, slot, TAG_COLLECTIVE);
-                        let theirs = &bytes[peer * part_bytes..(peer + 1) * part_bytes];
-                        self.send_to(scope, &mut pending, peer, theirs, TAG_COLLECTIVE);
-                    }
-                }
-                self.complete(OP, bytes.len(), pending)
-            })?;
-        }
-        let mine = &bytes[self.rank * part_bytes..(self.rank + 1) * part_bytes];
-        self.sum_parts(OP, parts, mine, &mut shard)?;
-        Ok(Fence::ready())
-    }
-
-    fn all_reduce(&self, mut values: ViewMut<'_>) -> Result<Fence> {
-        const OP: &str = "all_reduce";
-        self.usable(OP)?;
-        self.limit(values.len())?;
-        summable(OP, values.dtype())?;
-        reach(OP, "values", values.raw())?;
-        let (n, width) = (values.len(), values.dtype().bytes() as usize);
-        // Rank r sums elements r * chunk.. of every rank's values, then
-        // every rank gathers every sum.
-        let chunk = n.div_ceil(self.world);
-        let range = |rank: usize| (rank * chunk).min(n)..((rank + 1) * chunk).min(n);
-        let mine = range(self.rank);
-        let part_bytes = mine.len() * width;
-        let stride = chunk * width;
-        let mut scratch = self.scratch.lock().expect("scratch");
-        let parts = &mut scratch.parts[..(self.world * stride).div_ceil(4)];
-        {
-            let bytes: &[u8] = values
-                .reborrow()
-                .into_host_bytes()
-                .expect("checked: contiguous host memory");
-            let incoming: &mut [u8] = bytemuck::cast_slice_mut(&mut *parts);
-            let mut slots: Vec<&mut [u8]> = incoming
-                .chunks_exact_mut(stride.max(1))
-                .take(self.world)
-                .map(|slot| &mut slot[..part_bytes])
-                .collect();
-            // This rank's own part is summed from a copy: its sum
-            // overwrites the values it reads.
-            slots[self.rank].copy_from_slice(&bytes[mine.start * width..mine.end * width]);
-            scope(|scope| {
-                let mut pending = Vec::with_capacity(2 * self.world);
-                for (peer, slot) in slots.iter_mut().enumerate() {
-                    if peer == self.rank {
-                        continue;
-                    }
-                    if part_bytes > 0 {
-                        self.receive_from(scope, &mut pending, peer, slot, TAG_COLLECTIVE);
-                    }
-                    let theirs = range(peer);
-                    if !theirs.is_empty() {
-                        let out = &bytes[theirs.start * width..theirs.end * width];
-                        self.send_to(scope, &mut pending, peer, out, TAG_COLLECTIVE);
-                    }
-                }
-                self.complete(OP, bytes.len(), pending)
-            })?;
-        }
-        {
-            let incoming: &[u8] = bytemuck::cast_slice(&*parts);
-            let mut sums = values.reborrow().range(mine.clone());
-            sum_in_rank_order(OP, self.world, &mut sums, &|rank, from, len, add| {
-                let part = &incoming[rank * stride..rank * stride + part_bytes];
-                add(&part[from * width..(from + len) * width]);
-            })?;
-        }
-        drop(scratch);
-        // Every rank's sums to every rank.
-        let bytes = values
-            .into_host_bytes()
-            .expect("checked: contiguous host memory");
-        let mut pieces: Vec<&mut [u8]> = Vec::with_capacity(self.world);
-        let mut rest: &mut [u8] = bytes;
-        for rank in 0..self.world {
-            let (piece, after) = rest.split_at_mut(range(rank).len() * width);
-            pieces.push(piece);
-            rest = after;
-        }
-        let own: &mut [u8] = std::mem::take(&mut pieces[self.rank]);
-        let own: &[u8] = own;
-        scope(|scope| {
-            let mut pending = Vec::with_capacity(2 * self.world);
-            for (peer, piece) in pieces.into_iter().enumerate() {
-                if peer == self.rank {
-                    continue;
-                }
-                if !piece.is_empty() {
-                    self.receive_from(scope, &mut pending, peer, piece, TAG_COLLECTIVE);
-                }
-                if !own.is_empty() {
-                    self.send_to(scope, &mut pending, peer, own, TAG_COLLECTIVE);
-                }
-            }
-            self.complete(OP, n * width, pending)
-        })?;
-        Ok(Fence::ready())
-    }
-
-    fn all_reduce_scalars(&self, values: &mut [f64]) -> Result<()> {
-        const OP: &str = "all_reduce_scalars";
-        self.usable(OP)?;
-        if values.len() > SCALARS_MAX {
-            return Err(CommError::Limit {
-                what: "collective scalars (SCALARS_MAX)",
-                max: SCALARS_MAX as u64,
-                requested: values.len() as u64,
-            });
-        }
-        let n = values.len();
-        let mut scratch = self.scratch.lock().expect("scratch");
-        let all = &mut scratch.scalars[..n * self.world];
-        all[self.rank * n..(self.rank + 1) * n].copy_from_slice(values);
-        {
-            let mine: &[u8] = bytemuck::cast_slice(&*values);
-            let mut slots: Vec<&mut [f64]> = all.chunks_exact_mut(n.max(1)).collect();
-            scope(|scope| {
-                let mut pending = Vec::with_capacity(2 * self.world);
-                for (peer, slot) in slots.iter_mut().enumerate() {
-                    if peer != self.rank && n > 0 {
-                        let slot: &mut [u8] = bytemuck::cast_slice_mut(slot);
-                        self.receive_from(scope, &mut pending, peer, slot, TAG_COLLECTIVE);
-                        self.send_to(scope, &mut pending, peer, mine, TAG_COLLECTIVE);
-                    }
-                }
-                self.complete(OP, mine.len() * self.world, pending)
-            })?;
-        }
-        // In rank order from zero, as ranks as threads add them.
-        values.fill(0.0);
-        for part in all.chunks_exact(n.max(1)) {
-            for (v, s) in values.iter_mut().zip(part) {
-                *v += s;
-            }
-        }
-        Ok(())
-    }
-
-    fn broadcast(&self, root: usize, values: ViewMut<'_>) -> Result<Fence> {
-        const OP: &str = "broadcast";
-        self.usable(OP)?;
-        if root >= self.world {
-            return Err(CommError::Peer {
-                op: OP,
-                peer: root,
-                world: self.world,
-            });
-        }
-        self.limit(values.len())?;
-        reach(OP, "values", values.raw())?;
-        let bytes = values
-            .into_host_bytes()
-            .expect("checked: contiguous host memory");
-        if bytes.is_empty() {
-            return Ok(Fence::ready());
-        }
-        let total = bytes.len();
-        scope(|scope| {
-            let mut pending = Vec::with_capacity(self.world);
-            if self.rank == root {
-                let shared: &[u8] = bytes;
-                for peer in self.peers() {
-                    self.send_to(scope, &mut pending, peer, shared, TAG_COLLECTIVE);
-                }
-            } else {
-                self.receive_from(scope, &mut pending, root, bytes, TAG_COLLECTIVE);
-            }
-            self.complete(OP, total, pending)
-        })?;
-        Ok(Fence::ready())
-    }
-
-    fn send(&self, peer: usize, values: View<'_>) -> Result<Fence> {
-        const OP: &str = "send";
-        self.usable(OP)?;
-        self.other(OP, peer)?;
-        self.limit(values.len())?;
-        let bytes = view_bytes(OP, "values", &values)?;
-        scope(|scope| {
-            let mut pending = Vec::with_capacity(1);
-            self.send_to(scope, &mut pending, peer, bytes, TAG_P2P);
-            self.complete(OP, bytes.len(), pending)
-        })?;
-        Ok(Fence::ready())
-    }
-
-    fn recv(&self, peer: usize, values: ViewMut<'_>) -> Result<Fence> {
-        const OP: &str = "recv";
-        self.usable(OP)?;
-        self.other(OP, peer)?;
-        reach(OP, "values", values.raw())?;
-        let bytes = values
-            .into_host_bytes()
-            .expect("checked: contiguous host memory");
-        let total = bytes.len();
-        scope(|scope| {
-            let mut pending = Vec::with_capacity(1);
-            self.receive_from(scope, &mut pending, peer, bytes, TAG_P2P);
-            self.complete(OP, total, pending)
-        })?;
-        Ok(Fence::ready())
-    }
 }
 
 /// Per-call seconds (medians over the rounds, on this rank) of this
@@ -625,16 +314,17 @@ impl Mpi {
     /// together.
     pub fn compare_with_mpi(&self, full_elems: usize, rounds: usize) -> Result<Comparison> {
         use mpi::collective::{CommunicatorCollectives, SystemOperation};
+        let (rank, world) = (self.rank(), self.world());
         assert!(
-            full_elems.is_multiple_of(self.world) && rounds > 0,
+            full_elems.is_multiple_of(world) && rounds > 0,
             "a full buffer of whole shards, and a round"
         );
-        let shard_elems = full_elems / self.world;
-        let shard: Vec<f32> = (0..shard_elems).map(|i| (self.rank + i) as f32).collect();
+        let shard_elems = full_elems / world;
+        let shard: Vec<f32> = (0..shard_elems).map(|i| (rank + i) as f32).collect();
         let mut full = vec![0f32; full_elems];
         let mut part = vec![0f32; shard_elems];
         let mut times = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
-        let comm = &self.comm.0;
+        let comm = &self.links().comm.0;
         let timed = |run: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
             comm.barrier();
             let started = Instant::now();

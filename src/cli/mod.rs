@@ -7,6 +7,7 @@ mod eval;
 mod generate;
 mod kernels;
 mod load;
+mod nproc;
 mod nvme;
 mod plan;
 mod signals;

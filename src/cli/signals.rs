@@ -91,6 +91,26 @@ impl Blocked {
     }
 }
 
+/// Starts the thread that passes every SIGINT and SIGTERM this process
+/// gets on to each of `pids` (the ranks `strata train --nproc` started,
+/// which stop together at a step boundary as a launched job does).
+pub fn forward(blocked: Blocked, pids: Vec<u32>) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("strata-forward".into())
+        .spawn(move || {
+            while let Some(signal) = blocked.wait(None) {
+                for &pid in &pids {
+                    // SAFETY: kill(2) takes any pid and signal number; a
+                    // rank that has exited (or been reaped) only makes it
+                    // fail with ESRCH, which is what the rank's own
+                    // status then says.
+                    unsafe { libc::kill(pid as libc::pid_t, signal) };
+                }
+            }
+        })
+        .map(drop)
+}
+
 /// The signal's name.
 pub fn name(signal: libc::c_int) -> &'static str {
     match signal {

@@ -117,6 +117,12 @@ pub struct TrainArgs {
     /// Print a JSON summary as the last line.
     #[arg(long)]
     json: bool,
+    /// Run the ranks as N processes of this machine (torchrun's variables,
+    /// rank 0 listening at a free local port; collectives over TCP), for
+    /// a machine without a launcher: train.ranks must be 1 or N.
+    /// SIGINT/SIGTERM reach every rank.
+    #[arg(long, value_name = "N")]
+    nproc: Option<usize>,
     /// Seconds a run may take after SIGINT or SIGTERM to finish its step
     /// and write a final checkpoint; past it (or at a second signal) it
     /// exits at once, keeping the last whole checkpoint. Schedulers
@@ -484,9 +490,27 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
     // Ranks as processes when a launcher started this one.
     let launch = engine::Launch::of_this_process()?;
     if let Some(launch) = &launch {
+        if let Some(nproc) = args.nproc {
+            bail!(
+                "--nproc {nproc} in a process {} started: the launcher starts the ranks; drop --nproc",
+                launch.launcher.name()
+            );
+        }
         launch.check_ranks(config.train.ranks)?;
     }
     let corpus = open_data(&config, args.json)?;
+    if let Some(nproc) = args.nproc {
+        if config.train.ranks != 1 && config.train.ranks != nproc {
+            bail!(
+                "train.ranks = {} and --nproc {nproc}: each process is one rank; set train.ranks = 1 or {nproc} (or give --nproc {})",
+                config.train.ranks,
+                config.train.ranks
+            );
+        }
+        // The data was read (and any tokenizing cached) once, here.
+        drop(corpus);
+        return super::nproc::run(nproc, config.comm.timeout_s, blocked);
+    }
     if args.stop_after == Some(0) {
         bail!("--stop-after 0 runs no step: give the step to stop after, from 1");
     }
@@ -1045,64 +1069,99 @@ enum Ranks {
 }
 
 /// This process's rank of a launched job, and what its collective needs
-/// to live (MPI, initialized until the run ends).
+/// to live until the run ends.
 struct ProcessMember {
     rank: engine::ProcessRank,
     world: World,
 }
 
-/// MPI, initialized until the run ends.
-#[cfg(feature = "mpi")]
-type World = strata_comm::MpiWorld;
-/// What a build without MPI holds for it (never made: such a build
-/// refuses a launched job).
-#[cfg(not(feature = "mpi"))]
-struct World;
+/// What a launched job's collective lives on.
+enum World {
+    /// MPI, initialized until the run ends (mpirun, srun, PMI launchers).
+    #[cfg(feature = "mpi")]
+    Mpi(strata_comm::MpiWorld),
+    /// A socket to every other rank (torchrun, `--nproc`).
+    Tcp(strata_comm::TcpWorld),
+}
 
 /// Waits (up to `timeout`) until every rank of the job is here, then
-/// finalizes MPI (where no collective was given up).
-#[cfg(feature = "mpi")]
+/// lets the world go (MPI is finalized where no collective was given up).
 fn rendezvous(world: World, timeout: Duration) {
     use strata_comm::Collective;
-    let group = world.group(1, timeout);
-    if let Err(err) = group.all_reduce_scalars(&mut [0.0]) {
+    let met = match &world {
+        #[cfg(feature = "mpi")]
+        World::Mpi(world) => world.group(1, timeout).all_reduce_scalars(&mut [0.0]),
+        World::Tcp(world) => world.group(1, timeout).all_reduce_scalars(&mut [0.0]),
+    };
+    if let Err(err) = met {
         tracing::warn!("the ranks' last rendezvous: {err}");
     }
 }
 
-#[cfg(not(feature = "mpi"))]
-fn rendezvous(_: World, _: Duration) {}
-
-/// Ends every process of the job at once.
-#[cfg(feature = "mpi")]
+/// Ends every process of the job at once: MPI aborts the job; over TCP
+/// this process exits, and its closed sockets end every peer's next
+/// exchange, naming this rank.
 fn abort_job(world: &World) -> ! {
-    world.abort(1)
+    match world {
+        #[cfg(feature = "mpi")]
+        World::Mpi(world) => world.abort(1),
+        World::Tcp(_) => std::process::exit(1),
+    }
 }
 
-#[cfg(not(feature = "mpi"))]
-fn abort_job(_: &World) -> ! {
-    unreachable!("a build without MPI runs no launched job")
-}
-
-/// This process's member of the job `launch` describes: over MPI for
-/// mpirun, srun and PMI launchers (a build with `--features mpi`).
+/// This process's member of the job `launch` describes: over TCP for
+/// torchrun (and `--nproc`), over MPI for mpirun, srun and PMI launchers
+/// (a build with `--features mpi`).
 fn open_process_rank(
     launch: &engine::Launch,
     config: &TrainConfig,
 ) -> anyhow::Result<ProcessMember> {
-    if !launch.launcher.is_mpi() {
-        bail!(
-            "launched by torchrun ({} processes): ranks that are processes exchange over MPI for now (NCCL for GPUs is not built yet); launch CPU ranks with mpirun -n {} or srun, or run train.ranks = {} as threads of one strata train",
-            launch.world,
-            launch.world,
-            launch.world
-        );
+    let ranked = TrainConfig {
+        train: engine::TrainSettings {
+            ranks: launch.world,
+            ..config.train.clone()
+        },
+        ..config.clone()
+    };
+    let elems_max = engine::collective_elems_max(&ranked, launch.world)?;
+    let timeout = Duration::from_secs_f64(config.comm.timeout_s);
+    if launch.launcher.is_mpi() {
+        return open_mpi_rank(launch, elems_max, timeout);
     }
-    open_mpi_rank(launch, config)
+    let master = launch
+        .master
+        .clone()
+        .expect("torchrun's launch has its master");
+    let world = strata_comm::TcpWorld::connect(&strata_comm::Rendezvous {
+        rank: launch.rank,
+        world: launch.world,
+        master,
+        store: launch.store.clone(),
+        // Processes start (and read their data) at their own pace.
+        timeout: timeout.max(RENDEZVOUS_MIN),
+    })
+    .with_context(|| format!("rank {} of {}", launch.rank, launch.world))?;
+    let group = world.group(elems_max, timeout);
+    let cancel = group.cancel_token();
+    Ok(ProcessMember {
+        rank: engine::ProcessRank {
+            collective: Box::new(group),
+            cancel,
+            local_world: launch.local_world,
+        },
+        world: World::Tcp(world),
+    })
 }
 
+/// The least time the ranks of a job are given to find each other.
+const RENDEZVOUS_MIN: Duration = Duration::from_secs(60);
+
 #[cfg(feature = "mpi")]
-fn open_mpi_rank(launch: &engine::Launch, config: &TrainConfig) -> anyhow::Result<ProcessMember> {
+fn open_mpi_rank(
+    launch: &engine::Launch,
+    elems_max: usize,
+    timeout: Duration,
+) -> anyhow::Result<ProcessMember> {
     let world = strata_comm::MpiWorld::init()?;
     if (world.rank(), world.world()) != (launch.rank, launch.world) {
         bail!(
@@ -1114,15 +1173,7 @@ fn open_mpi_rank(launch: &engine::Launch, config: &TrainConfig) -> anyhow::Resul
             world.world()
         );
     }
-    let ranked = TrainConfig {
-        train: engine::TrainSettings {
-            ranks: launch.world,
-            ..config.train.clone()
-        },
-        ..config.clone()
-    };
-    let elems_max = engine::collective_elems_max(&ranked, launch.world)?;
-    let group = world.group(elems_max, Duration::from_secs_f64(config.comm.timeout_s));
+    let group = world.group(elems_max, timeout);
     let cancel = group.cancel_token();
     Ok(ProcessMember {
         rank: engine::ProcessRank {
@@ -1130,15 +1181,16 @@ fn open_mpi_rank(launch: &engine::Launch, config: &TrainConfig) -> anyhow::Resul
             cancel,
             local_world: launch.local_world,
         },
-        world,
+        world: World::Mpi(world),
     })
 }
 
 #[cfg(not(feature = "mpi"))]
-fn open_mpi_rank(launch: &engine::Launch, _: &TrainConfig) -> anyhow::Result<ProcessMember> {
+fn open_mpi_rank(launch: &engine::Launch, _: usize, _: Duration) -> anyhow::Result<ProcessMember> {
     bail!(
-        "launched by {} ({} processes), and this strata was built without MPI: build it with cargo build --release --features mpi (Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev)",
+        "launched by {} ({} processes), and this strata was built without MPI: build it with cargo build --release --features mpi (Debian: apt-get install libopenmpi-dev openmpi-bin libclang-dev), or start the ranks with strata train --nproc {} or torchrun",
         launch.launcher.name(),
+        launch.world,
         launch.world
     )
 }

@@ -228,6 +228,7 @@ impl TrainError {
             self,
             TrainError::Comm(
                 CommError::PeerLeft { .. }
+                    | CommError::Closed { .. }
                     | CommError::Timeout { .. }
                     | CommError::Abandoned { .. }
             )

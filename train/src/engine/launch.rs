@@ -6,7 +6,9 @@
 //! `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS`), else Slurm's
 //! (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`,
 //! `SLURM_NTASKS_PER_NODE`). Without any, the process is a run of its
-//! own (its ranks, if several, are threads).
+//! own (its ranks, if several, are threads). torchrun's ranks meet over
+//! TCP: through its agent's store when `TORCHELASTIC_USE_AGENT_STORE` says
+//! there is one, else at rank 0's `MASTER_ADDR:MASTER_PORT`.
 
 use crate::error::{Result, TrainError};
 
@@ -56,6 +58,11 @@ pub struct Launch {
     pub local_world: usize,
     /// torchrun's rendezvous address and port.
     pub master: Option<(String, u16)>,
+    /// Under torchrun's agent (`TORCHELASTIC_USE_AGENT_STORE=True`), which
+    /// serves a c10d TCPStore at `master`: the prefix of this run's keys
+    /// there (`TORCHELASTIC_RUN_ID`/`TORCHELASTIC_RESTART_COUNT`, so a
+    /// restarted job meets afresh). `None`: rank 0 listens at `master`.
+    pub store: Option<String>,
 }
 
 impl Launch {
@@ -162,6 +169,14 @@ impl Launch {
                 }
                 _ => None,
             };
+            let store = match (launcher, get("TORCHELASTIC_USE_AGENT_STORE")) {
+                (Launcher::Torchrun, Some(flag)) if flag.trim() == "True" => Some(format!(
+                    "{}/{}",
+                    get("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into()),
+                    get("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
+                )),
+                _ => None,
+            };
             return Ok(Some(Launch {
                 launcher,
                 rank: rank_value,
@@ -169,6 +184,7 @@ impl Launch {
                 local_rank: local_rank_value,
                 local_world: local_world_value,
                 master,
+                store,
             }));
         }
         Ok(None)
@@ -237,8 +253,20 @@ mod tests {
                 local_rank: 1,
                 local_world: 2,
                 master: Some(("node0".into(), 29400)),
+                store: None,
             }
         );
+        // Under torchrun's agent, its store, keyed by run and restart.
+        let agent = launch(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "job7"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(agent.store.as_deref(), Some("job7/2"));
         let ompi = launch(&[
             ("OMPI_COMM_WORLD_RANK", "1"),
             ("OMPI_COMM_WORLD_SIZE", "4"),

@@ -1,0 +1,364 @@
+//! Ranks as processes over TCP: `strata train --nproc N` (and torchrun,
+//! where it is on PATH) against the same run as threads of one process -
+//! the same losses, bit for bit, checkpoints and resume included; a rank
+//! killed with SIGKILL, which every other rank names within `[comm]
+//! timeout_s` plus 10 s (its sockets close), the last checkpoint whole and
+//! no swap files left by the ranks that exited; SIGTERM, passed on to
+//! every rank, which stop at one step boundary with one final checkpoint
+//! that resumes bit for bit; a config whose `train.ranks` contradicts
+//! `--nproc`, refused by name; one rank's own failure, which ends every
+//! rank at once with its message.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The two-rank example's model and placement, `ranks` ranks, `steps`
+/// steps, a checkpoint every `every`, collectives given up after 3 s.
+fn config(dir: &Path, ranks: usize, steps: u64, every: u64) {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/configs/zero3-2rank.toml"),
+    )
+    .unwrap()
+    .replace("ranks = 2", &format!("ranks = {ranks}"))
+    .replace(
+        "steps = 20",
+        &format!("steps = {steps}\ncheckpoint_every = {every}"),
+    ) + "\n[comm]\ntimeout_s = 3\n";
+    std::fs::write(dir.join(format!("r{ranks}.toml")), text).unwrap();
+}
+
+fn strata(dir: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
+    command.env("STRATA_LOG", "warn").current_dir(dir);
+    command
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The summary (the last JSON line of rank 0's output).
+fn summary(out: &Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no summary: {}", text(out)));
+    serde_json::from_str(line).unwrap()
+}
+
+/// The summary's losses.
+fn losses(out: &Output) -> Vec<f64> {
+    assert!(out.status.success(), "{}", text(out));
+    summary(out)["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn nproc_ranks_train_the_bits_of_threads_and_resume_them() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 2, 8, 4);
+    let threads = losses(
+        &strata(dir)
+            .args(["train", "--config", "r2.toml", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let first = strata(dir)
+        .args([
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            "r2.toml",
+            "--checkpoint-dir",
+            "ck",
+            "--stop-after",
+            "4",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let mut processes = losses(&first);
+    assert!(
+        dir.join("ck/step-00000004/optimizer-rank1.safetensors")
+            .exists()
+    );
+    let resumed = strata(dir)
+        .args(["train", "--nproc=2", "--resume", "ck", "--json"])
+        .output()
+        .unwrap();
+    processes.extend(losses(&resumed));
+    assert_eq!(
+        processes, threads,
+        "two processes (4 steps, resumed for 4) against two threads"
+    );
+    // A config of other ranks than --nproc's is refused by name.
+    config(dir, 3, 8, 4);
+    let out = strata(dir)
+        .args(["train", "--nproc", "2", "--config", "r3.toml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let said = text(&out);
+    assert!(
+        said.contains("train.ranks = 3") && said.contains("--nproc 2"),
+        "{said}"
+    );
+    // One rank's own failure (its swap directory is a file) ends every
+    // rank at once with its message, not a timeout later.
+    config(dir, 2, 8, 4);
+    let slow = std::fs::read_to_string(dir.join("r2.toml"))
+        .unwrap()
+        .replace("timeout_s = 3", "timeout_s = 120");
+    std::fs::write(dir.join("r2.toml"), slow).unwrap();
+    let _ = std::fs::remove_dir_all(dir.join("strata-train-swap/rank1"));
+    std::fs::create_dir_all(dir.join("strata-train-swap")).unwrap();
+    std::fs::write(dir.join("strata-train-swap/rank1"), "not a directory").unwrap();
+    let started = Instant::now();
+    let out = strata(dir)
+        .args(["train", "--nproc", "2", "--config", "r2.toml"])
+        .output()
+        .unwrap();
+    let said = text(&out);
+    eprintln!(
+        "one rank's own failure: {:.1} s\n{said}",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("rank 1 of 2") && said.contains("rank1"),
+        "{said}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// The ranks (processes whose environment has `RANK` and the test's tag)
+/// by rank, once all `processes` are up.
+fn ranks_of(processes: usize, tag: &str) -> Vec<(usize, u32)> {
+    let started = Instant::now();
+    loop {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
+                continue;
+            };
+            let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
+            let has = |prefix: &str| vars.iter().find_map(|v| v.strip_prefix(prefix.as_bytes()));
+            if has(&format!("STRATA_NPROC_TEST_TAG={tag}")).is_none() {
+                continue;
+            }
+            if let Some(rank) = has("RANK=") {
+                let rank = String::from_utf8_lossy(rank).parse().unwrap();
+                found.push((rank, pid));
+            }
+        }
+        if found.len() == processes {
+            found.sort();
+            return found;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "{found:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until the checkpoint directory publishes a step.
+fn wait_for_checkpoint(dir: &Path) {
+    let started = Instant::now();
+    while !dir.join("ck/latest").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The swap files of `rank`.
+fn swap_files(dir: &Path, rank: usize) -> Vec<String> {
+    let owned = dir.join(format!("strata-train-swap/rank{rank}/strata-swap"));
+    std::fs::read_dir(owned)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    // Four processes of one rank each, a checkpoint every 2 steps.
+    config(dir, 1, 100_000, 2);
+    let child = strata(dir)
+        .args([
+            "train",
+            "--nproc",
+            "4",
+            "--config",
+            "r1.toml",
+            "--checkpoint-dir",
+            "ck",
+        ])
+        .env("STRATA_NPROC_TEST_TAG", "kill")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = ranks_of(4, "kill");
+    wait_for_checkpoint(dir);
+    assert!(!swap_files(dir, 2).is_empty(), "rank 2 swaps");
+    let killed = Instant::now();
+    let status = Command::new("kill")
+        .args(["-KILL", &ranks[2].1.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    let took = killed.elapsed();
+    let said = text(&out);
+    eprintln!(
+        "after SIGKILL of rank 2: {:.1} s\n{said}",
+        took.as_secs_f64()
+    );
+    assert!(!out.status.success(), "{said}");
+    for rank in [0, 1, 3] {
+        assert!(
+            said.contains(&format!("rank {rank} of 4")),
+            "rank {rank}:\n{said}"
+        );
+    }
+    assert!(
+        said.contains("rank 2 closed its connection"),
+        "the killed rank named:\n{said}"
+    );
+    assert!(took < Duration::from_secs(3 + 10), "{took:?}");
+    // Only the killed rank's stay (the next run there removes them).
+    for rank in [0, 1, 3] {
+        assert_eq!(swap_files(dir, rank), Vec::<String>::new(), "rank {rank}");
+    }
+    assert!(!swap_files(dir, 2).is_empty(), "rank 2's, left by SIGKILL");
+    let verify = strata(dir)
+        .args(["checkpoint", "verify", "ck"])
+        .output()
+        .unwrap();
+    assert!(verify.status.success(), "{}", text(&verify));
+    // SIGTERM to `strata train --nproc`, passed on to every rank: one
+    // boundary, one final checkpoint, 143.
+    std::fs::remove_dir_all(dir.join("ck")).unwrap();
+    let child = strata(dir)
+        .args([
+            "train",
+            "--nproc",
+            "4",
+            "--config",
+            "r1.toml",
+            "--checkpoint-dir",
+            "ck",
+            "--json",
+        ])
+        .env("STRATA_NPROC_TEST_TAG", "term")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    ranks_of(4, "term");
+    wait_for_checkpoint(dir);
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(143), "{said}");
+    let latest = std::fs::read_to_string(dir.join("ck/latest")).unwrap();
+    let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+    let stopped = summary(&out);
+    assert_eq!(stopped["last_step"], step, "{said}");
+    // Resumed for two more steps: the bits of four threads run straight.
+    let resumed = strata(dir)
+        .args([
+            "train",
+            "--nproc",
+            "4",
+            "--resume",
+            "ck",
+            "--stop-after",
+            &(step + 2).to_string(),
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let after = losses(&resumed);
+    config(dir, 4, 100_000, 2);
+    let straight = losses(
+        &strata(dir)
+            .args([
+                "train",
+                "--config",
+                "r4.toml",
+                "--stop-after",
+                &(step + 2).to_string(),
+                "--json",
+            ])
+            .output()
+            .unwrap(),
+    );
+    let before: Vec<f64> = stopped["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!([before, after].concat(), straight);
+}
+
+#[test]
+fn torchrun_ranks_train_the_bits_of_threads() {
+    let found = Command::new("torchrun").arg("--help").output();
+    if !found.is_ok_and(|out| out.status.success()) {
+        if std::env::var_os("STRATA_REQUIRE_TORCHRUN").is_some_and(|v| v == "1") {
+            panic!("STRATA_REQUIRE_TORCHRUN=1 and no torchrun on PATH (pip install torch)");
+        }
+        eprintln!("skipped: no torchrun on PATH (pip install torch)");
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 2, 6, 100);
+    let threads = losses(
+        &strata(dir)
+            .args(["train", "--config", "r2.toml", "--json"])
+            .output()
+            .unwrap(),
+    );
+    // Through torchrun's agent store, as torchrun runs by default.
+    let out = Command::new("torchrun")
+        .args(["--standalone", "--nproc-per-node", "2", "--no-python"])
+        .arg(env!("CARGO_BIN_EXE_strata"))
+        .args(["train", "--config", "r2.toml", "--json"])
+        .env("STRATA_LOG", "warn")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert_eq!(losses(&out), threads, "torchrun's two processes");
+}
