@@ -596,6 +596,14 @@ fn mesh(
 }
 
 /// The number a header gives each operation (a receive matches a send).
+/// The header a rank sends its other peers when one of its peers went
+/// away (a closed socket), naming that rank: they name it too instead of
+/// this rank, whose own sockets close next.
+const OP_LOST: u64 = 0xdead;
+/// How long a rank that lost a peer goes on sending the messages under
+/// way to the others, so that its word of the loss lands between messages.
+const LOST_DRAIN: Duration = Duration::from_secs(1);
+
 fn op_code(op: &str) -> u64 {
     match op {
         "all_gather" => 1,
@@ -631,11 +639,15 @@ struct Flow {
     in_len: usize,
     /// The header the peer's message must carry: operation, number, bytes.
     expect: [u64; 3],
+    /// The peer's socket refused the rest of this rank's message.
+    send_cut: bool,
+    /// The peer's socket closed: nothing more comes from it.
+    dead: bool,
 }
 
 impl Flow {
     fn pending(&self) -> bool {
-        self.out_at < self.out_len || self.in_at < self.in_len
+        !self.dead && ((self.out_at < self.out_len && !self.send_cut) || self.in_at < self.in_len)
     }
 }
 
@@ -668,8 +680,8 @@ impl TcpLinks {
         }
     }
 
-    /// Moves what each flow can move now, without blocking.
-    fn advance(
+    /// Receives what the flow's socket holds now, without blocking.
+    fn receive_some(
         op: &'static str,
         bytes: usize,
         flow: &mut Flow,
@@ -677,35 +689,23 @@ impl TcpLinks {
         stream: &mut TcpStream,
     ) -> Result<()> {
         let peer = transfer.peer;
-        let closed = || CommError::Closed {
-            op,
-            bytes: bytes as u64,
-            rank: peer,
-        };
-        while flow.out_at < flow.out_len {
-            let chunk = match flow.out_at < HEADER {
-                true => &flow.out_head[flow.out_at..],
-                false => &transfer.send[flow.out_at - HEADER..],
-            };
-            match stream.write(chunk) {
-                Ok(0) => return Err(closed()),
-                Ok(n) => flow.out_at += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(TcpLinks::failed(op, bytes, peer, e)),
-            }
-        }
         while flow.in_at < flow.in_len {
             let room = match flow.in_at < HEADER {
                 true => &mut flow.in_head[flow.in_at..],
                 false => &mut transfer.recv[flow.in_at - HEADER..],
             };
             match stream.read(room) {
-                Ok(0) => return Err(closed()),
+                Ok(0) => {
+                    return Err(CommError::Closed {
+                        op,
+                        bytes: bytes as u64,
+                        rank: peer,
+                    });
+                }
                 Ok(n) => {
                     flow.in_at += n;
                     if flow.in_at == HEADER {
-                        TcpLinks::check(op, peer, flow)?;
+                        TcpLinks::check(op, bytes, peer, flow)?;
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -716,8 +716,118 @@ impl TcpLinks {
         Ok(())
     }
 
-    /// `Disagree` unless the header received is the one expected.
-    fn check(op: &'static str, peer: usize, flow: &Flow) -> Result<()> {
+    /// Sends what the flow's socket takes now, without blocking.
+    fn send_some(
+        op: &'static str,
+        bytes: usize,
+        flow: &mut Flow,
+        transfer: &Transfer<'_>,
+        stream: &mut TcpStream,
+    ) -> Result<()> {
+        let peer = transfer.peer;
+        while flow.out_at < flow.out_len {
+            let chunk = match flow.out_at < HEADER {
+                true => &flow.out_head[flow.out_at..],
+                false => &transfer.send[flow.out_at - HEADER..],
+            };
+            match stream.write(chunk) {
+                Ok(0) => {
+                    return Err(CommError::Closed {
+                        op,
+                        bytes: bytes as u64,
+                        rank: peer,
+                    });
+                }
+                Ok(n) => flow.out_at += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(TcpLinks::failed(op, bytes, peer, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The rank that went away first, where `closed`'s socket closed: a
+    /// peer that saw another go says so ([`OP_LOST`]) before its own
+    /// sockets close, and its word may wait unread at a message boundary.
+    fn origin(
+        closed: usize,
+        links: &[Option<Link>],
+        flows: &[Flow],
+        transfers: &[Transfer<'_>],
+    ) -> usize {
+        let mut head = [0u8; HEADER];
+        for (peer, link) in links.iter().enumerate() {
+            let Some(link) = link else { continue };
+            let mid_message = flows
+                .iter()
+                .zip(transfers)
+                .any(|(f, t)| t.peer == peer && f.in_at > 0 && f.in_at < f.in_len);
+            if mid_message || link.stream.peek(&mut head).ok() != Some(HEADER) {
+                continue;
+            }
+            let word = |i: usize| {
+                u64::from_le_bytes(head[i * 8..(i + 1) * 8].try_into().expect("8 bytes"))
+            };
+            if word(0) == (u64::from(MAGIC) << 32 | OP_LOST) {
+                return word(1) as usize;
+            }
+        }
+        closed
+    }
+
+    /// Tells every peer but `gone` that `gone` went away ([`OP_LOST`]),
+    /// so that they name it rather than this rank, whose sockets close
+    /// next. A message under way to a peer is finished first (for up to
+    /// [`LOST_DRAIN`]), so the word lands between messages; a peer it
+    /// cannot reach so only sees this rank's socket close.
+    fn tell_lost(
+        op: &'static str,
+        bytes: usize,
+        gone: usize,
+        links: &mut [Option<Link>],
+        flows: &mut [Flow],
+        transfers: &[Transfer<'_>],
+    ) {
+        let until = Instant::now() + LOST_DRAIN;
+        let mut cut: Vec<usize> = Vec::new();
+        loop {
+            let mut under_way = false;
+            for (flow, transfer) in flows.iter_mut().zip(transfers) {
+                let peer = transfer.peer;
+                if peer == gone || cut.contains(&peer) || flow.send_cut || flow.out_at == 0 {
+                    continue;
+                }
+                let link = links[peer].as_mut().expect("a socket to every peer");
+                match TcpLinks::send_some(op, bytes, flow, transfer, &mut link.stream) {
+                    Ok(()) => under_way |= flow.out_at < flow.out_len,
+                    Err(_) => cut.push(peer),
+                }
+            }
+            if !under_way || Instant::now() >= until {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for (flow, transfer) in flows.iter().zip(transfers) {
+            if flow.send_cut || (flow.out_at > 0 && flow.out_at < flow.out_len) {
+                cut.push(transfer.peer);
+            }
+        }
+        for (peer, link) in links.iter_mut().enumerate() {
+            let Some(link) = link.as_mut().filter(|_| peer != gone) else {
+                continue;
+            };
+            if !cut.contains(&peer) {
+                let _ = link.stream.write(&header(OP_LOST, gone as u64, 0));
+            }
+            let _ = link.stream.shutdown(std::net::Shutdown::Write);
+        }
+    }
+
+    /// `Disagree` unless the header received is the one expected (or
+    /// `Closed` naming the rank a peer lost).
+    fn check(op: &'static str, bytes: usize, peer: usize, flow: &Flow) -> Result<()> {
         let word = |i: usize| {
             u64::from_le_bytes(
                 flow.in_head[i * 8..(i + 1) * 8]
@@ -726,6 +836,13 @@ impl TcpLinks {
             )
         };
         let (first, number, len) = (word(0), word(1), word(2));
+        if first == (u64::from(MAGIC) << 32 | OP_LOST) {
+            return Err(CommError::Closed {
+                op,
+                bytes: bytes as u64,
+                rank: number as usize,
+            });
+        }
         let [code, want_number, want_len] = flow.expect;
         if first == (u64::from(MAGIC) << 32 | code) && number == want_number && len == want_len {
             return Ok(());
@@ -780,6 +897,8 @@ impl Transport for TcpLinks {
                 in_at: 0,
                 in_len: if recv > 0 { HEADER + recv } else { 0 },
                 expect: [code, link.received, recv as u64],
+                send_cut: false,
+                dead: false,
             };
             link.sent += u64::from(send > 0);
             link.received += u64::from(recv > 0);
@@ -790,21 +909,55 @@ impl Transport for TcpLinks {
         }
         let started = Instant::now();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(flows.len());
+        // The first peer whose socket closed, and a rank a peer said went
+        // away: once one closed, the messages between the others are
+        // finished (for up to LOST_DRAIN), so that word of the first to go
+        // can arrive and be passed on.
+        let (mut closed, mut lost, mut drain_until) = (None, None, None);
         let outcome = loop {
-            let mut moved = Ok(());
+            let mut failed = None;
             for (flow, transfer) in flows.iter_mut().zip(transfers.iter_mut()) {
-                let link = links[transfer.peer]
-                    .as_mut()
-                    .expect("a socket to every peer");
-                moved = TcpLinks::advance(op, bytes, flow, transfer, &mut link.stream);
-                if moved.is_err() {
-                    break;
+                if flow.dead {
+                    continue;
+                }
+                let peer = transfer.peer;
+                let stream = &mut links[peer].as_mut().expect("a socket to every peer").stream;
+                if !flow.send_cut {
+                    match TcpLinks::send_some(op, bytes, flow, transfer, stream) {
+                        Ok(()) => {}
+                        Err(CommError::Closed { .. }) => {
+                            flow.send_cut = true;
+                            closed.get_or_insert(peer);
+                        }
+                        Err(e) => failed = failed.or(Some(e)),
+                    }
+                }
+                match TcpLinks::receive_some(op, bytes, flow, transfer, stream) {
+                    Ok(()) => {}
+                    Err(CommError::Closed { rank, .. }) => {
+                        flow.dead = true;
+                        match rank == peer {
+                            true => closed.get_or_insert(peer),
+                            false => lost.get_or_insert(rank),
+                        };
+                    }
+                    Err(e) => failed = failed.or(Some(e)),
                 }
             }
-            if moved.is_err() {
-                break moved;
+            if let Some(e) = failed {
+                break Err(e);
             }
-            if !flows.iter().any(Flow::pending) {
+            let pending = flows.iter().any(Flow::pending);
+            if let Some(rank) = lost.or(closed) {
+                let until = *drain_until.get_or_insert_with(|| Instant::now() + LOST_DRAIN);
+                if lost.is_some() || !pending || Instant::now() >= until {
+                    break Err(CommError::Closed {
+                        op,
+                        bytes: bytes as u64,
+                        rank,
+                    });
+                }
+            } else if !pending {
                 break Ok(());
             }
             let waited = started.elapsed();
@@ -832,7 +985,7 @@ impl Transport for TcpLinks {
                 }
                 let stream = &links[transfer.peer].as_ref().expect("a socket").stream;
                 let mut events = 0;
-                if flow.out_at < flow.out_len {
+                if flow.out_at < flow.out_len && !flow.send_cut {
                     events |= libc::POLLOUT;
                 }
                 if flow.in_at < flow.in_len {
@@ -849,6 +1002,18 @@ impl Transport for TcpLinks {
             // interrupted or failed poll only ends this wait early, and
             // the loop looks at every socket again.
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, POLL_MS) };
+        };
+        let outcome = match outcome {
+            Err(CommError::Closed { op, bytes, rank }) => {
+                let gone = TcpLinks::origin(rank, &links, &flows, transfers);
+                TcpLinks::tell_lost(op, bytes as usize, gone, &mut links, &mut flows, transfers);
+                Err(CommError::Closed {
+                    op,
+                    bytes,
+                    rank: gone,
+                })
+            }
+            other => other,
         };
         if outcome.is_err() {
             // The streams are out of step: the group cannot go on.

@@ -125,22 +125,17 @@ fn a_peer_that_goes_away_is_named_at_once() {
         let got = group.all_reduce(ViewMut::host_slice(&mut values));
         Some((got.map(|_| ()), started.elapsed()))
     });
-    let mut named = Vec::new();
     for (rank, result) in results.into_iter().take(2).enumerate() {
         let (got, took) = result.unwrap();
+        // At first hand, or from the survivor that saw it first (which
+        // tells the others before its own sockets close).
         match got {
-            // A survivor may hear it second-hand: the other survivor gave
-            // up first and closed its own sockets.
-            Err(CommError::Closed { rank: gone, op, .. }) if gone != rank => {
-                assert_eq!(op, "all_reduce");
-                named.push(gone);
-            }
+            Err(CommError::Closed { rank: 2, op, .. }) => assert_eq!(op, "all_reduce"),
             other => panic!("rank {rank}: {other:?}"),
         }
         // Far inside the 30 s timeout.
         assert!(took < Duration::from_secs(5), "rank {rank}: {took:?}");
     }
-    assert!(named.contains(&2), "{named:?}");
 }
 
 #[test]

@@ -180,6 +180,16 @@ pub enum TrainError {
     /// A collective failed (a rank left, a limit).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A collective of a run's step failed: which step, in which group.
+    #[error("step {step}, {group} group: {cause}")]
+    StepComm {
+        /// The step (from 1) that was running.
+        step: u64,
+        /// The group the collective was of.
+        group: &'static str,
+        /// What failed.
+        cause: CommError,
+    },
     /// The device failed.
     #[error(transparent)]
     Device(#[from] DeviceError),
@@ -225,8 +235,8 @@ impl TrainError {
     /// one), or a group given up after that.
     pub fn is_peer_left(&self) -> bool {
         matches!(
-            self,
-            TrainError::Comm(
+            self.comm(),
+            Some(
                 CommError::PeerLeft { .. }
                     | CommError::Closed { .. }
                     | CommError::Timeout { .. }
@@ -235,13 +245,33 @@ impl TrainError {
         )
     }
 
+    /// The collective's error, where this is one.
+    fn comm(&self) -> Option<&CommError> {
+        match self {
+            TrainError::Comm(cause) | TrainError::StepComm { cause, .. } => Some(cause),
+            _ => None,
+        }
+    }
+
+    /// This error as one of step `step`: a collective's names the step
+    /// and its group (a run's collectives are all of its data-parallel
+    /// group).
+    pub(crate) fn in_step(self, step: u64) -> TrainError {
+        match self {
+            TrainError::Comm(cause) => TrainError::StepComm {
+                step,
+                group: "data-parallel",
+                cause,
+            },
+            other => other,
+        }
+    }
+
     /// Whether this is a wait cancelled by an abort (see
     /// [`crate::StopRequest::abort`]), or a peer leaving because of one.
     pub fn is_cancelled(&self) -> bool {
-        matches!(
-            self,
-            TrainError::Runtime(RuntimeError::Cancelled) | TrainError::Comm(CommError::Cancelled)
-        )
+        matches!(self, TrainError::Runtime(RuntimeError::Cancelled))
+            || matches!(self.comm(), Some(CommError::Cancelled))
     }
 }
 

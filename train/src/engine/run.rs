@@ -768,11 +768,13 @@ fn rank_main(
         let step = engine.steps_done() + 1;
         data.step_tokens(step, &mut tokens);
         let started = Instant::now();
-        let mut report = engine.step(&tokens)?;
+        let mut report = engine.step(&tokens).map_err(|e| e.in_step(step))?;
         if let Some(eval) = eval.filter(|_| config.eval.due(step, stop)) {
             // Every rank evaluates its slice with the parameters where
             // they train; the passes are spans of the trace.
-            let result = engine.evaluate(eval, Some(config.eval.windows), &|_| {})?;
+            let result = engine
+                .evaluate(eval, Some(config.eval.windows), &|_| {})
+                .map_err(|e| e.in_step(step))?;
             report.eval_loss = Some(result.loss);
         }
         if !reports.is_empty() || stop == engine.steps_done() {
@@ -781,7 +783,10 @@ fn rank_main(
         }
         // Every rank stops at the same boundary: the first to see the
         // request tells the others.
-        if engine.any_rank(request.requested().is_some())? {
+        if engine
+            .any_rank(request.requested().is_some())
+            .map_err(|e| e.in_step(step))?
+        {
             stopped_by = Some(request.requested().unwrap_or(STOPPED_BY_PEER));
         }
         let mut checkpoint_s = None;
@@ -790,7 +795,9 @@ fn rank_main(
             let last = step == stop || stopped_by.is_some();
             if due || last {
                 let started = Instant::now();
-                let saved = engine.try_save_checkpoint(dir, Some(&data.position()))?;
+                let saved = engine
+                    .try_save_checkpoint(dir, Some(&data.position()))
+                    .map_err(|e| e.in_step(step))?;
                 checkpoint_s = Some(started.elapsed().as_secs_f64());
                 match saved {
                     Ok(path) => checkpoints.push(path),
