@@ -332,6 +332,63 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
     assert_eq!([before, after].concat(), straight);
 }
 
+/// A process's `Cpus_allowed_list`.
+fn cpus_of(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+#[test]
+fn each_local_rank_is_bound_to_its_own_cores() {
+    let cores = strata_optim::topology::CpuTopology::detect().core_count();
+    if cores < 2 {
+        eprintln!("skipped: {cores} core(s), no two shares to give");
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 1, 100_000, 0);
+    let child = strata(dir)
+        .args(["train", "--nproc", "2", "--config", "r1.toml"])
+        .env("STRATA_NPROC_TEST_TAG", "bind")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = ranks_of(2, "bind");
+    // Bound before the engine starts: wait for the first step's line.
+    let started = Instant::now();
+    let shares = loop {
+        let shares: Vec<String> = ranks.iter().map(|&(_, pid)| cpus_of(pid)).collect();
+        if shares[0] != shares[1] || started.elapsed() > Duration::from_secs(30) {
+            break shares;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    assert_ne!(shares[0], shares[1], "two local ranks on the same CPUs");
+    let parse = |list: &str| -> Vec<usize> {
+        list.split(',')
+            .flat_map(|part| match part.split_once('-') {
+                Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<_>>(),
+                None => vec![part.parse().unwrap()],
+            })
+            .collect()
+    };
+    let (a, b) = (parse(&shares[0]), parse(&shares[1]));
+    assert!(a.iter().all(|cpu| !b.contains(cpu)), "{shares:?}");
+}
+
 #[test]
 fn torchrun_ranks_train_the_bits_of_threads() {
     let found = Command::new("torchrun").arg("--help").output();

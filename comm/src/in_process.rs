@@ -339,6 +339,10 @@ impl Collective for InProcess {
         self.rank
     }
 
+    fn ranks_in_process(&self) -> usize {
+        self.shared.gate.world
+    }
+
     fn world(&self) -> usize {
         self.shared.slots.len()
     }

@@ -57,6 +57,11 @@ pub trait Collective: Send + Sync {
     fn rank(&self) -> usize;
     /// Ranks in the group.
     fn world(&self) -> usize;
+    /// Ranks of the group in this process (they share its cores): all of
+    /// them for ranks as threads, this one alone for ranks as processes.
+    fn ranks_in_process(&self) -> usize {
+        1
+    }
     /// Every rank's `shard` (all the same length), concatenated in rank
     /// order into `out` (`world() * shard.len()` elements).
     fn all_gather(&self, shard: View<'_>, out: ViewMut<'_>) -> Result<Fence>;

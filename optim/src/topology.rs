@@ -37,6 +37,17 @@ impl CpuTopology {
         self.cores.len()
     }
 
+    /// The CPUs of local rank `index`'s share when `of` ranks divide this
+    /// machine's cores: a run of `cores / of` whole cores (SMT siblings
+    /// included), in the topology's order (hwloc's keeps a run within a
+    /// package and NUMA node where the count allows); `None` when there
+    /// are fewer cores than ranks.
+    pub fn share(&self, index: usize, of: usize) -> Option<Vec<usize>> {
+        assert!(index < of, "local rank {index} of {of}");
+        let per = self.cores.len() / of;
+        (per > 0).then(|| self.cores[index * per..(index + 1) * per].concat())
+    }
+
     /// The CPU for the `index`th pool thread: the first CPU of each core in
     /// turn, then the cores' SMT siblings, then around again.
     pub fn cpu_for_thread(&self, index: usize) -> usize {
@@ -137,6 +148,54 @@ pub fn pin_current_thread(cpu: usize) -> io::Result<()> {
     }
 }
 
+/// Binds every thread of this process, and every thread it starts later,
+/// to `cpus` (its share of the machine, as a launcher's core binding does).
+pub fn bind_process(cpus: &[usize]) -> io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: all-zero is a valid empty cpu_set_t.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &cpu in cpus {
+            if cpu >= libc::CPU_SETSIZE as usize {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("CPU {cpu} is beyond CPU_SETSIZE"),
+                ));
+            }
+            // SAFETY: `cpu` < CPU_SETSIZE (checked above), so the bit is inside the set.
+            unsafe { libc::CPU_SET(cpu, &mut set) };
+        }
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // Each thread's own mask: the threads already running (a pool a
+        // tokenizer started), then this one, which those it starts inherit.
+        for task in std::fs::read_dir("/proc/self/task")?.flatten() {
+            let Ok(tid) = task.file_name().to_string_lossy().parse::<libc::pid_t>() else {
+                continue;
+            };
+            // SAFETY: `set` is a live cpu_set_t of `size` bytes; `tid` is a
+            // thread of this process (one that ended since is ESRCH).
+            let rc = unsafe { libc::sched_setaffinity(tid, size, &set) };
+            let error = io::Error::last_os_error();
+            if rc != 0 && error.raw_os_error() != Some(libc::ESRCH) {
+                return Err(error);
+            }
+        }
+        // SAFETY: as above; 0 is the calling thread.
+        if unsafe { libc::sched_setaffinity(0, size, &set) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = cpus;
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "binding to cores is implemented for Linux only",
+        ))
+    }
+}
+
 /// Groups the allowed CPUs by (package, core) from
 /// /sys/devices/system/cpu/cpuN/topology.
 fn from_sysfs(allowed: &[usize]) -> Option<CpuTopology> {
@@ -199,6 +258,28 @@ mod tests {
         };
         let cpus: Vec<usize> = (0..7).map(|i| topology.cpu_for_thread(i)).collect();
         assert_eq!(cpus, [0, 1, 2, 4, 5, 0, 1]);
+    }
+
+    #[test]
+    fn each_local_rank_gets_its_own_run_of_whole_cores() {
+        let topology = CpuTopology {
+            cores: vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7], vec![8]],
+            source: "test",
+        };
+        assert_eq!(topology.share(0, 2), Some(vec![0, 4, 1, 5]));
+        assert_eq!(topology.share(1, 2), Some(vec![2, 6, 3, 7]));
+        assert_eq!(topology.share(4, 5), Some(vec![8]));
+        assert_eq!(topology.share(0, 6), None);
+        // Disjoint for every count that fits.
+        for of in 1..=5 {
+            let mut all: Vec<usize> = (0..of)
+                .flat_map(|i| topology.share(i, of).unwrap())
+                .collect();
+            let n = all.len();
+            all.sort_unstable();
+            all.dedup();
+            assert_eq!(all.len(), n, "{of} ranks");
+        }
     }
 
     #[test]

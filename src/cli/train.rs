@@ -1148,6 +1148,7 @@ fn open_process_rank(
             collective: Box::new(group),
             cancel,
             local_world: launch.local_world,
+            local_rank: launch.local_rank,
         },
         world: World::Tcp(world),
     })
@@ -1180,6 +1181,7 @@ fn open_mpi_rank(
             collective: Box::new(group),
             cancel,
             local_world: launch.local_world,
+            local_rank: launch.local_rank,
         },
         world: World::Mpi(world),
     })

@@ -267,7 +267,10 @@ impl Engine {
         // Before the runtime: its threads commit the pinned pool they update.
         let pool = match config.placement.optimizer {
             Placement::Device => None,
-            _ => Some(optimizer_pool(config.optim.threads, world)?),
+            _ => Some(optimizer_pool(
+                config.optim.threads,
+                collective.ranks_in_process(),
+            )?),
         };
         let spread = pool.as_ref().map(PoolSpread);
         let spread = spread.as_ref().map(|s| s as &dyn strata_runtime::Spread);

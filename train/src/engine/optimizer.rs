@@ -52,7 +52,8 @@ pub(super) struct Update {
 /// The optimizer's threads for one rank: `threads` (0: the physical cores
 /// this process may use, less two for the kernel-launch thread and the
 /// movers, shared among `ranks` in-process ranks; at least one). Pinned to
-/// cores only with one rank (ranks' pools would share the same cores).
+/// cores (of the process's share) only with one rank in the process
+/// (ranks' pools would share the same cores).
 pub(super) fn optimizer_pool(threads: u32, ranks: usize) -> Result<Pool> {
     let threads = match threads {
         0 => default_threads(

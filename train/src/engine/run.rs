@@ -147,12 +147,16 @@ pub struct ProcessRank {
     /// The job's processes on this machine, among which `host.budget` and
     /// `nvme.capacity` (per machine) are divided.
     pub local_world: usize,
+    /// This process's place among them (which share of the cores it is
+    /// bound to).
+    pub local_rank: usize,
 }
 
 /// Runs this process's rank of `config` (`train.ranks` 1 or the job's
 /// processes): `host.budget` and `nvme.capacity` divided among the
-/// machine's processes, and with `optim.threads = 0` the cores too (those
-/// of the process's own share where the launcher bound it to one), swap files under each `nvme.dirs` entry's
+/// machine's processes, the process bound to its own run of the machine's
+/// cores (unless the launcher bound it), with `optim.threads = 0` the
+/// optimizer's threads sized to that share and pinned within it, swap files under each `nvme.dirs` entry's
 /// `rank{N}` (each rank locking its own), the checkpoint directory locked
 /// by rank 0, whose `progress` hears of every step and who alone returns
 /// the summary.
@@ -181,13 +185,39 @@ pub fn run_process(
     if let Some(nvme) = config.nvme.as_mut() {
         nvme.capacity.0 /= local;
     }
+    // Each of the machine's ranks on its own run of whole cores, as a
+    // launcher's core binding does (unless one bound it already, as
+    // mpirun does), its optimizer threads pinned within it.
+    use strata_optim::topology::{CpuTopology, bind_process, bound_to_a_share};
+    let bound = bound_to_a_share();
+    if !bound && local > 1 {
+        match CpuTopology::detect().share(rank.local_rank, local as usize) {
+            Some(cpus) => {
+                bind_process(&cpus).map_err(|err| {
+                    crate::error::os(
+                        format!(
+                            "bind local rank {} of {local} to CPUs {cpus:?}",
+                            rank.local_rank
+                        ),
+                        err,
+                        "run with fewer processes per machine, or bind them yourself (taskset, mpirun --bind-to core)",
+                    )
+                })?;
+                tracing::info!(
+                    "local rank {} of {local}: bound to CPUs {cpus:?}",
+                    rank.local_rank
+                );
+            }
+            None => tracing::warn!(
+                "{local} ranks on this machine and fewer cores than that: the ranks share the cores"
+            ),
+        }
+    }
     if config.optim.threads == 0 {
-        // The engine divides the cores by the job's world, which is this
-        // machine's ranks only when they are threads. A process divides
-        // the cores it may use among its machine's processes, unless the
-        // launcher bound it to a share of its own (mpirun binds to cores).
-        use strata_optim::topology::{CpuTopology, bound_to_a_share};
-        let sharing = if bound_to_a_share() {
+        // The engine divides the cores by its in-process ranks; a process
+        // divides those it may use among its machine's processes, unless
+        // it is bound to a share of its own (here or by its launcher).
+        let sharing = if bound || bound_to_a_share() {
             1
         } else {
             local as usize
