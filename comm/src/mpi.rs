@@ -310,11 +310,23 @@ pub struct Comparison {
 
 impl Mpi {
     /// Measures [`Comparison`] on a full buffer of `full_elems` f32 (a
-    /// multiple of the world), `rounds` times; every rank calls it
-    /// together.
-    pub fn compare_with_mpi(&self, full_elems: usize, rounds: usize) -> Result<Comparison> {
+    /// multiple of the world), `rounds` times, for this group or `ours`
+    /// (another backend's member of the same ranks, in the same order);
+    /// every rank calls it together.
+    pub fn compare_with_mpi(
+        &self,
+        ours: Option<&dyn Collective>,
+        full_elems: usize,
+        rounds: usize,
+    ) -> Result<Comparison> {
         use mpi::collective::{CommunicatorCollectives, SystemOperation};
+        let ours: &dyn Collective = ours.unwrap_or(self);
         let (rank, world) = (self.rank(), self.world());
+        assert_eq!(
+            (ours.rank(), ours.world()),
+            (rank, world),
+            "the same ranks in the same order"
+        );
         assert!(
             full_elems.is_multiple_of(world) && rounds > 0,
             "a full buffer of whole shards, and a round"
@@ -333,7 +345,7 @@ impl Mpi {
         };
         for _ in 0..rounds {
             let t = timed(&mut || {
-                self.all_gather(View::host_slice(&shard), ViewMut::host_slice(&mut full))?
+                ours.all_gather(View::host_slice(&shard), ViewMut::host_slice(&mut full))?
                     .wait()?;
                 Ok(())
             })?;
@@ -344,7 +356,7 @@ impl Mpi {
             })?;
             times[0][1].push(t);
             let t = timed(&mut || {
-                self.reduce_scatter(View::host_slice(&full), ViewMut::host_slice(&mut part))?
+                ours.reduce_scatter(View::host_slice(&full), ViewMut::host_slice(&mut part))?
                     .wait()?;
                 Ok(())
             })?;

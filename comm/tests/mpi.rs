@@ -110,7 +110,7 @@ fn launched(mode: &str) {
         }
         "bench" => {
             let group = world.group(ELEMS_MAX, Duration::from_secs(60));
-            let c = group.compare_with_mpi(2 * 1024, 3).unwrap();
+            let c = group.compare_with_mpi(None, 2 * 1024, 3).unwrap();
             let times = [c.all_gather_s, c.reduce_scatter_s];
             assert!(
                 times.iter().flatten().all(|t| t.is_finite() && *t > 0.0),
