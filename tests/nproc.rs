@@ -332,6 +332,70 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
     assert_eq!([before, after].concat(), straight);
 }
 
+#[test]
+fn a_rank_killed_while_checkpoints_are_written_leaves_the_last_one_whole() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    // A checkpoint every step, so that a kill lands in one often: rank 0
+    // or rank 1 killed at a different moment of the checkpoint cycle each
+    // time (the single-process crash model of `checkpoint::publish` takes
+    // every operation in turn; this takes the processes).
+    config(dir, 1, 100_000, 1);
+    for (round, (victim, delay_ms)) in [(1, 0), (0, 13), (1, 29), (0, 41), (1, 57), (0, 71)]
+        .into_iter()
+        .enumerate()
+    {
+        let _ = std::fs::remove_dir_all(dir.join("ck"));
+        let tag = format!("crash{round}");
+        let child = strata(dir)
+            .args([
+                "train",
+                "--nproc",
+                "2",
+                "--config",
+                "r1.toml",
+                "--checkpoint-dir",
+                "ck",
+            ])
+            .env("STRATA_NPROC_TEST_TAG", &tag)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let ranks = ranks_of(2, &tag);
+        wait_for_checkpoint(dir);
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        Command::new("kill")
+            .args(["-KILL", &ranks[victim].1.to_string()])
+            .status()
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(!out.status.success(), "round {round}: {}", text(&out));
+        let verify = strata(dir)
+            .args(["checkpoint", "verify", "ck"])
+            .output()
+            .unwrap();
+        assert!(verify.status.success(), "round {round}: {}", text(&verify));
+        // And it resumes (a step past it), as a restarted job would.
+        let latest = std::fs::read_to_string(dir.join("ck/latest")).unwrap();
+        let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
+        let resumed = strata(dir)
+            .args([
+                "train",
+                "--nproc",
+                "2",
+                "--resume",
+                "ck",
+                "--stop-after",
+                &(step + 1).to_string(),
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(losses(&resumed).len(), 1, "round {round}");
+    }
+}
+
 /// A process's `Cpus_allowed_list`.
 fn cpus_of(pid: u32) -> String {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
