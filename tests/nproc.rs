@@ -396,6 +396,87 @@ fn a_rank_killed_while_checkpoints_are_written_leaves_the_last_one_whole() {
     }
 }
 
+/// The largest relative difference between two loss curves of one length.
+fn worst(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) / x).abs())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn a_checkpoint_resumes_at_another_number_of_ranks_with_the_global_batch_held() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 2, 20, 100);
+    // Four ranks of half the micro-batch: the same global batch of 8.
+    let four = std::fs::read_to_string(dir.join("r2.toml"))
+        .unwrap()
+        .replace("ranks = 2", "ranks = 4")
+        .replace("micro_batch = 4", "micro_batch = 2");
+    std::fs::write(dir.join("r4.toml"), four).unwrap();
+    let run = |args: &[&str]| {
+        losses(
+            &strata(dir)
+                .args(["train", "--json"])
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    };
+    for (from, to, processes) in [("r2.toml", "r4.toml", true), ("r4.toml", "r2.toml", false)] {
+        let _ = std::fs::remove_dir_all(dir.join("ck"));
+        let straight = run(&["--config", from]);
+        let mut resumed = run(&[
+            "--config",
+            from,
+            "--checkpoint-dir",
+            "ck",
+            "--stop-after",
+            "10",
+        ]);
+        let mut rest = vec!["--config", to, "--resume", "ck"];
+        if processes {
+            rest.extend(["--nproc", "4"]);
+        }
+        resumed.extend(run(&rest));
+        let worst = worst(&straight, &resumed);
+        eprintln!("{from} resumed at {to}: worst relative loss difference {worst:.2e}");
+        assert!(worst < 1e-5, "{from} -> {to}: {worst}");
+    }
+    // A global batch that changes is refused, naming it.
+    let _ = std::fs::remove_dir_all(dir.join("ck"));
+    run(&[
+        "--config",
+        "r2.toml",
+        "--checkpoint-dir",
+        "ck",
+        "--stop-after",
+        "2",
+    ]);
+    let out = strata(dir)
+        .args([
+            "train",
+            "--config",
+            "r2.toml",
+            "--resume",
+            "ck",
+            "--micro-batch",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("the global batch")
+            && said.contains("2 x 4 x 1 = 8")
+            && said.contains("2 x 2 x 1 = 4"),
+        "{said}"
+    );
+}
+
 /// A process's `Cpus_allowed_list`.
 fn cpus_of(pid: u32) -> String {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

@@ -255,12 +255,31 @@ impl Engine {
             };
             return Err(mismatch("[model]", show(&a), show(&b)));
         }
+        // Another number of ranks only with the global batch held, which
+        // the checkpoint's place in the data tells (sequences per step).
         if meta.ranks != world {
-            return Err(mismatch(
-                "train.ranks",
-                meta.ranks.to_string(),
-                world.to_string(),
-            ));
+            let t = &config.train;
+            let global = (world * t.micro_batch * t.grad_accumulation) as u64;
+            let held = match &meta.data {
+                Some(data) if meta.step > 0 => Some(data.samples / meta.step),
+                _ => None,
+            };
+            if meta.ranks == 0 || held != Some(global) {
+                return Err(TrainError::Checkpoint {
+                    path: checkpoint.dir.clone(),
+                    problem: format!(
+                        "it was written by {} ranks, {}, and this run has {world} ranks of {} x {} sequences a step ({global})",
+                        meta.ranks,
+                        match held {
+                            Some(held) => format!("{held} sequences a step"),
+                            None => "with no record of its sequences a step".into(),
+                        },
+                        t.micro_batch,
+                        t.grad_accumulation
+                    ),
+                    fix: "resume at another number of ranks with the global batch (train.ranks x train.micro_batch x train.grad_accumulation) held, or at its own ranks".into(),
+                });
+            }
         }
         if meta.state_dtype != config.optim.state_dtype {
             return Err(mismatch(
@@ -317,27 +336,72 @@ impl Engine {
         if meta.files.contains_key(HF_CONFIG) {
             checkpoint.read_file(HF_CONFIG)?;
         }
-        let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
-        let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|err| {
-            TrainError::Checkpoint {
-                path: path.clone(),
-                problem: format!("not a safetensors file: {err}"),
-                fix: "resume from another checkpoint".into(),
-            }
-        })?;
         let mut buffers = LoadBuffers::default();
-        for (g, group) in env.groups().iter().enumerate() {
-            let (name, n) = (&group.name, group.shard);
-            let master = read_tensor(&path, &file, &format!("{name}.master"), n)?;
-            let m = read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
-            let v = read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
-            self.moves
-                .load_group(env, g, &master, Some((&m, &v)), &mut buffers)?;
+        if meta.ranks == world {
+            let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
+            let file = open_shard(&path, &bytes)?;
+            for (g, group) in env.groups().iter().enumerate() {
+                let (name, n) = (&group.name, group.shard);
+                let master = read_tensor(&path, &file, &format!("{name}.master"), n)?;
+                let m = read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
+                let v = read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
+                self.moves
+                    .load_group(env, g, &master, Some((&m, &v)), &mut buffers)?;
+            }
+        } else {
+            // Written by another number of ranks: this rank's shard of each
+            // group is cut anew from the old ranks' shards by the elements'
+            // place in the group (its padding past the parameters zero).
+            let old = meta.ranks;
+            let mut files: Vec<Option<Vec<u8>>> = vec![None; old];
+            for (g, group) in env.groups().iter().enumerate() {
+                let (name, n) = (&group.name, group.shard);
+                let old_shard = group.params.div_ceil(old);
+                let begin = rank * n;
+                let end = (begin + n).min(group.params);
+                let mut parts = [vec![0f32; n], vec![0f32; n], vec![0f32; n]];
+                let mut at = begin;
+                while at < end {
+                    let q = at / old_shard;
+                    let upto = ((q + 1) * old_shard).min(end);
+                    let file_name = format!("optimizer-rank{q}.safetensors");
+                    if files[q].is_none() {
+                        files[q] = Some(checkpoint.read_file(&file_name)?);
+                    }
+                    let q_path = checkpoint.dir.join(&file_name);
+                    let file = open_shard(&q_path, files[q].as_ref().expect("read above"))?;
+                    for (part, state) in parts.iter_mut().zip(["master", "exp_avg", "exp_avg_sq"]) {
+                        let values =
+                            read_tensor(&q_path, &file, &format!("{name}.{state}"), old_shard)?;
+                        let from = at - q * old_shard;
+                        part[at - begin..upto - begin]
+                            .copy_from_slice(&values[from..from + (upto - at)]);
+                    }
+                    at = upto;
+                }
+                let [master, m, v] = &parts;
+                self.moves
+                    .load_group(env, g, master, Some((m, v)), &mut buffers)?;
+            }
+            if rank == 0 {
+                tracing::info!(
+                    "resumed a checkpoint of {old} ranks at {world}: each rank's shards cut anew from the old ranks'"
+                );
+            }
         }
         self.loss.restore(meta.loss_scaler)?;
         self.state.restore(meta.step, meta.optimizer_steps);
         Ok(())
     }
+}
+
+/// A rank's optimizer shard file, parsed.
+fn open_shard<'a>(path: &Path, bytes: &'a [u8]) -> Result<safetensors::SafeTensors<'a>> {
+    safetensors::SafeTensors::deserialize(bytes).map_err(|err| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        problem: format!("not a safetensors file: {err}"),
+        fix: "resume from another checkpoint".into(),
+    })
 }
 
 /// The Hugging Face files beside the weights: `config.json` (with the

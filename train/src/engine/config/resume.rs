@@ -33,6 +33,14 @@ const FREE: [&str; 16] = [
     "train.checkpoint_activations",
 ];
 
+/// Keys a resumed run may set otherwise when their product, the global
+/// batch, stays the same (another number of ranks).
+const BATCH: [&str; 3] = [
+    "train.ranks",
+    "train.micro_batch",
+    "train.grad_accumulation",
+];
+
 /// One key a resumed run sets otherwise than the run it resumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Difference {
@@ -79,11 +87,19 @@ impl TrainConfig {
                 .find(|(k, _)| k == key)
                 .map_or_else(|| "none".to_string(), |(_, v)| v.clone())
         };
-        keys.into_iter()
+        // The ranks may change with the global batch held: a checkpoint is
+        // cut anew for another number of ranks, and the data numbers a
+        // step's sequences across ranks.
+        let global = |t: &super::TrainSettings| t.ranks * t.micro_batch * t.grad_accumulation;
+        let (held, now) = (global(&saved.train), global(&self.train));
+        let mut differences: Vec<Difference> = keys
+            .into_iter()
             .filter(|key| {
-                !FREE
+                let free = FREE
                     .iter()
-                    .any(|free| key == free || key.starts_with(&format!("{free}.")))
+                    .any(|free| key == free || key.starts_with(&format!("{free}.")));
+                let batch = held == now && BATCH.contains(&key.as_str());
+                !(free || batch)
             })
             .filter_map(|key| {
                 let (a, b) = (value(&there, key), value(&here, key));
@@ -93,7 +109,25 @@ impl TrainConfig {
                     here: b,
                 })
             })
-            .collect()
+            .collect();
+        if held != now {
+            let shown = |t: &super::TrainSettings| {
+                format!(
+                    "{} x {} x {} = {}",
+                    t.ranks,
+                    t.micro_batch,
+                    t.grad_accumulation,
+                    global(t)
+                )
+            };
+            differences.push(Difference {
+                key: "the global batch (train.ranks x train.micro_batch x train.grad_accumulation)"
+                    .into(),
+                saved: shown(&saved.train),
+                here: shown(&self.train),
+            });
+        }
+        differences
     }
 }
 
@@ -137,7 +171,8 @@ mod tests {
         changed.data.path = crate::DataPaths(vec!["other.txt".into()]);
         let found = changed.resume_differences(&saved);
         let keys: Vec<&str> = found.iter().map(|d| d.key.as_str()).collect();
-        assert_eq!(keys, ["data.path", "train.lr", "train.micro_batch"]);
+        let global = "the global batch (train.ranks x train.micro_batch x train.grad_accumulation)";
+        assert_eq!(keys, ["data.path", "train.lr", "train.micro_batch", global]);
         assert_eq!(found[0].saved, "none");
         assert_eq!(found[0].here, "\"other.txt\"");
         assert_eq!(found[1].saved, "0.003");
@@ -146,6 +181,29 @@ mod tests {
             found[2].to_string(),
             "train.micro_batch = 8 in the checkpoint's run, 2 in this one"
         );
+        assert_eq!(
+            found[3].to_string(),
+            format!("{global} = 1 x 8 x 1 = 8 in the checkpoint's run, 1 x 2 x 1 = 2 in this one")
+        );
+    }
+
+    #[test]
+    fn the_ranks_may_change_with_the_global_batch_held() {
+        let saved = TrainConfig::default();
+        let mut wider = saved.clone();
+        wider.train.ranks = 4;
+        wider.train.micro_batch = 2;
+        assert_eq!(wider.resume_differences(&saved), Vec::new());
+        wider.train.grad_accumulation = 2;
+        wider.train.micro_batch = 1;
+        assert_eq!(wider.resume_differences(&saved), Vec::new());
+        wider.train.micro_batch = 2;
+        let keys: Vec<String> = wider
+            .resume_differences(&saved)
+            .into_iter()
+            .map(|d| d.key)
+            .collect();
+        assert_eq!(keys.len(), 4, "{keys:?}");
     }
 
     #[test]
