@@ -10,30 +10,13 @@
 
 #![cfg(feature = "mpi")]
 
+mod ranks;
+
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The two-rank example's model and placement, `ranks` ranks, `steps`
-/// steps, a checkpoint every `every`, collectives given up after 3 s.
-fn config(dir: &Path, ranks: usize, steps: u64, every: u64) {
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/configs/zero3-2rank.toml"),
-    )
-    .unwrap()
-    .replace("ranks = 2", &format!("ranks = {ranks}"))
-    .replace(
-        "steps = 20",
-        &format!("steps = {steps}\ncheckpoint_every = {every}"),
-    ) + "\n[comm]\ntimeout_s = 3\n";
-    std::fs::write(dir.join(format!("r{ranks}.toml")), text).unwrap();
-}
-
-fn strata(dir: &Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
-    command.env("STRATA_LOG", "warn").current_dir(dir);
-    command
-}
+use ranks::{TAG, config, losses, strata, summary, text, wait_for_checkpoint};
 
 /// mpirun of `processes` strata processes with `args`, or None (skipped)
 /// where there is no mpirun.
@@ -56,32 +39,6 @@ fn mpirun(dir: &Path, processes: usize, extra: &[&str], args: &[&str]) -> Option
         .arg(env!("CARGO_BIN_EXE_strata"))
         .args(args);
     Some(command)
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// The summary's losses (the last JSON line of rank 0's output).
-fn losses(out: &Output) -> Vec<f64> {
-    assert!(out.status.success(), "{}", text(out));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("no summary: {}", text(out)));
-    let summary: serde_json::Value = serde_json::from_str(line).unwrap();
-    summary["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect()
 }
 
 #[test]
@@ -167,48 +124,9 @@ fn processes_under_mpirun_train_the_bits_of_threads_and_resume_them() {
     );
 }
 
-/// The processes of `command` (started under mpirun) by rank, once all
-/// `processes` are up.
+/// `ranks::ranks_of` for the ranks mpirun starts.
 fn ranks_of(processes: usize, tag: &str) -> Vec<(usize, u32)> {
-    let started = Instant::now();
-    loop {
-        let mut found = Vec::new();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-                continue;
-            };
-            let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
-            let has = |prefix: &str| vars.iter().find_map(|v| v.strip_prefix(prefix.as_bytes()));
-            if has(&format!("STRATA_MPI_TEST_TAG={tag}")).is_none() {
-                continue;
-            }
-            if let Some(rank) = has("OMPI_COMM_WORLD_RANK=") {
-                let rank = String::from_utf8_lossy(rank).parse().unwrap();
-                found.push((rank, pid));
-            }
-        }
-        if found.len() == processes {
-            found.sort();
-            return found;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "{found:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Waits until the checkpoint directory publishes a step.
-fn wait_for_checkpoint(dir: &Path) {
-    let started = Instant::now();
-    while !dir.join("ck/latest").exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "no checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    ranks::ranks_of(processes, tag, "OMPI_COMM_WORLD_RANK")
 }
 
 #[test]
@@ -226,7 +144,7 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
         return;
     };
     let child = run
-        .env("STRATA_MPI_TEST_TAG", "kill")
+        .env(TAG, "kill")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -276,7 +194,7 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
     )
     .unwrap();
     let child = run
-        .env("STRATA_MPI_TEST_TAG", "term")
+        .env(TAG, "term")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -294,14 +212,7 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
     assert_eq!(out.status.code(), Some(143), "{said}");
     let latest = std::fs::read_to_string(dir.join("ck/latest")).unwrap();
     let step: u64 = latest.trim().trim_start_matches("step-").parse().unwrap();
-    let stopped: serde_json::Value = serde_json::from_str(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .rev()
-            .find(|l| l.starts_with('{'))
-            .unwrap_or_else(|| panic!("no summary:\n{said}")),
-    )
-    .unwrap();
+    let stopped = summary(&out);
     assert_eq!(stopped["last_step"], step, "{said}");
     // Resumed for two more steps: the bits of four threads run straight.
     let resumed = mpirun(

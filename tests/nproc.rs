@@ -9,59 +9,17 @@
 //! `--nproc`, refused by name; one rank's own failure, which ends every
 //! rank at once with its message.
 
+mod ranks;
+
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// The two-rank example's model and placement, `ranks` ranks, `steps`
-/// steps, a checkpoint every `every`, collectives given up after 3 s.
-fn config(dir: &Path, ranks: usize, steps: u64, every: u64) {
-    let text = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/configs/zero3-2rank.toml"),
-    )
-    .unwrap()
-    .replace("ranks = 2", &format!("ranks = {ranks}"))
-    .replace(
-        "steps = 20",
-        &format!("steps = {steps}\ncheckpoint_every = {every}"),
-    ) + "\n[comm]\ntimeout_s = 3\n";
-    std::fs::write(dir.join(format!("r{ranks}.toml")), text).unwrap();
-}
+use ranks::{TAG, config, losses, strata, summary, text, wait_for_checkpoint};
 
-fn strata(dir: &Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
-    command.env("STRATA_LOG", "warn").current_dir(dir);
-    command
-}
-
-fn text(out: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// The summary (the last JSON line of rank 0's output).
-fn summary(out: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("no summary: {}", text(out)));
-    serde_json::from_str(line).unwrap()
-}
-
-/// The summary's losses.
-fn losses(out: &Output) -> Vec<f64> {
-    assert!(out.status.success(), "{}", text(out));
-    summary(out)["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect()
+/// `ranks::ranks_of` for the ranks `--nproc` starts (torchrun's `RANK`).
+fn ranks_of(processes: usize, tag: &str) -> Vec<(usize, u32)> {
+    ranks::ranks_of(processes, tag, "RANK")
 }
 
 #[test]
@@ -148,50 +106,6 @@ fn nproc_ranks_train_the_bits_of_threads_and_resume_them() {
     );
 }
 
-/// The ranks (processes whose environment has `RANK` and the test's tag)
-/// by rank, once all `processes` are up.
-fn ranks_of(processes: usize, tag: &str) -> Vec<(usize, u32)> {
-    let started = Instant::now();
-    loop {
-        let mut found = Vec::new();
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-                continue;
-            };
-            let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-                continue;
-            };
-            let vars: Vec<&[u8]> = environ.split(|&b| b == 0).collect();
-            let has = |prefix: &str| vars.iter().find_map(|v| v.strip_prefix(prefix.as_bytes()));
-            if has(&format!("STRATA_NPROC_TEST_TAG={tag}")).is_none() {
-                continue;
-            }
-            if let Some(rank) = has("RANK=") {
-                let rank = String::from_utf8_lossy(rank).parse().unwrap();
-                found.push((rank, pid));
-            }
-        }
-        if found.len() == processes {
-            found.sort();
-            return found;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "{found:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Waits until the checkpoint directory publishes a step.
-fn wait_for_checkpoint(dir: &Path) {
-    let started = Instant::now();
-    while !dir.join("ck/latest").exists() {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "no checkpoint"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// The swap files of `rank`.
 fn swap_files(dir: &Path, rank: usize) -> Vec<String> {
     let owned = dir.join(format!("strata-train-swap/rank{rank}/strata-swap"));
@@ -219,7 +133,7 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
             "--checkpoint-dir",
             "ck",
         ])
-        .env("STRATA_NPROC_TEST_TAG", "kill")
+        .env(TAG, "kill")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -276,7 +190,7 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
             "ck",
             "--json",
         ])
-        .env("STRATA_NPROC_TEST_TAG", "term")
+        .env(TAG, "term")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -357,7 +271,7 @@ fn a_rank_killed_while_checkpoints_are_written_leaves_the_last_one_whole() {
                 "--checkpoint-dir",
                 "ck",
             ])
-            .env("STRATA_NPROC_TEST_TAG", &tag)
+            .env(TAG, &tag)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -500,7 +414,7 @@ fn each_local_rank_is_bound_to_its_own_cores() {
     config(dir, 1, 100_000, 0);
     let child = strata(dir)
         .args(["train", "--nproc", "2", "--config", "r1.toml"])
-        .env("STRATA_NPROC_TEST_TAG", "bind")
+        .env(TAG, "bind")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -2,7 +2,7 @@
 //! MPI or MPICH), for CPU ranks under `mpirun`, `srun` or any launcher MPI
 //! knows. Every operation is `crate::pairwise`'s point-to-point transfers
 //! between pairs of ranks, carried as non-blocking requests polled against
-//! the group's [`Cancel`] and a deadline: a collective never blocks on a
+//! the group's [`Cancel`](strata_device::Cancel) and a deadline: a collective never blocks on a
 //! dead peer, and the error names the ranks not heard from.
 //!
 //! [`MpiWorld::init`] initializes MPI once per process (with
@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 use mpi::request::{LocalScope, Request, scope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
-use strata_device::{Cancel, View, ViewMut};
+use strata_device::{View, ViewMut};
 
 use crate::Collective;
 use crate::error::{CommError, Result};
-use crate::pairwise::{Pairwise, Transfer, Transport};
+use crate::pairwise::{Health, Pairwise, Transfer, Transport};
 
 /// Bytes of one MPI message at most (its count is a C int); larger
 /// transfers go as several, in order.
@@ -98,8 +98,7 @@ impl MpiWorld {
         let links = MpiLinks {
             comm: Comm(SimpleCommunicator::world()),
             timeout,
-            cancel: Cancel::new(),
-            abandoned: Arc::clone(&self.abandoned),
+            health: Health::of(&self.abandoned),
         };
         Pairwise::new(links, self.rank, self.world, elems_max)
     }
@@ -134,8 +133,7 @@ pub type Mpi = Pairwise<MpiLinks>;
 pub struct MpiLinks {
     comm: Comm,
     timeout: Duration,
-    cancel: Cancel,
-    abandoned: Arc<AtomicBool>,
+    health: Health,
 }
 
 /// Whether a pending request receives (from its peer) or sends.
@@ -148,18 +146,8 @@ enum Way {
 type Pending<'a, 's> = Vec<Option<(Request<'a, [u8], &'s LocalScope<'a>>, usize, Way)>>;
 
 impl Transport for MpiLinks {
-    fn usable(&self, op: &'static str) -> Result<()> {
-        if self.abandoned.load(Ordering::SeqCst) {
-            return Err(CommError::Abandoned { op });
-        }
-        if self.cancel.is_cancelled() {
-            return Err(CommError::Cancelled);
-        }
-        Ok(())
-    }
-
-    fn cancel(&self) -> Cancel {
-        self.cancel.clone()
+    fn health(&self) -> &Health {
+        &self.health
     }
 
     fn exchange(
@@ -246,7 +234,7 @@ impl MpiLinks {
             if left == 0 {
                 return Ok(());
             }
-            let cancelled = self.cancel.is_cancelled();
+            let cancelled = self.health.cancel.is_cancelled();
             let waited = started.elapsed();
             if cancelled || waited >= self.timeout {
                 let mut silent: Vec<usize> =
@@ -276,7 +264,7 @@ impl MpiLinks {
     /// Leaves the pending requests with MPI: receives cancelled, sends
     /// forgotten; the group refuses every later call.
     fn abandon(&self, pending: Pending<'_, '_>) {
-        self.abandoned.store(true, Ordering::SeqCst);
+        self.health.abandon();
         for (request, _, way) in pending.into_iter().flatten() {
             if way == Way::Receive {
                 request.cancel();

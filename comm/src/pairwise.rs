@@ -9,7 +9,8 @@
 //! whatever the timing. Data goes straight from the caller's views to the
 //! peers'; a reduction's incoming parts land in buffers sized at start.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use strata_device::{Cancel, Fence, View, ViewMut};
 
@@ -30,13 +31,47 @@ pub struct Transfer<'a> {
     pub recv: &'a mut [u8],
 }
 
+/// Whether a process backend's group may still be used: its
+/// cancellation, and whether an operation of its world was given up (its
+/// messages left out of step), which every group of the world shares.
+pub struct Health {
+    /// Cancelling it ends every wait in an operation of the group with
+    /// [`CommError::Cancelled`].
+    pub(crate) cancel: Cancel,
+    /// Set once an operation was given up.
+    pub(crate) abandoned: Arc<AtomicBool>,
+}
+
+impl Health {
+    /// A fresh cancel over the world's `abandoned`.
+    pub(crate) fn of(abandoned: &Arc<AtomicBool>) -> Health {
+        Health {
+            cancel: Cancel::new(),
+            abandoned: Arc::clone(abandoned),
+        }
+    }
+
+    /// `Abandoned` (or `Cancelled`) when the group can no longer be used.
+    pub(crate) fn usable(&self, op: &'static str) -> Result<()> {
+        if self.abandoned.load(Ordering::SeqCst) {
+            return Err(CommError::Abandoned { op });
+        }
+        if self.cancel.is_cancelled() {
+            return Err(CommError::Cancelled);
+        }
+        Ok(())
+    }
+
+    /// Marks the world's groups unusable.
+    pub(crate) fn abandon(&self) {
+        self.abandoned.store(true, Ordering::SeqCst);
+    }
+}
+
 /// What carries a process backend's transfers.
 pub trait Transport: Send + Sync {
-    /// `Abandoned` (or `Cancelled`) when the group can no longer be used.
-    fn usable(&self, op: &'static str) -> Result<()>;
-    /// The group's cancellation: cancelling it ends every wait in an
-    /// operation with [`CommError::Cancelled`].
-    fn cancel(&self) -> Cancel;
+    /// The group's cancellation and whether its world gave up.
+    fn health(&self) -> &Health;
     /// Completes every transfer both ways, or gives up (deadline, cancel,
     /// a peer gone), naming the peers still waited for. `bytes` is the
     /// operation's size on this rank, for messages.
@@ -85,7 +120,7 @@ impl<T: Transport> Pairwise<T> {
     /// The group's cancellation token: cancelling it ends every wait in an
     /// operation with [`CommError::Cancelled`].
     pub fn cancel_token(&self) -> Cancel {
-        self.links.cancel()
+        self.links.health().cancel.clone()
     }
 
     #[cfg(feature = "mpi")]
@@ -150,7 +185,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn all_gather(&self, shard: View<'_>, out: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "all_gather";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         same_dtype(OP, shard.dtype(), out.dtype())?;
         world_times(OP, "output", (out.len(), shard.len(), self.world))?;
         self.limit(shard.len())?;
@@ -181,7 +216,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn reduce_scatter(&self, full: View<'_>, mut shard: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "reduce_scatter";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         same_dtype(OP, full.dtype(), shard.dtype())?;
         world_times(OP, "input", (full.len(), shard.len(), self.world))?;
         self.limit(full.len())?;
@@ -215,7 +250,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn all_reduce(&self, mut values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "all_reduce";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         self.limit(values.len())?;
         summable(OP, values.dtype())?;
         reach(OP, "values", values.raw())?;
@@ -296,7 +331,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn all_reduce_scalars(&self, values: &mut [f64]) -> Result<()> {
         const OP: &str = "all_reduce_scalars";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         if values.len() > SCALARS_MAX {
             return Err(CommError::Limit {
                 what: "collective scalars (SCALARS_MAX)",
@@ -335,7 +370,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn broadcast(&self, root: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "broadcast";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         if root >= self.world {
             return Err(CommError::Peer {
                 op: OP,
@@ -376,7 +411,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn send(&self, peer: usize, values: View<'_>) -> Result<Fence> {
         const OP: &str = "send";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         self.other(OP, peer)?;
         self.limit(values.len())?;
         let bytes = view_bytes(OP, "values", &values)?;
@@ -391,7 +426,7 @@ impl<T: Transport> Collective for Pairwise<T> {
 
     fn recv(&self, peer: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "recv";
-        self.links.usable(OP)?;
+        self.links.health().usable(OP)?;
         self.other(OP, peer)?;
         reach(OP, "values", values.raw())?;
         let bytes = values

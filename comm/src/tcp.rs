@@ -4,7 +4,7 @@
 //! a header (the operation, its number on that link, its bytes), so ranks
 //! that call different collectives are told so instead of mixing bytes.
 //! Sockets are non-blocking and polled ([`libc::poll`], 10 ms at a time)
-//! against the group's [`Cancel`] and a deadline; a peer whose process is
+//! against the group's [`Cancel`](strata_device::Cancel) and a deadline; a peer whose process is
 //! gone closes its sockets, which the others see at once and name
 //! ([`CommError::Closed`]). A group cut short refuses every later call
 //! ([`CommError::Abandoned`]): its streams are no longer in step.
@@ -21,14 +21,12 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use strata_device::Cancel;
-
 use crate::error::{CommError, Result};
-use crate::pairwise::{Pairwise, Transfer, Transport};
+use crate::pairwise::{Health, Pairwise, Transfer, Transport};
 
 /// The first word of every header and greeting ("STTC").
 const MAGIC: u32 = 0x5354_5443;
@@ -80,7 +78,7 @@ struct Mesh {
     /// The socket to each peer (`None` at this rank's own index).
     links: Mutex<Vec<Option<Link>>>,
     /// An operation was given up: the streams are out of step.
-    abandoned: AtomicBool,
+    abandoned: Arc<AtomicBool>,
 }
 
 struct Link {
@@ -97,7 +95,7 @@ pub type Tcp = Pairwise<TcpLinks>;
 pub struct TcpLinks {
     mesh: Arc<Mesh>,
     timeout: Duration,
-    cancel: Cancel,
+    health: Health,
 }
 
 impl TcpWorld {
@@ -145,7 +143,7 @@ impl TcpWorld {
             world,
             mesh: Arc::new(Mesh {
                 links: Mutex::new(links),
-                abandoned: AtomicBool::new(false),
+                abandoned: Arc::new(AtomicBool::new(false)),
             }),
         })
     }
@@ -168,7 +166,7 @@ impl TcpWorld {
         let links = TcpLinks {
             mesh: Arc::clone(&self.mesh),
             timeout,
-            cancel: Cancel::new(),
+            health: Health::of(&self.mesh.abandoned),
         };
         Pairwise::new(links, self.rank, self.world, elems_max)
     }
@@ -861,18 +859,8 @@ impl TcpLinks {
 }
 
 impl Transport for TcpLinks {
-    fn usable(&self, op: &'static str) -> Result<()> {
-        if self.mesh.abandoned.load(Ordering::SeqCst) {
-            return Err(CommError::Abandoned { op });
-        }
-        if self.cancel.is_cancelled() {
-            return Err(CommError::Cancelled);
-        }
-        Ok(())
-    }
-
-    fn cancel(&self) -> Cancel {
-        self.cancel.clone()
+    fn health(&self) -> &Health {
+        &self.health
     }
 
     fn exchange(
@@ -961,7 +949,7 @@ impl Transport for TcpLinks {
                 break Ok(());
             }
             let waited = started.elapsed();
-            if self.cancel.is_cancelled() {
+            if self.health.cancel.is_cancelled() {
                 break Err(CommError::Cancelled);
             }
             if waited >= self.timeout {
@@ -1017,7 +1005,7 @@ impl Transport for TcpLinks {
         };
         if outcome.is_err() {
             // The streams are out of step: the group cannot go on.
-            self.mesh.abandoned.store(true, Ordering::SeqCst);
+            self.health.abandon();
         }
         outcome
     }

@@ -1142,16 +1142,25 @@ fn open_process_rank(
     })
     .with_context(|| format!("rank {} of {}", launch.rank, launch.world))?;
     let group = world.group(elems_max, timeout);
+    Ok(member(group, launch, World::Tcp(world)))
+}
+
+/// This process's member of the job: `group`, over `world`.
+fn member<T: strata_comm::Transport + 'static>(
+    group: strata_comm::Pairwise<T>,
+    launch: &engine::Launch,
+    world: World,
+) -> ProcessMember {
     let cancel = group.cancel_token();
-    Ok(ProcessMember {
+    ProcessMember {
         rank: engine::ProcessRank {
             collective: Box::new(group),
             cancel,
             local_world: launch.local_world,
             local_rank: launch.local_rank,
         },
-        world: World::Tcp(world),
-    })
+        world,
+    }
 }
 
 /// The least time the ranks of a job are given to find each other.
@@ -1175,16 +1184,7 @@ fn open_mpi_rank(
         );
     }
     let group = world.group(elems_max, timeout);
-    let cancel = group.cancel_token();
-    Ok(ProcessMember {
-        rank: engine::ProcessRank {
-            collective: Box::new(group),
-            cancel,
-            local_world: launch.local_world,
-            local_rank: launch.local_rank,
-        },
-        world: World::Mpi(world),
-    })
+    Ok(member(group, launch, World::Mpi(world)))
 }
 
 #[cfg(not(feature = "mpi"))]
