@@ -222,28 +222,7 @@ fn a_killed_rank_is_named_by_the_others_and_sigterm_stops_every_rank_at_one_step
         ])
         .output()
         .unwrap();
-    let after = losses(&resumed);
-    config(dir, 4, 100_000, 2);
-    let straight = losses(
-        &strata(dir)
-            .args([
-                "train",
-                "--config",
-                "r4.toml",
-                "--stop-after",
-                &(step + 2).to_string(),
-                "--json",
-            ])
-            .output()
-            .unwrap(),
-    );
-    let before: Vec<f64> = stopped["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
-    assert_eq!([before, after].concat(), straight);
+    ranks::stopped_and_resumed_match_four_threads(dir, &stopped, losses(&resumed), step + 2);
 }
 
 #[test]

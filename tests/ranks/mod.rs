@@ -106,3 +106,35 @@ pub fn wait_for_checkpoint(dir: &Path) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// Asserts that the losses of a run stopped after step `step` (its
+/// summary `stopped`) and then resumed (`after`) are those of four threads
+/// run straight to the same step, bit for bit.
+pub fn stopped_and_resumed_match_four_threads(
+    dir: &Path,
+    stopped: &serde_json::Value,
+    after: Vec<f64>,
+    step: u64,
+) {
+    config(dir, 4, 100_000, 2);
+    let straight = losses(
+        &strata(dir)
+            .args([
+                "train",
+                "--config",
+                "r4.toml",
+                "--stop-after",
+                &step.to_string(),
+                "--json",
+            ])
+            .output()
+            .unwrap(),
+    );
+    let before: Vec<f64> = stopped["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!([before, after].concat(), straight);
+}
