@@ -226,3 +226,38 @@ pub fn check(c: &dyn Collective, elems_max: usize) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// [`check`] on subgroups split from `c` (every rank calls it at once):
+/// blocks of two neighbouring ranks (as hybrid sharding's shard groups)
+/// and the ranks of one parity (its replica groups), then the whole group
+/// again; a split without this rank is refused by name.
+pub fn check_splits(c: &dyn Collective, elems_max: usize) -> Result<(), String> {
+    let (rank, world) = (c.rank(), c.world());
+    let block: Vec<usize> = (rank / 2 * 2..(rank / 2 * 2 + 2).min(world)).collect();
+    let parity: Vec<usize> = (rank % 2..world).step_by(2).collect();
+    for (what, members) in [("block", &block), ("parity", &parity)] {
+        let sub = c.split(members).map_err(|e| {
+            fail(format!(
+                "rank {rank} of {world}: split {what} {members:?}: {e}"
+            ))
+        })?;
+        if sub.world() != members.len() || members[sub.rank()] != rank {
+            return Err(fail(format!(
+                "rank {rank}: the {what} subgroup {members:?} says rank {} of {}",
+                sub.rank(),
+                sub.world()
+            )));
+        }
+        check(&*sub, elems_max)
+            .map_err(|e| format!("rank {rank} of {world}, {what} subgroup {members:?}: {e}"))?;
+    }
+    check(c, elems_max)?;
+    let without: Vec<usize> = (0..world).filter(|&r| r != rank).collect();
+    match c.split(&without) {
+        Err(CommError::Split { .. }) => Ok(()),
+        other => Err(fail(format!(
+            "rank {rank}: a split without this rank gave {:?}",
+            other.map(|_| ())
+        ))),
+    }
+}

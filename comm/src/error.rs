@@ -95,6 +95,19 @@ pub enum CommError {
         /// The operation refused.
         op: &'static str,
     },
+    /// A subgroup asked for with members that are not increasing ranks of
+    /// the group holding this one.
+    #[error(
+        "a subgroup of {members:?}: it must be increasing ranks of 0..{world} that hold this rank ({rank})"
+    )]
+    Split {
+        /// The members asked for.
+        members: Vec<usize>,
+        /// This rank.
+        rank: usize,
+        /// Ranks in the group split.
+        world: usize,
+    },
     /// A peer's socket closed mid-operation: its process exited or was
     /// killed.
     #[error(

@@ -2,6 +2,7 @@
 //! sized at start between two waits at a gate (a barrier a rank can
 //! leave).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use strata_device::{Cancel, DeviceKind, Dtype, Fence, Raw, View, ViewMut};
@@ -22,6 +23,39 @@ struct Shared {
     mail: Vec<Mutex<Option<Vec<u32>>>>,
     mail_changed: Condvar,
     elems_max: usize,
+    /// The subgroups split from this one, by members and how many splits
+    /// of those members came before: the first member to ask makes it.
+    subgroups: Mutex<HashMap<SplitKey, Arc<Shared>>>,
+}
+
+/// A subgroup's members, and how many splits of them came before it.
+type SplitKey = (Vec<usize>, usize);
+
+impl Shared {
+    fn new(world: usize, elems_max: usize, cancel: Cancel) -> Shared {
+        Shared {
+            gate: Gate {
+                state: Mutex::new(GateState {
+                    arrived: 0,
+                    generation: 0,
+                    left: None,
+                }),
+                turned: Condvar::new(),
+                world,
+                cancel,
+            },
+            slots: (0..world)
+                .map(|_| Mutex::new(Vec::with_capacity(elems_max)))
+                .collect(),
+            scalars: (0..world)
+                .map(|_| Mutex::new(Vec::with_capacity(SCALARS_MAX)))
+                .collect(),
+            mail: (0..world * world).map(|_| Mutex::new(None)).collect(),
+            mail_changed: Condvar::new(),
+            elems_max,
+            subgroups: Mutex::new(HashMap::new()),
+        }
+    }
 }
 
 /// A barrier that a rank can leave: the ranks waiting at it, or arriving
@@ -92,6 +126,8 @@ impl Gate {
 pub struct InProcess {
     rank: usize,
     shared: Arc<Shared>,
+    /// Splits this rank asked for, by members.
+    splits: Mutex<HashMap<Vec<usize>, usize>>,
 }
 
 impl InProcess {
@@ -100,33 +136,18 @@ impl InProcess {
     /// once.
     pub fn group(world: usize, elems_max: usize) -> Vec<InProcess> {
         assert!(world > 0, "a group needs a rank");
-        let shared = Arc::new(Shared {
-            gate: Gate {
-                state: Mutex::new(GateState {
-                    arrived: 0,
-                    generation: 0,
-                    left: None,
-                }),
-                turned: Condvar::new(),
-                world,
-                cancel: Cancel::new(),
-            },
-            slots: (0..world)
-                .map(|_| Mutex::new(Vec::with_capacity(elems_max)))
-                .collect(),
-            scalars: (0..world)
-                .map(|_| Mutex::new(Vec::with_capacity(SCALARS_MAX)))
-                .collect(),
-            mail: (0..world * world).map(|_| Mutex::new(None)).collect(),
-            mail_changed: Condvar::new(),
-            elems_max,
-        });
+        let shared = Arc::new(Shared::new(world, elems_max, Cancel::new()));
         (0..world)
-            .map(|rank| InProcess {
-                rank,
-                shared: Arc::clone(&shared),
-            })
+            .map(|rank| InProcess::member(rank, Arc::clone(&shared)))
             .collect()
+    }
+
+    fn member(rank: usize, shared: Arc<Shared>) -> InProcess {
+        InProcess {
+            rank,
+            shared,
+            splits: Mutex::new(HashMap::new()),
+        }
     }
 
     /// The group's cancellation token: cancelling it ends every rank's
@@ -339,6 +360,31 @@ impl Collective for InProcess {
         self.rank
     }
 
+    fn split(&self, members: &[usize]) -> Result<Box<dyn Collective>> {
+        let index = crate::member_index(members, self.rank, self.world())?;
+        let nth = {
+            let mut splits = self.splits.lock().expect("splits");
+            let count = splits.entry(members.to_vec()).or_insert(0);
+            *count += 1;
+            *count - 1
+        };
+        let shared = Arc::clone(
+            self.shared
+                .subgroups
+                .lock()
+                .expect("subgroups")
+                .entry((members.to_vec(), nth))
+                .or_insert_with(|| {
+                    Arc::new(Shared::new(
+                        members.len(),
+                        self.shared.elems_max,
+                        self.shared.gate.cancel.clone(),
+                    ))
+                }),
+        );
+        Ok(Box::new(InProcess::member(index, shared)))
+    }
+
     fn ranks_in_process(&self) -> usize {
         self.shared.gate.world
     }
@@ -500,6 +546,24 @@ mod tests {
         c.all_gather(View::host_slice(shard), ViewMut::host_slice(out))?
             .wait()?;
         Ok(())
+    }
+
+    /// Subgroups split from ranks as threads pass it too.
+    #[test]
+    fn subgroups_of_threads_pass_the_conformance_suite() {
+        for world in 1..=4 {
+            let elems_max = 4 * 1031 + 8;
+            let ranks = InProcess::group(world, elems_max);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = ranks
+                    .iter()
+                    .map(|r| scope.spawn(move || crate::conformance::check_splits(r, elems_max)))
+                    .collect();
+                for (rank, h) in handles.into_iter().enumerate() {
+                    assert_eq!(h.join().unwrap(), Ok(()), "rank {rank} of {world}");
+                }
+            });
+        }
     }
 
     /// The suite every backend passes, for 1 to 4 ranks as threads.

@@ -81,6 +81,27 @@ pub trait Collective: Send + Sync {
     fn send(&self, peer: usize, values: View<'_>) -> Result<Fence>;
     /// Receives what rank `peer` sent into `values` (the same length).
     fn recv(&self, peer: usize, values: ViewMut<'_>) -> Result<Fence>;
+    /// This rank's member of the group of `members` (ranks of this group,
+    /// in increasing order, this one among them), whose rank `i` is
+    /// `members[i]`: every member calls it with the same list, in the same
+    /// order as its other splits. The subgroup shares this group's
+    /// cancellation and limits.
+    fn split(&self, members: &[usize]) -> Result<Box<dyn Collective>>;
+}
+
+/// `Split` unless `members` is increasing, within `0..world`, and holds
+/// `rank`; this rank's index in it.
+pub(crate) fn member_index(members: &[usize], rank: usize, world: usize) -> Result<usize> {
+    let increasing = members.windows(2).all(|w| w[0] < w[1]);
+    let inside = members.last().is_some_and(|&last| last < world);
+    match members.iter().position(|&m| m == rank) {
+        Some(index) if increasing && inside => Ok(index),
+        _ => Err(CommError::Split {
+            members: members.to_vec(),
+            rank,
+            world,
+        }),
+    }
 }
 
 /// A rank's groups: the ranks it shares data-parallel shards with, the

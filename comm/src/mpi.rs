@@ -150,6 +150,14 @@ impl Transport for MpiLinks {
         &self.health
     }
 
+    fn sibling(&self) -> MpiLinks {
+        MpiLinks {
+            comm: Comm(SimpleCommunicator::world()),
+            timeout: self.timeout,
+            health: self.health.sibling(),
+        }
+    }
+
     fn exchange(
         &self,
         op: &'static str,

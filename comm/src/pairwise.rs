@@ -62,6 +62,14 @@ impl Health {
         Ok(())
     }
 
+    /// The same cancellation and world, for a subgroup.
+    pub(crate) fn sibling(&self) -> Health {
+        Health {
+            cancel: self.cancel.clone(),
+            abandoned: Arc::clone(&self.abandoned),
+        }
+    }
+
     /// Marks the world's groups unusable.
     pub(crate) fn abandon(&self) {
         self.abandoned.store(true, Ordering::SeqCst);
@@ -72,9 +80,15 @@ impl Health {
 pub trait Transport: Send + Sync {
     /// The group's cancellation and whether its world gave up.
     fn health(&self) -> &Health;
+    /// Another handle on the same links for a subgroup, sharing this
+    /// one's cancellation and timeout.
+    fn sibling(&self) -> Self
+    where
+        Self: Sized;
     /// Completes every transfer both ways, or gives up (deadline, cancel,
-    /// a peer gone), naming the peers still waited for. `bytes` is the
-    /// operation's size on this rank, for messages.
+    /// a peer gone), naming the peers still waited for. A transfer's peer
+    /// is a rank of the transport's own world. `bytes` is the operation's
+    /// size on this rank, for messages.
     fn exchange(
         &self,
         op: &'static str,
@@ -96,6 +110,8 @@ pub struct Pairwise<T> {
     links: T,
     rank: usize,
     world: usize,
+    /// Each rank of this group as a rank of the transport's world.
+    members: Vec<usize>,
     elems_max: usize,
     scratch: Mutex<Scratch>,
 }
@@ -105,10 +121,18 @@ impl<T: Transport> Pairwise<T> {
     /// elements (of up to 4 bytes) a call; its buffers are allocated here,
     /// once.
     pub(crate) fn new(links: T, rank: usize, world: usize, elems_max: usize) -> Pairwise<T> {
+        Pairwise::of(links, rank, (0..world).collect(), elems_max)
+    }
+
+    /// Rank `rank` of the group `members` (ranks of the transport's
+    /// world).
+    fn of(links: T, rank: usize, members: Vec<usize>, elems_max: usize) -> Pairwise<T> {
+        let world = members.len();
         Pairwise {
             links,
             rank,
             world,
+            members,
             elems_max,
             scratch: Mutex::new(Scratch {
                 parts: vec![0u32; elems_max + world],
@@ -126,6 +150,20 @@ impl<T: Transport> Pairwise<T> {
     #[cfg(feature = "mpi")]
     pub(crate) fn links(&self) -> &T {
         &self.links
+    }
+
+    /// Completes `transfers` (their peers ranks of this group) over the
+    /// transport.
+    fn exchange(
+        &self,
+        op: &'static str,
+        bytes: usize,
+        transfers: &mut [Transfer<'_>],
+    ) -> Result<()> {
+        for transfer in transfers.iter_mut() {
+            transfer.peer = self.members[transfer.peer];
+        }
+        self.links.exchange(op, bytes, transfers)
     }
 
     fn limit(&self, elems: usize) -> Result<()> {
@@ -174,9 +212,20 @@ impl<T: Transport> Pairwise<T> {
     }
 }
 
-impl<T: Transport> Collective for Pairwise<T> {
+impl<T: Transport + 'static> Collective for Pairwise<T> {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn split(&self, members: &[usize]) -> Result<Box<dyn Collective>> {
+        let index = crate::member_index(members, self.rank, self.world)?;
+        let members = members.iter().map(|&m| self.members[m]).collect();
+        Ok(Box::new(Pairwise::of(
+            self.links.sibling(),
+            index,
+            members,
+            self.elems_max,
+        )))
     }
 
     fn world(&self) -> usize {
@@ -209,8 +258,7 @@ impl<T: Transport> Collective for Pairwise<T> {
                 recv,
             })
             .collect();
-        self.links
-            .exchange(OP, mine.len() * self.world, &mut transfers)?;
+        self.exchange(OP, mine.len() * self.world, &mut transfers)?;
         Ok(Fence::ready())
     }
 
@@ -241,7 +289,7 @@ impl<T: Transport> Collective for Pairwise<T> {
                     recv,
                 })
                 .collect();
-            self.links.exchange(OP, bytes.len(), &mut transfers)?;
+            self.exchange(OP, bytes.len(), &mut transfers)?;
         }
         let mine = &bytes[self.rank * part_bytes..(self.rank + 1) * part_bytes];
         self.sum_parts(OP, parts, mine, &mut shard)?;
@@ -291,7 +339,7 @@ impl<T: Transport> Collective for Pairwise<T> {
                     }
                 })
                 .collect();
-            self.links.exchange(OP, bytes.len(), &mut transfers)?;
+            self.exchange(OP, bytes.len(), &mut transfers)?;
         }
         {
             let incoming: &[u8] = bytemuck::cast_slice(&*parts);
@@ -325,7 +373,7 @@ impl<T: Transport> Collective for Pairwise<T> {
                 recv,
             })
             .collect();
-        self.links.exchange(OP, n * width, &mut transfers)?;
+        self.exchange(OP, n * width, &mut transfers)?;
         Ok(Fence::ready())
     }
 
@@ -355,8 +403,7 @@ impl<T: Transport> Collective for Pairwise<T> {
                     recv: bytemuck::cast_slice_mut(slot),
                 })
                 .collect();
-            self.links
-                .exchange(OP, mine.len() * self.world, &mut transfers)?;
+            self.exchange(OP, mine.len() * self.world, &mut transfers)?;
         }
         // In rank order from zero, as ranks as threads add them.
         values.fill(0.0);
@@ -397,14 +444,14 @@ impl<T: Transport> Collective for Pairwise<T> {
                     recv: &mut [],
                 })
                 .collect();
-            self.links.exchange(OP, total, &mut transfers)?;
+            self.exchange(OP, total, &mut transfers)?;
         } else {
             let mut transfers = [Transfer {
                 peer: root,
                 send: &[],
                 recv: bytes,
             }];
-            self.links.exchange(OP, total, &mut transfers)?;
+            self.exchange(OP, total, &mut transfers)?;
         }
         Ok(Fence::ready())
     }
@@ -420,7 +467,7 @@ impl<T: Transport> Collective for Pairwise<T> {
             send: bytes,
             recv: &mut [],
         }];
-        self.links.exchange(OP, bytes.len(), &mut transfers)?;
+        self.exchange(OP, bytes.len(), &mut transfers)?;
         Ok(Fence::ready())
     }
 
@@ -438,7 +485,7 @@ impl<T: Transport> Collective for Pairwise<T> {
             send: &[],
             recv: bytes,
         }];
-        self.links.exchange(OP, total, &mut transfers)?;
+        self.exchange(OP, total, &mut transfers)?;
         Ok(Fence::ready())
     }
 }

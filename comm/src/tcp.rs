@@ -863,6 +863,14 @@ impl Transport for TcpLinks {
         &self.health
     }
 
+    fn sibling(&self) -> TcpLinks {
+        TcpLinks {
+            mesh: Arc::clone(&self.mesh),
+            timeout: self.timeout,
+            health: self.health.sibling(),
+        }
+    }
+
     fn exchange(
         &self,
         op: &'static str,

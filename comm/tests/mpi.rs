@@ -103,7 +103,9 @@ fn launched(mode: &str) {
     match mode {
         "conformance" => {
             let group = world.group(ELEMS_MAX, Duration::from_secs(60));
-            match conformance::check(&group, ELEMS_MAX) {
+            let checked = conformance::check(&group, ELEMS_MAX)
+                .and_then(|()| conformance::check_splits(&group, ELEMS_MAX));
+            match checked {
                 Ok(()) => println!("rank {rank} of {size}: conformance ok"),
                 Err(failure) => panic!("rank {rank} of {size}: {failure}"),
             }

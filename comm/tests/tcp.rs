@@ -71,6 +71,19 @@ fn tcp_ranks_pass_the_conformance_suite() {
 }
 
 #[test]
+fn tcp_subgroups_pass_the_conformance_suite() {
+    for world in 2..=4 {
+        let results = ranks(world, None, |w| {
+            let group = w.group(ELEMS_MAX, Duration::from_secs(20));
+            conformance::check_splits(&group, ELEMS_MAX)
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            assert_eq!(result, Ok(()), "rank {rank} of {world}");
+        }
+    }
+}
+
+#[test]
 fn a_cancel_ends_a_wait_and_the_group_refuses_after_it() {
     let results = ranks(2, None, |w| {
         let group = w.group(ELEMS_MAX, Duration::from_secs(20));
