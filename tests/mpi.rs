@@ -80,6 +80,29 @@ fn processes_under_mpirun_train_the_bits_of_threads_and_resume_them() {
         processes, threads,
         "two processes (4 steps, resumed for 4) against two threads"
     );
+    // Hybrid sharding (states over pairs of four ranks): four processes
+    // give the four threads' bits.
+    config(dir, 4, 8, 100);
+    let hybrid = std::fs::read_to_string(dir.join("r4.toml"))
+        .unwrap()
+        .replace("micro_batch = 4", "micro_batch = 2")
+        + "\n[parallel]\nshard_degree = 2\n";
+    std::fs::write(dir.join("hybrid.toml"), hybrid).unwrap();
+    let threads = losses(
+        &strata(dir)
+            .args(["train", "--config", "hybrid.toml", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let out = mpirun(dir, 4, &[], &["train", "--config", "hybrid.toml", "--json"])
+        .unwrap()
+        .output()
+        .unwrap();
+    assert_eq!(
+        losses(&out),
+        threads,
+        "hybrid sharding: four processes against four threads"
+    );
     // A config of other ranks than the launcher's is refused by name.
     config(dir, 3, 8, 4);
     let out = mpirun(dir, 2, &[], &["train", "--config", "r3.toml"])

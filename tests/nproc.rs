@@ -370,6 +370,91 @@ fn a_checkpoint_resumes_at_another_number_of_ranks_with_the_global_batch_held() 
     );
 }
 
+#[test]
+fn hybrid_sharding_trains_as_full_sharding_and_processes_as_threads() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 2, 20, 100);
+    // Four ranks of two sequences; states sharded over pairs of them.
+    let four = std::fs::read_to_string(dir.join("r2.toml"))
+        .unwrap()
+        .replace("ranks = 2", "ranks = 4")
+        .replace("micro_batch = 4", "micro_batch = 2");
+    std::fs::write(dir.join("full.toml"), &four).unwrap();
+    std::fs::write(
+        dir.join("hybrid.toml"),
+        four.clone() + "\n[parallel]\nshard_degree = 2\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("bad.toml"),
+        four + "\n[parallel]\nshard_degree = 3\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        losses(
+            &strata(dir)
+                .args(["train", "--json"])
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    };
+    let full = run(&["--config", "full.toml"]);
+    let hybrid = run(&["--config", "hybrid.toml"]);
+    // The gradients are summed in pairs, then across the pairs: another
+    // order than every rank in turn, so close rather than equal.
+    let apart = worst(&full, &hybrid);
+    eprintln!("shard_degree = 2 against full sharding, 4 ranks, 20 steps: {apart:.2e}");
+    assert!(apart < 1e-5, "{apart}");
+    assert_ne!(full, hybrid, "the sums' order differs, so some bits do");
+    // As processes: the threads' bits.
+    assert_eq!(run(&["--config", "hybrid.toml", "--nproc", "4"]), hybrid);
+    // Checkpointed at 10 and resumed: the same bits; resumed fully sharded
+    // (4 shards from 2): close.
+    let mut resumed = run(&[
+        "--config",
+        "hybrid.toml",
+        "--checkpoint-dir",
+        "ck",
+        "--stop-after",
+        "10",
+    ]);
+    assert!(
+        dir.join("ck/step-00000010/optimizer-rank1.safetensors")
+            .exists()
+    );
+    assert!(
+        !dir.join("ck/step-00000010/optimizer-rank2.safetensors")
+            .exists()
+    );
+    let halves = resumed.clone();
+    resumed.extend(run(&["--resume", "ck", "--checkpoint-dir", "ck2"]));
+    assert_eq!(resumed, hybrid);
+    let mut unsharded = halves;
+    unsharded.extend(run(&[
+        "--config",
+        "full.toml",
+        "--resume",
+        "ck",
+        "--checkpoint-dir",
+        "ck3",
+    ]));
+    assert!(worst(&unsharded, &hybrid) < 1e-5);
+    // A degree that does not divide the ranks is refused by name.
+    let out = strata(dir)
+        .args(["train", "--config", "bad.toml"])
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(
+        !out.status.success()
+            && said.contains("parallel.shard_degree")
+            && said.contains("train.ranks = 4"),
+        "{said}"
+    );
+}
+
 /// A process's `Cpus_allowed_list`.
 fn cpus_of(pid: u32) -> String {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();

@@ -30,10 +30,10 @@ pub use engine::{
     DataConfig, DataFormat, DataOrder, DataPaths, DataPosition, DataReader, DeepSpeedMapping,
     Difference, EVAL_WINDOWS_DEFAULT, Engine, EvalConfig, Evaluation, Faults,
     GRAD_ACCUMULATION_MAX, Keys, Launch, Launcher, ModelConfig, NOT_A_TARGET, OptimConfig,
-    Placement, PlacementConfig, Prediction, ProcessRank, Progress, RANKS_MAX, ROUNDING_STOCHASTIC,
-    RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype, StepReport, StopRequest,
-    TextTokenizer, TierBytes, TokenDtype, Tokenized, TrainConfig, TrainSettings, WarmupType,
-    collective_elems_max, evaluate, from_deepspeed_json, run, run_process, tokenize,
-    tokenize_bytes, window_start,
+    ParallelConfig, Placement, PlacementConfig, Prediction, ProcessRank, Progress, RANKS_MAX,
+    ROUNDING_STOCHASTIC, RUN_CONFIG, RunOptions, RunSummary, Schedule, StateCache, StateDtype,
+    StepReport, StopRequest, TextTokenizer, TierBytes, TokenDtype, Tokenized, TrainConfig,
+    TrainSettings, WarmupType, collective_elems_max, evaluate, from_deepspeed_json, run,
+    run_process, tokenize, tokenize_bytes, window_start,
 };
 pub use error::{Result, TrainError};

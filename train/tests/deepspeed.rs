@@ -417,6 +417,8 @@ fn sample_value(key: &str) -> Option<serde_json::Value> {
         "zero_optimization.stage" => json!(3),
         "aio.block_size" => json!(1 << 20),
         "zero_optimization.offload_optimizer.ratio" => json!(1.0),
+        // Every rank (the sample run has one).
+        "zero_optimization.zero_hpz_partition_size" => json!(1),
         _ => match name {
             "*" => json!(1),
             "device" => json!("nvme"),

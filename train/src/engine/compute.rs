@@ -313,7 +313,7 @@ impl Workspace {
         // The block's gradient is summed over the step's micro-batches
         // (they run one after another here) and leaves after the last.
         if m == 0 {
-            let padded = group.padded(env.world());
+            let padded = group.padded(env.shards());
             backend.zero(self.grad_full.view_mut().range(0..padded))?;
         }
         let stream = &mut self.streams[m];
@@ -352,12 +352,12 @@ impl Workspace {
     /// the model reads in f32 (a block's vectors; tables that are looked
     /// up), the rest copied as it is.
     pub(super) fn gather(&mut self, env: &Env, g: usize, shard: TensorId) -> Result<()> {
-        let (backend, runtime, collective) = (env.backend(), env.runtime(), env.collective());
+        let (backend, runtime, collective) = (env.backend(), env.runtime(), env.shard_group());
         let group = &env.groups()[g];
         let n = group.shard;
-        let padded = group.padded(env.world());
+        let padded = group.padded(env.shards());
         let bf16 = self.gathered16.dtype() == Dtype::Bf16;
-        if env.world() == 1 {
+        if env.shards() == 1 {
             let (gathered, gathered16) = (&mut self.gathered, &mut self.gathered16);
             return with_device_view(runtime, backend, shard, Dtype::Bf16, |shard| {
                 if !bf16 {
@@ -404,21 +404,34 @@ impl Workspace {
         id: TensorId,
         dtype: Dtype,
     ) -> Result<Readback> {
-        let (backend, collective) = (env.backend(), env.collective());
+        let (backend, collective) = (env.backend(), env.shard_group());
         let group = &env.groups()[g];
         let n = group.shard;
-        let padded = group.padded(env.world());
+        let padded = group.padded(env.shards());
         let full = if g == OUTER {
-            self.dembed.view()
+            &mut self.dembed
         } else {
-            self.grad_full.view()
+            &mut self.grad_full
         };
-        let shard = if env.world() == 1 {
-            full.range(0..n)
+        // Summed over the shard group, then (hybrid sharding) over the
+        // replicas holding the same shard.
+        let shard = if env.shards() == 1 {
+            if let Some(replicas) = env.replicas() {
+                replicas.all_reduce(full.view_mut().range(0..n))?.wait()?;
+            }
+            full.view().range(0..n)
         } else {
             collective
-                .reduce_scatter(full.range(0..padded), self.shard32.view_mut().range(0..n))?
+                .reduce_scatter(
+                    full.view().range(0..padded),
+                    self.shard32.view_mut().range(0..n),
+                )?
                 .wait()?;
+            if let Some(replicas) = env.replicas() {
+                replicas
+                    .all_reduce(self.shard32.view_mut().range(0..n))?
+                    .wait()?;
+            }
             self.shard32.view().range(0..n)
         };
         // The norm of the f32 sum; the tensor keeps it in the gradients'

@@ -23,6 +23,11 @@ pub(super) struct Env {
     runtime: Arc<Runtime>,
     backend: Box<dyn Backend>,
     collective: Box<dyn Collective>,
+    /// With hybrid sharding (`parallel.shard_degree` below the ranks):
+    /// this rank's shard group (the neighbouring ranks its states are
+    /// sharded over) and its replica group (the ranks holding the same
+    /// shard as it, one per shard group).
+    hybrid: Option<(Box<dyn Collective>, Box<dyn Collective>)>,
 }
 
 /// What [`Env::open`] opens before the runtime: the compute backend, the
@@ -52,7 +57,8 @@ impl Env {
             ));
         }
         let model: Arc<dyn Model> = model::build(&config.model)?.into();
-        let groups = Arc::new(groups(&*model, world, rank));
+        let shards = config.shards();
+        let groups = Arc::new(groups(&*model, shards, rank % shards));
         let tokens = config.train.micro_batch * model.seq();
         // `auto`: the GPU if one answers and its backend opens (a driver
         // alone, an architecture strata does not compile for or a missing
@@ -85,20 +91,68 @@ impl Env {
         })
     }
 
-    /// The surroundings once the runtime is open.
+    /// The surroundings once the runtime is open; with hybrid sharding,
+    /// the shard and replica groups split from `collective` (every rank
+    /// splits them together).
     pub(super) fn new(
         compute: Compute,
         runtime: Arc<Runtime>,
         collective: Box<dyn Collective>,
-    ) -> Env {
-        Env {
+    ) -> Result<Env> {
+        let (world, rank, shards) = (
+            collective.world(),
+            collective.rank(),
+            compute.config.shards(),
+        );
+        let hybrid = match shards < world {
+            false => None,
+            true => {
+                let first = rank / shards * shards;
+                let shard: Vec<usize> = (first..first + shards).collect();
+                let replicas: Vec<usize> = (rank % shards..world).step_by(shards).collect();
+                Some((collective.split(&shard)?, collective.split(&replicas)?))
+            }
+        };
+        Ok(Env {
             config: compute.config,
             model: compute.model,
             groups: compute.groups,
             runtime,
             backend: compute.backend,
             collective,
+            hybrid,
+        })
+    }
+
+    /// Ranks this rank's model states are sharded over.
+    pub(super) fn shards(&self) -> usize {
+        self.config.shards()
+    }
+
+    /// This rank's place among them: which shard of each group it holds.
+    pub(super) fn shard_rank(&self) -> usize {
+        self.rank() % self.shards()
+    }
+
+    /// Which copy of the shards this rank's group holds (0 without
+    /// hybrid sharding): copy 0 writes the checkpoints' states.
+    pub(super) fn replica(&self) -> usize {
+        self.rank() / self.shards()
+    }
+
+    /// The group the states are sharded over: every rank, or this rank's
+    /// shard group.
+    pub(super) fn shard_group(&self) -> &dyn Collective {
+        match &self.hybrid {
+            Some((shard, _)) => &**shard,
+            None => &*self.collective,
         }
+    }
+
+    /// The ranks holding the same shards as this one, with hybrid
+    /// sharding.
+    pub(super) fn replicas(&self) -> Option<&dyn Collective> {
+        self.hybrid.as_ref().map(|(_, replicas)| &**replicas)
     }
 
     pub(super) fn config(&self) -> &TrainConfig {

@@ -100,12 +100,18 @@ impl Loss {
 
     /// At the barrier: reads every pending scalar, in the order they were
     /// computed, and sums the gradients' squares and the losses over every
-    /// rank. Returns the global sum of squares.
-    pub(super) fn reduce(&mut self, collective: &dyn Collective) -> Result<f64> {
+    /// rank. Returns the global sum of squares. A rank whose shards are a
+    /// replica's copy (`holds_norm` false: hybrid sharding's other copies)
+    /// adds its losses but not its squares, which the first copy counts.
+    pub(super) fn reduce(&mut self, collective: &dyn Collective, holds_norm: bool) -> Result<f64> {
         while !self.scalars.is_empty() {
             self.read_oldest()?;
         }
-        let mut sums = [self.sum_squares.iter().sum::<f64>(), self.loss_sum];
+        let squares = match holds_norm {
+            true => self.sum_squares.iter().sum::<f64>(),
+            false => 0.0,
+        };
+        let mut sums = [squares, self.loss_sum];
         collective.all_reduce_scalars(&mut sums)?;
         self.loss_sum = sums[1];
         Ok(sums[0])

@@ -86,9 +86,9 @@ pub use checkpoint::{Checkpoint, CheckpointMeta, ROUNDING_STOCHASTIC};
 pub use config::{
     COMM_TIMEOUT_S_DEFAULT, COS_MIN_RATIO_DEFAULT, Checkpointing, CommConfig, ComputeDtype,
     DataAttention, DataConfig, DataFormat, DataPaths, Difference, EVAL_WINDOWS_DEFAULT, EvalConfig,
-    GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig, Placement,
-    PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache, StateDtype, TrainConfig,
-    TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
+    GRAD_ACCUMULATION_MAX, INIT_SEQ_DEFAULT_MAX, Keys, ModelConfig, OptimConfig, ParallelConfig,
+    Placement, PlacementConfig, RANKS_MAX, RUN_CONFIG, Schedule, StateCache, StateDtype,
+    TrainConfig, TrainSettings, WARMUP_NUM_STEPS_DEFAULT, WarmupType,
 };
 pub use data::{
     ByteCorpus, Corpus, DATA_FILES_MAX, DOCUMENT_START, DataOrder, DataPosition, DataReader,
@@ -249,7 +249,7 @@ impl Engine {
     ) -> Result<Engine> {
         let started = Instant::now();
         config.validate()?;
-        let (world, rank) = (collective.world(), collective.rank());
+        let rank = collective.rank();
         let compute = Env::compute(config, &*collective)?;
         let config = &compute.config;
         let compute_dtype = config.train.compute_dtype.resolve(compute.backend.kind());
@@ -258,7 +258,7 @@ impl Engine {
             &*compute.model,
             config.train.micro_batch,
             &compute.groups,
-            world,
+            config.shards(),
             config.train.in_flight(),
             compute_dtype,
         )?;
@@ -277,7 +277,7 @@ impl Engine {
         let context = compute.context.clone();
         let runtime = open_runtime(config, rank, workspace_bytes, faults, context, spread)?;
         let runtime_ready = started.elapsed();
-        let env = Env::new(compute, runtime, collective);
+        let env = Env::new(compute, runtime, collective)?;
         let kept = activations::kept_bytes(ws.buffers());
         // The rooms the activations may use: the plan's tiers less the
         // model states (measured with the smallest activations, so that

@@ -350,7 +350,7 @@ impl Moves {
     /// the model's initialization, or `model.init_from`'s weights, each
     /// rank reading only its shard of each group, one group at a time.
     pub(super) fn initialize(&mut self, env: &Env) -> Result<()> {
-        let (world, rank) = (env.world(), env.rank());
+        let (shards, rank) = (env.shards(), env.shard_rank());
         let seed = env.config().train.seed;
         let folder = match &env.config().model.init_from {
             Some(dir) => {
@@ -382,7 +382,7 @@ impl Moves {
                 }
                 None => {
                     values.clear();
-                    values.resize(group.padded(world), 0.0f32);
+                    values.resize(group.padded(shards), 0.0f32);
                     env.model().init(g, seed, &mut values[..group.params]);
                     let master = &values[rank * group.shard..(rank + 1) * group.shard];
                     self.load_group(env, g, master, None, &mut buffers)?;

@@ -238,11 +238,13 @@ pub fn run_process(
 }
 
 /// The most elements one exchange of a run of `config` over `world` ranks
-/// carries: what a process's collective is sized for.
+/// (its states sharded over `config.shards()` of them) carries: what a
+/// process's collective is sized for.
 pub fn collective_elems_max(config: &TrainConfig, world: usize) -> Result<usize> {
     Ok(super::tensors::collective_elems_max(
         &*config.model.build()?,
         world,
+        config.shards(),
     ))
 }
 
@@ -348,7 +350,11 @@ fn run_members(
         Members::Threads => (
             InProcess::group(
                 world,
-                super::tensors::collective_elems_max(&*config.model.build()?, world),
+                super::tensors::collective_elems_max(
+                    &*config.model.build()?,
+                    world,
+                    config.shards(),
+                ),
             )
             .into_iter()
             .map(|member| {
@@ -643,7 +649,7 @@ pub fn evaluate(
     // Ranks as threads: the in-process group, as a run's.
     let collectives = InProcess::group(
         world,
-        super::tensors::collective_elems_max(&*config.model.build()?, world),
+        super::tensors::collective_elems_max(&*config.model.build()?, world, config.shards()),
     );
     std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(world);

@@ -372,7 +372,9 @@ impl Engine {
     /// check decide what happens to them.
     fn decide(&mut self, step_op: &StepOp, loss_scale: f32) -> Result<StepDecision> {
         self.announce(&step_op.op)?;
-        let sum_squares = self.loss.reduce(self.env.collective())?;
+        let sum_squares = self
+            .loss
+            .reduce(self.env.collective(), self.env.replica() == 0)?;
         self.issue_actions(true)?;
         let clip = self.env.config().train.clip_norm;
         Ok(decide_step(

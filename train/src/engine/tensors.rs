@@ -110,9 +110,12 @@ pub(super) fn state_cache(
 }
 
 /// The most floats one collective call carries: a whole (padded) group.
-pub(super) fn collective_elems_max(model: &dyn Model, world: usize) -> usize {
-    let shard_max = groups(model, world, 0).iter().map(|g| g.shard).max();
-    shard_max.expect("groups") * world
+pub(super) fn collective_elems_max(model: &dyn Model, world: usize, shards: usize) -> usize {
+    let padded = |ranks: usize| {
+        let shard_max = groups(model, ranks, 0).iter().map(|g| g.shard).max();
+        shard_max.expect("groups") * ranks
+    };
+    padded(world).max(padded(shards))
 }
 
 /// The f32 words of a state tensor of `n` parameters: master weights, m

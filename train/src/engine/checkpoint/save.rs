@@ -43,7 +43,7 @@ impl Engine {
     ) -> Result<Result<PathBuf>> {
         self.flush()?;
         let env = &self.env;
-        let (rank, world) = (env.rank(), env.world());
+        let rank = env.rank();
         let (config, groups) = (env.config(), env.groups());
         let step = self.state.steps();
         let tmp = root.join(format!(".tmp-step{step}"));
@@ -80,7 +80,12 @@ impl Engine {
                 })
             })
             .collect();
-        let mut shard = ShardWriter::new(&tmp, &format!("optimizer-rank{rank}"), planned, u64::MAX);
+        // One copy of the shards is written: hybrid sharding's replicas
+        // hold the same ones.
+        let mut shard = (env.replica() == 0).then(|| {
+            let name = format!("optimizer-rank{}", env.shard_rank());
+            ShardWriter::new(&tmp, &name, planned, u64::MAX)
+        });
         let mut weights = (rank == 0).then(|| {
             let c = &config.checkpoint;
             let planned = specs
@@ -111,7 +116,9 @@ impl Engine {
                 let mut write = || -> Result<()> {
                     for (k, (part, _)) in parts.iter().enumerate() {
                         let name = format!("{}.{part}", group.name);
-                        shard.write_bytes(&name, &bytes[ends[k]..ends[k + 1]])?;
+                        if let Some(shard) = shard.as_mut() {
+                            shard.write_bytes(&name, &bytes[ends[k]..ends[k + 1]])?;
+                        }
                     }
                     if let Some(writer) = weights.as_mut() {
                         for t in &specs[g].tensors {
@@ -127,7 +134,9 @@ impl Engine {
             if let Some(err) = failed {
                 return Err(err);
             }
-            shard.finish()?;
+            if let Some(shard) = shard {
+                shard.finish()?;
+            }
             if let Some(writer) = weights {
                 writer.finish()?;
                 // The side files come from the folder the run started from,
@@ -171,7 +180,8 @@ impl Engine {
                 format: FORMAT,
                 step,
                 optimizer_steps: self.state.optimizer_steps(),
-                ranks: world,
+                // The shards' files: one per rank of a shard group.
+                ranks: env.shards(),
                 seed: config.train.seed,
                 model: config.model.clone(),
                 loss_scaler: self.loss.scaler_state(),
@@ -210,7 +220,9 @@ impl Engine {
         self.state.usable()?;
         let meta = &checkpoint.meta;
         let env = &self.env;
-        let (config, rank, world) = (env.config(), env.rank(), env.world());
+        // The shard this rank holds, of how many.
+        let (config, rank, shards) = (env.config(), env.shard_rank(), env.shards());
+        let world = env.world();
         let path = checkpoint
             .dir
             .join(format!("optimizer-rank{rank}.safetensors"));
@@ -255,31 +267,30 @@ impl Engine {
             };
             return Err(mismatch("[model]", show(&a), show(&b)));
         }
-        // Another number of ranks only with the global batch held, which
-        // the checkpoint's place in the data tells (sequences per step).
-        if meta.ranks != world {
-            let t = &config.train;
-            let global = (world * t.micro_batch * t.grad_accumulation) as u64;
-            let held = match &meta.data {
-                Some(data) if meta.step > 0 => Some(data.samples / meta.step),
-                _ => None,
-            };
-            if meta.ranks == 0 || held != Some(global) {
-                return Err(TrainError::Checkpoint {
-                    path: checkpoint.dir.clone(),
-                    problem: format!(
-                        "it was written by {} ranks, {}, and this run has {world} ranks of {} x {} sequences a step ({global})",
-                        meta.ranks,
-                        match held {
-                            Some(held) => format!("{held} sequences a step"),
-                            None => "with no record of its sequences a step".into(),
-                        },
-                        t.micro_batch,
-                        t.grad_accumulation
-                    ),
-                    fix: "resume at another number of ranks with the global batch (train.ranks x train.micro_batch x train.grad_accumulation) held, or at its own ranks".into(),
-                });
-            }
+        // The global batch held, which the checkpoint's place in the data
+        // tells (sequences per step): other shards only then.
+        let t = &config.train;
+        let global = (world * t.micro_batch * t.grad_accumulation) as u64;
+        let held = match &meta.data {
+            Some(data) if meta.step > 0 => Some(data.samples / meta.step),
+            _ => None,
+        };
+        let unknown = held.is_none() && meta.ranks != shards;
+        if meta.ranks == 0 || unknown || held.is_some_and(|held| held != global) {
+            return Err(TrainError::Checkpoint {
+                path: checkpoint.dir.clone(),
+                problem: format!(
+                    "its states are in {} shards, {}, and this run has {shards} shards over {world} ranks of {} x {} sequences a step ({global})",
+                    meta.ranks,
+                    match held {
+                        Some(held) => format!("{held} sequences a step"),
+                        None => "with no record of its sequences a step".into(),
+                    },
+                    t.micro_batch,
+                    t.grad_accumulation
+                ),
+                fix: "resume with the global batch (train.ranks x train.micro_batch x train.grad_accumulation) it was written with".into(),
+            });
         }
         if meta.state_dtype != config.optim.state_dtype {
             return Err(mismatch(
@@ -337,7 +348,7 @@ impl Engine {
             checkpoint.read_file(HF_CONFIG)?;
         }
         let mut buffers = LoadBuffers::default();
-        if meta.ranks == world {
+        if meta.ranks == shards {
             let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
             let file = open_shard(&path, &bytes)?;
             for (g, group) in env.groups().iter().enumerate() {
@@ -383,9 +394,9 @@ impl Engine {
                 self.moves
                     .load_group(env, g, master, Some((m, v)), &mut buffers)?;
             }
-            if rank == 0 {
+            if env.rank() == 0 {
                 tracing::info!(
-                    "resumed a checkpoint of {old} ranks at {world}: each rank's shards cut anew from the old ranks'"
+                    "resumed a checkpoint of {old} shards at {shards}: each rank's shards cut anew from the old ranks'"
                 );
             }
         }
@@ -501,8 +512,8 @@ fn gather_master(
     master.resize(n, 0.0f32);
     decode_master(dtype, &bytes[..ends[1]], master);
     gathered.clear();
-    gathered.resize(group.padded(env.world()), 0.0f32);
-    env.collective()
+    gathered.resize(group.padded(env.shards()), 0.0f32);
+    env.shard_group()
         .all_gather(View::host_slice(master), ViewMut::host_slice(gathered))?
         .wait()?;
     Ok(ends)

@@ -37,6 +37,7 @@ pub use crate::model::ModelConfig;
 pub use compute::ComputeDtype;
 pub use init_from::INIT_SEQ_DEFAULT_MAX;
 pub use placement::{OptimConfig, Placement, PlacementConfig, StateCache};
+
 pub use resume::{Difference, RUN_CONFIG};
 pub use schedule::{COS_MIN_RATIO_DEFAULT, Schedule, WARMUP_NUM_STEPS_DEFAULT, WarmupType};
 pub use train::TrainSettings;
@@ -84,6 +85,28 @@ pub struct TrainConfig {
     pub eval: EvalConfig,
     /// Collectives between ranks that are processes.
     pub comm: CommConfig,
+    /// How the ranks share the model states (hybrid sharding).
+    #[serde(skip_serializing_if = "ParallelConfig::is_default")]
+    pub parallel: ParallelConfig,
+}
+
+/// The `[parallel]` table: hybrid sharding (FSDP2's HSDP, DeepSpeed's
+/// hpZ). Parameters and optimizer states are sharded within groups of
+/// `shard_degree` neighbouring ranks and replicated across the groups;
+/// gradients are reduce-scattered within a group, then summed across the
+/// replicas.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelConfig {
+    /// Ranks each model state is sharded over: a divisor of `train.ranks`;
+    /// 0 (the default): all of them.
+    pub shard_degree: usize,
+}
+
+impl ParallelConfig {
+    fn is_default(&self) -> bool {
+        *self == ParallelConfig::default()
+    }
 }
 
 /// The `[comm]` table: how ranks that are processes (under mpirun, srun
@@ -209,6 +232,7 @@ impl Default for TrainConfig {
             data: DataConfig::default(),
             eval: EvalConfig::default(),
             comm: CommConfig::default(),
+            parallel: ParallelConfig::default(),
         }
     }
 }
@@ -268,6 +292,15 @@ fn where_in(text: &str, at: usize) -> String {
 }
 
 impl TrainConfig {
+    /// Ranks each model state is sharded over (`parallel.shard_degree`,
+    /// or every rank).
+    pub fn shards(&self) -> usize {
+        match self.parallel.shard_degree {
+            0 => self.train.ranks,
+            k => k,
+        }
+    }
+
     /// Parses a TOML config; unknown keys and bad values are named.
     pub fn from_toml(text: &str) -> Result<TrainConfig> {
         let config: TrainConfig = toml::from_str(text).map_err(|err| TrainError::Config {

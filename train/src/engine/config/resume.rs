@@ -9,13 +9,14 @@ use super::TrainConfig;
 /// it (what `strata train --print-config` shows): a resume starts from it.
 pub const RUN_CONFIG: &str = "strata.toml";
 
-/// Keys a resumed run may set differently: placement and budgets (another
+/// Keys a resumed run may set differently: placement, sharding and budgets (another
 /// machine), checkpoint cadence and place, the activation recompute choice
 /// (recomputing gives the same bits) and the folder the first weights came
 /// from (the checkpoint holds the weights now), the held-out evaluation
 /// (it changes no step). A table name covers every key in it.
-const FREE: [&str; 16] = [
+const FREE: [&str; 17] = [
     "placement",
+    "parallel",
     "comm",
     "device",
     "host",

@@ -26,6 +26,16 @@ impl TrainConfig {
             ));
         }
         self.validate_data()?;
+        let (ranks, k) = (self.train.ranks, self.parallel.shard_degree);
+        if k > 0 && (k > ranks || ranks % k != 0) {
+            return Err(bad(
+                "parallel.shard_degree",
+                k,
+                format!(
+                    "give a divisor of train.ranks = {ranks} (the ranks each state is sharded over; the groups of them are replicas), or 0 for all of them"
+                ),
+            ));
+        }
         let timeout = self.comm.timeout_s;
         if !(timeout.is_finite() && (0.1..=super::COMM_TIMEOUT_S_MAX).contains(&timeout)) {
             return Err(bad(
@@ -154,8 +164,7 @@ impl TrainConfig {
     /// within 64 bits; the arithmetic saturates regardless).
     pub fn tier_needs(&self) -> Result<[Vec<(&'static str, u64)>; 3]> {
         let model = self.model.build()?;
-        let world = self.train.ranks as u64;
-        let shard_params = shard_params(&*model, world);
+        let shard_params = shard_params(&*model, self.shards() as u64);
         let state_bytes = self.optim.state_dtype.bytes_per_param() as u64;
         let mut needs: [Vec<(&'static str, u64)>; 3] = Default::default();
         let mut add = |tier: Tier, part: &'static str, bytes_per_param: u64| {
@@ -198,7 +207,8 @@ impl TrainConfig {
         };
         add(grads, grad_part, grad_bytes);
         let largest = model.groups().iter().map(|g| g.params() as u64).max();
-        let group_max = largest.unwrap_or(0).div_ceil(world).saturating_mul(world);
+        let shards = self.shards() as u64;
+        let group_max = largest.unwrap_or(0).div_ceil(shards).saturating_mul(shards);
         let stream = [self.train.micro_batch, model.seq(), model.stream_width()]
             .iter()
             .fold(1u64, |n, &d| n.saturating_mul(d as u64));
@@ -324,7 +334,7 @@ impl TrainConfig {
             budget_bytes,
             detail: format!(
                 "{} parameters per rank, states {:?}; a closed-form lower bound, counted before anything is allocated",
-                shard_params(&*self.model.build()?, self.train.ranks as u64),
+                shard_params(&*self.model.build()?, self.shards() as u64),
                 self.optim.state_dtype.name()
             ),
             fix: if nvme_unset {

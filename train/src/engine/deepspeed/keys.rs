@@ -235,6 +235,13 @@ pub static KEYS: &[KeyRule] = &[
         Mapped,
     ),
     row(
+        "zero_optimization.zero_hpz_partition_size",
+        "parallel.shard_degree",
+        "Ranks each parameter and optimizer state is sharded over (ZeRO++'s secondary partition, hybrid sharding); 1 (DeepSpeed's default): every rank, as without it. A divisor of the ranks.",
+        "",
+        Mapped,
+    ),
+    row(
         "zero_optimization.offload_param.device",
         "placement.params",
         "`none` (default) -> device, `cpu` -> cpu, `nvme` -> nvme. Not `none` below stage 3 is an error.",

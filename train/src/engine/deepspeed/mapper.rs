@@ -526,6 +526,22 @@ impl Mapper<'_> {
             self.reader
                 .bool(&format!("zero_optimization.offload_optimizer.{key}"))?;
         }
+        // ZeRO++'s hpZ: its default of 1 keeps the states sharded over
+        // every rank.
+        self.config.parallel.shard_degree = match self
+            .reader
+            .u64("zero_optimization.zero_hpz_partition_size")?
+        {
+            Setting::Given(0) => {
+                return Err(ds_error(
+                    "zero_optimization.zero_hpz_partition_size",
+                    0,
+                    "give the ranks each state is sharded over (1: every rank)",
+                ));
+            }
+            Setting::Given(1) | Setting::Absent | Setting::Auto => 0,
+            Setting::Given(k) => usize::try_from(k).unwrap_or(usize::MAX),
+        };
         let placement = &mut self.config.placement;
         placement.params = params.0;
         placement.optimizer = optimizer.0;
