@@ -59,6 +59,9 @@ pub(super) struct Workspace {
     /// With bf16 compute, the gathered parameters again in bf16 (what the
     /// matrix products read); an empty f32 buffer with f32 compute.
     gathered16: Buffer,
+    /// With f32 compute and several shards: the bf16 shards as gathered,
+    /// before they are widened into `gathered`.
+    staged16: Buffer,
 }
 
 /// One micro-batch's buffers between ops.
@@ -127,6 +130,13 @@ impl Workspace {
                 Dtype::F32 => f32s(0)?,
                 _ => acts(padded_max)?,
             },
+            staged16: backend.alloc(
+                Dtype::Bf16,
+                match (dtype, world) {
+                    (Dtype::F32, 2..) => padded_max,
+                    _ => 0,
+                },
+            )?,
         })
     }
 
@@ -146,6 +156,7 @@ impl Workspace {
         [
             &self.dembed,
             &self.gathered16,
+            &self.staged16,
             &self.gathered,
             &self.shard32,
             &self.grad_full,
@@ -374,22 +385,30 @@ impl Workspace {
                 Ok(())
             });
         }
-        let shard32 = &mut self.shard32;
+        // Gathered as they are kept, in bf16 (half the bytes of f32),
+        // then widened where the model reads f32: the values are bf16's,
+        // so the bits are those of a gather in f32.
+        let staged = match bf16 {
+            true => &mut self.gathered16,
+            false => &mut self.staged16,
+        };
         with_device_view(runtime, backend, shard, Dtype::Bf16, |shard| {
-            Ok(backend.cast(shard, shard32.view_mut().range(0..n))?)
+            collective
+                .all_gather(shard, staged.view_mut().range(0..padded))?
+                .wait()?;
+            Ok(())
         })?;
-        collective
-            .all_gather(
-                self.shard32.view().range(0..n),
+        match bf16 {
+            true => {
+                for range in &group.reads_f32 {
+                    let target = self.gathered.view_mut().range(range.clone());
+                    backend.cast(self.gathered16.view().range(range.clone()), target)?;
+                }
+            }
+            false => backend.cast(
+                self.staged16.view().range(0..padded),
                 self.gathered.view_mut().range(0..padded),
-            )?
-            .wait()?;
-        if bf16 {
-            // The values are bf16's: the cast is exact.
-            backend.cast(
-                self.gathered.view().range(0..padded),
-                self.gathered16.view_mut().range(0..padded),
-            )?;
+            )?,
         }
         Ok(())
     }
