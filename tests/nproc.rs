@@ -513,6 +513,45 @@ fn each_local_rank_is_bound_to_its_own_cores() {
 }
 
 #[test]
+fn srun_ranks_train_the_bits_of_threads() {
+    // What srun gives each task (no Slurm here): its rank, the job's
+    // tasks, the node's, the node list and the job and step ids.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    config(dir, 2, 6, 100);
+    let threads = losses(
+        &strata(dir)
+            .args(["train", "--config", "r2.toml", "--json"])
+            .output()
+            .unwrap(),
+    );
+    let job = std::process::id().to_string();
+    let tasks: Vec<_> = (0..2)
+        .map(|rank| {
+            strata(dir)
+                .args(["train", "--config", "r2.toml", "--json"])
+                .env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_LOCALID", rank.to_string())
+                .env("SLURM_NTASKS_PER_NODE", "2")
+                .env("SLURM_STEP_NODELIST", "localhost")
+                .env("SLURM_JOB_ID", &job)
+                .env("SLURM_STEP_ID", "0")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = tasks
+        .into_iter()
+        .map(|t| t.wait_with_output().unwrap())
+        .collect();
+    assert!(outs[1].status.success(), "{}", text(&outs[1]));
+    assert_eq!(losses(&outs[0]), threads, "srun's two tasks");
+}
+
+#[test]
 fn torchrun_ranks_train_the_bits_of_threads() {
     let found = Command::new("torchrun").arg("--help").output();
     if !found.is_ok_and(|out| out.status.success()) {

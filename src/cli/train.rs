@@ -1110,8 +1110,8 @@ fn abort_job(world: &World) -> ! {
 }
 
 /// This process's member of the job `launch` describes: over TCP for
-/// torchrun (and `--nproc`), over MPI for mpirun, srun and PMI launchers
-/// (a build with `--features mpi`).
+/// torchrun (and `--nproc`) and srun, over MPI for mpirun and PMI
+/// launchers (a build with `--features mpi`).
 fn open_process_rank(
     launch: &engine::Launch,
     config: &TrainConfig,
@@ -1131,7 +1131,7 @@ fn open_process_rank(
     let master = launch
         .master
         .clone()
-        .expect("torchrun's launch has its master");
+        .expect("a launch over TCP has its master");
     let world = strata_comm::TcpWorld::connect(&strata_comm::Rendezvous {
         rank: launch.rank,
         world: launch.world,

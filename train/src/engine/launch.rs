@@ -8,7 +8,10 @@
 //! `SLURM_NTASKS_PER_NODE`). Without any, the process is a run of its
 //! own (its ranks, if several, are threads). torchrun's ranks meet over
 //! TCP: through its agent's store when `TORCHELASTIC_USE_AGENT_STORE` says
-//! there is one, else at rank 0's `MASTER_ADDR:MASTER_PORT`.
+//! there is one, else at rank 0's `MASTER_ADDR:MASTER_PORT`. srun's meet
+//! over TCP too, at `MASTER_ADDR:MASTER_PORT` when set, else on the step's
+//! first node at a port of the job and step id; mpirun's and PMI
+//! launchers' over MPI.
 
 use crate::error::{Result, TrainError};
 
@@ -37,9 +40,10 @@ impl Launcher {
         }
     }
 
-    /// Whether its processes find each other through MPI.
+    /// Whether its processes find each other through MPI (mpirun and
+    /// PMI launchers); torchrun's and srun's meet over TCP.
     pub fn is_mpi(self) -> bool {
-        !matches!(self, Launcher::Torchrun)
+        matches!(self, Launcher::OpenMpi | Launcher::Pmi)
     }
 }
 
@@ -56,7 +60,9 @@ pub struct Launch {
     pub local_rank: usize,
     /// Processes on its machine.
     pub local_world: usize,
-    /// torchrun's rendezvous address and port.
+    /// Where rank 0 meets the others over TCP (torchrun and srun):
+    /// torchrun's `MASTER_ADDR:MASTER_PORT`; under srun those if set, else
+    /// the step's first node and a port of its job and step id.
     pub master: Option<(String, u16)>,
     /// Under torchrun's agent (`TORCHELASTIC_USE_AGENT_STORE=True`), which
     /// serves a c10d TCPStore at `master`: the prefix of this run's keys
@@ -152,20 +158,40 @@ impl Launch {
                     local_world_value,
                 ));
             }
+            let port = match get("MASTER_PORT") {
+                Some(text) => Some(text.trim().parse::<u16>().map_err(|_| TrainError::Config {
+                    key: "MASTER_PORT",
+                    value: text.clone(),
+                    fix: "MASTER_PORT must be a TCP port (1-65535)".into(),
+                })?),
+                None => None,
+            };
             let master = match launcher {
-                Launcher::Torchrun => {
-                    let addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-                    let port = match get("MASTER_PORT") {
-                        Some(text) => {
-                            text.trim().parse::<u16>().map_err(|_| TrainError::Config {
-                                key: "MASTER_PORT",
-                                value: text.clone(),
-                                fix: "MASTER_PORT must be a TCP port (1-65535)".into(),
-                            })?
-                        }
-                        None => 29500,
+                Launcher::Torchrun => Some((
+                    get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+                    port.unwrap_or(29500),
+                )),
+                // Rank 0 runs on the step's first node; the port is the
+                // job step's, so that every rank picks the same one.
+                Launcher::Slurm => {
+                    let nodes = [
+                        "SLURM_STEP_NODELIST",
+                        "SLURM_JOB_NODELIST",
+                        "SLURM_NODELIST",
+                    ]
+                    .into_iter()
+                    .find_map(get);
+                    let addr = get("MASTER_ADDR")
+                        .or_else(|| nodes.as_deref().and_then(first_host))
+                        .unwrap_or_else(|| "127.0.0.1".into());
+                    let id = |name: &str| {
+                        get(name)
+                            .and_then(|text| text.trim().parse::<u64>().ok())
+                            .unwrap_or(0)
                     };
-                    Some((addr, port))
+                    let derived = SLURM_PORT_BASE
+                        + ((id("SLURM_JOB_ID") * 31 + id("SLURM_STEP_ID")) % SLURM_PORTS) as u16;
+                    Some((addr, port.unwrap_or(derived)))
                 }
                 _ => None,
             };
@@ -213,6 +239,38 @@ impl Launch {
             ),
         })
     }
+}
+
+/// The first port srun's ranks meet at, and how many follow it (one is
+/// picked by the job and step id).
+const SLURM_PORT_BASE: u16 = 20000;
+const SLURM_PORTS: u64 = 20000;
+
+/// The first host of a Slurm node list (`node[07-09,12],gpu3` is
+/// `node07`).
+fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list
+        .char_indices()
+        .scan(0i32, |depth, (i, c)| {
+            match c {
+                '[' => *depth += 1,
+                ']' => *depth -= 1,
+                _ => {}
+            }
+            Some((i, c, *depth))
+        })
+        .find(|&(_, c, depth)| c == ',' && depth == 0)
+        .map_or(list.len(), |(i, _, _)| i);
+    let first = &list[..end];
+    let host = match first.split_once('[') {
+        None => first.to_string(),
+        Some((prefix, rest)) => {
+            let item = rest.trim_end_matches(']').split([',', '-']).next()?;
+            format!("{prefix}{item}")
+        }
+    };
+    (!host.is_empty()).then_some(host)
 }
 
 #[cfg(test)]
@@ -305,7 +363,22 @@ mod tests {
             ),
             (Launcher::Slurm, 5, 1, 2)
         );
-        assert!(slurm.launcher.is_mpi() && !torchrun.launcher.is_mpi());
+        assert!(ompi.launcher.is_mpi() && !slurm.launcher.is_mpi() && !torchrun.launcher.is_mpi());
+        // srun's ranks meet on the step's first node, at its job's port.
+        let step = launch(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_STEP_NODELIST", "gpu[07-09,12],cpu3"),
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_STEP_ID", "0"),
+        ])
+        .unwrap()
+        .unwrap();
+        let (host, port) = step.master.unwrap();
+        assert_eq!(host, "gpu07");
+        assert_eq!(port, SLURM_PORT_BASE + ((4242 * 31) % SLURM_PORTS) as u16);
+        assert_eq!(first_host("n1"), Some("n1".into()));
+        assert_eq!(first_host("a[3,5],b"), Some("a3".into()));
     }
 
     #[test]
