@@ -68,11 +68,7 @@ fn measure(mib: usize, rounds: usize) -> anyhow::Result<()> {
     // rank 0's (this machine: mpirun here starts every rank on it).
     let mut port = [0u32];
     if world.rank() == 0 {
-        port[0] = u32::from(
-            std::net::TcpListener::bind("127.0.0.1:0")?
-                .local_addr()?
-                .port(),
-        );
+        port[0] = u32::from(strata_comm::free_port()?);
     }
     group.broadcast(0, ViewMut::host_slice(&mut port))?.wait()?;
     let tcp = TcpWorld::connect(&Rendezvous {

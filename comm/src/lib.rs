@@ -45,7 +45,7 @@ pub use in_process::{InProcess, SCALARS_MAX};
 #[cfg(feature = "mpi")]
 pub use mpi::{Comparison, Mpi, MpiLinks, MpiWorld};
 pub use pairwise::{Pairwise, Transfer, Transport};
-pub use tcp::{Rendezvous, Tcp, TcpLinks, TcpWorld};
+pub use tcp::{Rendezvous, Tcp, TcpLinks, TcpWorld, free_port};
 
 use strata_device::{Fence, View, ViewMut};
 

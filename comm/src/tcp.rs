@@ -116,9 +116,14 @@ impl TcpWorld {
         };
         let mut links: Vec<Option<Link>> = (0..world).map(|_| None).collect();
         if world > 1 {
+            // Rank 0 takes the master port before any port of its own.
+            let master = match (store, rank) {
+                (None, 0) => Some(listen(rendezvous.master.1)?),
+                _ => None,
+            };
             let listener = listen(0)?;
             let (table, token) = match store {
-                None => by_rank_zero(rendezvous, &listener, &deadline)?,
+                None => by_rank_zero(rendezvous, master, &listener, &deadline)?,
                 Some(prefix) => by_store(rendezvous, prefix, &listener, &deadline)?,
             };
             for (peer, stream) in mesh(rank, world, &table, token, &listener, &deadline)?
@@ -202,6 +207,24 @@ fn setup(problem: String) -> CommError {
         fix: "check that the ranks' machines reach each other over TCP (MASTER_ADDR, firewalls)"
             .into(),
     }
+}
+
+/// A port no process listens at now, for rank 0 to listen at: one of
+/// 20000-32767, below Linux's ephemeral ports (so no socket another rank
+/// opens meanwhile is given it), else any free port.
+pub fn free_port() -> Result<u16> {
+    use std::hash::{BuildHasher, RandomState};
+    let start = RandomState::new().hash_one(std::process::id()) % 12_768;
+    for k in 0..64 {
+        let port = 20_000 + ((start + k * 197) % 12_768) as u16;
+        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Ok(listen(0)?
+        .local_addr()
+        .map_err(|e| setup(format!("a free port: {e}")))?
+        .port())
 }
 
 /// A listener on every interface at `port` (0: any free port).
@@ -309,6 +332,7 @@ fn greeted(stream: &mut TcpStream, left: Duration) -> std::result::Result<[u64; 
 /// token.
 fn by_rank_zero(
     r: &Rendezvous,
+    master: Option<TcpListener>,
     listener: &TcpListener,
     deadline: &Deadline,
 ) -> Result<(Vec<Option<SocketAddr>>, u64)> {
@@ -337,7 +361,7 @@ fn by_rank_zero(
         let token = answer.map_err(|_| deadline.missed("the table from rank 0", &[0]))?;
         return Ok((table, token));
     }
-    let master = listen(r.master.1)?;
+    let master = master.expect("rank 0 listens at the master port");
     master
         .set_nonblocking(true)
         .map_err(|e| setup(format!("the master listener: {e}")))?;

@@ -18,11 +18,7 @@ use strata_device::ViewMut;
 const ELEMS_MAX: usize = 4 * 1031 + 8;
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    strata_comm::free_port().unwrap()
 }
 
 fn rendezvous(rank: usize, world: usize, port: u16, store: Option<&str>) -> Rendezvous {

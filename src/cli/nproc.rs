@@ -59,10 +59,7 @@ pub fn run(nproc: usize, timeout_s: f64, blocked: Blocked) -> anyhow::Result<Exi
         bail!("--nproc {nproc}: give a number of processes from 1 to {NPROC_MAX}");
     }
     let exe = std::env::current_exe().context("find this strata binary to start the ranks")?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .context("find a free local port for rank 0 to listen at")?
-        .port();
+    let port = strata_comm::free_port().context("find a free port for rank 0 to listen at")?;
     let args = arguments_without_nproc();
     let mut children: Vec<Child> = Vec::with_capacity(nproc);
     for rank in 0..nproc {
