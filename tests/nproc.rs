@@ -289,6 +289,85 @@ fn a_rank_killed_while_checkpoints_are_written_leaves_the_last_one_whole() {
     }
 }
 
+#[test]
+fn a_rank_that_crashes_at_any_checkpoint_operation_leaves_the_last_whole_one() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dir = dir.path();
+    // Two ranks of one layer, two steps, a checkpoint after each.
+    config(dir, 1, 2, 1);
+    let small = std::fs::read_to_string(dir.join("r1.toml"))
+        .unwrap()
+        .replace("layers = 4", "layers = 1");
+    std::fs::write(dir.join("r1.toml"), small).unwrap();
+    let train = |extra: &[&str], crash: Option<String>| {
+        let mut command = strata(dir);
+        command.args([
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            "r1.toml",
+            "--checkpoint-dir",
+            "ck",
+        ]);
+        command.args(extra);
+        if let Some(at) = crash {
+            command.env("STRATA_CRASH_AT", at);
+        }
+        command.output().unwrap()
+    };
+    // Every operation of each rank: rank 1's shard files, around the
+    // agreements; rank 0's weights, side files and publishing (each of
+    // whose operations the single process's crash model in
+    // `checkpoint::publish` also takes, with power cuts).
+    for (victim, stride) in [(1, 1usize), (0, 1)] {
+        let mut n = 1;
+        let ops = loop {
+            let _ = std::fs::remove_dir_all(dir.join("ck"));
+            let out = train(&[], Some(format!("{victim}:{n}")));
+            if out.status.success() {
+                break n - 1;
+            }
+            let said = text(&out);
+            assert!(
+                said.contains("aborting at checkpoint operation"),
+                "rank {victim}, operation {n}:\n{said}"
+            );
+            if dir.join("ck/latest").exists() {
+                let verify = strata(dir)
+                    .args(["checkpoint", "verify", "ck"])
+                    .output()
+                    .unwrap();
+                assert!(
+                    verify.status.success(),
+                    "rank {victim}, operation {n}: {}",
+                    text(&verify)
+                );
+            }
+            // Started again as a launcher restarts a job: it goes on to the
+            // end from the last whole checkpoint, or from the start.
+            // (A crash after the last checkpoint was published: it says the
+            // run is finished.)
+            let again = train(&["--resume", "auto", "--json"], None);
+            let said = text(&again);
+            assert!(
+                again.status.success(),
+                "rank {victim}, operation {n}: {said}"
+            );
+            if !said.contains("it is finished") {
+                assert_eq!(summary(&again)["last_step"], 2, "{said}");
+            }
+            n += stride;
+            assert!(n < 1000, "rank {victim} never finished");
+        };
+        eprintln!(
+            "rank {victim}: crashed at {} of its {ops} checkpoint operations",
+            ops.div_ceil(stride)
+        );
+        assert!(ops > 8, "rank {victim}: {ops} operations");
+    }
+}
+
 /// The largest relative difference between two loss curves of one length.
 fn worst(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());

@@ -3,7 +3,7 @@
 //! leave).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use strata_device::{Cancel, DeviceKind, Dtype, Fence, Raw, View, ViewMut};
 
@@ -32,7 +32,12 @@ struct Shared {
 type SplitKey = (Vec<usize>, usize);
 
 impl Shared {
-    fn new(world: usize, elems_max: usize, cancel: Cancel) -> Shared {
+    fn new(
+        world: usize,
+        elems_max: usize,
+        cancel: Cancel,
+        parent: Option<(Weak<Shared>, Vec<usize>)>,
+    ) -> Shared {
         Shared {
             gate: Gate {
                 state: Mutex::new(GateState {
@@ -43,6 +48,7 @@ impl Shared {
                 turned: Condvar::new(),
                 world,
                 cancel,
+                parent,
             },
             slots: (0..world)
                 .map(|_| Mutex::new(Vec::with_capacity(elems_max)))
@@ -67,6 +73,10 @@ struct Gate {
     turned: Condvar,
     world: usize,
     cancel: Cancel,
+    /// A subgroup's: the group it was split from (a rank that left it
+    /// fails this one's waits too; weak, as the group holds its subgroups)
+    /// and each member's rank there.
+    parent: Option<(Weak<Shared>, Vec<usize>)>,
 }
 
 struct GateState {
@@ -85,8 +95,17 @@ impl Gate {
         if self.cancel.is_cancelled() {
             return Err(CommError::Cancelled);
         }
+        if let Some(parent) = self.parent.as_ref().and_then(|(p, _)| p.upgrade()) {
+            // (Locks taken child first, parent after: never the other way.)
+            parent.gate.check(&parent.gate.lock())?;
+        }
         match state.left {
-            Some(rank) => Err(CommError::PeerLeft { rank }),
+            Some(rank) => Err(CommError::PeerLeft {
+                rank: match &self.parent {
+                    Some((_, members)) => members[rank],
+                    None => rank,
+                },
+            }),
             None => Ok(()),
         }
     }
@@ -136,7 +155,7 @@ impl InProcess {
     /// once.
     pub fn group(world: usize, elems_max: usize) -> Vec<InProcess> {
         assert!(world > 0, "a group needs a rank");
-        let shared = Arc::new(Shared::new(world, elems_max, Cancel::new()));
+        let shared = Arc::new(Shared::new(world, elems_max, Cancel::new(), None));
         (0..world)
             .map(|rank| InProcess::member(rank, Arc::clone(&shared)))
             .collect()
@@ -379,6 +398,7 @@ impl Collective for InProcess {
                         members.len(),
                         self.shared.elems_max,
                         self.shared.gate.cancel.clone(),
+                        Some((Arc::downgrade(&self.shared), members.to_vec())),
                     ))
                 }),
         );
@@ -546,6 +566,22 @@ mod tests {
         c.all_gather(View::host_slice(shard), ViewMut::host_slice(out))?
             .wait()?;
         Ok(())
+    }
+
+    /// A rank that leaves the group before a subgroup is split fails the
+    /// subgroup's waits too, named by its rank in the group.
+    #[test]
+    fn a_rank_gone_from_the_group_fails_its_subgroups() {
+        let mut ranks = InProcess::group(3, 64);
+        drop(ranks.pop());
+        let sub = ranks[1].split(&[1, 2]).unwrap();
+        let started = std::time::Instant::now();
+        let mut values = [1f32; 4];
+        match sub.all_reduce(ViewMut::host_slice(&mut values)) {
+            Err(CommError::PeerLeft { rank: 2 }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
     }
 
     /// Subgroups split from ranks as threads pass it too.

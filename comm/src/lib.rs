@@ -3,9 +3,9 @@
 //! same call moves fp32 gradients on the host or bf16 shards on a GPU;
 //! [`ProcessGroups`] gives a rank its data-, tensor- and pipeline-parallel
 //! groups; [`InProcess`] is ranks as threads of one process; ranks as
-//! processes exchange over [`Tcp`] (torchrun, `strata train --nproc`) or
-//! `Mpi` (mpirun, srun; feature `mpi`), both through [`Pairwise`]'s
-//! plans (NCCL will be one more implementation).
+//! processes exchange over [`Tcp`] (torchrun, srun, `strata train
+//! --nproc`) or `Mpi` (mpirun and PMI launchers; feature `mpi`), both
+//! through [`Pairwise`]'s plans (NCCL will be one more implementation).
 //!
 //! Sums run in rank order, so a result is the same bits whatever the
 //! threads' timing. Every call returns a [`strata_device::Fence`]: the

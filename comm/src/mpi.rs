@@ -1,6 +1,6 @@
 //! Ranks as processes over MPI (the `mpi` crate over the system's Open
-//! MPI or MPICH), for CPU ranks under `mpirun`, `srun` or any launcher MPI
-//! knows. Every operation is `crate::pairwise`'s point-to-point transfers
+//! MPI or MPICH), for CPU ranks under `mpirun` or a PMI launcher (srun's
+//! ranks meet over TCP instead: `crate::Tcp`). Every operation is `crate::pairwise`'s point-to-point transfers
 //! between pairs of ranks, carried as non-blocking requests polled against
 //! the group's [`Cancel`](strata_device::Cancel) and a deadline: a collective never blocks on a
 //! dead peer, and the error names the ranks not heard from.

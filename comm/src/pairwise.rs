@@ -303,6 +303,9 @@ impl<T: Transport + 'static> Collective for Pairwise<T> {
         summable(OP, values.dtype())?;
         reach(OP, "values", values.raw())?;
         let (n, width) = (values.len(), values.dtype().bytes() as usize);
+        if n == 0 {
+            return Ok(Fence::ready());
+        }
         // Rank r sums elements r * chunk.. of every rank's values, then
         // every rank gathers every sum.
         let chunk = n.div_ceil(self.world);

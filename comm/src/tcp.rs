@@ -1,5 +1,5 @@
-//! Ranks as processes over TCP, for CPU ranks launched by torchrun or by
-//! `strata train --nproc` (no MPI there): a socket between every pair of
+//! Ranks as processes over TCP, for CPU ranks launched by torchrun, srun
+//! or `strata train --nproc` (no MPI needed): a socket between every pair of
 //! ranks, carrying `crate::pairwise`'s transfers. Each message starts with
 //! a header (the operation, its number on that link, its bytes), so ranks
 //! that call different collectives are told so instead of mixing bytes.
@@ -313,10 +313,14 @@ fn greeting(rank: usize, world: usize, token: u64, port: u16) -> Vec<u8> {
     ])
 }
 
+/// The longest a new connection may take to greet: a silent one (a
+/// probe, a stale process) is dropped, not waited on for the rendezvous.
+const GREETING_WAIT: Duration = Duration::from_secs(5);
+
 /// Reads a greeting: (rank, world, token, port), or why it is none.
 fn greeted(stream: &mut TcpStream, left: Duration) -> std::result::Result<[u64; 4], String> {
     stream
-        .set_read_timeout(Some(left))
+        .set_read_timeout(Some(left.min(GREETING_WAIT)))
         .map_err(|e| e.to_string())?;
     let [magic, rank, world, token, port] = read_words::<5>(stream).map_err(|e| e.to_string())?;
     if magic != (u64::from(MAGIC) << 32 | u64::from(VERSION)) {
@@ -343,9 +347,12 @@ fn by_rank_zero(
     if r.rank > 0 {
         let addrs = resolve(&r.master)?;
         let mut stream = reach(&addrs, deadline, "reaching rank 0", 0)?;
+        let Some(left) = deadline.left() else {
+            return Err(deadline.missed("the table from rank 0", &[0]));
+        };
         let said = stream
             .write_all(&greeting(r.rank, r.world, 0, port))
-            .and_then(|()| stream.set_read_timeout(deadline.left()));
+            .and_then(|()| stream.set_read_timeout(Some(left)));
         said.map_err(|e| setup(format!("greeting rank 0: {e}")))?;
         let mut table = Vec::with_capacity(r.world);
         let answer = (|| -> std::io::Result<u64> {

@@ -4,9 +4,11 @@
 //! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 //! `MASTER_PORT` at a free local port, where rank 0 listens), so a rank
 //! runs exactly as under torchrun. SIGINT and SIGTERM are passed on to
-//! every rank, which stop together at a step boundary. The ranks find a
-//! rank that went away themselves (its sockets close); should one hang
-//! past the collectives' timeout after another failed, it is killed here.
+//! every rank once (the ranks have process groups of their own, so a
+//! terminal's Ctrl-C reaches this process alone), and they get SIGTERM
+//! should this process die. The ranks find a rank that went away
+//! themselves (its sockets close); should one hang past the collectives'
+//! timeout after another failed, it is killed here.
 
 use std::ffi::OsString;
 use std::process::{Child, Command, ExitCode, ExitStatus};
@@ -63,7 +65,9 @@ pub fn run(nproc: usize, timeout_s: f64, blocked: Blocked) -> anyhow::Result<Exi
     let args = arguments_without_nproc();
     let mut children: Vec<Child> = Vec::with_capacity(nproc);
     for rank in 0..nproc {
-        let spawned = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        super::signals::end_with_parent(&mut command);
+        let spawned = command
             .args(&args)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", nproc.to_string())
@@ -90,7 +94,10 @@ pub fn run(nproc: usize, timeout_s: f64, blocked: Blocked) -> anyhow::Result<Exi
         "--nproc {nproc}: ranks as processes {:?}, rank 0 listening at 127.0.0.1:{port}",
         children.iter().map(Child::id).collect::<Vec<_>>()
     );
-    super::signals::forward(blocked, children.iter().map(Child::id).collect())
+    let running: super::signals::Ranks = std::sync::Arc::new(std::sync::Mutex::new(
+        children.iter().map(|c| Some(c.id())).collect(),
+    ));
+    super::signals::forward(blocked, running.clone())
         .context("start the thread that passes signals on to the ranks")?;
     let mut statuses: Vec<Option<(String, u8)>> = vec![None; nproc];
     let mut first_failure: Option<(usize, Instant)> = None;
@@ -100,7 +107,14 @@ pub fn run(nproc: usize, timeout_s: f64, blocked: Blocked) -> anyhow::Result<Exi
             if statuses[rank].is_some() {
                 continue;
             }
-            if let Some(status) = child.try_wait().context("wait for a rank")? {
+            // Reaped under the lock the signals are passed on under.
+            let mut pids = running.lock().expect("ranks");
+            let reaped = child.try_wait().context("wait for a rank")?;
+            if reaped.is_some() {
+                pids[rank] = None;
+            }
+            drop(pids);
+            if let Some(status) = reaped {
                 let (words, code) = ended(status);
                 if code != 0 {
                     eprintln!("strata train --nproc: rank {rank} of {nproc} {words}");

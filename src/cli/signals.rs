@@ -91,24 +91,50 @@ impl Blocked {
     }
 }
 
+/// The ranks `strata train --nproc` started, by rank: a pid while the
+/// rank runs, `None` once it has been reaped (its pid may then be another
+/// process's). The waiter reaps under the lock, so a signal never goes to
+/// a reaped pid.
+pub type Ranks = std::sync::Arc<std::sync::Mutex<Vec<Option<u32>>>>;
+
 /// Starts the thread that passes every SIGINT and SIGTERM this process
-/// gets on to each of `pids` (the ranks `strata train --nproc` started,
-/// which stop together at a step boundary as a launched job does).
-pub fn forward(blocked: Blocked, pids: Vec<u32>) -> std::io::Result<()> {
+/// gets on to each rank still running in `ranks` (which stop together at
+/// a step boundary as a launched job does).
+pub fn forward(blocked: Blocked, ranks: Ranks) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("strata-forward".into())
         .spawn(move || {
             while let Some(signal) = blocked.wait(None) {
-                for &pid in &pids {
-                    // SAFETY: kill(2) takes any pid and signal number; a
-                    // rank that has exited (or been reaped) only makes it
-                    // fail with ESRCH, which is what the rank's own
-                    // status then says.
+                let ranks = ranks.lock().expect("ranks");
+                for &pid in ranks.iter().flatten() {
+                    // SAFETY: kill(2) takes any pid and signal number; the
+                    // pid is a child not yet reaped (the lock is held over
+                    // the reaping), so it is that rank's, running or a
+                    // zombie (then the signal is ignored).
                     unsafe { libc::kill(pid as libc::pid_t, signal) };
                 }
             }
         })
         .map(drop)
+}
+
+/// Makes `command`'s process end with this one: its own process group
+/// (a terminal's Ctrl-C reaches this process alone, which passes it on
+/// once), and SIGTERM should this process die first.
+pub fn end_with_parent(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    command.process_group(0);
+    // SAFETY: the closure runs in the child between fork and exec, and
+    // calls only prctl(2), which is async-signal-safe and touches no
+    // memory of the parent's.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// The signal's name.

@@ -465,7 +465,7 @@ pub(super) fn absolute(path: &Path, flag: &str) -> anyhow::Result<PathBuf> {
 
 /// Runs `strata train`: exits 0, or 128 + the signal that stopped it.
 pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
-    resolve_auto_resume(&mut args)?;
+    let auto_resumed = resolve_auto_resume(&mut args)?;
     if !(args.signal_grace.is_finite() && args.signal_grace >= 0.0) {
         bail!(
             "--signal-grace {} is not a number of seconds: give one at least 0 (default {SIGNAL_GRACE_DEFAULT_S})",
@@ -485,6 +485,21 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
             nvme.create_dirs = false;
         }
         print!("{}", shown.to_toml()?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    // A launcher restarting a job that had already written its last
+    // checkpoint (it failed after): nothing is left to do.
+    let stop = args
+        .stop_after
+        .unwrap_or(config.train.steps)
+        .min(config.train.steps);
+    if let (true, Some(step)) = (auto_resumed, resumed_step)
+        && step >= stop
+    {
+        eprintln!(
+            "--resume auto: the newest checkpoint in {} is of step {step}, where this run stops: it is finished",
+            args.resume.as_deref().unwrap_or(Path::new(".")).display()
+        );
         return Ok(ExitCode::SUCCESS);
     }
     // Ranks as processes when a launcher started this one.
@@ -780,10 +795,10 @@ pub fn run(mut args: TrainArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// `--resume auto`: resume from the checkpoint directory's newest whole
-/// checkpoint when it has one, else start the run there.
-fn resolve_auto_resume(args: &mut TrainArgs) -> anyhow::Result<()> {
+/// checkpoint when it has one (true), else start the run there.
+fn resolve_auto_resume(args: &mut TrainArgs) -> anyhow::Result<bool> {
     if args.resume.as_deref() != Some(Path::new("auto")) {
-        return Ok(());
+        return Ok(false);
     }
     let dir = match (&args.checkpoint_dir, &args.config) {
         (Some(dir), _) => Some(dir.clone()),
@@ -805,15 +820,15 @@ fn resolve_auto_resume(args: &mut TrainArgs) -> anyhow::Result<()> {
     if dir.join("latest").exists() {
         tracing::info!("--resume auto: resuming from {}", dir.display());
         args.resume = Some(dir);
-    } else {
-        tracing::info!(
-            "--resume auto: no checkpoint in {} yet: the run starts there",
-            dir.display()
-        );
-        args.resume = None;
-        args.checkpoint_dir = Some(dir);
+        return Ok(true);
     }
-    Ok(())
+    tracing::info!(
+        "--resume auto: no checkpoint in {} yet: the run starts there",
+        dir.display()
+    );
+    args.resume = None;
+    args.checkpoint_dir = Some(dir);
+    Ok(false)
 }
 
 /// What stays when the run is stopped mid-step: the checkpoint `latest`
@@ -1158,6 +1173,7 @@ fn member<T: strata_comm::Transport + 'static>(
             cancel,
             local_world: launch.local_world,
             local_rank: launch.local_rank,
+            launcher_binds: !matches!(launch.launcher, engine::Launcher::Torchrun),
         },
         world,
     }

@@ -180,6 +180,14 @@ pub enum TrainError {
     /// A collective failed (a rank left, a limit).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A collective of one of hybrid sharding's groups failed.
+    #[error("{group} group: {cause}")]
+    GroupComm {
+        /// The group: "shard" or "replica".
+        group: &'static str,
+        /// What failed.
+        cause: CommError,
+    },
     /// A collective of a run's step failed: which step, in which group.
     #[error("step {step}, {group} group: {cause}")]
     StepComm {
@@ -248,14 +256,16 @@ impl TrainError {
     /// The collective's error, where this is one.
     fn comm(&self) -> Option<&CommError> {
         match self {
-            TrainError::Comm(cause) | TrainError::StepComm { cause, .. } => Some(cause),
+            TrainError::Comm(cause)
+            | TrainError::GroupComm { cause, .. }
+            | TrainError::StepComm { cause, .. } => Some(cause),
             _ => None,
         }
     }
 
     /// This error as one of step `step`: a collective's names the step
-    /// and its group (a run's collectives are all of its data-parallel
-    /// group).
+    /// and its group (the data-parallel group of every rank, or hybrid
+    /// sharding's shard or replica group).
     pub(crate) fn in_step(self, step: u64) -> TrainError {
         match self {
             TrainError::Comm(cause) => TrainError::StepComm {
@@ -263,7 +273,17 @@ impl TrainError {
                 group: "data-parallel",
                 cause,
             },
+            TrainError::GroupComm { group, cause } => TrainError::StepComm { step, group, cause },
             other => other,
+        }
+    }
+
+    /// A collective's error in hybrid sharding's `group` ("shard" or
+    /// "replica"), or of every rank's group without it (`hybrid` false).
+    pub(crate) fn of_group(cause: CommError, group: &'static str, hybrid: bool) -> TrainError {
+        match hybrid {
+            true => TrainError::GroupComm { group, cause },
+            false => TrainError::Comm(cause),
         }
     }
 

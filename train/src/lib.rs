@@ -18,6 +18,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod crash;
 pub mod engine;
 mod error;
 pub mod generate;

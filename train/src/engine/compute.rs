@@ -9,7 +9,7 @@ use strata_device::{Buffer, Dtype, View};
 use strata_kernels::{Backend, Readback, no_position_ids};
 use strata_runtime::TensorId;
 
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::model::{Buffers, Model, OUTER, Weights};
 
 use super::access::{with_device_view, write_from_view};
@@ -392,10 +392,12 @@ impl Workspace {
             true => &mut self.gathered16,
             false => &mut self.staged16,
         };
+        let hybrid = env.replicas().is_some();
         with_device_view(runtime, backend, shard, Dtype::Bf16, |shard| {
             collective
-                .all_gather(shard, staged.view_mut().range(0..padded))?
-                .wait()?;
+                .all_gather(shard, staged.view_mut().range(0..padded))
+                .and_then(|fence| Ok(fence.wait()?))
+                .map_err(|e| TrainError::of_group(e, "shard", hybrid))?;
             Ok(())
         })?;
         match bf16 {
@@ -434,23 +436,28 @@ impl Workspace {
         };
         // Summed over the shard group, then (hybrid sharding) over the
         // replicas holding the same shard.
-        let shard = if env.shards() == 1 {
+        let hybrid = env.replicas().is_some();
+        let across = |values: strata_device::ViewMut<'_>| -> Result<()> {
             if let Some(replicas) = env.replicas() {
-                replicas.all_reduce(full.view_mut().range(0..n))?.wait()?;
+                replicas
+                    .all_reduce(values)
+                    .and_then(|fence| Ok(fence.wait()?))
+                    .map_err(|e| TrainError::of_group(e, "replica", true))?;
             }
+            Ok(())
+        };
+        let shard = if env.shards() == 1 {
+            across(full.view_mut().range(0..n))?;
             full.view().range(0..n)
         } else {
             collective
                 .reduce_scatter(
                     full.view().range(0..padded),
                     self.shard32.view_mut().range(0..n),
-                )?
-                .wait()?;
-            if let Some(replicas) = env.replicas() {
-                replicas
-                    .all_reduce(self.shard32.view_mut().range(0..n))?
-                    .wait()?;
-            }
+                )
+                .and_then(|fence| Ok(fence.wait()?))
+                .map_err(|e| TrainError::of_group(e, "shard", hybrid))?;
+            across(self.shard32.view_mut().range(0..n))?;
             self.shard32.view().range(0..n)
         };
         // The norm of the f32 sum; the tensor keeps it in the gradients'

@@ -82,10 +82,12 @@ pub(crate) struct RealFs;
 
 impl Fs for RealFs {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()> {
+        crate::crash::point("create_dir_all");
         std::fs::create_dir_all(dir)
     }
 
     fn create_dir(&self, dir: &Path) -> io::Result<()> {
+        crate::crash::point("create_dir");
         std::fs::create_dir(dir)
     }
 
@@ -98,8 +100,11 @@ impl Fs for RealFs {
 
     fn write_synced(&self, path: &Path, bytes: &[u8]) -> io::Result<()> {
         use std::io::Write;
+        crate::crash::point("create");
         let mut file = std::fs::File::create(path)?;
+        crate::crash::point("write");
         file.write_all(bytes)?;
+        crate::crash::point("sync");
         file.sync_all()
     }
 
@@ -112,18 +117,22 @@ impl Fs for RealFs {
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        crate::crash::point("rename");
         std::fs::rename(from, to)
     }
 
     fn exchange(&self, a: &Path, b: &Path) -> io::Result<()> {
+        crate::crash::point("exchange");
         strata_storage::sys::rename_exchange(a, b)
     }
 
     fn remove_dir_all(&self, dir: &Path) -> io::Result<()> {
+        crate::crash::point("remove_dir_all");
         std::fs::remove_dir_all(dir)
     }
 
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        crate::crash::point("sync_dir");
         std::fs::File::open(dir)?.sync_all()
     }
 

@@ -133,6 +133,18 @@ impl Launch {
                     number(local_world, text.split('(').next().unwrap_or(&text))?
                 }
                 Some(text) => number(local_world, &text)?,
+                // Without --ntasks-per-node, srun says each node's tasks
+                // in a list ("2(x3),1"), this node's at SLURM_NODEID.
+                None if launcher == Launcher::Slurm => {
+                    let node = get("SLURM_NODEID")
+                        .and_then(|t| t.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+                        .into_iter()
+                        .find_map(get)
+                        .and_then(|list| tasks_on_node(&list, node))
+                        .unwrap_or(world_value)
+                }
                 None => world_value,
             };
             let out_of = |name: &'static str, value: usize, of: &'static str, max: usize| {
@@ -242,9 +254,27 @@ impl Launch {
 }
 
 /// The first port srun's ranks meet at, and how many follow it (one is
-/// picked by the job and step id).
+/// picked by the job and step id): below Linux's ephemeral ports, so that
+/// no socket another rank opens meanwhile is given it.
 const SLURM_PORT_BASE: u16 = 20000;
-const SLURM_PORTS: u64 = 20000;
+const SLURM_PORTS: u64 = 12_768;
+
+/// Node `node`'s tasks in a Slurm tasks-per-node list (`2(x3),1`: three
+/// nodes of two, then one of one).
+fn tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut at = 0;
+    for item in list.trim().split(',') {
+        let (tasks, times) = match item.split_once("(x") {
+            Some((tasks, times)) => (tasks, times.trim_end_matches(')').parse::<usize>().ok()?),
+            None => (item, 1),
+        };
+        at += times;
+        if node < at {
+            return tasks.trim().parse().ok();
+        }
+    }
+    None
+}
 
 /// The first host of a Slurm node list (`node[07-09,12],gpu3` is
 /// `node07`).
@@ -378,6 +408,19 @@ mod tests {
         assert_eq!(host, "gpu07");
         assert_eq!(port, SLURM_PORT_BASE + ((4242 * 31) % SLURM_PORTS) as u16);
         assert_eq!(first_host("n1"), Some("n1".into()));
+        assert_eq!(tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(tasks_on_node("2(x3),1", 4), None);
+        let listed = launch(&[
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "7"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "3"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x3),1"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((listed.local_rank, listed.local_world), (0, 1));
         assert_eq!(first_host("a[3,5],b"), Some("a3".into()));
     }
 

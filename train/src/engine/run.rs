@@ -150,6 +150,11 @@ pub struct ProcessRank {
     /// This process's place among them (which share of the cores it is
     /// bound to).
     pub local_rank: usize,
+    /// Whether its launcher may have bound it to cores of its own (mpirun
+    /// and srun do; torchrun and `--nproc` do not): a smaller affinity
+    /// mask than the machine's is then taken as its share; otherwise the
+    /// mask, however small, is divided among the machine's ranks.
+    pub launcher_binds: bool,
 }
 
 /// Runs this process's rank of `config` (`train.ranks` 1 or the job's
@@ -179,17 +184,12 @@ pub fn run_process(
     }
     let local = rank.local_world.max(1) as u64;
     let given = config;
-    let mut config = config.clone();
-    config.train.ranks = world;
-    config.host.budget.0 /= local;
-    if let Some(nvme) = config.nvme.as_mut() {
-        nvme.capacity.0 /= local;
-    }
+    let mut config = machine_share(config, world, rank.local_rank, rank.local_world)?;
     // Each of the machine's ranks on its own run of whole cores, as a
     // launcher's core binding does (unless one bound it already, as
     // mpirun does), its optimizer threads pinned within it.
     use strata_optim::topology::{CpuTopology, bind_process, bound_to_a_share};
-    let bound = bound_to_a_share();
+    let mut bound = rank.launcher_binds && bound_to_a_share();
     if !bound && local > 1 {
         match CpuTopology::detect().share(rank.local_rank, local as usize) {
             Some(cpus) => {
@@ -207,23 +207,22 @@ pub fn run_process(
                     "local rank {} of {local}: bound to CPUs {cpus:?}",
                     rank.local_rank
                 );
+                bound = true;
             }
             None => tracing::warn!(
-                "{local} ranks on this machine and fewer cores than that: the ranks share the cores"
+                "{local} ranks on this machine and fewer cores than that: the ranks share the cores, an optimizer thread each"
             ),
         }
     }
     if config.optim.threads == 0 {
         // The engine divides the cores by its in-process ranks; a process
-        // divides those it may use among its machine's processes, unless
-        // it is bound to a share of its own (here or by its launcher).
-        let sharing = if bound || bound_to_a_share() {
-            1
-        } else {
-            local as usize
+        // bound to a share of its own (here or by its launcher) takes that
+        // share's; one sharing the cores with its machine's ranks, one
+        // thread (pinned threads of several processes would share CPUs).
+        let threads = match bound || local == 1 {
+            true => super::optimizer::default_threads(CpuTopology::detect().core_count(), 1),
+            false => 1,
         };
-        let threads =
-            super::optimizer::default_threads(CpuTopology::detect().core_count(), sharing);
         config.optim.threads = u32::try_from(threads).unwrap_or(u32::MAX);
     }
     let given = TrainConfig {
@@ -235,6 +234,38 @@ pub fn run_process(
     };
     let member = Box::new((rank.collective, rank.cancel, given));
     run_members(&config, corpus, options, Members::Process(member), progress)
+}
+
+/// `config` as one of `local_world` processes of a machine runs it, of a
+/// job of `world`: the machine's `host.budget` and `nvme.capacity`
+/// divided among them, and its GPU the local rank's (`device.ordinal`,
+/// which a config may then not set).
+fn machine_share(
+    config: &TrainConfig,
+    world: usize,
+    local_rank: usize,
+    local_world: usize,
+) -> Result<TrainConfig> {
+    let local = local_world.max(1);
+    let mut config = config.clone();
+    config.train.ranks = world;
+    config.host.budget.0 /= local as u64;
+    if let Some(nvme) = config.nvme.as_mut() {
+        nvme.capacity.0 /= local as u64;
+    }
+    if local > 1 {
+        if config.device.ordinal != 0 {
+            return Err(crate::error::bad(
+                "device.ordinal",
+                config.device.ordinal,
+                format!(
+                    "{local} processes share this machine, and each takes the GPU of its local rank: leave device.ordinal unset (or set CUDA_VISIBLE_DEVICES)"
+                ),
+            ));
+        }
+        config.device.ordinal = local_rank;
+    }
+    Ok(config)
 }
 
 /// The most elements one exchange of a run of `config` over `world` ranks
@@ -610,7 +641,7 @@ pub fn evaluate(
     // from it); another is read from the weights it publishes, in
     // `checkpoint.weights_dtype`, as a Hugging Face folder.
     let resumed = checkpoint.filter(|c| {
-        c.meta.ranks == config.train.ranks && c.meta.state_dtype == config.optim.state_dtype
+        c.meta.ranks == config.shards() && c.meta.state_dtype == config.optim.state_dtype
     });
     match (checkpoint, resumed) {
         (_, Some(checkpoint)) => {
@@ -1104,4 +1135,30 @@ fn own_directories(
         }
     }
     Ok(owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_storage::ByteSize;
+
+    #[test]
+    fn a_machines_processes_share_its_budgets_and_each_takes_its_own_gpu() {
+        let mut config = TrainConfig::default();
+        config.host.budget = ByteSize(8 << 30);
+        let capacity = config.nvme.as_ref().map(|n| n.capacity.0).unwrap();
+        let share = machine_share(&config, 4, 1, 2).unwrap();
+        assert_eq!(share.train.ranks, 4);
+        assert_eq!(share.host.budget.0, 4 << 30);
+        assert_eq!(share.nvme.unwrap().capacity.0, capacity / 2);
+        assert_eq!(share.device.ordinal, 1, "local rank 1's GPU");
+        // Alone on its machine: the config's own GPU.
+        config.device.ordinal = 3;
+        assert_eq!(machine_share(&config, 2, 0, 1).unwrap().device.ordinal, 3);
+        let err = machine_share(&config, 4, 0, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("device.ordinal") && err.contains("local rank"),
+            "{err}"
+        );
+    }
 }

@@ -178,6 +178,7 @@ impl ShardWriter {
         }
         let path = self.dir.join(&self.shards[shard].0);
         let (_, file) = self.open.as_mut().expect("opened above");
+        crate::crash::point("write a tensor");
         file.write_all(&self.bytes)
             .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
         self.next += 1;
@@ -197,6 +198,7 @@ impl ShardWriter {
         let shard = self.shard_of_next()?;
         let path = self.dir.join(&self.shards[shard].0);
         let (_, file) = self.open.as_mut().expect("opened by shard_of_next");
+        crate::crash::point("write a tensor");
         file.write_all(bytes)
             .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
         self.next += 1;
@@ -239,6 +241,7 @@ impl ShardWriter {
         let mut json = serde_json::to_vec(&header).expect("a header serializes");
         // The data starts 8-byte aligned (the format pads with spaces).
         json.resize(json.len().next_multiple_of(8), b' ');
+        crate::crash::point("create a shard");
         let file =
             File::create(&path).map_err(|e| error(&path, format!("cannot create it: {e}")))?;
         let mut file = BufWriter::with_capacity(1 << 20, file);
@@ -255,6 +258,7 @@ impl ShardWriter {
             let file = file
                 .into_inner()
                 .map_err(|e| error(&path, format!("cannot write it: {}", e.error())))?;
+            crate::crash::point("sync a shard");
             file.sync_all()
                 .map_err(|e| error(&path, format!("cannot sync it: {e}")))?;
         }

@@ -267,16 +267,19 @@ impl Engine {
             };
             return Err(mismatch("[model]", show(&a), show(&b)));
         }
-        // The global batch held, which the checkpoint's place in the data
-        // tells (sequences per step): other shards only then.
+        // Other shards only with the global batch held, which the
+        // checkpoint's place in the data tells (sequences per step).
         let t = &config.train;
         let global = (world * t.micro_batch * t.grad_accumulation) as u64;
         let held = match &meta.data {
             Some(data) if meta.step > 0 => Some(data.samples / meta.step),
             _ => None,
         };
-        let unknown = held.is_none() && meta.ranks != shards;
-        if meta.ranks == 0 || unknown || held.is_some_and(|held| held != global) {
+        // (With its own shards, a resume needs no data record: `strata
+        // eval` reads a checkpoint at another micro-batch.)
+        let reshard = meta.ranks != shards;
+        let unknown = held.is_none() && reshard;
+        if meta.ranks == 0 || unknown || (reshard && held.is_some_and(|held| held != global)) {
             return Err(TrainError::Checkpoint {
                 path: checkpoint.dir.clone(),
                 problem: format!(

@@ -98,8 +98,9 @@ pub struct TrainConfig {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParallelConfig {
-    /// Ranks each model state is sharded over: a divisor of `train.ranks`;
-    /// 0 (the default): all of them.
+    /// Ranks each model state is sharded over: a divisor of the ranks
+    /// (`train.ranks`, or a launcher's processes when it is 1); 0 (the
+    /// default): all of them.
     pub shard_degree: usize,
 }
 
@@ -297,7 +298,7 @@ impl TrainConfig {
     pub fn shards(&self) -> usize {
         match self.parallel.shard_degree {
             0 => self.train.ranks,
-            k => k,
+            k => k.min(self.train.ranks),
         }
     }
 

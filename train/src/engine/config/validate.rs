@@ -27,7 +27,9 @@ impl TrainConfig {
         }
         self.validate_data()?;
         let (ranks, k) = (self.train.ranks, self.parallel.shard_degree);
-        if k > 0 && (k > ranks || ranks % k != 0) {
+        // (One rank: a launcher's processes are the ranks, checked again
+        // once their number is known.)
+        if k > 0 && ranks > 1 && (k > ranks || ranks % k != 0) {
             return Err(bad(
                 "parallel.shard_degree",
                 k,

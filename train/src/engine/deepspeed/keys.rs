@@ -237,7 +237,7 @@ pub static KEYS: &[KeyRule] = &[
     row(
         "zero_optimization.zero_hpz_partition_size",
         "parallel.shard_degree",
-        "Ranks each parameter and optimizer state is sharded over (ZeRO++'s secondary partition, hybrid sharding); 1 (DeepSpeed's default): every rank, as without it. A divisor of the ranks.",
+        "Ranks each parameter and optimizer state is sharded over (hybrid sharding); 1 (DeepSpeed's default): every rank, as without it. A divisor of the ranks. DeepSpeed's hpZ keeps only a secondary copy of the parameters within that many ranks (gradients and optimizer states stay sharded over all); strata's shards the states within them too, so each rank holds ranks / k times the optimizer states it would under DeepSpeed.",
         "",
         Mapped,
     ),
