@@ -1024,10 +1024,10 @@ impl Transport for TcpLinks {
                     revents: 0,
                 });
             }
+            // An interrupted or failed poll only ends this wait early; the
+            // loop looks at every socket again.
             // SAFETY: `fds` is a live, writable array of `fds.len()`
-            // pollfds over sockets this group owns (the lock is held); an
-            // interrupted or failed poll only ends this wait early, and
-            // the loop looks at every socket again.
+            // pollfds over sockets this group owns (the lock is held).
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, POLL_MS) };
         };
         let outcome = match outcome {

@@ -107,10 +107,9 @@ pub fn forward(blocked: Blocked, ranks: Ranks) -> std::io::Result<()> {
             while let Some(signal) = blocked.wait(None) {
                 let ranks = ranks.lock().expect("ranks");
                 for &pid in ranks.iter().flatten() {
-                    // SAFETY: kill(2) takes any pid and signal number; the
-                    // pid is a child not yet reaped (the lock is held over
-                    // the reaping), so it is that rank's, running or a
-                    // zombie (then the signal is ignored).
+                    // The pid is a child not yet reaped (the lock is held
+                    // over the reaping): that rank's, running or a zombie.
+                    // SAFETY: kill(2) takes any pid and signal number.
                     unsafe { libc::kill(pid as libc::pid_t, signal) };
                 }
             }
@@ -124,9 +123,9 @@ pub fn forward(blocked: Blocked, ranks: Ranks) -> std::io::Result<()> {
 pub fn end_with_parent(command: &mut std::process::Command) {
     use std::os::unix::process::CommandExt;
     command.process_group(0);
-    // SAFETY: the closure runs in the child between fork and exec, and
-    // calls only prctl(2), which is async-signal-safe and touches no
-    // memory of the parent's.
+    // The closure runs in the child between fork and exec.
+    // SAFETY: it calls only prctl(2), which is async-signal-safe and
+    // touches no memory of the parent's.
     unsafe {
         command.pre_exec(|| {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
