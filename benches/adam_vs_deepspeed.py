@@ -30,25 +30,35 @@ steps (rounding to nearest never takes it to zero: 0.999 v rounds back to
 v at 500 x 2^-149, and every multiply that reads it takes a microcode
 assist on x86). strata reads such moments as zero, so it is timed in its
 steady state after the warm-up, the peers in theirs.
-The peers run in one worker process per thread count, started with
+The peers run in a worker process per thread count and round, started with
 OMP_NUM_THREADS=T and torch.set_num_threads(T) (DeepSpeed's op may link its
-own OpenMP runtime, which only the environment reaches). Medians over rounds
-are reported per thread count, with GB/s per thread, `lscpu`'s topology, the
-ratios the optimizer issue sets as bars, and optionally an SVG chart of
-params/s against threads. Needs torch and deepspeed (pip install torch
+own OpenMP runtime, which only the environment reaches); one worker lives
+at a time, beside strata's process, so the peers' tensors are held once,
+not once per thread count. A worker dies with the bench (PR_SET_PDEATHSIG,
+and the bench ends its workers on any exit), never outliving it. Medians
+over rounds are reported per thread count, with GB/s per thread, `lscpu`'s
+topology, the ratios the optimizer issue sets as bars, and optionally an
+SVG chart of params/s against threads. Needs torch and deepspeed (pip install torch
 deepspeed ninja; the first DeepSpeedCPUAdam JIT-builds its op, about a
-minute) unless --peers none. Memory: about 3.1 GiB per thread count for the
-peers (64M params) plus strata's buffers.
+minute) unless --peers none. Memory: 16-18 bytes a parameter per peer
+system in the one worker (3.1 GiB for torch and DeepSpeed at 64M params)
+plus strata's buffers (2.2 GiB); a sweep that would not fit the memory
+available is refused before it starts, naming the --params that fits.
+Thread counts are those the bench may run on (its CPU affinity): the
+default list keeps those that fit and adds the machine's count; a count
+given above it is refused.
 
 Usage: python3 benches/adam_vs_deepspeed.py [--strata target/release/strata]
-       [--threads 1,2,4,8,14,16] [--params 67108864] [--rounds 3]
+       [--threads 1,2,4,8,14,16 (those the machine has)] [--params 67108864] [--rounds 3]
        [--peers torch,deepspeed|none] [--plot adam-threads.svg] [--check]
        [--idle] [--json]
 """
 
 import argparse
+import ctypes
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +72,14 @@ STRATA_KERNELS = [
     "offload_step_bf16_master",
     "roofline_4r3w",
 ]
+# Bytes each peer system holds per parameter in its worker: the fp32
+# parameter, gradient and two moments (ds_offload_bf16 adds the bf16 copy).
+PEER_HELD = {"torch_fused_adamw": 16, "ds_cpu_adam": 16, "ds_offload_bf16": 18,
+             "torch_fused_adamw_idle": 16, "ds_cpu_adam_idle": 16}
+# What `strata bench adam` holds for STRATA_KERNELS at once, per parameter
+# (strata_optim::bench::buffer_bytes: 2.2 GiB at 64M; it checks again).
+STRATA_HELD = 36
+DEFAULT_THREADS = [1, 2, 4, 8, 14, 16]
 # Bytes each peer step reads and writes per parameter.
 PEER_BYTES = {"torch_fused_adamw": 28, "ds_cpu_adam": 28, "ds_offload_bf16": 42,
               "torch_fused_adamw_idle": 28, "ds_cpu_adam_idle": 28}
@@ -80,9 +98,23 @@ def steps_per_s(fn, reps):
     return reps / (time.perf_counter() - start)
 
 
-def worker(threads, n, reps, systems):
+def die_with_parent(parent):
+    """This worker gets SIGKILL when the bench's process ends, however it
+    ends (Linux's PR_SET_PDEATHSIG); where that call is missing the worker
+    still ends at the end of its standard input."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the bench ended before the call
+        os._exit(1)
+
+
+def worker(threads, n, reps, systems, parent):
     """Serves one thread count's peers: reads a system's name per line,
     answers with its params/s as one JSON line."""
+    die_with_parent(parent)
     import torch
 
     torch.set_num_threads(threads)
@@ -145,6 +177,10 @@ def worker(threads, n, reps, systems):
     for line in sys.stdin:
         name = line.strip()
         print(json.dumps({name: n * steps_per_s(steps[name], reps)}), flush=True)
+    # Out without the interpreter's teardown, which can wait on OpenMP
+    # threads of the peers' libraries.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 class Worker:
@@ -153,7 +189,7 @@ class Worker:
     def __init__(self, threads, args, systems):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cmd = [sys.executable, __file__, "--worker", str(threads), "--params", str(args.params),
-               "--reps", str(args.reps), "--systems", ",".join(systems)]
+               "--reps", str(args.reps), "--systems", ",".join(systems), "--parent", str(os.getpid())]
         self.threads = threads
         self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.version = self.read()["ready"]
@@ -175,8 +211,15 @@ class Worker:
         return self.read()[name]
 
     def close(self):
-        self.process.stdin.close()
-        self.process.wait()
+        """Ends the worker: at the end of its input, else killed."""
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 def strata_round(args, threads, r):
@@ -186,8 +229,10 @@ def strata_round(args, threads, r):
     kernels = names[r % len(names):] + names[:r % len(names)]
     cmd = [args.strata, "bench", "adam", "--params", str(args.params), "--threads", str(threads),
            "--rounds", "1", "--kernels", ",".join(kernels), "--json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    report = json.loads(out.strip().splitlines()[-1])
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({run.returncode}): {run.stderr.strip()}")
+    report = json.loads(run.stdout.strip().splitlines()[-1])
     rates = {f"strata_{r['kernel']}": (r["params_per_s"], r["bytes_per_s"]) for r in report["results"]}
     return rates, report.get("prefetch_elems")
 
@@ -286,10 +331,66 @@ def svg_chart(path, med, threads):
         f.write("\n".join(parts) + "\n")
 
 
+def usable_cpus():
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def thread_counts(given):
+    """The sweep's thread counts: those given (each at most the CPUs the
+    bench may use), else the default list's that fit and the CPUs' count."""
+    cpus = usable_cpus()
+    if given is None:
+        counts = sorted({t for t in DEFAULT_THREADS if t <= cpus} | {cpus})
+        dropped = [t for t in DEFAULT_THREADS if t > cpus]
+        if dropped:
+            print(f"threads {','.join(map(str, dropped))} left out: this bench may use {cpus} CPUs", file=sys.stderr)
+        return counts
+    try:
+        counts = sorted({cpus if t == "all" else int(t) for t in given.split(",")})
+    except ValueError:
+        sys.exit(f"--threads {given!r}: give positive integers or 'all', comma-separated (e.g. 1,2,4,8,14,16)")
+    if not counts or counts[0] < 1:
+        sys.exit(f"--threads {given!r}: every thread count must be at least 1")
+    if counts[-1] > cpus:
+        sys.exit(f"--threads {given!r}: this bench may use {cpus} CPUs (its affinity), so at most {cpus} threads; "
+                 f"leave --threads out for the counts that fit")
+    return counts
+
+
+def mem_available():
+    """MemAvailable from /proc/meminfo in bytes, or None where absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(params, systems):
+    """Refuses a sweep whose one peer worker and strata's buffers would not
+    fit the memory available now, naming the --params that would."""
+    available = mem_available()
+    per_param = STRATA_HELD + sum(PEER_HELD[s] for s in systems)
+    if available is None or params * per_param <= available:
+        return
+    gib = 1 << 30
+    fits = available // per_param
+    sys.exit(f"--params {params}: strata's buffers and the peers' tensors need {params * per_param / gib:.1f} GiB "
+             f"({per_param} bytes a parameter) but {available / gib:.1f} GiB of memory is available; "
+             f"use --params {fits} or fewer, or fewer --peers")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strata", default="target/release/strata")
-    ap.add_argument("--threads", default="1,2,4,8,14,16",
+    ap.add_argument("--threads", default=None,
                     help="thread counts, comma-separated (default 1,2,4,8,14,16; 'all' is os.cpu_count())")
     ap.add_argument("--params", type=int, default=64 * 1024 * 1024)
     ap.add_argument("--rounds", type=int, default=3)
@@ -302,16 +403,12 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--systems", help=argparse.SUPPRESS)
+    ap.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        return worker(args.worker, args.params, args.reps, args.systems.split(","))
+        return worker(args.worker, args.params, args.reps, args.systems.split(","), args.parent)
 
-    try:
-        threads = sorted({os.cpu_count() if t == "all" else int(t) for t in args.threads.split(",")})
-    except ValueError:
-        sys.exit(f"--threads {args.threads!r}: give positive integers or 'all', comma-separated (e.g. 1,2,4,8,14,16)")
-    if not threads or threads[0] < 1:
-        sys.exit(f"--threads {args.threads!r}: every thread count must be at least 1")
+    threads = thread_counts(args.threads)
     if args.params < 1 or args.rounds < 1 or args.reps < 1:
         sys.exit("--params, --rounds and --reps must be positive")
     peers = [] if args.peers == "none" else args.peers.split(",")
@@ -326,6 +423,7 @@ def main():
     if not os.access(args.strata, os.X_OK):
         sys.exit(f"{args.strata} is not an executable: build it with cargo build --release")
     systems = [s for p in peers for s in PEERS[p] + (IDLE[p] if args.idle else [])]
+    check_memory(args.params, systems)
     if systems:
         try:
             import torch  # noqa: F401
@@ -334,26 +432,33 @@ def main():
         except ImportError as error:
             sys.exit(f"needs torch and deepspeed: pip install torch deepspeed ninja, or --peers none ({error})")
 
-    workers = {t: Worker(t, args, systems) for t in threads} if systems else {}
+    # A SIGTERM ends the bench through its `finally`, which ends the worker.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     samples = {t: {} for t in threads}
     prefetch = None
     names = ["strata"] + systems
+    version = None
     for r in range(args.rounds):
         for i in range(len(threads)):
             t = threads[(r + i) % len(threads)]
-            for k in range(len(names)):
-                name = names[(r + k) % len(names)]
-                if name == "strata":
-                    rates, prefetch = strata_round(args, t, r)
-                    for key, value in rates.items():
-                        samples[t].setdefault(key, []).append(value)
-                else:
-                    rate = workers[t].run(name)
-                    samples[t].setdefault(name, []).append((rate, rate * PEER_BYTES[name]))
+            # One worker at a time: its tensors and strata's, never those
+            # of every thread count at once.
+            peer = Worker(t, args, systems) if systems else None
+            try:
+                version = peer.version if peer else version
+                for k in range(len(names)):
+                    name = names[(r + k) % len(names)]
+                    if name == "strata":
+                        rates, prefetch = strata_round(args, t, r)
+                        for key, value in rates.items():
+                            samples[t].setdefault(key, []).append(value)
+                    else:
+                        rate = peer.run(name)
+                        samples[t].setdefault(name, []).append((rate, rate * PEER_BYTES[name]))
+            finally:
+                if peer:
+                    peer.close()
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    versions = {t: w.version for t, w in workers.items()}
-    for w in workers.values():
-        w.close()
 
     med = {t: {k: statistics.median(v[0] for v in vs) for k, vs in s.items()} for t, s in samples.items()}
     gbps = {t: {k: statistics.median(v[1] for v in vs) / 1e9 for k, vs in s.items()} for t, s in samples.items()}
@@ -368,7 +473,7 @@ def main():
         "ratios": {k: v for k, (v, _) in held.items()},
         "bars_held": {k: v >= bar for k, (v, bar) in held.items()},
         "idle_ratios": idle_ratios(med),
-        "torch": next(iter(versions.values()), None),
+        "torch": version,
         "strata_prefetch_elems": prefetch,
     }
     if args.plot:

@@ -1,6 +1,7 @@
 //! The `strata` binary end to end, every bench in a tiny mode.
 
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// The binary with warnings-only logs.
 fn strata_command() -> Command {
@@ -581,6 +582,78 @@ fn deepspeed_comparison_script_tiny() {
         .unwrap();
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("--threads"));
+    // More threads than the bench may use, and a sweep larger than the
+    // memory: refused before anything runs, naming what fits.
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/adam_vs_deepspeed.py");
+    for (args, says) in [
+        (["--threads", "1,100000"], "CPUs (its affinity), so at most"),
+        (
+            ["--params", "1000000000000"],
+            "of memory is available; use --params",
+        ),
+    ] {
+        let output = Command::new(&python)
+            .arg(script)
+            .args(["--strata", env!("CARGO_BIN_EXE_strata"), "--peers", "none"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && err.contains(says), "{err}");
+    }
+}
+
+/// The peers' worker process ends with the bench, even one killed with
+/// SIGKILL mid-sweep (a regression test: workers of a bench that died
+/// used to keep their tensors and run on).
+#[test]
+fn deepspeed_comparison_leaves_no_worker_behind() {
+    let probe = Command::new("python3")
+        .args(["-c", "import torch"])
+        .output();
+    if !probe.is_ok_and(|p| p.status.success()) {
+        println!("skipped: python3 lacks torch, which the peer worker runs");
+        return;
+    }
+    let mut bench = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/benches/adam_vs_deepspeed.py"
+        ))
+        .args(["--strata", env!("CARGO_BIN_EXE_strata"), "--peers", "torch"])
+        .args(["--threads", "1", "--params", "4096", "--rounds", "100000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let parent = format!("--parent\0{}\0", bench.id());
+    let workers = || -> Vec<u32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains(&parent))
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while workers().is_empty() {
+        assert!(Instant::now() < deadline, "no peer worker started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bench.kill().unwrap();
+    bench.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // A worker started between the scan and the kill dies the same way.
+    while !workers().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "workers {:?} outlived the bench",
+            workers()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]
@@ -2547,6 +2620,34 @@ fn gpu_vs_deepspeed_script_tiny() {
         .unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--peers nccl"));
+    // --max-grad-norm 0: no peer clips (unclipped steps measured).
+    let output = Command::new("python3")
+        .arg(script)
+        .args(["--strata", env!("CARGO_BIN_EXE_strata")])
+        .args(["--tiny", "--json", "--max-grad-norm", "0"])
+        .args(["--peers", "strata-offload,torch"])
+        .output()
+        .unwrap();
+    let text = stdout_text(&output);
+    let report: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(report["shape"]["max_grad_norm"].as_f64(), Some(0.0));
+    for peer in report["peers"].as_array().unwrap() {
+        assert!(
+            peer["clipped"].as_f64() == Some(0.0) || peer["skipped"].is_string(),
+            "--max-grad-norm 0: {peer}"
+        );
+    }
+    for bad in [["--max-grad-norm", "-1"], ["--max-grad-norm", "inf"]] {
+        let refused = Command::new("python3")
+            .arg(script)
+            .args(["--tiny", "--peers", "strata-offload"])
+            .args(bad)
+            .output()
+            .unwrap();
+        assert!(!refused.status.success());
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(err.contains("--max-grad-norm"), "{err}");
+    }
 }
 
 #[test]
