@@ -21,6 +21,9 @@ link_cuda_libraries() {
         [ -z "$found" ] && found=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib \
             /usr/lib/x86_64-linux-gnu /opt /usr/local/lib -name "lib$lib.so*" 2> /dev/null |
             awk -F/ '{print $NF "\t" $0}' | sort -V | tail -n 1 | cut -f2)
+        # pip's wheels (torch's NCCL is nvidia-nccl's libnccl.so.2).
+        [ -z "$found" ] && found=$(find $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2> /dev/null) \
+            -path "*nvidia*" -name "lib$lib.so*" 2> /dev/null | sort -V | tail -n 1)
         [ -z "$found" ] && continue
         ln -sf "$found" "$links/lib$lib.so"
         linked="$linked lib$lib.so -> $found;"

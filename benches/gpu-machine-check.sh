@@ -16,6 +16,15 @@
 #                  against the CPU device (three times: as is, with
 #                  STRATA_FLASH_ATTENTION=0, with CUDA_LAUNCH_BLOCKING=1):
 #                  cuda.txt
+#   nccl   (240 s) NCCL between ranks on the one GPU: the backend's test
+#                  binary nccl-* from $CUDA_TESTS (the library's version;
+#                  every operation at world size 1; two processes, each
+#                  its own NCCL host (NCCL_HOSTID) over the loopback, sums
+#                  bit for bit; a killed rank stopping the other within its
+#                  timeout), then 8 steps of a small GPT as two `strata
+#                  train` processes on the GPU against two threads on the
+#                  CPU device, both in bf16: losses within 5e-3 relative
+#                  (the engine test's bf16 tolerance): nccl.txt
 #   pool   (90 s)  a short training run on the GPU with a 16 GiB pinned
 #                  pool: the optimizer's threads committed it, and the
 #                  driver registered it where it lies (locked=true, no
@@ -80,11 +89,11 @@ LANE_THREADS=${LANE_THREADS:-14}
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
     parts=(env pool tiers kernels lane train bars chart)
-    [ -n "${CUDA_TESTS:-}" ] && parts=(env cuda pool tiers kernels lane train bars chart)
+    [ -n "${CUDA_TESTS:-}" ] && parts=(env cuda nccl pool tiers kernels lane train bars chart)
 fi
 failed=0
 
-declare -A limit=([env]=5 [cuda]=240 [pool]=90 [tiers]=60 [kernels]=60 [train]=330 [lane]=150
+declare -A limit=([env]=5 [cuda]=240 [nccl]=240 [pool]=90 [tiers]=60 [kernels]=60 [train]=330 [lane]=150
     [chart]=200 [bars]=240)
 if ! [[ $BUDGET =~ ^[0-9]+$ ]]; then
     echo "error: BUDGET=$BUDGET: give the whole run's limit in seconds (a whole number)" >&2
@@ -95,7 +104,7 @@ fi
 peer_parts=0 wheel_parts=0
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
-        echo "error: unknown part '$part' (env, cuda, pool, tiers, kernels, train, lane, chart, bars)" >&2
+        echo "error: unknown part '$part' (env, cuda, nccl, pool, tiers, kernels, train, lane, chart, bars)" >&2
         exit 2
     fi
     case $part in bars | chart) peer_parts=1 wheel_parts=1 ;; train) wheel_parts=1 ;; esac
@@ -105,9 +114,9 @@ if [ ! -x "$STRATA" ]; then
     exit 2
 fi
 case " ${parts[*]} " in
-    *" cuda "*)
+    *" cuda "* | *" nccl "*)
         if [ -z "${CUDA_TESTS:-}" ] || [ ! -d "$CUDA_TESTS" ]; then
-            echo "error: the cuda part needs CUDA_TESTS, a folder of CUDA test binaries (see docs/gpu-validation.md)" >&2
+            echo "error: the cuda and nccl parts need CUDA_TESTS, a folder of CUDA test binaries (see docs/gpu-validation.md)" >&2
             exit 2
         fi
         CUDA_TESTS=$(cd "$CUDA_TESTS" && pwd)
@@ -231,6 +240,7 @@ for part in "${parts[@]}"; do
             found=0
             for test in "$CUDA_TESTS"/*; do
                 [ -f "$test" ] && [ -x "$test" ] || continue
+                [[ $(basename "$test") == nccl-* ]] && continue # the nccl part's
                 found=$((found + 1))
                 if [[ $(basename "$test") == engine-* ]]; then
                     cuda_run "$test" cuda --test-threads=1 --nocapture
@@ -249,6 +259,71 @@ for part in "${parts[@]}"; do
                 failed=1
             fi
             grep -E "^test result|FAILED|panicked|skipp" "$OUT/cuda.txt" | head -n 40
+            ;;
+        nccl)
+            nccl_end=$((SECONDS + 240))
+            nccl_test=$(find "$CUDA_TESTS" -maxdepth 1 -name 'nccl-*' -type f | head -n 1)
+            if [ -z "$nccl_test" ]; then
+                echo "!! nccl: no nccl-* test binary in $CUDA_TESTS (benches/gpu-machine-prepare.sh puts it there)"
+                failed=1
+                continue
+            fi
+            limit[nccl]=150
+            run nccl env STRATA_REQUIRE_GPU=1 "$nccl_test" --test-threads=1 --nocapture
+            grep -E "^NCCL|^rank|^test result|FAILED|panicked|skipp" "$OUT/nccl.txt" | head -n 20
+            # Two processes on the one GPU, each its own NCCL host, each a
+            # machine of one (its own device and host budget), as torchrun
+            # tells them; then two threads on the CPU device.
+            cat > "$OUT/nccl.toml" << 'TOML'
+[model]
+arch = "gpt2"
+vocab = 256
+seq = 64
+hidden = 128
+heads = 2
+layers = 2
+[train]
+steps = 8
+micro_batch = 4
+ranks = 2
+seed = 1
+compute_dtype = "bf16"
+lr = 0.001
+warmup_steps = 2
+[placement]
+params = "cpu"
+optimizer = "cpu"
+[device]
+kind = "cuda"
+budget = "1GiB"
+[host]
+budget = "1GiB"
+TOML
+            sed 's/^kind = "cuda"/kind = "cpu"/' "$OUT/nccl.toml" > "$OUT/nccl-cpu.toml"
+            port=$((29000 + RANDOM % 1000))
+            two_ranks='pids=()
+                for rank in 0 1; do
+                    env RANK=$rank WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+                        MASTER_PORT=$port NCCL_HOSTID=strata-check-$rank NCCL_SOCKET_IFNAME=lo \
+                        NCCL_MULTI_RANK_GPU_ENABLE=1 "$STRATA" train --config "$OUT/nccl.toml" --json \
+                        > "$OUT/nccl-rank$rank.json" &
+                    pids+=($!)
+                done
+                wait "${pids[0]}" && wait "${pids[1]}"'
+            limit[nccl]=$((nccl_end - SECONDS < 90 ? nccl_end - SECONDS : 90))
+            run nccl env STRATA="$STRATA" OUT="$OUT" port=$port bash -c "$two_ranks"
+            limit[nccl]=$((nccl_end - SECONDS < 60 ? nccl_end - SECONDS : 60))
+            run nccl sh -c "'$STRATA' train --config '$OUT/nccl-cpu.toml' --json > '$OUT/nccl-threads.json'"
+            python3 - "$OUT/nccl-rank0.json" "$OUT/nccl-threads.json" << 'PY' | tee -a "$OUT/nccl.txt" || failed=1
+import json, sys
+def losses(path):
+    lines = [l for l in open(path).read().splitlines() if l.startswith("{")]
+    return [r["loss"] for r in json.loads(lines[-1])["reports"]]
+gpu, cpu = losses(sys.argv[1]), losses(sys.argv[2])
+worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
+print(f"two GPU processes over NCCL: {gpu}\ntwo CPU threads: {cpu}\nworst relative gap {worst:.2e} (bar 5e-3)")
+sys.exit(0 if len(gpu) == len(cpu) == 8 and worst <= 5e-3 else 1)
+PY
             ;;
         pool)
             host=16GiB

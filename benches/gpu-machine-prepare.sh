@@ -3,7 +3,7 @@
 # on a GPU machine that has no Rust toolchain and no network: the
 # stripped strata binary, the CUDA test binaries (the device library
 # probe, every kernel against the CPU backend, the runtime's copies, the
-# engine), and the Python 3.12 wheels DeepSpeed 0.19.8 needs beyond what
+# engine, NCCL between ranks), and the Python 3.12 wheels DeepSpeed 0.19.8 needs beyond what
 # that machine has (torch, numpy, ninja, psutil and the rest are there).
 # Wheels come from ./wheels when it holds them, else from the network.
 # Prints the folder's size (copy it to the GPU machine with the repository).
@@ -36,10 +36,10 @@ for line in sys.stdin:
         print(message["executable"])'
 }
 mapfile -t tests < <(executables -p strata-kernels --test cuda_ops -p strata-runtime --test cuda \
-    -p strata-train --test engine)
+    -p strata-train --test engine -p strata-comm --test nccl)
 mapfile -t -O "${#tests[@]}" tests < <(executables -p strata-device --lib)
-if [ "${#tests[@]}" != 4 ]; then
-    echo "error: expected 4 CUDA test binaries from cargo, got ${#tests[@]}: ${tests[*]}" >&2
+if [ "${#tests[@]}" != 5 ]; then
+    echo "error: expected 5 CUDA test binaries from cargo, got ${#tests[@]}: ${tests[*]}" >&2
     exit 1
 fi
 for test in "${tests[@]}"; do

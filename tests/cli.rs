@@ -1350,6 +1350,10 @@ fn train_bad_configs_are_named_before_training() {
             "train.lr = NaN: use a positive, finite",
         ),
         (
+            "[device]\nkind = \"cuda\"\n[train]\nranks = 2\n",
+            "ranks as threads of one process share its one GPU: start a process per GPU (strata train --nproc 2",
+        ),
+        (
             "[device]\nbudget = \"0\"\n",
             "device.budget = 0B: the device needs room",
         ),

@@ -160,6 +160,16 @@ pub enum CommError {
         /// What to do.
         fix: String,
     },
+    /// NCCL refused or failed a call (the communicator is aborted).
+    #[error("NCCL {op} failed: {code}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
+    Nccl {
+        /// The call.
+        op: &'static str,
+        /// NCCL's result code.
+        code: String,
+        /// `ncclGetLastError`'s words.
+        detail: String,
+    },
     /// The device failed.
     #[error(transparent)]
     Device(#[from] DeviceError),

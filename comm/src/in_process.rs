@@ -375,6 +375,10 @@ pub(crate) fn world_times(
 }
 
 impl Collective for InProcess {
+    fn cancellation(&self) -> Option<Cancel> {
+        Some(self.cancel_token())
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

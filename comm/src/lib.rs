@@ -5,7 +5,8 @@
 //! groups; [`InProcess`] is ranks as threads of one process; ranks as
 //! processes exchange over [`Tcp`] (torchrun, srun, `strata train
 //! --nproc`) or `Mpi` (mpirun and PMI launchers; feature `mpi`), both
-//! through [`Pairwise`]'s plans (NCCL will be one more implementation).
+//! through [`Pairwise`]'s plans; [`Nccl`] carries GPUs' device buffers
+//! over NCCL, built on one of those host groups.
 //!
 //! Sums run in rank order, so a result is the same bits whatever the
 //! threads' timing. Every call returns a [`strata_device::Fence`]: the
@@ -36,6 +37,7 @@ mod error;
 mod in_process;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod nccl;
 mod pairwise;
 mod sum;
 mod tcp;
@@ -44,6 +46,7 @@ pub use error::{CommError, Result};
 pub use in_process::{InProcess, SCALARS_MAX};
 #[cfg(feature = "mpi")]
 pub use mpi::{Comparison, Mpi, MpiLinks, MpiWorld};
+pub use nccl::{Nccl, nccl_version};
 pub use pairwise::{Pairwise, Transfer, Transport};
 pub use tcp::{Rendezvous, Tcp, TcpLinks, TcpWorld, free_port};
 
@@ -61,6 +64,11 @@ pub trait Collective: Send + Sync {
     /// them for ranks as threads, this one alone for ranks as processes.
     fn ranks_in_process(&self) -> usize {
         1
+    }
+    /// The group's cancellation, which ends its waits (a backend built on
+    /// this group shares it); `None` where the group has none.
+    fn cancellation(&self) -> Option<strata_device::Cancel> {
+        None
     }
     /// Every rank's `shard` (all the same length), concatenated in rank
     /// order into `out` (`world() * shard.len()` elements).

@@ -213,6 +213,10 @@ impl<T: Transport> Pairwise<T> {
 }
 
 impl<T: Transport + 'static> Collective for Pairwise<T> {
+    fn cancellation(&self) -> Option<strata_device::Cancel> {
+        Some(self.cancel_token())
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

@@ -16,7 +16,7 @@ use cudarc::driver::safe::{CudaContext, CudaStream};
 use cudarc::driver::{result, sys};
 
 use crate::error::{DeviceError, Result};
-use crate::fence::{Event, Fence, StreamKind};
+use crate::fence::{Event, Fence, StreamKind, Watch};
 
 /// A CUDA library strata loads at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -174,13 +174,15 @@ unsafe impl Send for RegisteredHost {}
 // SAFETY: no access through shared references.
 unsafe impl Sync for RegisteredHost {}
 
-/// One GPU: its context, its compute stream, its two copy streams, and a
-/// stream for the raw baseline copies benches compare with.
+/// One GPU: its context, its compute stream, its two copy streams, the
+/// stream collectives run on, and a stream for the raw baseline copies
+/// benches compare with.
 pub struct Context {
     context: Arc<CudaContext>,
     compute: Arc<CudaStream>,
     to_device: Arc<CudaStream>,
     to_host: Arc<CudaStream>,
+    collective: Arc<CudaStream>,
     raw: Arc<CudaStream>,
     ordinal: usize,
     name: String,
@@ -217,13 +219,15 @@ impl Context {
         }
         let context = CudaContext::new(ordinal).map_err(cuda_error("context creation"))?;
         let stream = || context.new_stream().map_err(cuda_error("cuStreamCreate"));
-        let (compute, to_device, to_host, raw) = (stream()?, stream()?, stream()?, stream()?);
+        let (compute, to_device, to_host) = (stream()?, stream()?, stream()?);
+        let (collective, raw) = (stream()?, stream()?);
         let name = context.name().unwrap_or_else(|_| "CUDA device".into());
         Ok(Arc::new(Context {
             context,
             compute,
             to_device,
             to_host,
+            collective,
             raw,
             ordinal,
             name,
@@ -395,7 +399,13 @@ impl Context {
             StreamKind::Compute => &self.compute,
             StreamKind::CopyToDevice => &self.to_device,
             StreamKind::CopyToHost => &self.to_host,
+            StreamKind::Collective => &self.collective,
         }
+    }
+
+    /// `stream`'s handle, for a library that enqueues on it (NCCL).
+    pub fn raw_stream(&self, stream: StreamKind) -> sys::CUstream {
+        self.stream(stream).cu_stream()
     }
 
     /// Enqueues one copy between host memory and device memory on copy
@@ -436,7 +446,7 @@ impl Context {
             StreamKind::CopyToHost => unsafe {
                 sys::cuMemcpyDtoHAsync_v2(host as *mut c_void, device, len_bytes, on.cu_stream())
             },
-            StreamKind::Compute => panic!("copies go on a copy stream"),
+            StreamKind::Compute | StreamKind::Collective => panic!("copies go on a copy stream"),
         };
         code.result().map_err(cuda_error("cuMemcpyAsync"))
     }
@@ -468,7 +478,26 @@ impl Context {
             .stream(stream)
             .record_event(None)
             .map_err(cuda_error("cuEventRecord"))?;
-        Ok(Fence::Cuda(Arc::new(Event { event, stream })))
+        Ok(Fence::Cuda(Arc::new(Event {
+            event,
+            stream,
+            watch: None,
+        })))
+    }
+
+    /// A fence after the work enqueued so far on `stream` whose waiters
+    /// poll it, checking `watch` between polls (a collective that can hang
+    /// on a peer): never a blocking event wait.
+    pub fn record_watched(&self, stream: StreamKind, watch: Arc<dyn Watch>) -> Result<Fence> {
+        let event = self
+            .stream(stream)
+            .record_event(None)
+            .map_err(cuda_error("cuEventRecord"))?;
+        Ok(Fence::Cuda(Arc::new(Event {
+            event,
+            stream,
+            watch: Some(watch),
+        })))
     }
 
     /// Makes `stream` wait (on the device, not the host) for `fence`.

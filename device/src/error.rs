@@ -25,7 +25,7 @@ pub enum DeviceError {
     /// A CUDA library that a feature needs is not installed where the
     /// loader looks.
     #[error(
-        "the CUDA library {library} ({purpose}) was not found (looked for {candidates}); install it or put its directory on LD_LIBRARY_PATH"
+        "the CUDA library {library} ({purpose}) was not found (looked for {candidates}); install it or put its directory on LD_LIBRARY_PATH, and where only a versioned file is installed (lib{library}.so.N, as pip's wheels ship them) link it as lib{library}.so there (benches/cuda-env.sh does)"
     )]
     LibraryMissing {
         /// Its short name ("nvrtc").
@@ -116,6 +116,15 @@ pub enum DeviceError {
         bytes: u64,
         /// Its first byte's address.
         address: u64,
+    },
+    /// Work that waits on other parties (a collective) was stopped: a
+    /// peer failed, the run was cancelled, or its deadline passed.
+    #[error("work on the {stream} stream was stopped: {cause}")]
+    Stopped {
+        /// Which stream.
+        stream: &'static str,
+        /// Why, in the watcher's words.
+        cause: String,
     },
     /// Enqueued work failed; the device may be lost.
     #[error("work enqueued on the {stream} stream failed: {cause}; the device may be lost")]

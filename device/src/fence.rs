@@ -7,6 +7,7 @@
 //! [`Fence::ready`] or a copy engine's completion flag.
 
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::safe::CudaEvent;
 
@@ -21,6 +22,8 @@ pub enum StreamKind {
     CopyToDevice,
     /// Device to host copies.
     CopyToHost,
+    /// Collectives between devices (NCCL), ordered after compute by events.
+    Collective,
 }
 
 impl StreamKind {
@@ -30,24 +33,58 @@ impl StreamKind {
             StreamKind::Compute => "compute",
             StreamKind::CopyToDevice => "host->device copy",
             StreamKind::CopyToHost => "device->host copy",
+            StreamKind::Collective => "collective",
         }
     }
+}
+
+/// What a waiter checks while the work before a watched fence runs: work
+/// that depends on other parties (a collective waits for its peers) can
+/// fail or hang where the device cannot see it.
+pub trait Watch: Send + Sync {
+    /// `Err` ends the wait with the cause (a peer's failure, a cancel, a
+    /// deadline passed); the watch has already stopped the work.
+    fn check(&self) -> std::result::Result<(), String>;
 }
 
 /// An event recorded on a stream (inside a [`Fence`]).
 pub struct Event {
     pub(crate) event: CudaEvent,
     pub(crate) stream: StreamKind,
+    /// Checked while waiting: the wait polls the event instead of blocking.
+    pub(crate) watch: Option<Arc<dyn Watch>>,
 }
 
 impl Event {
+    /// Polls between checks of a watch: spins first (a collective that is
+    /// nearly done), then sleeps this long.
+    const WATCH_SLEEP: Duration = Duration::from_micros(50);
+    const WATCH_SPINS: u32 = 200;
+
     pub(crate) fn synchronize(&self) -> Result<()> {
-        self.event
-            .synchronize()
-            .map_err(|err| DeviceError::Enqueued {
+        let Some(watch) = &self.watch else {
+            return self
+                .event
+                .synchronize()
+                .map_err(|err| DeviceError::Enqueued {
+                    stream: self.stream.name(),
+                    cause: format!("{err:?}"),
+                });
+        };
+        for poll in 0u32.. {
+            if self.is_complete()? {
+                return Ok(());
+            }
+            watch.check().map_err(|cause| DeviceError::Stopped {
                 stream: self.stream.name(),
-                cause: format!("{err:?}"),
-            })
+                cause,
+            })?;
+            match poll < Self::WATCH_SPINS {
+                true => std::thread::yield_now(),
+                false => std::thread::sleep(Self::WATCH_SLEEP),
+            }
+        }
+        unreachable!("the poll loop returns")
     }
 
     pub(crate) fn is_complete(&self) -> Result<bool> {
@@ -140,7 +177,10 @@ impl std::fmt::Debug for Fence {
         match self {
             Fence::Ready => f.write_str("Fence::Ready"),
             Fence::Host(signal) => write!(f, "Fence::Host(set: {})", signal.is_set()),
-            Fence::Cuda(_) => f.write_str("Fence::Cuda"),
+            Fence::Cuda(event) => match event.watch {
+                Some(_) => f.write_str("Fence::Cuda(watched)"),
+                None => f.write_str("Fence::Cuda"),
+            },
         }
     }
 }

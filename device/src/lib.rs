@@ -28,7 +28,7 @@ pub use buffer::{Buffer, HOST_ALIGN_BYTES, Raw, View, ViewMut};
 pub use cancel::Cancel;
 pub use dtype::{Dtype, Element};
 pub use error::{DeviceError, Result};
-pub use fence::{Fence, HostSignal, StreamKind};
+pub use fence::{Fence, HostSignal, StreamKind, Watch};
 
 /// Which kind of device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]

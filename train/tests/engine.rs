@@ -220,9 +220,15 @@ fn unknown_config_keys_are_named() {
 
 #[test]
 fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
-    let err =
-        TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[train]\nranks = 2\n").unwrap_err();
-    assert!(err.to_string().contains("train.ranks"), "{err}");
+    // Ranks as processes may each train on a GPU (NCCL between them);
+    // ranks as threads of one process may not (the run refuses them).
+    let threads =
+        TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[train]\nranks = 2\n").unwrap();
+    let err = threads.gpu_ranks_as_threads().unwrap_err();
+    assert!(
+        err.to_string().contains("train.ranks") && err.to_string().contains("--nproc 2"),
+        "{err}"
+    );
     let err = TrainConfig::from_toml(
         "[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n[optim]\nstate_dtype = \"bf16\"\n",
     )

@@ -91,9 +91,10 @@ impl Env {
         })
     }
 
-    /// The surroundings once the runtime is open; with hybrid sharding,
-    /// the shard and replica groups split from `collective` (every rank
-    /// splits them together).
+    /// The surroundings once the runtime is open; on GPUs, the group's
+    /// NCCL communicator, built over `collective` (which keeps the host
+    /// operands and the scalar sums); with hybrid sharding, the shard and
+    /// replica groups split from it (every rank splits them together).
     pub(super) fn new(
         compute: Compute,
         runtime: Arc<Runtime>,
@@ -104,6 +105,10 @@ impl Env {
             collective.rank(),
             compute.config.shards(),
         );
+        let collective = match &compute.context {
+            Some(context) if world > 1 => nccl_over(&compute, context, collective)?,
+            _ => collective,
+        };
         let hybrid = match shards < world {
             false => None,
             true => {
@@ -225,6 +230,25 @@ impl Env {
         let train = &self.config.train;
         train.grad_accumulation * train.micro_batch * (self.model.seq() + 1)
     }
+}
+
+/// The NCCL group of `host`'s ranks on `context`'s GPU, its exchanges
+/// sized as `host`'s; rank 0 says which NCCL it runs.
+fn nccl_over(
+    compute: &Compute,
+    context: &Arc<strata_device::cuda::Context>,
+    host: Box<dyn Collective>,
+) -> Result<Box<dyn Collective>> {
+    let (world, rank) = (host.world(), host.rank());
+    let elems_max =
+        super::tensors::collective_elems_max(&*compute.model, world, compute.config.shards());
+    let timeout = std::time::Duration::from_secs_f64(compute.config.comm.timeout_s);
+    let nccl = strata_comm::Nccl::connect(host, context.clone(), elems_max, timeout)?;
+    if rank == 0 {
+        let (major, minor, patch) = strata_comm::nccl_version()?;
+        tracing::info!("collectives between the {world} GPUs over NCCL {major}.{minor}.{patch}");
+    }
+    Ok(Box::new(nccl))
 }
 
 /// A compute backend, the GPU context it computes on (none on the CPU

@@ -195,7 +195,10 @@ impl TrainConfig {
         if self.device.kind != DeviceChoice::Auto {
             return (resolved, None);
         }
-        let why_not = match self.cuda_constraints() {
+        let why_not = match self
+            .cuda_constraints()
+            .and_then(|()| self.gpu_ranks_as_threads())
+        {
             Err(err) => Some(err.to_string()),
             Ok(()) => probe().err(),
         };

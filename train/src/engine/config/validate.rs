@@ -347,8 +347,27 @@ impl TrainConfig {
         })
     }
 
-    /// What a run on a CUDA device cannot do yet: several ranks (no NCCL
-    /// yet), or optimizer states on the device in another dtype than fp32.
+    /// What a run on a CUDA device cannot do yet: an architecture or data
+    /// layout without kernels, or optimizer states on the device in another
+    /// dtype than fp32. (Ranks as threads cannot share the one GPU: the
+    /// engine refuses them, [`TrainConfig::gpu_ranks_as_threads`].)
+    /// Several ranks as threads of this process on a GPU (or on `auto`,
+    /// which then takes the CPU device): refused (each GPU rank is a
+    /// process of its own, NCCL between them).
+    pub fn gpu_ranks_as_threads(&self) -> Result<()> {
+        match (self.device.kind, self.train.ranks) {
+            (DeviceChoice::Cuda | DeviceChoice::Auto, 2..) => Err(bad(
+                "train.ranks",
+                self.train.ranks,
+                format!(
+                    "ranks as threads of one process share its one GPU: start a process per GPU (strata train --nproc {n}, torchrun --nproc-per-node {n} --no-python strata train, or mpirun -n {n}), or set device.kind = \"cpu\"",
+                    n = self.train.ranks
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     pub(super) fn cuda_constraints(&self) -> Result<()> {
         if let Some(missing) = self.model.build().ok().and_then(|m| m.cuda_missing()) {
             return Err(bad(
@@ -364,13 +383,6 @@ impl TrainConfig {
                 "data.attention",
                 "\"document\"",
                 "the CUDA kernels do not keep packed documents apart yet (attention within each document, positions restarting at each): set device.kind = \"cpu\", or data.attention = \"causal\"",
-            ));
-        }
-        if self.train.ranks > 1 {
-            return Err(bad(
-                "train.ranks",
-                self.train.ranks,
-                "device.kind = \"cuda\" trains one rank for now (collectives between GPUs need NCCL, not built yet): set train.ranks = 1, or device.kind = \"cpu\"",
             ));
         }
         if self.placement.optimizer == Placement::Device
