@@ -965,6 +965,42 @@ fn plan_13b_on_a_24gb_gpu_names_the_tier_its_parts_and_a_fix() {
 
 /// Sizes take units (`512GiB`, `4TB`); a plain number keeps the flags'
 /// older unit (GB, or TB for a drive).
+/// `strata plan --shard-degree`: hybrid sharding's groups in the table
+/// and the JSON, its states per GPU the replicas' count times full
+/// sharding's.
+#[test]
+fn plan_counts_hybrid_sharding() {
+    let plan = |degree: &str, json: bool| {
+        let mut args = vec!["plan", "--params", "13B", "--nodes", "2"];
+        args.extend(["--shard-degree", degree]);
+        if json {
+            args.push("--json");
+        }
+        stdout_text(&strata(&args))
+    };
+    let table = plan("16", false);
+    assert!(
+        table.contains("dp 32 (sharded over 16, 2 replicas)"),
+        "{table}"
+    );
+    let states = |degree| {
+        let report: serde_json::Value = serde_json::from_str(&plan(degree, true)).unwrap();
+        assert_eq!(
+            report["parallelism"]["shard_degree"],
+            degree.parse::<u32>().unwrap()
+        );
+        let parts = report["memory"].as_array().unwrap().clone();
+        let part = parts.iter().find(|p| {
+            p["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("master weights"))
+        });
+        part.unwrap()["per_gpu_bytes"].as_f64().unwrap()
+    };
+    let ratio = states("16") / states("0");
+    assert!((ratio - 2.0).abs() < 0.01, "states x{ratio}");
+}
+
 #[test]
 fn plan_sizes_take_units() {
     let hardware = |extra: &[&str]| {
@@ -1019,7 +1055,11 @@ fn plan_takes_each_architectures_shape_and_vocabulary() {
 
 #[test]
 fn plan_bad_options_are_named() {
-    let cases: [(&[&str], &str); 13] = [
+    let cases: [(&[&str], &str); 14] = [
+        (
+            &["plan", "--params", "13B", "--shard-degree", "3"],
+            "--shard-degree 3 does not divide the 16 data-parallel GPUs",
+        ),
         (
             &["plan", "--params", "13B", "--host-memory", "512XB"],
             "unknown unit \"XB\" in size \"512XB\"",

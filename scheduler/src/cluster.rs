@@ -156,7 +156,7 @@ struct Shares {
 
 impl Shares {
     fn new(model: &Model, parallelism: &Parallelism, tiles: u32) -> Shares {
-        let data = u64::from(parallelism.data);
+        let data = u64::from(parallelism.shards());
         let stage = parallelism.zero_stage;
         Shares {
             tensor: u64::from(parallelism.tensor),
@@ -202,7 +202,13 @@ impl Working {
 /// Whether the data-parallel group spans nodes, so that collectives go
 /// over the network rather than NVLink.
 fn spans_nodes(hardware: &Hardware, parallelism: &Parallelism) -> bool {
-    hardware.nodes > 1 && parallelism.data > hardware.gpus_per_node / parallelism.tensor
+    spans(hardware, parallelism, parallelism.data)
+}
+
+/// Whether `ranks` neighbouring data-parallel ranks (a tensor group apart)
+/// span nodes.
+fn spans(hardware: &Hardware, parallelism: &Parallelism, ranks: u32) -> bool {
+    hardware.nodes > 1 && ranks > hardware.gpus_per_node / parallelism.tensor
 }
 
 /// Bytes of the largest saved activations of one block and micro-batch.
@@ -246,13 +252,28 @@ fn links(hardware: &Hardware) -> Links {
 /// NICs, whatever the GPUs per node, so its bus bandwidth is the node's
 /// aggregate (as nccl-tests report it), not a per-GPU share.
 fn collective_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64 {
-    if spans_nodes(hardware, parallelism) {
+    if spans(hardware, parallelism, parallelism.shards()) {
         hardware
             .nvlink_bytes_per_s
             .min(hardware.network_bytes_per_s / f64::from(parallelism.tensor.max(1)))
     } else {
         hardware.nvlink_bytes_per_s
     }
+}
+
+/// The bandwidth per GPU of hybrid sharding's replica groups (ranks a
+/// shard group apart): NVLink while they stay in a node; across nodes, the
+/// node's network shared by every replica ring that leaves it (one per GPU
+/// of a shard group's part of the node, each tensor rank its own).
+fn replica_bytes_per_s(hardware: &Hardware, parallelism: &Parallelism) -> f64 {
+    if !spans_nodes(hardware, parallelism) {
+        return hardware.nvlink_bytes_per_s;
+    }
+    let group_gpus = parallelism.shards() * parallelism.tensor;
+    let rings = group_gpus.min(hardware.gpus_per_node).max(1);
+    hardware
+        .nvlink_bytes_per_s
+        .min(hardware.network_bytes_per_s / f64::from(rings))
 }
 
 /// One unit the optimizer updates (a linear layer's tile, or the
@@ -284,18 +305,29 @@ struct ClusterStep<'a> {
     /// Units per block.
     parts: usize,
     collective_bytes_per_s: f64,
+    replica_bytes_per_s: f64,
+}
+
+/// A ring collective over `ranks` of `bytes` at `bytes_per_s` a GPU
+/// (`factor` 2 for an all-reduce); none for one rank.
+fn ring_ns(ranks: u32, bytes: u64, factor: f64, bytes_per_s: f64) -> u64 {
+    if ranks <= 1 {
+        return 0;
+    }
+    let ranks = f64::from(ranks);
+    COLLECTIVE_LATENCY_NS
+        + (factor * bytes as f64 * (ranks - 1.0) / ranks / bytes_per_s * 1e9) as u64
 }
 
 impl ClusterStep<'_> {
     /// A ring collective over `bytes` (`factor` 2 for an all-reduce).
     fn ring_ns(&self, bytes: u64, factor: f64) -> u64 {
-        if self.parallelism.data <= 1 {
-            return 0;
-        }
-        let data = f64::from(self.parallelism.data);
-        COLLECTIVE_LATENCY_NS
-            + (factor * bytes as f64 * (data - 1.0) / data / self.collective_bytes_per_s * 1e9)
-                as u64
+        ring_ns(
+            self.parallelism.shards(),
+            bytes,
+            factor,
+            self.collective_bytes_per_s,
+        )
     }
 
     fn flops_ns(&self, flops: f64) -> u64 {
@@ -336,9 +368,18 @@ impl ClusterStep<'_> {
         }
     }
 
+    /// Reduce-scattered in the shard group (all-reduced without gradient
+    /// sharding), then, with hybrid sharding, the shard all-reduced across
+    /// the replicas.
     fn reduce_ns(&self, unit: &Unit) -> u64 {
         let factor = if self.shares.grad_shard > 1 { 1.0 } else { 2.0 };
-        self.ring_ns(2 * unit.params, factor)
+        let replicas = ring_ns(
+            self.parallelism.replicas(),
+            2 * unit.params / self.shares.grad_shard,
+            2.0,
+            self.replica_bytes_per_s,
+        );
+        self.ring_ns(2 * unit.params, factor) + replicas
     }
 
     /// The forward of block `layer`, recomputed in its backward when it
@@ -606,6 +647,7 @@ fn build_trace(
         recompute,
         parts,
         collective_bytes_per_s: collective_bytes_per_s(hardware, parallelism),
+        replica_bytes_per_s: replica_bytes_per_s(hardware, parallelism),
     };
     trace.ops = build_step(&shape, &step)
         .into_iter()
@@ -984,10 +1026,14 @@ fn resources(
     hardware: &Hardware,
     parallelism: &Parallelism,
 ) -> Vec<ResourceUse> {
-    let collective = if spans_nodes(hardware, parallelism) {
-        "network"
-    } else {
-        "nvlink"
+    // Hybrid sharding within a node and across the replicas: both.
+    let collective = match (
+        spans(hardware, parallelism, parallelism.shards()),
+        spans_nodes(hardware, parallelism),
+    ) {
+        (true, _) => "network",
+        (false, true) => "nvlink+network",
+        (false, false) => "nvlink",
     };
     let nvme_bytes =
         report.lane_bytes[Lane::NvmeRead.index()] + report.lane_bytes[Lane::NvmeWrite.index()];

@@ -387,6 +387,12 @@ impl std::str::FromStr for StateDtype {
 pub struct Parallelism {
     /// Data-parallel degree (ZeRO shards over it).
     pub data: u32,
+    /// Hybrid sharding (FSDP2's HSDP, DeepSpeed's hpZ, strata's
+    /// `[parallel] shard_degree`): the ZeRO shards are cut over groups of
+    /// this many neighbouring data-parallel ranks and replicated across
+    /// the groups; gradients are reduce-scattered within a group, then
+    /// all-reduced across the replicas. 0: over all `data` ranks.
+    pub shard_degree: u32,
     /// Tensor-parallel degree.
     pub tensor: u32,
     /// Pipeline-parallel degree.
@@ -415,6 +421,20 @@ pub struct Parallelism {
 }
 
 impl Parallelism {
+    /// Data-parallel ranks each ZeRO shard is cut over (`shard_degree`, or
+    /// all of them).
+    pub fn shards(&self) -> u32 {
+        match self.shard_degree {
+            0 => self.data,
+            k => k.min(self.data),
+        }
+    }
+
+    /// Copies of each shard (1 without hybrid sharding).
+    pub fn replicas(&self) -> u32 {
+        self.data / self.shards().max(1)
+    }
+
     /// ZeRO-3 over every GPU with the given offload targets, checkpointing
     /// on, clipping on, one micro-batch per step.
     pub fn zero3_offload(
@@ -424,6 +444,7 @@ impl Parallelism {
     ) -> Parallelism {
         Parallelism {
             data: hardware.nodes * hardware.gpus_per_node,
+            shard_degree: 0,
             tensor: 1,
             pipeline: 1,
             zero_stage: 3,
@@ -454,6 +475,12 @@ impl Parallelism {
             return bad(format!(
                 "data {} x tensor {} x pipeline {} = {product} GPUs, but {} nodes x {} GPUs = {gpus}; make the product match",
                 self.data, self.tensor, self.pipeline, hardware.nodes, hardware.gpus_per_node
+            ));
+        }
+        if self.shard_degree > self.data || !self.data.is_multiple_of(self.shard_degree.max(1)) {
+            return bad(format!(
+                "--shard-degree {} does not divide the {} data-parallel GPUs: give a divisor (0: shard over all of them)",
+                self.shard_degree, self.data
             ));
         }
         if self.grad_accumulation > GRAD_ACCUMULATION_MAX {

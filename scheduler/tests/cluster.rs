@@ -367,3 +367,58 @@ fn auto_recompute_keeps_the_last_blocks_whole_and_beats_both_extremes() {
         );
     }
 }
+
+/// Hybrid sharding: the shards are cut over `shard_degree` GPUs (their
+/// states per GPU grow by the replicas' count, the CPU optimizer's work
+/// with them), the all-gather runs within the shard group (NVLink when it
+/// is a node) and the gradients also cross the replicas; a shard degree of
+/// every GPU is full sharding, and one that does not divide them is
+/// refused by name.
+#[test]
+fn hybrid_sharding_counts_its_shards_and_the_replicas_all_reduce() {
+    let mut hardware = Hardware::preset("dgx-a100").unwrap();
+    hardware.nodes = 4;
+    let model = Model::for_params(13e9).unwrap();
+    let estimate = |shard_degree, optimizer| {
+        let mut parallelism = Parallelism::zero3_offload(&hardware, optimizer, optimizer);
+        parallelism.shard_degree = shard_degree;
+        cluster::estimate(&model, &parallelism, &hardware, Policies::Strata).unwrap()
+    };
+    let states = |e: &Estimate| {
+        let part = e
+            .memory
+            .iter()
+            .find(|p| p.name.starts_with("master weights"));
+        part.expect("a states part").per_node_bytes as f64
+    };
+    let busy = |e: &Estimate, name: &str| {
+        let resource = e.resources.iter().find(|r| r.name == name);
+        resource
+            .unwrap_or_else(|| panic!("no {name} in {:?}", e.resources))
+            .busy_s
+    };
+    let full = estimate(0, Tier::Host);
+    assert_eq!(estimate(32, Tier::Host), full, "every GPU is full sharding");
+    let hybrid = estimate(8, Tier::Host);
+    let ratio = states(&hybrid) / states(&full);
+    assert!((ratio - 4.0).abs() < 0.01, "states x{ratio}, want x4");
+    let ratio = busy(&hybrid, "cpu-optimizer") / busy(&full, "cpu-optimizer");
+    assert!((ratio - 4.0).abs() < 0.05, "cpu time x{ratio}, want x4");
+    // Everything on the GPUs: the collectives are what differs. Within a
+    // node the shard group gathers over NVLink; the replicas' all-reduce
+    // crosses the network.
+    let (full, hybrid) = (estimate(0, Tier::Device), estimate(8, Tier::Device));
+    let (within, across) = (busy(&hybrid, "nvlink+network"), busy(&full, "network"));
+    assert!(within > 0.0 && across > 0.0, "{within} {across}");
+    // Shards of one GPU: every GPU holds the whole states (DDP's memory),
+    // the gradients all-reduced across all of them.
+    let (hybrid, replicated) = (estimate(8, Tier::Host), estimate(1, Tier::Host));
+    assert!(replicated.fits, "{:?}", replicated.reason);
+    let ratio = states(&replicated) / states(&hybrid);
+    assert!((ratio - 8.0).abs() < 0.05, "states x{ratio}, want x8");
+    assert!(busy(&replicated, "nvlink+network") > 0.0);
+    let mut parallelism = Parallelism::zero3_offload(&hardware, Tier::Host, Tier::Host);
+    parallelism.shard_degree = 5;
+    let err = parallelism.validate(&model, &hardware).unwrap_err();
+    assert!(err.to_string().contains("--shard-degree 5"), "{err}");
+}

@@ -84,6 +84,11 @@ pub struct PlanArgs {
     /// ZeRO stage (0-3).
     #[arg(long, default_value_t = 3)]
     zero_stage: u8,
+    /// Hybrid sharding: the ZeRO shards cut over groups of this many
+    /// neighbouring data-parallel GPUs, replicated across the groups
+    /// (gradients all-reduced across them); 0: over all of them.
+    #[arg(long, default_value_t = 0)]
+    shard_degree: u32,
     /// Tensor-parallel degree.
     #[arg(long, default_value_t = 1)]
     tensor_parallel: u32,
@@ -384,6 +389,7 @@ impl PlanArgs {
         config.train.micro_batch = self.micro_batch as usize;
         config.train.grad_accumulation = self.grad_accumulation as usize;
         config.train.ranks = parallelism.data as usize;
+        config.parallel.shard_degree = parallelism.shard_degree as usize;
         config.train.compute_dtype = strata_train::ComputeDtype::Bf16;
         config.device.kind = strata_runtime::DeviceChoice::Cuda;
         config.placement.params = place(self.offload_param);
@@ -428,6 +434,7 @@ impl PlanArgs {
         }
         Ok(Parallelism {
             data: gpus / split,
+            shard_degree: self.shard_degree,
             tensor: self.tensor_parallel,
             pipeline: self.pipeline_parallel,
             zero_stage: self.zero_stage,
@@ -548,6 +555,14 @@ fn gb(bytes: u64) -> String {
 
 fn print_human(estimate: &Estimate, hardware: &Hardware, model: &Model, parallelism: &Parallelism) {
     println!("machine: {}", hardware.describe());
+    let data = match parallelism.replicas() {
+        1 => parallelism.data.to_string(),
+        replicas => format!(
+            "{} (sharded over {}, {replicas} replicas)",
+            parallelism.data,
+            parallelism.shards()
+        ),
+    };
     println!(
         "model:   {:.3e} params ({} layers, hidden {}, {} heads, seq {}, micro-batch {}), ZeRO-{}, dp {} x tp {} x pp {}, grad accumulation {}",
         estimate.params as f64,
@@ -557,7 +572,7 @@ fn print_human(estimate: &Estimate, hardware: &Hardware, model: &Model, parallel
         model.seq,
         model.micro_batch,
         parallelism.zero_stage,
-        parallelism.data,
+        data,
         parallelism.tensor,
         parallelism.pipeline,
         parallelism.grad_accumulation
