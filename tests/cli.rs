@@ -1152,6 +1152,46 @@ fn last_json_line(output: &Output) -> serde_json::Value {
     serde_json::from_str(text.lines().last().expect("output")).expect("last line is JSON")
 }
 
+/// With two ranks the trace shows the collectives on a lane of their own
+/// beside compute: each group's all-gather and reduce-scatter, with bytes.
+#[test]
+fn train_trace_shows_the_collectives_on_their_own_lane() {
+    let dir = tempdir();
+    let config = dir.path().join("two.toml");
+    std::fs::write(&config, "[train]\nranks = 2\n").unwrap();
+    let args = ["train", "--config", "two.toml", "--steps", "2"];
+    let output = strata_in(
+        dir.path(),
+        &[&args[..], &["--trace", "trace.json"]].concat(),
+    );
+    stdout_text(&output);
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let lane = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["args"]["name"] == "collectives")
+        .expect("a collectives lane")["tid"]
+        .clone();
+    let compute = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["args"]["name"] == "compute")
+        .expect("a compute lane")["tid"]
+        .clone();
+    assert_ne!(lane, compute);
+    for name in ["all-gather", "reduce-scatter"] {
+        let spans: Vec<_> = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["cat"] == "collective" && e["name"] == name)
+            .collect();
+        assert!(!spans.is_empty(), "no {name} in the trace");
+        for span in spans {
+            assert_eq!(span["tid"], lane, "{span}");
+            assert!(span["args"]["bytes"].as_u64().unwrap() > 0, "{span}");
+        }
+    }
+}
+
 #[test]
 fn train_default_json_contract_tiny() {
     let dir = tempdir();

@@ -48,8 +48,8 @@ pub use host_pool::{Chunk, FreeLists, HostPool, Slot, Spread, commit_spread};
 pub use residency::{Completion, DEVICE_ALIGN_BYTES, Runtime};
 pub use state::{Access, MemoryFaults};
 pub use stats::{
-    CALLER_LANE, EventKind, LinkStats, OPTIMIZER_LANE, Stats, TierStats, Trace, TraceEvent,
-    set_caller_lane,
+    CALLER_LANE, COLLECTIVE_LANE, EventKind, LinkStats, OPTIMIZER_LANE, Stats, TierStats, Trace,
+    TraceEvent, set_caller_lane,
 };
 pub use tier::{Dtype, Link, Owner, TensorId, TensorKind, TensorMeta, Tier};
 

@@ -799,6 +799,20 @@ impl Runtime {
         self.record_work(what, group, None, params, started)
     }
 
+    /// Records a collective of `bytes` on this rank for `group` that
+    /// began at `started` and ends now, on the collectives' lane.
+    pub fn record_collective(&self, what: &'static str, group: u32, bytes: u64, started: Instant) {
+        let event = TraceEvent {
+            kind: EventKind::Collective { what, group },
+            tensor: None,
+            bytes,
+            start_ns: (started - self.shared.started).as_nanos() as u64,
+            duration_ns: started.elapsed().as_nanos() as u64,
+            lane: crate::stats::COLLECTIVE_LANE,
+        };
+        self.shared.trace.lock().expect("trace lock").push(event);
+    }
+
     fn record_work(
         &self,
         what: &'static str,

@@ -88,6 +88,14 @@ pub enum EventKind {
         /// the trace shows them and their rate.
         params: u64,
     },
+    /// A collective between ranks (on [`COLLECTIVE_LANE`]): what, for
+    /// which group of parameters; its bytes on this rank are the event's.
+    Collective {
+        /// What ran, e.g. "all-gather".
+        what: &'static str,
+        /// The group (0: embeddings, 1 + b: block b).
+        group: u32,
+    },
 }
 
 /// One complete event ("ph":"X").
@@ -153,6 +161,7 @@ impl Trace {
             let name = match lane {
                 CALLER_LANE => "compute".to_string(),
                 OPTIMIZER_LANE => "cpu optimizer".to_string(),
+                COLLECTIVE_LANE => "collectives".to_string(),
                 lane => format!("mover {lane}"),
             };
             events.push(serde_json::json!({
@@ -166,6 +175,7 @@ impl Trace {
                 EventKind::Wait => ("wait".to_string(), "wait"),
                 EventKind::Spill(tier) => (format!("spill {tier}"), "spill"),
                 EventKind::Compute { what, .. } => (what.to_string(), "compute"),
+                EventKind::Collective { what, .. } => (what.to_string(), "collective"),
             };
             let args = match (event.kind, event.tensor) {
                 (
@@ -177,6 +187,11 @@ impl Trace {
                     },
                     _,
                 ) => serde_json::json!({ "group": group, "micro_batch": micro_batch }),
+                (EventKind::Collective { group, .. }, _) => serde_json::json!({
+                    "group": group,
+                    "bytes": event.bytes,
+                    "bytes_per_s": event.bytes as f64 / (event.duration_ns.max(1) as f64 / 1e9),
+                }),
                 (EventKind::Compute { group, params, .. }, _) => serde_json::json!({
                     "group": group,
                     "params": params,
@@ -221,6 +236,10 @@ pub const CALLER_LANE: u32 = 1000;
 
 /// The trace lane of the CPU optimizer's thread.
 pub const OPTIMIZER_LANE: u32 = 1001;
+
+/// The trace lane of collectives between ranks (whichever thread waits
+/// for them), beside compute.
+pub const COLLECTIVE_LANE: u32 = 1002;
 
 thread_local! {
     static LANE: Cell<u32> = const { Cell::new(CALLER_LANE) };

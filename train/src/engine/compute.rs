@@ -5,6 +5,8 @@
 //! reduce-scatter the gradient. It knows no tensor's place: the step loop
 //! hands it the runtime tensors to read and write.
 
+use std::time::Instant;
+
 use strata_device::{Buffer, Dtype, View};
 use strata_kernels::{Backend, Readback, no_position_ids};
 use strata_runtime::TensorId;
@@ -393,6 +395,7 @@ impl Workspace {
             false => &mut self.staged16,
         };
         let hybrid = env.replicas().is_some();
+        let started = Instant::now();
         with_device_view(runtime, backend, shard, Dtype::Bf16, |shard| {
             collective
                 .all_gather(shard, staged.view_mut().range(0..padded))
@@ -400,6 +403,7 @@ impl Workspace {
                 .map_err(|e| TrainError::of_group(e, "shard", hybrid))?;
             Ok(())
         })?;
+        runtime.record_collective("all-gather", g as u32, padded as u64 * 2, started);
         match bf16 {
             true => {
                 for range in &group.reads_f32 {
@@ -437,12 +441,15 @@ impl Workspace {
         // Summed over the shard group, then (hybrid sharding) over the
         // replicas holding the same shard.
         let hybrid = env.replicas().is_some();
+        let runtime = env.runtime();
         let across = |values: strata_device::ViewMut<'_>| -> Result<()> {
             if let Some(replicas) = env.replicas() {
+                let (started, bytes) = (Instant::now(), values.len() as u64 * 4);
                 replicas
                     .all_reduce(values)
                     .and_then(|fence| Ok(fence.wait()?))
                     .map_err(|e| TrainError::of_group(e, "replica", true))?;
+                runtime.record_collective("all-reduce (replicas)", g as u32, bytes, started);
             }
             Ok(())
         };
@@ -450,6 +457,7 @@ impl Workspace {
             across(full.view_mut().range(0..n))?;
             full.view().range(0..n)
         } else {
+            let started = Instant::now();
             collective
                 .reduce_scatter(
                     full.view().range(0..padded),
@@ -457,6 +465,7 @@ impl Workspace {
                 )
                 .and_then(|fence| Ok(fence.wait()?))
                 .map_err(|e| TrainError::of_group(e, "shard", hybrid))?;
+            runtime.record_collective("reduce-scatter", g as u32, padded as u64 * 4, started);
             across(self.shard32.view_mut().range(0..n))?;
             self.shard32.view().range(0..n)
         };
