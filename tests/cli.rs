@@ -1153,12 +1153,14 @@ fn last_json_line(output: &Output) -> serde_json::Value {
 }
 
 /// With two ranks the trace shows the collectives on a lane of their own
-/// beside compute: each group's all-gather and reduce-scatter, with bytes.
+/// beside compute: each group's all-gather and reduce-scatter, with bytes;
+/// a group is gathered once per pass whatever the micro-batches (a
+/// regression test: it was gathered again for each).
 #[test]
 fn train_trace_shows_the_collectives_on_their_own_lane() {
     let dir = tempdir();
     let config = dir.path().join("two.toml");
-    std::fs::write(&config, "[train]\nranks = 2\n").unwrap();
+    std::fs::write(&config, "[train]\nranks = 2\ngrad_accumulation = 3\n").unwrap();
     let args = ["train", "--config", "two.toml", "--steps", "2"];
     let output = strata_in(
         dir.path(),
@@ -1185,9 +1187,16 @@ fn train_trace_shows_the_collectives_on_their_own_lane() {
             .filter(|e| e["ph"] == "X" && e["cat"] == "collective" && e["name"] == name)
             .collect();
         assert!(!spans.is_empty(), "no {name} in the trace");
-        for span in spans {
+        for span in &spans {
             assert_eq!(span["tid"], lane, "{span}");
             assert!(span["args"]["bytes"].as_u64().unwrap() > 0, "{span}");
+        }
+        // Two steps: each group gathered in each forward and backward
+        // (the embeddings: their forward and the head's), reduced once.
+        let per_group = if name == "all-gather" { 4 } else { 2 };
+        for group in 0..5 {
+            let count = spans.iter().filter(|s| s["args"]["group"] == group).count();
+            assert_eq!(count, per_group, "{name} of group {group}");
         }
     }
 }

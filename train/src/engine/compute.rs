@@ -64,6 +64,10 @@ pub(super) struct Workspace {
     /// With f32 compute and several shards: the bf16 shards as gathered,
     /// before they are widened into `gathered`.
     staged16: Buffer,
+    /// Which group's shard tensor the gathered buffers hold, while nothing
+    /// can have written it since: the op's next micro-batches read it
+    /// again without another gather (every rank skips alike).
+    holds: Option<(usize, TensorId)>,
 }
 
 /// One micro-batch's buffers between ops.
@@ -139,7 +143,14 @@ impl Workspace {
                     _ => 0,
                 },
             )?,
+            holds: None,
         })
+    }
+
+    /// Forgets which group the gathered buffers hold (at a step's or an
+    /// evaluation's start: the shards may have been written since).
+    pub(super) fn forget_gathered(&mut self) {
+        self.holds = None;
     }
 
     /// Bytes of every buffer on the device.
@@ -363,8 +374,22 @@ impl Workspace {
     /// into the bf16 copy the products read. One rank widens its device
     /// copy straight into the gathered buffer: with bf16 compute only what
     /// the model reads in f32 (a block's vectors; tables that are looked
-    /// up), the rest copied as it is.
+    /// up), the rest copied as it is. A group the buffers still hold (the
+    /// same op's earlier micro-batch gathered it) is not gathered again:
+    /// once per block and pass, not once per micro-batch.
     pub(super) fn gather(&mut self, env: &Env, g: usize, shard: TensorId) -> Result<()> {
+        if self.holds == Some((g, shard)) {
+            return Ok(());
+        }
+        // Set once the buffers hold it whole: a failed gather leaves none.
+        self.holds = None;
+        self.gather_anew(env, g, shard)?;
+        self.holds = Some((g, shard));
+        Ok(())
+    }
+
+    /// [`Workspace::gather`] whatever the buffers hold.
+    fn gather_anew(&mut self, env: &Env, g: usize, shard: TensorId) -> Result<()> {
         let (backend, runtime, collective) = (env.backend(), env.runtime(), env.shard_group());
         let group = &env.groups()[g];
         let n = group.shard;

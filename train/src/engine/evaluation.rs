@@ -135,6 +135,7 @@ impl Engine {
     /// One forward-only pass over this rank's `tokens` (a step's worth):
     /// the sum of its micro-batches' mean losses.
     fn forward_pass(&mut self, tokens: &[u32]) -> Result<f64> {
+        self.ws.forget_gathered();
         let shape = eval_shape(self.moves.current());
         let ops = self.schedule.take_ops(shape);
         let result = self.run_pass(&ops, tokens);

@@ -110,6 +110,7 @@ impl Engine {
             });
         }
         let started = Instant::now();
+        self.ws.forget_gathered();
         self.state.step += 1;
         let step = self.state.step;
         let lr = self.env.config().train.lr_at(step);
@@ -468,6 +469,7 @@ impl Engine {
         let Some(update) = self.state.take_late() else {
             return Ok(());
         };
+        self.ws.forget_gathered();
         let tier = optimizer_tier(self.env.config().placement.optimizer);
         for g in 0..self.env.groups().len() {
             self.update_group(g, true, tier, &update)?;
