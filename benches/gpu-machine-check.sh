@@ -16,7 +16,8 @@
 #                  against the CPU device (three times: as is, with
 #                  STRATA_FLASH_ATTENTION=0, with CUDA_LAUNCH_BLOCKING=1):
 #                  cuda.txt
-#   nccl   (240 s) NCCL between ranks on the one GPU: the backend's test
+#   nccl   (240 s; last by default, name it to run it first) NCCL
+#                  between ranks on the one GPU: the backend's test
 #                  binary nccl-* from $CUDA_TESTS (the library's version;
 #                  every operation at world size 1; two processes, each
 #                  its own NCCL host (NCCL_HOSTID) over the loopback, sums
@@ -89,7 +90,7 @@ LANE_THREADS=${LANE_THREADS:-14}
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
     parts=(env pool tiers kernels lane train bars chart)
-    [ -n "${CUDA_TESTS:-}" ] && parts=(env cuda nccl pool tiers kernels lane train bars chart)
+    [ -n "${CUDA_TESTS:-}" ] && parts=(env cuda pool tiers kernels lane train bars chart nccl)
 fi
 failed=0
 
@@ -293,6 +294,8 @@ warmup_steps = 2
 [placement]
 params = "cpu"
 optimizer = "cpu"
+[optim]
+threads = 4
 [device]
 kind = "cuda"
 budget = "1GiB"
@@ -301,15 +304,19 @@ budget = "1GiB"
 TOML
             sed 's/^kind = "cuda"/kind = "cpu"/' "$OUT/nccl.toml" > "$OUT/nccl-cpu.toml"
             port=$((29000 + RANDOM % 1000))
+            # A rank that fails takes the other down with it (trap).
             two_ranks='pids=()
+                trap "kill \${pids[*]} 2> /dev/null" EXIT
                 for rank in 0 1; do
                     env RANK=$rank WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
                         MASTER_PORT=$port NCCL_HOSTID=strata-check-$rank NCCL_SOCKET_IFNAME=lo \
-                        NCCL_MULTI_RANK_GPU_ENABLE=1 "$STRATA" train --config "$OUT/nccl.toml" --json \
-                        > "$OUT/nccl-rank$rank.json" &
+                        NCCL_NET=Socket NCCL_MULTI_RANK_GPU_ENABLE=1 \
+                        "$STRATA" train --config "$OUT/nccl.toml" --json > "$OUT/nccl-rank$rank.json" &
                     pids+=($!)
                 done
-                wait "${pids[0]}" && wait "${pids[1]}"'
+                wait "${pids[0]}"; first=$?
+                wait "${pids[1]}"; second=$?
+                exit $((first | second))'
             limit[nccl]=$((nccl_end - SECONDS < 90 ? nccl_end - SECONDS : 90))
             run nccl env STRATA="$STRATA" OUT="$OUT" port=$port bash -c "$two_ranks"
             limit[nccl]=$((nccl_end - SECONDS < 60 ? nccl_end - SECONDS : 60))

@@ -160,6 +160,14 @@ pub enum CommError {
         /// What to do.
         fix: String,
     },
+    /// What a backend cannot do (yet), with the reason and the fix.
+    #[error("{op}: {why}")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// Why not, and what to do.
+        why: String,
+    },
     /// NCCL refused or failed a call (the communicator is aborted).
     #[error("NCCL {op} failed: {code}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
     Nccl {

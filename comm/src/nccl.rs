@@ -6,9 +6,15 @@
 //! enqueued so far on the compute stream, and returns a watched fence: a
 //! waiter polls the completion event and, between polls, the
 //! communicator's asynchronous error, the run's cancellation and the
-//! group's deadline (`[comm] timeout_s`). Any of them aborts the
-//! communicator, and the group refuses every later call (`Abandoned`):
-//! no wait blocks in a plain event wait on a peer that may be gone.
+//! group's deadline (`[comm] timeout_s`, counted from when the collective
+//! stream reaches the operation). Any of them aborts the communicator, and
+//! the group refuses every later call (`Abandoned`); a fence whose event
+//! passed after an abort is an error too (aborted kernels end early): no
+//! wait blocks in a plain event wait on a peer that may be gone, and no
+//! stopped collective's output is taken for good. Point-to-point transfers
+//! of device memory are refused (a send and its receive would need one
+//! NCCL group); NCCL newer than cudarc's bindings (2.30) is refused by
+//! name.
 //!
 //! The communicator is non-blocking (`blocking = 0` in its config): its
 //! creation, its splits and an enqueue may answer `ncclInProgress`, and are
@@ -46,6 +52,12 @@ const INIT_MIN: Duration = Duration::from_secs(60);
 /// Polls of a pending call: spins first, then sleeps this long.
 const POLL_SLEEP: Duration = Duration::from_micros(50);
 const POLL_SPINS: u32 = 200;
+/// A communicator dropped waits at most this long for its pending work to
+/// flush (`ncclCommFinalize`) before it is aborted.
+const FINALIZE_MAX: Duration = Duration::from_secs(10);
+/// The newest NCCL whose result codes cudarc's bindings know (a newer
+/// library may return a code the Rust enum cannot hold).
+const NEWEST: (u32, u32) = (2, 30);
 
 /// The NCCL library's version (`ncclGetVersion`), probed first: a missing
 /// library is a typed error naming the files looked for.
@@ -118,16 +130,20 @@ fn check(op: &'static str, result: sys::ncclResult_t, comm: Option<sys::ncclComm
     })
 }
 
-/// `ncclGetLastError`'s text (empty when it says nothing).
+/// `ncclGetLastError`'s text (empty when it says nothing), copied at once.
+/// NCCL keeps one buffer for the process, which its own threads may
+/// rewrite meanwhile: the words can be another failure's, but the read is
+/// of a fixed, NUL-terminated buffer.
 fn last_error(comm: Option<sys::ncclComm_t>) -> String {
     let comm = comm.unwrap_or(std::ptr::null_mut());
     // SAFETY: the library is loaded (a call preceded this); a null or live
-    // communicator is allowed; the text is NUL-terminated and NCCL's.
+    // communicator is allowed.
     let text = unsafe { sys::ncclGetLastError(comm) };
     if text.is_null() {
         return String::new();
     }
-    // SAFETY: non-null, NUL-terminated, valid until the next NCCL call.
+    // SAFETY: non-null, into NCCL's static NUL-terminated buffer, which
+    // lives as long as the library.
     unsafe { CStr::from_ptr(text) }
         .to_string_lossy()
         .into_owned()
@@ -226,6 +242,7 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        let waited = self.timeout.min(FINALIZE_MAX);
         let comm = self.comm.get_mut().unwrap_or_else(|p| p.into_inner());
         if comm.aborted {
             return;
@@ -240,7 +257,7 @@ impl Drop for Shared {
             loop {
                 match comm.settled("ncclCommFinalize") {
                     Ok(true) => break true,
-                    Ok(false) if started.elapsed() < self.timeout => pause(poll),
+                    Ok(false) if started.elapsed() < waited => pause(poll),
                     _ => break false,
                 }
                 poll += 1;
@@ -262,37 +279,65 @@ fn pause(poll: u32) {
 }
 
 /// A pending operation's watch: its communicator's asynchronous error, the
-/// run's cancel, and its deadline.
+/// run's cancel, and its deadline, counted from when the collective stream
+/// reached it (`begun`: the compute it waited for is not the peers').
 struct Pending {
     shared: Arc<Shared>,
     op: &'static str,
     bytes: u64,
-    started: Instant,
+    begun: Fence,
+    since: Mutex<Option<Instant>>,
+}
+
+impl Pending {
+    fn aborted(&self) -> String {
+        format!(
+            "{}: the communicator was aborted (an earlier failure, a cancel or a timeout), so its results cannot be trusted",
+            self.op
+        )
+    }
 }
 
 impl Watch for Pending {
     fn check(&self) -> std::result::Result<(), String> {
-        let mut comm = self.shared.lock();
-        if comm.aborted {
-            return Err(format!(
-                "{}: the communicator was aborted by an earlier failure",
-                self.op
-            ));
+        if self.shared.cancel.is_cancelled() {
+            self.shared.lock().abort();
+            return Err(CommError::Cancelled.to_string());
         }
-        let failure = match comm.settled(self.op) {
-            Err(err) => err.to_string(),
-            Ok(_) if self.shared.cancel.is_cancelled() => CommError::Cancelled.to_string(),
-            Ok(_) if self.started.elapsed() > self.shared.timeout => CommError::Timeout {
+        // Another thread enqueueing holds the communicator: still pending.
+        let Ok(mut comm) = self.shared.comm.try_lock() else {
+            return Ok(());
+        };
+        if comm.aborted {
+            return Err(self.aborted());
+        }
+        let since = {
+            let mut since = self.since.lock().unwrap_or_else(|p| p.into_inner());
+            if since.is_none() && self.begun.is_passed().map_err(|e| e.to_string())? {
+                *since = Some(Instant::now());
+            }
+            *since
+        };
+        let failure = match (comm.settled(self.op), since) {
+            (Err(err), _) => err.to_string(),
+            (Ok(_), Some(since)) if since.elapsed() > self.shared.timeout => CommError::Timeout {
                 op: self.op,
                 bytes: self.bytes,
                 peers: Vec::new(),
-                waited_s: self.started.elapsed().as_secs_f64(),
+                waited_s: since.elapsed().as_secs_f64(),
             }
             .to_string(),
-            Ok(_) => return Ok(()),
+            (Ok(_), _) => return Ok(()),
         };
         comm.abort();
         Err(failure)
+    }
+
+    fn completed(&self) -> std::result::Result<(), String> {
+        match self.shared.lock().aborted {
+            true => Err(self.aborted()),
+            false => Ok(()),
+        }
     }
 }
 
@@ -328,26 +373,46 @@ impl Nccl {
     ) -> Result<Nccl> {
         const OP: &str = "ncclCommInitRankConfig";
         let cancel = host.cancellation().unwrap_or_default();
-        probe_library(Library::Nccl)?;
+        let (major, minor, patch) = nccl_version()?;
+        if (major, minor) > NEWEST {
+            return Err(CommError::Unsupported {
+                op: "NCCL",
+                why: format!(
+                    "NCCL {major}.{minor}.{patch} is newer than the {}.{} strata's bindings know (its result codes may differ): put NCCL {}.{} or older first on LD_LIBRARY_PATH",
+                    NEWEST.0, NEWEST.1, NEWEST.0, NEWEST.1
+                ),
+            });
+        }
         context.bind()?;
         let (rank, world) = (host.rank(), host.world());
-        let mut words = [0u32; 32];
+        // The id's 128 bytes, then rank 0's word on whether it has one: a
+        // rank 0 that could not make it fails every rank at once.
+        let mut words = [0u32; 33];
+        let mut made = Ok(());
         if rank == 0 {
             let mut id = sys::ncclUniqueId { internal: [0; 128] };
             // SAFETY: the library is present; the call writes the id.
-            let made = unsafe { sys::ncclGetUniqueId(&mut id) };
-            check("ncclGetUniqueId", made, None)?;
-            bytemuck::cast_slice_mut::<u32, u8>(&mut words)
+            let result = unsafe { sys::ncclGetUniqueId(&mut id) };
+            made = check("ncclGetUniqueId", result, None);
+            bytemuck::cast_slice_mut::<u32, u8>(&mut words[..32])
                 .iter_mut()
                 .zip(id.internal)
                 .for_each(|(sent, byte)| *sent = byte as u8);
+            words[32] = u32::from(made.is_err());
         }
         host.broadcast(0, ViewMut::host_slice(&mut words))?.wait()?;
+        made?;
+        if words[32] != 0 {
+            return Err(CommError::Unsupported {
+                op: "ncclGetUniqueId",
+                why: "rank 0 could not make NCCL's unique id; its own error says why".into(),
+            });
+        }
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         for (byte, &came) in id
             .internal
             .iter_mut()
-            .zip(bytemuck::cast_slice::<u32, u8>(&words))
+            .zip(bytemuck::cast_slice::<u32, u8>(&words[..32]))
         {
             *byte = came as std::ffi::c_char;
         }
@@ -442,6 +507,8 @@ impl Nccl {
         self.context.bind()?;
         let inputs = self.context.record(StreamKind::Compute)?;
         self.context.wait_on(StreamKind::Collective, &inputs)?;
+        // Where the peers' part begins: the deadline counts from here.
+        let begun = self.context.record(StreamKind::Collective)?;
         let stream = self.context.raw_stream(StreamKind::Collective) as sys::cudaStream_t;
         let result = call(comm.raw, stream);
         if let Err(err) = check(op, result, Some(comm.raw)) {
@@ -457,7 +524,8 @@ impl Nccl {
             shared: self.shared.clone(),
             op,
             bytes,
-            started: Instant::now(),
+            begun,
+            since: Mutex::new(None),
         });
         Ok(self.context.record_watched(StreamKind::Collective, watch)?)
     }
@@ -508,8 +576,9 @@ impl Collective for Nccl {
         }
         self.enqueue(OP, bytes_of(&recv), |comm, stream| {
             // SAFETY: both views are contiguous device memory of this
-            // GPU, sized as NCCL reads and writes them, and borrowed until
-            // the caller waits on the returned fence.
+            // GPU, sized as NCCL reads and writes them; by the trait's
+            // contract their buffers are neither reused nor freed before
+            // the returned fence has passed.
             unsafe {
                 sys::ncclAllGather(
                     address(&send),
@@ -612,46 +681,30 @@ impl Collective for Nccl {
         const OP: &str = "send";
         self.other(OP, peer)?;
         self.limit(values.len())?;
-        let raw = values.raw();
-        if let Operands::Host = Self::operands(OP, &[("values", raw)])? {
-            return self.host.send(peer, values);
+        match Self::operands(OP, &[("values", values.raw())])? {
+            Operands::Host => self.host.send(peer, values),
+            // A send and its receive must be in one NCCL group to progress
+            // together (a pipeline's exchange would deadlock otherwise).
+            Operands::Device => Err(CommError::Unsupported {
+                op: OP,
+                why: "point-to-point transfers of device memory over NCCL are not built yet (pipeline stages on GPUs): pass host buffers".into(),
+            }),
         }
-        self.enqueue(OP, bytes_of(&raw), |comm, stream| {
-            // SAFETY: as in all_gather.
-            unsafe {
-                sys::ncclSend(
-                    address(&raw),
-                    raw.len(),
-                    nccl_dtype(raw.dtype),
-                    peer as c_int,
-                    comm,
-                    stream,
-                )
-            }
-        })
     }
 
     fn recv(&self, peer: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "recv";
         self.other(OP, peer)?;
         self.limit(values.len())?;
-        let raw = values.raw();
-        if let Operands::Host = Self::operands(OP, &[("values", raw)])? {
-            return self.host.recv(peer, values);
+        match Self::operands(OP, &[("values", values.raw())])? {
+            Operands::Host => self.host.recv(peer, values),
+            // A send and its receive must be in one NCCL group to progress
+            // together (a pipeline's exchange would deadlock otherwise).
+            Operands::Device => Err(CommError::Unsupported {
+                op: OP,
+                why: "point-to-point transfers of device memory over NCCL are not built yet (pipeline stages on GPUs): pass host buffers".into(),
+            }),
         }
-        self.enqueue(OP, bytes_of(&raw), |comm, stream| {
-            // SAFETY: as in all_gather.
-            unsafe {
-                sys::ncclRecv(
-                    address(&raw),
-                    raw.len(),
-                    nccl_dtype(raw.dtype),
-                    peer as c_int,
-                    comm,
-                    stream,
-                )
-            }
-        })
     }
 
     fn split(&self, members: &[usize]) -> Result<Box<dyn Collective>> {

@@ -7,8 +7,9 @@
 //! timeout, naming the collective. Skipped, saying why, where NCCL or a GPU
 //! is missing; failed instead with `STRATA_REQUIRE_GPU=1`.
 
-use std::process::{Command, Output};
-use std::sync::Arc;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use half::bf16;
@@ -21,6 +22,9 @@ const ELEMS_MAX: usize = 2 * 1031 + 8;
 const SIZES: [usize; 3] = [1, 7, 1031];
 /// How long a rank waits for a peer in these checks.
 const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One GPU test at a time (their timings would mix otherwise).
+static GPU: Mutex<()> = Mutex::new(());
 
 /// The GPU's context, or `None` (having said why) where NCCL or a GPU is
 /// missing.
@@ -211,6 +215,7 @@ fn exercise(group: &dyn Collective, context: &Arc<Context>) {
 
 #[test]
 fn nccl_at_world_size_one_runs_every_operation_on_the_gpu() {
+    let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
     let Some(context) = gpu() else { return };
     let (major, minor, patch) = strata_comm::nccl_version().unwrap();
     println!("NCCL {major}.{minor}.{patch}");
@@ -237,50 +242,95 @@ fn child(rank: usize, port: u16, mode: &str) -> Command {
             "1",
         ])
         .env(CHILD, format!("{rank}:{port}:{mode}"))
-        // Two NCCL hosts on one GPU, over the loopback.
+        // Two NCCL hosts on one GPU, over the loopback's sockets.
         .env("NCCL_HOSTID", format!("strata-nccl-test-{rank}"))
         .env("NCCL_SOCKET_IFNAME", "lo")
-        .env("NCCL_MULTI_RANK_GPU_ENABLE", "1");
+        .env("NCCL_NET", "Socket")
+        .env("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     command
 }
 
-/// Both children of `mode`, waited for (two minutes at most).
-fn pair(mode: &str) -> Vec<Output> {
+/// A child's exit and its output (both streams, drained as it runs).
+struct Ended {
+    success: bool,
+    text: String,
+}
+
+/// Both children of `mode`, their output drained on threads, killed past
+/// two minutes.
+fn pair(mode: &str) -> Vec<Ended> {
     let port = strata_comm::free_port().unwrap();
-    let children: Vec<_> = (0..2)
+    let mut children: Vec<Child> = (0..2)
         .map(|rank| child(rank, port, mode).spawn().unwrap())
         .collect();
-    children
+    let drains: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let (mut out, mut err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                let _ = out.read_to_string(&mut text);
+                let _ = err.read_to_string(&mut text);
+                text
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut statuses = vec![None; 2];
+    while statuses.iter().any(Option::is_none) {
+        for (child, status) in children.iter_mut().zip(&mut statuses) {
+            if status.is_none() {
+                *status = child.try_wait().unwrap();
+            }
+        }
+        if Instant::now() > deadline {
+            children.iter_mut().for_each(|c| drop(c.kill()));
+            panic!("the two ranks ran past two minutes");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    statuses
         .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
+        .zip(drains)
+        .map(|(status, drain)| Ended {
+            success: status.unwrap().success(),
+            text: drain.join().unwrap(),
+        })
         .collect()
 }
 
 #[test]
 fn two_processes_on_one_gpu_give_rank_order_sums() {
+    let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
     if gpu().is_none() {
         return;
     }
-    for (rank, output) in pair("exercise").iter().enumerate() {
-        let text = String::from_utf8_lossy(&output.stdout);
+    for (rank, ended) in pair("exercise").iter().enumerate() {
+        assert!(ended.success, "rank {rank}: {}", ended.text);
         assert!(
-            output.status.success(),
-            "rank {rank}: {text}{}",
-            String::from_utf8_lossy(&output.stderr)
+            ended.text.contains("exercised"),
+            "rank {rank}: {}",
+            ended.text
         );
-        assert!(text.contains("exercised"), "rank {rank}: {text}");
     }
 }
 
 #[test]
 fn a_killed_rank_stops_the_other_within_its_timeout() {
+    let _one = GPU.lock().unwrap_or_else(|p| p.into_inner());
     if gpu().is_none() {
         return;
     }
-    let outputs = pair("die");
-    let survivor = String::from_utf8_lossy(&outputs[0].stdout);
-    assert!(outputs[0].status.success(), "rank 0: {survivor}");
-    assert!(survivor.contains("stopped after"), "rank 0: {survivor}");
+    let ended = pair("die");
+    let survivor = &ended[0];
+    assert!(survivor.success, "rank 0: {}", survivor.text);
+    let line = survivor.text.lines().find(|l| l.contains("stopped after"));
+    println!(
+        "{}",
+        line.unwrap_or_else(|| panic!("rank 0: {}", survivor.text))
+    );
 }
 
 /// The children's side (does nothing when the parent did not start it).

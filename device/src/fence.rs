@@ -42,9 +42,14 @@ impl StreamKind {
 /// that depends on other parties (a collective waits for its peers) can
 /// fail or hang where the device cannot see it.
 pub trait Watch: Send + Sync {
-    /// `Err` ends the wait with the cause (a peer's failure, a cancel, a
-    /// deadline passed); the watch has already stopped the work.
+    /// While the work runs: `Err` ends the wait with the cause (a peer's
+    /// failure, a cancel, a deadline passed); the watch has already
+    /// stopped the work.
     fn check(&self) -> std::result::Result<(), String>;
+    /// Once the event has passed: `Err` when the work was stopped rather
+    /// than done (an aborted collective's kernels end early), so that its
+    /// results are not taken for good.
+    fn completed(&self) -> std::result::Result<(), String>;
 }
 
 /// An event recorded on a stream (inside a [`Fence`]).
@@ -73,18 +78,34 @@ impl Event {
         };
         for poll in 0u32.. {
             if self.is_complete()? {
-                return Ok(());
+                return watch.completed().map_err(|cause| self.stopped(cause));
             }
-            watch.check().map_err(|cause| DeviceError::Stopped {
-                stream: self.stream.name(),
-                cause,
-            })?;
+            watch.check().map_err(|cause| self.stopped(cause))?;
             match poll < Self::WATCH_SPINS {
                 true => std::thread::yield_now(),
                 false => std::thread::sleep(Self::WATCH_SLEEP),
             }
         }
         unreachable!("the poll loop returns")
+    }
+
+    fn stopped(&self, cause: String) -> DeviceError {
+        DeviceError::Stopped {
+            stream: self.stream.name(),
+            cause,
+        }
+    }
+
+    /// Whether the work is done; a watched event's work also checked (done
+    /// rather than stopped; still running and not failed).
+    pub(crate) fn is_passed(&self) -> Result<bool> {
+        let complete = self.is_complete()?;
+        match (&self.watch, complete) {
+            (None, _) => Ok(complete),
+            (Some(watch), true) => watch.completed().map(|()| true),
+            (Some(watch), false) => watch.check().map(|()| false),
+        }
+        .map_err(|cause| self.stopped(cause))
     }
 
     pub(crate) fn is_complete(&self) -> Result<bool> {
@@ -167,7 +188,7 @@ impl Fence {
         match self {
             Fence::Ready => Ok(true),
             Fence::Host(signal) => Ok(signal.is_set()),
-            Fence::Cuda(event) => event.is_complete(),
+            Fence::Cuda(event) => event.is_passed(),
         }
     }
 }

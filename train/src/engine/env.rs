@@ -16,18 +16,22 @@ use super::config::TrainConfig;
 use super::tensors::{Group, groups};
 
 /// The rank's read-only surroundings.
+///
+/// The groups come first, so they are dropped first: an NCCL group
+/// flushes or aborts its work on the GPU before the runtime's device waits
+/// for the context's streams.
 pub(super) struct Env {
-    config: TrainConfig,
-    model: Arc<dyn Model>,
-    groups: Arc<Vec<Group>>,
-    runtime: Arc<Runtime>,
-    backend: Box<dyn Backend>,
-    collective: Box<dyn Collective>,
     /// With hybrid sharding (`parallel.shard_degree` below the ranks):
     /// this rank's shard group (the neighbouring ranks its states are
     /// sharded over) and its replica group (the ranks holding the same
     /// shard as it, one per shard group).
     hybrid: Option<(Box<dyn Collective>, Box<dyn Collective>)>,
+    collective: Box<dyn Collective>,
+    config: TrainConfig,
+    model: Arc<dyn Model>,
+    groups: Arc<Vec<Group>>,
+    runtime: Arc<Runtime>,
+    backend: Box<dyn Backend>,
 }
 
 /// What [`Env::open`] opens before the runtime: the compute backend, the

@@ -185,24 +185,6 @@ pub fn run_process(
     let local = rank.local_world.max(1) as u64;
     let given = config;
     let mut config = machine_share(config, world, rank.local_rank, rank.local_world)?;
-    // `auto` decided as for one rank: each process is one, on its GPU.
-    if config.device.kind == strata_runtime::DeviceChoice::Auto {
-        let one = TrainConfig {
-            train: super::TrainSettings {
-                ranks: 1,
-                ..config.train.clone()
-            },
-            ..config.clone()
-        };
-        let (resolved, why_not) = one.with_device_resolved();
-        if let (0, Some(why)) = (rank.collective.rank(), why_not) {
-            tracing::info!("device.kind = auto: training on the CPU device ({why})");
-        }
-        config.device.kind = resolved.device.kind;
-    }
-    // Each of the machine's ranks on its own run of whole cores, as a
-    // launcher's core binding does (unless one bound it already, as
-    // mpirun does), its optimizer threads pinned within it.
     use strata_optim::topology::{CpuTopology, bind_process, bound_to_a_share};
     let mut bound = rank.launcher_binds && bound_to_a_share();
     if !bound && local > 1 {

@@ -351,9 +351,10 @@ impl TrainConfig {
     /// layout without kernels, or optimizer states on the device in another
     /// dtype than fp32. (Ranks as threads cannot share the one GPU: the
     /// engine refuses them, [`TrainConfig::gpu_ranks_as_threads`].)
-    /// Several ranks as threads of this process on a GPU (or on `auto`,
-    /// which then takes the CPU device): refused (each GPU rank is a
-    /// process of its own, NCCL between them).
+    /// Several ranks as threads of this process on a GPU: refused (each
+    /// GPU rank is a process of its own, NCCL between them). Several ranks
+    /// on `auto` take the CPU device, processes too: every rank decides
+    /// alike, and ranks on GPUs are asked for by name (`cuda`).
     pub fn gpu_ranks_as_threads(&self) -> Result<()> {
         match (self.device.kind, self.train.ranks) {
             (DeviceChoice::Cuda | DeviceChoice::Auto, 2..) => Err(bad(
