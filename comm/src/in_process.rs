@@ -221,14 +221,7 @@ impl InProcess {
     }
 
     fn check(&self, elems: usize) -> Result<()> {
-        if elems > self.shared.elems_max {
-            return Err(CommError::Limit {
-                what: "collective_elems_max",
-                max: self.shared.elems_max as u64,
-                requested: elems as u64,
-            });
-        }
-        Ok(())
+        crate::within_limit(elems, self.shared.elems_max)
     }
 
     /// Once every rank has posted: sums their posts' elements from `start`
@@ -322,6 +315,12 @@ pub(crate) fn reach(op: &'static str, what: &'static str, raw: Raw) -> Result<us
             kind: raw.kind,
         });
     }
+    contiguous(op, what, &raw)?;
+    Ok(raw.len() * raw.dtype.bytes() as usize)
+}
+
+/// `Shape` unless the view's rows follow one another with no gap.
+pub(crate) fn contiguous(op: &'static str, what: &'static str, raw: &Raw) -> Result<()> {
     if !raw.is_contiguous() {
         return Err(CommError::Shape {
             op,
@@ -330,7 +329,7 @@ pub(crate) fn reach(op: &'static str, what: &'static str, raw: Raw) -> Result<us
             actual: raw.len(),
         });
     }
-    Ok(raw.len() * raw.dtype.bytes() as usize)
+    Ok(())
 }
 
 pub(crate) fn same_dtype(op: &'static str, a: Dtype, b: Dtype) -> Result<()> {
@@ -492,13 +491,7 @@ impl Collective for InProcess {
 
     fn broadcast(&self, root: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "broadcast";
-        if root >= self.world() {
-            return Err(CommError::Peer {
-                op: OP,
-                peer: root,
-                world: self.world(),
-            });
-        }
+        crate::in_group(OP, root, self.world())?;
         self.check(values.len())?;
         reach(OP, "values", values.raw())?;
         if self.rank == root {

@@ -97,6 +97,35 @@ pub trait Collective: Send + Sync {
     fn split(&self, members: &[usize]) -> Result<Box<dyn Collective>>;
 }
 
+/// `Limit` unless an exchange of `elems` fits the buffers sized at start
+/// for `elems_max`.
+pub(crate) fn within_limit(elems: usize, elems_max: usize) -> Result<()> {
+    if elems > elems_max {
+        return Err(CommError::Limit {
+            what: "collective_elems_max",
+            max: elems_max as u64,
+            requested: elems as u64,
+        });
+    }
+    Ok(())
+}
+
+/// `Peer` unless `peer` is a rank of a group of `world`.
+pub(crate) fn in_group(op: &'static str, peer: usize, world: usize) -> Result<()> {
+    match peer < world {
+        true => Ok(()),
+        false => Err(CommError::Peer { op, peer, world }),
+    }
+}
+
+/// `Peer` unless `peer` is another rank than `rank` of a group of `world`.
+pub(crate) fn other_rank(op: &'static str, peer: usize, rank: usize, world: usize) -> Result<()> {
+    if peer >= world || peer == rank {
+        return Err(CommError::Peer { op, peer, world });
+    }
+    Ok(())
+}
+
 /// `Split` unless `members` is increasing, within `0..world`, and holds
 /// `rank`; this rank's index in it.
 pub(crate) fn member_index(members: &[usize], rank: usize, world: usize) -> Result<usize> {

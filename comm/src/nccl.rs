@@ -37,7 +37,7 @@ use cudarc::nccl::sys;
 use strata_device::cuda::{Context, Library, probe_library};
 use strata_device::{Cancel, DeviceKind, Dtype, Fence, Raw, StreamKind, View, ViewMut, Watch};
 
-use crate::in_process::{same_dtype, world_times};
+use crate::in_process::{contiguous, same_dtype, world_times};
 use crate::{Collective, CommError, Result};
 
 /// The config's magic and the version this layout is (`NCCL_API_MAGIC`,
@@ -457,14 +457,7 @@ impl Nccl {
     }
 
     fn limit(&self, elems: usize) -> Result<()> {
-        if elems > self.elems_max {
-            return Err(CommError::Limit {
-                what: "collective_elems_max",
-                max: self.elems_max as u64,
-                requested: elems as u64,
-            });
-        }
-        Ok(())
+        crate::within_limit(elems, self.elems_max)
     }
 
     /// Where `operands` are: all host (the host group's), or all on the
@@ -482,14 +475,7 @@ impl Nccl {
                     kind: raw.kind,
                 });
             }
-            if !raw.is_contiguous() {
-                return Err(CommError::Shape {
-                    op,
-                    what,
-                    expected: raw.extent(),
-                    actual: raw.len(),
-                });
-            }
+            contiguous(op, what, raw)?;
         }
         Ok(Operands::Device)
     }
@@ -649,13 +635,7 @@ impl Collective for Nccl {
 
     fn broadcast(&self, root: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "broadcast";
-        if root >= self.world {
-            return Err(CommError::Peer {
-                op: OP,
-                peer: root,
-                world: self.world,
-            });
-        }
+        crate::in_group(OP, root, self.world)?;
         self.limit(values.len())?;
         let raw = values.raw();
         if let Operands::Host = Self::operands(OP, &[("values", raw)])? {
@@ -751,14 +731,7 @@ impl Collective for Nccl {
 impl Nccl {
     /// `Peer` unless `peer` is another rank of the group.
     fn other(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer >= self.world || peer == self.rank {
-            return Err(CommError::Peer {
-                op,
-                peer,
-                world: self.world,
-            });
-        }
-        Ok(())
+        crate::other_rank(op, peer, self.rank, self.world)
     }
 }
 

@@ -167,26 +167,12 @@ impl<T: Transport> Pairwise<T> {
     }
 
     fn limit(&self, elems: usize) -> Result<()> {
-        if elems > self.elems_max {
-            return Err(CommError::Limit {
-                what: "collective_elems_max",
-                max: self.elems_max as u64,
-                requested: elems as u64,
-            });
-        }
-        Ok(())
+        crate::within_limit(elems, self.elems_max)
     }
 
     /// `Peer` unless `peer` is another rank of the group.
     fn other(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer >= self.world || peer == self.rank {
-            return Err(CommError::Peer {
-                op,
-                peer,
-                world: self.world,
-            });
-        }
-        Ok(())
+        crate::other_rank(op, peer, self.rank, self.world)
     }
 
     /// Sums into `out` (this rank's part of a reduce-scatter) the parts
@@ -425,13 +411,7 @@ impl<T: Transport + 'static> Collective for Pairwise<T> {
     fn broadcast(&self, root: usize, values: ViewMut<'_>) -> Result<Fence> {
         const OP: &str = "broadcast";
         self.links.health().usable(OP)?;
-        if root >= self.world {
-            return Err(CommError::Peer {
-                op: OP,
-                peer: root,
-                world: self.world,
-            });
-        }
+        crate::in_group(OP, root, self.world)?;
         self.limit(values.len())?;
         reach(OP, "values", values.raw())?;
         let bytes = values

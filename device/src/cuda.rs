@@ -474,21 +474,17 @@ impl Context {
 
     /// A fence after the work enqueued so far on `stream`.
     pub fn record(&self, stream: StreamKind) -> Result<Fence> {
-        let event = self
-            .stream(stream)
-            .record_event(None)
-            .map_err(cuda_error("cuEventRecord"))?;
-        Ok(Fence::Cuda(Arc::new(Event {
-            event,
-            stream,
-            watch: None,
-        })))
+        self.record_with(stream, None)
     }
 
     /// A fence after the work enqueued so far on `stream` whose waiters
     /// poll it, checking `watch` between polls (a collective that can hang
     /// on a peer): never a blocking event wait.
     pub fn record_watched(&self, stream: StreamKind, watch: Arc<dyn Watch>) -> Result<Fence> {
+        self.record_with(stream, Some(watch))
+    }
+
+    fn record_with(&self, stream: StreamKind, watch: Option<Arc<dyn Watch>>) -> Result<Fence> {
         let event = self
             .stream(stream)
             .record_event(None)
@@ -496,7 +492,7 @@ impl Context {
         Ok(Fence::Cuda(Arc::new(Event {
             event,
             stream,
-            watch: Some(watch),
+            watch,
         })))
     }
 

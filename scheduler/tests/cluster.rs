@@ -285,13 +285,6 @@ fn state_dtype_sets_the_states_bytes_and_the_cpu_optimizers_time() {
         parallelism.state_dtype = state_dtype;
         cluster::estimate(&model, &parallelism, &hardware, Policies::Strata).unwrap()
     };
-    let states = |e: &Estimate| {
-        let part = e
-            .memory
-            .iter()
-            .find(|p| p.name.starts_with("master weights"));
-        part.expect("a states part").per_node_bytes as f64
-    };
     let cpu = |e: &Estimate| {
         let resource = e.resources.iter().find(|r| r.name == "cpu-optimizer");
         resource.expect("a cpu-optimizer resource").busy_s
@@ -321,6 +314,16 @@ fn state_dtype_sets_the_states_bytes_and_the_cpu_optimizers_time() {
 /// The H100 shape (hidden 4096, seq 1024, micro-batch 8, 4
 /// micro-batches per step) on one 80 GB GPU with 512 GB of host memory,
 /// `layers` blocks, parameters and optimizer states on the host.
+/// Bytes of optimizer states (master weights, moments, fp32 gradients)
+/// per node.
+fn states(e: &Estimate) -> f64 {
+    let part = e
+        .memory
+        .iter()
+        .find(|p| p.name.starts_with("master weights"));
+    part.expect("a states part").per_node_bytes as f64
+}
+
 fn h100(layers: u32, checkpoint: Checkpointing) -> Estimate {
     let mut hardware = Hardware::preset("dgx-h100").unwrap();
     hardware.gpus_per_node = 1;
@@ -383,13 +386,6 @@ fn hybrid_sharding_counts_its_shards_and_the_replicas_all_reduce() {
         let mut parallelism = Parallelism::zero3_offload(&hardware, optimizer, optimizer);
         parallelism.shard_degree = shard_degree;
         cluster::estimate(&model, &parallelism, &hardware, Policies::Strata).unwrap()
-    };
-    let states = |e: &Estimate| {
-        let part = e
-            .memory
-            .iter()
-            .find(|p| p.name.starts_with("master weights"));
-        part.expect("a states part").per_node_bytes as f64
     };
     let busy = |e: &Estimate, name: &str| {
         let resource = e.resources.iter().find(|r| r.name == name);
