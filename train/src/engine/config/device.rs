@@ -12,6 +12,11 @@ use super::*;
 
 /// The share of a GPU's memory a machine-sized config gives the device.
 const DEVICE_SHARE_GPU: f64 = 0.9;
+
+/// Device memory a GPU keeps beside `device.budget` for NCCL's own
+/// buffers when several ranks run on GPUs (its channels' FIFOs and
+/// proxies: hundreds of MiB a communicator, a few with hybrid sharding).
+const NCCL_DEVICE_RESERVE_BYTES: u64 = 1 << 30;
 /// The shares of the memory the process may take that a machine-sized
 /// config gives the CPU device and the pinned host pool.
 const DEVICE_SHARE_CPU: f64 = 0.25;
@@ -118,6 +123,24 @@ impl TrainConfig {
                     self.device.ordinal,
                     gib(total),
                     gib((total as f64 * DEVICE_SHARE_GPU) as u64)
+                ),
+            ));
+        }
+        if self.device.kind == DeviceChoice::Cuda
+            && ranks > 1
+            && let Some(total) = gpu
+            && self.device.budget.0 > total.saturating_sub(NCCL_DEVICE_RESERVE_BYTES)
+        {
+            return Err(bad(
+                "device.budget",
+                self.device.budget,
+                format!(
+                    "GPU {} has {} in all, and {ranks} ranks on GPUs need {} of it beside the budget for NCCL's buffers: set device.budget to at most {}",
+                    self.device.ordinal,
+                    gib(total),
+                    gib(NCCL_DEVICE_RESERVE_BYTES),
+                    gib(((total as f64 * DEVICE_SHARE_GPU) as u64)
+                        .min(total.saturating_sub(NCCL_DEVICE_RESERVE_BYTES)))
                 ),
             ));
         }

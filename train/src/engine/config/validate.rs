@@ -722,6 +722,15 @@ mod tests {
         config.device.budget = ByteSize(200 * gib);
         let err = refused(&config, Some(141 * gib));
         assert!(err.contains("GPU 0 has 141.00 GiB in all"), "{err}");
+        // Several ranks on GPUs leave NCCL its room beside the budget.
+        config.device.budget = ByteSize(140 * gib + gib / 2);
+        let err = refused(&config, Some(141 * gib));
+        assert!(
+            err.contains(
+                "2 ranks on GPUs need 1.00 GiB of it beside the budget for NCCL's buffers"
+            ) && err.contains("at most 126.90 GiB"),
+            "{err}"
+        );
         config.device.budget = ByteSize(100 * gib);
         config.host.budget = ByteSize(20 * gib);
         let err = refused(&config, Some(141 * gib));
