@@ -288,9 +288,9 @@ impl TrainConfig {
             }
         }
         // More ranks split the states, but each rank of a config has its
-        // own budgets (the machine gives them all), and a CUDA run trains
-        // one rank for now: offered to a config only on the CPU device,
-        // with what it takes in all.
+        // own budgets (the machine gives them all), and a config's ranks
+        // are threads, which cannot share a GPU: offered to a config only
+        // on the CPU device, with what it takes in all.
         let ranks_apply = !keys.config || self.device.kind == DeviceChoice::Cpu;
         if ranks_apply
             && let Some(ranks) = first_true(self.train.ranks + 1, keys.ranks_max, &|r| {
