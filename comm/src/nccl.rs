@@ -136,14 +136,16 @@ fn check(op: &'static str, result: sys::ncclResult_t, comm: Option<sys::ncclComm
 /// of a fixed, NUL-terminated buffer.
 fn last_error(comm: Option<sys::ncclComm_t>) -> String {
     let comm = comm.unwrap_or(std::ptr::null_mut());
-    // SAFETY: the library is loaded (a call preceded this); a null or live
-    // communicator is allowed.
+    // The library is loaded (a call preceded this); a null communicator
+    // is allowed.
+    // SAFETY: a loaded library, a null or live communicator.
     let text = unsafe { sys::ncclGetLastError(comm) };
     if text.is_null() {
         return String::new();
     }
-    // SAFETY: non-null, into NCCL's static NUL-terminated buffer, which
-    // lives as long as the library.
+    // Non-null: NCCL's static NUL-terminated buffer, which lives as long
+    // as the library.
+    // SAFETY: a valid C string for the read.
     unsafe { CStr::from_ptr(text) }
         .to_string_lossy()
         .into_owned()
@@ -155,8 +157,9 @@ struct Comm {
     aborted: bool,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread, one call at a
-// time: every use goes through the `Mutex` in `Shared`.
+// An NCCL communicator may be used from any thread, one call at a time:
+// every use goes through the `Mutex` in `Shared`.
+// SAFETY: one thread at a time, by that lock.
 unsafe impl Send for Comm {}
 
 impl Comm {
@@ -165,8 +168,9 @@ impl Comm {
     fn abort(&mut self) {
         if !self.aborted {
             self.aborted = true;
-            // SAFETY: a live communicator, aborted once; nothing uses the
-            // handle after (`aborted` is checked before every call).
+            // Nothing uses the handle after (`aborted` is checked before
+            // every call).
+            // SAFETY: a live communicator, aborted once.
             let _ = unsafe { sys::ncclCommAbort(self.raw) };
         }
     }
@@ -175,12 +179,44 @@ impl Comm {
     /// call has completed, `Ok(false)` while it is in progress.
     fn settled(&self, op: &'static str) -> Result<bool> {
         let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator (callers check `aborted`); the call
-        // writes one result.
+        // Callers check `aborted`; the call writes one result.
+        // SAFETY: a live communicator and a valid out-pointer.
         let result = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) };
         check(op, result, Some(self.raw))?;
         check(op, state, Some(self.raw))?;
         Ok(state == sys::ncclResult_t::ncclSuccess)
+    }
+
+    /// Polls until the last call completes, against `cancel` and `waited`;
+    /// aborts the communicator on any failure.
+    fn settle(
+        &mut self,
+        op: &'static str,
+        bytes: u64,
+        waited: Duration,
+        cancel: &Cancel,
+    ) -> Result<()> {
+        let started = Instant::now();
+        for poll in 0u32.. {
+            let failure = match self.settled(op) {
+                Ok(true) => return Ok(()),
+                Ok(false) if cancel.is_cancelled() => CommError::Cancelled,
+                Ok(false) if started.elapsed() > waited => CommError::Timeout {
+                    op,
+                    bytes,
+                    peers: Vec::new(),
+                    waited_s: started.elapsed().as_secs_f64(),
+                },
+                Ok(false) => {
+                    pause(poll);
+                    continue;
+                }
+                Err(err) => err,
+            };
+            self.abort();
+            return Err(failure);
+        }
+        unreachable!("the poll loop returns")
     }
 }
 
@@ -206,38 +242,6 @@ impl Shared {
             false => Ok(comm),
         }
     }
-
-    /// Polls `comm` until its last call completes, against the cancel and
-    /// `deadline`; aborts it on any failure.
-    fn settle(
-        &self,
-        comm: &mut Comm,
-        op: &'static str,
-        bytes: u64,
-        waited: Duration,
-    ) -> Result<()> {
-        let started = Instant::now();
-        for poll in 0u32.. {
-            let failure = match comm.settled(op) {
-                Ok(true) => return Ok(()),
-                Ok(false) if self.cancel.is_cancelled() => CommError::Cancelled,
-                Ok(false) if started.elapsed() > waited => CommError::Timeout {
-                    op,
-                    bytes,
-                    peers: Vec::new(),
-                    waited_s: started.elapsed().as_secs_f64(),
-                },
-                Ok(false) => {
-                    pause(poll);
-                    continue;
-                }
-                Err(err) => err,
-            };
-            comm.abort();
-            return Err(failure);
-        }
-        unreachable!("the poll loop returns")
-    }
 }
 
 impl Drop for Shared {
@@ -251,22 +255,14 @@ impl Drop for Shared {
         // destroyed; aborted if it cannot be.
         // SAFETY: a live communicator, finalized once.
         let finalized = unsafe { sys::ncclCommFinalize(comm.raw) };
-        let flushed = check("ncclCommFinalize", finalized, Some(comm.raw)).is_ok() && {
-            let started = Instant::now();
-            let mut poll = 0;
-            loop {
-                match comm.settled("ncclCommFinalize") {
-                    Ok(true) => break true,
-                    Ok(false) if started.elapsed() < waited => pause(poll),
-                    _ => break false,
-                }
-                poll += 1;
-            }
-        };
+        let flushed = check("ncclCommFinalize", finalized, Some(comm.raw))
+            .and_then(|()| comm.settle("ncclCommFinalize", 0, waited, &self.cancel));
         match flushed {
             // SAFETY: finalized; destroyed once, never used after.
-            true => drop(unsafe { sys::ncclCommDestroy(comm.raw) }),
-            false => comm.abort(),
+            Ok(()) => drop(unsafe { sys::ncclCommDestroy(comm.raw) }),
+            // A failed finalize call, or one that did not flush in time
+            // (`settle` aborted that one already; an abort is once).
+            Err(_) => comm.abort(),
         }
     }
 }
@@ -418,8 +414,9 @@ impl Nccl {
         }
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
         let mut config = config();
-        // SAFETY: the context is bound on this thread; `raw` and `config`
-        // outlive the call; every rank passes the same id and world.
+        // The context is bound on this thread; every rank passes the same
+        // id and world.
+        // SAFETY: `raw` and `config` outlive the call.
         let result = unsafe {
             sys::ncclCommInitRankConfig(&mut raw, world as c_int, id, rank as c_int, &mut config)
         };
@@ -445,7 +442,9 @@ impl Nccl {
             cancel,
             timeout,
         });
-        shared.settle(&mut shared.lock(), op, 0, timeout.max(INIT_MIN))?;
+        shared
+            .lock()
+            .settle(op, 0, timeout.max(INIT_MIN), &shared.cancel)?;
         Ok(Nccl {
             shared,
             rank: host.rank(),
@@ -503,8 +502,7 @@ impl Nccl {
         }
         // A non-blocking enqueue may still be in progress: settled before
         // the next call, as NCCL asks.
-        self.shared
-            .settle(&mut comm, op, bytes, self.shared.timeout)?;
+        comm.settle(op, bytes, self.shared.timeout, &self.shared.cancel)?;
         drop(comm);
         let watch = Arc::new(Pending {
             shared: self.shared.clone(),
@@ -561,10 +559,10 @@ impl Collective for Nccl {
             return self.host.all_gather(shard, out);
         }
         self.enqueue(OP, bytes_of(&recv), |comm, stream| {
-            // SAFETY: both views are contiguous device memory of this
-            // GPU, sized as NCCL reads and writes them; by the trait's
-            // contract their buffers are neither reused nor freed before
-            // the returned fence has passed.
+            // Both views are contiguous device memory of this GPU, sized as
+            // NCCL reads and writes them, and by the trait's contract their
+            // buffers are neither reused nor freed before the fence passes.
+            // SAFETY: valid device ranges for the whole operation (above).
             unsafe {
                 sys::ncclAllGather(
                     address(&send),
@@ -698,8 +696,8 @@ impl Collective for Nccl {
             let mut config = config();
             // The part's first rank names it: every part of one partition
             // has its own.
-            // SAFETY: a live communicator; `raw` and `config` outlive the
-            // call; every rank of the parent splits at once.
+            // Every rank of the parent splits at once.
+            // SAFETY: a live communicator; `raw` and `config` outlive the call.
             let result = unsafe {
                 sys::ncclCommSplit(
                     comm.raw,
@@ -714,7 +712,7 @@ impl Collective for Nccl {
                 return Err(err);
             }
             let waited = self.shared.timeout.max(INIT_MIN);
-            self.shared.settle(&mut comm, OP, 0, waited)?;
+            comm.settle(OP, 0, waited, &self.shared.cancel)?;
         }
         Ok(Box::new(Self::member(
             raw,

@@ -70,8 +70,8 @@ impl OnDevice {
             )
         };
         let address = context.malloc(bytes as u64).unwrap();
-        // SAFETY: pinned source and fresh device memory of `bytes`, synced
-        // below before either is touched.
+        // Synced below before either is touched.
+        // SAFETY: a pinned source and fresh device memory of `bytes`.
         unsafe { context.write_on_compute(staging.pointer().as_ptr(), address, bytes) }.unwrap();
         context.record(StreamKind::Compute).unwrap().wait().unwrap();
         OnDevice {

@@ -102,8 +102,8 @@ pub fn device_total_bytes(ordinal: usize) -> std::result::Result<u64, String> {
         .map_err(|_| format!("device ordinal {ordinal} is out of range"))?;
     let device = result::device::get(index)
         .map_err(|err| format!("cuDeviceGet({ordinal}) failed: {err:?}"))?;
-    // SAFETY: `device` is a handle the driver returned just now, after
-    // cuInit (in probe_device); cuDeviceTotalMem only reads it.
+    // cuInit ran (in probe_device); cuDeviceTotalMem only reads the handle.
+    // SAFETY: `device` is a handle the driver returned just now.
     let bytes = unsafe { result::device::total_mem(device) }
         .map_err(|err| format!("cuDeviceTotalMem({ordinal}) failed: {err:?}"))?;
     Ok(bytes as u64)
