@@ -6,8 +6,16 @@
 // bf16 operands and fp32 accumulators, `cp.async`), all sm_80 and later.
 //
 // Layout, as ops.cu's CUDA-core attention: row `b * seq + t` of `qkv`
-// holds q | k | v, each `heads x head_dim`; `out` and `dout` rows hold
-// `heads x head_dim`; `lse` and `dsum` are `batch x heads x seq` fp32.
+// holds q (`heads x head_dim`), then k and v (`kv_heads x head_dim` each);
+// `out` and `dout` rows hold `heads x head_dim`; `lse` and `dsum` are
+// `batch x heads x seq` fp32.
+//
+// - Grouped-query heads: query head h reads key/value head h / (heads /
+//   kv_heads) in place, K and V never copied per query head.
+// - Packed sequences: with position ids (`ids`, one u32 per row; null
+//   without) row t sees the keys from its document's start, t - ids[row],
+//   to itself: causal within each document, nothing across them. A block
+//   skips the key tiles before its rows' earliest start.
 //
 // - The forward keeps each row's log-sum-exp (natural log), nothing s x s.
 // - The backward is deterministic (no atomics): one kernel owns a block of
@@ -26,7 +34,7 @@ typedef unsigned long long u64;
 typedef unsigned u32;
 
 struct AttnShape {
-    u64 batch, seq, heads, head_dim;
+    u64 batch, seq, heads, kv_heads, head_dim;
 };
 
 // Query rows per block (16 per warp), keys per tile, warps per block.
@@ -38,6 +46,7 @@ struct AttnShape {
 #define FLASH_PAD 8
 
 #define LOG2E 1.4426950408889634f
+#define NEG_INF (-__int_as_float(0x7f800000))
 #define LN2 0.6931471805599453f
 
 __device__ __forceinline__ u32 shared_address(const void *p) {
@@ -207,27 +216,63 @@ __device__ __forceinline__ void accumulate_times_tile(float (&out)[D / 8][4],
     }
 }
 
+// The first key row t of sequence b sees: its document's start (0 without
+// position ids).
+__device__ __forceinline__ u64 first_key(AttnShape a, const u32 *ids, u64 b, u64 t) {
+    return ids ? t - min((u64)ids[b * a.seq + t], t) : 0;
+}
+
+// The smallest `value` over the block's FLASH_THREADS threads; every
+// thread gets it.
+__device__ u64 block_min(u64 value) {
+    __shared__ u64 warps[FLASH_THREADS / 32];
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+        value = min(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    }
+    if (threadIdx.x % 32 == 0) {
+        warps[threadIdx.x / 32] = value;
+    }
+    __syncthreads();
+    u64 total = warps[0];
+    #pragma unroll
+    for (int w = 1; w < FLASH_THREADS / 32; ++w) {
+        total = min(total, warps[w]);
+    }
+    __syncthreads();
+    return total;
+}
+
 // What a thread of a block of FLASH_ROWS query rows of one (sequence,
 // head) works from: the sizes, its rows (the longest, the last blocks
-// under the causal mask, start first), where its head's q | k | v start,
-// its warp and place in the warp, the key tiles its rows see, and the
-// score scale in log2 units.
+// under the causal mask, start first), where its query head's q and its
+// key/value head's k and v start, its warp and place in the warp, the key
+// tiles its rows see (`first` to `tiles - 1`), and the score scale in log2
+// units. `start` holds the first key of its two rows (`group` and `group +
+// 8` of the warp's 16). Every thread of the block calls it (a barrier).
 struct QueryBlock {
     u64 seq, hidden, stride, head, b, q0;
-    const bf16_t *base;
-    int warp, group, quad, tiles;
+    const bf16_t *base, *keys, *values;
+    int warp, group, quad, first, tiles;
     float scale;
+    u64 start[2];
 };
 
-template <int D> __device__ __forceinline__ QueryBlock query_block(AttnShape a, const bf16_t *qkv) {
+template <int D>
+__device__ __forceinline__ QueryBlock query_block(AttnShape a, const u32 *ids, const bf16_t *qkv) {
     QueryBlock q;
     q.seq = a.seq;
     q.hidden = a.heads * D;
-    q.stride = 3 * q.hidden;
+    const u64 kv_hidden = a.kv_heads * D;
+    q.stride = q.hidden + 2 * kv_hidden;
     q.head = blockIdx.y;
     q.b = blockIdx.z;
     q.q0 = (u64)(gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
-    q.base = qkv + q.b * q.seq * q.stride + q.head * D;
+    const bf16_t *row0 = qkv + q.b * q.seq * q.stride;
+    const u64 kv_head = q.head / (a.heads / a.kv_heads);
+    q.base = row0 + q.head * D;
+    q.keys = row0 + q.hidden + kv_head * D;
+    q.values = q.keys + kv_hidden;
     const int lane = threadIdx.x % 32;
     q.warp = threadIdx.x / 32;
     q.group = lane / 4;
@@ -235,6 +280,14 @@ template <int D> __device__ __forceinline__ QueryBlock query_block(AttnShape a, 
     const u64 keys = min(q.q0 + FLASH_ROWS, q.seq);
     q.tiles = (int)((keys + FLASH_KEYS - 1) / FLASH_KEYS);
     q.scale = LOG2E / sqrtf((float)D);
+    u64 earliest = ~0ull;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u64 row = q.q0 + q.warp * 16 + q.group + 8 * h;
+        q.start[h] = row < q.seq ? first_key(a, ids, q.b, row) : 0;
+        earliest = row < q.seq ? min(earliest, q.start[h]) : earliest;
+    }
+    q.first = ids ? (int)(block_min(earliest) / FLASH_KEYS) : 0;
     return q;
 }
 
@@ -242,18 +295,19 @@ template <int D> __device__ __forceinline__ QueryBlock query_block(AttnShape a, 
 // (FLASH_ROWS + 4 FLASH_KEYS) x (D + FLASH_PAD) bf16 of dynamic shared
 // memory: the query tile and two stages of key and value tiles.
 template <int D>
-__device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float *lse) {
+__device__ void flash_forward(AttnShape a, const u32 *ids, const bf16_t *qkv, bf16_t *out,
+                              float *lse) {
     extern __shared__ __align__(16) bf16_t shared[];
     constexpr int LD = D + FLASH_PAD;
     bf16_t *tile_q = shared;
     bf16_t *tile_k = tile_q + FLASH_ROWS * LD;
     bf16_t *tile_v = tile_k + 2 * FLASH_KEYS * LD;
-    const auto [seq, hidden, stride, head, b, q0, base, warp, group, quad, tiles, scale] =
-        query_block<D>(a, qkv);
+    const auto [seq, hidden, stride, head, b, q0, base, keys, values, warp, group, quad, first,
+                tiles, scale, start] = query_block<D>(a, ids, qkv);
 
     load_tile<D, FLASH_ROWS>(tile_q, base, stride, q0, seq);
-    load_tile<D, FLASH_KEYS>(tile_k, base + hidden, stride, 0, seq);
-    load_tile<D, FLASH_KEYS>(tile_v, base + 2 * hidden, stride, 0, seq);
+    load_tile<D, FLASH_KEYS>(tile_k, keys, stride, (u64)first * FLASH_KEYS, seq);
+    load_tile<D, FLASH_KEYS>(tile_v, values, stride, (u64)first * FLASH_KEYS, seq);
     copy_commit();
 
     float o[D / 8][4];
@@ -263,31 +317,32 @@ __device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float
     }
     // Running max (log2 units, scaled) and this thread's part of the sum,
     // for rows `group` and `group + 8` of the warp's 16.
-    float row_max[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
+    float row_max[2] = {NEG_INF, NEG_INF};
     float row_sum[2] = {0.0f, 0.0f};
     u32 q[D / 16][4];
-    for (int j = 0; j < tiles; ++j) {
+    for (int j = first; j < tiles; ++j) {
+        // Stages alternate from the first tile's (stage 0).
+        const int stage = (j - first) % 2;
         if (j + 1 < tiles) {
-            const int next = (j + 1) % 2;
             const u64 k0 = (u64)(j + 1) * FLASH_KEYS;
-            load_tile<D, FLASH_KEYS>(tile_k + next * FLASH_KEYS * LD, base + hidden, stride, k0,
+            load_tile<D, FLASH_KEYS>(tile_k + (1 - stage) * FLASH_KEYS * LD, keys, stride, k0,
                                      seq);
-            load_tile<D, FLASH_KEYS>(tile_v + next * FLASH_KEYS * LD, base + 2 * hidden, stride,
-                                     k0, seq);
+            load_tile<D, FLASH_KEYS>(tile_v + (1 - stage) * FLASH_KEYS * LD, values, stride, k0,
+                                     seq);
             copy_commit();
             copy_wait<1>();
         } else {
             copy_wait<0>();
         }
         __syncthreads();
-        if (j == 0) {
+        if (j == first) {
             #pragma unroll
             for (int c = 0; c < D / 16; ++c) {
                 load_a<D>(tile_q, warp * 16, c, q[c]);
             }
         }
-        const bf16_t *k = tile_k + (j % 2) * FLASH_KEYS * LD;
-        const bf16_t *v = tile_v + (j % 2) * FLASH_KEYS * LD;
+        const bf16_t *k = tile_k + stage * FLASH_KEYS * LD;
+        const bf16_t *v = tile_v + stage * FLASH_KEYS * LD;
         float s[FLASH_KEYS / 8][4];
         #pragma unroll
         for (int n = 0; n < FLASH_KEYS / 8; ++n) {
@@ -303,20 +358,25 @@ __device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float
                 mma(s[2 * n + 1], q[c], bk[2], bk[3]);
             }
         }
-        // Only the diagonal tile (the last: FLASH_KEYS = FLASH_ROWS) masks;
-        // keys past the end come after every row before it. Rows past the
-        // end are computed but not stored.
-        const int lag = j == tiles - 1 ? 0 : FLASH_KEYS;
+        // The diagonal tile (the last: FLASH_KEYS = FLASH_ROWS) masks the
+        // keys after each row, and with position ids every tile masks the
+        // keys before each row's document; keys past the end come after
+        // every row before it. Rows past the end are computed but not
+        // stored.
+        const bool masked = ids != nullptr || j == tiles - 1;
+        const u64 k0 = (u64)j * FLASH_KEYS;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
+            const u64 row = q0 + warp * 16 + group + 8 * h;
             float top = row_max[h];
             #pragma unroll
             for (int n = 0; n < FLASH_KEYS / 8; ++n) {
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float x = s[n][2 * h + e] * scale;
-                    if (n * 8 + 2 * quad + e > lag + warp * 16 + group + 8 * h) {
-                        x = -__int_as_float(0x7f800000);
+                    const u64 key = k0 + n * 8 + 2 * quad + e;
+                    if (masked && (key > row || key < start[h])) {
+                        x = NEG_INF;
                     }
                     s[n][2 * h + e] = x;
                     top = fmaxf(top, x);
@@ -324,8 +384,12 @@ __device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float
             }
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-            // Every row sees key 0 in the first tile, so `top` is finite.
-            const float keep = exp2f(row_max[h] - top);
+            // A row whose document starts after this tile has seen no key
+            // yet: `top` is -inf, and it keeps nothing and adds nothing
+            // (exp2 of -inf is 0) rather than a NaN. Its own key, in the
+            // diagonal tile, makes it finite by the end.
+            const float shift = top == NEG_INF ? 0.0f : top;
+            const float keep = exp2f(row_max[h] - shift);
             row_max[h] = top;
             row_sum[h] *= keep;
             #pragma unroll
@@ -337,7 +401,7 @@ __device__ void flash_forward(AttnShape a, const bf16_t *qkv, bf16_t *out, float
             for (int n = 0; n < FLASH_KEYS / 8; ++n) {
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float p = exp2f(s[n][2 * h + e] - top);
+                    const float p = exp2f(s[n][2 * h + e] - shift);
                     s[n][2 * h + e] = p;
                     row_sum[h] += p;
                 }
@@ -398,16 +462,17 @@ __device__ void dsum_rows(AttnShape a, const bf16_t *out, const bf16_t *dout, fl
 // as the forward; 4 tiles of FLASH_ROWS (= FLASH_KEYS) x (D + FLASH_PAD)
 // bf16 of dynamic shared memory: q, dout, k, v.
 template <int D>
-__device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *dout,
-                                  const float *lse, const float *dsum, bf16_t *dqkv) {
+__device__ void flash_backward_dq(AttnShape a, const u32 *ids, const bf16_t *qkv,
+                                  const bf16_t *dout, const float *lse, const float *dsum,
+                                  bf16_t *dqkv) {
     extern __shared__ __align__(16) bf16_t shared[];
     constexpr int LD = D + FLASH_PAD;
     bf16_t *tile_q = shared;
     bf16_t *tile_do = tile_q + FLASH_ROWS * LD;
     bf16_t *tile_k = tile_do + FLASH_ROWS * LD;
     bf16_t *tile_v = tile_k + FLASH_KEYS * LD;
-    const auto [seq, hidden, stride, head, b, q0, base, warp, group, quad, tiles, scale] =
-        query_block<D>(a, qkv);
+    const auto [seq, hidden, stride, head, b, q0, base, keys, values, warp, group, quad, first,
+                tiles, scale, start] = query_block<D>(a, ids, qkv);
 
     load_tile<D, FLASH_ROWS>(tile_q, base, stride, q0, seq);
     load_tile<D, FLASH_ROWS>(tile_do, dout + b * seq * hidden + head * D, hidden, q0, seq);
@@ -426,10 +491,10 @@ __device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *
     for (int n = 0; n < D / 8; ++n) {
         dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
     }
-    for (int j = 0; j < tiles; ++j) {
+    for (int j = first; j < tiles; ++j) {
         const u64 k0 = (u64)j * FLASH_KEYS;
-        load_tile<D, FLASH_KEYS>(tile_k, base + hidden, stride, k0, seq);
-        load_tile<D, FLASH_KEYS>(tile_v, base + 2 * hidden, stride, k0, seq);
+        load_tile<D, FLASH_KEYS>(tile_k, keys, stride, k0, seq);
+        load_tile<D, FLASH_KEYS>(tile_v, values, stride, k0, seq);
         copy_commit();
         copy_wait<0>();
         __syncthreads();
@@ -438,15 +503,18 @@ __device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *
         // P and then dS = P (dP - D), in place of dp. Rows past the end
         // have an lse of infinity (p = 0); keys past it come after every
         // row before it, so the causal mask (only in the diagonal tile:
-        // FLASH_KEYS = FLASH_ROWS) covers them.
-        const int lag = k0 == q0 ? 0 : FLASH_KEYS;
+        // FLASH_KEYS = FLASH_ROWS) covers them. With position ids every
+        // tile masks the keys before each row's document.
+        const bool masked = ids != nullptr || k0 == q0;
         #pragma unroll
         for (int n = 0; n < FLASH_KEYS / 8; ++n) {
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int h = i / 2;
                 float p = exp2f(s[n][i] * scale - row_lse[h]);
-                if (n * 8 + 2 * quad + (i % 2) > lag + warp * 16 + group + 8 * h) {
+                const u64 key = k0 + n * 8 + 2 * quad + (i % 2);
+                const u64 row = q0 + warp * 16 + group + 8 * h;
+                if (masked && (key > row || key < start[h])) {
                     p = 0.0f;
                 }
                 dp[n][i] = p * (dp[n][i] - row_dsum[h]);
@@ -476,34 +544,42 @@ __device__ void flash_backward_dq(AttnShape a, const bf16_t *qkv, const bf16_t *
 // 64-wide tile's scores and dP.
 #define FLASH_KV_ROWS(D) ((D) == 128 ? 32 : 64)
 
-// The backward's key side: dk and dv for FLASH_KEYS keys, from every query
-// at or after them. grid (ceil(seq / FLASH_KEYS), heads, batch),
-// FLASH_THREADS threads; k, v (FLASH_KEYS rows) and q, dout
-// (FLASH_KV_ROWS(D) rows) tiles of D + FLASH_PAD bf16 and 2
-// FLASH_KV_ROWS(D) floats of dynamic shared memory.
+// The backward's key side: dk and dv for FLASH_KEYS keys of one key/value
+// head, from every query that sees them, of each query head it serves in
+// turn (heads, then query tiles, in order: no atomics). grid
+// (ceil(seq / FLASH_KEYS), kv_heads, batch), FLASH_THREADS threads; k, v
+// (FLASH_KEYS rows) and q, dout (FLASH_KV_ROWS(D) rows) tiles of D +
+// FLASH_PAD bf16, then FLASH_KV_ROWS(D) of those rows' lse and D (floats)
+// and first keys (u64) of dynamic shared memory.
 template <int D>
-__device__ void flash_backward_dkv(AttnShape a, const bf16_t *qkv, const bf16_t *dout,
-                                   const float *lse, const float *dsum, bf16_t *dqkv) {
+__device__ void flash_backward_dkv(AttnShape a, const u32 *ids, const bf16_t *qkv,
+                                   const bf16_t *dout, const float *lse, const float *dsum,
+                                   bf16_t *dqkv) {
     extern __shared__ __align__(16) bf16_t shared[];
     constexpr int LD = D + FLASH_PAD, KV = FLASH_KV_ROWS(D);
     bf16_t *tile_k = shared;
     bf16_t *tile_v = tile_k + FLASH_KEYS * LD;
     bf16_t *tile_q = tile_v + FLASH_KEYS * LD;
     bf16_t *tile_do = tile_q + KV * LD;
-    float *tile_lse = (float *)(tile_do + KV * LD);
+    u64 *tile_start = (u64 *)(tile_do + KV * LD);
+    float *tile_lse = (float *)(tile_start + KV);
     float *tile_dsum = tile_lse + KV;
-    const u64 seq = a.seq, hidden = a.heads * D, stride = 3 * hidden;
-    const u64 head = blockIdx.y, b = blockIdx.z;
+    const u64 seq = a.seq, hidden = a.heads * D, kv_hidden = a.kv_heads * D;
+    const u64 stride = hidden + 2 * kv_hidden;
+    const u64 kv_head = blockIdx.y, b = blockIdx.z, group_size = a.heads / a.kv_heads;
     // The keys with the most queries after them (the first) start first.
     const u64 k0 = (u64)blockIdx.x * FLASH_KEYS;
-    const bf16_t *base = qkv + b * seq * stride + head * D;
-    const bf16_t *dout_base = dout + b * seq * hidden + head * D;
+    const bf16_t *row0 = qkv + b * seq * stride;
+    const bf16_t *keys = row0 + hidden + kv_head * D, *values = keys + kv_hidden;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;
     const float scale = LOG2E / sqrtf((float)D);
+    // The block's last key: a query tile none of whose rows' documents
+    // start at or before it has nothing for these keys.
+    const u64 last_key = k0 + FLASH_KEYS - 1;
 
-    load_tile<D, FLASH_KEYS>(tile_k, base + hidden, stride, k0, seq);
-    load_tile<D, FLASH_KEYS>(tile_v, base + 2 * hidden, stride, k0, seq);
+    load_tile<D, FLASH_KEYS>(tile_k, keys, stride, k0, seq);
+    load_tile<D, FLASH_KEYS>(tile_v, values, stride, k0, seq);
     float dk[D / 8][4], dv[D / 8][4];
     #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
@@ -513,41 +589,59 @@ __device__ void flash_backward_dkv(AttnShape a, const bf16_t *qkv, const bf16_t 
             dv[n][i] = 0.0f;
         }
     }
-    for (u64 i0 = k0 - k0 % KV; i0 < seq; i0 += KV) {
-        load_tile<D, KV>(tile_q, base, stride, i0, seq);
-        load_tile<D, KV>(tile_do, dout_base, hidden, i0, seq);
-        copy_commit();
-        for (int r = threadIdx.x; r < KV; r += FLASH_THREADS) {
-            const u64 row = i0 + r, at = (b * a.heads + head) * seq + row;
-            tile_lse[r] = row < seq ? lse[at] * LOG2E : __int_as_float(0x7f800000);
-            tile_dsum[r] = row < seq ? dsum[at] : 0.0f;
-        }
-        copy_wait<0>();
-        __syncthreads();
-        // Transposed scores and dP: rows are this warp's 16 keys, columns
-        // the tile's queries.
-        float s[KV / 8][4], dp[KV / 8][4];
-        two_products<D, KV>(s, dp, tile_k, tile_v, warp * 16, tile_q, tile_do);
-        // P^T into s, dS^T into dp. Rows past the end have an lse of
-        // infinity (p = 0); only tiles that reach the diagonal mask.
-        const bool diagonal = i0 < k0 + FLASH_KEYS;
-        const int lag = diagonal ? (int)(i0 - k0) : FLASH_KEYS;
-        #pragma unroll
-        for (int n = 0; n < KV / 8; ++n) {
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = n * 8 + 2 * quad + (i % 2);
-                float p = exp2f(s[n][i] * scale - tile_lse[r]);
-                if (lag + r < warp * 16 + group + 8 * (i / 2)) {
-                    p = 0.0f;
-                }
-                s[n][i] = p;
-                dp[n][i] = p * (dp[n][i] - tile_dsum[r]);
+    for (u64 head = kv_head * group_size; head < (kv_head + 1) * group_size; ++head) {
+        const bf16_t *base = row0 + head * D;
+        const bf16_t *dout_base = dout + b * seq * hidden + head * D;
+        for (u64 i0 = k0 - k0 % KV; i0 < seq; i0 += KV) {
+            bool needed = false;
+            for (int r = threadIdx.x; r < KV; r += FLASH_THREADS) {
+                const u64 row = i0 + r, at = (b * a.heads + head) * seq + row;
+                const u64 first = row < seq ? first_key(a, ids, b, row) : 0;
+                tile_start[r] = first;
+                tile_lse[r] = row < seq ? lse[at] * LOG2E : __int_as_float(0x7f800000);
+                tile_dsum[r] = row < seq ? dsum[at] : 0.0f;
+                needed |= row < seq && first <= last_key;
             }
+            // Without position ids every tile from the diagonal on is
+            // needed; with them, skip the tiles of later documents (the
+            // condition is the block's: every thread takes the barrier or
+            // none does).
+            if (ids != nullptr && !__syncthreads_or(needed)) {
+                continue;
+            }
+            load_tile<D, KV>(tile_q, base, stride, i0, seq);
+            load_tile<D, KV>(tile_do, dout_base, hidden, i0, seq);
+            copy_commit();
+            copy_wait<0>();
+            __syncthreads();
+            // Transposed scores and dP: rows are this warp's 16 keys,
+            // columns the tile's queries.
+            float s[KV / 8][4], dp[KV / 8][4];
+            two_products<D, KV>(s, dp, tile_k, tile_v, warp * 16, tile_q, tile_do);
+            // P^T into s, dS^T into dp. Rows past the end have an lse of
+            // infinity (p = 0); only tiles that reach the diagonal mask the
+            // queries before a key, and with position ids every tile masks
+            // the queries whose document starts after it.
+            const bool diagonal = i0 < k0 + FLASH_KEYS;
+            const int lag = diagonal ? (int)(i0 - k0) : FLASH_KEYS;
+            #pragma unroll
+            for (int n = 0; n < KV / 8; ++n) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int r = n * 8 + 2 * quad + (i % 2);
+                    const int key = warp * 16 + group + 8 * (i / 2);
+                    float p = exp2f(s[n][i] * scale - tile_lse[r]);
+                    if (lag + r < key || (ids != nullptr && tile_start[r] > k0 + key)) {
+                        p = 0.0f;
+                    }
+                    s[n][i] = p;
+                    dp[n][i] = p * (dp[n][i] - tile_dsum[r]);
+                }
+            }
+            accumulate_times_tile<D, KV>(dv, s, tile_do);
+            accumulate_times_tile<D, KV>(dk, dp, tile_q);
+            __syncthreads();
         }
-        accumulate_times_tile<D, KV>(dv, s, tile_do);
-        accumulate_times_tile<D, KV>(dk, dp, tile_q);
-        __syncthreads();
     }
     const float softmax_scale = 1.0f / sqrtf((float)D);
     #pragma unroll
@@ -556,8 +650,8 @@ __device__ void flash_backward_dkv(AttnShape a, const bf16_t *qkv, const bf16_t 
         if (key >= seq) {
             continue;
         }
-        u32 *dst_k = (u32 *)(dqkv + (b * seq + key) * stride + hidden + head * D);
-        u32 *dst_v = (u32 *)(dqkv + (b * seq + key) * stride + 2 * hidden + head * D);
+        u32 *dst_k = (u32 *)(dqkv + (b * seq + key) * stride + hidden + kv_head * D);
+        u32 *dst_v = (u32 *)(dqkv + (b * seq + key) * stride + hidden + kv_hidden + kv_head * D);
         #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             dst_k[n * 4 + quad] =
@@ -568,19 +662,19 @@ __device__ void flash_backward_dkv(AttnShape a, const bf16_t *qkv, const bf16_t 
 }
 
 #define FLASH_KERNELS(D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 1)                                   \
-        flash_forward_d##D(AttnShape a, const bf16_t *qkv, bf16_t *out, float *lse) {             \
-        flash_forward<D>(a, qkv, out, lse);                                                       \
+    extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_forward_d##D(              \
+        AttnShape a, const u32 *ids, const bf16_t *qkv, bf16_t *out, float *lse) {               \
+        flash_forward<D>(a, ids, qkv, out, lse);                                                  \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dq_d##D(           \
-        AttnShape a, const bf16_t *qkv, const bf16_t *dout, const float *lse, const float *dsum, \
-        bf16_t *dqkv) {                                                                           \
-        flash_backward_dq<D>(a, qkv, dout, lse, dsum, dqkv);                                      \
+        AttnShape a, const u32 *ids, const bf16_t *qkv, const bf16_t *dout, const float *lse,    \
+        const float *dsum, bf16_t *dqkv) {                                                        \
+        flash_backward_dq<D>(a, ids, qkv, dout, lse, dsum, dqkv);                                 \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(FLASH_THREADS, 1) flash_backward_dkv_d##D(          \
-        AttnShape a, const bf16_t *qkv, const bf16_t *dout, const float *lse, const float *dsum, \
-        bf16_t *dqkv) {                                                                           \
-        flash_backward_dkv<D>(a, qkv, dout, lse, dsum, dqkv);                                     \
+        AttnShape a, const u32 *ids, const bf16_t *qkv, const bf16_t *dout, const float *lse,    \
+        const float *dsum, bf16_t *dqkv) {                                                        \
+        flash_backward_dkv<D>(a, ids, qkv, dout, lse, dsum, dqkv);                                \
     }
 
 FLASH_KERNELS(64)

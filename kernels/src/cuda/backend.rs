@@ -730,49 +730,145 @@ impl Backend for CudaBackend {
 
     fn rms_norm(
         &self,
-        _x: View<'_>,
-        _gamma: View<'_>,
-        _eps: f32,
-        _out: ViewMut<'_>,
-        _saved: ViewMut<'_>,
+        x: View<'_>,
+        gamma: View<'_>,
+        eps: f32,
+        out: ViewMut<'_>,
+        saved: ViewMut<'_>,
     ) -> Result<()> {
-        Err(missing_kernel("rms_norm", "RMSNorm"))
+        const OP: &str = "rms_norm";
+        let dtype = compute_dtype(OP, "x", x.raw())?;
+        let (gamma_at, cols) = on_device(OP, "gamma", gamma.raw(), Some(Dtype::F32))?;
+        let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
+        let rows = n / cols.max(1);
+        same_len(OP, "x", n, rows * cols)?;
+        let (out_at, out_len) = on_device(OP, "out", out.raw(), Some(dtype))?;
+        same_len(OP, "out", out_len, n)?;
+        let (saved_at, saved_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
+        same_len(OP, "saved", saved_len, rows)?;
+        // SAFETY: checked views on this device.
+        unsafe {
+            self.ops.rms_norm(
+                self.stream(),
+                dtype,
+                (x_at, gamma_at, out_at, saved_at),
+                rows,
+                cols,
+                eps,
+            )
+        }
     }
 
     fn rms_norm_backward(
         &self,
-        _dout: View<'_>,
-        _x: View<'_>,
-        _gamma: View<'_>,
-        _saved: View<'_>,
-        _dx: ViewMut<'_>,
-        _dgamma: ViewMut<'_>,
+        dout: View<'_>,
+        x: View<'_>,
+        gamma: View<'_>,
+        saved: View<'_>,
+        dx: ViewMut<'_>,
+        dgamma: ViewMut<'_>,
     ) -> Result<()> {
-        Err(missing_kernel("rms_norm_backward", "RMSNorm"))
+        const OP: &str = "rms_norm_backward";
+        let dtype = compute_dtype(OP, "x", x.raw())?;
+        let (gamma_at, cols) = on_device(OP, "gamma", gamma.raw(), Some(Dtype::F32))?;
+        let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
+        let rows = n / cols.max(1);
+        same_len(OP, "x", n, rows * cols)?;
+        let (dout_at, dout_len) = on_device(OP, "dout", dout.raw(), Some(dtype))?;
+        same_len(OP, "dout", dout_len, n)?;
+        let (saved_at, saved_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
+        same_len(OP, "saved", saved_len, rows)?;
+        let (dx_at, dx_len) = on_device(OP, "dx", dx.raw(), Some(dtype))?;
+        same_len(OP, "dx", dx_len, n)?;
+        let (dgamma_at, dgamma_len) = on_device(OP, "dgamma", dgamma.raw(), Some(Dtype::F32))?;
+        same_len(OP, "dgamma", dgamma_len, cols)?;
+        // SAFETY: checked views on this device.
+        unsafe {
+            self.ops.rms_norm_backward(
+                self.stream(),
+                dtype,
+                (dout_at, x_at, gamma_at, saved_at, dx_at, dgamma_at),
+                rows,
+                cols,
+            )
+        }
     }
 
     fn rotary(
         &self,
-        _shape: Attention,
-        _position_ids: View<'_>,
-        _inv_freq: View<'_>,
-        _inverse: bool,
-        _qkv: ViewMut<'_>,
+        shape: Attention,
+        position_ids: View<'_>,
+        inv_freq: View<'_>,
+        inverse: bool,
+        qkv: ViewMut<'_>,
     ) -> Result<()> {
-        Err(missing_kernel("rotary", "rotary position embeddings"))
+        const OP: &str = "rotary";
+        let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
+        check_heads(OP, shape)?;
+        let d = shape.head_dim;
+        if !d.is_multiple_of(2) {
+            return Err(KernelError::Shape {
+                op: OP,
+                operand: "head_dim",
+                actual: format!("{d} elements a head"),
+                expected: "an even number".into(),
+            });
+        }
+        let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), Some(dtype))?;
+        same_len(OP, "qkv", n, (shape.rows() * shape.qkv_width()) as u64)?;
+        let (freq_at, freq_len) = on_device(OP, "inv_freq", inv_freq.raw(), Some(Dtype::F32))?;
+        same_len(OP, "inv_freq", freq_len, (d / 2) as u64)?;
+        let ids_at = position_ids_at(OP, position_ids, shape.rows())?;
+        // SAFETY: checked views on this device.
+        unsafe {
+            self.ops.rotary(
+                self.stream(),
+                dtype,
+                shape,
+                (qkv_at, ids_at, freq_at),
+                inverse,
+            )
+        }
     }
 
-    fn swiglu(&self, _gate_up: View<'_>, _out: ViewMut<'_>) -> Result<()> {
-        Err(missing_kernel("swiglu", "SwiGLU"))
+    fn swiglu(&self, gate_up: View<'_>, out: ViewMut<'_>) -> Result<()> {
+        const OP: &str = "swiglu";
+        let dtype = compute_dtype(OP, "out", out.raw())?;
+        let f = out.raw().cols as u64;
+        let (out_at, n) = on_device(OP, "out", out.raw(), None)?;
+        let (gate_up_at, gate_up_len) = on_device(OP, "gate_up", gate_up.raw(), Some(dtype))?;
+        same_len(OP, "gate_up", gate_up_len, 2 * n)?;
+        // SAFETY: checked views on this device.
+        unsafe {
+            self.ops
+                .swiglu(self.stream(), dtype, (gate_up_at, out_at), n / f.max(1), f)
+        }
     }
 
     fn swiglu_backward(
         &self,
-        _dout: View<'_>,
-        _gate_up: View<'_>,
-        _dgate_up: ViewMut<'_>,
+        dout: View<'_>,
+        gate_up: View<'_>,
+        dgate_up: ViewMut<'_>,
     ) -> Result<()> {
-        Err(missing_kernel("swiglu_backward", "SwiGLU"))
+        const OP: &str = "swiglu_backward";
+        let dtype = compute_dtype(OP, "dout", dout.raw())?;
+        let f = dout.raw().cols as u64;
+        let (dout_at, n) = on_device(OP, "dout", dout.raw(), None)?;
+        let (gate_up_at, gate_up_len) = on_device(OP, "gate_up", gate_up.raw(), Some(dtype))?;
+        same_len(OP, "gate_up", gate_up_len, 2 * n)?;
+        let (dgate_up_at, dgate_up_len) = on_device(OP, "dgate_up", dgate_up.raw(), Some(dtype))?;
+        same_len(OP, "dgate_up", dgate_up_len, 2 * n)?;
+        // SAFETY: checked views on this device.
+        unsafe {
+            self.ops.swiglu_backward(
+                self.stream(),
+                dtype,
+                (dout_at, gate_up_at, dgate_up_at),
+                n / f.max(1),
+                f,
+            )
+        }
     }
 
     fn attention_saved_elems(&self, shape: Attention) -> usize {
@@ -793,16 +889,12 @@ impl Backend for CudaBackend {
         _workspace: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "attention";
-        if shape.kv_heads != shape.heads {
-            return Err(missing_kernel(OP, "grouped-query attention"));
-        }
-        if !position_ids.is_empty() {
-            return Err(missing_kernel(OP, PACKED));
-        }
+        check_heads(OP, shape)?;
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
         let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), None)?;
-        same_len(OP, "qkv", n, rows * 3 * hidden)?;
+        same_len(OP, "qkv", n, rows * shape.qkv_width() as u64)?;
+        let ids_at = position_ids_at(OP, position_ids, shape.rows())?;
         let (out_at, out_len) = on_device(OP, "out", out.raw(), Some(dtype))?;
         same_len(OP, "out", out_len, rows * hidden)?;
         let (lse_at, lse_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
@@ -814,8 +906,12 @@ impl Backend for CudaBackend {
         )?;
         // SAFETY: checked views on this device.
         unsafe {
-            self.ops
-                .attention(self.stream(), dtype, shape, (qkv_at, out_at, lse_at))
+            self.ops.attention(
+                self.stream(),
+                dtype,
+                shape,
+                (qkv_at, ids_at, out_at, lse_at),
+            )
         }
     }
 
@@ -831,16 +927,12 @@ impl Backend for CudaBackend {
         workspace: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
-        if shape.kv_heads != shape.heads {
-            return Err(missing_kernel(OP, "grouped-query attention"));
-        }
-        if !position_ids.is_empty() {
-            return Err(missing_kernel(OP, PACKED));
-        }
+        check_heads(OP, shape)?;
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
         let (rows, hidden) = (shape.rows() as u64, shape.hidden() as u64);
         let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), None)?;
-        same_len(OP, "qkv", n, rows * 3 * hidden)?;
+        same_len(OP, "qkv", n, rows * shape.qkv_width() as u64)?;
+        let ids_at = position_ids_at(OP, position_ids, shape.rows())?;
         let (out_at, out_len) = on_device(OP, "out", out.raw(), Some(dtype))?;
         same_len(OP, "out", out_len, rows * hidden)?;
         let (lse_at, lse_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
@@ -869,7 +961,7 @@ impl Backend for CudaBackend {
                 self.stream(),
                 dtype,
                 shape,
-                (qkv_at, out_at, lse_at, dout_at, dqkv_at, dsum_at),
+                (qkv_at, ids_at, out_at, lse_at, dout_at, dqkv_at, dsum_at),
             )
         }
     }
@@ -944,26 +1036,28 @@ impl Backend for CudaBackend {
         out: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "embedding";
-        if !position_ids.is_empty() {
-            return Err(missing_kernel(OP, PACKED));
-        }
         let dtype = compute_dtype(OP, "out", out.raw())?;
         let (table_at, table_len) = on_device(OP, "table", table.raw(), Some(Dtype::F32))?;
-        if positions.is_empty() {
-            return Err(missing_kernel(OP, "an embedding without a position table"));
-        }
-        let (positions_at, positions_len) =
-            on_device(OP, "positions", positions.raw(), Some(Dtype::F32))?;
         let (tokens_at, count) = on_device(OP, "tokens", tokens.raw(), Some(Dtype::U32))?;
         let (out_at, n) = on_device(OP, "out", out.raw(), None)?;
         let hidden = n / count.max(1);
         same_len(OP, "out", n, hidden * count)?;
-        same_len(OP, "positions", positions_len, seq as u64 * hidden)?;
+        let positions_at = match positions.is_empty() {
+            true => 0,
+            false => {
+                let (at, len) = on_device(OP, "positions", positions.raw(), Some(Dtype::F32))?;
+                same_len(OP, "positions", len, seq as u64 * hidden)?;
+                at
+            }
+        };
+        let ids_at = position_ids_at(OP, position_ids, count as usize)?;
         let vocab = table_len / hidden.max(1);
-        // The kernel flags a token outside the vocabulary in a scratch word
-        // nobody reads (and writes zeros for it): the data's ids are checked
-        // against the vocabulary before a run, and cross-entropy's readback
-        // reports one (its targets are the same ids), without a sync here.
+        // The kernel flags a token outside the vocabulary (or an id past the
+        // position table) in a scratch word nobody reads, and writes zeros
+        // for it: the data's ids are checked against the vocabulary before
+        // a run, position ids are made by the data loader within the
+        // sequence, and cross-entropy's readback reports a bad token (its
+        // targets are the same ids), without a sync here.
         // SAFETY: checked views on this device; the word is the scratch's.
         unsafe {
             self.ops.embedding(
@@ -973,6 +1067,7 @@ impl Backend for CudaBackend {
                     table_at,
                     positions_at,
                     tokens_at,
+                    ids_at,
                     out_at,
                     self.unread_word(),
                 ),
@@ -994,27 +1089,28 @@ impl Backend for CudaBackend {
         dpositions: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "embedding_backward";
-        if !position_ids.is_empty() {
-            return Err(missing_kernel(OP, PACKED));
-        }
         let dtype = compute_dtype(OP, "dout", dout.raw())?;
         let (tokens_at, count) = on_device(OP, "tokens", tokens.raw(), Some(Dtype::U32))?;
         let (dout_at, n) = on_device(OP, "dout", dout.raw(), None)?;
         let hidden = n / count.max(1);
         same_len(OP, "dout", n, hidden * count)?;
         let (dtable_at, dtable_len) = on_device(OP, "dtable", dtable.raw(), Some(Dtype::F32))?;
-        if dpositions.is_empty() {
-            return Err(missing_kernel(OP, "an embedding without a position table"));
-        }
-        let (dpos_at, dpos_len) = on_device(OP, "dpositions", dpositions.raw(), Some(Dtype::F32))?;
-        same_len(OP, "dpositions", dpos_len, seq as u64 * hidden)?;
+        let dpositions_at = match dpositions.is_empty() {
+            true => 0,
+            false => {
+                let (at, len) = on_device(OP, "dpositions", dpositions.raw(), Some(Dtype::F32))?;
+                same_len(OP, "dpositions", len, seq as u64 * hidden)?;
+                at
+            }
+        };
+        let ids_at = position_ids_at(OP, position_ids, count as usize)?;
         let vocab = dtable_len / hidden.max(1);
         // SAFETY: checked views on this device.
         unsafe {
             self.ops.embedding_backward(
                 self.stream(),
                 dtype,
-                (tokens_at, dout_at, dtable_at, dpos_at),
+                (tokens_at, ids_at, dout_at, dtable_at, dpositions_at),
                 count,
                 seq as u64,
                 hidden,
@@ -1120,13 +1216,32 @@ impl Backend for CudaBackend {
     }
 }
 
-/// What the CUDA kernels do not compute yet for packed sequences.
-const PACKED: &str =
-    "position ids (documents packed into a sequence: attention within each, positions restarting)";
+/// The device address of `position_ids` (u32, one per row of `rows`), or 0
+/// where it is empty (each row's place in its sequence).
+fn position_ids_at(op: &'static str, position_ids: View<'_>, rows: usize) -> Result<u64> {
+    if position_ids.is_empty() {
+        return Ok(0);
+    }
+    let (at, len) = on_device(op, "position_ids", position_ids.raw(), Some(Dtype::U32))?;
+    same_len(op, "position_ids", len, rows as u64)?;
+    Ok(at)
+}
 
-/// The error of an op (RMSNorm, rotary embeddings, SwiGLU, grouped-query
-/// attention, an embedding without positions) that the CUDA backend has
-/// no kernel for yet.
+/// The heads of an attention shape: key/value heads dividing the query
+/// heads.
+fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
+    if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
+        return Err(KernelError::Shape {
+            op,
+            operand: "kv_heads",
+            actual: format!("{} key/value heads", shape.kv_heads),
+            expected: format!("a divisor of the {} query heads", shape.heads),
+        });
+    }
+    Ok(())
+}
+
+/// The error of an op the CUDA backend has no kernel for yet.
 fn missing_kernel(op: &'static str, what: &'static str) -> KernelError {
     KernelError::Unsupported {
         op,

@@ -40,6 +40,12 @@ pub enum Op {
     CrossEntropy,
     Embedding,
     EmbeddingBackward,
+    RmsNorm,
+    RmsNormBackwardDx,
+    RmsNormBackwardGamma,
+    Rotary,
+    Swiglu,
+    SwigluBackward,
     SumSquaresPartials,
     NonFinite,
     AttentionForward,
@@ -85,10 +91,11 @@ struct AttnShape {
     batch: u64,
     seq: u64,
     heads: u64,
+    kv_heads: u64,
     head_dim: u64,
 }
 
-// SAFETY: a #[repr(C)] struct of four u64, as the kernel's struct.
+// SAFETY: a #[repr(C)] struct of five u64, as the kernel's struct.
 unsafe impl DeviceRepr for AttnShape {}
 
 /// `strata_optim`'s Adam constants as the kernel takes them (`ops.cu`'s
@@ -497,20 +504,22 @@ impl Ops {
         )
     }
 
-    /// `out[i] = table[tokens[i]] + positions[i % seq]`, rows of `hidden`
-    /// (`table` and `positions` f32, `out` of `dtype`). A token outside the
-    /// vocabulary writes its position + 1 to the u64 at `bad`.
+    /// `out[i] = table[tokens[i]] + positions[p]`, rows of `hidden`
+    /// (`table` and `positions` f32, `out` of `dtype`), `p` the row's
+    /// position id (`ids`), or `i % seq` where `ids` is 0; a `positions` of
+    /// 0 adds nothing. A token outside the vocabulary (or an id past the
+    /// position table) writes its row + 1 to the u64 at `bad`.
     ///
     /// # Safety
-    /// `table` holds `vocab x hidden` f32, `positions` `seq x hidden` f32,
-    /// `tokens` `count` u32, `out` `count x hidden` of `dtype`, `bad` one
-    /// u64, as in [`Ops::gelu`].
+    /// `table` holds `vocab x hidden` f32, `positions` `seq x hidden` f32
+    /// (or is 0), `tokens` `count` u32, `ids` `count` u32 (or is 0), `out`
+    /// `count x hidden` of `dtype`, `bad` one u64, as in [`Ops::gelu`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn embedding(
         &self,
         stream: &CudaStream,
         dtype: Dtype,
-        (table, positions, tokens, out, bad): (u64, u64, u64, u64, u64),
+        (table, positions, tokens, ids, out, bad): (u64, u64, u64, u64, u64, u64),
         count: u64,
         seq: u64,
         hidden: u64,
@@ -525,13 +534,14 @@ impl Ops {
             self.spread(n),
             "embedding",
             [
-                &table, &positions, &tokens, &count, &seq, &hidden, &vocab, &out, &bad
+                &table, &positions, &tokens, &ids, &count, &seq, &hidden, &vocab, &out, &bad
             ]
         )
     }
 
     /// The embedding's backward: adds each row of `dout` to the f32 rows of
-    /// `dtable` and `dpositions` it came from, in token order.
+    /// `dtable` and `dpositions` (none where 0) it came from, in token
+    /// order.
     ///
     /// # Safety
     /// As [`Ops::embedding`], `dout` for `out`, `dtable` for `table`,
@@ -541,7 +551,7 @@ impl Ops {
         &self,
         stream: &CudaStream,
         dtype: Dtype,
-        (tokens, dout, dtable, dpositions): (u64, u64, u64, u64),
+        (tokens, ids, dout, dtable, dpositions): (u64, u64, u64, u64, u64),
         count: u64,
         seq: u64,
         hidden: u64,
@@ -557,6 +567,7 @@ impl Ops {
             "embedding_backward",
             [
                 &tokens,
+                &ids,
                 &count,
                 &seq,
                 &hidden,
@@ -565,6 +576,149 @@ impl Ops {
                 &dtable,
                 &dpositions
             ]
+        )
+    }
+
+    /// RMSNorm of each row of `x` into `out`: `gamma * x / sqrt(mean(x^2) +
+    /// eps)`, each row's 1/rms into the f32 `rstd` (`rows`).
+    ///
+    /// # Safety
+    /// `x` and `out` hold `rows x cols` of `dtype`, `gamma` `cols` f32,
+    /// `rstd` `rows` f32, as in [`Ops::gelu`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rms_norm(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (x, gamma, out, rstd): (u64, u64, u64, u64),
+        rows: u64,
+        cols: u64,
+        eps: f32,
+    ) -> Result<()> {
+        checked(rows, cols, "rms_norm")?;
+        let f = self.kernel("rms_norm", Op::RmsNorm, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.per_row(rows),
+            "rms_norm",
+            [&x, &gamma, &out, &rstd, &rows, &cols, &eps]
+        )
+    }
+
+    /// RMSNorm's backward: adds to `dx` (`rows x cols` of `dtype`) and to
+    /// the f32 `dgamma` (`cols`, summed over rows in order).
+    ///
+    /// # Safety
+    /// As [`Ops::rms_norm`]; `dout` and `dx` like `x`, `dgamma` like
+    /// `gamma`.
+    pub unsafe fn rms_norm_backward(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (dout, x, gamma, rstd, dx, dgamma): (u64, u64, u64, u64, u64, u64),
+        rows: u64,
+        cols: u64,
+    ) -> Result<()> {
+        checked(rows, cols, "rms_norm_backward")?;
+        let f = self.kernel("rms_norm_backward", Op::RmsNormBackwardDx, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.per_row(rows),
+            "rms_norm_backward",
+            [&dout, &x, &gamma, &rstd, &dx, &rows, &cols]
+        )?;
+        let f = self.kernel("rms_norm_backward", Op::RmsNormBackwardGamma, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.spread(cols),
+            "rms_norm_backward",
+            [&dout, &x, &rstd, &dgamma, &rows, &cols]
+        )
+    }
+
+    /// Rotary position embeddings in place on the query and key heads of
+    /// `qkv` (`shape.rows() x shape.qkv_width()` of `dtype`): in each head,
+    /// element `k` and `k + head_dim / 2` turn by `position x inv_freq[k]`
+    /// (back where `inverse`), the position the row's u32 id in `ids`, or
+    /// its place in its sequence where `ids` is 0.
+    ///
+    /// # Safety
+    /// `qkv` holds those elements, `inv_freq` `head_dim / 2` f32, `ids`
+    /// `shape.rows()` u32 (or is 0), as in [`Ops::gelu`].
+    pub unsafe fn rotary(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        shape: crate::Attention,
+        (qkv, ids, inv_freq): (u64, u64, u64),
+        inverse: bool,
+    ) -> Result<()> {
+        let (rows, seq) = (shape.rows() as u64, shape.seq as u64);
+        let width = shape.qkv_width() as u64;
+        let turned = (shape.heads + shape.kv_heads) as u64;
+        let half = (shape.head_dim / 2) as u64;
+        let n = checked(checked(rows, turned, "rotary")?, half, "rotary")?;
+        let sign: f32 = if inverse { -1.0 } else { 1.0 };
+        let f = self.kernel("rotary", Op::Rotary, dtype)?;
+        launch!(
+            stream,
+            f,
+            self.spread(n),
+            "rotary",
+            [
+                &qkv, &ids, &inv_freq, &rows, &seq, &width, &turned, &half, &sign
+            ]
+        )
+    }
+
+    /// SwiGLU: `out` (`rows x f`) = silu(gate) * up, `gate_up` (`rows x 2
+    /// f`) each row's gate then its up projection.
+    ///
+    /// # Safety
+    /// The addresses hold those sizes of `dtype`, as in [`Ops::gelu`].
+    pub unsafe fn swiglu(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (gate_up, out): (u64, u64),
+        rows: u64,
+        f: u64,
+    ) -> Result<()> {
+        let n = checked(checked(rows, f, "swiglu")?, 2, "swiglu")? / 2;
+        let kernel = self.kernel("swiglu", Op::Swiglu, dtype)?;
+        launch!(
+            stream,
+            kernel,
+            self.spread(n),
+            "swiglu",
+            [&gate_up, &out, &rows, &f]
+        )
+    }
+
+    /// SwiGLU's backward: `dgate_up` (like `gate_up`) from `dout` (like
+    /// `out`).
+    ///
+    /// # Safety
+    /// As [`Ops::swiglu`].
+    pub unsafe fn swiglu_backward(
+        &self,
+        stream: &CudaStream,
+        dtype: Dtype,
+        (dout, gate_up, dgate_up): (u64, u64, u64),
+        rows: u64,
+        f: u64,
+    ) -> Result<()> {
+        let n = checked(checked(rows, f, "swiglu_backward")?, 2, "swiglu_backward")? / 2;
+        let kernel = self.kernel("swiglu_backward", Op::SwigluBackward, dtype)?;
+        launch!(
+            stream,
+            kernel,
+            self.spread(n),
+            "swiglu_backward",
+            [&dout, &gate_up, &dgate_up, &rows, &f]
         )
     }
 
@@ -673,7 +827,8 @@ impl Ops {
 }
 
 impl Ops {
-    /// The attention's shape and grid, checked against the kernels' limits.
+    /// The attention's shape and grid (a block per `ATTN_ROWS` rows of each
+    /// query head), checked against the kernels' limits.
     fn attention_grid(
         op: &'static str,
         shape: crate::Attention,
@@ -689,6 +844,15 @@ impl Ops {
         };
         limit("head_dim", shape.head_dim, HEAD_DIM_MAX)?;
         limit("heads", shape.heads, 65_535)?;
+        limit("kv_heads", shape.kv_heads, shape.heads)?;
+        if !shape.heads.is_multiple_of(shape.kv_heads) {
+            return Err(KernelError::Index {
+                op,
+                what: "kv_heads (a divisor of the query heads)",
+                value: shape.kv_heads as u64,
+                max: shape.heads as u64,
+            });
+        }
         limit("batch", shape.batch, 65_535)?;
         limit("seq", shape.seq, (u32::MAX as usize) * ATTN_ROWS as usize)?;
         let config = LaunchConfig {
@@ -704,32 +868,60 @@ impl Ops {
             batch: shape.batch as u64,
             seq: shape.seq as u64,
             heads: shape.heads as u64,
+            kv_heads: shape.kv_heads as u64,
             head_dim: shape.head_dim as u64,
         };
         Ok((args, config))
     }
 
-    /// Causal attention over `qkv` (`rows x 3 hidden` of `dtype`) into
+    /// A grid of [`Ops::attention_grid`]'s with a block per key/value head
+    /// rather than per query head: the key side of the backward, which sums
+    /// a key/value head's query heads in order.
+    fn per_kv_head(config: &LaunchConfig, shape: crate::Attention) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (config.grid_dim.0, shape.kv_heads as u32, config.grid_dim.2),
+            ..*config
+        }
+    }
+
+    /// Causal attention over `qkv` (`rows x qkv_width` of `dtype`) into
     /// `out` (`rows x hidden`), each row's log-sum-exp into the f32 `lse`
-    /// (`batch x heads x seq`, what the backward needs).
+    /// (`batch x heads x seq`, what the backward needs). Grouped-query heads
+    /// read their key/value head in place. With `ids` (u32 position ids,
+    /// one per row; 0: none) row `t` sees the keys from `t - ids[t]` to
+    /// itself: no attention across the documents packed into a sequence.
     ///
     /// # Safety
-    /// The addresses hold those sizes, as in [`Ops::gelu`].
+    /// The addresses hold those sizes, as in [`Ops::gelu`]; each id is at
+    /// most its row's place in its sequence (a larger one is taken as that
+    /// place).
     pub unsafe fn attention(
         &self,
         stream: &CudaStream,
         dtype: Dtype,
         shape: crate::Attention,
-        (qkv, out, lse): (u64, u64, u64),
+        (qkv, ids, out, lse): (u64, u64, u64, u64),
     ) -> Result<()> {
         let (args, config) = Self::attention_grid("attention", shape)?;
         if let Some(flash) = self.flash_for(dtype, shape, &[qkv, out]) {
             let config = Self::flash_config(&config, "flash_forward", shape);
             let f = &flash[0];
-            return launch!(stream, f, config, "attention", [&args, &qkv, &out, &lse]);
+            return launch!(
+                stream,
+                f,
+                config,
+                "attention",
+                [&args, &ids, &qkv, &out, &lse]
+            );
         }
         let f = self.kernel("attention", Op::AttentionForward, dtype)?;
-        launch!(stream, f, config, "attention", [&args, &qkv, &out, &lse])
+        launch!(
+            stream,
+            f,
+            config,
+            "attention",
+            [&args, &ids, &qkv, &out, &lse]
+        )
     }
 
     /// Whether [`Ops::attention`] and [`Ops::attention_backward`] run this
@@ -769,17 +961,18 @@ impl Ops {
     }
 
     /// Attention's backward: `dqkv` (like `qkv`) from `dout` (like `out`),
-    /// with the forward's `out` and `lse` and `dsum` (`batch x heads x seq`
-    /// f32) of scratch.
+    /// with the forward's `ids`, `out` and `lse` and `dsum` (`batch x heads
+    /// x seq` f32) of scratch.
     ///
     /// # Safety
     /// As [`Ops::attention`]; `dsum` holds `batch x heads x seq` f32.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn attention_backward(
         &self,
         stream: &CudaStream,
         dtype: Dtype,
         shape: crate::Attention,
-        (qkv, out, lse, dout, dqkv, dsum): (u64, u64, u64, u64, u64, u64),
+        (qkv, ids, out, lse, dout, dqkv, dsum): (u64, u64, u64, u64, u64, u64, u64),
     ) -> Result<()> {
         let (args, config) = Self::attention_grid("attention_backward", shape)?;
         if let Some(flash) = self.flash_for(dtype, shape, &[qkv, out, dout, dqkv]) {
@@ -807,14 +1000,16 @@ impl Ops {
                 "attention_backward",
                 [&args, &out, &dout, &dsum]
             )?;
-            for (f, kernel) in flash[1..].iter().zip(&FLASH_PER_HEAD_DIM[1..]) {
-                let config = Self::flash_config(&config, kernel, shape);
+            // dq per query head, then dk and dv per key/value head.
+            let grids = [config, Self::per_kv_head(&config, shape)];
+            for ((f, kernel), grid) in flash[1..].iter().zip(&FLASH_PER_HEAD_DIM[1..]).zip(grids) {
+                let config = Self::flash_config(&grid, kernel, shape);
                 launch!(
                     stream,
                     f,
                     config,
                     "attention_backward",
-                    [&args, &qkv, &dout, &lse, &dsum, &dqkv]
+                    [&args, &ids, &qkv, &dout, &lse, &dsum, &dqkv]
                 )?;
             }
             return Ok(());
@@ -825,15 +1020,15 @@ impl Ops {
             f,
             config,
             "attention_backward",
-            [&args, &qkv, &lse, &dout, &dqkv, &dsum]
+            [&args, &ids, &qkv, &lse, &dout, &dqkv, &dsum]
         )?;
         let f = self.kernel("attention_backward", Op::AttentionBackwardDkv, dtype)?;
         launch!(
             stream,
             f,
-            config,
+            Self::per_kv_head(&config, shape),
             "attention_backward",
-            [&args, &qkv, &lse, &dout, &dsum, &dqkv]
+            [&args, &ids, &qkv, &lse, &dout, &dsum, &dqkv]
         )
     }
 }

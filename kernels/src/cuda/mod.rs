@@ -1,16 +1,19 @@
 //! The CUDA half of strata-kernels: CUDA C kernels compiled at run time by
 //! NVRTC ([`nvrtc`]), the sources beside their Rust wrappers.
 //!
-//! Built so far: the element-wise and row kernels of a transformer step
+//! Built so far: the element-wise and row kernels of a transformer step,
+//! GPT-2's and the Llama family's (RMSNorm, rotary, SwiGLU)
 //! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
 //! [`nvrtc::ARCHS`] in CI (no GPU needed), their launchers ([`Ops`]) and
 //! cuBLASLt GEMMs ([`Gemm`]), a causal attention that is flash-style in
 //! memory (tiles, online softmax, log-sum-exp saved) on CUDA cores, the
 //! same on tensor cores for bf16 and head dims 64 and 128
 //! ([`ATTENTION_SOURCE`], `attention.cu`: `ldmatrix`, `mma.sync`,
-//! `cp.async`), and [`CudaBackend`], the [`crate::Backend`] over them.
-//! None has run on a GPU yet (`tests/cuda_ops.rs` will, where one is
-//! lent). cuBLASLt's epilogues fuse a linear layer's bias, fc1's bias and
+//! `cp.async`), both with grouped-query heads and packed documents, and
+//! [`CudaBackend`], the [`crate::Backend`] over them.
+//! GPT-2's ran on an H200 (docs/gpu-validation.md, 2026-11-26); the Llama
+//! family's, grouped-query heads and packed documents have not run on a
+//! GPU yet (`tests/cuda_ops.rs` will, where one is lent). cuBLASLt's epilogues fuse a linear layer's bias, fc1's bias and
 //! GELU, and the GELU's backward into their GEMMs where it has an
 //! algorithm for them (the ops run unfused otherwise).
 
@@ -67,17 +70,18 @@ pub fn flash_shared_bytes(kernel: &str, head_dim: usize) -> u32 {
         // Query, dout, key and value tiles.
         "flash_backward_dq" => 4 * tile,
         // Key and value tiles, query and dout tiles of FLASH_KV_ROWS(D)
-        // rows (half as many at head dim 128) and those rows' lse and D.
+        // rows (half as many at head dim 128), those rows' first keys (u64)
+        // and their lse and D (f32).
         "flash_backward_dkv" => {
             let rows = if head_dim == 128 { 32 } else { 64 };
-            2 * tile + 2 * rows * row + 2 * rows * 4
+            2 * tile + 2 * rows * row + rows * 8 + 2 * rows * 4
         }
         other => panic!("{other} is not one of attention.cu's per-head-dim kernels"),
     }
 }
 
 /// Kernels defined for each element type (`<name>_f32`, `<name>_bf16`).
-pub const OPS_PER_DTYPE: [&str; 18] = [
+pub const OPS_PER_DTYPE: [&str; 24] = [
     "gelu",
     "gelu_backward",
     "add",
@@ -91,6 +95,12 @@ pub const OPS_PER_DTYPE: [&str; 18] = [
     "cross_entropy",
     "embedding",
     "embedding_backward",
+    "rms_norm",
+    "rms_norm_backward_dx",
+    "rms_norm_backward_gamma",
+    "rotary",
+    "swiglu",
+    "swiglu_backward",
     "sum_squares_partials",
     "non_finite",
     "attention_forward",

@@ -275,38 +275,165 @@ __device__ void cross_entropy(const T *logits, const unsigned *targets, u64 rows
     }
 }
 
-// out[i] = table[tokens[i]] + positions[i % seq], rows of `hidden`.
+// A row's position: its position id, or its place in its sequence when
+// there are none (`ids` null).
+__device__ __forceinline__ u64 position_of(const unsigned *ids, u64 row, u64 seq) {
+    return ids ? (u64)ids[row] : row % seq;
+}
+
+// out[i] = table[tokens[i]] + positions[position of i], rows of `hidden`;
+// a null `positions` adds nothing (a model without a position table). A
+// token outside the vocabulary, or a position id past the table, sets *bad
+// to its row + 1 and gives the row zeros.
 template <typename T>
 __device__ void embedding(const float *table, const float *positions, const unsigned *tokens,
-                          u64 count, u64 seq, u64 hidden, u64 vocab, T *out, u64 *bad) {
+                          const unsigned *ids, u64 count, u64 seq, u64 hidden, u64 vocab, T *out,
+                          u64 *bad) {
     u64 n = count * hidden;
     for (u64 i = first_index(); i < n; i += grid_stride()) {
         u64 row = i / hidden, col = i % hidden;
         u64 token = tokens[row];
-        if (token >= vocab) {
+        u64 place = position_of(ids, row, seq);
+        if (token >= vocab || (positions && place >= seq)) {
             *bad = row + 1;
             store(out, i, 0.0f);
             continue;
         }
-        store(out, i, table[token * hidden + col] + positions[(row % seq) * hidden + col]);
+        float value = table[token * hidden + col];
+        if (positions) {
+            value += positions[place * hidden + col];
+        }
+        store(out, i, value);
     }
 }
 
 // Adds each row of dout to the table row and position row it came from:
-// one thread per column, tokens in order (the CPU's order, no atomics).
+// one thread per column, tokens in order (the CPU's order, no atomics). A
+// null `dpositions` takes nothing.
 template <typename T>
-__device__ void embedding_backward(const unsigned *tokens, u64 count, u64 seq, u64 hidden,
-                                   u64 vocab, const T *dout, float *dtable, float *dpositions) {
+__device__ void embedding_backward(const unsigned *tokens, const unsigned *ids, u64 count,
+                                   u64 seq, u64 hidden, u64 vocab, const T *dout, float *dtable,
+                                   float *dpositions) {
     for (u64 col = first_index(); col < hidden; col += grid_stride()) {
         for (u64 row = 0; row < count; ++row) {
             u64 token = tokens[row];
-            if (token >= vocab) {
+            u64 place = position_of(ids, row, seq);
+            if (token >= vocab || (dpositions && place >= seq)) {
                 continue;
             }
             float d = load(dout, row * hidden + col);
             dtable[token * hidden + col] += d;
-            dpositions[(row % seq) * hidden + col] += d;
+            if (dpositions) {
+                dpositions[place * hidden + col] += d;
+            }
         }
+    }
+}
+
+// RMSNorm, one block per row (grid-stride over rows), BLOCK threads:
+// out = gamma * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps), kept per row.
+template <typename T>
+__device__ void rms_norm(const T *x, const float *gamma, T *out, float *rstd, u64 rows, u64 cols,
+                         float eps) {
+    __shared__ float scratch[BLOCK];
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const u64 base = r * cols;
+        float squares = 0.0f;
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            const float v = load(x, base + c);
+            squares += v * v;
+        }
+        const float s = 1.0f / sqrtf(block_sum(squares, scratch) / (float)cols + eps);
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            store(out, base + c, gamma[c] * (load(x, base + c) * s));
+        }
+        if (threadIdx.x == 0) {
+            rstd[r] = s;
+        }
+    }
+}
+
+// dx += rstd (dout gamma - xhat mean(dout gamma xhat)): one block per row.
+template <typename T>
+__device__ void rms_norm_backward_dx(const T *dout, const T *x, const float *gamma,
+                                     const float *rstd, T *dx, u64 rows, u64 cols) {
+    __shared__ float scratch[BLOCK];
+    const float n = (float)cols;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const u64 base = r * cols;
+        const float s = rstd[r];
+        float dot = 0.0f;
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            dot += load(dout, base + c) * gamma[c] * (load(x, base + c) * s);
+        }
+        dot = block_sum(dot, scratch);
+        for (u64 c = threadIdx.x; c < cols; c += BLOCK) {
+            const float xhat = load(x, base + c) * s;
+            const float g = s * (load(dout, base + c) * gamma[c] - xhat * dot / n);
+            store(dx, base + c, load(dx, base + c) + g);
+        }
+    }
+}
+
+// dgamma += sum over rows of dout * xhat: one thread per column, rows in
+// order (deterministic, no atomics).
+template <typename T>
+__device__ void rms_norm_backward_gamma(const T *dout, const T *x, const float *rstd,
+                                        float *dgamma, u64 rows, u64 cols) {
+    for (u64 c = first_index(); c < cols; c += grid_stride()) {
+        float dg = dgamma[c];
+        for (u64 r = 0; r < rows; ++r) {
+            dg += load(dout, r * cols + c) * (load(x, r * cols + c) * rstd[r]);
+        }
+        dgamma[c] = dg;
+    }
+}
+
+// Rotary position embeddings in place on the first `turned` heads (the
+// queries' and the keys') of each row of `qkv` (rows of `width`): in each
+// head, elements k and k + half turn by position x inv_freq[k] (`sign`
+// -1: back, the backward). Grid-stride over rows x turned x half pairs.
+template <typename T>
+__device__ void rotary(T *qkv, const unsigned *ids, const float *inv_freq, u64 rows, u64 seq,
+                       u64 width, u64 turned, u64 half, float sign) {
+    const u64 n = rows * turned * half;
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        const u64 k = i % half, head = (i / half) % turned, row = i / half / turned;
+        // The angle in f32 (position x inv_freq), then its sine and cosine:
+        // transformers' order, and the CPU reference's.
+        const float angle = (float)position_of(ids, row, seq) * inv_freq[k];
+        float sin, cos;
+        sincosf(angle, &sin, &cos);
+        sin *= sign;
+        const u64 at = row * width + head * 2 * half + k;
+        const float a = load(qkv, at), b = load(qkv, at + half);
+        store(qkv, at, a * cos - b * sin);
+        store(qkv, at + half, b * cos + a * sin);
+    }
+}
+
+// SwiGLU: out = silu(gate) * up, each row of `gate_up` its gate (f
+// columns) then its up projection (f columns).
+template <typename T>
+__device__ void swiglu(const T *gate_up, T *out, u64 rows, u64 f) {
+    const u64 n = rows * f;
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        const u64 at = (i / f) * 2 * f + i % f;
+        const float g = load(gate_up, at);
+        store(out, i, g / (1.0f + expf(-g)) * load(gate_up, at + f));
+    }
+}
+
+// SwiGLU's backward: dgate_up (as gate_up) from dout (as out).
+template <typename T>
+__device__ void swiglu_backward(const T *dout, const T *gate_up, T *dgate_up, u64 rows, u64 f) {
+    const u64 n = rows * f;
+    for (u64 i = first_index(); i < n; i += grid_stride()) {
+        const u64 at = (i / f) * 2 * f + i % f;
+        const float g = load(gate_up, at), up = load(gate_up, at + f), d = load(dout, i);
+        const float sig = 1.0f / (1.0f + expf(-g));
+        store(dgate_up, at + f, d * (g * sig));
+        store(dgate_up, at, d * up * sig * (1.0f + g * (1.0f - sig)));
     }
 }
 
@@ -343,10 +470,14 @@ __device__ void cast(const S *x, T *y, u64 n) {
     }
 }
 
-// Causal self-attention over packed rows `q | k | v` (each `hidden` =
-// heads x head_dim wide; row `b * seq + t`), flash-style: key and value
-// tiles through shared memory, an online softmax, no seq x seq matrix in
-// memory. One thread per query row. What the backward needs is each row's
+// Causal self-attention over packed rows `q | k | v` (q `heads x
+// head_dim` wide, k and v `kv_heads x head_dim` each; row `b * seq + t`),
+// flash-style: key and value tiles through shared memory, an online
+// softmax, no seq x seq matrix in memory. One thread per query row. Query
+// head h reads key/value head h / (heads / kv_heads) (grouped-query
+// attention). Row t sees the keys from its document's start to itself:
+// `t - ids[b * seq + t]` with position ids (documents packed into a
+// sequence), 0 without (`ids` null). What the backward needs is each row's
 // log-sum-exp (`lse`, batch x heads x seq). Scores, sums and outputs are
 // fp32 whatever T is.
 #define HEAD_DIM_MAX 128
@@ -354,12 +485,16 @@ __device__ void cast(const S *x, T *y, u64 n) {
 #define ATTN_TILE 32
 
 struct AttnShape {
-    u64 batch, seq, heads, head_dim;
+    u64 batch, seq, heads, kv_heads, head_dim;
 };
 
+// Where part `part` (0 q, 1 k, 2 v) of head `head` (a query head for q, a
+// key/value head for k and v) of row t of sequence b starts.
 __device__ __forceinline__ u64 qkv_at(AttnShape a, u64 b, u64 t, u64 part, u64 head) {
-    const u64 hidden = a.heads * a.head_dim;
-    return (b * a.seq + t) * 3 * hidden + part * hidden + head * a.head_dim;
+    const u64 hidden = a.heads * a.head_dim, kv_hidden = a.kv_heads * a.head_dim;
+    const u64 width = hidden + 2 * kv_hidden;
+    const u64 column = part == 0 ? 0 : hidden + (part - 1) * kv_hidden;
+    return (b * a.seq + t) * width + column + head * a.head_dim;
 }
 
 __device__ __forceinline__ u64 out_at(AttnShape a, u64 b, u64 t, u64 head) {
@@ -370,15 +505,42 @@ __device__ __forceinline__ u64 row_at(AttnShape a, u64 b, u64 head, u64 t) {
     return (b * a.heads + head) * a.seq + t;
 }
 
+// The first key row t of sequence b sees: its document's start.
+__device__ __forceinline__ u64 first_key(AttnShape a, const unsigned *ids, u64 b, u64 t) {
+    return ids ? t - min((u64)ids[b * a.seq + t], t) : 0;
+}
+
+// The smallest `value` over the block (blockDim.x a multiple of 32, at
+// most 1024), every thread gets it.
+__device__ u64 block_min(u64 value) {
+    __shared__ u64 warps[32];
+    for (int offset = 16; offset > 0; offset /= 2) {
+        value = min(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    }
+    if (threadIdx.x % 32 == 0) {
+        warps[threadIdx.x / 32] = value;
+    }
+    __syncthreads();
+    u64 total = warps[0];
+    for (unsigned w = 1; w < blockDim.x / 32; ++w) {
+        total = min(total, warps[w]);
+    }
+    __syncthreads();
+    return total;
+}
+
 // grid (ceil(seq / ATTN_ROWS), heads, batch), ATTN_ROWS threads.
 template <typename T>
-__device__ void attention_forward(AttnShape a, const T *qkv, T *out, float *lse) {
+__device__ void attention_forward(AttnShape a, const unsigned *ids, const T *qkv, T *out,
+                                  float *lse) {
     __shared__ float keys[ATTN_TILE * HEAD_DIM_MAX];
     __shared__ float vals[ATTN_TILE * HEAD_DIM_MAX];
     const u64 head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+    const u64 kv_head = head / (a.heads / a.kv_heads);
     const u64 first = (u64)blockIdx.x * ATTN_ROWS;
     const u64 t = first + threadIdx.x;
     const bool live = t < a.seq;
+    const u64 start = live ? first_key(a, ids, b, t) : ~0ull;
     const float scale = 1.0f / sqrtf((float)d);
     float q[HEAD_DIM_MAX], acc[HEAD_DIM_MAX];
     for (u64 c = 0; c < d; ++c) {
@@ -387,15 +549,20 @@ __device__ void attention_forward(AttnShape a, const T *qkv, T *out, float *lse)
     }
     float max = -__int_as_float(0x7f800000), sum = 0.0f;
     const u64 last = min(first + ATTN_ROWS, a.seq) - 1;
-    for (u64 j0 = 0; j0 <= last; j0 += ATTN_TILE) {
+    // The tiles from the one holding the block's earliest key.
+    const u64 earliest = block_min(start);
+    for (u64 j0 = earliest - earliest % ATTN_TILE; j0 <= last; j0 += ATTN_TILE) {
         const u64 tile = min((u64)ATTN_TILE, a.seq - j0);
         for (u64 e = threadIdx.x; e < tile * d; e += ATTN_ROWS) {
             const u64 j = j0 + e / d, c = e % d;
-            keys[e] = load(qkv, qkv_at(a, b, j, 1, head) + c);
-            vals[e] = load(qkv, qkv_at(a, b, j, 2, head) + c);
+            keys[e] = load(qkv, qkv_at(a, b, j, 1, kv_head) + c);
+            vals[e] = load(qkv, qkv_at(a, b, j, 2, kv_head) + c);
         }
         __syncthreads();
         for (u64 jj = 0; live && jj < tile && j0 + jj <= t; ++jj) {
+            if (j0 + jj < start) {
+                continue;
+            }
             float score = 0.0f;
             for (u64 c = 0; c < d; ++c) {
                 score += q[c] * keys[jj * d + c];
@@ -422,9 +589,10 @@ __device__ void attention_forward(AttnShape a, const T *qkv, T *out, float *lse)
 // The backward's first pass, one thread per query row: each row's
 // D = sum_j p_ij dp_ij into `dsum`, then dq. grid and block as forward.
 template <typename T>
-__device__ void attention_backward_dq(AttnShape a, const T *qkv, const float *lse, const T *dout,
-                                      T *dqkv, float *dsum) {
+__device__ void attention_backward_dq(AttnShape a, const unsigned *ids, const T *qkv,
+                                      const float *lse, const T *dout, T *dqkv, float *dsum) {
     const u64 head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+    const u64 kv_head = head / (a.heads / a.kv_heads);
     const u64 t = (u64)blockIdx.x * ATTN_ROWS + threadIdx.x;
     if (t >= a.seq) {
         return;
@@ -438,9 +606,10 @@ __device__ void attention_backward_dq(AttnShape a, const T *qkv, const float *ls
         dq[c] = 0.0f;
     }
     float total = 0.0f;
+    const u64 start = first_key(a, ids, b, t);
     for (int pass = 0; pass < 2; ++pass) {
-        for (u64 j = 0; j <= t; ++j) {
-            const u64 k_at = qkv_at(a, b, j, 1, head), v_at = qkv_at(a, b, j, 2, head);
+        for (u64 j = start; j <= t; ++j) {
+            const u64 k_at = qkv_at(a, b, j, 1, kv_head), v_at = qkv_at(a, b, j, 2, kv_head);
             float score = 0.0f, dp = 0.0f;
             for (u64 c = 0; c < d; ++c) {
                 score += q[c] * load(qkv, k_at + c);
@@ -463,12 +632,16 @@ __device__ void attention_backward_dq(AttnShape a, const T *qkv, const float *ls
     dsum[row_at(a, b, head, t)] = total;
 }
 
-// The backward's second pass, one thread per key row: dk and dv, from the
-// queries at or after it (no atomics: each thread owns its rows).
+// The backward's second pass, one thread per key row of a key/value head:
+// dk and dv, from the queries of every query head it serves that see it,
+// heads then rows in order (no atomics: each thread owns its rows).
+// grid (ceil(seq / ATTN_ROWS), kv_heads, batch), ATTN_ROWS threads.
 template <typename T>
-__device__ void attention_backward_dkv(AttnShape a, const T *qkv, const float *lse,
-                                       const T *dout, const float *dsum, T *dqkv) {
-    const u64 head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+__device__ void attention_backward_dkv(AttnShape a, const unsigned *ids, const T *qkv,
+                                       const float *lse, const T *dout, const float *dsum,
+                                       T *dqkv) {
+    const u64 kv_head = blockIdx.y, b = blockIdx.z, d = a.head_dim;
+    const u64 group = a.heads / a.kv_heads;
     const u64 j = (u64)blockIdx.x * ATTN_ROWS + threadIdx.x;
     if (j >= a.seq) {
         return;
@@ -476,29 +649,34 @@ __device__ void attention_backward_dkv(AttnShape a, const T *qkv, const float *l
     const float scale = 1.0f / sqrtf((float)d);
     float k[HEAD_DIM_MAX], v[HEAD_DIM_MAX], dk[HEAD_DIM_MAX], dv[HEAD_DIM_MAX];
     for (u64 c = 0; c < d; ++c) {
-        k[c] = load(qkv, qkv_at(a, b, j, 1, head) + c);
-        v[c] = load(qkv, qkv_at(a, b, j, 2, head) + c);
+        k[c] = load(qkv, qkv_at(a, b, j, 1, kv_head) + c);
+        v[c] = load(qkv, qkv_at(a, b, j, 2, kv_head) + c);
         dk[c] = 0.0f;
         dv[c] = 0.0f;
     }
-    for (u64 t = j; t < a.seq; ++t) {
-        const u64 q_at = qkv_at(a, b, t, 0, head), o_at = out_at(a, b, t, head);
-        float score = 0.0f, dp = 0.0f;
-        for (u64 c = 0; c < d; ++c) {
-            score += load(qkv, q_at + c) * k[c];
-            dp += load(dout, o_at + c) * v[c];
-        }
-        const u64 row = row_at(a, b, head, t);
-        const float p = expf(score * scale - lse[row]);
-        const float ds = p * (dp - dsum[row]) * scale;
-        for (u64 c = 0; c < d; ++c) {
-            dv[c] += p * load(dout, o_at + c);
-            dk[c] += ds * load(qkv, q_at + c);
+    for (u64 head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+        for (u64 t = j; t < a.seq; ++t) {
+            if (first_key(a, ids, b, t) > j) {
+                continue;
+            }
+            const u64 q_at = qkv_at(a, b, t, 0, head), o_at = out_at(a, b, t, head);
+            float score = 0.0f, dp = 0.0f;
+            for (u64 c = 0; c < d; ++c) {
+                score += load(qkv, q_at + c) * k[c];
+                dp += load(dout, o_at + c) * v[c];
+            }
+            const u64 row = row_at(a, b, head, t);
+            const float p = expf(score * scale - lse[row]);
+            const float ds = p * (dp - dsum[row]) * scale;
+            for (u64 c = 0; c < d; ++c) {
+                dv[c] += p * load(dout, o_at + c);
+                dk[c] += ds * load(qkv, q_at + c);
+            }
         }
     }
     for (u64 c = 0; c < d; ++c) {
-        store(dqkv, qkv_at(a, b, j, 1, head) + c, dk[c]);
-        store(dqkv, qkv_at(a, b, j, 2, head) + c, dv[c]);
+        store(dqkv, qkv_at(a, b, j, 1, kv_head) + c, dk[c]);
+        store(dqkv, qkv_at(a, b, j, 2, kv_head) + c, dv[c]);
     }
 }
 
@@ -540,16 +718,40 @@ __device__ void attention_backward_dkv(AttnShape a, const T *qkv, const float *l
         T *dlogits, float *row_loss, u64 *bad) {                                                  \
         cross_entropy(logits, targets, rows, vocab, grad_scale, dlogits, row_loss, bad);          \
     }                                                                                             \
-    extern "C" __global__ void embedding_##NAME(const float *table, const float *positions,       \
-                                                const unsigned *tokens, u64 count, u64 seq,       \
-                                                u64 hidden, u64 vocab, T *out, u64 *bad) {        \
-        embedding(table, positions, tokens, count, seq, hidden, vocab, out, bad);                 \
+    extern "C" __global__ void embedding_##NAME(                                                  \
+        const float *table, const float *positions, const unsigned *tokens, const unsigned *ids,  \
+        u64 count, u64 seq, u64 hidden, u64 vocab, T *out, u64 *bad) {                            \
+        embedding(table, positions, tokens, ids, count, seq, hidden, vocab, out, bad);            \
     }                                                                                             \
-    extern "C" __global__ void embedding_backward_##NAME(const unsigned *tokens, u64 count,       \
-                                                         u64 seq, u64 hidden, u64 vocab,          \
-                                                         const T *dout, float *dtable,            \
-                                                         float *dpositions) {                     \
-        embedding_backward(tokens, count, seq, hidden, vocab, dout, dtable, dpositions);          \
+    extern "C" __global__ void embedding_backward_##NAME(                                         \
+        const unsigned *tokens, const unsigned *ids, u64 count, u64 seq, u64 hidden, u64 vocab,   \
+        const T *dout, float *dtable, float *dpositions) {                                        \
+        embedding_backward(tokens, ids, count, seq, hidden, vocab, dout, dtable, dpositions);     \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK) rms_norm_##NAME(                          \
+        const T *x, const float *gamma, T *out, float *rstd, u64 rows, u64 cols, float eps) {     \
+        rms_norm(x, gamma, out, rstd, rows, cols, eps);                                           \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BLOCK) rms_norm_backward_dx_##NAME(              \
+        const T *dout, const T *x, const float *gamma, const float *rstd, T *dx, u64 rows,        \
+        u64 cols) {                                                                               \
+        rms_norm_backward_dx(dout, x, gamma, rstd, dx, rows, cols);                               \
+    }                                                                                             \
+    extern "C" __global__ void rms_norm_backward_gamma_##NAME(                                    \
+        const T *dout, const T *x, const float *rstd, float *dgamma, u64 rows, u64 cols) {        \
+        rms_norm_backward_gamma(dout, x, rstd, dgamma, rows, cols);                               \
+    }                                                                                             \
+    extern "C" __global__ void rotary_##NAME(T *qkv, const unsigned *ids, const float *inv_freq,  \
+                                             u64 rows, u64 seq, u64 width, u64 turned, u64 half,  \
+                                             float sign) {                                        \
+        rotary(qkv, ids, inv_freq, rows, seq, width, turned, half, sign);                         \
+    }                                                                                             \
+    extern "C" __global__ void swiglu_##NAME(const T *gate_up, T *out, u64 rows, u64 f) {         \
+        swiglu(gate_up, out, rows, f);                                                            \
+    }                                                                                             \
+    extern "C" __global__ void swiglu_backward_##NAME(const T *dout, const T *gate_up,            \
+                                                      T *dgate_up, u64 rows, u64 f) {             \
+        swiglu_backward(dout, gate_up, dgate_up, rows, f);                                        \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                           \
         sum_squares_partials_##NAME(const T *x, u64 n, double *partials) {                        \
@@ -559,16 +761,19 @@ __device__ void attention_backward_dkv(AttnShape a, const T *qkv, const float *l
         non_finite(x, n, flag);                                                                   \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(ATTN_ROWS)                                       \
-        attention_forward_##NAME(AttnShape a, const T *qkv, T *out, float *lse) {                 \
-        attention_forward(a, qkv, out, lse);                                                      \
+        attention_forward_##NAME(AttnShape a, const unsigned *ids, const T *qkv, T *out,          \
+                                 float *lse) {                                                    \
+        attention_forward(a, ids, qkv, out, lse);                                                 \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(ATTN_ROWS) attention_backward_dq_##NAME(         \
-        AttnShape a, const T *qkv, const float *lse, const T *dout, T *dqkv, float *dsum) {       \
-        attention_backward_dq(a, qkv, lse, dout, dqkv, dsum);                                     \
+        AttnShape a, const unsigned *ids, const T *qkv, const float *lse, const T *dout, T *dqkv, \
+        float *dsum) {                                                                            \
+        attention_backward_dq(a, ids, qkv, lse, dout, dqkv, dsum);                                \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(ATTN_ROWS) attention_backward_dkv_##NAME(        \
-        AttnShape a, const T *qkv, const float *lse, const T *dout, const float *dsum, T *dqkv) { \
-        attention_backward_dkv(a, qkv, lse, dout, dsum, dqkv);                                    \
+        AttnShape a, const unsigned *ids, const T *qkv, const float *lse, const T *dout,          \
+        const float *dsum, T *dqkv) {                                                             \
+        attention_backward_dkv(a, ids, qkv, lse, dout, dsum, dqkv);                               \
     }
 
 FOR_EACH_DTYPE(ELEMENTWISE)

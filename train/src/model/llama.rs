@@ -1456,12 +1456,6 @@ impl Model for Llama {
         config
     }
 
-    fn cuda_missing(&self) -> Option<&'static str> {
-        Some(
-            "RMSNorm, rotary embeddings, SwiGLU, grouped-query attention and position-free embedding",
-        )
-    }
-
     fn cost_model(&self, micro_batch: u64) -> strata_scheduler::Model {
         strata_scheduler::Model {
             micro_batch,

@@ -472,13 +472,6 @@ pub trait Model: Send + Sync + fmt::Debug {
     /// This shape as the planners see it (`strata plan`, the cluster
     /// estimates), for micro-batches of `micro_batch` sequences.
     fn cost_model(&self, micro_batch: u64) -> strata_scheduler::Model;
-
-    /// What the CUDA backend has no kernels for yet among the ops this
-    /// architecture runs (`None`: it trains there): a CUDA run is refused
-    /// naming them, and `[device] kind = "auto"` picks the CPU.
-    fn cuda_missing(&self) -> Option<&'static str> {
-        None
-    }
 }
 
 /// Every group's initial values for `seed` ([`Model::init`]), a vector

@@ -370,22 +370,6 @@ impl TrainConfig {
     }
 
     pub(super) fn cuda_constraints(&self) -> Result<()> {
-        if let Some(missing) = self.model.build().ok().and_then(|m| m.cuda_missing()) {
-            return Err(bad(
-                "model.arch",
-                self.model.arch,
-                format!(
-                    "the CUDA backend has no kernels for its {missing} yet: set device.kind = \"cpu\" (\"auto\" picks the CPU for it)"
-                ),
-            ));
-        }
-        if self.data.attention == super::DataAttention::Document {
-            return Err(bad(
-                "data.attention",
-                "\"document\"",
-                "the CUDA kernels do not keep packed documents apart yet (attention within each document, positions restarting at each): set device.kind = \"cpu\", or data.attention = \"causal\"",
-            ));
-        }
         if self.placement.optimizer == Placement::Device
             && self.optim.state_dtype != StateDtype::Fp32
         {

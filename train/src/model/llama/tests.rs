@@ -213,26 +213,6 @@ fn scaled_frequencies_keep_the_high_scale_the_low_and_blend_between() {
     assert!((scaled[3] - plain[3] / 8.0).abs() < 1e-9);
 }
 
-#[test]
-fn a_cuda_run_is_refused_naming_the_missing_kernels() {
-    let model = Llama::new(LLAMA, &config(LLAMA)).unwrap();
-    assert!(model.cuda_missing().unwrap().contains("RMSNorm"));
-    let mut train = crate::TrainConfig {
-        model: config(LLAMA),
-        ..crate::TrainConfig::default()
-    };
-    train.device.kind = strata_runtime::DeviceChoice::Cuda;
-    let err = train.validate().unwrap_err().to_string();
-    assert!(
-        err.contains("model.arch") && err.contains("device.kind = \"cpu\""),
-        "{err}"
-    );
-    train.device.kind = strata_runtime::DeviceChoice::Auto;
-    let (resolved, why) = train.with_device_resolved_by(|| Ok(()));
-    assert_eq!(resolved.device.kind, strata_runtime::DeviceChoice::Cpu);
-    assert!(why.unwrap().contains("RMSNorm"));
-}
-
 /// `--params` near a Llama 3 size picks its published shape (70B is
 /// hidden 8192, 80 layers, 64 heads, 8 key/value heads); far from every
 /// one, the dense table's.
