@@ -16,6 +16,16 @@
 #                  against the CPU device (three times: as is, with
 #                  STRATA_FLASH_ATTENTION=0, with CUDA_LAUNCH_BLOCKING=1):
 #                  cuda.txt
+#   llama  (280 s; not in the default list, name it: `... llama`) the
+#                  Llama family's kernels alone, most telling first: the
+#                  cuda_ops-* binary's attention cases (grouped-query
+#                  heads, packed documents, on CUDA and tensor cores) and
+#                  Llama ops against the CPU backend, the engine's tiny
+#                  Llama against the CPU device in bf16 (plain and packed,
+#                  twice each for the bits), then `strata bench kernels` at
+#                  its defaults (b4 s1024 h16 d128; b2 s2048 h32 kv8 d128;
+#                  documents of 300) beside torch's
+#                  scaled_dot_product_attention: llama.txt
 #   nccl   (240 s; last by default, name it to run it first) NCCL
 #                  between ranks on the one GPU: the backend's test
 #                  binary nccl-* from $CUDA_TESTS (the library's version;
@@ -94,7 +104,7 @@ if [ ${#parts[@]} -eq 0 ]; then
 fi
 failed=0
 
-declare -A limit=([env]=5 [cuda]=240 [nccl]=240 [pool]=90 [tiers]=60 [kernels]=60 [train]=330 [lane]=150
+declare -A limit=([env]=5 [cuda]=240 [llama]=280 [nccl]=240 [pool]=90 [tiers]=60 [kernels]=60 [train]=330 [lane]=150
     [chart]=200 [bars]=240)
 if ! [[ $BUDGET =~ ^[0-9]+$ ]]; then
     echo "error: BUDGET=$BUDGET: give the whole run's limit in seconds (a whole number)" >&2
@@ -105,7 +115,7 @@ fi
 peer_parts=0 wheel_parts=0
 for part in "${parts[@]}"; do
     if [ -z "${limit[$part]:-}" ]; then
-        echo "error: unknown part '$part' (env, cuda, nccl, pool, tiers, kernels, train, lane, chart, bars)" >&2
+        echo "error: unknown part '$part' (env, cuda, llama, nccl, pool, tiers, kernels, train, lane, chart, bars)" >&2
         exit 2
     fi
     case $part in bars | chart) peer_parts=1 wheel_parts=1 ;; train) wheel_parts=1 ;; esac
@@ -115,9 +125,9 @@ if [ ! -x "$STRATA" ]; then
     exit 2
 fi
 case " ${parts[*]} " in
-    *" cuda "* | *" nccl "*)
+    *" cuda "* | *" nccl "* | *" llama "*)
         if [ -z "${CUDA_TESTS:-}" ] || [ ! -d "$CUDA_TESTS" ]; then
-            echo "error: the cuda and nccl parts need CUDA_TESTS, a folder of CUDA test binaries (see docs/gpu-validation.md)" >&2
+            echo "error: the cuda, llama and nccl parts need CUDA_TESTS, a folder of CUDA test binaries (see docs/gpu-validation.md)" >&2
             exit 2
         fi
         CUDA_TESTS=$(cd "$CUDA_TESTS" && pwd)
@@ -355,6 +365,31 @@ PY
             drive=$(mktemp -d -p .)
             run tiers "$STRATA" bench tiers --dir "$drive" --size "$size" --rounds 5 --device "$device"
             rm -rf "$drive"
+            ;;
+        llama)
+            llama_end=$((SECONDS + 280))
+            llama_run() {
+                limit[llama]=$((llama_end - SECONDS < $1 ? llama_end - SECONDS : $1))
+                shift
+                run llama "$@"
+            }
+            mkdir -p "$here/../target/tmp"
+            ops_test=$(find -L "$CUDA_TESTS" -maxdepth 1 -name 'cuda_ops-*' -type f | head -n 1)
+            engine_test=$(find -L "$CUDA_TESTS" -maxdepth 1 -name 'engine-*' -type f | head -n 1)
+            if [ -z "$ops_test" ] || [ -z "$engine_test" ]; then
+                echo "!! llama: no cuda_ops-* or engine-* test binary in $CUDA_TESTS (benches/gpu-machine-prepare.sh puts them there)"
+                failed=1
+            else
+                llama_run 60 "$ops_test" attention_matches llama_ops --test-threads=1 --nocapture
+                llama_run 120 "$engine_test" cuda_trains_a_tiny_llama --test-threads=1 --nocapture
+            fi
+            if [ "$TINY" = 1 ]; then
+                llama_run 100 "$STRATA" bench kernels --seq 64 --heads 4 --kv-heads 2 --documents 20 \
+                    --gemm 128x128x128 --rounds 1 --round-ms 10
+            else
+                llama_run 100 "$STRATA" bench kernels --rounds 3
+            fi
+            grep -E "^test result|FAILED|panicked|skipp" "$OUT/llama.txt" | head -n 40
             ;;
         kernels)
             if [ "$TINY" = 1 ]; then

@@ -2765,8 +2765,10 @@ fn bench_kernels_json_contract_tiny_and_bad_input_names_the_fix() {
         "--round-ms",
         "1",
     ];
-    let report = stdout_json(&strata(&[&args[..], &["--json"]].concat()));
+    let report = stdout_json(&strata(&[&args[..], &["--json", "--no-torch"]].concat()));
     assert_eq!(report["device"], "cpu");
+    assert_eq!(report["torch"], "left out (--no-torch)");
+    assert_eq!(report["torch_results"].as_array().unwrap().len(), 0);
     let ops: Vec<&str> = report["results"]
         .as_array()
         .unwrap()
@@ -2780,13 +2782,42 @@ fn bench_kernels_json_contract_tiny_and_bad_input_names_the_fix() {
         .collect();
     assert_eq!(ops, ["attention_forward", "attention_backward", "gemm"]);
     assert_eq!(report["results"][2]["shape"], "64 x 48 x 32");
-    let table = stdout_text(&strata(&args));
+    let table = stdout_text(&strata(&[&args[..], &["--no-torch"]].concat()));
     assert!(table.contains("attention_backward") && table.contains("TFLOPS"));
-    let cases: [(&[&str], &str); 4] = [
+    // Grouped-query heads and packed documents, with torch's SDPA on the
+    // same shapes beside them where torch is importable (else the report
+    // says why).
+    let packed = [
+        &args[..8],
+        &["--heads", "4", "--kv-heads", "2", "--head-dim", "16"],
+        &["--documents", "10", "--gemm", "64x48x32", "--rounds", "2"],
+        &["--round-ms", "1", "--json"],
+    ]
+    .concat();
+    let report = stdout_json(&strata(&packed));
+    let results = report["results"].as_array().unwrap();
+    assert_eq!(results[0]["shape"], "b1 s33 h4 kv2 d16 docs 10");
+    let torch = report["torch"].as_str().unwrap();
+    let beside = report["torch_results"].as_array().unwrap();
+    if torch.starts_with("torch ") {
+        assert_eq!(beside.len(), 2, "{report}");
+        assert!(results[0]["vs_torch"].as_f64().unwrap() > 0.0, "{report}");
+        assert_eq!(beside[1]["op"], "attention_backward");
+        assert_eq!(beside[1]["path"], "torch sdpa");
+    } else {
+        assert!(torch.contains("torch"), "{torch}");
+        assert!(beside.is_empty() && results[0].get("vs_torch").is_none());
+    }
+    let cases: [(&[&str], &str); 6] = [
         (&["--gemm", "3x4"], "MxNxK"),
         (&["--dtype", "f16"], "is not bf16 or f32"),
         (&["--dtype", "bf16"], "the CPU backend computes in f32 only"),
         (&["--rounds", "0"], "--rounds must be at least 1"),
+        (
+            &["--heads", "4", "--kv-heads", "3"],
+            "must divide the 4 query heads",
+        ),
+        (&["--documents", "0"], "at least one token"),
     ];
     for (extra, expected) in cases {
         let full = [&args[..6], extra].concat();
@@ -2817,6 +2848,7 @@ fn plan_takes_measured_rates_from_bench_kernels_json_and_names_a_bad_file() {
         "1",
         "--round-ms",
         "1",
+        "--no-torch",
         "--json",
     ]);
     let kernels = dir.path().join("kernels.json");
