@@ -527,6 +527,20 @@ pub trait Backend: Send + Sync {
     fn read_scalar(&self, x: View<'_>, index: usize) -> Result<Readback>;
 }
 
+/// `Shape` unless the key/value heads divide the query heads (both
+/// backends' attention and rotary check it first).
+pub(crate) fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
+    if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
+        return Err(crate::KernelError::Shape {
+            op,
+            operand: "kv_heads",
+            actual: format!("{} key/value heads", shape.kv_heads),
+            expected: format!("a divisor of the {} query heads", shape.heads),
+        });
+    }
+    Ok(())
+}
+
 /// The fused GEMMs as their ops one after another: the trait's defaults,
 /// and a backend's fallback where it cannot fuse.
 pub(crate) mod unfused {

@@ -15,7 +15,7 @@ use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam
 
 use super::gemm::{Strided, gemm_strided};
 use super::ops;
-use crate::backend::{Attention, Backend, IGNORE_TARGET, Matrix, Readback};
+use crate::backend::{Attention, Backend, IGNORE_TARGET, Matrix, Readback, check_heads};
 use crate::error::{KernelError, Result, same_len};
 
 /// The CPU reference backend.
@@ -224,19 +224,6 @@ fn same_shape(op: &'static str, gate_up: Raw, out: Raw) -> Result<()> {
             operand: "gate_up",
             actual: format!("{} x {}", gate_up.rows, gate_up.cols),
             expected: format!("{} x {}", out.rows, 2 * out.cols),
-        });
-    }
-    Ok(())
-}
-
-/// `Shape` unless the key/value heads divide the query heads.
-fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
-    if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
-        return Err(KernelError::Shape {
-            op,
-            operand: "kv_heads",
-            actual: format!("{} key/value heads", shape.kv_heads),
-            expected: format!("a divisor of the {} query heads", shape.heads),
         });
     }
     Ok(())

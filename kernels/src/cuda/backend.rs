@@ -13,7 +13,7 @@ use strata_device::{Buffer, DeviceKind, Dtype, Fence, Raw, StreamKind, View, Vie
 use strata_optim::AdamCoefficients;
 
 use super::{Epilogue, Gemm, Operand, Ops, SUM_BLOCKS};
-use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots, unfused};
+use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots, check_heads, unfused};
 use crate::cpu::ops::LN_EPS;
 use crate::error::{KernelError, Result, same_len};
 
@@ -209,6 +209,31 @@ fn on_device(
         });
     }
     Ok((raw.start_address(), raw.len() as u64))
+}
+
+/// The device address of `raw`, checked as [`on_device`] does and to hold
+/// exactly `len` elements.
+fn sized(
+    op: &'static str,
+    operand: &'static str,
+    raw: Raw,
+    dtype: Option<Dtype>,
+    len: u64,
+) -> Result<u64> {
+    let (at, actual) = on_device(op, operand, raw, dtype)?;
+    same_len(op, operand, actual, len)?;
+    Ok(at)
+}
+
+/// A normalization's input `x` (rows of `gamma.len()`) and its f32 `gamma`:
+/// (compute dtype, x's address, gamma's address, rows, columns).
+fn norm_rows(op: &'static str, x: Raw, gamma: Raw) -> Result<(Dtype, u64, u64, u64, u64)> {
+    let dtype = compute_dtype(op, "x", x)?;
+    let (gamma_at, cols) = on_device(op, "gamma", gamma, Some(Dtype::F32))?;
+    let (x_at, n) = on_device(op, "x", x, None)?;
+    let rows = n / cols.max(1);
+    same_len(op, "x", n, rows * cols)?;
+    Ok((dtype, x_at, gamma_at, rows, cols))
 }
 
 /// The compute dtype of an op's main tensors: f32 or bf16.
@@ -643,17 +668,10 @@ impl Backend for CudaBackend {
         saved: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "layer_norm";
-        let dtype = compute_dtype(OP, "x", x.raw())?;
-        let (gamma_at, cols) = on_device(OP, "gamma", gamma.raw(), Some(Dtype::F32))?;
-        let (beta_at, beta_len) = on_device(OP, "beta", beta.raw(), Some(Dtype::F32))?;
-        same_len(OP, "beta", beta_len, cols)?;
-        let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
-        let rows = n / cols.max(1);
-        same_len(OP, "x", n, rows * cols)?;
-        let (out_at, out_len) = on_device(OP, "out", out.raw(), Some(dtype))?;
-        same_len(OP, "out", out_len, n)?;
-        let (saved_at, saved_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
-        same_len(OP, "saved", saved_len, 2 * rows)?;
+        let (dtype, x_at, gamma_at, rows, cols) = norm_rows(OP, x.raw(), gamma.raw())?;
+        let beta_at = sized(OP, "beta", beta.raw(), Some(Dtype::F32), cols)?;
+        let out_at = sized(OP, "out", out.raw(), Some(dtype), rows * cols)?;
+        let saved_at = sized(OP, "saved", saved.raw(), Some(Dtype::F32), 2 * rows)?;
         // SAFETY: checked views on this device.
         unsafe {
             self.ops.layer_norm(
@@ -677,20 +695,13 @@ impl Backend for CudaBackend {
         dgamma_dbeta: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "layer_norm_backward";
-        let dtype = compute_dtype(OP, "x", x.raw())?;
-        let (gamma_at, cols) = on_device(OP, "gamma", gamma.raw(), Some(Dtype::F32))?;
-        let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
-        let rows = n / cols.max(1);
-        same_len(OP, "x", n, rows * cols)?;
-        let (dout_at, dout_len) = on_device(OP, "dout", dout.raw(), Some(dtype))?;
-        same_len(OP, "dout", dout_len, n)?;
-        let (saved_at, saved_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
-        same_len(OP, "saved", saved_len, 2 * rows)?;
-        let (dx_at, dx_len) = on_device(OP, "dx", dx.raw(), Some(dtype))?;
-        same_len(OP, "dx", dx_len, n)?;
-        let (dgb_at, dgb_len) =
-            on_device(OP, "dgamma_dbeta", dgamma_dbeta.raw(), Some(Dtype::F32))?;
-        same_len(OP, "dgamma_dbeta", dgb_len, 2 * cols)?;
+        let (dtype, x_at, gamma_at, rows, cols) = norm_rows(OP, x.raw(), gamma.raw())?;
+        let n = rows * cols;
+        let dout_at = sized(OP, "dout", dout.raw(), Some(dtype), n)?;
+        let saved_at = sized(OP, "saved", saved.raw(), Some(Dtype::F32), 2 * rows)?;
+        let dx_at = sized(OP, "dx", dx.raw(), Some(dtype), n)?;
+        let f32 = Some(Dtype::F32);
+        let dgb_at = sized(OP, "dgamma_dbeta", dgamma_dbeta.raw(), f32, 2 * cols)?;
         // SAFETY: checked views on this device.
         unsafe {
             self.ops.layer_norm_backward(
@@ -737,15 +748,9 @@ impl Backend for CudaBackend {
         saved: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "rms_norm";
-        let dtype = compute_dtype(OP, "x", x.raw())?;
-        let (gamma_at, cols) = on_device(OP, "gamma", gamma.raw(), Some(Dtype::F32))?;
-        let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
-        let rows = n / cols.max(1);
-        same_len(OP, "x", n, rows * cols)?;
-        let (out_at, out_len) = on_device(OP, "out", out.raw(), Some(dtype))?;
-        same_len(OP, "out", out_len, n)?;
-        let (saved_at, saved_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
-        same_len(OP, "saved", saved_len, rows)?;
+        let (dtype, x_at, gamma_at, rows, cols) = norm_rows(OP, x.raw(), gamma.raw())?;
+        let out_at = sized(OP, "out", out.raw(), Some(dtype), rows * cols)?;
+        let saved_at = sized(OP, "saved", saved.raw(), Some(Dtype::F32), rows)?;
         // SAFETY: checked views on this device.
         unsafe {
             self.ops.rms_norm(
@@ -769,19 +774,12 @@ impl Backend for CudaBackend {
         dgamma: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "rms_norm_backward";
-        let dtype = compute_dtype(OP, "x", x.raw())?;
-        let (gamma_at, cols) = on_device(OP, "gamma", gamma.raw(), Some(Dtype::F32))?;
-        let (x_at, n) = on_device(OP, "x", x.raw(), None)?;
-        let rows = n / cols.max(1);
-        same_len(OP, "x", n, rows * cols)?;
-        let (dout_at, dout_len) = on_device(OP, "dout", dout.raw(), Some(dtype))?;
-        same_len(OP, "dout", dout_len, n)?;
-        let (saved_at, saved_len) = on_device(OP, "saved", saved.raw(), Some(Dtype::F32))?;
-        same_len(OP, "saved", saved_len, rows)?;
-        let (dx_at, dx_len) = on_device(OP, "dx", dx.raw(), Some(dtype))?;
-        same_len(OP, "dx", dx_len, n)?;
-        let (dgamma_at, dgamma_len) = on_device(OP, "dgamma", dgamma.raw(), Some(Dtype::F32))?;
-        same_len(OP, "dgamma", dgamma_len, cols)?;
+        let (dtype, x_at, gamma_at, rows, cols) = norm_rows(OP, x.raw(), gamma.raw())?;
+        let n = rows * cols;
+        let dout_at = sized(OP, "dout", dout.raw(), Some(dtype), n)?;
+        let saved_at = sized(OP, "saved", saved.raw(), Some(Dtype::F32), rows)?;
+        let dx_at = sized(OP, "dx", dx.raw(), Some(dtype), n)?;
+        let dgamma_at = sized(OP, "dgamma", dgamma.raw(), Some(Dtype::F32), cols)?;
         // SAFETY: checked views on this device.
         unsafe {
             self.ops.rms_norm_backward(
@@ -1225,20 +1223,6 @@ fn position_ids_at(op: &'static str, position_ids: View<'_>, rows: usize) -> Res
     let (at, len) = on_device(op, "position_ids", position_ids.raw(), Some(Dtype::U32))?;
     same_len(op, "position_ids", len, rows as u64)?;
     Ok(at)
-}
-
-/// The heads of an attention shape: key/value heads dividing the query
-/// heads.
-fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
-    if shape.kv_heads == 0 || !shape.heads.is_multiple_of(shape.kv_heads) {
-        return Err(KernelError::Shape {
-            op,
-            operand: "kv_heads",
-            actual: format!("{} key/value heads", shape.kv_heads),
-            expected: format!("a divisor of the {} query heads", shape.heads),
-        });
-    }
-    Ok(())
 }
 
 /// The error of an op the CUDA backend has no kernel for yet.
