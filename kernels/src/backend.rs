@@ -541,6 +541,24 @@ pub(crate) fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
     Ok(())
 }
 
+/// `Shape` unless `gate_up` is `out`'s rows with twice its columns (a
+/// SwiGLU's gate and up projections side by side).
+pub(crate) fn check_swiglu_shapes(
+    op: &'static str,
+    gate_up: strata_device::Raw,
+    out: strata_device::Raw,
+) -> Result<()> {
+    if gate_up.rows != out.rows || gate_up.cols != 2 * out.cols {
+        return Err(crate::KernelError::Shape {
+            op,
+            operand: "gate_up",
+            actual: format!("{} x {}", gate_up.rows, gate_up.cols),
+            expected: format!("{} x {}", out.rows, 2 * out.cols),
+        });
+    }
+    Ok(())
+}
+
 /// The fused GEMMs as their ops one after another: the trait's defaults,
 /// and a backend's fallback where it cannot fuse.
 pub(crate) mod unfused {

@@ -15,7 +15,9 @@ use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam
 
 use super::gemm::{Strided, gemm_strided};
 use super::ops;
-use crate::backend::{Attention, Backend, IGNORE_TARGET, Matrix, Readback, check_heads};
+use crate::backend::{
+    Attention, Backend, IGNORE_TARGET, Matrix, Readback, check_heads, check_swiglu_shapes,
+};
 use crate::error::{KernelError, Result, same_len};
 
 /// The CPU reference backend.
@@ -213,20 +215,6 @@ fn operand<'a>(op: &'static str, name: &'static str, m: Matrix<'a>) -> Result<St
         row_stride,
         col_stride,
     })
-}
-
-/// `Shape` unless `gate_up` is `rows x 2 f` for an `out` of `rows x f`
-/// (both given as matrices).
-fn same_shape(op: &'static str, gate_up: Raw, out: Raw) -> Result<()> {
-    if gate_up.rows != out.rows || gate_up.cols != 2 * out.cols {
-        return Err(KernelError::Shape {
-            op,
-            operand: "gate_up",
-            actual: format!("{} x {}", gate_up.rows, gate_up.cols),
-            expected: format!("{} x {}", out.rows, 2 * out.cols),
-        });
-    }
-    Ok(())
 }
 
 impl CpuBackend {
@@ -829,7 +817,7 @@ impl Backend for CpuBackend {
             return narrow(OP, "out", &wout, out);
         }
         let f = out.raw().cols;
-        same_shape(OP, gate_up.raw(), out.raw())?;
+        check_swiglu_shapes(OP, gate_up.raw(), out.raw())?;
         let gate_up = contiguous::<f32>(OP, "gate_up", gate_up)?;
         let out = contiguous_mut::<f32>(OP, "out", out)?;
         same_len(OP, "gate_up", gate_up.len(), 2 * out.len())?;
@@ -858,7 +846,7 @@ impl Backend for CpuBackend {
             return narrow(OP, "dgate_up", &wdgu, dgate_up);
         }
         let f = dout.raw().cols;
-        same_shape(OP, gate_up.raw(), dout.raw())?;
+        check_swiglu_shapes(OP, gate_up.raw(), dout.raw())?;
         let dout = contiguous::<f32>(OP, "dout", dout)?;
         let gate_up = sized::<f32>(OP, "gate_up", gate_up, 2 * dout.len())?;
         let dgate_up = sized_mut::<f32>(OP, "dgate_up", dgate_up, gate_up.len())?;

@@ -13,7 +13,9 @@ use strata_device::{Buffer, DeviceKind, Dtype, Fence, Raw, StreamKind, View, Vie
 use strata_optim::AdamCoefficients;
 
 use super::{Epilogue, Gemm, Operand, Ops, SUM_BLOCKS};
-use crate::backend::{Attention, Backend, Matrix, Readback, ReadbackSlots, check_heads, unfused};
+use crate::backend::{
+    Attention, Backend, Matrix, Readback, ReadbackSlots, check_heads, check_swiglu_shapes, unfused,
+};
 use crate::cpu::ops::LN_EPS;
 use crate::error::{KernelError, Result, same_len};
 
@@ -831,6 +833,7 @@ impl Backend for CudaBackend {
 
     fn swiglu(&self, gate_up: View<'_>, out: ViewMut<'_>) -> Result<()> {
         const OP: &str = "swiglu";
+        check_swiglu_shapes(OP, gate_up.raw(), out.raw())?;
         let dtype = compute_dtype(OP, "out", out.raw())?;
         let f = out.raw().cols as u64;
         let (out_at, n) = on_device(OP, "out", out.raw(), None)?;
@@ -850,6 +853,8 @@ impl Backend for CudaBackend {
         dgate_up: ViewMut<'_>,
     ) -> Result<()> {
         const OP: &str = "swiglu_backward";
+        check_swiglu_shapes(OP, gate_up.raw(), dout.raw())?;
+        check_swiglu_shapes(OP, dgate_up.raw(), dout.raw())?;
         let dtype = compute_dtype(OP, "dout", dout.raw())?;
         let f = dout.raw().cols as u64;
         let (dout_at, n) = on_device(OP, "dout", dout.raw(), None)?;
