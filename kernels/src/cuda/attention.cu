@@ -580,6 +580,9 @@ __device__ void flash_backward_dkv(AttnShape a, const u32 *ids, const bf16_t *qk
 
     load_tile<D, FLASH_KEYS>(tile_k, keys, stride, k0, seq);
     load_tile<D, FLASH_KEYS>(tile_v, values, stride, k0, seq);
+    // Their own group: the first query tile waited for (wait_group 0)
+    // waits for them too, whichever tile that is.
+    copy_commit();
     float dk[D / 8][4], dv[D / 8][4];
     #pragma unroll
     for (int n = 0; n < D / 8; ++n) {

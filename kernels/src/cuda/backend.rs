@@ -1220,7 +1220,11 @@ impl Backend for CudaBackend {
 }
 
 /// The device address of `position_ids` (u32, one per row of `rows`), or 0
-/// where it is empty (each row's place in its sequence).
+/// where it is empty (each row's place in its sequence). Unlike the CPU
+/// backend, the ids are not checked (that would read them back, a sync):
+/// the engine's data loader makes them within each sequence, and the
+/// kernels take an id past a row's place in its sequence as that place and
+/// give an embedding row past the position table zeros.
 fn position_ids_at(op: &'static str, position_ids: View<'_>, rows: usize) -> Result<u64> {
     if position_ids.is_empty() {
         return Ok(0);
