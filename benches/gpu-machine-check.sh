@@ -380,8 +380,8 @@ PY
                 echo "!! llama: no cuda_ops-* or engine-* test binary in $CUDA_TESTS (benches/gpu-machine-prepare.sh puts them there)"
                 failed=1
             else
-                llama_run 60 "$ops_test" attention_matches llama_ops --test-threads=1 --nocapture
-                llama_run 120 "$engine_test" cuda_trains_a_tiny_llama --test-threads=1 --nocapture
+                llama_run 60 "$ops_test" attention_matches rms_norm_rotary_swiglu --test-threads=1 --nocapture
+                llama_run 120 "$engine_test" cuda_trains_a_tiny_gqa --test-threads=1 --nocapture
             fi
             if [ "$TINY" = 1 ]; then
                 llama_run 100 "$STRATA" bench kernels --seq 64 --heads 4 --kv-heads 2 --documents 20 \

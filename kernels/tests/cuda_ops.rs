@@ -1315,7 +1315,7 @@ impl TraitGpu {
     }
 }
 
-/// Llama's ops on the CUDA backend against the CPU backend, through the
+/// The gated-MLP family's ops on the CUDA backend against the CPU backend, through the
 /// trait, in f32 and bf16: RMSNorm and its backward (dgamma summed over
 /// rows in order), rotary embeddings forward and back (with and without
 /// position ids, grouped-query heads), SwiGLU and its backward, and an
@@ -1324,10 +1324,12 @@ impl TraitGpu {
 /// arithmetic's order and libm's few ulps; bf16 outputs may differ by
 /// their last place.
 #[test]
-fn llama_ops_match_the_cpu_backend_through_the_trait() {
+fn rms_norm_rotary_swiglu_match_the_cpu_backend_through_the_trait() {
     use strata_device::{View, ViewMut};
     use strata_kernels::{Attention, Backend, CpuBackend};
-    let Some(gpu) = TraitGpu::open("llama_ops_match_the_cpu_backend_through_the_trait") else {
+    let Some(gpu) =
+        TraitGpu::open("rms_norm_rotary_swiglu_match_the_cpu_backend_through_the_trait")
+    else {
         return;
     };
     let cpu = CpuBackend;
@@ -1543,7 +1545,7 @@ fn llama_ops_match_the_cpu_backend_through_the_trait() {
             rtol,
         );
 
-        // An embedding without a position table (Llama's), with position
+        // An embedding without a position table (rotary models'), with position
         // ids, and its backward into the table alone; then with a table.
         let (vocab, hidden, seq, count) = (50usize, 24usize, 16usize, 32usize);
         let table = values(68, vocab * hidden);

@@ -70,7 +70,7 @@ pub struct KernelsArgs {
 }
 
 /// The attentions measured when no shape option is given: the bar
-/// shape, a grouped-query one (Llama 3 8B's heads) and the first with
+/// shape, a grouped-query one (32 query heads over 8) and the first with
 /// packed documents (boundaries inside the kernels' tiles); smaller on the
 /// CPU.
 fn default_attentions(cuda: bool) -> Vec<AttentionCase> {

@@ -234,11 +234,15 @@ fn what_cuda_cannot_run_yet_is_refused_by_name_and_a_missing_gpu_is_said() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("optim.state_dtype"), "{err}");
-    // Packed documents and Llama's ops have CUDA kernels.
+    // Packed documents and the gated, rotary family's ops have CUDA
+    // kernels.
     TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[data]\nattention = \"document\"\n")
         .expect("packed documents are kept apart on the GPU");
-    TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[model]\narch = \"llama\"\n")
-        .expect("a Llama trains on the GPU");
+    let gated = strata_train::model::ARCHITECTURES[1].name;
+    TrainConfig::from_toml(&format!(
+        "[device]\nkind = \"cuda\"\n[model]\narch = \"{gated}\"\n"
+    ))
+    .expect("the gated, rotary family trains on the GPU");
     TrainConfig::from_toml("[device]\nkind = \"cuda\"\n[placement]\noptimizer = \"device\"\n")
         .expect("fp32 states on the GPU are accepted");
     if let Err(reason) = strata_device::cuda::probe_device() {
@@ -374,21 +378,24 @@ fn cuda_follows_the_cpu_loss_curve_and_repeats_its_own_bits() {
     }
 }
 
-/// On a GPU: a tiny Llama (grouped-query heads, untied embeddings, head
+/// On a GPU: a tiny model of the gated, rotary family (grouped-query heads, untied embeddings, head
 /// dim 64 so that attention runs on tensor cores) trains 30 steps in bf16
 /// on the CUDA device, following the CPU device's bf16 reference within
 /// 5e-3 at every step and repeating its own bits; then the same with
 /// documents packed into its sequences (attention kept within each).
 /// Skips without a GPU.
 #[test]
-fn cuda_trains_a_tiny_llama_like_the_cpu_and_repeats_its_bits() {
+fn cuda_trains_a_tiny_gqa_model_like_the_cpu_and_repeats_its_bits() {
     if let Err(reason) = strata_device::cuda::probe_device() {
-        eprintln!("skipping cuda_trains_a_tiny_llama_like_the_cpu_and_repeats_its_bits: {reason}");
+        eprintln!(
+            "skipping cuda_trains_a_tiny_gqa_model_like_the_cpu_and_repeats_its_bits: {reason}"
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let mut cpu = tiny(dir.path());
-    cpu.model.arch = strata_train::model::Arch::named("llama").unwrap();
+    cpu.model.arch =
+        strata_train::model::Arch::named(strata_train::model::ARCHITECTURES[1].name).unwrap();
     cpu.model.hidden = 256;
     cpu.model.heads = 4;
     cpu.model.kv_heads = Some(2);
@@ -423,7 +430,7 @@ fn cuda_trains_a_tiny_llama_like_the_cpu_and_repeats_its_bits() {
         let (reference, first, again) = (losses(&cpu), losses(&gpu), losses(&gpu));
         for (step, (c, g)) in reference.iter().zip(&first).enumerate() {
             eprintln!(
-                "llama packed {packed} step {step}: cpu {c} cuda {g} rel {:e}",
+                "gqa packed {packed} step {step}: cpu {c} cuda {g} rel {:e}",
                 (g - c).abs() / c.abs()
             );
         }

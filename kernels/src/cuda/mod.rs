@@ -2,7 +2,7 @@
 //! NVRTC ([`nvrtc`]), the sources beside their Rust wrappers.
 //!
 //! Built so far: the element-wise and row kernels of a transformer step,
-//! GPT-2's and the Llama family's (RMSNorm, rotary, SwiGLU)
+//! LayerNorm and GELU, RMSNorm, rotary and SwiGLU
 //! ([`OPS_SOURCE`], `ops.cu`), compiled for every architecture in
 //! [`nvrtc::ARCHS`] in CI (no GPU needed), their launchers ([`Ops`]) and
 //! cuBLASLt GEMMs ([`Gemm`]), a causal attention that is flash-style in
@@ -11,9 +11,9 @@
 //! ([`ATTENTION_SOURCE`], `attention.cu`: `ldmatrix`, `mma.sync`,
 //! `cp.async`), both with grouped-query heads and packed documents, and
 //! [`CudaBackend`], the [`crate::Backend`] over them.
-//! GPT-2's ran on an H200 (docs/gpu-validation.md, 2026-11-26); the Llama
-//! family's, grouped-query heads and packed documents have not run on a
-//! GPU yet (`tests/cuda_ops.rs` will, where one is lent). cuBLASLt's epilogues fuse a linear layer's bias, fc1's bias and
+//! The first ran on an H200 (docs/gpu-validation.md, 2026-11-26); RMSNorm,
+//! rotary, SwiGLU, grouped-query heads and packed documents have not run
+//! on a GPU yet (`tests/cuda_ops.rs` will, where one is lent). cuBLASLt's epilogues fuse a linear layer's bias, fc1's bias and
 //! GELU, and the GELU's backward into their GEMMs where it has an
 //! algorithm for them (the ops run unfused otherwise).
 
