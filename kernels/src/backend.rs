@@ -541,6 +541,21 @@ pub(crate) fn check_heads(op: &'static str, shape: Attention) -> Result<()> {
     Ok(())
 }
 
+/// [`check_heads`], and `Shape` unless a head's elements pair up (rotary
+/// turns element `i` with `i + head_dim / 2`).
+pub(crate) fn check_rotary_heads(op: &'static str, shape: Attention) -> Result<()> {
+    check_heads(op, shape)?;
+    if !shape.head_dim.is_multiple_of(2) {
+        return Err(crate::KernelError::Shape {
+            op,
+            operand: "head_dim",
+            actual: format!("{} elements a head", shape.head_dim),
+            expected: "an even number".into(),
+        });
+    }
+    Ok(())
+}
+
 /// `Shape` unless `gate_up` is `out`'s rows with twice its columns (a
 /// SwiGLU's gate and up projections side by side).
 pub(crate) fn check_swiglu_shapes(

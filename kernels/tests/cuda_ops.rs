@@ -961,55 +961,17 @@ fn relative_error(got: &[f32], expected: &[f32]) -> f64 {
 /// token reported at the readback, and a bounded number of readbacks.
 #[test]
 fn the_cuda_backend_matches_the_cpu_backend_through_the_trait() {
-    use strata_device::cuda::Context;
-    use strata_device::{Buffer, StreamKind, View, ViewMut};
-    use strata_kernels::cuda::{CudaBackend, CudaLimits, READBACKS_MAX};
+    use strata_device::{Buffer, View, ViewMut};
+    use strata_kernels::cuda::READBACKS_MAX;
     use strata_kernels::{Backend, CpuBackend, KernelError, Matrix};
-    if let Err(reason) = strata_device::cuda::probe_device() {
-        eprintln!(
-            "skipped the_cuda_backend_matches_the_cpu_backend_through_the_trait: no CUDA device ({reason})"
-        );
+    let Some(device) = TraitGpu::open("the_cuda_backend_matches_the_cpu_backend_through_the_trait")
+    else {
         return;
-    }
-    let context = Context::open(0).unwrap();
-    let gpu = CudaBackend::new(
-        context.clone(),
-        CudaLimits {
-            rows_max: 4096,
-            upload_bytes_max: 4096 * 4,
-        },
-    )
-    .unwrap();
+    };
+    let gpu = &device.backend;
     let cpu = CpuBackend;
-    let upload = |buffer: &Buffer, host: &[u8]| {
-        let mut staged = host.to_vec();
-        gpu.record().unwrap().wait().unwrap();
-        // SAFETY: the buffer holds these bytes; synchronous on its stream.
-        unsafe {
-            context.raw_copy(
-                StreamKind::CopyToDevice,
-                staged.as_mut_ptr(),
-                buffer.view().raw().address,
-                staged.len(),
-            )
-        }
-        .unwrap();
-    };
-    let download = |buffer: &Buffer| -> Vec<u8> {
-        gpu.record().unwrap().wait().unwrap();
-        let mut host = vec![0u8; buffer.bytes() as usize];
-        // SAFETY: as above, the other way.
-        unsafe {
-            context.raw_copy(
-                StreamKind::CopyToHost,
-                host.as_mut_ptr(),
-                buffer.view().raw().address,
-                host.len(),
-            )
-        }
-        .unwrap();
-        host
-    };
+    let upload = |buffer: &Buffer, host: &[u8]| device.write(buffer, host);
+    let download = |buffer: &Buffer| device.read(buffer);
     let floats = |bytes: Vec<u8>| -> Vec<f32> { bytemuck::cast_slice(&bytes).to_vec() };
 
     // GEMM: f32 operands through the trait (a TF32-free fp32 GEMM).
@@ -1237,8 +1199,8 @@ fn the_cuda_backend_matches_the_cpu_backend_through_the_trait() {
     assert!(matches!(err, KernelError::Device { .. }), "{err}");
 }
 
-/// The CUDA backend through the `Backend` trait, beside the CPU backend,
-/// for one dtype: buffers up and down.
+/// A `CudaBackend` on device 0 for the tests through the `Backend` trait,
+/// with synchronous copies of its buffers to and from the host.
 struct TraitGpu {
     context: Arc<strata_device::cuda::Context>,
     backend: strata_kernels::cuda::CudaBackend,
@@ -1263,10 +1225,51 @@ impl TraitGpu {
         Some(TraitGpu { context, backend })
     }
 
+    /// Copies `host` into `buffer` (its bytes), after the work before.
+    fn write(&self, buffer: &strata_device::Buffer, host: &[u8]) {
+        self.copy(
+            strata_device::StreamKind::CopyToDevice,
+            buffer,
+            host.to_vec(),
+        );
+    }
+
+    /// `buffer`'s bytes, after the work before.
+    fn read(&self, buffer: &strata_device::Buffer) -> Vec<u8> {
+        let host = vec![0u8; buffer.bytes() as usize];
+        self.copy(strata_device::StreamKind::CopyToHost, buffer, host)
+    }
+
+    /// One synchronous copy of `host`'s length between it and `buffer`,
+    /// once the compute stream's work has passed; `host` as it is after.
+    fn copy(
+        &self,
+        kind: strata_device::StreamKind,
+        buffer: &strata_device::Buffer,
+        mut host: Vec<u8>,
+    ) -> Vec<u8> {
+        use strata_kernels::Backend;
+        self.backend.record().unwrap().wait().unwrap();
+        if host.is_empty() {
+            return host;
+        }
+        // SAFETY: the buffer holds at least these bytes; the copy is synchronous.
+        unsafe {
+            self.context.raw_copy(
+                kind,
+                host.as_mut_ptr(),
+                buffer.view().raw().address,
+                host.len(),
+            )
+        }
+        .unwrap();
+        host
+    }
+
     /// `host` on the device as `dtype` (f32, bf16 or u32 bits).
     fn up(&self, host: &[f32], dtype: Dtype) -> strata_device::Buffer {
         use strata_kernels::Backend;
-        let mut bytes: Vec<u8> = match dtype {
+        let bytes: Vec<u8> = match dtype {
             Dtype::F32 => bytemuck::cast_slice(host).to_vec(),
             Dtype::Bf16 => bytemuck::cast_slice(&to_bf16(host)).to_vec(),
             Dtype::U32 => host
@@ -1276,38 +1279,13 @@ impl TraitGpu {
             other => panic!("{other}"),
         };
         let buffer = self.backend.alloc(dtype, host.len()).unwrap();
-        if bytes.is_empty() {
-            return buffer;
-        }
-        self.backend.record().unwrap().wait().unwrap();
-        // SAFETY: the buffer holds these bytes; the copy is synchronous.
-        unsafe {
-            self.context.raw_copy(
-                strata_device::StreamKind::CopyToDevice,
-                bytes.as_mut_ptr(),
-                buffer.view().raw().address,
-                bytes.len(),
-            )
-        }
-        .unwrap();
+        self.copy(strata_device::StreamKind::CopyToDevice, &buffer, bytes);
         buffer
     }
 
     /// `buffer` (f32 or bf16) as f32.
     fn down(&self, buffer: &strata_device::Buffer) -> Vec<f32> {
-        use strata_kernels::Backend;
-        self.backend.record().unwrap().wait().unwrap();
-        let mut host = vec![0u8; buffer.bytes() as usize];
-        // SAFETY: the buffer holds these bytes; the copy is synchronous.
-        unsafe {
-            self.context.raw_copy(
-                strata_device::StreamKind::CopyToHost,
-                host.as_mut_ptr(),
-                buffer.view().raw().address,
-                host.len(),
-            )
-        }
-        .unwrap();
+        let host = self.read(buffer);
         match buffer.dtype() {
             Dtype::Bf16 => from_bf16(bytemuck::cast_slice(&host)),
             _ => bytemuck::cast_slice(&host).to_vec(),

@@ -16,7 +16,8 @@ use strata_optim::{AdamCoefficients, Isa, LowPrecisionMut, Moments, Values, adam
 use super::gemm::{Strided, gemm_strided};
 use super::ops;
 use crate::backend::{
-    Attention, Backend, IGNORE_TARGET, Matrix, Readback, check_heads, check_swiglu_shapes,
+    Attention, Backend, IGNORE_TARGET, Matrix, Readback, check_heads, check_rotary_heads,
+    check_swiglu_shapes,
 };
 use crate::error::{KernelError, Result, same_len};
 
@@ -781,17 +782,9 @@ impl Backend for CpuBackend {
             )?;
             return narrow(OP, "qkv", &wqkv, qkv);
         }
-        check_heads(OP, shape)?;
+        check_rotary_heads(OP, shape)?;
         let d = shape.head_dim;
         let inv_freq = sized::<f32>(OP, "inv_freq", inv_freq, d / 2)?;
-        if !d.is_multiple_of(2) {
-            return Err(KernelError::Shape {
-                op: OP,
-                operand: "head_dim",
-                actual: format!("{d} elements a head"),
-                expected: "an even number".into(),
-            });
-        }
         let width = shape.qkv_width();
         let ids = read_positions(OP, position_ids, shape.rows(), None)?;
         let qkv = sized_mut::<f32>(OP, "qkv", qkv, shape.rows() * width)?;

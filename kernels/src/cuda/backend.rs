@@ -14,7 +14,8 @@ use strata_optim::AdamCoefficients;
 
 use super::{Epilogue, Gemm, Operand, Ops, SUM_BLOCKS};
 use crate::backend::{
-    Attention, Backend, Matrix, Readback, ReadbackSlots, check_heads, check_swiglu_shapes, unfused,
+    Attention, Backend, Matrix, Readback, ReadbackSlots, check_heads, check_rotary_heads,
+    check_swiglu_shapes, unfused,
 };
 use crate::cpu::ops::LN_EPS;
 use crate::error::{KernelError, Result, same_len};
@@ -804,16 +805,8 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         const OP: &str = "rotary";
         let dtype = compute_dtype(OP, "qkv", qkv.raw())?;
-        check_heads(OP, shape)?;
+        check_rotary_heads(OP, shape)?;
         let d = shape.head_dim;
-        if !d.is_multiple_of(2) {
-            return Err(KernelError::Shape {
-                op: OP,
-                operand: "head_dim",
-                actual: format!("{d} elements a head"),
-                expected: "an even number".into(),
-            });
-        }
         let (qkv_at, n) = on_device(OP, "qkv", qkv.raw(), Some(dtype))?;
         same_len(OP, "qkv", n, (shape.rows() * shape.qkv_width()) as u64)?;
         let (freq_at, freq_len) = on_device(OP, "inv_freq", inv_freq.raw(), Some(Dtype::F32))?;

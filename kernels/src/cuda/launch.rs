@@ -687,7 +687,9 @@ impl Ops {
         rows: u64,
         f: u64,
     ) -> Result<()> {
-        let n = checked(checked(rows, f, "swiglu")?, 2, "swiglu")? / 2;
+        // The gate and up halves: `2 n` elements read.
+        let n = checked(rows, f, "swiglu")?;
+        checked(n, 2, "swiglu")?;
         let kernel = self.kernel("swiglu", Op::Swiglu, dtype)?;
         launch!(
             stream,
@@ -711,7 +713,8 @@ impl Ops {
         rows: u64,
         f: u64,
     ) -> Result<()> {
-        let n = checked(checked(rows, f, "swiglu_backward")?, 2, "swiglu_backward")? / 2;
+        let n = checked(rows, f, "swiglu_backward")?;
+        checked(n, 2, "swiglu_backward")?;
         let kernel = self.kernel("swiglu_backward", Op::SwigluBackward, dtype)?;
         launch!(
             stream,
