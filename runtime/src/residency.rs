@@ -119,6 +119,10 @@ impl Completion {
     }
 }
 
+/// Fills bytes of a tensor being registered, at an offset
+/// ([`Runtime::register_on_nvme`]).
+pub type Fill<'a, E> = dyn FnMut(u64, &mut [u8]) -> std::result::Result<(), E> + 'a;
+
 /// The residency manager: a registry of tensors, their copies in each tier,
 /// and the threads that move them.
 ///
@@ -395,35 +399,70 @@ impl Runtime {
         self.shared.store.as_ref()
     }
 
-    /// Registers a tensor with a zeroed copy in `tier` (device or host),
-    /// spilling other tensors if the tier is full.
+    /// Registers a tensor with a zeroed copy in `tier`, spilling other
+    /// tensors if the tier is full. On NVMe the store zeroes its extents
+    /// without writing them where the file system can
+    /// ([`SwapStore::zero`]).
     pub fn register(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
-        self.register_in(meta, tier, true)
+        self.register_in(meta, tier, |shared: &Shared, id| match tier {
+            Tier::Nvme => shared.fill_nvme(id, 0, &mut |_, _| Ok(())),
+            _ => shared.zero(id, tier),
+        })
     }
 
     /// [`Runtime::register`] for a tensor the caller writes whole before
-    /// anything reads it (a saved activation, a gradient shard): its copy
-    /// holds whatever its memory held (NaN with `runtime.poison_released`),
-    /// and no fill is spent on it.
+    /// anything reads it (a saved activation, a gradient shard, the state
+    /// set an update writes first): its copy holds whatever its memory
+    /// held (NaN with `runtime.poison_released`), and no fill is spent on
+    /// it. On NVMe its extents are not written: a read before the first
+    /// write fails (`ExtentNotWritten`) instead of returning stale bytes.
     pub fn register_unfilled(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
-        self.register_in(meta, tier, false)
+        self.register_in(meta, tier, |_: &Shared, _| Ok(()))
     }
 
-    fn register_in(&self, meta: TensorMeta, tier: Tier, zeroed: bool) -> Result<TensorId> {
+    /// Registers a tensor straight on NVMe with the bytes `fill(offset,
+    /// bytes)` writes, a chunk at a time through two staging buffers of
+    /// the largest chunk's size (filling one while the other is written),
+    /// so that the tensor is never whole in host memory and the host
+    /// budget is not touched. Chunks wholly at or past `zeros_from` are
+    /// zeroed by the store without writing their bytes; `fill` is asked
+    /// only for bytes before it.
+    pub fn register_on_nvme<E: From<RuntimeError>>(
+        &self,
+        meta: TensorMeta,
+        zeros_from: u64,
+        fill: &mut Fill<'_, E>,
+    ) -> std::result::Result<TensorId, E> {
+        self.register_in(meta, Tier::Nvme, |shared: &Shared, id| {
+            shared.fill_nvme(id, zeros_from, fill)
+        })
+    }
+
+    fn register_in<E: From<RuntimeError>>(
+        &self,
+        meta: TensorMeta,
+        tier: Tier,
+        fill: impl FnOnce(&Shared, TensorId) -> std::result::Result<(), E>,
+    ) -> std::result::Result<TensorId, E> {
         let len_bytes = meta.len_bytes();
         if len_bytes == 0 {
             return Err(RuntimeError::Config {
                 key: "shape",
                 value: format!("{:?}", meta.shape),
                 fix: format!("tensor {} has no elements; give it at least one", meta.name),
-            });
+            }
+            .into());
         }
-        if tier == Tier::Nvme {
+        if tier == Tier::Nvme && self.shared.store.is_none() {
             return Err(RuntimeError::Config {
                 key: "tier",
                 value: "nvme".into(),
-                fix: "register tensors on the device or host, then move them to nvme".into(),
-            });
+                fix: format!(
+                    "tensor {} was registered on NVMe but no swap directory is configured: set [nvme] dirs",
+                    meta.name
+                ),
+            }
+            .into());
         }
         let mut chunks = Vec::new();
         self.shared.pool.plan(len_bytes, &mut chunks);
@@ -433,7 +472,8 @@ impl Runtime {
                 return Err(RuntimeError::Limit {
                     what: "runtime.tensors_max",
                     max: state.tensors_max as u64,
-                });
+                }
+                .into());
             }
             let id = TensorId(state.next_id);
             state.next_id += 1;
@@ -453,13 +493,10 @@ impl Runtime {
             state.tensors.insert(id, entry);
             id
         };
-        let placed = self
-            .shared
-            .allocate(id, tier, caller_lane())
-            .and_then(|()| match zeroed {
-                true => self.shared.zero(id, tier),
-                false => Ok(()),
-            });
+        let placed = match self.shared.allocate(id, tier, caller_lane()) {
+            Ok(()) => fill(&self.shared, id),
+            Err(err) => Err(err.into()),
+        };
         let mut state = self.shared.lock();
         match placed {
             Ok(()) => {
@@ -1303,6 +1340,87 @@ impl Shared {
             (View::of(entry, tier), entry.len_bytes)
         };
         view.fill_zero(self, len_bytes)
+    }
+
+    /// Fills a freshly allocated NVMe copy: bytes from `fill` below
+    /// `zeros_from`, through two staging buffers (filling one while the
+    /// other is written), and zeros past it by the store's [`SwapStore::zero`].
+    fn fill_nvme<E: From<RuntimeError>>(
+        &self,
+        id: TensorId,
+        zeros_from: u64,
+        fill: &mut Fill<'_, E>,
+    ) -> std::result::Result<(), E> {
+        let store = self.store.as_ref().expect("checked at registration");
+        let (chunks, extents) = {
+            let state = self.lock();
+            let entry = state.entry(id)?;
+            let Some(Copy {
+                place: Place::Nvme(extents),
+                ..
+            }) = &entry.copies[Tier::Nvme.index()]
+            else {
+                unreachable!("allocated on nvme above")
+            };
+            (entry.chunks.clone(), extents.clone())
+        };
+        let started = Instant::now();
+        let mut written = 0;
+        let staging = extents
+            .iter()
+            .zip(chunks.iter())
+            .filter(|(_, chunk)| chunk.offset < zeros_from)
+            .map(|(extent, _)| extent.len_bytes())
+            .max()
+            .unwrap_or(0) as usize;
+        let align = store.align_bytes() as usize;
+        let mut spare = Vec::new();
+        let mut in_flight: Option<strata_storage::Ticket<strata_storage::AlignedBuf>> = None;
+        let finish = |ticket: strata_storage::Ticket<_>, spare: &mut Vec<_>| {
+            let (buf, result) = ticket.wait();
+            spare.push(buf);
+            result.map_err(RuntimeError::from)
+        };
+        for (extent, chunk) in extents.iter().zip(chunks.iter()) {
+            if chunk.offset >= zeros_from {
+                store.zero(extent).map_err(RuntimeError::from)?;
+                continue;
+            }
+            let mut buf = match spare.pop() {
+                Some(buf) => buf,
+                None => {
+                    strata_storage::AlignedBuf::new(staging, align).map_err(RuntimeError::from)?
+                }
+            };
+            let len = extent.len_bytes() as usize;
+            let filled = (zeros_from - chunk.offset).min(chunk.len_bytes) as usize;
+            let result = fill(chunk.offset, &mut buf[..filled]);
+            buf[filled..len].fill(0);
+            if let Err(err) = result {
+                if let Some(ticket) = in_flight.take() {
+                    let _ = finish(ticket, &mut spare);
+                }
+                return Err(err);
+            }
+            // One write in flight while the next chunk fills.
+            if let Some(ticket) = in_flight.take() {
+                finish(ticket, &mut spare)?;
+            }
+            in_flight = Some(store.write_start(extent, buf));
+            written += len as u64;
+        }
+        if let Some(ticket) = in_flight.take() {
+            finish(ticket, &mut spare)?;
+        }
+        let link = Link::HostToNvme;
+        {
+            let mut state = self.lock();
+            let stats = &mut state.stats.links[link.index()];
+            stats.bytes += written;
+            stats.transfers += 1;
+            stats.busy_ns += started.elapsed().as_nanos() as u64;
+        }
+        Ok(())
     }
 
     /// Copies the data from the valid copy in `source` to the allocated,

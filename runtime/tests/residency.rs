@@ -1070,3 +1070,80 @@ fn an_unfilled_registration_is_not_zeroed_and_a_filled_one_is() {
     let zeroed = runtime.register(meta("c", 65536), Tier::Device).unwrap();
     assert!(read(&runtime, zeroed, Tier::Device).iter().all(|b| *b == 0));
 }
+
+/// Tensors registered straight on NVMe: filled a chunk at a time from a
+/// callback (asked only for the bytes before `zeros_from`, the rest zero)
+/// with nothing of the host budget taken, zeroed, or unfilled (a read
+/// before the first write is refused, naming the tensor, not stale
+/// bytes); a callback's error comes back as itself and leaves nothing
+/// registered; without a swap store, refused naming `[nvme] dirs`.
+#[test]
+fn tensors_registered_on_nvme_are_filled_zeroed_or_unfilled() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let runtime = Runtime::new(&config(dir.path(), 64 << 10, 1 << 20)).unwrap();
+    let len = 300 << 10;
+    let data = pattern(7, len);
+    let zeros_from = 200_000;
+    let mut asked = Vec::new();
+    let id = runtime
+        .register_on_nvme(meta("states", len as u64), zeros_from, &mut |at, bytes| {
+            asked.push((at, bytes.len()));
+            bytes.copy_from_slice(&data[at as usize..at as usize + bytes.len()]);
+            Ok::<(), RuntimeError>(())
+        })
+        .unwrap();
+    // Every byte below zeros_from asked for once, in order, none past it.
+    let mut next = 0;
+    for &(at, n) in &asked {
+        assert_eq!(at, next);
+        next += n as u64;
+    }
+    assert_eq!(next, zeros_from);
+    assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Nvme]);
+    assert_eq!(
+        runtime.stats().tier(Tier::Host).peak_bytes,
+        0,
+        "never on the host"
+    );
+    let mut expected = data.clone();
+    expected[zeros_from as usize..].fill(0);
+    assert_eq!(read_back(&runtime, id), expected);
+    runtime.free(id).unwrap();
+
+    let zeroed = runtime.register(meta("m", 192 << 10), Tier::Nvme).unwrap();
+    assert!(read_back(&runtime, zeroed).iter().all(|&b| b == 0));
+    runtime.free(zeroed).unwrap();
+
+    let unfilled = runtime
+        .register_unfilled(meta("next.states", 192 << 10), Tier::Nvme)
+        .unwrap();
+    let err = runtime
+        .move_to(unfilled, Tier::Host)
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(err.to_string().contains("next.states"), "{err}");
+    assert!(err.to_string().contains("holds no data"), "{err}");
+    runtime.free(unfilled).unwrap();
+
+    type Failed = Box<dyn std::error::Error>;
+    let failed = runtime.register_on_nvme(meta("bad", 192 << 10), u64::MAX, &mut |at, _| {
+        if at > 0 {
+            Err(Failed::from("the source ran dry"))
+        } else {
+            Ok(())
+        }
+    });
+    assert_eq!(failed.unwrap_err().to_string(), "the source ran dry");
+    assert_eq!(
+        runtime.stats().tier(Tier::Nvme).used_bytes,
+        0,
+        "nothing left registered"
+    );
+
+    let mut no_store = config(dir.path(), 64 << 10, 128 << 10);
+    no_store.nvme = None;
+    let runtime = Runtime::new(&no_store).unwrap();
+    let err = runtime.register(meta("x", 4096), Tier::Nvme).unwrap_err();
+    assert!(err.to_string().contains("[nvme] dirs"), "{err}");
+}

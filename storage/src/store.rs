@@ -373,6 +373,93 @@ impl SwapStore {
         unsafe { self.transfer(extent, Op::Write, ptr, data.len(), ()) }.1
     }
 
+    /// Makes the extent read as zeros without writing its bytes where the
+    /// file system can (`fallocate`'s zero range or hole punch: no disk
+    /// traffic), else by writing zeros; records the zeros' checksums. Blocks
+    /// until done. A fresh tensor's zero moments cost nothing this way.
+    pub fn zero(&self, extent: &Extent) -> Result<()> {
+        let (offset, len) = {
+            let mut extents = self.inner.extents.lock().expect("extents lock");
+            let meta = extents
+                .get_mut(&extent.id)
+                .expect("live extent has metadata");
+            begin(meta, extent.id, Op::Write)?;
+            (meta.offset, meta.len_bytes)
+        };
+        let result = self.zero_chunks(offset, len);
+        if result.is_ok() {
+            let mut sums = Vec::new();
+            let mut by_len: Vec<(u32, u64)> = Vec::new();
+            let zeros = vec![0u8; self.inner.layout.block_bytes as usize];
+            self.inner
+                .layout
+                .for_each_chunk(offset, len, |_, _, _, _, len| {
+                    let sum = match by_len.iter().find(|(l, _)| *l == len) {
+                        Some(&(_, sum)) => sum,
+                        None => {
+                            let sum = checksum(&zeros[..len as usize]);
+                            by_len.push((len, sum));
+                            sum
+                        }
+                    };
+                    sums.push(sum);
+                });
+            let mut extents = self.inner.extents.lock().expect("extents lock");
+            extents
+                .get_mut(&extent.id)
+                .expect("busy extent has metadata")
+                .checksums = sums;
+        }
+        finish_transfer(
+            &Arc::downgrade(&self.inner),
+            extent.id,
+            Op::Write,
+            result.is_ok(),
+        );
+        result
+    }
+
+    /// Zeroes the store's bytes `offset..offset + len`, file range by file
+    /// range (a stripe's consecutive chunks in one call).
+    fn zero_chunks(&self, offset: u64, len: u64) -> Result<()> {
+        let mut ranges: Vec<(u32, u64, u64)> = Vec::new();
+        self.inner
+            .layout
+            .for_each_chunk(offset, len, |_, _, file, at, len| match ranges.last_mut() {
+                Some((f, start, n)) if *f == file && *start + *n == at => *n += u64::from(len),
+                _ => ranges.push((file, at, u64::from(len))),
+            });
+        let mut zeros: Option<AlignedBuf> = None;
+        for (file, at, len) in ranges {
+            let io = &self.inner.files[file as usize].io;
+            let os = |cause| StorageError::Os {
+                what: "zero a range of",
+                path: io.path.clone(),
+                cause,
+            };
+            if crate::sys::zero_range(&io.file, at, len).map_err(os)? {
+                continue;
+            }
+            // Neither zero range nor hole punch: write the zeros, a block
+            // at a time (aligned, as direct I/O needs).
+            let block = self.inner.layout.block_bytes;
+            if zeros.is_none() {
+                let mut buf = AlignedBuf::new(block as usize, self.inner.align_bytes as usize)?;
+                buf.fill(0);
+                zeros = Some(buf);
+            }
+            let zeros = zeros.as_ref().expect("made above");
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(block) as usize;
+                use std::os::unix::fs::FileExt;
+                io.file.write_all_at(&zeros[..n], at + done).map_err(os)?;
+                done += n as u64;
+            }
+        }
+        Ok(())
+    }
+
     /// Reads the extent into `buf`, verifying every chunk's checksum. Blocks
     /// until done; call from plain threads.
     pub fn read(&self, extent: &Extent, buf: &mut AlignedBuf) -> Result<()> {

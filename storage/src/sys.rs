@@ -121,6 +121,36 @@ pub fn fallocate(file: &File, len: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes `len` bytes at `offset` of `file` read as zeros without writing
+/// them: `FALLOC_FL_ZERO_RANGE` (the blocks stay allocated, marked
+/// unwritten), else `FALLOC_FL_PUNCH_HOLE` (tmpfs). `Ok(false)` when the
+/// file system supports neither: the caller writes the zeros.
+pub fn zero_range(file: &File, offset: u64, len: u64) -> io::Result<bool> {
+    let keep = libc::FALLOC_FL_KEEP_SIZE;
+    for mode in [
+        libc::FALLOC_FL_ZERO_RANGE | keep,
+        libc::FALLOC_FL_PUNCH_HOLE | keep,
+    ] {
+        // SAFETY: plain syscall on an fd owned by `file`.
+        let rc = unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            return Ok(true);
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
+            return Err(err);
+        }
+    }
+    Ok(false)
+}
+
 /// Takes an exclusive advisory lock without blocking; `Ok(false)` if another
 /// open file description holds it.
 pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {

@@ -231,3 +231,61 @@ fn dropping_a_busy_extent_frees_it_after_the_transfer() {
     assert_eq!(store.free_bytes(), store.capacity_bytes());
     store.allocate(2 << 20).unwrap();
 }
+
+/// `zero` leaves an extent that held data reading zeros, checksums and
+/// all, over a stripe boundary and two files; the extents beside it keep
+/// their data; a never-written extent is refused, a zeroed
+/// one is not; and an extent busy with a write cannot be zeroed.
+#[test]
+fn zero_reads_back_zeros_and_leaves_neighbours_alone() {
+    let (a, b) = (tempdir(), tempdir());
+    let store = SwapStore::open(&config(&[a.path(), b.path()], 16 << 20)).unwrap();
+    let before = store.allocate(192 << 10).unwrap();
+    let zeroed = store.allocate(320 << 10).unwrap();
+    let after = store.allocate(64 << 10).unwrap();
+    for (extent, seed) in [(&before, 1), (&zeroed, 2), (&after, 3)] {
+        store
+            .write(extent, &filled(extent.len_bytes() as usize, seed))
+            .unwrap();
+    }
+    store.zero(&zeroed).unwrap();
+    let mut back = AlignedBuf::new(320 << 10, 4096).unwrap();
+    store.read(&zeroed, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0),
+        "the zeroed extent reads zeros"
+    );
+    for (extent, seed) in [(&before, 1), (&after, 3)] {
+        let len = extent.len_bytes() as usize;
+        let mut back = AlignedBuf::new(len, 4096).unwrap();
+        store.read(extent, &mut back).unwrap();
+        assert!(
+            back[..] == filled(len, seed)[..],
+            "a neighbour kept its data"
+        );
+    }
+    // Never written: a read is refused; zeroed instead, it reads zeros.
+    let fresh = store.allocate(64 << 10).unwrap();
+    let mut buf = AlignedBuf::new(64 << 10, 4096).unwrap();
+    assert!(matches!(
+        store.read(&fresh, &mut buf),
+        Err(StorageError::ExtentNotWritten { .. })
+    ));
+    store.zero(&fresh).unwrap();
+    buf.fill(7);
+    store.read(&fresh, &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    // Written over after zeroing, it holds the new data.
+    let data = filled(64 << 10, 9);
+    store.write(&fresh, &data).unwrap();
+    store.read(&fresh, &mut buf).unwrap();
+    assert!(buf[..] == data[..]);
+    // Busy with a write: refused by name.
+    let ticket = store.write_start(&zeroed, filled(320 << 10, 4));
+    let busy = store.zero(&zeroed);
+    let (_, written) = ticket.wait();
+    written.unwrap();
+    if let Err(err) = busy {
+        assert!(matches!(err, StorageError::ExtentBusy { .. }), "{err}");
+    }
+}

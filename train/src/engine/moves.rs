@@ -33,8 +33,20 @@ const LOAD_PIECE: usize = 1 << 22;
 /// Fills a range of a group's shard with master weights (a load's source).
 pub(super) type Source<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
 
-/// Writes bytes at an offset of a tensor being placed.
-type Write<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
+/// Bytes of a tensor placed on the host written at a time.
+const PLACE_PIECE_BYTES: usize = 4 << 20;
+
+/// What a persistent tensor holds when it is (re)created at home.
+#[derive(Clone, Copy)]
+enum Initial<'a> {
+    /// All of its bytes.
+    Bytes(&'a [u8]),
+    /// Zeros.
+    Zeros,
+    /// Nothing yet: its first use writes it whole (on the host and device
+    /// zeros all the same).
+    Unwritten,
+}
 
 /// Whether an action releases a copy (issued after its op ran).
 pub(super) fn release(action: &Action) -> bool {
@@ -388,7 +400,7 @@ impl Moves {
                     self.load_group(env, g, master, None, &mut buffers)?;
                 }
             }
-            self.place_persistent(env, grad_index(g), None)?;
+            self.place_persistent(env, grad_index(g), Initial::Zeros)?;
         }
         Ok(())
     }
@@ -411,16 +423,17 @@ impl Moves {
         for set in 0..2 {
             let (p, s) = (param_index(g, set), state_index(g, set));
             if set != self.current {
-                self.place_persistent(env, p, None)?;
-                self.place_persistent(env, s, None)?;
+                self.place_persistent(env, p, Initial::Unwritten)?;
+                self.place_persistent(env, s, Initial::Unwritten)?;
                 continue;
             }
             // The bf16 compute copy, as `load_group` narrows it.
-            self.place_persistent_with(env, p, &mut |write| {
-                for start in (0..n).step_by(piece) {
-                    let end = (start + piece).min(n);
-                    let values = &mut values[..end - start];
-                    source(start..end, values)?;
+            self.place_persistent_with(env, p, u64::MAX, &mut |at, bytes| {
+                let first = at as usize / 2;
+                for (k, out) in bytes.chunks_mut(2 * piece).enumerate() {
+                    let start = first + k * piece;
+                    let values = &mut values[..out.len() / 2];
+                    source(start..start + values.len(), values)?;
                     buffers.param.clear();
                     buffers.param.resize(values.len(), bf16::ZERO);
                     strata_optim::narrow(
@@ -428,28 +441,22 @@ impl Moves {
                         values,
                         strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
                     );
-                    write(2 * start, bytemuck::cast_slice(&buffers.param))?;
+                    out.copy_from_slice(bytemuck::cast_slice(&buffers.param));
                 }
                 Ok(())
             })?;
-            // The states: the masters, then zero moments and padding.
-            let master_end = n * dtype.master_bytes();
-            let total = 4 * state_words(dtype, n);
-            self.place_persistent_with(env, s, &mut |write| {
-                for start in (0..n).step_by(piece) {
-                    let end = (start + piece).min(n);
-                    let values = &mut values[..end - start];
-                    source(start..end, values)?;
+            // The states: the masters, then zero moments and padding (not
+            // written on NVMe: the store zeroes them).
+            let master_bytes = dtype.master_bytes();
+            let masters_end = (n * master_bytes) as u64;
+            self.place_persistent_with(env, s, masters_end, &mut |at, bytes| {
+                let first = at as usize / master_bytes;
+                for (k, out) in bytes.chunks_mut(master_bytes * piece).enumerate() {
+                    let start = first + k * piece;
+                    let values = &mut values[..out.len() / master_bytes];
+                    source(start..start + values.len(), values)?;
                     encode_masters(dtype, values, &mut buffers.state);
-                    write(start * dtype.master_bytes(), &buffers.state)?;
-                }
-                buffers.state.clear();
-                buffers.state.resize(piece * 4, 0);
-                let mut at = master_end;
-                while at < total {
-                    let len = (total - at).min(buffers.state.len());
-                    write(at, &buffers.state[..len])?;
-                    at += len;
+                    out.copy_from_slice(&buffers.state);
                 }
                 Ok(())
             })?;
@@ -484,28 +491,30 @@ impl Moves {
             strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
         );
         for set in 0..2 {
-            let current = set == self.current;
-            let p = param_index(g, set);
-            let s = state_index(g, set);
-            self.place_persistent(
-                env,
-                p,
-                current.then_some(bytemuck::cast_slice(&buffers.param)),
-            )?;
-            self.place_persistent(env, s, current.then_some(&buffers.state))?;
+            let (p, s) = (param_index(g, set), state_index(g, set));
+            if set != self.current {
+                self.place_persistent(env, p, Initial::Unwritten)?;
+                self.place_persistent(env, s, Initial::Unwritten)?;
+                continue;
+            }
+            let param: &[u8] = bytemuck::cast_slice(&buffers.param);
+            self.place_persistent(env, p, Initial::Bytes(param))?;
+            self.place_persistent(env, s, Initial::Bytes(&buffers.state))?;
         }
         Ok(())
     }
 
-    /// (Re)creates a persistent tensor at its home with the bytes `fill`
-    /// writes (every byte, through the `write(offset, bytes)` it is given),
-    /// a piece at a time into the host copy; a copy first made on the
-    /// device is written whole once `fill` is done.
+    /// (Re)creates a persistent tensor at its home with the bytes
+    /// `fill(offset, bytes)` writes before `zeros_from`, and zeros past
+    /// it. On NVMe straight there, a chunk at a time (the tensor never
+    /// whole in host memory, its zeros not written); on the host a piece at
+    /// a time into its copy; on the device whole, then written.
     fn place_persistent_with(
         &mut self,
         env: &Env,
         index: usize,
-        fill: &mut dyn FnMut(&mut Write<'_>) -> Result<()>,
+        zeros_from: u64,
+        fill: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>,
     ) -> Result<()> {
         let runtime = env.runtime();
         if let Some(id) = self.slots[index].id.take() {
@@ -515,65 +524,71 @@ impl Moves {
             .home
             .expect("persistent tensors have a home");
         let meta = self.slots[index].meta.clone();
-        let len = meta.len_bytes() as usize;
-        if home == Tier::Device {
-            let mut whole = vec![0u8; len];
-            fill(&mut |at, bytes| {
-                whole[at..at + bytes.len()].copy_from_slice(bytes);
-                Ok(())
-            })?;
-            let id = runtime.register_unfilled(meta, Tier::Device)?;
-            self.slots[index].id = Some(id);
-            runtime
-                .acquire(id, Tier::Device, Access::Write)?
-                .write_from(&whole)?;
-            return Ok(());
-        }
-        let id = runtime.register_unfilled(meta, Tier::Host)?;
+        let len = meta.len_bytes();
+        let filled = zeros_from.min(len) as usize;
+        let id = match home {
+            Tier::Nvme => runtime.register_on_nvme(meta, zeros_from, fill)?,
+            Tier::Device => {
+                let mut whole = vec![0u8; len as usize];
+                fill(0, &mut whole[..filled])?;
+                let id = runtime.register_unfilled(meta, Tier::Device)?;
+                self.slots[index].id = Some(id);
+                runtime
+                    .acquire(id, Tier::Device, Access::Write)?
+                    .write_from(&whole)?;
+                id
+            }
+            Tier::Host => {
+                let id = runtime.register_unfilled(meta, Tier::Host)?;
+                self.slots[index].id = Some(id);
+                let mut guard = runtime.acquire(id, Tier::Host, Access::Write)?;
+                let mut piece = vec![0u8; (PLACE_PIECE_BYTES as u64).min(len) as usize];
+                let mut at = 0;
+                while at < len as usize {
+                    let n = (len as usize - at).min(piece.len());
+                    let end = filled.clamp(at, at + n);
+                    fill(at as u64, &mut piece[..end - at])?;
+                    piece[end - at..n].fill(0);
+                    guard.write_range(at as u64, &piece[..n])?;
+                    at += n;
+                }
+                id
+            }
+        };
         self.slots[index].id = Some(id);
-        {
-            let mut guard = runtime.acquire(id, Tier::Host, Access::Write)?;
-            fill(&mut |at, bytes| Ok(guard.write_range(at as u64, bytes)?))?;
-        }
-        if home != Tier::Host {
-            runtime.move_to(id, home)?.wait()?;
-        }
         Ok(())
     }
 
-    /// (Re)creates a persistent tensor with `data` (all of its bytes; or
-    /// zeros) at its home.
-    fn place_persistent(&mut self, env: &Env, index: usize, data: Option<&[u8]>) -> Result<()> {
-        let runtime = env.runtime();
-        if let Some(id) = self.slots[index].id.take() {
-            runtime.free(id)?;
-        }
+    /// (Re)creates a persistent tensor at its home with `initial` contents.
+    fn place_persistent(&mut self, env: &Env, index: usize, initial: Initial<'_>) -> Result<()> {
         let home = self.slots[index]
             .home
             .expect("persistent tensors have a home");
-        let first = if home == Tier::Device {
-            Tier::Device
-        } else {
-            Tier::Host
-        };
-        // Data is written whole (`write_from` takes exactly the tensor's
-        // size): no zeros under it (a fill of every byte, on one thread:
-        // seconds at billions of parameters).
-        let meta = self.slots[index].meta.clone();
-        let id = match data {
-            Some(_) => runtime.register_unfilled(meta, first)?,
-            None => runtime.register(meta, first)?,
-        };
-        self.slots[index].id = Some(id);
-        if let Some(data) = data {
-            runtime
-                .acquire(id, first, Access::Write)?
-                .write_from(data)?;
+        match initial {
+            Initial::Bytes(data) => {
+                self.place_persistent_with(env, index, u64::MAX, &mut |at, bytes| {
+                    bytes.copy_from_slice(&data[at as usize..at as usize + bytes.len()]);
+                    Ok(())
+                })
+            }
+            // Zeros on the host and device (a fill of every byte), written
+            // by the store without their bytes on NVMe; the set an update
+            // writes first is not written at all on NVMe, where a read
+            // before that write fails rather than return stale bytes.
+            Initial::Zeros | Initial::Unwritten => {
+                let runtime = env.runtime();
+                if let Some(id) = self.slots[index].id.take() {
+                    runtime.free(id)?;
+                }
+                let meta = self.slots[index].meta.clone();
+                let id = match (initial, home) {
+                    (Initial::Unwritten, Tier::Nvme) => runtime.register_unfilled(meta, home)?,
+                    _ => runtime.register(meta, home)?,
+                };
+                self.slots[index].id = Some(id);
+                Ok(())
+            }
         }
-        if home != first {
-            runtime.move_to(id, home)?.wait()?;
-        }
-        Ok(())
     }
 
     /// Group `g`'s current master weights and moments as they are kept
