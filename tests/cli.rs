@@ -1404,8 +1404,8 @@ fn train_a_70b_model_on_nvme_names_the_host_its_gradients_and_a_fix() {
     let output = strata_in(dir.path(), &["train", "--config", path.to_str().unwrap()]);
     let stderr = stderr_of_failure(&output, "70B on NVMe");
     assert!(
-        stderr.contains("the model does not fit: the host tier needs at least 262.83 GiB (fp32 gradients (on the host unless the optimizer is on the device) 262.83 GiB), and host.budget is 100.00 GiB")
-            && stderr.contains("raise host.budget to at least 262.83 GiB, or shard over train.ranks = 3 (each rank has its own host.budget: 300.00 GiB in all)"),
+        stderr.contains("the model does not fit: the host tier needs at least 262.83 GiB (fp32 gradients (placement.gradients, by default with the optimizer) 262.83 GiB), and host.budget is 100.00 GiB")
+            && stderr.contains("raise host.budget to at least 262.83 GiB, or set placement.gradients = \"nvme\", or shard over train.ranks = 3 (each rank has its own host.budget: 300.00 GiB in all)"),
         "{stderr}"
     );
 }

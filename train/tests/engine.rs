@@ -1257,6 +1257,55 @@ fn an_engine_whose_step_failed_part_way_refuses_to_go_on() {
     assert!(!dir.path().join("ckpt").exists(), "no checkpoint written");
 }
 
+/// Gradients on NVMe (`placement.gradients = "nvme"`): the same losses
+/// and norms bit for bit as gradients on the host, with updates
+/// speculated in backward and with every step clipped (late updates read
+/// them in the next step's forward); each step's gradient bytes go to the
+/// drive, and come back where the host did not keep them. A config that asks for them elsewhere than the
+/// optimizer can read is refused by name.
+#[test]
+fn gradients_on_nvme_change_no_bit_and_go_through_the_drive() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut host = tiny(dir.path());
+    host.train.steps = 5;
+    let mut clipped = host.clone();
+    clipped.train.clip_norm = 0.05;
+    for (name, host) in [("speculative", host), ("late", clipped)] {
+        let mut nvme = host.clone();
+        nvme.placement.gradients = Some(Placement::Nvme);
+        let a = run(&host, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        let b = run(&nvme, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap();
+        assert_same_steps(name, &a, &b);
+        if name == "late" {
+            assert!(b.reports[1..].iter().all(|r| r.late), "{:?}", b.reports);
+        }
+        // f32 gradients of every parameter, each step, down to the drive
+        // (read back where the host did not keep them until the update).
+        let params = host.model.build().unwrap().params() as u64;
+        let grads = 4 * params * host.train.steps;
+        let link = |s: &RunSummary, link: Link| s.moved_bytes[link.index()];
+        let (x, y) = (link(&a, Link::HostToNvme), link(&b, Link::HostToNvme));
+        assert!(
+            y >= x + grads,
+            "{name}: {y} bytes written with gradients on nvme, {x} without"
+        );
+        let (x, y) = (link(&a, Link::NvmeToHost), link(&b, Link::NvmeToHost));
+        assert!(
+            y > x,
+            "{name}: {y} bytes read with gradients on nvme, {x} without"
+        );
+    }
+    let mut wrong = tiny(dir.path());
+    wrong.placement.optimizer = Placement::Cpu;
+    wrong.placement.gradients = Some(Placement::Nvme);
+    let err = run(&wrong, &corpus(16), &RunOptions::default(), &mut |_| {}).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("placement.gradients") && text.contains("use \"cpu\""),
+        "{text}"
+    );
+}
+
 /// With `runtime.poison_released` every released device range and host
 /// buffer reads NaN once its last use has passed: a read after release
 /// anywhere in the step (a missed fence, a stale range) would turn the

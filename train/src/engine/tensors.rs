@@ -255,8 +255,8 @@ pub(super) fn slots(
     let params_home = config.placement.params.tier();
     let states_home = config.placement.optimizer.tier();
     // Gradients outlive their step when its update runs late, in the next
-    // one: they stay where the optimizer reads them.
-    let grads_home = optimizer_tier(config.placement.optimizer);
+    // one: they stay where the optimizer reads them, or on NVMe.
+    let grads_home = config.placement.gradients_tier();
     let slot = |name: String, kind, dtype, elements: usize, home| Slot {
         meta: TensorMeta::new(name, kind, dtype, &[elements as u64]),
         home,

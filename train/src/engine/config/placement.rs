@@ -51,6 +51,14 @@ pub struct PlacementConfig {
     /// fp32 master weights and Adam moments; the optimizer runs on the CPU
     /// unless this is `device`.
     pub optimizer: Placement,
+    /// Gradient shards between their reduce-scatter and their update.
+    /// Absent: where the optimizer reads them (the host, or the device
+    /// with the optimizer there). `"nvme"` (only with `optimizer =
+    /// "nvme"`): written to the drive as backward produces them and read
+    /// back for the update, for a host budget that cannot hold a step's
+    /// gradients (2 or 4 bytes a parameter) - at the price of that traffic.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradients: Option<Placement>,
     /// Ops the plan may fetch ahead.
     pub prefetch_ops: u32,
     /// Ops ahead of backward that offloaded activations are fetched.
@@ -62,6 +70,18 @@ pub struct PlacementConfig {
     /// "nvme"`. `"auto"`: a quarter of the host budget, or none when the
     /// plans do not fit beside it; `0`: off.
     pub state_cache: StateCache,
+}
+
+impl PlacementConfig {
+    /// Where the gradient shards live: `gradients`, or where the optimizer
+    /// reads them.
+    pub fn gradients_tier(&self) -> Tier {
+        match (self.gradients, self.optimizer) {
+            (Some(place), _) => place.tier(),
+            (None, Placement::Device) => Tier::Device,
+            (None, _) => Tier::Host,
+        }
+    }
 }
 
 /// The `[optim]` table: how the CPU optimizer runs and keeps its states.
@@ -137,6 +157,7 @@ impl Default for PlacementConfig {
         PlacementConfig {
             params: Placement::Cpu,
             optimizer: Placement::Nvme,
+            gradients: None,
             prefetch_ops: 4,
             activation_horizon_ops: 2,
             state_cache: StateCache::Auto,

@@ -137,6 +137,27 @@ impl TrainConfig {
                 "add an [nvme] table with dirs, or place params and optimizer on device or cpu",
             ));
         }
+        if let Some(place) = self.placement.gradients {
+            let optimizer = self.placement.optimizer;
+            let fits = place == optimizer
+                || (place == Placement::Cpu && optimizer == Placement::Nvme)
+                || (place == Placement::Nvme && optimizer == Placement::Nvme);
+            if !fits {
+                let allowed = match optimizer {
+                    Placement::Device => "\"device\"",
+                    Placement::Cpu => "\"cpu\"",
+                    Placement::Nvme => "\"cpu\" or \"nvme\"",
+                };
+                return Err(bad(
+                    "placement.gradients",
+                    format!("{:?}", place.name()),
+                    format!(
+                        "the optimizer reads gradients where they live: with placement.optimizer = {:?} use {allowed}, or remove the key",
+                        optimizer.name()
+                    ),
+                ));
+            }
+        }
         if let StateCache::Bytes(bytes) = self.placement.state_cache
             && bytes >= self.host.budget.0
         {
@@ -182,10 +203,10 @@ impl TrainConfig {
             "optimizer states (master weights and moments, two sets)",
             2 * state_bytes,
         );
-        // Gradients stay where the optimizer reads them: f32 for the
-        // device's AdamW; for the CPU optimizer, in the compute dtype (bf16
-        // on a GPU under "auto"; a device not yet resolved counts the
-        // lower bound, bf16).
+        // Gradients stay where the optimizer reads them (or on NVMe, by
+        // placement.gradients): f32 for the device's AdamW; for the CPU
+        // optimizer, in the compute dtype (bf16 on a GPU under "auto"; a
+        // device not yet resolved counts the lower bound, bf16).
         let (grads, grad_part, grad_bytes) = match (
             self.placement.optimizer,
             self.train.compute_dtype,
@@ -198,14 +219,18 @@ impl TrainConfig {
             ),
             (_, ComputeDtype::F32, _) | (_, ComputeDtype::Auto, DeviceChoice::Cpu) => (
                 Tier::Host,
-                "fp32 gradients (on the host unless the optimizer is on the device)",
+                "fp32 gradients (placement.gradients, by default with the optimizer)",
                 4,
             ),
             _ => (
                 Tier::Host,
-                "bf16 gradients (on the host unless the optimizer is on the device)",
+                "bf16 gradients (placement.gradients, by default with the optimizer)",
                 2,
             ),
+        };
+        let grads = match grads {
+            Tier::Host => self.placement.gradients_tier(),
+            device => device,
         };
         add(grads, grad_part, grad_bytes);
         let largest = model.groups().iter().map(|g| g.params() as u64).max();
@@ -286,6 +311,13 @@ impl TrainConfig {
             if place != self.placement.params && fits(&|c| c.placement.params = place) {
                 fixes.push(format!("set {} {}", keys.params, keys.quote(place.name())));
             }
+        }
+        if keys.config
+            && self.placement.optimizer == Placement::Nvme
+            && self.placement.gradients != Some(Placement::Nvme)
+            && fits(&|c| c.placement.gradients = Some(Placement::Nvme))
+        {
+            fixes.push("set placement.gradients = \"nvme\"".into());
         }
         // More ranks split the states, but each rank of a config has its
         // own budgets (the machine gives them all), and a config's ranks
