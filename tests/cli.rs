@@ -3334,12 +3334,18 @@ fn bench_load_json_contract_tiny() {
         "16KiB",
         "--nvme-size",
         "8MiB",
+        "--rest-s",
+        "0",
         "--device-budget",
         "64MiB",
         "--json",
     ]);
     let report = stdout_json(&output);
     assert_eq!(report["steps"], 2, "{report}");
+    for key in ["disk_after_run_bytes_per_s", "disk_rested_bytes_per_s"] {
+        let rates = report[key].as_array().unwrap();
+        assert!(rates.iter().all(|r| r.as_f64().unwrap() > 0.0), "{report}");
+    }
     let file_bytes = report["file_bytes"].as_u64().unwrap();
     assert!(
         file_bytes > 2 * report["params"].as_u64().unwrap(),

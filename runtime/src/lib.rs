@@ -45,7 +45,7 @@ pub use device::{CpuDevice, CudaDevice, Device, DeviceKind};
 pub use error::{Result, RuntimeError};
 pub use guard::{Guard, RangeOf, zip_ranges};
 pub use host_pool::{Chunk, FreeLists, HostPool, Slot, Spread, commit_spread};
-pub use residency::{Completion, DEVICE_ALIGN_BYTES, Fill, Runtime};
+pub use residency::{Completion, DEVICE_ALIGN_BYTES, Fill, Runtime, Visit};
 pub use state::{Access, MemoryFaults};
 pub use stats::{
     CALLER_LANE, COLLECTIVE_LANE, EventKind, LinkStats, OPTIMIZER_LANE, Stats, TierStats, Trace,

@@ -123,6 +123,10 @@ impl Completion {
 /// ([`Runtime::register_on_nvme`]).
 pub type Fill<'a, E> = dyn FnMut(u64, &mut [u8]) -> std::result::Result<(), E> + 'a;
 
+/// Takes bytes of a tensor being read, at an offset
+/// ([`Runtime::read_from_nvme`]).
+pub type Visit<'a, E> = dyn FnMut(u64, &[u8]) -> std::result::Result<(), E> + 'a;
+
 /// The residency manager: a registry of tensors, their copies in each tier,
 /// and the threads that move them.
 ///
@@ -418,6 +422,57 @@ impl Runtime {
     /// write fails (`ExtentNotWritten`) instead of returning stale bytes.
     pub fn register_unfilled(&self, meta: TensorMeta, tier: Tier) -> Result<TensorId> {
         self.register_in(meta, tier, |_: &Shared, _| Ok(()))
+    }
+
+    /// Reads a tensor's NVMe copy a chunk at a time through two staging
+    /// buffers (reading the next while `read(offset, bytes)` takes one),
+    /// so that it never needs room on the host: a checkpoint of states
+    /// larger than the host budget. Every chunk is checked against its
+    /// checksums as any NVMe read is. The copy must be valid (after
+    /// `return_home`, a tensor whose home is NVMe); while it is read the
+    /// tensor cannot be written or freed.
+    pub fn read_from_nvme<E: From<RuntimeError>>(
+        &self,
+        id: TensorId,
+        read: &mut Visit<'_, E>,
+    ) -> std::result::Result<(), E> {
+        let (chunks, extents) = {
+            let mut state = self.shared.lock();
+            loop {
+                let entry = state.entry(id)?;
+                if entry.is_moving() {
+                    self.shared.check_cancelled()?;
+                    state = Cancel::sleep(&self.shared.changed, state);
+                    continue;
+                }
+                if !entry.valid(Tier::Nvme) {
+                    return Err(not_resident(id, entry, Tier::Nvme).into());
+                }
+                if entry.has_writer() {
+                    return Err(in_use_error(id, entry).into());
+                }
+                break;
+            }
+            let now = state.tick();
+            let entry = state.entry_mut(id)?;
+            entry.begin_use(Tier::Nvme, Access::Read, now);
+            let Some(Copy {
+                place: Place::Nvme(extents),
+                ..
+            }) = &entry.copies[Tier::Nvme.index()]
+            else {
+                unreachable!("a valid nvme copy is on nvme")
+            };
+            (entry.chunks.clone(), extents.clone())
+        };
+        let result = self.shared.stream_nvme(&chunks, &extents, read);
+        let mut state = self.shared.lock();
+        if let Ok(entry) = state.entry_mut(id) {
+            entry.end_use(Tier::Nvme, Access::Read);
+        }
+        drop(state);
+        self.shared.changed.notify_all();
+        result
     }
 
     /// Registers a tensor straight on NVMe with the bytes `fill(offset,
@@ -1340,6 +1395,62 @@ impl Shared {
             (View::of(entry, tier), entry.len_bytes)
         };
         view.fill_zero(self, len_bytes)
+    }
+
+    /// Reads `extents` in order into two staging buffers, handing each
+    /// chunk's bytes to `read` while the next one is read.
+    fn stream_nvme<E: From<RuntimeError>>(
+        &self,
+        chunks: &[Chunk],
+        extents: &[Extent],
+        read: &mut Visit<'_, E>,
+    ) -> std::result::Result<(), E> {
+        let store = self
+            .store
+            .as_ref()
+            .expect("nvme copies exist only with a store");
+        let started = Instant::now();
+        let staging = extents.iter().map(|e| e.len_bytes()).max().unwrap_or(0) as usize;
+        let align = store.align_bytes() as usize;
+        let buffer = || strata_storage::AlignedBuf::new(staging, align).map_err(RuntimeError::from);
+        let mut spare = Some(buffer()?);
+        let mut next = extents
+            .first()
+            .map(|e| store.read_start(e, spare.take().expect("one")));
+        let mut bytes = 0;
+        for (k, chunk) in chunks.iter().enumerate() {
+            let ticket = next.take().expect("a read per chunk");
+            if let Some(extent) = extents.get(k + 1) {
+                let buf = match spare.take() {
+                    Some(buf) => buf,
+                    None => buffer()?,
+                };
+                next = Some(store.read_start(extent, buf));
+            }
+            let (buf, result) = ticket.wait();
+            if let Err(err) = result {
+                if let Some(ticket) = next.take() {
+                    let _ = ticket.wait();
+                }
+                return Err(RuntimeError::from(err).into());
+            }
+            let done = read(chunk.offset, &buf[..chunk.len_bytes as usize]);
+            spare = Some(buf);
+            if let Err(err) = done {
+                if let Some(ticket) = next.take() {
+                    let _ = ticket.wait();
+                }
+                return Err(err);
+            }
+            bytes += extents[k].len_bytes();
+        }
+        let link = Link::NvmeToHost;
+        let mut state = self.lock();
+        let stats = &mut state.stats.links[link.index()];
+        stats.bytes += bytes;
+        stats.transfers += 1;
+        stats.busy_ns += started.elapsed().as_nanos() as u64;
+        Ok(())
     }
 
     /// Fills a freshly allocated NVMe copy: bytes from `fill` below

@@ -1073,7 +1073,8 @@ fn an_unfilled_registration_is_not_zeroed_and_a_filled_one_is() {
 
 /// Tensors registered straight on NVMe: filled a chunk at a time from a
 /// callback (asked only for the bytes before `zeros_from`, the rest zero)
-/// with nothing of the host budget taken, zeroed, or unfilled (a read
+/// and read back the same way, with nothing of the host budget taken (a
+/// stale drive copy is not read), zeroed, or unfilled (a read
 /// before the first write is refused, naming the tensor, not stale
 /// bytes); a callback's error comes back as itself and leaves nothing
 /// registered; without a swap store, refused naming `[nvme] dirs`.
@@ -1100,14 +1101,28 @@ fn tensors_registered_on_nvme_are_filled_zeroed_or_unfilled() {
     }
     assert_eq!(next, zeros_from);
     assert_eq!(runtime.residency(id).unwrap(), vec![Tier::Nvme]);
-    assert_eq!(
-        runtime.stats().tier(Tier::Host).peak_bytes,
-        0,
-        "never on the host"
-    );
     let mut expected = data.clone();
     expected[zeros_from as usize..].fill(0);
+    // Read back a chunk at a time, in order, straight from the drive.
+    let mut streamed = Vec::new();
+    runtime
+        .read_from_nvme(id, &mut |at, bytes| {
+            assert_eq!(at, streamed.len() as u64);
+            streamed.extend_from_slice(bytes);
+            Ok::<(), RuntimeError>(())
+        })
+        .unwrap();
+    assert_eq!(streamed, expected);
+    let host = runtime.stats().tier(Tier::Host).peak_bytes;
+    assert_eq!(host, 0, "never on the host");
     assert_eq!(read_back(&runtime, id), expected);
+    // A copy written on the host since is newer: the drive's is not read.
+    fill(&runtime, id, Tier::Host, &pattern(8, len));
+    let stale = runtime.read_from_nvme(id, &mut |_, _| Ok::<(), RuntimeError>(()));
+    assert!(
+        matches!(stale, Err(RuntimeError::NotResident { .. })),
+        "{stale:?}"
+    );
     runtime.free(id).unwrap();
 
     let zeroed = runtime.register(meta("m", 192 << 10), Tier::Nvme).unwrap();

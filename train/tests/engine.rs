@@ -1205,6 +1205,45 @@ fn a_checkpoint_that_fails_mid_run_keeps_the_one_before_and_the_run_goes_on() {
     assert_eq!(latest.meta.step, 4, "the checkpoint before stays latest");
 }
 
+/// A checkpoint's weights are the same bytes whatever the ranks that
+/// wrote them: at step 0 (the model's initialization) one rank and three
+/// (groups split unevenly, padding past each group's end, every rank's
+/// master weights streamed to rank 0 a piece at a time) publish identical
+/// `model.safetensors`, with states on NVMe read back from the drive.
+#[test]
+fn weights_published_by_three_ranks_are_one_ranks_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = |ranks: usize| {
+        let mut config = tiny(&dir.path().join(format!("r{ranks}")));
+        config.train.ranks = ranks;
+        config.nvme.as_mut().unwrap().create_dirs = true;
+        config.checkpoint.weights_dtype = strata_train::hf::WeightsDtype::F32;
+        let root = dir.path().join(format!("ckpt{ranks}"));
+        let elems = 1 << 24;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = strata_comm::InProcess::group(ranks, elems)
+                .into_iter()
+                .map(|group| {
+                    let (config, root) = (&config, &root);
+                    scope.spawn(move || {
+                        let mut engine =
+                            strata_train::Engine::new(config, Box::new(group)).unwrap();
+                        engine.save_checkpoint(root).unwrap()
+                    })
+                })
+                .collect();
+            let steps: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            std::fs::read(steps[0].join("model.safetensors")).unwrap()
+        })
+    };
+    let one = save(1);
+    let three = save(3);
+    assert!(
+        one == three,
+        "the weights differ between one rank and three"
+    );
+}
+
 /// A library caller who hands `Engine::step` the wrong number of tokens
 /// gets an error naming the count to give, not a panic.
 #[test]

@@ -25,10 +25,6 @@ pub(super) fn guard(runtime: &Runtime, id: TensorId, tier: Tier, access: Access)
     }
 }
 
-pub(super) fn read_f32(runtime: &Runtime, id: TensorId, tier: Tier, out: &mut [f32]) -> Result<()> {
-    Ok(guard(runtime, id, tier, Access::Read)?.read_into(bytemuck::cast_slice_mut(out))?)
-}
-
 /// Engine tensors the backend reads or writes in place live on the device.
 const ON_DEVICE: &str = "the engine computes on device-tier copies";
 

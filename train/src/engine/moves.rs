@@ -15,14 +15,13 @@ use strata_scheduler::{Action, ActionKind};
 
 use crate::error::Result;
 
-use super::access::read_f32;
 use super::env::Env;
 use super::optimizer::{OptJob, Update};
 use super::schedule::StepSchedule;
 use super::steps::update_sets;
 use super::tensors::{
     LoadBuffers, Slot, encode_masters, encode_states, grad_index, param_index, runtime_tier,
-    state_index, state_words,
+    state_index,
 };
 
 /// Elements of a group's shard loaded at a time from a Hugging Face
@@ -592,25 +591,36 @@ impl Moves {
     }
 
     /// Group `g`'s current master weights and moments as they are kept
-    /// (`encode_states`' words: master, m and v in the state dtype's
-    /// formats), read where they are and left at home.
-    pub(super) fn read_state(&self, env: &Env, g: usize, words: &mut Vec<f32>) -> Result<()> {
+    /// (`encode_states`' bytes: master, m and v in the state dtype's
+    /// formats, then padding), handed to `visit(offset, bytes)` in order
+    /// and left at home: from the host copy where there is one, straight
+    /// from the drive a chunk at a time where there is not (never whole in
+    /// memory), whole from the device's.
+    pub(super) fn stream_state(
+        &self,
+        env: &Env,
+        g: usize,
+        visit: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
         let runtime = env.runtime();
-        let index = state_index(g, self.current);
-        let id = self.id(index);
-        let home = self.slots[index].home.expect("states have a home");
-        let tier = if runtime.residency(id)?.contains(&Tier::Device) {
-            Tier::Device
-        } else {
-            Tier::Host
-        };
-        let dtype = env.config().optim.state_dtype;
-        words.clear();
-        words.resize(state_words(dtype, env.groups()[g].shard), 0.0);
-        read_f32(runtime, id, tier, words)?;
-        if home == Tier::Nvme {
-            runtime.move_to(id, Tier::Nvme)?.wait()?;
+        let id = self.id(state_index(g, self.current));
+        let resident = runtime.residency(id)?;
+        if resident.contains(&Tier::Host) {
+            let guard = runtime.acquire(id, Tier::Host, Access::Read)?;
+            let mut failed = None;
+            guard.for_each_chunk(&mut |at, bytes| {
+                if failed.is_none() {
+                    failed = visit(at, bytes).err();
+                }
+            })?;
+            return failed.map_or(Ok(()), Err);
         }
-        Ok(())
+        if resident.contains(&Tier::Nvme) {
+            return runtime.read_from_nvme(id, visit);
+        }
+        let guard = runtime.acquire(id, Tier::Device, Access::Read)?;
+        let mut whole = vec![0u8; guard.len_bytes() as usize];
+        guard.read_into(&mut whole)?;
+        visit(0, &whole)
     }
 }

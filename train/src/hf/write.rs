@@ -91,6 +91,8 @@ pub struct ShardWriter {
     tensors: Vec<Planned>,
     /// The next tensor to be written.
     next: usize,
+    /// Bytes of it written so far.
+    done: usize,
     /// The open shard: its index and file.
     open: Option<(usize, BufWriter<File>)>,
     /// Reused to narrow a tensor's values.
@@ -140,6 +142,7 @@ impl ShardWriter {
             shards,
             tensors,
             next: 0,
+            done: 0,
             open: None,
             bytes: Vec::new(),
         }
@@ -150,58 +153,85 @@ impl ShardWriter {
         self.shards.iter().map(|(name, _)| name.as_str())
     }
 
-    /// Writes the next planned tensor, `values` its elements (f32, its
-    /// layout order), opening its shard (header first) when it starts one.
+    /// Writes tensor `name`, the next planned, whole from f32 values
+    /// (narrowed to its dtype, to nearest even for bf16).
     pub fn write(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        self.check_next(name, values.len() * self.tensors[self.next].dtype.bytes());
+        self.append(values)
+    }
+
+    /// Writes tensor `name`, the next planned, whole from bytes already
+    /// in its dtype.
+    pub fn write_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        self.check_next(name, bytes.len());
+        self.append_bytes(bytes)
+    }
+
+    fn check_next(&self, name: &str, bytes: usize) {
         let planned = &self.tensors[self.next];
         assert_eq!(
             planned.name, name,
             "tensors are written in the planned order"
         );
-        assert_eq!(
-            planned.elems(),
-            values.len(),
-            "{name}: its planned elements"
-        );
-        let dtype = planned.dtype;
-        let shard = self.shard_of_next()?;
-        self.bytes.clear();
-        match dtype {
-            WeightsDtype::F32 => self
-                .bytes
-                .extend(values.iter().flat_map(|v| v.to_le_bytes())),
-            WeightsDtype::Bf16 => self.bytes.extend(
-                values
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
-            ),
+        assert_eq!(self.done, 0, "{name}: written whole, not after a part");
+        assert_eq!(planned.bytes(), bytes, "{name}: its planned bytes");
+    }
+
+    /// Continues the planned tensors with f32 values, each narrowed to the
+    /// dtype of the tensor it lands in, across tensor (and shard) ends: a
+    /// group streamed a piece at a time.
+    pub fn append(&mut self, mut values: &[f32]) -> Result<()> {
+        let mut bytes = std::mem::take(&mut self.bytes);
+        while !values.is_empty() {
+            let planned = self
+                .tensors
+                .get(self.next)
+                .expect("no more values than planned");
+            let width = planned.dtype.bytes();
+            let n = ((planned.bytes() - self.done) / width).min(values.len());
+            bytes.clear();
+            match planned.dtype {
+                WeightsDtype::F32 => bytes.extend(values[..n].iter().flat_map(|v| v.to_le_bytes())),
+                WeightsDtype::Bf16 => bytes.extend(
+                    values[..n]
+                        .iter()
+                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
+                ),
+            }
+            let written = self.append_bytes(&bytes);
+            if written.is_err() {
+                self.bytes = bytes;
+                return written;
+            }
+            values = &values[n..];
         }
-        let path = self.dir.join(&self.shards[shard].0);
-        let (_, file) = self.open.as_mut().expect("opened above");
-        crate::crash::point("write a tensor");
-        file.write_all(&self.bytes)
-            .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
-        self.next += 1;
+        self.bytes = bytes;
         Ok(())
     }
 
-    /// Writes the next planned tensor from its bytes as they are in the
-    /// file (its planned dtype, little-endian): states kept in that dtype
-    /// go out without a copy in f32.
-    pub fn write_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
-        let planned = &self.tensors[self.next];
-        assert_eq!(
-            planned.name, name,
-            "tensors are written in the planned order"
-        );
-        assert_eq!(planned.bytes(), bytes.len(), "{name}: its planned bytes");
-        let shard = self.shard_of_next()?;
-        let path = self.dir.join(&self.shards[shard].0);
-        let (_, file) = self.open.as_mut().expect("opened by shard_of_next");
-        crate::crash::point("write a tensor");
-        file.write_all(bytes)
-            .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
-        self.next += 1;
+    /// Continues the planned tensors with bytes already in their dtypes,
+    /// across tensor (and shard) ends.
+    pub fn append_bytes(&mut self, mut bytes: &[u8]) -> Result<()> {
+        while !bytes.is_empty() {
+            let planned = self
+                .tensors
+                .get(self.next)
+                .expect("no more bytes than planned");
+            let n = (planned.bytes() - self.done).min(bytes.len());
+            let name = planned.name.clone();
+            let shard = self.shard_of_next()?;
+            let path = self.dir.join(&self.shards[shard].0);
+            let (_, file) = self.open.as_mut().expect("opened by shard_of_next");
+            crate::crash::point("write a tensor");
+            file.write_all(&bytes[..n])
+                .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
+            bytes = &bytes[n..];
+            self.done += n;
+            if self.done == self.tensors[self.next].bytes() {
+                self.next += 1;
+                self.done = 0;
+            }
+        }
         Ok(())
     }
 

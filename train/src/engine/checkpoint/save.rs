@@ -100,35 +100,9 @@ impl Engine {
             ShardWriter::new(&tmp, "model", planned, c.max_shard_size.0)
         });
         let mut failed: Option<TrainError> = None;
-        // Kept from one group to the next (the largest group's size).
-        let (mut words, mut master, mut gathered) = (Vec::new(), Vec::new(), Vec::new());
-        for (g, group) in groups.iter().enumerate() {
-            let ends = gather_master(
-                env,
-                &self.moves,
-                g,
-                (&mut words, &mut master, &mut gathered),
-            )?;
-            let bytes: &[u8] = bytemuck::cast_slice(&words);
-            if failed.is_none() {
-                // Each state in the width it is kept in: bf16 states take
-                // half the disk (exactly: their values are bf16).
-                let mut write = || -> Result<()> {
-                    for (k, (part, _)) in parts.iter().enumerate() {
-                        let name = format!("{}.{part}", group.name);
-                        if let Some(shard) = shard.as_mut() {
-                            shard.write_bytes(&name, &bytes[ends[k]..ends[k + 1]])?;
-                        }
-                    }
-                    if let Some(writer) = weights.as_mut() {
-                        for t in &specs[g].tensors {
-                            writer.write(&t.name, &gathered[t.range.clone()])?;
-                        }
-                    }
-                    Ok(())
-                };
-                failed = write().err();
-            }
+        let mut piece = Vec::new();
+        for g in 0..groups.len() {
+            self.save_group(g, &mut shard, &mut weights, &mut failed, &mut piece)?;
         }
         let written = (|| {
             if let Some(err) = failed {
@@ -488,38 +462,112 @@ const _: () = assert!(
 /// folder the run started from.
 const SPECIAL_TOKENS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
 
-/// The master weights of a state tensor's bytes (`encode_states`' first
-/// part) as f32.
-/// Reads group `g`'s optimizer states as this rank keeps them into
-/// `words` (master, m and v one after the other in their widths,
-/// little-endian, as a checkpoint's file wants them), decodes its master
-/// weights into `master` and gathers every rank's into `gathered` (the
-/// group's padded length), on the host: a checkpoint or an evaluation, not
-/// the step path. Every rank calls it together. Returns the byte ends of
-/// the three states in `words`.
-fn gather_master(
-    env: &super::super::env::Env,
-    moves: &super::super::moves::Moves,
-    g: usize,
-    (words, master, gathered): (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
-) -> Result<[usize; 4]> {
-    let group = &env.groups()[g];
-    let (n, dtype) = (group.shard, env.config().optim.state_dtype);
-    moves.read_state(env, g, words)?;
-    let bytes: &[u8] = bytemuck::cast_slice(words);
-    let ends = {
-        let (m, w) = (n * dtype.master_bytes(), n * dtype.moment_bytes());
-        [0, m, m + w, m + 2 * w]
-    };
-    master.clear();
-    master.resize(n, 0.0f32);
-    decode_master(dtype, &bytes[..ends[1]], master);
-    gathered.clear();
-    gathered.resize(group.padded(env.shards()), 0.0f32);
-    env.shard_group()
-        .all_gather(View::host_slice(master), ViewMut::host_slice(gathered))?
-        .wait()?;
-    Ok(ends)
+/// Master weights sent from a rank to rank 0 at a time (16 MiB).
+const SAVE_PIECE: usize = 1 << 22;
+
+impl Engine {
+    /// Group `g` into the checkpoint: each rank of the first replica
+    /// streams its current states (master, m, v as they are kept) into its
+    /// optimizer shard, from the drive a chunk at a time when they live
+    /// there, and its master weights to rank 0 a piece at a time, rank by
+    /// rank, which writes them into the model's tensors in order: no rank
+    /// holds a group's states or weights whole. A failed write is kept in
+    /// `failed` and the exchange goes on (every rank takes part in each);
+    /// a failed read or exchange ends the save.
+    fn save_group(
+        &self,
+        g: usize,
+        shard: &mut Option<ShardWriter>,
+        weights: &mut Option<ShardWriter>,
+        failed: &mut Option<TrainError>,
+        piece: &mut Vec<f32>,
+    ) -> Result<()> {
+        let env = &self.env;
+        if env.replica() != 0 {
+            return Ok(());
+        }
+        let group = &env.groups()[g];
+        let (n, dtype) = (group.shard, env.config().optim.state_dtype);
+        let (ranks, me) = (env.shards(), env.shard_rank());
+        let masters_end = (n * dtype.master_bytes()) as u64;
+        let states_end = masters_end + 2 * (n * dtype.moment_bytes()) as u64;
+        let keep = |failed: &mut Option<TrainError>, result: Result<()>| {
+            if failed.is_none() {
+                *failed = result.err();
+            }
+        };
+        for r in 0..ranks {
+            // Rank r's shard covers the group's elements from r * n; past
+            // the group's end it is padding, not written.
+            let (from, to) = ((r * n).min(group.params), ((r + 1) * n).min(group.params));
+            if r == me {
+                let mut sent = 0;
+                piece.clear();
+                let mut flush = |piece: &mut Vec<f32>, failed: &mut Option<TrainError>| {
+                    let result = if me == 0 {
+                        let upto = (to - from).saturating_sub(sent).min(piece.len());
+                        weights
+                            .as_mut()
+                            .map_or(Ok(()), |w| w.append(&piece[..upto]))
+                    } else {
+                        env.shard_group()
+                            .send(0, View::host_slice(piece))?
+                            .wait()
+                            .map_err(TrainError::from)?;
+                        Ok(())
+                    };
+                    keep(failed, result);
+                    sent += piece.len();
+                    piece.clear();
+                    Ok::<(), TrainError>(())
+                };
+                self.moves.stream_state(env, g, &mut |at, bytes| {
+                    let end = at + bytes.len() as u64;
+                    if let Some(shard) = shard.as_mut() {
+                        let upto = end.min(states_end).saturating_sub(at) as usize;
+                        let written = shard.append_bytes(&bytes[..upto]);
+                        keep(failed, written);
+                    }
+                    let upto = end.min(masters_end).saturating_sub(at) as usize;
+                    let width = dtype.master_bytes();
+                    let mut word = &bytes[..upto];
+                    while !word.is_empty() {
+                        let take = (SAVE_PIECE - piece.len()).min(word.len() / width);
+                        let start = piece.len();
+                        piece.resize(start + take, 0.0);
+                        decode_master(dtype, &word[..take * width], &mut piece[start..]);
+                        word = &word[take * width..];
+                        if piece.len() == SAVE_PIECE {
+                            flush(piece, failed)?;
+                        }
+                    }
+                    Ok(())
+                })?;
+                if !piece.is_empty() {
+                    flush(piece, failed)?;
+                }
+            } else if me == 0 {
+                // Rank r's pieces, as it cut them.
+                let mut left = n;
+                while left > 0 {
+                    let len = left.min(SAVE_PIECE);
+                    piece.clear();
+                    piece.resize(len, 0.0);
+                    env.shard_group()
+                        .recv(r, ViewMut::host_slice(piece))?
+                        .wait()?;
+                    let done = n - left;
+                    let upto = (to - from).saturating_sub(done).min(len);
+                    let written = weights
+                        .as_mut()
+                        .map_or(Ok(()), |w| w.append(&piece[..upto]));
+                    keep(failed, written);
+                    left -= len;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 fn decode_master(dtype: crate::StateDtype, bytes: &[u8], out: &mut [f32]) {
