@@ -219,6 +219,8 @@ struct Observed {
     load_s: f64,
     summary: serde_json::Value,
     peak_bytes: u64,
+    /// The run's log lines up to its first step, with their times.
+    timeline: Vec<String>,
 }
 
 /// Runs `strata train` with `args` and watches its log.
@@ -242,13 +244,22 @@ fn observe(dir: &Path, args: &[String]) -> anyhow::Result<Observed> {
         text
     });
     let (mut ready_s, mut load) = (None, None);
-    let mut log = Vec::new();
+    let (mut log, mut timeline) = (Vec::new(), Vec::new());
     for line in BufReader::new(child.stderr.take().expect("piped"))
         .lines()
         .map_while(Result::ok)
     {
-        if line.contains("ready in") && ready_s.is_none() {
-            ready_s = Some(started.elapsed().as_secs_f64());
+        if ready_s.is_none() {
+            // The run's log up to its first step, each line with its time
+            // since launch: where the startup went.
+            timeline.push(format!(
+                "{:7.2} s  {}",
+                started.elapsed().as_secs_f64(),
+                after_level(&line)
+            ));
+            if line.contains("ready in") {
+                ready_s = Some(started.elapsed().as_secs_f64());
+            }
         }
         if let Some(at) = line.find("parameters loaded from") {
             load = Some(line[at..].to_string());
@@ -289,7 +300,17 @@ fn observe(dir: &Path, args: &[String]) -> anyhow::Result<Observed> {
         load_s: number("seconds")?,
         summary,
         peak_bytes,
+        timeline,
     })
+}
+
+/// A log line without its timestamp: from its level on.
+fn after_level(line: &str) -> &str {
+    ["ERROR", "WARN", "INFO", "DEBUG", "TRACE"]
+        .iter()
+        .filter_map(|level| line.find(level))
+        .min()
+        .map_or(line, |at| &line[at..])
 }
 
 /// Runs `strata bench load`.
@@ -326,9 +347,12 @@ pub fn run(args: LoadArgs) -> anyhow::Result<()> {
     let weights = params * 2;
     let host = args.host_budget.map_or(weights / 4, |b| b.0).max(64 << 20);
     let group_max = model.groups().iter().map(|g| g.params()).max().unwrap_or(0) as u64;
+    // The largest group gathered in f32 with its f32 gradient (8 bytes a
+    // parameter) beside its bf16 shard and its next one (4), and room for
+    // the rest of the workspace and the plan (4 more, and 512 MiB).
     let device = args
         .device_budget
-        .map_or(group_max * 12 + (512 << 20), |b| b.0);
+        .map_or(group_max * 16 + (512 << 20), |b| b.0);
     let state_bytes: u64 = match args.state_dtype.as_str() {
         "fp32" => 12,
         "bf16-moments" => 8,
@@ -407,6 +431,7 @@ pub fn run(args: LoadArgs) -> anyhow::Result<()> {
         "device_budget_bytes": device,
         "peak_bytes": seen.peak_bytes,
         "peak_bound_bytes": memory_bound,
+        "startup": seen.timeline,
         "steps": seen.summary["steps"],
         "loss_first": seen.summary["loss_first"],
         "loss_last": seen.summary["loss_last"],
@@ -437,6 +462,10 @@ pub fn run(args: LoadArgs) -> anyhow::Result<()> {
         gb(seen.written_bytes as f64),
         seen.load_s
     );
+    println!("the run's log until its first step (seconds since launch):");
+    for line in &seen.timeline {
+        println!("  {line}");
+    }
     println!(
         "first step after {:.1} s; bound {:.1} s = {:.2} GB / {:.2} GB/s + {:.2} GB / {:.2} GB/s; ratio {ratio:.2} (target <= 1.3)",
         seen.ready_s,

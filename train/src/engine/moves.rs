@@ -27,10 +27,14 @@ use super::tensors::{
 /// Elements of a group's shard loaded at a time from a Hugging Face
 /// folder (16 MiB of f32): a load holds this much of a group, not the
 /// group.
-const LOAD_PIECE: usize = 1 << 22;
+pub(super) const LOAD_PIECE: usize = 1 << 22;
 
 /// Fills a range of a group's shard with master weights (a load's source).
 pub(super) type Source<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
+
+/// Fills a range of a group's state tensor (a resume's source): the
+/// bytes at an offset.
+pub(super) type StateBytes<'a> = dyn FnMut(u64, &mut [u8]) -> Result<()> + 'a;
 
 /// Bytes of a tensor placed on the host written at a time.
 const PLACE_PIECE_BYTES: usize = 4 << 20;
@@ -388,7 +392,7 @@ impl Moves {
                         out.fill(0.0);
                         folder.read(&specs[g], start..end, &mut out[..end - start])
                     };
-                    self.load_group_from(env, g, LOAD_PIECE, &mut source, &mut buffers)?;
+                    self.load_group_from(env, g, LOAD_PIECE, &mut source, None, &mut buffers)?;
                     folder.release(&specs[g]);
                 }
                 None => {
@@ -405,14 +409,18 @@ impl Moves {
     }
 
     /// [`Moves::load_group`] with the master weights from `source` (which
-    /// fills any range of the shard) and zero moments, `piece` elements at
-    /// a time: the same bytes, without the group's values in memory.
+    /// fills any range of the shard), `piece` elements at a time, and the
+    /// states as `states` writes them (any range of the state tensor's
+    /// bytes before its padding: master, m and v as they are kept) or else
+    /// the masters and zero moments: the same bytes, without the group's
+    /// values in memory.
     pub(super) fn load_group_from(
         &mut self,
         env: &Env,
         g: usize,
         piece: usize,
         source: &mut Source<'_>,
+        mut states: Option<&mut StateBytes<'_>>,
         buffers: &mut LoadBuffers,
     ) -> Result<()> {
         let n = env.groups()[g].shard;
@@ -444,6 +452,11 @@ impl Moves {
                 }
                 Ok(())
             })?;
+            if let Some(states) = states.as_mut() {
+                let end = (n * (dtype.master_bytes() + 2 * dtype.moment_bytes())) as u64;
+                self.place_persistent_with(env, s, end, states)?;
+                continue;
+            }
             // The states: the masters, then zero moments and padding (not
             // written on NVMe: the store zeroes them).
             let master_bytes = dtype.master_bytes();

@@ -48,7 +48,47 @@ struct Entry {
 #[derive(Debug)]
 struct Shard {
     path: PathBuf,
+    map: MappedFile,
+}
+
+/// A file mapped read only, whose pages are dropped from this process once
+/// read ([`MappedFile::release`]): how a folder's shards and a resume's
+/// optimizer shards are read without holding them in memory.
+#[derive(Debug)]
+pub(crate) struct MappedFile {
     map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    /// Maps `file` (opened for reading).
+    pub(crate) fn map(file: &File) -> std::io::Result<MappedFile> {
+        // A file changed under a run while it reads it is outside what
+        // strata guards (as with any read).
+        // SAFETY: the map is read only and lives as long as this value.
+        let map = unsafe { memmap2::Mmap::map(file) }?;
+        Ok(MappedFile { map })
+    }
+
+    /// Drops the pages of `start..start + len` from this process (a later
+    /// read faults them in again from the file).
+    pub(crate) fn release(&self, start: usize, len: usize) {
+        // A private read-only file mapping: MADV_DONTNEED loses no write.
+        // SAFETY: no reference into the range outlives this call's caller's read of it.
+        let dropped = unsafe {
+            self.map
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
+        };
+        if let Err(err) = dropped {
+            tracing::debug!("madvise(DONTNEED) of bytes {start}..{}: {err}", start + len);
+        }
+    }
+}
+
+impl std::ops::Deref for MappedFile {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
 }
 
 /// A model and each of its groups' values in host memory, f32
@@ -192,10 +232,7 @@ impl HfFolder {
                 "every shard the index names must be in the folder: download the missing one",
             )
         })?;
-        // A checkpoint changed under a run while it loads is outside what
-        // strata guards (as with any read).
-        // SAFETY: the map is read only and lives as long as the folder.
-        let map = unsafe { memmap2::Mmap::map(&handle) }.map_err(|e| {
+        let map = MappedFile::map(&handle).map_err(|e| {
             error(
                 &path,
                 format!("cannot be mapped ({e})"),
@@ -411,21 +448,10 @@ impl HfFolder {
             let Some(entry) = self.entry(&tensor.name) else {
                 continue;
             };
-            let map = &self.shards[entry.shard].map;
-            // A private read-only file mapping: MADV_DONTNEED drops its
-            // pages from this process, and a later read faults them in again
-            // from the file.
-            // SAFETY: no write is lost and no reference dangles (`read` borrows the map only while it copies).
-            let dropped = unsafe {
-                map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    entry.start,
-                    entry.end - entry.start,
-                )
-            };
-            if let Err(err) = dropped {
-                tracing::debug!("madvise(DONTNEED) of {}: {err}", tensor.name);
-            }
+            // `read` borrows the map only while it copies.
+            self.shards[entry.shard]
+                .map
+                .release(entry.start, entry.end - entry.start);
         }
     }
 
@@ -436,8 +462,27 @@ impl HfFolder {
 }
 
 /// Elements `from..to` of little-endian `bytes` of `dtype` into `dst` as
-/// f32.
+/// f32: in SIMD where the bytes are aligned for their type (a mapped
+/// file's tensors are, but for an f32 tensor after an odd count of 16-bit
+/// elements), element by element otherwise.
 fn widen(dtype: safetensors::Dtype, bytes: &[u8], from: usize, to: usize, dst: &mut [f32]) {
+    use strata_optim::{Isa, Values};
+    let isa = Isa::chosen();
+    let simd = match dtype {
+        safetensors::Dtype::F32 => bytemuck::try_cast_slice::<u8, f32>(&bytes[4 * from..4 * to])
+            .map(|v| dst.copy_from_slice(v))
+            .is_ok(),
+        safetensors::Dtype::BF16 => bytemuck::try_cast_slice::<u8, bf16>(&bytes[2 * from..2 * to])
+            .map(|v| strata_optim::widen(isa, Values::Bf16(v), dst))
+            .is_ok(),
+        safetensors::Dtype::F16 => bytemuck::try_cast_slice::<u8, f16>(&bytes[2 * from..2 * to])
+            .map(|v| strata_optim::widen(isa, Values::F16(v), dst))
+            .is_ok(),
+        _ => false,
+    };
+    if simd {
+        return;
+    }
     match dtype {
         safetensors::Dtype::F32 => {
             for (d, b) in dst.iter_mut().zip(bytes[4 * from..4 * to].chunks_exact(4)) {

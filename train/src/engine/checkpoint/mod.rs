@@ -253,6 +253,17 @@ impl Checkpoint {
         Ok(len)
     }
 
+    /// Maps file `name` after checking it against its recorded checksum (a
+    /// piece at a time): read through the map, its pages dropped once read
+    /// ([`crate::hf::MappedFile::release`]), it is never whole in memory.
+    pub(crate) fn map_checked(&self, name: &str) -> Result<crate::hf::MappedFile> {
+        self.check_file(name)?;
+        let path = self.dir.join(name);
+        std::fs::File::open(&path)
+            .and_then(|file| crate::hf::MappedFile::map(&file))
+            .map_err(|err| problem(&path, format!("cannot map it: {err}"), io_fix(&err)))
+    }
+
     /// Reads file `name`, checking it against its recorded checksum.
     pub fn read_file(&self, name: &str) -> Result<Vec<u8>> {
         let path = self.dir.join(name);

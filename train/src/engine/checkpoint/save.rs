@@ -325,23 +325,70 @@ impl Engine {
             checkpoint.read_file(HF_CONFIG)?;
         }
         let mut buffers = LoadBuffers::default();
+        let dtype = config.optim.state_dtype;
         if meta.ranks == shards {
-            let bytes = checkpoint.read_file(&format!("optimizer-rank{rank}.safetensors"))?;
-            let file = open_shard(&path, &bytes)?;
+            // Mapped, each group's states streamed from the file into
+            // their home tier and its pages dropped after: never whole in
+            // memory.
+            let file_name = format!("optimizer-rank{rank}.safetensors");
+            let mapped = checkpoint.map_checked(&file_name)?;
+            let file = open_shard(&path, &mapped)?;
+            let widths = [
+                ("master", dtype.master_bytes()),
+                ("exp_avg", dtype.moment_bytes()),
+                ("exp_avg_sq", dtype.moment_bytes()),
+            ];
             for (g, group) in env.groups().iter().enumerate() {
                 let (name, n) = (&group.name, group.shard);
-                let master = read_tensor(&path, &file, &format!("{name}.master"), n)?;
-                let m = read_tensor(&path, &file, &format!("{name}.exp_avg"), n)?;
-                let v = read_tensor(&path, &file, &format!("{name}.exp_avg_sq"), n)?;
-                self.moves
-                    .load_group(env, g, &master, Some((&m, &v)), &mut buffers)?;
+                let mut parts = Vec::with_capacity(3);
+                for (state, width) in widths {
+                    let name = format!("{name}.{state}");
+                    parts.push(state_bytes(&path, &file, &name, n, width)?);
+                }
+                let mut source = |range: std::ops::Range<usize>, out: &mut [f32]| -> Result<()> {
+                    let width = dtype.master_bytes();
+                    decode_master(
+                        dtype,
+                        &parts[0][range.start * width..range.end * width],
+                        out,
+                    );
+                    Ok(())
+                };
+                let mut states = |at: u64, out: &mut [u8]| -> Result<()> {
+                    let (mut at, mut done) = (at as usize, 0);
+                    for part in &parts {
+                        if done == out.len() {
+                            break;
+                        }
+                        if at >= part.len() {
+                            at -= part.len();
+                            continue;
+                        }
+                        let n = (part.len() - at).min(out.len() - done);
+                        out[done..done + n].copy_from_slice(&part[at..at + n]);
+                        (done, at) = (done + n, 0);
+                    }
+                    Ok(())
+                };
+                self.moves.load_group_from(
+                    env,
+                    g,
+                    crate::engine::moves::LOAD_PIECE,
+                    &mut source,
+                    Some(&mut states),
+                    &mut buffers,
+                )?;
+                for part in &parts {
+                    let start = part.as_ptr() as usize - mapped.as_ptr() as usize;
+                    mapped.release(start, part.len());
+                }
             }
         } else {
             // Written by another number of ranks: this rank's shard of each
             // group is cut anew from the old ranks' shards by the elements'
             // place in the group (its padding past the parameters zero).
             let old = meta.ranks;
-            let mut files: Vec<Option<Vec<u8>>> = vec![None; old];
+            let mut files: Vec<Option<crate::hf::MappedFile>> = (0..old).map(|_| None).collect();
             for (g, group) in env.groups().iter().enumerate() {
                 let (name, n) = (&group.name, group.shard);
                 let old_shard = group.params.div_ceil(old);
@@ -354,10 +401,10 @@ impl Engine {
                     let upto = ((q + 1) * old_shard).min(end);
                     let file_name = format!("optimizer-rank{q}.safetensors");
                     if files[q].is_none() {
-                        files[q] = Some(checkpoint.read_file(&file_name)?);
+                        files[q] = Some(checkpoint.map_checked(&file_name)?);
                     }
                     let q_path = checkpoint.dir.join(&file_name);
-                    let file = open_shard(&q_path, files[q].as_ref().expect("read above"))?;
+                    let file = open_shard(&q_path, files[q].as_ref().expect("mapped above"))?;
                     for (part, state) in parts.iter_mut().zip(["master", "exp_avg", "exp_avg_sq"]) {
                         let values =
                             read_tensor(&q_path, &file, &format!("{name}.{state}"), old_shard)?;
@@ -390,6 +437,36 @@ fn open_shard<'a>(path: &Path, bytes: &'a [u8]) -> Result<safetensors::SafeTenso
         problem: format!("not a safetensors file: {err}"),
         fix: "resume from another checkpoint".into(),
     })
+}
+
+/// Tensor `name` of a mapped optimizer shard as it is kept: `len`
+/// elements of `width` bytes (F32 or BF16, the state dtype's), refused by
+/// name otherwise.
+fn state_bytes<'a>(
+    path: &Path,
+    file: &safetensors::SafeTensors<'a>,
+    name: &str,
+    len: usize,
+    width: usize,
+) -> Result<&'a [u8]> {
+    let mismatch = |found: String| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        problem: format!(
+            "tensor {name} is {found}, expected {} x {len}",
+            if width == 4 { "F32" } else { "BF16" }
+        ),
+        fix: "the checkpoint does not match this run: resume from another".into(),
+    };
+    let view = file.tensor(name).map_err(|err| mismatch(err.to_string()))?;
+    let elements: usize = view.shape().iter().product();
+    let dtype = match width {
+        4 => safetensors::Dtype::F32,
+        _ => safetensors::Dtype::BF16,
+    };
+    if view.dtype() != dtype || elements != len {
+        return Err(mismatch(format!("{:?} x {elements}", view.dtype())));
+    }
+    Ok(view.data())
 }
 
 /// The Hugging Face files beside the weights: `config.json` (with the
