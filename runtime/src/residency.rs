@@ -119,6 +119,13 @@ impl Completion {
     }
 }
 
+/// Staging bytes a streamed NVMe fill or read keeps in flight
+/// ([`Runtime::register_on_nvme`], [`Runtime::read_from_nvme`]).
+const STREAM_BYTES: usize = 16 << 20;
+
+/// The most chunks a streamed fill or read keeps in flight.
+const STREAM_DEPTH_MAX: usize = 64;
+
 /// Fills bytes of a tensor being registered, at an offset
 /// ([`Runtime::register_on_nvme`]).
 pub type Fill<'a, E> = dyn FnMut(u64, &mut [u8]) -> std::result::Result<(), E> + 'a;
@@ -353,6 +360,7 @@ impl Runtime {
             started: Instant::now(),
             room_wait: Duration::from_millis(config.runtime.room_wait_ms),
             cancel: strata_device::Cancel::new(),
+            staging: Mutex::new(Vec::new()),
         });
         let queue = || {
             let (sender, receiver) = sync_channel::<Job>(config.runtime.moves_queued_max);
@@ -476,9 +484,9 @@ impl Runtime {
     }
 
     /// Registers a tensor straight on NVMe with the bytes `fill(offset,
-    /// bytes)` writes, a chunk at a time through two staging buffers of
-    /// the largest chunk's size (filling one while the other is written),
-    /// so that the tensor is never whole in host memory and the host
+    /// bytes)` writes, a chunk at a time through staging buffers of the
+    /// largest chunk's size (filling one while up to 16 MiB of others are
+    /// written), so that the tensor is never whole in host memory and the host
     /// budget is not touched. Chunks wholly at or past `zeros_from` are
     /// zeroed by the store without writing their bytes; `fill` is asked
     /// only for bytes before it.
@@ -1397,8 +1405,32 @@ impl Shared {
         view.fill_zero(self, len_bytes)
     }
 
-    /// Reads `extents` in order into two staging buffers, handing each
-    /// chunk's bytes to `read` while the next one is read.
+    /// A staging buffer of at least `len` bytes: a kept one, or a new one.
+    fn staging_buffer(&self, len: usize, align: usize) -> Result<strata_storage::AlignedBuf> {
+        let mut kept = self.staging.lock().expect("staging lock");
+        if let Some(at) = kept.iter().position(|b| b.len() >= len) {
+            return Ok(kept.swap_remove(at));
+        }
+        drop(kept);
+        Ok(strata_storage::AlignedBuf::new(len, align)?)
+    }
+
+    /// Keeps staging buffers for the next streamed fill or read, up to
+    /// twice [`STREAM_BYTES`] in all (the largest first).
+    fn keep_staging(&self, buffers: Vec<strata_storage::AlignedBuf>) {
+        let mut kept = self.staging.lock().expect("staging lock");
+        kept.extend(buffers);
+        kept.sort_by_key(|b| std::cmp::Reverse(b.len()));
+        let mut total = 0;
+        kept.retain(|b| {
+            total += b.len();
+            total <= 2 * STREAM_BYTES
+        });
+    }
+
+    /// Reads `extents` in order into staging buffers, handing each chunk's
+    /// bytes to `read` while the next ones are read (up to
+    /// [`STREAM_BYTES`] in flight).
     fn stream_nvme<E: From<RuntimeError>>(
         &self,
         chunks: &[Chunk],
@@ -1412,38 +1444,47 @@ impl Shared {
         let started = Instant::now();
         let staging = extents.iter().map(|e| e.len_bytes()).max().unwrap_or(0) as usize;
         let align = store.align_bytes() as usize;
-        let buffer = || strata_storage::AlignedBuf::new(staging, align).map_err(RuntimeError::from);
-        let mut spare = Some(buffer()?);
-        let mut next = extents
-            .first()
-            .map(|e| store.read_start(e, spare.take().expect("one")));
+        let depth = (STREAM_BYTES / staging.max(1)).clamp(2, STREAM_DEPTH_MAX);
+        let mut spare: Vec<strata_storage::AlignedBuf> = Vec::new();
+        let mut in_flight = VecDeque::with_capacity(depth);
+        let mut next = 0;
         let mut bytes = 0;
-        for (k, chunk) in chunks.iter().enumerate() {
-            let ticket = next.take().expect("a read per chunk");
-            if let Some(extent) = extents.get(k + 1) {
-                let buf = match spare.take() {
-                    Some(buf) => buf,
-                    None => buffer()?,
-                };
-                next = Some(store.read_start(extent, buf));
+        let drain = |in_flight: &mut VecDeque<strata_storage::Ticket<_>>| {
+            for ticket in in_flight.drain(..) {
+                let _ = ticket.wait();
             }
+        };
+        for chunk in chunks {
+            // Keep `depth` reads ahead of the chunk handed over.
+            while next < extents.len() && in_flight.len() < depth {
+                let buf = match spare.pop() {
+                    Some(buf) => buf,
+                    None => match self.staging_buffer(staging, align) {
+                        Ok(buf) => buf,
+                        Err(err) => {
+                            drain(&mut in_flight);
+                            return Err(err.into());
+                        }
+                    },
+                };
+                in_flight.push_back(store.read_start(&extents[next], buf));
+                next += 1;
+            }
+            let ticket = in_flight.pop_front().expect("a read per chunk");
             let (buf, result) = ticket.wait();
             if let Err(err) = result {
-                if let Some(ticket) = next.take() {
-                    let _ = ticket.wait();
-                }
+                drain(&mut in_flight);
                 return Err(RuntimeError::from(err).into());
             }
             let done = read(chunk.offset, &buf[..chunk.len_bytes as usize]);
-            spare = Some(buf);
+            bytes += extents[next - in_flight.len() - 1].len_bytes();
+            spare.push(buf);
             if let Err(err) = done {
-                if let Some(ticket) = next.take() {
-                    let _ = ticket.wait();
-                }
+                drain(&mut in_flight);
                 return Err(err);
             }
-            bytes += extents[k].len_bytes();
         }
+        self.keep_staging(spare);
         let link = Link::NvmeToHost;
         let mut state = self.lock();
         let stats = &mut state.stats.links[link.index()];
@@ -1454,8 +1495,9 @@ impl Shared {
     }
 
     /// Fills a freshly allocated NVMe copy: bytes from `fill` below
-    /// `zeros_from`, through two staging buffers (filling one while the
-    /// other is written), and zeros past it by the store's [`SwapStore::zero`].
+    /// `zeros_from`, through staging buffers (filling one while the others
+    /// are written, up to [`STREAM_BYTES`] in flight), and zeros past it by
+    /// the store's [`SwapStore::zero_all`].
     fn fill_nvme<E: From<RuntimeError>>(
         &self,
         id: TensorId,
@@ -1485,43 +1527,62 @@ impl Shared {
             .max()
             .unwrap_or(0) as usize;
         let align = store.align_bytes() as usize;
+        // Writes in flight: as many as STREAM_BYTES of staging holds, at
+        // least two (one fills while one is written).
+        let depth = (STREAM_BYTES / staging.max(1)).clamp(2, STREAM_DEPTH_MAX);
         let mut spare = Vec::new();
-        let mut in_flight: Option<strata_storage::Ticket<strata_storage::AlignedBuf>> = None;
+        let mut in_flight = VecDeque::with_capacity(depth);
         let finish = |ticket: strata_storage::Ticket<_>, spare: &mut Vec<_>| {
             let (buf, result) = ticket.wait();
             spare.push(buf);
             result.map_err(RuntimeError::from)
         };
-        for (extent, chunk) in extents.iter().zip(chunks.iter()) {
+        let mut first_zero = extents.len();
+        for (k, (extent, chunk)) in extents.iter().zip(chunks.iter()).enumerate() {
             if chunk.offset >= zeros_from {
-                store.zero(extent).map_err(RuntimeError::from)?;
-                continue;
+                first_zero = k;
+                break;
+            }
+            if in_flight.len() == depth {
+                let ticket = in_flight.pop_front().expect("full");
+                if let Err(err) = finish(ticket, &mut spare) {
+                    for ticket in in_flight.drain(..) {
+                        let _ = finish(ticket, &mut spare);
+                    }
+                    return Err(err.into());
+                }
             }
             let mut buf = match spare.pop() {
                 Some(buf) => buf,
-                None => {
-                    strata_storage::AlignedBuf::new(staging, align).map_err(RuntimeError::from)?
-                }
+                None => self.staging_buffer(staging, align)?,
             };
             let len = extent.len_bytes() as usize;
             let filled = (zeros_from - chunk.offset).min(chunk.len_bytes) as usize;
             let result = fill(chunk.offset, &mut buf[..filled]);
             buf[filled..len].fill(0);
             if let Err(err) = result {
-                if let Some(ticket) = in_flight.take() {
+                for ticket in in_flight.drain(..) {
                     let _ = finish(ticket, &mut spare);
                 }
                 return Err(err);
             }
-            // One write in flight while the next chunk fills.
-            if let Some(ticket) = in_flight.take() {
-                finish(ticket, &mut spare)?;
-            }
-            in_flight = Some(store.write_start(extent, buf));
+            in_flight.push_back(store.write_start(extent, buf));
             written += len as u64;
         }
-        if let Some(ticket) = in_flight.take() {
-            finish(ticket, &mut spare)?;
+        // Chunks at or past zeros_from follow the filled ones: zeroed
+        // together while the last writes land.
+        let zeroed = store
+            .zero_all(&extents[first_zero..])
+            .map_err(RuntimeError::from);
+        let mut first_error = zeroed.err();
+        for ticket in in_flight.drain(..) {
+            if let Err(err) = finish(ticket, &mut spare) {
+                first_error.get_or_insert(err);
+            }
+        }
+        self.keep_staging(spare);
+        if let Some(err) = first_error {
+            return Err(err.into());
         }
         let link = Link::HostToNvme;
         {

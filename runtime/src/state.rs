@@ -252,6 +252,9 @@ pub(crate) struct Shared {
     /// Cancelled: every wait on another party (a move, a tensor in use,
     /// room on a tier) ends with [`RuntimeError::Cancelled`].
     pub(crate) cancel: strata_device::Cancel,
+    /// Staging buffers of streamed NVMe fills and reads, kept for the
+    /// next one (fresh ones cost a page fault per page).
+    pub(crate) staging: Mutex<Vec<strata_storage::AlignedBuf>>,
 }
 
 impl Shared {

@@ -378,57 +378,76 @@ impl SwapStore {
     /// traffic), else by writing zeros; records the zeros' checksums. Blocks
     /// until done. A fresh tensor's zero moments cost nothing this way.
     pub fn zero(&self, extent: &Extent) -> Result<()> {
-        let (offset, len) = {
-            let mut extents = self.inner.extents.lock().expect("extents lock");
-            let meta = extents
-                .get_mut(&extent.id)
-                .expect("live extent has metadata");
-            begin(meta, extent.id, Op::Write)?;
-            (meta.offset, meta.len_bytes)
-        };
-        let result = self.zero_chunks(offset, len);
-        if result.is_ok() {
-            let mut sums = Vec::new();
-            let mut by_len: Vec<(u32, u64)> = Vec::new();
-            let zeros = vec![0u8; self.inner.layout.block_bytes as usize];
-            self.inner
-                .layout
-                .for_each_chunk(offset, len, |_, _, _, _, len| {
-                    let sum = match by_len.iter().find(|(l, _)| *l == len) {
-                        Some(&(_, sum)) => sum,
-                        None => {
-                            let sum = checksum(&zeros[..len as usize]);
-                            by_len.push((len, sum));
-                            sum
-                        }
-                    };
-                    sums.push(sum);
-                });
-            let mut extents = self.inner.extents.lock().expect("extents lock");
-            extents
-                .get_mut(&extent.id)
-                .expect("busy extent has metadata")
-                .checksums = sums;
+        self.zero_all(std::slice::from_ref(extent))
+    }
+
+    /// [`SwapStore::zero`] for several extents, the file ranges of those
+    /// that lie side by side zeroed in one call: a tensor's chunks.
+    pub fn zero_all(&self, extents: &[Extent]) -> Result<()> {
+        let mut spans = Vec::with_capacity(extents.len());
+        {
+            let mut table = self.inner.extents.lock().expect("extents lock");
+            for (k, extent) in extents.iter().enumerate() {
+                let meta = table.get_mut(&extent.id).expect("live extent has metadata");
+                if let Err(err) = begin(meta, extent.id, Op::Write) {
+                    drop(table);
+                    for done in &extents[..k] {
+                        finish_transfer(&Arc::downgrade(&self.inner), done.id, Op::Write, false);
+                    }
+                    return Err(err);
+                }
+                spans.push((meta.offset, meta.len_bytes));
+            }
         }
-        finish_transfer(
-            &Arc::downgrade(&self.inner),
-            extent.id,
-            Op::Write,
-            result.is_ok(),
-        );
+        let result = self.zero_chunks(&spans);
+        if result.is_ok() {
+            let zeros = vec![0u8; self.inner.layout.block_bytes as usize];
+            let mut by_len: Vec<(u32, u64)> = Vec::new();
+            let mut table = self.inner.extents.lock().expect("extents lock");
+            for (extent, &(offset, len)) in extents.iter().zip(&spans) {
+                let mut sums = Vec::new();
+                self.inner
+                    .layout
+                    .for_each_chunk(offset, len, |_, _, _, _, len| {
+                        let sum = match by_len.iter().find(|(l, _)| *l == len) {
+                            Some(&(_, sum)) => sum,
+                            None => {
+                                let sum = checksum(&zeros[..len as usize]);
+                                by_len.push((len, sum));
+                                sum
+                            }
+                        };
+                        sums.push(sum);
+                    });
+                table
+                    .get_mut(&extent.id)
+                    .expect("busy extent has metadata")
+                    .checksums = sums;
+            }
+        }
+        for extent in extents {
+            finish_transfer(
+                &Arc::downgrade(&self.inner),
+                extent.id,
+                Op::Write,
+                result.is_ok(),
+            );
+        }
         result
     }
 
-    /// Zeroes the store's bytes `offset..offset + len`, file range by file
-    /// range (a stripe's consecutive chunks in one call).
-    fn zero_chunks(&self, offset: u64, len: u64) -> Result<()> {
+    /// Zeroes the store's bytes in `spans` (offset, length), file range by
+    /// file range (consecutive chunks of one file in one call).
+    fn zero_chunks(&self, spans: &[(u64, u64)]) -> Result<()> {
         let mut ranges: Vec<(u32, u64, u64)> = Vec::new();
-        self.inner
-            .layout
-            .for_each_chunk(offset, len, |_, _, file, at, len| match ranges.last_mut() {
-                Some((f, start, n)) if *f == file && *start + *n == at => *n += u64::from(len),
-                _ => ranges.push((file, at, u64::from(len))),
-            });
+        for &(offset, len) in spans {
+            self.inner
+                .layout
+                .for_each_chunk(offset, len, |_, _, file, at, len| match ranges.last_mut() {
+                    Some((f, start, n)) if *f == file && *start + *n == at => *n += u64::from(len),
+                    _ => ranges.push((file, at, u64::from(len))),
+                });
+        }
         let mut zeros: Option<AlignedBuf> = None;
         for (file, at, len) in ranges {
             let io = &self.inner.files[file as usize].io;

@@ -234,8 +234,9 @@ fn dropping_a_busy_extent_frees_it_after_the_transfer() {
 
 /// `zero` leaves an extent that held data reading zeros, checksums and
 /// all, over a stripe boundary and two files; the extents beside it keep
-/// their data; a never-written extent is refused, a zeroed
-/// one is not; and an extent busy with a write cannot be zeroed.
+/// their data; a never-written extent is refused, a zeroed one is not;
+/// `zero_all` zeroes several side by side; and an extent busy with a
+/// write cannot be zeroed.
 #[test]
 fn zero_reads_back_zeros_and_leaves_neighbours_alone() {
     let (a, b) = (tempdir(), tempdir());
@@ -280,6 +281,22 @@ fn zero_reads_back_zeros_and_leaves_neighbours_alone() {
     store.write(&fresh, &data).unwrap();
     store.read(&fresh, &mut buf).unwrap();
     assert!(buf[..] == data[..]);
+    // Several at once, side by side: one range.
+    let pair = [
+        store.allocate(128 << 10).unwrap(),
+        store.allocate(64 << 10).unwrap(),
+    ];
+    for extent in &pair {
+        store
+            .write(extent, &filled(extent.len_bytes() as usize, 11))
+            .unwrap();
+    }
+    store.zero_all(&pair).unwrap();
+    for extent in &pair {
+        let mut back = AlignedBuf::new(extent.len_bytes() as usize, 4096).unwrap();
+        store.read(extent, &mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 0));
+    }
     // Busy with a write: refused by name.
     let ticket = store.write_start(&zeroed, filled(320 << 10, 4));
     let busy = store.zero(&zeroed);
