@@ -464,14 +464,8 @@ impl Runtime {
             let now = state.tick();
             let entry = state.entry_mut(id)?;
             entry.begin_use(Tier::Nvme, Access::Read, now);
-            let Some(Copy {
-                place: Place::Nvme(extents),
-                ..
-            }) = &entry.copies[Tier::Nvme.index()]
-            else {
-                unreachable!("a valid nvme copy is on nvme")
-            };
-            (entry.chunks.clone(), extents.clone())
+            let extents = entry.nvme_extents().expect("a valid nvme copy is on nvme");
+            (entry.chunks.clone(), extents)
         };
         let result = self.shared.stream_nvme(&chunks, &extents, read);
         let mut state = self.shared.lock();
@@ -1508,14 +1502,8 @@ impl Shared {
         let (chunks, extents) = {
             let state = self.lock();
             let entry = state.entry(id)?;
-            let Some(Copy {
-                place: Place::Nvme(extents),
-                ..
-            }) = &entry.copies[Tier::Nvme.index()]
-            else {
-                unreachable!("allocated on nvme above")
-            };
-            (entry.chunks.clone(), extents.clone())
+            let extents = entry.nvme_extents().expect("allocated on nvme above");
+            (entry.chunks.clone(), extents)
         };
         let started = Instant::now();
         let mut written = 0;

@@ -109,6 +109,17 @@ impl Entry {
         }
     }
 
+    /// The extents of the NVMe copy, if it has one.
+    pub(crate) fn nvme_extents(&self) -> Option<Arc<[Extent]>> {
+        match &self.copies[Tier::Nvme.index()] {
+            Some(Copy {
+                place: Place::Nvme(extents),
+                ..
+            }) => Some(extents.clone()),
+            _ => None,
+        }
+    }
+
     pub(crate) fn valid(&self, tier: Tier) -> bool {
         matches!(&self.copies[tier.index()], Some(copy) if copy.valid)
     }

@@ -1300,8 +1300,8 @@ fn an_engine_whose_step_failed_part_way_refuses_to_go_on() {
 /// and norms bit for bit as gradients on the host, with updates
 /// speculated in backward and with every step clipped (late updates read
 /// them in the next step's forward); each step's gradient bytes go to the
-/// drive, and come back where the host did not keep them. A config that asks for them elsewhere than the
-/// optimizer can read is refused by name.
+/// drive, and come back where the host did not keep them. A config that
+/// asks for them elsewhere than the optimizer can read is refused by name.
 #[test]
 fn gradients_on_nvme_change_no_bit_and_go_through_the_drive() {
     let dir = tempfile::tempdir().unwrap();
