@@ -387,22 +387,22 @@ impl SwapStore {
         let mut spans = Vec::with_capacity(extents.len());
         {
             let mut table = self.inner.extents.lock().expect("extents lock");
-            for (k, extent) in extents.iter().enumerate() {
+            // All or none: an extent in use refuses the call before any
+            // other is marked (and its data forgotten).
+            for extent in extents {
+                check_begin(&table[&extent.id], extent.id, Op::Write)?;
+            }
+            for extent in extents {
                 let meta = table.get_mut(&extent.id).expect("live extent has metadata");
-                if let Err(err) = begin(meta, extent.id, Op::Write) {
-                    drop(table);
-                    for done in &extents[..k] {
-                        finish_transfer(&Arc::downgrade(&self.inner), done.id, Op::Write, false);
-                    }
-                    return Err(err);
-                }
+                begin(meta, extent.id, Op::Write).expect("checked above");
                 spans.push((meta.offset, meta.len_bytes));
             }
         }
         let result = self.zero_chunks(&spans);
         if result.is_ok() {
-            let zeros = vec![0u8; self.inner.layout.block_bytes as usize];
-            let mut by_len: Vec<(u32, u64)> = Vec::new();
+            // Chunks are at most a block; most are whole ones: one
+            // checksum per length.
+            let (mut zeros, mut by_len) = (Vec::new(), Vec::<(u32, u64)>::new());
             let mut table = self.inner.extents.lock().expect("extents lock");
             for (extent, &(offset, len)) in extents.iter().zip(&spans) {
                 let mut sums = Vec::new();
@@ -412,6 +412,7 @@ impl SwapStore {
                         let sum = match by_len.iter().find(|(l, _)| *l == len) {
                             Some(&(_, sum)) => sum,
                             None => {
+                                zeros.resize(zeros.len().max(len as usize), 0u8);
                                 let sum = checksum(&zeros[..len as usize]);
                                 by_len.push((len, sum));
                                 sum
@@ -747,19 +748,7 @@ fn failed_ticket<T: Send + 'static>(payload: T, err: StorageError) -> Ticket<T> 
 
 /// Marks an extent busy for `op`, or says why it cannot be.
 fn begin(meta: &mut ExtentMeta, id: u64, op: Op) -> Result<()> {
-    match (op, meta.busy) {
-        (_, Some((busy_with, _))) if busy_with != op || op == Op::Write => {
-            return Err(StorageError::ExtentBusy {
-                extent: id,
-                busy_with,
-                requested: op,
-            });
-        }
-        (Op::Read, _) if meta.contents != Contents::Valid => {
-            return Err(StorageError::ExtentNotWritten { extent: id });
-        }
-        _ => {}
-    }
+    check_begin(meta, id, op)?;
     meta.busy = Some(match meta.busy {
         Some((busy_op, count)) => (busy_op, count + 1),
         None => (op, 1),
@@ -769,6 +758,23 @@ fn begin(meta: &mut ExtentMeta, id: u64, op: Op) -> Result<()> {
         meta.contents = Contents::Empty;
     }
     Ok(())
+}
+
+/// Why an extent cannot begin `op` now, if it cannot.
+fn check_begin(meta: &ExtentMeta, id: u64, op: Op) -> Result<()> {
+    match (op, meta.busy) {
+        (_, Some((busy_with, _))) if busy_with != op || op == Op::Write => {
+            Err(StorageError::ExtentBusy {
+                extent: id,
+                busy_with,
+                requested: op,
+            })
+        }
+        (Op::Read, _) if meta.contents != Contents::Valid => {
+            Err(StorageError::ExtentNotWritten { extent: id })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Runs when a transfer's last piece finishes.

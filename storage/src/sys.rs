@@ -123,14 +123,14 @@ pub fn fallocate(file: &File, len: u64) -> io::Result<()> {
 
 /// Makes `len` bytes at `offset` of `file` read as zeros without writing
 /// them: `FALLOC_FL_ZERO_RANGE` (the blocks stay allocated, marked
-/// unwritten), else `FALLOC_FL_PUNCH_HOLE` (tmpfs). `Ok(false)` when the
-/// file system supports neither: the caller writes the zeros.
+/// unwritten), else `FALLOC_FL_PUNCH_HOLE` (tmpfs) followed by a plain
+/// `fallocate` of the range, so that the blocks the hole gave back are
+/// reserved again (a preallocated swap file keeps its ENOSPC up front).
+/// `Ok(false)` when the file system supports neither: the caller writes
+/// the zeros.
 pub fn zero_range(file: &File, offset: u64, len: u64) -> io::Result<bool> {
     let keep = libc::FALLOC_FL_KEEP_SIZE;
-    for mode in [
-        libc::FALLOC_FL_ZERO_RANGE | keep,
-        libc::FALLOC_FL_PUNCH_HOLE | keep,
-    ] {
+    let call = |mode: libc::c_int| {
         // SAFETY: plain syscall on an fd owned by `file`.
         let rc = unsafe {
             libc::fallocate(
@@ -140,13 +140,25 @@ pub fn zero_range(file: &File, offset: u64, len: u64) -> io::Result<bool> {
                 len as libc::off_t,
             )
         };
-        if rc == 0 {
-            return Ok(true);
+        match rc {
+            0 => Ok(true),
+            _ => match io::Error::last_os_error() {
+                err if err.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(false),
+                err => Err(err),
+            },
         }
-        let err = io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EOPNOTSUPP) {
-            return Err(err);
-        }
+    };
+    if call(libc::FALLOC_FL_ZERO_RANGE | keep)? {
+        return Ok(true);
+    }
+    if call(libc::FALLOC_FL_PUNCH_HOLE | keep)? {
+        return match call(keep)? {
+            true => Ok(true),
+            false => Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "the file system punched a hole but cannot reserve its blocks again",
+            )),
+        };
     }
     Ok(false)
 }
