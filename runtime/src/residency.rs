@@ -467,7 +467,7 @@ impl Runtime {
             let extents = entry.nvme_extents().expect("a valid nvme copy is on nvme");
             (entry.chunks.clone(), extents)
         };
-        let result = self.shared.stream_nvme(&chunks, &extents, read);
+        let result = self.shared.stream_nvme(id, &chunks, &extents, read);
         let mut state = self.shared.lock();
         if let Ok(entry) = state.entry_mut(id) {
             entry.end_use(Tier::Nvme, Access::Read);
@@ -1422,11 +1422,12 @@ impl Shared {
         });
     }
 
-    /// Reads `extents` in order into staging buffers, handing each chunk's
-    /// bytes to `read` while the next ones are read (up to
+    /// Reads tensor `id`'s `extents` in order into staging buffers, handing
+    /// each chunk's bytes to `read` while the next ones are read (up to
     /// [`STREAM_BYTES`] in flight).
     fn stream_nvme<E: From<RuntimeError>>(
         &self,
+        id: TensorId,
         chunks: &[Chunk],
         extents: &[Extent],
         read: &mut Visit<'_, E>,
@@ -1436,62 +1437,35 @@ impl Shared {
             .as_ref()
             .expect("nvme copies exist only with a store");
         let started = Instant::now();
-        let staging = extents.iter().map(|e| e.len_bytes()).max().unwrap_or(0) as usize;
-        let align = store.align_bytes() as usize;
-        let depth = (STREAM_BYTES / staging.max(1)).clamp(2, STREAM_DEPTH_MAX);
-        let mut spare: Vec<strata_storage::AlignedBuf> = Vec::new();
-        let mut in_flight = VecDeque::with_capacity(depth);
-        let mut next = 0;
+        let staging = extents.iter().map(|e| e.len_bytes()).max().unwrap_or(0);
+        let mut in_flight = InFlight::new(self, staging);
         let mut bytes = 0;
-        let drain = |in_flight: &mut VecDeque<strata_storage::Ticket<_>>| {
-            for ticket in in_flight.drain(..) {
-                let _ = ticket.wait();
-            }
-        };
-        for chunk in chunks {
-            // Keep `depth` reads ahead of the chunk handed over.
-            while next < extents.len() && in_flight.len() < depth {
-                let buf = match spare.pop() {
-                    Some(buf) => buf,
-                    None => match self.staging_buffer(staging, align) {
-                        Ok(buf) => buf,
-                        Err(err) => {
-                            drain(&mut in_flight);
-                            return Err(err.into());
-                        }
-                    },
-                };
-                in_flight.push_back(store.read_start(&extents[next], buf));
+        let mut next = 0;
+        let result = chunks.iter().zip(extents).try_for_each(|(chunk, extent)| {
+            // Keep reads going ahead of the chunk handed over.
+            while next < extents.len() && !in_flight.full() {
+                let buf = in_flight.buffer()?;
+                in_flight.push(store.read_start(&extents[next], buf));
                 next += 1;
             }
-            let ticket = in_flight.pop_front().expect("a read per chunk");
-            let (buf, result) = ticket.wait();
-            if let Err(err) = result {
-                drain(&mut in_flight);
-                return Err(RuntimeError::from(err).into());
-            }
+            let buf = in_flight.pop_front()?.expect("a read per chunk");
             let done = read(chunk.offset, &buf[..chunk.len_bytes as usize]);
-            bytes += extents[next - in_flight.len() - 1].len_bytes();
-            spare.push(buf);
-            if let Err(err) = done {
-                drain(&mut in_flight);
-                return Err(err);
-            }
-        }
-        self.keep_staging(spare);
-        let link = Link::NvmeToHost;
-        let mut state = self.lock();
-        let stats = &mut state.stats.links[link.index()];
-        stats.bytes += bytes;
-        stats.transfers += 1;
-        stats.busy_ns += started.elapsed().as_nanos() as u64;
+            in_flight.spare(buf);
+            bytes += extent.len_bytes();
+            done
+        });
+        let landed = in_flight.finish();
+        result?;
+        landed?;
+        self.account_bytes(Link::NvmeToHost, bytes);
+        self.account_time(Link::NvmeToHost, id, bytes, started, caller_lane());
         Ok(())
     }
 
-    /// Fills a freshly allocated NVMe copy: bytes from `fill` below
-    /// `zeros_from`, through staging buffers (filling one while the others
-    /// are written, up to [`STREAM_BYTES`] in flight), and zeros past it by
-    /// the store's [`SwapStore::zero_all`].
+    /// Fills tensor `id`'s freshly allocated NVMe copy: bytes from `fill`
+    /// below `zeros_from`, through staging buffers (filling one while the
+    /// others are written, up to [`STREAM_BYTES`] in flight), and zeros
+    /// past it by the store's [`SwapStore::zero_all`].
     fn fill_nvme<E: From<RuntimeError>>(
         &self,
         id: TensorId,
@@ -1506,80 +1480,44 @@ impl Shared {
             (entry.chunks.clone(), extents)
         };
         let started = Instant::now();
+        // The filled chunks come first: those at or past zeros_from are
+        // zeroed together while the last writes land.
+        let filled = chunks.iter().take_while(|c| c.offset < zeros_from).count();
+        let staging = extents[..filled].iter().map(|e| e.len_bytes()).max();
+        let mut in_flight = InFlight::new(self, staging.unwrap_or(0));
         let mut written = 0;
-        let staging = extents
+        let result = chunks[..filled]
             .iter()
-            .zip(chunks.iter())
-            .filter(|(_, chunk)| chunk.offset < zeros_from)
-            .map(|(extent, _)| extent.len_bytes())
-            .max()
-            .unwrap_or(0) as usize;
-        let align = store.align_bytes() as usize;
-        // Writes in flight: as many as STREAM_BYTES of staging holds, at
-        // least two (one fills while one is written).
-        let depth = (STREAM_BYTES / staging.max(1)).clamp(2, STREAM_DEPTH_MAX);
-        let mut spare = Vec::new();
-        let mut in_flight = VecDeque::with_capacity(depth);
-        let finish = |ticket: strata_storage::Ticket<_>, spare: &mut Vec<_>| {
-            let (buf, result) = ticket.wait();
-            spare.push(buf);
-            result.map_err(RuntimeError::from)
-        };
-        let mut first_zero = extents.len();
-        for (k, (extent, chunk)) in extents.iter().zip(chunks.iter()).enumerate() {
-            if chunk.offset >= zeros_from {
-                first_zero = k;
-                break;
-            }
-            if in_flight.len() == depth {
-                let ticket = in_flight.pop_front().expect("full");
-                if let Err(err) = finish(ticket, &mut spare) {
-                    for ticket in in_flight.drain(..) {
-                        let _ = finish(ticket, &mut spare);
-                    }
-                    return Err(err.into());
+            .zip(&extents[..filled])
+            .try_for_each(|(chunk, extent)| {
+                if in_flight.full() {
+                    let landed = in_flight.pop_front()?.expect("full");
+                    in_flight.spare(landed);
                 }
-            }
-            let mut buf = match spare.pop() {
-                Some(buf) => buf,
-                None => self.staging_buffer(staging, align)?,
-            };
-            let len = extent.len_bytes() as usize;
-            let filled = (zeros_from - chunk.offset).min(chunk.len_bytes) as usize;
-            let result = fill(chunk.offset, &mut buf[..filled]);
-            buf[filled..len].fill(0);
-            if let Err(err) = result {
-                for ticket in in_flight.drain(..) {
-                    let _ = finish(ticket, &mut spare);
+                let mut buf = in_flight.buffer()?;
+                let len = extent.len_bytes() as usize;
+                let upto = (zeros_from - chunk.offset).min(chunk.len_bytes) as usize;
+                let result = fill(chunk.offset, &mut buf[..upto]);
+                buf[upto..len].fill(0);
+                if result.is_err() {
+                    in_flight.spare(buf);
+                    return result;
                 }
-                return Err(err);
-            }
-            in_flight.push_back(store.write_start(extent, buf));
-            written += len as u64;
-        }
-        // Chunks at or past zeros_from follow the filled ones: zeroed
-        // together while the last writes land.
-        let zeroed = store
-            .zero_all(&extents[first_zero..])
-            .map_err(RuntimeError::from);
-        let mut first_error = zeroed.err();
-        for ticket in in_flight.drain(..) {
-            if let Err(err) = finish(ticket, &mut spare) {
-                first_error.get_or_insert(err);
-            }
-        }
-        self.keep_staging(spare);
-        if let Some(err) = first_error {
-            return Err(err.into());
-        }
-        let link = Link::HostToNvme;
-        {
-            let mut state = self.lock();
-            let stats = &mut state.stats.links[link.index()];
-            stats.bytes += written;
-            stats.transfers += 1;
-            stats.busy_ns += started.elapsed().as_nanos() as u64;
-        }
+                in_flight.push(store.write_start(extent, buf));
+                written += len as u64;
+                Ok(())
+            })
+            .and_then(|()| {
+                store
+                    .zero_all(&extents[filled..])
+                    .map_err(|err| RuntimeError::from(err).into())
+            });
+        // Every write in flight lands before this returns, failed or not.
+        let landed = in_flight.finish();
+        result?;
+        landed?;
+        self.account_bytes(Link::HostToNvme, written);
+        self.account_time(Link::HostToNvme, id, written, started, caller_lane());
         Ok(())
     }
 
@@ -1713,6 +1651,85 @@ impl Shared {
             Some(err) => Err(err.into()),
             None => Ok(()),
         }
+    }
+}
+
+/// The transfers of a streamed NVMe fill or read ([`Shared::fill_nvme`],
+/// [`Shared::stream_nvme`]): up to [`STREAM_BYTES`] of staging buffers in
+/// flight (at least two: one is filled or read while the other moves),
+/// taken from and given back to the runtime's kept ones.
+struct InFlight<'a> {
+    shared: &'a Shared,
+    staging: usize,
+    align: usize,
+    depth: usize,
+    tickets: VecDeque<strata_storage::Ticket<strata_storage::AlignedBuf>>,
+    spare: Vec<strata_storage::AlignedBuf>,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(shared: &'a Shared, staging: u64) -> Self {
+        let store = shared.store.as_ref().expect("streams need a store");
+        let staging = staging as usize;
+        let depth = (STREAM_BYTES / staging.max(1)).clamp(2, STREAM_DEPTH_MAX);
+        InFlight {
+            shared,
+            staging,
+            align: store.align_bytes() as usize,
+            depth,
+            tickets: VecDeque::with_capacity(depth),
+            spare: Vec::new(),
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.tickets.len() == self.depth
+    }
+
+    /// A staging buffer: a spare one, else a kept or new one.
+    fn buffer(&mut self) -> Result<strata_storage::AlignedBuf> {
+        match self.spare.pop() {
+            Some(buf) => Ok(buf),
+            None => self.shared.staging_buffer(self.staging, self.align),
+        }
+    }
+
+    fn push(&mut self, ticket: strata_storage::Ticket<strata_storage::AlignedBuf>) {
+        self.tickets.push_back(ticket);
+    }
+
+    fn spare(&mut self, buf: strata_storage::AlignedBuf) {
+        self.spare.push(buf);
+    }
+
+    /// Waits for the oldest transfer: its buffer, or its error (the buffer
+    /// spare again). None when nothing is in flight.
+    fn pop_front(&mut self) -> Result<Option<strata_storage::AlignedBuf>> {
+        let Some(ticket) = self.tickets.pop_front() else {
+            return Ok(None);
+        };
+        let (buf, result) = ticket.wait();
+        match result {
+            Ok(()) => Ok(Some(buf)),
+            Err(err) => {
+                self.spare.push(buf);
+                Err(err.into())
+            }
+        }
+    }
+
+    /// Waits for every transfer still in flight and keeps the buffers for
+    /// the next stream; the first error among them.
+    fn finish(mut self) -> Result<()> {
+        let mut first = Ok(());
+        while !self.tickets.is_empty() {
+            match self.pop_front() {
+                Ok(buf) => self.spare.extend(buf),
+                Err(err) => first = first.and(Err(err)),
+            }
+        }
+        self.shared.keep_staging(std::mem::take(&mut self.spare));
+        first
     }
 }
 
