@@ -10,18 +10,17 @@ use std::ops::Range;
 
 use half::bf16;
 use strata_runtime::RuntimeError;
-use strata_runtime::{Access, TensorId, Tier};
+use strata_runtime::{Access, Fill, TensorId, TensorMeta, Tier, Visit};
 use strata_scheduler::{Action, ActionKind};
 
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 
 use super::env::Env;
 use super::optimizer::{OptJob, Update};
 use super::schedule::StepSchedule;
 use super::steps::update_sets;
 use super::tensors::{
-    LoadBuffers, Slot, encode_masters, encode_states, grad_index, param_index, runtime_tier,
-    state_index,
+    LoadBuffers, Slot, encode_states, grad_index, param_index, runtime_tier, state_index,
 };
 
 /// Elements of a group's shard loaded at a time from a Hugging Face
@@ -31,10 +30,6 @@ pub(super) const LOAD_PIECE: usize = 1 << 22;
 
 /// Fills a range of a group's shard with master weights (a load's source).
 pub(super) type Source<'a> = dyn FnMut(Range<usize>, &mut [f32]) -> Result<()> + 'a;
-
-/// Fills a range of a group's state tensor (a resume's source): the
-/// bytes at an offset.
-pub(super) type StateBytes<'a> = dyn FnMut(u64, &mut [u8]) -> Result<()> + 'a;
 
 /// Bytes of a tensor placed on the host written at a time.
 const PLACE_PIECE_BYTES: usize = 4 << 20;
@@ -392,7 +387,7 @@ impl Moves {
                         out.fill(0.0);
                         folder.read(&specs[g], start..end, &mut out[..end - start])
                     };
-                    self.load_group_from(env, g, LOAD_PIECE, &mut source, None, &mut buffers)?;
+                    self.load_group_from(env, g, LOAD_PIECE, &mut source, None)?;
                     folder.release(&specs[g]);
                 }
                 None => {
@@ -420,8 +415,7 @@ impl Moves {
         g: usize,
         piece: usize,
         source: &mut Source<'_>,
-        mut states: Option<&mut StateBytes<'_>>,
-        buffers: &mut LoadBuffers,
+        mut states: Option<&mut Fill<'_, TrainError>>,
     ) -> Result<()> {
         let n = env.groups()[g].shard;
         let dtype = env.config().optim.state_dtype;
@@ -435,22 +429,8 @@ impl Moves {
                 continue;
             }
             // The bf16 compute copy, as `load_group` narrows it.
-            self.place_persistent_with(env, p, u64::MAX, &mut |at, bytes| {
-                let first = at as usize / 2;
-                for (k, out) in bytes.chunks_mut(2 * piece).enumerate() {
-                    let start = first + k * piece;
-                    let values = &mut values[..out.len() / 2];
-                    source(start..start + values.len(), values)?;
-                    buffers.param.clear();
-                    buffers.param.resize(values.len(), bf16::ZERO);
-                    strata_optim::narrow(
-                        strata_optim::Isa::chosen(),
-                        values,
-                        strata_optim::LowPrecisionMut::Bf16(&mut buffers.param),
-                    );
-                    out.copy_from_slice(bytemuck::cast_slice(&buffers.param));
-                }
-                Ok(())
+            self.place_persistent_with(env, p, u64::MAX, &mut |at, out| {
+                narrow_from(source, &mut values, at, out, 2)
             })?;
             if let Some(states) = states.as_mut() {
                 let end = (n * (dtype.master_bytes() + 2 * dtype.moment_bytes())) as u64;
@@ -459,18 +439,9 @@ impl Moves {
             }
             // The states: the masters, then zero moments and padding (not
             // written on NVMe: the store zeroes them).
-            let master_bytes = dtype.master_bytes();
-            let masters_end = (n * master_bytes) as u64;
-            self.place_persistent_with(env, s, masters_end, &mut |at, bytes| {
-                let first = at as usize / master_bytes;
-                for (k, out) in bytes.chunks_mut(master_bytes * piece).enumerate() {
-                    let start = first + k * piece;
-                    let values = &mut values[..out.len() / master_bytes];
-                    source(start..start + values.len(), values)?;
-                    encode_masters(dtype, values, &mut buffers.state);
-                    out.copy_from_slice(&buffers.state);
-                }
-                Ok(())
+            let width = dtype.master_bytes();
+            self.place_persistent_with(env, s, (n * width) as u64, &mut |at, out| {
+                narrow_from(source, &mut values, at, out, width)
             })?;
         }
         Ok(())
@@ -526,20 +497,19 @@ impl Moves {
         env: &Env,
         index: usize,
         zeros_from: u64,
-        fill: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>,
+        fill: &mut Fill<'_, TrainError>,
     ) -> Result<()> {
         let runtime = env.runtime();
-        if let Some(id) = self.slots[index].id.take() {
-            runtime.free(id)?;
-        }
-        let home = self.slots[index]
-            .home
-            .expect("persistent tensors have a home");
-        let meta = self.slots[index].meta.clone();
+        let (home, meta) = self.free_slot(env, index)?;
         let len = meta.len_bytes();
         let filled = zeros_from.min(len) as usize;
-        let id = match home {
-            Tier::Nvme => runtime.register_on_nvme(meta, zeros_from, fill)?,
+        // The slot names the tensor as soon as it is registered: one that
+        // fails to fill is freed with the rest.
+        match home {
+            Tier::Nvme => {
+                let id = runtime.register_on_nvme(meta, zeros_from, fill)?;
+                self.slots[index].id = Some(id);
+            }
             Tier::Device => {
                 let mut whole = vec![0u8; len as usize];
                 fill(0, &mut whole[..filled])?;
@@ -548,7 +518,6 @@ impl Moves {
                 runtime
                     .acquire(id, Tier::Device, Access::Write)?
                     .write_from(&whole)?;
-                id
             }
             Tier::Host => {
                 let id = runtime.register_unfilled(meta, Tier::Host)?;
@@ -564,18 +533,24 @@ impl Moves {
                     guard.write_range(at as u64, &piece[..n])?;
                     at += n;
                 }
-                id
             }
-        };
-        self.slots[index].id = Some(id);
+        }
         Ok(())
+    }
+
+    /// Frees slot `index`'s tensor, if any, for it to be registered anew:
+    /// its home and description.
+    fn free_slot(&mut self, env: &Env, index: usize) -> Result<(Tier, TensorMeta)> {
+        if let Some(id) = self.slots[index].id.take() {
+            env.runtime().free(id)?;
+        }
+        let slot = &self.slots[index];
+        let home = slot.home.expect("persistent tensors have a home");
+        Ok((home, slot.meta.clone()))
     }
 
     /// (Re)creates a persistent tensor at its home with `initial` contents.
     fn place_persistent(&mut self, env: &Env, index: usize, initial: Initial<'_>) -> Result<()> {
-        let home = self.slots[index]
-            .home
-            .expect("persistent tensors have a home");
         match initial {
             Initial::Bytes(data) => {
                 self.place_persistent_with(env, index, u64::MAX, &mut |at, bytes| {
@@ -589,10 +564,7 @@ impl Moves {
             // before that write fails rather than return stale bytes.
             Initial::Zeros | Initial::Unwritten => {
                 let runtime = env.runtime();
-                if let Some(id) = self.slots[index].id.take() {
-                    runtime.free(id)?;
-                }
-                let meta = self.slots[index].meta.clone();
+                let (home, meta) = self.free_slot(env, index)?;
                 let id = match (initial, home) {
                     (Initial::Unwritten, Tier::Nvme) => runtime.register_unfilled(meta, home)?,
                     _ => runtime.register(meta, home)?,
@@ -613,7 +585,7 @@ impl Moves {
         &self,
         env: &Env,
         g: usize,
-        visit: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+        visit: &mut Visit<'_, TrainError>,
     ) -> Result<()> {
         let runtime = env.runtime();
         let id = self.id(state_index(g, self.current));
@@ -636,4 +608,24 @@ impl Moves {
         guard.read_into(&mut whole)?;
         visit(0, &whole)
     }
+}
+
+/// Fills `out`, the bytes from `at` of a tensor of `width`-byte elements,
+/// with master weights from `source` narrowed to `width` bytes, a piece of
+/// `values`' length at a time.
+fn narrow_from(
+    source: &mut Source<'_>,
+    values: &mut [f32],
+    at: u64,
+    out: &mut [u8],
+    width: usize,
+) -> Result<()> {
+    let first = at as usize / width;
+    for (k, out) in out.chunks_mut(width * values.len()).enumerate() {
+        let start = first + k * values.len();
+        let values = &mut values[..out.len() / width];
+        source(start..start + values.len(), values)?;
+        crate::hf::narrow(values, out);
+    }
+    Ok(())
 }

@@ -139,7 +139,7 @@ pub(super) fn encode_states(
     let encode = |bytes: &mut Vec<u8>, values: &[f32], width: usize| {
         let start = bytes.len();
         bytes.resize(start + width * values.len(), 0);
-        encode_values(values, &mut bytes[start..]);
+        crate::hf::narrow(values, &mut bytes[start..]);
     };
     encode(bytes, master, dtype.master_bytes());
     match moments {
@@ -151,37 +151,6 @@ pub(super) fn encode_states(
         None => bytes.resize(bytes.len() + 2 * master.len() * dtype.moment_bytes(), 0),
     }
     bytes.resize(4 * state_words(dtype, master.len()), 0);
-}
-
-/// The master weights `values` in `dtype`'s master format into `bytes`
-/// (its old contents dropped): a piece of [`encode_states`]' first part.
-pub(super) fn encode_masters(dtype: StateDtype, values: &[f32], bytes: &mut Vec<u8>) {
-    bytes.clear();
-    bytes.resize(values.len() * dtype.master_bytes(), 0);
-    encode_values(values, bytes);
-}
-
-/// `values` into `out` as f32, or as bf16 (to nearest even, in SIMD) when
-/// `out` holds two bytes a value.
-fn encode_values(values: &[f32], out: &mut [u8]) {
-    if out.len() == 4 * values.len() {
-        out.copy_from_slice(bytemuck::cast_slice(values));
-        return;
-    }
-    debug_assert_eq!(out.len(), 2 * values.len());
-    match bytemuck::try_cast_slice_mut::<u8, bf16>(out) {
-        Ok(target) => strata_optim::narrow(
-            strata_optim::Isa::chosen(),
-            values,
-            strata_optim::LowPrecisionMut::Bf16(target),
-        ),
-        // An odd address: element by element, the same rounding.
-        Err(_) => {
-            for (x, b) in values.iter().zip(out.chunks_exact_mut(2)) {
-                b.copy_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
-            }
-        }
-    }
 }
 
 /// Buffers [`super::moves::Moves::load_group`] fills, kept from one group to the next
@@ -398,44 +367,6 @@ pub(super) const FLOPS_PER_S: f64 = 2e10;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// States encoded in SIMD (an aligned buffer) and element by element
-    /// (an odd one) are the same bytes: round to nearest even at ties,
-    /// subnormals, infinities, overflow to infinity, NaN kept NaN.
-    #[test]
-    fn bf16_states_encode_alike_aligned_or_not() {
-        let mut values: Vec<f32> = vec![
-            0.0,
-            -0.0,
-            1.0,
-            f32::from_bits(0x3F80_8000), // a tie: to even (down)
-            f32::from_bits(0x3F81_8000), // a tie: to even (up)
-            f32::from_bits(0x3F80_8001),
-            f32::MIN_POSITIVE / 3.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::MAX,
-            f32::NAN,
-        ];
-        values.extend((0..1000).map(|i| (i as f32 * 0.7311).sin() * 1e3));
-        let n = values.len();
-        let mut aligned = vec![0u16; n];
-        encode_values(&values, bytemuck::cast_slice_mut(&mut aligned));
-        let mut odd = vec![0u8; 2 * n + 1];
-        encode_values(&values, &mut odd[1..]);
-        let odd: Vec<u16> = odd[1..]
-            .chunks_exact(2)
-            .map(|b| u16::from_ne_bytes([b[0], b[1]]))
-            .collect();
-        for (i, (a, b)) in aligned.iter().zip(&odd).enumerate() {
-            let nan = |bits: u16| bf16::from_bits(bits).is_nan();
-            assert!(
-                a == b || (nan(*a) && nan(*b)),
-                "value {i} ({}): {a:#06x} vs {b:#06x}",
-                values[i]
-            );
-        }
-    }
 
     /// The weight-decay runs, tensor by tensor, are the element-by-element
     /// ones, on every rank of several world sizes, padding included.

@@ -84,6 +84,17 @@ impl MappedFile {
     }
 }
 
+impl MappedFile {
+    /// [`MappedFile::release`] of `bytes`, a slice of this file's map.
+    pub(crate) fn release_slice(&self, bytes: &[u8]) {
+        let start = (bytes.as_ptr() as usize)
+            .checked_sub(self.map.as_ptr() as usize)
+            .filter(|start| start + bytes.len() <= self.map.len())
+            .expect("a slice of this map");
+        self.release(start, bytes.len());
+    }
+}
+
 impl std::ops::Deref for MappedFile {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -461,11 +472,41 @@ impl HfFolder {
     }
 }
 
+/// `values` into `out` as f32, or as bf16 (to nearest even, in SIMD) when
+/// `out` holds two bytes a value: [`widen`]'s way back, for states and
+/// checkpoint weights alike.
+pub(crate) fn narrow(values: &[f32], out: &mut [u8]) {
+    if out.len() == 4 * values.len() {
+        out.copy_from_slice(bytemuck::cast_slice(values));
+        return;
+    }
+    debug_assert_eq!(out.len(), 2 * values.len());
+    match bytemuck::try_cast_slice_mut::<u8, bf16>(out) {
+        Ok(target) => strata_optim::narrow(
+            strata_optim::Isa::chosen(),
+            values,
+            strata_optim::LowPrecisionMut::Bf16(target),
+        ),
+        // An odd address: element by element, the same rounding.
+        Err(_) => {
+            for (x, b) in values.iter().zip(out.chunks_exact_mut(2)) {
+                b.copy_from_slice(&bf16::from_f32(*x).to_bits().to_ne_bytes());
+            }
+        }
+    }
+}
+
 /// Elements `from..to` of little-endian `bytes` of `dtype` into `dst` as
 /// f32: in SIMD where the bytes are aligned for their type (a mapped
 /// file's tensors are, but for an f32 tensor after an odd count of 16-bit
 /// elements), element by element otherwise.
-fn widen(dtype: safetensors::Dtype, bytes: &[u8], from: usize, to: usize, dst: &mut [f32]) {
+pub(crate) fn widen(
+    dtype: safetensors::Dtype,
+    bytes: &[u8],
+    from: usize,
+    to: usize,
+    dst: &mut [f32],
+) {
     use strata_optim::{Isa, Values};
     let isa = Isa::chosen();
     let simd = match dtype {
@@ -506,6 +547,45 @@ fn widen(dtype: safetensors::Dtype, bytes: &[u8], from: usize, to: usize, dst: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Values narrowed in SIMD (an aligned buffer) and element by element
+    /// (an odd one) are the same bytes: round to nearest even at ties,
+    /// subnormals, infinities, overflow to infinity, NaN kept NaN.
+    #[test]
+    fn bf16_narrows_alike_aligned_or_not() {
+        let mut values: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            f32::from_bits(0x3F80_8000), // a tie: to even (down)
+            f32::from_bits(0x3F81_8000), // a tie: to even (up)
+            f32::from_bits(0x3F80_8001),
+            f32::MIN_POSITIVE / 3.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::NAN,
+        ];
+        values.extend((0..1000).map(|i| (i as f32 * 0.7311).sin() * 1e3));
+        let n = values.len();
+        let mut aligned = vec![0u16; n];
+        narrow(&values, bytemuck::cast_slice_mut(&mut aligned));
+        let mut odd = vec![0u8; 2 * n + 1];
+        narrow(&values, &mut odd[1..]);
+        let odd: Vec<u16> = odd[1..]
+            .chunks_exact(2)
+            .map(|b| u16::from_ne_bytes([b[0], b[1]]))
+            .collect();
+        for (i, (a, b)) in aligned.iter().zip(&odd).enumerate() {
+            let nan = |bits: u16| bf16::from_bits(bits).is_nan();
+            assert!(
+                a == b || (nan(*a) && nan(*b)),
+                "value {i} ({}): {a:#06x} vs {b:#06x}",
+                values[i]
+            );
+        }
+    }
+
     use crate::model::{Arch, ModelConfig};
 
     /// An architecture other than the default (whose norms end in

@@ -112,6 +112,10 @@ impl ShardWriter {
     /// `max_shard_bytes` of data a shard, named by `stem` (`"model"`:
     /// transformers' names).
     pub fn new(dir: &Path, stem: &str, tensors: Vec<Planned>, max_shard_bytes: u64) -> ShardWriter {
+        assert!(
+            tensors.iter().all(|t| t.bytes() > 0),
+            "planned tensors hold at least one element"
+        );
         let mut cuts = Vec::new();
         let (mut start, mut bytes) = (0, 0u64);
         for (i, tensor) in tensors.iter().enumerate() {
@@ -190,14 +194,8 @@ impl ShardWriter {
             let width = planned.dtype.bytes();
             let n = ((planned.bytes() - self.done) / width).min(values.len());
             bytes.clear();
-            match planned.dtype {
-                WeightsDtype::F32 => bytes.extend(values[..n].iter().flat_map(|v| v.to_le_bytes())),
-                WeightsDtype::Bf16 => bytes.extend(
-                    values[..n]
-                        .iter()
-                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
-                ),
-            }
+            bytes.resize(n * width, 0);
+            super::narrow(&values[..n], &mut bytes);
             let written = self.append_bytes(&bytes);
             if written.is_err() {
                 self.bytes = bytes;
@@ -218,15 +216,16 @@ impl ShardWriter {
                 .get(self.next)
                 .expect("no more bytes than planned");
             let n = (planned.bytes() - self.done).min(bytes.len());
-            let name = planned.name.clone();
             let shard = self.shard_of_next()?;
-            let path = self.dir.join(&self.shards[shard].0);
             let (_, file) = self.open.as_mut().expect("opened by shard_of_next");
             if self.done == 0 {
                 crate::crash::point("write a tensor");
             }
-            file.write_all(&bytes[..n])
-                .map_err(|e| error(&path, format!("cannot write {name}: {e}")))?;
+            if let Err(e) = file.write_all(&bytes[..n]) {
+                let name = &self.tensors[self.next].name;
+                let path = self.dir.join(&self.shards[shard].0);
+                return Err(error(&path, format!("cannot write {name}: {e}")));
+            }
             bytes = &bytes[n..];
             self.done += n;
             if self.done == self.tensors[self.next].bytes() {

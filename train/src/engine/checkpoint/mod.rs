@@ -361,12 +361,7 @@ pub(crate) fn read_tensor(
             "the checkpoint does not match this run: resume from another",
         ));
     }
-    Ok(view
-        .data()
-        .chunks_exact(width)
-        .map(|b| match b {
-            [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
-            _ => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-        })
-        .collect())
+    let mut values = vec![0f32; len];
+    crate::hf::widen(dtype, view.data(), 0, len, &mut values);
+    Ok(values)
 }

@@ -376,11 +376,9 @@ impl Engine {
                     crate::engine::moves::LOAD_PIECE,
                     &mut source,
                     Some(&mut states),
-                    &mut buffers,
                 )?;
                 for part in &parts {
-                    let start = part.as_ptr() as usize - mapped.as_ptr() as usize;
-                    mapped.release(start, part.len());
+                    mapped.release_slice(part);
                 }
             }
         } else {
@@ -404,13 +402,17 @@ impl Engine {
                         files[q] = Some(checkpoint.map_checked(&file_name)?);
                     }
                     let q_path = checkpoint.dir.join(&file_name);
-                    let file = open_shard(&q_path, files[q].as_ref().expect("mapped above"))?;
+                    let mapped = files[q].as_ref().expect("mapped above");
+                    let file = open_shard(&q_path, mapped)?;
                     for (part, state) in parts.iter_mut().zip(["master", "exp_avg", "exp_avg_sq"]) {
-                        let values =
-                            read_tensor(&q_path, &file, &format!("{name}.{state}"), old_shard)?;
+                        let name = format!("{name}.{state}");
+                        let values = read_tensor(&q_path, &file, &name, old_shard)?;
                         let from = at - q * old_shard;
                         part[at - begin..upto - begin]
                             .copy_from_slice(&values[from..from + (upto - at)]);
+                        // Read once: its pages go (checked by read_tensor).
+                        let read = file.tensor(&name).expect("read above");
+                        mapped.release_slice(read.data());
                     }
                     at = upto;
                 }
@@ -566,50 +568,53 @@ impl Engine {
         let group = &env.groups()[g];
         let (n, dtype) = (group.shard, env.config().optim.state_dtype);
         let (ranks, me) = (env.shards(), env.shard_rank());
-        let masters_end = (n * dtype.master_bytes()) as u64;
+        let width = dtype.master_bytes();
+        let masters_end = (n * width) as u64;
         let states_end = masters_end + 2 * (n * dtype.moment_bytes()) as u64;
-        let keep = |failed: &mut Option<TrainError>, result: Result<()>| {
-            if failed.is_none() {
-                *failed = result.err();
+        // Once a write failed no more are tried (the files are dropped);
+        // the exchange goes on, every rank taking part.
+        let write = |failed: &mut Option<TrainError>,
+                     writer: &mut Option<ShardWriter>,
+                     bytes: Bytes<'_>| {
+            if let (None, Some(writer)) = (&failed, writer.as_mut()) {
+                let written = match bytes {
+                    Bytes::Raw(bytes) => writer.append_bytes(bytes),
+                    Bytes::Values(values) => writer.append(values),
+                };
+                *failed = written.err();
             }
         };
         for r in 0..ranks {
             // Rank r's shard covers the group's elements from r * n; past
             // the group's end it is padding, not written.
-            let (from, to) = ((r * n).min(group.params), ((r + 1) * n).min(group.params));
+            let real = ((r + 1) * n).min(group.params).saturating_sub(r * n);
+            // Rank 0 writes rank r's masters `done` elements in.
+            let mut deliver = |piece: &[f32], done: usize, failed: &mut Option<TrainError>| {
+                let upto = real.saturating_sub(done).min(piece.len());
+                write(failed, weights, Bytes::Values(&piece[..upto]));
+            };
             if r == me {
                 let mut sent = 0;
                 piece.clear();
                 let mut flush = |piece: &mut Vec<f32>, failed: &mut Option<TrainError>| {
-                    let result = if me == 0 {
-                        let upto = (to - from).saturating_sub(sent).min(piece.len());
-                        weights
-                            .as_mut()
-                            .map_or(Ok(()), |w| w.append(&piece[..upto]))
+                    if me == 0 {
+                        deliver(piece, sent, failed);
                     } else {
-                        env.shard_group()
-                            .send(0, View::host_slice(piece))?
-                            .wait()
-                            .map_err(TrainError::from)?;
-                        Ok(())
-                    };
-                    keep(failed, result);
+                        env.shard_group().send(0, View::host_slice(piece))?.wait()?;
+                    }
                     sent += piece.len();
                     piece.clear();
                     Ok::<(), TrainError>(())
                 };
                 self.moves.stream_state(env, g, &mut |at, bytes| {
                     let end = at + bytes.len() as u64;
-                    if let Some(shard) = shard.as_mut() {
-                        let upto = end.min(states_end).saturating_sub(at) as usize;
-                        let written = shard.append_bytes(&bytes[..upto]);
-                        keep(failed, written);
-                    }
+                    let upto = end.min(states_end).saturating_sub(at) as usize;
+                    write(failed, shard, Bytes::Raw(&bytes[..upto]));
                     let upto = end.min(masters_end).saturating_sub(at) as usize;
-                    let width = dtype.master_bytes();
                     let mut word = &bytes[..upto];
                     while !word.is_empty() {
                         let take = (SAVE_PIECE - piece.len()).min(word.len() / width);
+                        assert!(take > 0, "state chunks end on whole master weights");
                         let start = piece.len();
                         piece.resize(start + take, 0.0);
                         decode_master(dtype, &word[..take * width], &mut piece[start..]);
@@ -625,21 +630,16 @@ impl Engine {
                 }
             } else if me == 0 {
                 // Rank r's pieces, as it cut them.
-                let mut left = n;
-                while left > 0 {
-                    let len = left.min(SAVE_PIECE);
+                let mut done = 0;
+                while done < n {
+                    let len = (n - done).min(SAVE_PIECE);
                     piece.clear();
                     piece.resize(len, 0.0);
                     env.shard_group()
                         .recv(r, ViewMut::host_slice(piece))?
                         .wait()?;
-                    let done = n - left;
-                    let upto = (to - from).saturating_sub(done).min(len);
-                    let written = weights
-                        .as_mut()
-                        .map_or(Ok(()), |w| w.append(&piece[..upto]));
-                    keep(failed, written);
-                    left -= len;
+                    deliver(piece, done, failed);
+                    done += len;
                 }
             }
         }
@@ -647,12 +647,18 @@ impl Engine {
     }
 }
 
+/// What [`Engine::save_group`] hands a shard writer: bytes as they are
+/// kept, or f32 values to narrow.
+enum Bytes<'a> {
+    Raw(&'a [u8]),
+    Values(&'a [f32]),
+}
+
+/// Master weights as a state dtype keeps them into f32.
 fn decode_master(dtype: crate::StateDtype, bytes: &[u8], out: &mut [f32]) {
-    if dtype.master_bytes() == 4 {
-        out.copy_from_slice(bytemuck::cast_slice(bytes));
-    } else {
-        for (x, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *x = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
-        }
-    }
+    let kept = match dtype.master_bytes() {
+        4 => safetensors::Dtype::F32,
+        _ => safetensors::Dtype::BF16,
+    };
+    crate::hf::widen(kept, bytes, 0, out.len(), out);
 }
