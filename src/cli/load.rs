@@ -252,13 +252,10 @@ fn observe(dir: &Path, args: &[String]) -> anyhow::Result<Observed> {
         if ready_s.is_none() {
             // The run's log up to its first step, each line with its time
             // since launch: where the startup went.
-            timeline.push(format!(
-                "{:7.2} s  {}",
-                started.elapsed().as_secs_f64(),
-                after_level(&line)
-            ));
+            let at = started.elapsed().as_secs_f64();
+            timeline.push(format!("{at:7.2} s  {}", after_level(&line)));
             if line.contains("ready in") {
-                ready_s = Some(started.elapsed().as_secs_f64());
+                ready_s = Some(at);
             }
         }
         if let Some(at) = line.find("parameters loaded from") {
@@ -391,8 +388,8 @@ pub fn run(args: LoadArgs) -> anyhow::Result<()> {
     ]
     .map(String::from)
     .to_vec();
-    // The run is the first child: its peak is the children's peak (the
-    // disk measurements after it are children too, but small).
+    // The run is the first child: its peak is the children's peak (read
+    // as it exits, before the disk measurements start).
     let seen = observe(&dir, &run_args)?;
     // The disk measured after the run, and again after a rest: a virtual
     // disk's rate can fall for a while after a burst of writes. The bound

@@ -21,7 +21,7 @@ use super::loss::Scalar;
 use super::moves::Boundary;
 use super::optimizer::Update;
 use super::steps::{label, shape_index, shape_of};
-use super::tensors::{grad_index, optimizer_tier, param_index, processor_tier, saved_index};
+use super::tensors::{grad_index, param_index, processor_tier, saved_index};
 use super::{Engine, StepReport};
 
 /// Where the run is: steps taken, optimizer steps, how the next step's
@@ -470,7 +470,7 @@ impl Engine {
             return Ok(());
         };
         self.ws.forget_gathered();
-        let tier = optimizer_tier(self.env.config().placement.optimizer);
+        let tier = self.env.config().placement.optimizer_tier();
         for g in 0..self.env.groups().len() {
             self.update_group(g, true, tier, &update)?;
         }

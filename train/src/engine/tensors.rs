@@ -68,14 +68,6 @@ impl Group {
     }
 }
 
-/// Where the optimizer reads gradients and runs its updates.
-pub(super) fn optimizer_tier(placement: Placement) -> Tier {
-    match placement {
-        Placement::Device => Tier::Device,
-        _ => Tier::Host,
-    }
-}
-
 /// The tier an op's processor works in.
 pub(super) fn processor_tier(processor: Processor) -> Tier {
     match processor {

@@ -73,14 +73,20 @@ pub struct PlacementConfig {
 }
 
 impl PlacementConfig {
+    /// Where the optimizer reads gradients and runs its updates: the
+    /// device with its states there, else the host.
+    pub fn optimizer_tier(&self) -> Tier {
+        match self.optimizer {
+            Placement::Device => Tier::Device,
+            _ => Tier::Host,
+        }
+    }
+
     /// Where the gradient shards live: `gradients`, or where the optimizer
     /// reads them.
     pub fn gradients_tier(&self) -> Tier {
-        match (self.gradients, self.optimizer) {
-            (Some(place), _) => place.tier(),
-            (None, Placement::Device) => Tier::Device,
-            (None, _) => Tier::Host,
-        }
+        self.gradients
+            .map_or_else(|| self.optimizer_tier(), Placement::tier)
     }
 }
 

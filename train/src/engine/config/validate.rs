@@ -139,9 +139,9 @@ impl TrainConfig {
         }
         if let Some(place) = self.placement.gradients {
             let optimizer = self.placement.optimizer;
-            let fits = place == optimizer
-                || (place == Placement::Cpu && optimizer == Placement::Nvme)
-                || (place == Placement::Nvme && optimizer == Placement::Nvme);
+            // Where the optimizer reads them, or with its states on NVMe.
+            let fits =
+                place == optimizer || (place == Placement::Cpu && optimizer == Placement::Nvme);
             if !fits {
                 let allowed = match optimizer {
                     Placement::Device => "\"device\"",
@@ -207,32 +207,22 @@ impl TrainConfig {
         // placement.gradients): f32 for the device's AdamW; for the CPU
         // optimizer, in the compute dtype (bf16 on a GPU under "auto"; a
         // device not yet resolved counts the lower bound, bf16).
-        let (grads, grad_part, grad_bytes) = match (
+        let (grad_part, grad_bytes) = match (
             self.placement.optimizer,
             self.train.compute_dtype,
             self.device.kind,
         ) {
-            (Placement::Device, _, _) => (
-                Tier::Device,
-                "fp32 gradients (on the device with the optimizer)",
-                4,
-            ),
+            (Placement::Device, _, _) => ("fp32 gradients (on the device with the optimizer)", 4),
             (_, ComputeDtype::F32, _) | (_, ComputeDtype::Auto, DeviceChoice::Cpu) => (
-                Tier::Host,
                 "fp32 gradients (placement.gradients, by default with the optimizer)",
                 4,
             ),
             _ => (
-                Tier::Host,
                 "bf16 gradients (placement.gradients, by default with the optimizer)",
                 2,
             ),
         };
-        let grads = match grads {
-            Tier::Host => self.placement.gradients_tier(),
-            device => device,
-        };
-        add(grads, grad_part, grad_bytes);
+        add(self.placement.gradients_tier(), grad_part, grad_bytes);
         let largest = model.groups().iter().map(|g| g.params() as u64).max();
         let shards = self.shards() as u64;
         let group_max = largest.unwrap_or(0).div_ceil(shards).saturating_mul(shards);
