@@ -306,3 +306,29 @@ fn zero_reads_back_zeros_and_leaves_neighbours_alone() {
         assert!(matches!(err, StorageError::ExtentBusy { .. }), "{err}");
     }
 }
+
+/// On tmpfs, which has no zero range, `zero` punches a hole and reserves
+/// its blocks again: the zeroed extent reads zeros and the swap file keeps
+/// the space it reserved at open (a later write cannot run out of it).
+#[test]
+fn zero_on_tmpfs_keeps_the_files_blocks() {
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        println!("skipped: no /dev/shm");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    let store = SwapStore::open(&config(&[dir.path()], 4 << 20)).unwrap();
+    let extent = store.allocate(1 << 20).unwrap();
+    store.write(&extent, &filled(1 << 20, 3)).unwrap();
+    let blocks = || {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&store.paths()[0]).unwrap().blocks()
+    };
+    let before = blocks();
+    store.zero(&extent).unwrap();
+    assert_eq!(blocks(), before, "the punched blocks are reserved again");
+    let mut back = AlignedBuf::new(1 << 20, 4096).unwrap();
+    store.read(&extent, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0));
+}
