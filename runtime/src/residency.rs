@@ -1454,12 +1454,7 @@ impl Shared {
             bytes += extent.len_bytes();
             done
         });
-        let landed = in_flight.finish();
-        result?;
-        landed?;
-        self.account_bytes(Link::NvmeToHost, bytes);
-        self.account_time(Link::NvmeToHost, id, bytes, started, caller_lane());
-        Ok(())
+        in_flight.end(result, Link::NvmeToHost, id, bytes, started)
     }
 
     /// Fills tensor `id`'s freshly allocated NVMe copy: bytes from `fill`
@@ -1512,13 +1507,7 @@ impl Shared {
                     .zero_all(&extents[filled..])
                     .map_err(|err| RuntimeError::from(err).into())
             });
-        // Every write in flight lands before this returns, failed or not.
-        let landed = in_flight.finish();
-        result?;
-        landed?;
-        self.account_bytes(Link::HostToNvme, written);
-        self.account_time(Link::HostToNvme, id, written, started, caller_lane());
-        Ok(())
+        in_flight.end(result, Link::HostToNvme, id, written, started)
     }
 
     /// Copies the data from the valid copy in `source` to the allocated,
@@ -1716,6 +1705,27 @@ impl<'a> InFlight<'a> {
                 Err(err.into())
             }
         }
+    }
+
+    /// Ends a stream whose own work came to `result`: every transfer still
+    /// in flight lands (failed or not) before it returns; then the
+    /// stream's error, else theirs, else its `bytes` over `link` since
+    /// `started` accounted as any move's.
+    fn end<E: From<RuntimeError>>(
+        self,
+        result: std::result::Result<(), E>,
+        link: Link,
+        id: TensorId,
+        bytes: u64,
+        started: Instant,
+    ) -> std::result::Result<(), E> {
+        let shared = self.shared;
+        let landed = self.finish();
+        result?;
+        landed?;
+        shared.account_bytes(link, bytes);
+        shared.account_time(link, id, bytes, started, caller_lane());
+        Ok(())
     }
 
     /// Waits for every transfer still in flight and keeps the buffers for
